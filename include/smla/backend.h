@@ -1,0 +1,64 @@
+// Backends describe what they can run once, as data (Capabilities); the
+// selector, `smla explain`, the README's support matrix and the tests all read
+// that one declaration.
+#pragma once
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "smla/ops.h"
+#include "smla/spec.h"
+#include "smla/types.h"
+
+namespace smla {
+
+struct IntRange {
+  int min = 0;
+  int max = 0;
+  bool contains(int v) const { return v >= min && v <= max; }
+};
+
+struct Capabilities {
+  std::string name;         // what --backend and SMLA_BACKEND take
+  std::string description;  // one line for `explain`
+  DeviceKind device_kind = DeviceKind::cpu;
+  IntRange compute_capability{0, 0};  // CUDA only, major*10+minor, inclusive
+  std::vector<DType> q_dtypes;
+  std::vector<DType> kv_cache_dtypes;
+  IntRange heads{1, 1};          // heads per rank
+  std::vector<int> head_counts;  // when non-empty, only these head counts
+  std::vector<int> qk_head_dims{kMlaQkDim};  // absorbed head size
+  std::vector<int> v_head_dims{kMlaVDim};
+  IntRange block_size{1, 1};
+  int block_size_multiple = 1;
+  IntRange topk{1, 1};
+  int topk_multiple = 1;
+  OpSet ops;
+  bool attn_sink = false;
+  // Anything the fields above cannot express; returns reasons (empty: fine).
+  std::function<std::vector<std::string>(const AttentionSpec&, const RunSpec&)> combination_rule;
+};
+
+// Why `caps` cannot run `spec` under `run`, one human-readable line per
+// problem. Empty means the backend is valid.
+std::vector<std::string> validate(const Capabilities& caps, const AttentionSpec& spec, const RunSpec& run);
+
+// A backend: its declaration and its ops. Args arrive checked (smla::check).
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual const Capabilities& capabilities() const = 0;
+  const std::string& name() const { return capabilities().name; }
+
+  virtual void write_mla_cache(const WriteMlaCacheArgs& args) const = 0;
+  virtual void sparse_mla(const SparseMlaArgs& args) const = 0;
+  virtual void paged_mla_decode(const PagedMlaDecodeArgs& args) const = 0;
+  virtual void write_index_cache(const WriteIndexCacheArgs& args) const = 0;
+  virtual void indexer_topk(const IndexerTopkArgs& args) const = 0;
+  virtual void positions_to_slots(const PositionsToSlotsArgs& args) const = 0;
+  // Default: the three ops in sequence on this backend.
+  virtual void dsa_decode_step(const DsaDecodeStepArgs& args) const;
+};
+
+}  // namespace smla

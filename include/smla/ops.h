@@ -1,0 +1,116 @@
+// The MLA / DSA operations. Each op takes one Args struct; the free functions
+// below check it once (shapes, dtypes, devices, strides) and then call the
+// backend, which trusts it. Outputs are caller-allocated views. docs/ops.md
+// is the contract every backend follows.
+#pragma once
+
+#include "smla/types.h"
+
+namespace smla {
+
+class Backend;
+
+// Writes latents and rope keys into the paged MLA cache.
+struct WriteMlaCacheArgs {
+  TensorView latent;        // [N, 512] f32 / f16 / bf16
+  TensorView k_pe;          // [N, 64], same dtype as latent
+  TensorView slot_mapping;  // [N] i64 physical slot (block * block_size + offset); negative = skip
+  TensorView cache;         // [num_blocks, block_size, 576] bf16/f16, or [num_blocks, block_size, 656] fp8_ds_mla
+  void* stream = nullptr;   // CUDA stream (cudaStream_t); ignored on the CPU
+};
+
+// Sparse MLA: each query token attends to the cache slots in its row of `indices`.
+struct SparseMlaArgs {
+  TensorView q;            // [T, H, 576] bf16 / f16
+  TensorView kv_cache;     // [num_blocks, block_size, 576 | 656] bf16 / f16 / fp8_ds_mla
+  TensorView indices;      // [T, K] i32 physical slots; < 0 or >= num_slots: invalid, never read
+  TensorView topk_length;  // optional [T] i32: only the first topk_length[t] entries count
+  TensorView attn_sink;    // optional [H] f32
+  float softmax_scale = 0.f;
+  TensorView out;          // [T, H, 512], q's dtype
+  TensorView lse;          // [T, H] f32, natural log; -inf for rows with no valid index
+  void* stream = nullptr;
+};
+
+// Dense paged decode: s_q new tokens per request, causal among themselves.
+struct PagedMlaDecodeArgs {
+  TensorView q;            // [B, s_q, H, 576] bf16 / f16
+  TensorView kv_cache;     // as in SparseMlaArgs
+  TensorView block_table;  // [B, max_blocks] i32
+  TensorView seq_lens;     // [B] i32, context length including the s_q new tokens
+  TensorView attn_sink;    // optional [H] f32
+  float softmax_scale = 0.f;
+  bool causal = true;      // token j of s_q sees positions < seq_len - s_q + j + 1
+  TensorView out;          // [B, s_q, H, 512], q's dtype
+  TensorView lse;          // [B, s_q, H] f32
+  void* stream = nullptr;
+};
+
+// Writes indexer keys into the index cache.
+struct WriteIndexCacheArgs {
+  TensorView k;             // [N, 128] f32 / f16 / bf16
+  TensorView slot_mapping;  // [N] i64; negative = skip
+  TensorView cache;         // [num_blocks, block_size, 128] bf16, or [num_blocks, block_size, 132] fp8_e4m3
+                            // (per block: all tokens' 128 fp8 bytes, then all tokens' fp32 scales)
+  void* stream = nullptr;
+};
+
+// Lightning indexer scores and exact top-k over each token's visible context.
+struct IndexerTopkArgs {
+  TensorView q;             // [T, H_I, 128] bf16 / f16, or fp8_e4m3
+  TensorView q_scale;       // [T, H_I] f32; required iff q is fp8_e4m3
+  TensorView weights;       // [T, H_I] f32 (already includes H_I^-0.5 * 128^-0.5)
+  TensorView index_cache;   // as in WriteIndexCacheArgs
+  TensorView request_ids;   // [T] i32: row of block_table of each token
+  TensorView block_table;   // [R, max_blocks] i32
+  TensorView context_lens;  // [T] i32: token t sees logical positions [0, context_lens[t])
+  TensorView topk;          // [T, K] i32 out: logical positions, best first; -1 padded
+  void* stream = nullptr;
+};
+
+// Logical positions -> physical slots through each token's block table row.
+struct PositionsToSlotsArgs {
+  TensorView positions;    // [T, K] i32; negative = invalid
+  TensorView request_ids;  // [T] i32
+  TensorView block_table;  // [R, max_blocks] i32
+  int block_size = 0;
+  TensorView slots;        // [T, K] i32 out: -1 for invalid positions, positions past the
+                           // table's capacity, and negative block ids
+  void* stream = nullptr;
+};
+
+// One DSA decode step: indexer_topk -> positions_to_slots -> sparse_mla.
+// The MLA cache and the index cache share the block table and block size.
+struct DsaDecodeStepArgs {
+  IndexerTopkArgs indexer;  // its `topk` receives the logical positions
+  TensorView slots;         // [T, K] i32 out (workspace): the physical slots attended
+  TensorView q;             // [T, H, 576]
+  TensorView kv_cache;
+  TensorView attn_sink;     // optional [H] f32
+  float softmax_scale = 0.f;
+  TensorView out;           // [T, H, 512]
+  TensorView lse;           // [T, H]
+  void* stream = nullptr;
+};
+
+// Each function checks its Args and runs them on `backend`, or, when null, on
+// the default backend for the tensors' device. Errors: smla::Error naming the
+// argument at fault.
+void write_mla_cache(const WriteMlaCacheArgs& args, const Backend* backend = nullptr);
+void sparse_mla(const SparseMlaArgs& args, const Backend* backend = nullptr);
+void paged_mla_decode(const PagedMlaDecodeArgs& args, const Backend* backend = nullptr);
+void write_index_cache(const WriteIndexCacheArgs& args, const Backend* backend = nullptr);
+void indexer_topk(const IndexerTopkArgs& args, const Backend* backend = nullptr);
+void positions_to_slots(const PositionsToSlotsArgs& args, const Backend* backend = nullptr);
+void dsa_decode_step(const DsaDecodeStepArgs& args, const Backend* backend = nullptr);
+
+// The checks the functions above run, exposed for bindings and tests.
+void check(const WriteMlaCacheArgs& args);
+void check(const SparseMlaArgs& args);
+void check(const PagedMlaDecodeArgs& args);
+void check(const WriteIndexCacheArgs& args);
+void check(const IndexerTopkArgs& args);
+void check(const PositionsToSlotsArgs& args);
+void check(const DsaDecodeStepArgs& args);
+
+}  // namespace smla

@@ -1,0 +1,72 @@
+// Backend registry and explainable selection.
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "smla/backend.h"
+
+namespace smla {
+
+class Registry {
+ public:
+  // The process-wide registry holding every backend compiled into this build.
+  static Registry& global();
+
+  void add(std::unique_ptr<Backend> backend);
+  const Backend* find(std::string_view name) const;
+  std::vector<const Backend*> all() const;
+  std::vector<std::string> names() const;
+  // Backends in the order select() tries them on `device`: the device kind's
+  // priority list first, then any other backend (each shown, most rejected).
+  std::vector<const Backend*> priority(const Device& device) const;
+
+  // Priority lists: backend names, best first, per device kind.
+  void set_priority(DeviceKind kind, std::vector<std::string> names);
+
+ private:
+  std::vector<std::unique_ptr<Backend>> backends_;
+  std::vector<std::string> cpu_priority_, cuda_priority_;
+};
+
+struct Candidate {
+  const Backend* backend = nullptr;
+  std::vector<std::string> reasons;  // empty: valid
+  bool valid() const { return reasons.empty(); }
+};
+
+struct Selection {
+  const Backend* chosen = nullptr;  // null when none is valid
+  bool forced = false;              // chosen by --backend / SMLA_BACKEND / the API
+  std::vector<Candidate> candidates;  // every backend, in priority order
+  // When none is valid: the smallest change to the run that makes one valid,
+  // e.g. "use --kv-cache-dtype bfloat16 (backend cpu)". Empty when none found.
+  std::string suggestion;
+};
+
+// Walks the device's priority list and takes the first valid backend. A
+// backend forced by name (run.backend, else the SMLA_BACKEND environment
+// variable) is chosen if valid; forcing an invalid one throws smla::Error
+// (unsupported) listing its reasons, an unknown name throws (invalid_argument)
+// listing the valid names. When nothing is valid the Selection has no choice
+// and a suggestion; it does not throw.
+Selection select(const AttentionSpec& spec, const RunSpec& run, const Registry& registry = Registry::global());
+
+// select() that throws smla::Error (unsupported) with every candidate's
+// reasons and the suggestion when no backend is valid.
+const Backend& select_backend(const AttentionSpec& spec, const RunSpec& run,
+                              const Registry& registry = Registry::global());
+
+// The default backend for tensors on `device` (used by the ops when no
+// backend is passed): the first registered backend of that device kind that
+// can run on it. Throws smla::Error if there is none.
+const Backend& backend_for(const Device& device, const Registry& registry = Registry::global());
+
+// The device of the current machine: the first CUDA GPU when the CUDA
+// runtime finds one (and CUDA backends were built), else the CPU.
+Device detect_device();
+
+}  // namespace smla

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Installs what smla builds with, from Debian's packages (and, with --python,
+# the Python test tools from PyPI). Idempotent: installs only what is missing.
+set -euo pipefail
+
+packages=(cmake make g++ libdlpack-dev nlohmann-json3-dev libcli11-dev googletest libgtest-dev libbenchmark-dev)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  sudo=""
+  [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  echo "smla: installing ${missing[*]}"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi

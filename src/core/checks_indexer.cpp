@@ -1,0 +1,11 @@
+// PLACEHOLDER: being written; replaced before the first commit.
+#include "smla/backend.h"
+#include "smla/error.h"
+#include "smla/spec.h"
+#include "cpu/kernels.h"
+namespace smla {
+void check(const WriteIndexCacheArgs&) {}
+void check(const IndexerTopkArgs&) {}
+void check(const PositionsToSlotsArgs&) {}
+void check(const DsaDecodeStepArgs&) {}
+}

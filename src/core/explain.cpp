@@ -1,0 +1,155 @@
+#include "smla/explain.h"
+
+#include <cmath>
+#include <cstdio>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "core/describe.h"
+
+namespace smla {
+
+namespace {
+
+std::string fmt(double v, const char* f = "%.6g") {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, f, v);
+  return buf;
+}
+
+std::string device_text(const Device& d) {
+  if (d.is_cpu() || d.compute_capability == 0) return d.name();
+  return d.name() + " (compute capability " + compute_capability_text(d.compute_capability) + ")";
+}
+
+std::string kv_text(const RunSpec& run) {
+  return std::string(dtype_name(run.resolved_kv_cache_dtype())) + (run.kv_cache_dtype ? "" : " (auto)");
+}
+
+std::string ops_text(OpSet ops) {
+  std::string s;
+  for (Op op : ops.list()) s += (s.empty() ? "" : ", ") + std::string(op_name(op));
+  return s;
+}
+
+// "0.0625 (= 256^-0.5)" or "0.135234 (= 192^-0.5 x mscale^2 1.87385, YaRN factor 40)"
+std::string scale_text(const AttentionSpec& s) {
+  const double plain = 1.0 / std::sqrt(static_cast<double>(s.qk_head_dim()));
+  std::string t = fmt(s.softmax_scale) + " (= " + std::to_string(s.qk_head_dim()) + "^-0.5";
+  if (std::fabs(s.softmax_scale / plain - 1.0) > 1e-9)
+    t += " x mscale^2 " + fmt(s.softmax_scale / plain) + ", YaRN factor " + fmt(s.rope.factor);
+  return t + ")";
+}
+
+}  // namespace
+
+std::string explain_text(const AttentionSpec& s, const RunSpec& run, const Selection& sel) {
+  std::ostringstream o;
+  const int hpr = s.num_heads / std::max(run.tp, 1);
+  o << "model      " << s.name << " (" << s.model_type << "): " << s.num_heads << " heads, q_lora " << s.q_lora_rank
+    << ", kv_lora " << s.kv_lora_rank << ", qk_nope " << s.qk_nope_head_dim << ", qk_rope " << s.qk_rope_head_dim
+    << ", v " << s.v_head_dim << "\n";
+  o << "kernel     absorbed head size " << s.absorbed_qk_dim() << " (kv_lora " << s.kv_lora_rank << " + rope "
+    << s.qk_rope_head_dim << "), value " << s.absorbed_v_dim() << "; softmax scale " << scale_text(s) << "\n";
+  o << "rope       theta " << fmt(s.rope.theta) << ", " << rope_style_name(s.rope_style)
+    << (s.rope.yarn ? ", YaRN factor " + fmt(s.rope.factor) + " over " +
+                          std::to_string(s.rope.original_max_position_embeddings)
+                    : std::string())
+    << "\n";
+  if (s.indexer)
+    o << "indexer    " << s.indexer->heads << " heads x " << s.indexer->head_dim << ", top-k " << s.indexer->topk
+      << ", RoPE " << rope_style_name(s.indexer->rope_style) << "\n";
+  else
+    o << "indexer    none (dense attention)\n";
+  o << "run        device " << device_text(run.device) << ", dtype " << dtype_name(run.q_dtype) << ", kv cache "
+    << kv_text(run) << ", block size " << run.block_size << ", tp " << run.tp << " -> " << hpr
+    << " heads per rank\n";
+  o << "needs      " << ops_text(needed_ops(s, run)) << (run.attn_sink ? ", attention sinks" : "") << "\n\n";
+
+  o << "backends (in priority order for " << run.device.name() << "):\n";
+  size_t width = 0;
+  for (const auto& c : sel.candidates) width = std::max(width, c.backend->name().size());
+  for (const auto& c : sel.candidates) {
+    std::string name = c.backend->name();
+    name.resize(width, ' ');
+    o << "  " << name << "  ";
+    if (c.backend == sel.chosen)
+      o << "CHOSEN" << (sel.forced ? " (forced)" : "") << "    " << c.backend->capabilities().description << "\n";
+    else if (c.valid())
+      o << "valid     (a higher-priority backend was chosen)\n";
+    else
+      for (size_t i = 0; i < c.reasons.size(); ++i)
+        o << (i ? std::string(width + 4, ' ') + "          " : "rejected: ") << c.reasons[i] << "\n";
+  }
+  o << "\n";
+  if (sel.chosen)
+    o << "result     " << sel.chosen->name() << "\n";
+  else {
+    o << "result     no valid backend for " << s.name << " on " << run.device.name() << "\n";
+    o << "suggestion " << (sel.suggestion.empty() ? "none: no single change to the run makes a backend valid"
+                                                   : sel.suggestion)
+      << "\n";
+  }
+  return o.str();
+}
+
+std::string explain_json(const AttentionSpec& s, const RunSpec& run, const Selection& sel) {
+  using nlohmann::json;
+  json rope = {{"theta", s.rope.theta}, {"style", rope_style_name(s.rope_style)}, {"yarn", nullptr}};
+  if (s.rope.yarn)
+    rope["yarn"] = {{"factor", s.rope.factor},
+                    {"original_max_position_embeddings", s.rope.original_max_position_embeddings},
+                    {"beta_fast", s.rope.beta_fast},
+                    {"beta_slow", s.rope.beta_slow},
+                    {"mscale", s.rope.mscale},
+                    {"mscale_all_dim", s.rope.mscale_all_dim}};
+  json indexer = nullptr;
+  if (s.indexer)
+    indexer = {{"heads", s.indexer->heads},
+               {"head_dim", s.indexer->head_dim},
+               {"topk", s.indexer->topk},
+               {"rope_style", rope_style_name(s.indexer->rope_style)}};
+  json model = {{"name", s.name},
+                {"model_type", s.model_type},
+                {"hidden_size", s.hidden_size},
+                {"num_heads", s.num_heads},
+                {"q_lora_rank", s.q_lora_rank},
+                {"kv_lora_rank", s.kv_lora_rank},
+                {"qk_nope_head_dim", s.qk_nope_head_dim},
+                {"qk_rope_head_dim", s.qk_rope_head_dim},
+                {"v_head_dim", s.v_head_dim},
+                {"absorbed_qk_dim", s.absorbed_qk_dim()},
+                {"absorbed_v_dim", s.absorbed_v_dim()},
+                {"softmax_scale", s.softmax_scale},
+                {"rope", rope},
+                {"indexer", indexer}};
+  json ops = json::array();
+  for (Op op : needed_ops(s, run).list()) ops.push_back(op_name(op));
+  json run_j = {{"device", run.device.name()},
+                {"compute_capability", run.device.compute_capability},
+                {"dtype", dtype_name(run.q_dtype)},
+                {"kv_cache_dtype", dtype_name(run.resolved_kv_cache_dtype())},
+                {"kv_cache_dtype_auto", !run.kv_cache_dtype.has_value()},
+                {"block_size", run.block_size},
+                {"tp", run.tp},
+                {"heads_per_rank", s.num_heads / std::max(run.tp, 1)},
+                {"ops", ops},
+                {"attn_sink", run.attn_sink}};
+  json candidates = json::array();
+  for (const auto& c : sel.candidates)
+    candidates.push_back({{"name", c.backend->name()},
+                          {"description", c.backend->capabilities().description},
+                          {"valid", c.valid()},
+                          {"chosen", c.backend == sel.chosen},
+                          {"reasons", c.reasons}});
+  json out = {{"schema", "smla.explain/1"},
+              {"model", model},
+              {"run", run_j},
+              {"candidates", candidates},
+              {"chosen", sel.chosen ? json(sel.chosen->name()) : json(nullptr)},
+              {"forced", sel.forced},
+              {"suggestion", sel.suggestion.empty() ? json(nullptr) : json(sel.suggestion)}};
+  return out.dump(2) + "\n";
+}
+
+}  // namespace smla

@@ -1,0 +1,61 @@
+// The public op entry points: check once, then hand the args to a backend.
+#include "smla/ops.h"
+
+#include "smla/backend.h"
+#include "smla/select.h"
+
+namespace smla {
+
+namespace {
+template <class Args, class Run>
+void dispatch(const Args& args, const Device& device, const Backend* backend, Run run) {
+  check(args);
+  run(backend ? *backend : backend_for(device));
+}
+}  // namespace
+
+void write_mla_cache(const WriteMlaCacheArgs& a, const Backend* b) {
+  dispatch(a, a.cache.device, b, [&](const Backend& be) { be.write_mla_cache(a); });
+}
+void sparse_mla(const SparseMlaArgs& a, const Backend* b) {
+  dispatch(a, a.q.device, b, [&](const Backend& be) { be.sparse_mla(a); });
+}
+void paged_mla_decode(const PagedMlaDecodeArgs& a, const Backend* b) {
+  dispatch(a, a.q.device, b, [&](const Backend& be) { be.paged_mla_decode(a); });
+}
+void write_index_cache(const WriteIndexCacheArgs& a, const Backend* b) {
+  dispatch(a, a.cache.device, b, [&](const Backend& be) { be.write_index_cache(a); });
+}
+void indexer_topk(const IndexerTopkArgs& a, const Backend* b) {
+  dispatch(a, a.q.device, b, [&](const Backend& be) { be.indexer_topk(a); });
+}
+void positions_to_slots(const PositionsToSlotsArgs& a, const Backend* b) {
+  dispatch(a, a.positions.device, b, [&](const Backend& be) { be.positions_to_slots(a); });
+}
+void dsa_decode_step(const DsaDecodeStepArgs& a, const Backend* b) {
+  dispatch(a, a.q.device, b, [&](const Backend& be) { be.dsa_decode_step(a); });
+}
+
+void Backend::dsa_decode_step(const DsaDecodeStepArgs& a) const {
+  indexer_topk(a.indexer);
+  PositionsToSlotsArgs p;
+  p.positions = a.indexer.topk;
+  p.request_ids = a.indexer.request_ids;
+  p.block_table = a.indexer.block_table;
+  p.block_size = static_cast<int>(a.kv_cache.shape[1]);
+  p.slots = a.slots;
+  p.stream = a.stream;
+  positions_to_slots(p);
+  SparseMlaArgs s;
+  s.q = a.q;
+  s.kv_cache = a.kv_cache;
+  s.indices = a.slots;
+  s.attn_sink = a.attn_sink;
+  s.softmax_scale = a.softmax_scale;
+  s.out = a.out;
+  s.lse = a.lse;
+  s.stream = a.stream;
+  sparse_mla(s);
+}
+
+}  // namespace smla

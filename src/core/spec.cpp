@@ -1,0 +1,90 @@
+#include "smla/spec.h"
+
+#include <cmath>
+
+#include "smla/error.h"
+
+namespace smla {
+
+std::string_view rope_style_name(RopeStyle style) {
+  return style == RopeStyle::interleaved ? "interleaved" : "half-split";
+}
+
+std::string_view op_name(Op op) {
+  switch (op) {
+    case Op::sparse_mla: return "sparse attention";
+    case Op::paged_mla_decode: return "dense paged decode";
+    case Op::indexer: return "indexer";
+  }
+  return "?";
+}
+
+std::vector<Op> OpSet::list() const {
+  std::vector<Op> out;
+  for (Op op : kAllOps)
+    if (contains(op)) out.push_back(op);
+  return out;
+}
+
+double reference_softmax_scale(int qk_head_dim, const RopeSpec& rope) {
+  double scale = 1.0 / std::sqrt(static_cast<double>(qk_head_dim));
+  // As in the DeepSeek reference: with YaRN and mscale_all_dim set, the
+  // attention temperature is corrected by mscale^2.
+  if (rope.yarn && rope.factor > 1.0 && rope.mscale_all_dim != 0.0) {
+    const double mscale = 0.1 * rope.mscale_all_dim * std::log(rope.factor) + 1.0;
+    scale *= mscale * mscale;
+  }
+  return scale;
+}
+
+void validate(const AttentionSpec& s, std::string_view source) {
+  const std::string src(source);
+  auto positive = [&](int v, const char* field) {
+    require(v > 0, src + ": " + field + " must be a positive integer, got " + std::to_string(v));
+  };
+  positive(s.num_heads, "num_attention_heads");
+  positive(s.kv_lora_rank, "kv_lora_rank");
+  positive(s.qk_nope_head_dim, "qk_nope_head_dim");
+  positive(s.qk_rope_head_dim, "qk_rope_head_dim");
+  positive(s.v_head_dim, "v_head_dim");
+  require(s.hidden_size >= 0, src + ": hidden_size must not be negative");
+  require(s.q_lora_rank >= 0, src + ": q_lora_rank must not be negative");
+  require(s.qk_rope_head_dim % 2 == 0,
+          src + ": qk_rope_head_dim must be even (RoPE rotates pairs), got " + std::to_string(s.qk_rope_head_dim));
+  require(s.rope.theta > 0, src + ": rope_theta must be positive");
+  require(!s.rope.yarn || s.rope.factor >= 1.0, src + ": rope_scaling.factor must be >= 1");
+  require(s.softmax_scale > 0 && std::isfinite(s.softmax_scale), src + ": softmax scale must be positive");
+  if (s.indexer) {
+    positive(s.indexer->heads, "index_n_heads");
+    positive(s.indexer->head_dim, "index_head_dim");
+    positive(s.indexer->topk, "index_topk");
+    require(s.indexer->head_dim % 2 == 0 && s.indexer->head_dim > s.qk_rope_head_dim,
+            src + ": index_head_dim must be even and larger than qk_rope_head_dim, got " +
+                std::to_string(s.indexer->head_dim));
+  }
+}
+
+OpSet needed_ops(const AttentionSpec& spec, const RunSpec& run) {
+  if (!run.ops.empty()) return run.ops;
+  if (spec.is_sparse()) return {Op::sparse_mla, Op::indexer};
+  return {Op::paged_mla_decode};
+}
+
+int heads_per_rank(const AttentionSpec& spec, const RunSpec& run) {
+  require(run.tp >= 1, "tp: tensor-parallel size must be >= 1, got " + std::to_string(run.tp));
+  require(spec.num_heads % run.tp == 0, "tp: " + std::to_string(run.tp) + " does not divide the model's " +
+                                            std::to_string(spec.num_heads) + " attention heads");
+  return spec.num_heads / run.tp;
+}
+
+void validate(const AttentionSpec& spec, const RunSpec& run) {
+  heads_per_rank(spec, run);
+  require(run.block_size >= 1, "block-size: must be >= 1, got " + std::to_string(run.block_size));
+  require(run.q_dtype == DType::bf16 || run.q_dtype == DType::f16,
+          "dtype: query dtype must be bfloat16 or float16, got " + std::string(dtype_name(run.q_dtype)));
+  const DType kv = run.resolved_kv_cache_dtype();
+  require(kv == DType::bf16 || kv == DType::f16 || kv == DType::fp8_ds_mla,
+          "kv-cache-dtype: must be bfloat16, float16 or fp8_ds_mla, got " + std::string(dtype_name(kv)));
+}
+
+}  // namespace smla

@@ -1,0 +1,11 @@
+#pragma once
+
+#include <optional>
+
+#include "smla/types.h"
+
+namespace smla::cuda {
+// The first CUDA device with its compute capability, or nullopt when the
+// runtime finds none (no driver, no GPU).
+std::optional<Device> first_device();
+}  // namespace smla::cuda

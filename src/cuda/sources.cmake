@@ -1,0 +1,2 @@
+target_sources(smla_objects PRIVATE
+  cuda/device_query.cu)

@@ -1,0 +1,3 @@
+target_sources(smla_objects PRIVATE
+  models/presets.cpp
+  models/config_json.cpp)

@@ -1,0 +1,255 @@
+// Model specs: the built-in presets, the config.json parser and load_model_spec.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "smla/error.h"
+#include "smla/spec.h"
+
+namespace smla {
+namespace {
+
+using nlohmann::json;
+
+std::string fixture_path(const std::string& name) {
+  return std::string(SMLA_TEST_DATA_DIR) + "/configs/" + name + ".json";
+}
+
+json fixture_json(const std::string& name) {
+  std::ifstream in(fixture_path(name));
+  return json::parse(in);
+}
+
+AttentionSpec parse(const json& config) { return spec_from_config_json(config.dump(), "test.json"); }
+
+// Every field but the name, which says where a spec came from.
+void expect_same_spec(const AttentionSpec& expected, const AttentionSpec& actual) {
+  EXPECT_EQ(expected.model_type, actual.model_type);
+  EXPECT_EQ(expected.hidden_size, actual.hidden_size);
+  EXPECT_EQ(expected.num_heads, actual.num_heads);
+  EXPECT_EQ(expected.q_lora_rank, actual.q_lora_rank);
+  EXPECT_EQ(expected.kv_lora_rank, actual.kv_lora_rank);
+  EXPECT_EQ(expected.qk_nope_head_dim, actual.qk_nope_head_dim);
+  EXPECT_EQ(expected.qk_rope_head_dim, actual.qk_rope_head_dim);
+  EXPECT_EQ(expected.v_head_dim, actual.v_head_dim);
+  EXPECT_EQ(expected.num_layers, actual.num_layers);
+  EXPECT_EQ(expected.rms_norm_eps, actual.rms_norm_eps);
+  EXPECT_EQ(expected.rope.theta, actual.rope.theta);
+  EXPECT_EQ(expected.rope.yarn, actual.rope.yarn);
+  EXPECT_EQ(expected.rope.factor, actual.rope.factor);
+  EXPECT_EQ(expected.rope.original_max_position_embeddings, actual.rope.original_max_position_embeddings);
+  EXPECT_EQ(expected.rope.beta_fast, actual.rope.beta_fast);
+  EXPECT_EQ(expected.rope.beta_slow, actual.rope.beta_slow);
+  EXPECT_EQ(expected.rope.mscale, actual.rope.mscale);
+  EXPECT_EQ(expected.rope.mscale_all_dim, actual.rope.mscale_all_dim);
+  EXPECT_EQ(expected.rope_style, actual.rope_style);
+  ASSERT_EQ(expected.indexer.has_value(), actual.indexer.has_value());
+  if (expected.indexer) {
+    EXPECT_EQ(expected.indexer->heads, actual.indexer->heads);
+    EXPECT_EQ(expected.indexer->head_dim, actual.indexer->head_dim);
+    EXPECT_EQ(expected.indexer->topk, actual.indexer->topk);
+    EXPECT_EQ(expected.indexer->rope_style, actual.indexer->rope_style);
+  }
+  EXPECT_EQ(expected.softmax_scale, actual.softmax_scale);
+}
+
+// Runs `action`, expecting a one-line smla::Error of `kind` whose message contains `fragment`.
+void expect_error(const std::function<void()>& action, ErrorKind kind, const std::string& fragment) {
+  try {
+    action();
+    ADD_FAILURE() << "no error thrown; expected one mentioning \"" << fragment << "\"";
+  } catch (const Error& error) {
+    const std::string message = error.what();
+    EXPECT_EQ(static_cast<int>(error.kind()), static_cast<int>(kind)) << message;
+    EXPECT_NE(message.find(fragment), std::string::npos) << "\"" << fragment << "\" not in: " << message;
+    EXPECT_EQ(message.find('\n'), std::string::npos) << message;
+  } catch (const std::exception& error) {
+    ADD_FAILURE() << "not an smla::Error: " << error.what();
+  }
+}
+
+void expect_config_error(const std::string& text, const std::string& fragment) {
+  expect_error([&] { spec_from_config_json(text, "bad.json"); }, ErrorKind::invalid_argument, fragment);
+}
+
+// The DeepSeek reference scale with YaRN: (nope + rope)^-0.5 * (0.1 * ln(factor) + 1)^2.
+double yarn_scale(int qk_head_dim, double factor) {
+  const double mscale = 0.1 * std::log(factor) + 1.0;
+  return mscale * mscale / std::sqrt(qk_head_dim);
+}
+
+TEST(Presets, NamesAreTheFiveSupportedModels) {
+  EXPECT_EQ(preset_names(),
+            (std::vector<std::string>{"glm-5", "deepseek-v3.2", "deepseek-v3", "kimi-k2", "glm-4.7-flash"}));
+}
+
+TEST(Presets, EachEqualsItsFixtureConfig) {
+  for (const std::string& name : preset_names()) {
+    SCOPED_TRACE(name);
+    const std::optional<AttentionSpec> built_in = preset(name);
+    ASSERT_TRUE(built_in.has_value());
+    EXPECT_EQ(built_in->name, name);
+    const AttentionSpec parsed = spec_from_config_file(fixture_path(name));
+    EXPECT_EQ(parsed.name, fixture_path(name));
+    expect_same_spec(*built_in, parsed);
+  }
+}
+
+TEST(Presets, LookupIsCaseInsensitive) {
+  const std::optional<AttentionSpec> glm5 = preset("GLM-5");
+  ASSERT_TRUE(glm5.has_value());
+  EXPECT_EQ(glm5->name, "glm-5");
+  ASSERT_TRUE(preset("DeepSeek-V3.2").has_value());
+  EXPECT_FALSE(preset("llama-3").has_value());
+}
+
+TEST(SoftmaxScale, MatchesTheReferenceForEachModel) {
+  const AttentionSpec deepseek_v3 = spec_from_config_file(fixture_path("deepseek-v3"));
+  EXPECT_NEAR(deepseek_v3.softmax_scale, 0.1352, 5e-5);
+  EXPECT_NEAR(deepseek_v3.softmax_scale, yarn_scale(192, 40), 1e-15);
+  EXPECT_EQ(spec_from_config_file(fixture_path("deepseek-v3.2")).softmax_scale, deepseek_v3.softmax_scale);
+  EXPECT_EQ(spec_from_config_file(fixture_path("glm-5")).softmax_scale, 0.0625);
+  EXPECT_EQ(spec_from_config_file(fixture_path("glm-4.7-flash")).softmax_scale, 0.0625);
+  const AttentionSpec kimi = spec_from_config_file(fixture_path("kimi-k2"));
+  EXPECT_NEAR(kimi.softmax_scale, yarn_scale(192, 64), 1e-15);
+  EXPECT_NEAR(kimi.softmax_scale, 0.14468, 5e-6);
+}
+
+TEST(ConfigJson, KimiK25ReadsTheNestedTextConfig) {
+  const AttentionSpec nested = spec_from_config_file(fixture_path("kimi-k2.5-nested"));
+  EXPECT_EQ(nested.model_type, "kimi_k2");
+  expect_same_spec(*preset("kimi-k2"), nested);
+}
+
+TEST(ConfigJson, RopeParametersAndRopeScalingAgree) {
+  // DeepSeek-V3 with its YaRN in newer transformers' rope_parameters form.
+  json deepseek = fixture_json("deepseek-v3");
+  json parameters = deepseek["rope_scaling"];
+  parameters.erase("type");
+  parameters["rope_type"] = "yarn";
+  parameters["rope_theta"] = deepseek["rope_theta"];
+  deepseek.erase("rope_scaling");
+  deepseek.erase("rope_theta");
+  deepseek["rope_parameters"] = parameters;
+  expect_same_spec(*preset("deepseek-v3"), parse(deepseek));
+
+  // GLM-5 with the older top-level rope_theta and a null rope_scaling.
+  json glm = fixture_json("glm-5");
+  glm["rope_theta"] = glm["rope_parameters"]["rope_theta"];
+  glm["rope_scaling"] = nullptr;
+  glm.erase("rope_parameters");
+  expect_same_spec(*preset("glm-5"), parse(glm));
+}
+
+TEST(ConfigJson, RopeStyles) {
+  const AttentionSpec glm5 = spec_from_config_file(fixture_path("glm-5"));
+  const AttentionSpec deepseek_v32 = spec_from_config_file(fixture_path("deepseek-v3.2"));
+  ASSERT_TRUE(glm5.indexer && deepseek_v32.indexer);
+  EXPECT_EQ(glm5.indexer->rope_style, RopeStyle::interleaved);
+  EXPECT_EQ(deepseek_v32.indexer->rope_style, RopeStyle::half_split);
+  EXPECT_EQ(glm5.rope_style, RopeStyle::interleaved);
+  EXPECT_EQ(deepseek_v32.rope_style, RopeStyle::interleaved);
+
+  json not_interleaved = fixture_json("glm-5");
+  not_interleaved["rope_interleave"] = false;
+  EXPECT_EQ(parse(not_interleaved).rope_style, RopeStyle::half_split);
+}
+
+TEST(ConfigJson, DenseModelsHaveNoIndexer) {
+  for (const char* name : {"deepseek-v3", "kimi-k2", "glm-4.7-flash"}) {
+    SCOPED_TRACE(name);
+    EXPECT_FALSE(spec_from_config_file(fixture_path(name)).is_sparse());
+  }
+  EXPECT_TRUE(spec_from_config_file(fixture_path("glm-5")).is_sparse());
+}
+
+TEST(ConfigJson, OptionalFieldsTakeTheirDefaults) {
+  json config = fixture_json("deepseek-v3");
+  config["q_lora_rank"] = nullptr;  // DeepSeek-V2-Lite writes null: no query compression
+  config.erase("num_hidden_layers");
+  config.erase("rms_norm_eps");
+  const AttentionSpec spec = parse(config);
+  EXPECT_EQ(spec.q_lora_rank, 0);
+  EXPECT_EQ(spec.num_layers, 0);
+  EXPECT_EQ(spec.rms_norm_eps, 1e-6);
+  config.erase("q_lora_rank");
+  EXPECT_EQ(parse(config).q_lora_rank, 0);
+}
+
+TEST(ConfigJson, BadInputNamesTheField) {
+  const json glm5 = fixture_json("glm-5");
+  auto with = [&](const char* field, const json& value) {
+    json config = glm5;
+    config[field] = value;
+    return config.dump();
+  };
+  auto without = [&](const char* field) {
+    json config = glm5;
+    config.erase(field);
+    return config.dump();
+  };
+
+  expect_config_error(R"({"model_type": "glm_moe_dsa", "hidden_size": })", "byte");
+  expect_config_error("[1, 2]", "top level");
+  expect_config_error(without("num_attention_heads"), "num_attention_heads");
+  expect_config_error(with("num_attention_heads", "64"), "num_attention_heads: expected an integer, got string");
+  expect_config_error(with("num_attention_heads", 64.5), "num_attention_heads: expected an integer");
+  expect_config_error(with("num_attention_heads", 0), "num_attention_heads");
+  expect_config_error(with("num_attention_heads", -8), "num_attention_heads");
+  expect_config_error(with("num_attention_heads", 1ll << 40), "num_attention_heads");
+  expect_config_error(with("qk_rope_head_dim", 63), "qk_rope_head_dim");
+  expect_config_error(with("model_type", "llama"), "model_type");
+  expect_config_error(with("model_type", "llama"), "llama");
+  expect_config_error(without("model_type"), "model_type");
+  expect_config_error(without("index_topk"), "index_topk");
+  expect_config_error(with("indexer_rope_interleave", "yes"), "indexer_rope_interleave");
+  expect_config_error(with("rope_parameters", {{"rope_type", "linear"}, {"factor", 4}}), "rope_parameters.rope_type");
+  expect_config_error(with("rope_scaling", "yarn"), "rope_scaling: expected an object");
+
+  json nested = fixture_json("kimi-k2.5-nested");
+  nested["text_config"]["hidden_size"] = "7168";
+  expect_config_error(nested.dump(), "text_config.hidden_size");
+}
+
+TEST(ConfigJson, MissingFileIsAnIoError) {
+  const std::string path = fixture_path("no-such-model");
+  expect_error([&] { spec_from_config_file(path); }, ErrorKind::io, path);
+}
+
+TEST(LoadModelSpec, ByPresetName) {
+  const AttentionSpec spec = load_model_spec("GLM-5");
+  EXPECT_EQ(spec.name, "glm-5");
+  expect_same_spec(*preset("glm-5"), spec);
+}
+
+TEST(LoadModelSpec, ByConfigPathOrDirectory) {
+  const AttentionSpec by_path = load_model_spec(fixture_path("deepseek-v3.2"));
+  EXPECT_EQ(by_path.name, fixture_path("deepseek-v3.2"));
+  expect_same_spec(*preset("deepseek-v3.2"), by_path);
+
+  const std::filesystem::path dir = std::filesystem::path(testing::TempDir()) / "smla-test-models-glm-5";
+  std::filesystem::create_directories(dir);
+  std::filesystem::copy_file(fixture_path("glm-5"), dir / "config.json",
+                             std::filesystem::copy_options::overwrite_existing);
+  expect_same_spec(*preset("glm-5"), load_model_spec(dir.string()));
+  std::filesystem::remove_all(dir);
+}
+
+TEST(LoadModelSpec, GgufIsNotReadableYet) {
+  expect_error([] { load_model_spec("GLM-5-Q4_K_M.gguf"); }, ErrorKind::invalid_argument, "GGUF");
+}
+
+TEST(LoadModelSpec, UnknownNameListsThePresets) {
+  expect_error([] { load_model_spec("llama-3"); }, ErrorKind::invalid_argument, "neither a preset");
+  expect_error([] { load_model_spec("llama-3"); }, ErrorKind::invalid_argument, "glm-4.7-flash");
+}
+
+}  // namespace
+}  // namespace smla

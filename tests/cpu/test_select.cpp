@@ -1,0 +1,293 @@
+// Validation reasons, selection order, forced backends and the "smallest
+// change" suggestion, on registries of declared (fake) backends.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+
+#include "smla/error.h"
+#include "smla/select.h"
+
+namespace smla {
+namespace {
+
+class DeclaredBackend final : public Backend {
+ public:
+  explicit DeclaredBackend(Capabilities c) : caps_(std::move(c)) {}
+  const Capabilities& capabilities() const override { return caps_; }
+  void write_mla_cache(const WriteMlaCacheArgs&) const override { unused(); }
+  void sparse_mla(const SparseMlaArgs&) const override { unused(); }
+  void paged_mla_decode(const PagedMlaDecodeArgs&) const override { unused(); }
+  void write_index_cache(const WriteIndexCacheArgs&) const override { unused(); }
+  void indexer_topk(const IndexerTopkArgs&) const override { unused(); }
+  void positions_to_slots(const PositionsToSlotsArgs&) const override { unused(); }
+
+ private:
+  [[noreturn]] static void unused() { throw Error(ErrorKind::internal, "selection tests run no ops"); }
+  Capabilities caps_;
+};
+
+// Shaped like today's Hopper/Blackwell sparse kernels: the restrictions users hit.
+Capabilities hopper_sparse() {
+  Capabilities c;
+  c.name = "hopper_sparse";
+  c.description = "sparse MLA for sm_90/sm_100";
+  c.device_kind = DeviceKind::cuda;
+  c.compute_capability = {90, 109};
+  c.q_dtypes = {DType::bf16};
+  c.kv_cache_dtypes = {DType::fp8_ds_mla};
+  c.head_counts = {64, 128};
+  c.block_size = {64, 64};
+  c.topk = {64, 65536};
+  c.topk_multiple = 64;
+  c.ops = {Op::sparse_mla, Op::indexer};
+  return c;
+}
+
+Capabilities everywhere_gpu() {
+  Capabilities c;
+  c.name = "mma_sparse";
+  c.description = "mma.sync kernels";
+  c.device_kind = DeviceKind::cuda;
+  c.compute_capability = {80, 129};
+  c.q_dtypes = {DType::bf16, DType::f16};
+  c.kv_cache_dtypes = {DType::bf16, DType::f16, DType::fp8_ds_mla};
+  c.heads = {1, 128};
+  c.block_size = {1, 1 << 20};
+  c.topk = {1, 65536};
+  c.ops = {Op::sparse_mla, Op::paged_mla_decode, Op::indexer};
+  return c;
+}
+
+Capabilities cpu_like() {
+  Capabilities c = everywhere_gpu();
+  c.name = "cpu_like";
+  c.device_kind = DeviceKind::cpu;
+  c.compute_capability = {0, 0};
+  return c;
+}
+
+// GLM-5's geometry, written out so these tests do not depend on the presets.
+AttentionSpec glm5() {
+  AttentionSpec s;
+  s.name = "glm-5";
+  s.model_type = "glm_moe_dsa";
+  s.num_heads = 64;
+  s.q_lora_rank = 2048;
+  s.kv_lora_rank = 512;
+  s.qk_nope_head_dim = 192;
+  s.qk_rope_head_dim = 64;
+  s.v_head_dim = 256;
+  s.indexer = IndexerSpec{32, 128, 2048, RopeStyle::interleaved};
+  s.softmax_scale = 0.0625;
+  return s;
+}
+
+RunSpec on(const char* device, DType q = DType::bf16, std::optional<DType> kv = std::nullopt, int tp = 1) {
+  RunSpec r;
+  r.device = parse_device(device);
+  r.q_dtype = q;
+  r.kv_cache_dtype = kv;
+  r.tp = tp;
+  return r;
+}
+
+bool has_reason(const std::vector<std::string>& reasons, const std::string& text) {
+  for (const auto& r : reasons)
+    if (r.find(text) != std::string::npos) return true;
+  return false;
+}
+
+std::string joined(const std::vector<std::string>& v) {
+  std::string s;
+  for (const auto& x : v) s += x + " | ";
+  return s;
+}
+
+class Select : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    unsetenv("SMLA_BACKEND");
+    registry.add(std::make_unique<DeclaredBackend>(cpu_like()));
+    registry.add(std::make_unique<DeclaredBackend>(everywhere_gpu()));
+    registry.add(std::make_unique<DeclaredBackend>(hopper_sparse()));
+    registry.set_priority(DeviceKind::cuda, {"hopper_sparse", "mma_sparse"});
+    registry.set_priority(DeviceKind::cpu, {"cpu_like"});
+  }
+  Registry registry;
+};
+
+TEST(Validate, EveryDeclaredFieldGivesItsReason) {
+  const Capabilities c = hopper_sparse();
+  const auto r = validate(c, glm5(), on("sm_120", DType::f16, DType::bf16, 8));
+  EXPECT_TRUE(has_reason(r, "needs sm_90 to sm_109, device is sm_120 (compute capability 12.0)")) << joined(r);
+  EXPECT_TRUE(has_reason(r, "query dtype float16 not supported (supports bfloat16)")) << joined(r);
+  EXPECT_TRUE(has_reason(r, "kv-cache dtype bfloat16 not supported (supports fp8_ds_mla)")) << joined(r);
+  EXPECT_TRUE(has_reason(r, "8 heads per rank not supported (supports 64, 128)")) << joined(r);
+  EXPECT_EQ(r.size(), 4u) << joined(r);
+
+  EXPECT_TRUE(validate(c, glm5(), on("sm_90", DType::bf16, DType::fp8_ds_mla)).empty());
+  EXPECT_TRUE(has_reason(validate(c, glm5(), on("cpu")), "runs on CUDA GPUs (sm_90 to sm_109), not on the CPU"));
+  EXPECT_TRUE(has_reason(validate(cpu_like(), glm5(), on("sm_90")), "runs on the CPU, not on a CUDA GPU (sm_90)"));
+  EXPECT_TRUE(has_reason(validate(c, glm5(), on("cuda", DType::bf16, DType::fp8_ds_mla)), "compute capability unknown"));
+}
+
+TEST(Validate, BlockSizeTopkOpsSinksHeadDimsAndRule) {
+  Capabilities c = hopper_sparse();
+  RunSpec run = on("sm_90", DType::bf16, DType::fp8_ds_mla);
+  run.block_size = 16;
+  EXPECT_TRUE(has_reason(validate(c, glm5(), run), "block size 16 not supported (supports 64)"));
+
+  AttentionSpec odd_topk = glm5();
+  odd_topk.indexer->topk = 100;
+  EXPECT_TRUE(has_reason(validate(c, odd_topk, on("sm_90", DType::bf16, DType::fp8_ds_mla)),
+                         "top-k 100 not supported (supports 64-65536 (multiple of 64))"));
+
+  AttentionSpec dense = glm5();
+  dense.indexer.reset();
+  EXPECT_TRUE(has_reason(validate(c, dense, on("sm_90", DType::bf16, DType::fp8_ds_mla)),
+                         "does not implement dense paged decode"));
+
+  run.block_size = 64;
+  run.attn_sink = true;
+  EXPECT_TRUE(has_reason(validate(c, glm5(), run), "does not support attention sinks"));
+
+  AttentionSpec wide = glm5();
+  wide.kv_lora_rank = 1024;
+  EXPECT_TRUE(has_reason(validate(everywhere_gpu(), wide, on("sm_90")), "absorbed head size 1088/1024 not supported"));
+
+  c.combination_rule = [](const AttentionSpec&, const RunSpec& r) {
+    return r.tp > 1 ? std::vector<std::string>{"no tensor parallelism"} : std::vector<std::string>{};
+  };
+  EXPECT_TRUE(has_reason(validate(c, glm5(), on("sm_90", DType::bf16, DType::fp8_ds_mla, 2)), "no tensor parallelism"));
+}
+
+TEST_F(Select, WalksThePriorityListAndReportsEveryCandidate) {
+  Selection s = select(glm5(), on("sm_90", DType::bf16, DType::fp8_ds_mla), registry);
+  ASSERT_NE(s.chosen, nullptr);
+  EXPECT_EQ(s.chosen->name(), "hopper_sparse");
+  ASSERT_EQ(s.candidates.size(), 3u);
+  EXPECT_EQ(s.candidates[0].backend->name(), "hopper_sparse");
+  EXPECT_EQ(s.candidates[1].backend->name(), "mma_sparse");
+  EXPECT_TRUE(s.candidates[1].valid());
+  EXPECT_EQ(s.candidates[2].backend->name(), "cpu_like");
+  EXPECT_FALSE(s.candidates[2].valid());
+  EXPECT_FALSE(s.forced);
+
+  // fp16 on sm_120: the Hopper kernel is rejected, the mma one takes it.
+  s = select(glm5(), on("sm_120", DType::f16), registry);
+  ASSERT_NE(s.chosen, nullptr);
+  EXPECT_EQ(s.chosen->name(), "mma_sparse");
+  EXPECT_EQ(s.candidates[0].reasons.size(), 3u) << joined(s.candidates[0].reasons);
+
+  s = select(glm5(), on("cpu"), registry);
+  ASSERT_NE(s.chosen, nullptr);
+  EXPECT_EQ(s.chosen->name(), "cpu_like");
+  EXPECT_EQ(s.candidates[0].backend->name(), "cpu_like");
+}
+
+TEST_F(Select, ForcedBackends) {
+  RunSpec run = on("sm_90", DType::bf16, DType::fp8_ds_mla);
+  run.backend = "mma_sparse";
+  Selection s = select(glm5(), run, registry);
+  EXPECT_EQ(s.chosen->name(), "mma_sparse");
+  EXPECT_TRUE(s.forced);
+
+  run = on("sm_120", DType::f16);
+  run.backend = "hopper_sparse";
+  try {
+    select(glm5(), run, registry);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::unsupported);
+    const std::string m = e.what();
+    EXPECT_NE(m.find("backend 'hopper_sparse' was forced"), std::string::npos) << m;
+    EXPECT_NE(m.find("query dtype float16 not supported"), std::string::npos) << m;
+  }
+
+  run.backend = "flash";
+  try {
+    select(glm5(), run, registry);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::invalid_argument);
+    EXPECT_NE(std::string(e.what()).find("valid names: cpu_like, mma_sparse, hopper_sparse"), std::string::npos)
+        << e.what();
+  }
+
+  // The environment variable forces too; the API argument wins over it.
+  setenv("SMLA_BACKEND", "mma_sparse", 1);
+  s = select(glm5(), on("sm_90", DType::bf16, DType::fp8_ds_mla), registry);
+  EXPECT_EQ(s.chosen->name(), "mma_sparse");
+  EXPECT_TRUE(s.forced);
+  run = on("sm_90", DType::bf16, DType::fp8_ds_mla);
+  run.backend = "hopper_sparse";
+  EXPECT_EQ(select(glm5(), run, registry).chosen->name(), "hopper_sparse");
+  setenv("SMLA_BACKEND", "nope", 1);
+  EXPECT_THROW(select(glm5(), on("sm_90"), registry), Error);
+  unsetenv("SMLA_BACKEND");
+}
+
+TEST(Suggest, SmallestChangeToTheRun) {
+  Registry r;
+  r.add(std::make_unique<DeclaredBackend>(hopper_sparse()));
+  r.set_priority(DeviceKind::cuda, {"hopper_sparse"});
+
+  // Only the cache dtype is wrong.
+  Selection s = select(glm5(), on("sm_90", DType::bf16), r);
+  EXPECT_EQ(s.chosen, nullptr);
+  EXPECT_EQ(s.suggestion, "use --kv-cache-dtype fp8_ds_mla (backend hopper_sparse would then be valid)");
+
+  // Only the query dtype is wrong.
+  s = select(glm5(), on("sm_90", DType::f16, DType::fp8_ds_mla), r);
+  EXPECT_EQ(s.suggestion, "use --dtype bfloat16 (backend hopper_sparse would then be valid)");
+
+  // 8 heads per rank under tp 8: tp 1 gives the 64 heads the kernel accepts.
+  s = select(glm5(), on("sm_90", DType::bf16, DType::fp8_ds_mla, 8), r);
+  EXPECT_EQ(s.suggestion, "use --tp 1 (backend hopper_sparse would then be valid)");
+
+  RunSpec bs = on("sm_90", DType::bf16, DType::fp8_ds_mla);
+  bs.block_size = 16;
+  EXPECT_EQ(select(glm5(), bs, r).suggestion, "use --block-size 64 (backend hopper_sparse would then be valid)");
+
+  // Two things wrong: no single change helps.
+  s = select(glm5(), on("sm_90", DType::f16, DType::bf16), r);
+  EXPECT_EQ(s.chosen, nullptr);
+  EXPECT_EQ(s.suggestion, "");
+
+  // Wrong arch: nothing in the run can fix it... unless a CPU backend exists.
+  EXPECT_EQ(select(glm5(), on("sm_120", DType::bf16, DType::fp8_ds_mla), r).suggestion, "");
+  r.add(std::make_unique<DeclaredBackend>(cpu_like()));
+  EXPECT_EQ(select(glm5(), on("sm_120", DType::bf16, DType::fp8_ds_mla), r).suggestion,
+            "use --device cpu (backend cpu_like would then be valid)");
+  // A cheaper change on a lower-priority backend wins over a device change.
+  EXPECT_EQ(select(glm5(), on("sm_90", DType::bf16), r).suggestion,
+            "use --kv-cache-dtype fp8_ds_mla (backend hopper_sparse would then be valid)");
+}
+
+TEST(RunSpecChecks, TpThatDoesNotDivideTheHeadsIsBadInput) {
+  Registry r;
+  r.add(std::make_unique<DeclaredBackend>(cpu_like()));
+  try {
+    select(glm5(), on("cpu", DType::bf16, std::nullopt, 3), r);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::invalid_argument);
+    EXPECT_NE(std::string(e.what()).find("tp: 3 does not divide the model's 64 attention heads"), std::string::npos)
+        << e.what();
+  }
+}
+
+TEST(Registry, GlobalHoldsTheCpuBackend) {
+  const Registry& g = Registry::global();
+  ASSERT_NE(g.find("cpu"), nullptr);
+  EXPECT_EQ(&backend_for(Device::cpu()), g.find("cpu"));
+  Selection s = select(glm5(), on("cpu"));
+  ASSERT_NE(s.chosen, nullptr);
+  EXPECT_EQ(s.chosen->name(), "cpu");
+  Registry dup;
+  dup.add(std::make_unique<DeclaredBackend>(cpu_like()));
+  EXPECT_THROW(dup.add(std::make_unique<DeclaredBackend>(cpu_like())), Error);
+}
+
+}  // namespace
+}  // namespace smla
