@@ -1,11 +1,140 @@
-// PLACEHOLDER: being written; replaced before the first commit.
-#include "smla/backend.h"
-#include "smla/error.h"
-#include "smla/spec.h"
-#include "cpu/kernels.h"
+// Argument checks of the indexer ops and of dsa_decode_step. Metadata only:
+// these run before any backend and never read tensor data.
+#include <string>
+
+#include "core/check_util.h"
+#include "smla/ops.h"
+
 namespace smla {
-void check(const WriteIndexCacheArgs&) {}
-void check(const IndexerTopkArgs&) {}
-void check(const PositionsToSlotsArgs&) {}
-void check(const DsaDecodeStepArgs&) {}
+
+namespace {
+
+using checks::arg;
+
+constexpr int kMaxIndexHeads = 128;
+constexpr int kMaxTopk = 65536;
+
+// The index cache: [nb, bs, 128] bf16, or [nb, bs, 132] fp8_e4m3 whose blocks
+// are byte arrays (all tokens' 128 fp8 bytes, then all tokens' fp32 scales),
+// so the whole block must be contiguous; only the block stride may be padded.
+void check_index_cache(std::string_view op, const TensorView& cache, const Device& device) {
+  const auto c = arg(op, "index cache", cache);
+  c.defined().rank(3, "[num_blocks, block_size, 128 | 132]").dtype_in({DType::bf16, DType::fp8_e4m3}).on(device);
+  c.dim_at_least(1, 1, "block_size");
+  if (cache.dtype == DType::bf16) {
+    c.dim(2, kIndexHeadDim, "index head dim for bfloat16").inner_contiguous();
+    return;
+  }
+  c.dim(2, kFp8IndexRowBytes, "bytes per token for fp8_e4m3: 128 values + fp32 scale").inner_contiguous();
+  const int64_t block_bytes = cache.shape[1] * kFp8IndexRowBytes;
+  if (cache.strides[1] != kFp8IndexRowBytes || (cache.shape[0] > 1 && cache.strides[0] < block_bytes))
+    c.fail("fp8_e4m3 blocks must be contiguous (stride of dimension 1 = 132, block stride >= block_size * 132), got " +
+           cache.describe() + " with strides [" + std::to_string(cache.strides[0]) + ", " +
+           std::to_string(cache.strides[1]) + ", " + std::to_string(cache.strides[2]) + "]");
 }
+
+// A [T] int32 vector such as request_ids or context_lens.
+void check_token_vector(std::string_view op, std::string_view name, const TensorView& t, int64_t tokens,
+                        const Device& device) {
+  arg(op, name, t).defined().rank(1, "[T]").dtype_in({DType::i32}).dim(0, tokens, "T").on(device).inner_contiguous();
+}
+
+void check_block_table(std::string_view op, const TensorView& t, const Device& device) {
+  arg(op, "block_table", t).defined().rank(2, "[R, max_blocks]").dtype_in({DType::i32}).on(device).inner_contiguous();
+}
+
+// positions / topk / slots: [T, K] int32 with K in 1..65536.
+void check_topk_matrix(std::string_view op, std::string_view name, const TensorView& t, int64_t tokens,
+                       const Device& device) {
+  const auto c = arg(op, name, t);
+  c.defined().rank(2, "[T, K]").dtype_in({DType::i32}).dim(0, tokens, "T").on(device).inner_contiguous();
+  c.dim_at_least(1, 1, "K");
+  if (t.shape[1] > kMaxTopk)
+    c.fail("dimension 1 (K) must be <= " + std::to_string(kMaxTopk) + ", got " + t.describe());
+}
+
+}  // namespace
+
+void check(const WriteIndexCacheArgs& a) {
+  constexpr std::string_view op = "write_index_cache";
+  const Device device = a.cache.device;
+  check_index_cache(op, a.cache, device);
+  arg(op, "k", a.k).defined().rank(2, "[N, 128]").dtype_in({DType::f32, DType::f16, DType::bf16}).on(device);
+  arg(op, "k", a.k).dim(1, kIndexHeadDim, "index head dim").inner_contiguous();
+  arg(op, "slot_mapping", a.slot_mapping).defined().rank(1, "[N]").dtype_in({DType::i64});
+  arg(op, "slot_mapping", a.slot_mapping).dim(0, a.k.shape[0], "N").on(device).inner_contiguous();
+}
+
+void check(const IndexerTopkArgs& a) {
+  constexpr std::string_view op = "indexer_topk";
+  const Device device = a.q.device;
+  const auto q = arg(op, "q", a.q);
+  q.defined().rank(3, "[T, H_I, 128]").dtype_in({DType::bf16, DType::f16, DType::fp8_e4m3}).inner_contiguous();
+  q.dim_at_least(1, 1, "H_I").dim(2, kIndexHeadDim, "index head dim");
+  if (a.q.shape[1] > kMaxIndexHeads)
+    q.fail("dimension 1 (H_I) must be <= " + std::to_string(kMaxIndexHeads) + ", got " + a.q.describe());
+  const int64_t tokens = a.q.shape[0], heads = a.q.shape[1];
+
+  const auto qs = arg(op, "q_scale", a.q_scale);
+  if (a.q.dtype == DType::fp8_e4m3) {
+    qs.defined().rank(2, "[T, H_I]").dtype_in({DType::f32}).dim(0, tokens, "T").dim(1, heads, "H_I").on(device);
+    qs.inner_contiguous();
+  } else if (a.q_scale.defined()) {
+    qs.fail("must be absent unless q is fp8_e4m3 (q is " + std::string(dtype_name(a.q.dtype)) + ")");
+  }
+  arg(op, "weights", a.weights).defined().rank(2, "[T, H_I]").dtype_in({DType::f32}).on(device).inner_contiguous();
+  arg(op, "weights", a.weights).dim(0, tokens, "T").dim(1, heads, "H_I");
+  check_index_cache(op, a.index_cache, device);
+  check_token_vector(op, "request_ids", a.request_ids, tokens, device);
+  check_block_table(op, a.block_table, device);
+  check_token_vector(op, "context_lens", a.context_lens, tokens, device);
+  check_topk_matrix(op, "topk", a.topk, tokens, device);
+}
+
+void check(const PositionsToSlotsArgs& a) {
+  constexpr std::string_view op = "positions_to_slots";
+  const Device device = a.positions.device;
+  check_topk_matrix(op, "positions", a.positions, a.positions.shape[0], device);
+  const int64_t tokens = a.positions.shape[0];
+  check_token_vector(op, "request_ids", a.request_ids, tokens, device);
+  check_block_table(op, a.block_table, device);
+  if (a.block_size <= 0) fail(std::string(op) + ": block_size: must be > 0, got " + std::to_string(a.block_size));
+  check_topk_matrix(op, "slots", a.slots, tokens, device);
+  arg(op, "slots", a.slots).dim(1, a.positions.shape[1], "K, as in positions");
+}
+
+void check(const DsaDecodeStepArgs& a) {
+  constexpr std::string_view op = "dsa_decode_step";
+  // The steps' own checks, their messages prefixed with this op's name.
+  auto step = [&](const auto& args) {
+    try {
+      check(args);
+    } catch (const Error& e) {
+      throw Error(e.kind(), std::string(op) + ": " + e.what());
+    }
+  };
+  step(a.indexer);
+  const TensorView& topk = a.indexer.topk;
+  check_topk_matrix(op, "slots", a.slots, topk.shape[0], a.indexer.q.device);
+  arg(op, "slots", a.slots).dim(1, topk.shape[1], "K, as in indexer.topk");
+
+  SparseMlaArgs s;
+  s.q = a.q;
+  s.kv_cache = a.kv_cache;
+  s.indices = a.slots;
+  s.attn_sink = a.attn_sink;
+  s.softmax_scale = a.softmax_scale;
+  s.out = a.out;
+  s.lse = a.lse;
+  s.stream = a.stream;
+  step(s);
+
+  // positions_to_slots maps through the shared block table with the MLA cache's block size.
+  const TensorView& ic = a.indexer.index_cache;
+  if (a.kv_cache.shape[0] != ic.shape[0] || a.kv_cache.shape[1] != ic.shape[1])
+    arg(op, "kv_cache", a.kv_cache)
+        .fail("must have the index cache's num_blocks and block_size (they share the block table), got " +
+              a.kv_cache.describe() + " and index cache " + ic.describe());
+}
+
+}  // namespace smla

@@ -51,7 +51,7 @@ std::string explain_text(const AttentionSpec& s, const RunSpec& run, const Selec
     << ", v " << s.v_head_dim << "\n";
   o << "kernel     absorbed head size " << s.absorbed_qk_dim() << " (kv_lora " << s.kv_lora_rank << " + rope "
     << s.qk_rope_head_dim << "), value " << s.absorbed_v_dim() << "; softmax scale " << scale_text(s) << "\n";
-  o << "rope       theta " << fmt(s.rope.theta) << ", " << rope_style_name(s.rope_style)
+  o << "rope       theta " << fmt(s.rope.theta, "%.10g") << ", " << rope_style_name(s.rope_style)
     << (s.rope.yarn ? ", YaRN factor " + fmt(s.rope.factor) + " over " +
                           std::to_string(s.rope.original_max_position_embeddings)
                     : std::string())
@@ -150,6 +150,21 @@ std::string explain_json(const AttentionSpec& s, const RunSpec& run, const Selec
               {"forced", sel.forced},
               {"suggestion", sel.suggestion.empty() ? json(nullptr) : json(sel.suggestion)}};
   return out.dump(2) + "\n";
+}
+
+std::string support_matrix_markdown(const Registry& registry) {
+  std::ostringstream o;
+  o << "| backend | device | query dtypes | KV-cache dtypes | heads per rank | block sizes | top-k | ops | sinks |\n"
+    << "|---|---|---|---|---|---|---|---|---|\n";
+  for (const Backend* b : registry.all()) {
+    const Capabilities& c = b->capabilities();
+    o << "| " << c.name << " | "
+      << (c.device_kind == DeviceKind::cpu ? std::string("CPU") : describe_compute_capabilities(c.compute_capability))
+      << " | " << describe_dtypes(c.q_dtypes) << " | " << describe_dtypes(c.kv_cache_dtypes) << " | "
+      << describe_heads(c) << " | " << describe_block_sizes(c) << " | " << describe_topk(c) << " | "
+      << ops_text(c.ops) << " | " << (c.attn_sink ? "yes" : "no") << " |\n";
+  }
+  return o.str();
 }
 
 }  // namespace smla

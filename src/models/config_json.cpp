@@ -175,10 +175,10 @@ AttentionSpec spec_from_json(const json& root, const std::string& source) {
   spec.v_head_dim = config.required_int("v_head_dim");
   spec.num_layers = config.optional_int("num_hidden_layers", spec.num_layers);
   if (spec.num_layers < 0)
-    config.reject("num_hidden_layers", "expected a non-negative integer", std::to_string(spec.num_layers));
+    config.reject("num_hidden_layers", "expected a non-negative integer", describe(spec.num_layers));
   spec.rms_norm_eps = config.optional_number("rms_norm_eps", spec.rms_norm_eps);
   if (!(spec.rms_norm_eps > 0))
-    config.reject("rms_norm_eps", "expected a positive number", std::to_string(spec.rms_norm_eps));
+    config.reject("rms_norm_eps", "expected a positive number", describe(spec.rms_norm_eps));
   spec.rope = read_rope(config);
   spec.rope_style = config.optional_bool("rope_interleave", true) ? RopeStyle::interleaved : RopeStyle::half_split;
   if (std::ranges::find(kSparseModelTypes, spec.model_type) != std::end(kSparseModelTypes)) {

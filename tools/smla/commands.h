@@ -9,5 +9,6 @@ namespace smla::cli {
 // (returning the process exit status).
 using Action = std::function<int()>;
 Action add_explain(CLI::App& app);
+Action add_backends(CLI::App& app);
 
 }  // namespace smla::cli
