@@ -4,7 +4,7 @@ BUILD ?= build
 JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?=
 
-.PHONY: run test test-asan deps build build-asan install clean
+.PHONY: run test test-asan test-gpu deps build install clean
 
 deps:
 	bash scripts/install-deps.sh
@@ -21,7 +21,11 @@ run: build
 
 # Every CPU test.
 test: build
-	ctest --test-dir $(BUILD) --output-on-failure -j $(JOBS)
+	ctest --test-dir $(BUILD) --output-on-failure -j $(JOBS) -LE gpu
+
+# The GPU tests (on a machine with an NVIDIA GPU of compute capability >= 8.0).
+test-gpu: build
+	ctest --test-dir $(BUILD) --output-on-failure -L gpu
 
 # The CPU tests under AddressSanitizer and UndefinedBehaviorSanitizer (CUDA off: nothing to run it on).
 test-asan: deps

@@ -88,8 +88,13 @@ inline uint8_t float_to_e4m3(float f) {
   return sign | static_cast<uint8_t>((exp << 3) | man);
 }
 
-// Smallest power of two >= x (x > 0).
-inline float pow2_ceil(float x) { return std::exp2(std::ceil(std::log2(x))); }
+// Smallest power of two >= x, for normal x > 0. Exact on the bits: log2 in
+// float can round just-above-a-power values down.
+inline float pow2_ceil(float x) {
+  const uint32_t u = std::bit_cast<uint32_t>(x);
+  if ((u & 0x7fffffu) == 0) return x;
+  return std::bit_cast<float>((u & 0x7f800000u) + 0x800000u);
+}
 
 // Tile scale of the fp8_ds_mla latent cache (per 128 values).
 inline float ds_mla_tile_scale(float amax) { return pow2_ceil(std::fmax(amax / 448.f, 1e-4f)); }

@@ -6,6 +6,7 @@
 #include <numeric>
 
 #include "cpu/backend.h"
+#include "cuda/backend.h"
 #include "smla/error.h"
 #ifdef SMLA_WITH_CUDA
 #include "cuda/device_query.h"
@@ -17,7 +18,9 @@ Registry& Registry::global() {
   static Registry registry = [] {
     Registry r;
     r.add(cpu::make_backend());
+    r.add(cuda::make_backend());
     r.set_priority(DeviceKind::cpu, {"cpu"});
+    r.set_priority(DeviceKind::cuda, {"cuda_mma"});
     return r;
   }();
   return registry;

@@ -1,2 +1,6 @@
+# Compiled only when nvcc is found (SMLA_WITH_CUDA).
 target_sources(smla_objects PRIVATE
-  cuda/device_query.cu)
+  cuda/device_query.cu
+  cuda/common/runtime.cu
+  cuda/mla/attention.cu
+  cuda/mla/cache_write.cu)

@@ -113,6 +113,10 @@ TEST(Numeric, E4m3) {
   EXPECT_EQ(numeric::ds_mla_tile_scale(448.f), 1.f);
   EXPECT_EQ(numeric::ds_mla_tile_scale(449.f), 2.f);
   EXPECT_EQ(numeric::ds_mla_tile_scale(0.f), numeric::pow2_ceil(1e-4f));
+  // Just above a power of two rounds up, exactly a power stays.
+  EXPECT_EQ(numeric::pow2_ceil(0x1p-10f * (1 + 0x1p-23f)), 0x1p-9f);
+  EXPECT_EQ(numeric::pow2_ceil(0x1p-10f), 0x1p-10f);
+  EXPECT_EQ(numeric::pow2_ceil(3.f), 4.f);
 }
 
 }  // namespace

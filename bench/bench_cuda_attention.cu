@@ -1,0 +1,230 @@
+// GPU benchmark of the cuda_mma attention ops. Measures its ceilings in the
+// same run (device-to-device copy bandwidth, cuBLAS bf16 GEMM rate), then for
+// each config prints time, TFLOP/s (2*H*K*(576+512) per query token), GB/s of
+// cache rows gathered, and the fraction of the ceiling that bounds it.
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "smla/select.h"
+
+namespace {
+
+#define CHECK(x)                                                                   \
+  do {                                                                             \
+    cudaError_t e_ = (x);                                                          \
+    if (e_ != cudaSuccess) {                                                       \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                \
+    }                                                                              \
+  } while (0)
+
+// Median time in ms of `reps` runs of fn, after warm-up.
+template <class F>
+double time_ms(F&& fn, int reps = 20) {
+  cudaEvent_t a, b;
+  CHECK(cudaEventCreate(&a));
+  CHECK(cudaEventCreate(&b));
+  for (int i = 0; i < 3; ++i) fn();
+  std::vector<float> ts;
+  for (int i = 0; i < reps; ++i) {
+    CHECK(cudaEventRecord(a));
+    fn();
+    CHECK(cudaEventRecord(b));
+    CHECK(cudaEventSynchronize(b));
+    float ms = 0;
+    CHECK(cudaEventElapsedTime(&ms, a, b));
+    ts.push_back(ms);
+  }
+  CHECK(cudaGetLastError());
+  std::nth_element(ts.begin(), ts.begin() + ts.size() / 2, ts.end());
+  return ts[ts.size() / 2];
+}
+
+double copy_bandwidth_gbs() {
+  const size_t bytes = size_t{2} << 30;
+  void *src, *dst;
+  CHECK(cudaMalloc(&src, bytes));
+  CHECK(cudaMalloc(&dst, bytes));
+  CHECK(cudaMemset(src, 1, bytes));
+  const double ms = time_ms([&] { CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice)); }, 10);
+  CHECK(cudaFree(src));
+  CHECK(cudaFree(dst));
+  return 2.0 * bytes / (ms * 1e-3) / 1e9;  // read + written
+}
+
+double gemm_tflops() {
+  const int n = 8192;
+  std::vector<__nv_bfloat16> h(static_cast<size_t>(n) * n);
+  std::mt19937 rng(1);
+  std::uniform_real_distribution<float> d(-1, 1);
+  for (auto& x : h) x = __float2bfloat16(d(rng));
+  __nv_bfloat16 *a, *b, *c;
+  CHECK(cudaMalloc(&a, h.size() * 2));
+  CHECK(cudaMalloc(&b, h.size() * 2));
+  CHECK(cudaMalloc(&c, h.size() * 2));
+  CHECK(cudaMemcpy(a, h.data(), h.size() * 2, cudaMemcpyHostToDevice));
+  CHECK(cudaMemcpy(b, h.data(), h.size() * 2, cudaMemcpyHostToDevice));
+  cublasHandle_t handle;
+  cublasCreate(&handle);
+  const float one = 1, zero = 0;
+  const double ms = time_ms([&] {
+    cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &one, a, CUDA_R_16BF, n, b, CUDA_R_16BF, n, &zero, c,
+                 CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+  }, 10);
+  cublasDestroy(handle);
+  CHECK(cudaFree(a));
+  CHECK(cudaFree(b));
+  CHECK(cudaFree(c));
+  return 2.0 * n * n * n / (ms * 1e-3) / 1e12;
+}
+
+struct Ceilings {
+  double copy_gbs, gemm_tflops;
+};
+
+// One cache of `slots` rows shared by every config (random bf16 or fp8 rows).
+struct Cache {
+  smla::DType dtype;
+  int64_t slots;
+  int block_size = 64;
+  void* data = nullptr;
+  Cache(smla::DType d, int64_t n) : dtype(d), slots(n) {
+    const size_t bytes = static_cast<size_t>(n) * row_bytes();
+    CHECK(cudaMalloc(&data, bytes));
+    std::vector<uint8_t> h(bytes);
+    std::mt19937 rng(2);
+    // bf16 bytes of modest random values; fp8 rows: random codes < 0x70 and scale 2^-4.
+    for (int64_t r = 0; r < n; ++r) {
+      uint8_t* row = h.data() + r * row_bytes();
+      if (d == smla::DType::fp8_ds_mla) {
+        for (int i = 0; i < 512; ++i) row[i] = static_cast<uint8_t>(rng() % 0x70) | (rng() & 0x80);
+        for (int i = 0; i < 4; ++i) reinterpret_cast<float*>(row + 512)[i] = 0.0625f;
+        for (int i = 0; i < 64; ++i) reinterpret_cast<uint16_t*>(row + 528)[i] = 0x3c00 + (rng() % 256);
+      } else {
+        for (int i = 0; i < 576; ++i) reinterpret_cast<uint16_t*>(row)[i] = (0x3c00 + (rng() % 256)) | ((rng() & 1) << 15);
+      }
+    }
+    CHECK(cudaMemcpy(data, h.data(), bytes, cudaMemcpyHostToDevice));
+  }
+  ~Cache() { cudaFree(data); }
+  int row_bytes() const { return dtype == smla::DType::fp8_ds_mla ? 656 : 1152; }
+  smla::TensorView view() const {
+    const int row = dtype == smla::DType::fp8_ds_mla ? 656 : 576;
+    return smla::TensorView(data, {slots / block_size, block_size, row}, dtype, smla::Device::cuda(90));
+  }
+};
+
+void* device_random_half(size_t n) {
+  std::vector<uint16_t> h(n);
+  std::mt19937 rng(3);
+  for (auto& x : h) x = (0x3800 + (rng() % 512)) | ((rng() & 1) << 15);
+  void* d;
+  CHECK(cudaMalloc(&d, n * 2));
+  CHECK(cudaMemcpy(d, h.data(), n * 2, cudaMemcpyHostToDevice));
+  return d;
+}
+
+void report(const char* name, const char* kv, int tokens, int heads, int keys, double ms, double bytes,
+            const Ceilings& c) {
+  const double tflops = 2.0 * heads * keys * (576.0 + 512.0) * tokens / (ms * 1e-3) / 1e12;
+  const double gbs = bytes / (ms * 1e-3) / 1e9;
+  const double mem_frac = gbs / c.copy_gbs, compute_frac = tflops / c.gemm_tflops;
+  std::printf("%-22s %-10s %6d %5d %6d %10.1f %9.1f %8.1f %6.0f%% %s\n", name, kv, tokens, heads, keys, ms * 1e3, tflops,
+              gbs, 100 * std::max(mem_frac, compute_frac), mem_frac >= compute_frac ? "memory" : "compute");
+}
+
+void bench_sparse(const char* name, Cache& cache, int tokens, int heads, int topk, const Ceilings& c) {
+  const smla::Backend& be = *smla::Registry::global().find("cuda_mma");
+  std::vector<int32_t> idx(static_cast<size_t>(tokens) * topk);
+  std::mt19937_64 rng(tokens * 131 + heads);
+  for (auto& i : idx) i = static_cast<int32_t>(rng() % cache.slots);
+  int32_t* didx;
+  CHECK(cudaMalloc(&didx, idx.size() * 4));
+  CHECK(cudaMemcpy(didx, idx.data(), idx.size() * 4, cudaMemcpyHostToDevice));
+  void* q = device_random_half(static_cast<size_t>(tokens) * heads * 576);
+  void *out, *lse;
+  CHECK(cudaMalloc(&out, static_cast<size_t>(tokens) * heads * 512 * 2));
+  CHECK(cudaMalloc(&lse, static_cast<size_t>(tokens) * heads * 4));
+  const smla::Device dev = smla::Device::cuda(90);
+  smla::SparseMlaArgs a;
+  a.q = smla::TensorView(q, {tokens, heads, 576}, smla::DType::bf16, dev);
+  a.kv_cache = cache.view();
+  a.indices = smla::TensorView(didx, {tokens, topk}, smla::DType::i32, dev);
+  a.softmax_scale = 0.0625f;
+  a.out = smla::TensorView(out, {tokens, heads, 512}, smla::DType::bf16, dev);
+  a.lse = smla::TensorView(lse, {tokens, heads}, smla::DType::f32, dev);
+  const double ms = time_ms([&] { smla::sparse_mla(a, &be); });
+  report(name, std::string(smla::dtype_name(cache.dtype)).c_str(), tokens, heads, topk, ms,
+         static_cast<double>(tokens) * topk * cache.row_bytes(), c);
+  cudaFree(didx);
+  cudaFree(q);
+  cudaFree(out);
+  cudaFree(lse);
+}
+
+void bench_paged(const char* name, Cache& cache, int batch, int context, int heads, const Ceilings& c) {
+  const smla::Backend& be = *smla::Registry::global().find("cuda_mma");
+  const int max_blocks = context / cache.block_size;
+  std::vector<int32_t> table(static_cast<size_t>(batch) * max_blocks), seq(batch, context);
+  const int64_t blocks = cache.slots / cache.block_size;
+  std::mt19937_64 rng(7);
+  for (auto& t : table) t = static_cast<int32_t>(rng() % blocks);
+  int32_t *dtable, *dseq;
+  CHECK(cudaMalloc(&dtable, table.size() * 4));
+  CHECK(cudaMalloc(&dseq, seq.size() * 4));
+  CHECK(cudaMemcpy(dtable, table.data(), table.size() * 4, cudaMemcpyHostToDevice));
+  CHECK(cudaMemcpy(dseq, seq.data(), seq.size() * 4, cudaMemcpyHostToDevice));
+  void* q = device_random_half(static_cast<size_t>(batch) * heads * 576);
+  void *out, *lse;
+  CHECK(cudaMalloc(&out, static_cast<size_t>(batch) * heads * 512 * 2));
+  CHECK(cudaMalloc(&lse, static_cast<size_t>(batch) * heads * 4));
+  const smla::Device dev = smla::Device::cuda(90);
+  smla::PagedMlaDecodeArgs a;
+  a.q = smla::TensorView(q, {batch, 1, heads, 576}, smla::DType::bf16, dev);
+  a.kv_cache = cache.view();
+  a.block_table = smla::TensorView(dtable, {batch, max_blocks}, smla::DType::i32, dev);
+  a.seq_lens = smla::TensorView(dseq, {batch}, smla::DType::i32, dev);
+  a.softmax_scale = 0.1352f;
+  a.out = smla::TensorView(out, {batch, 1, heads, 512}, smla::DType::bf16, dev);
+  a.lse = smla::TensorView(lse, {batch, 1, heads}, smla::DType::f32, dev);
+  const double ms = time_ms([&] { smla::paged_mla_decode(a, &be); });
+  report(name, std::string(smla::dtype_name(cache.dtype)).c_str(), batch, heads, context, ms,
+         static_cast<double>(batch) * context * cache.row_bytes(), c);
+  cudaFree(dtable);
+  cudaFree(dseq);
+  cudaFree(q);
+  cudaFree(out);
+  cudaFree(lse);
+}
+
+}  // namespace
+
+int main() {
+  cudaDeviceProp prop;
+  CHECK(cudaGetDeviceProperties(&prop, 0));
+  const Ceilings c{copy_bandwidth_gbs(), gemm_tflops()};
+  std::printf("device: %s (sm_%d%d, %d SMs)\n", prop.name, prop.major, prop.minor, prop.multiProcessorCount);
+  std::printf("ceilings measured now: copy %.0f GB/s (read+write), cuBLAS bf16 GEMM %.0f TFLOP/s\n\n", c.copy_gbs,
+              c.gemm_tflops);
+  std::printf("%-22s %-10s %6s %5s %6s %10s %9s %8s %7s %s\n", "config", "cache", "tokens", "heads", "keys", "us",
+              "TFLOP/s", "GB/s", "ceil%", "bound");
+  const int64_t slots = int64_t{1} << 20;  // 1.2 GB of bf16 rows: gathers miss L2
+  for (smla::DType kv : {smla::DType::bf16, smla::DType::fp8_ds_mla}) {
+    Cache cache(kv, slots);
+    for (int t : {1, 8, 32, 64, 128}) bench_sparse("glm5-tp8 decode", cache, t, 8, 2048, c);
+    for (int t : {1, 32, 128}) bench_sparse("dsv32-tp8 decode", cache, t, 16, 2048, c);
+    for (int h : {64, 128}) bench_sparse("decode (compute)", cache, 64, h, 2048, c);
+    if (kv == smla::DType::bf16)
+      for (int h : {64, 128}) bench_sparse("prefill", cache, 4096, h, 2048, c);
+    for (int h : {16, 128}) bench_paged("dense paged decode", cache, 128, 8192, h, c);
+  }
+  return 0;
+}

@@ -1,0 +1,77 @@
+// The CUDA backend that works on every NVIDIA GPU from SM80 to SM120: tensor
+// cores through mma.sync (m16n8k16), cp.async gathers, no wgmma/tcgen05.
+#include "cuda/backend.h"
+
+#include "smla/error.h"
+
+#ifdef SMLA_WITH_CUDA
+#include "cuda/common/device_guard.h"
+#include "cuda/kernels.h"
+#endif
+
+namespace smla::cuda {
+
+namespace {
+
+Capabilities mma_capabilities() {
+  Capabilities c;
+  c.name = "cuda_mma";
+  c.description = "tensor cores through mma.sync, every arch from sm_80 to sm_120";
+  c.device_kind = DeviceKind::cuda;
+  c.compute_capability = {80, 129};
+  c.q_dtypes = {DType::bf16, DType::f16};
+  c.kv_cache_dtypes = {DType::bf16, DType::f16, DType::fp8_ds_mla};
+  c.heads = {1, 128};
+  c.block_size = {1, 1 << 20};
+  c.topk = {1, 65536};
+  c.ops = {Op::sparse_mla, Op::paged_mla_decode};
+  c.attn_sink = true;
+#ifndef SMLA_WITH_CUDA
+  c.combination_rule = [](const AttentionSpec&, const RunSpec&) {
+    return std::vector<std::string>{"not compiled into this build of smla (built without nvcc)"};
+  };
+#endif
+  return c;
+}
+
+class MmaBackend final : public Backend {
+ public:
+  const Capabilities& capabilities() const override { return caps_; }
+#ifdef SMLA_WITH_CUDA
+  void write_mla_cache(const WriteMlaCacheArgs& a) const override {
+    DeviceGuard g(a.cache.device);
+    cuda::write_mla_cache(a);
+  }
+  void sparse_mla(const SparseMlaArgs& a) const override {
+    DeviceGuard g(a.q.device);
+    cuda::sparse_mla(a);
+  }
+  void paged_mla_decode(const PagedMlaDecodeArgs& a) const override {
+    DeviceGuard g(a.q.device);
+    cuda::paged_mla_decode(a);
+  }
+#else
+  void write_mla_cache(const WriteMlaCacheArgs&) const override { not_built(); }
+  void sparse_mla(const SparseMlaArgs&) const override { not_built(); }
+  void paged_mla_decode(const PagedMlaDecodeArgs&) const override { not_built(); }
+#endif
+  void write_index_cache(const WriteIndexCacheArgs&) const override { no_indexer("write_index_cache"); }
+  void indexer_topk(const IndexerTopkArgs&) const override { no_indexer("indexer_topk"); }
+  void positions_to_slots(const PositionsToSlotsArgs&) const override { no_indexer("positions_to_slots"); }
+
+ private:
+  [[noreturn]] static void not_built() {
+    throw Error(ErrorKind::unsupported, "cuda_mma: this build of smla has no CUDA support (built without nvcc)");
+  }
+  [[noreturn]] static void no_indexer(const char* op) {
+    throw Error(ErrorKind::unsupported, std::string("cuda_mma: ") + op +
+                                            " is not implemented on the GPU yet (see `smla backends`)");
+  }
+  Capabilities caps_ = mma_capabilities();
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_backend() { return std::make_unique<MmaBackend>(); }
+
+}  // namespace smla::cuda

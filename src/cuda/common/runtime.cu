@@ -1,0 +1,70 @@
+#include <map>
+#include <mutex>
+#include <utility>
+
+#include "cuda/common/runtime.h"
+
+namespace smla::cuda {
+
+const DeviceInfo& current_device() {
+  static std::mutex mu;
+  static std::map<int, DeviceInfo> cache;
+  int dev = 0;
+  check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find(dev);
+  if (it != cache.end()) return it->second;
+  DeviceInfo d;
+  d.index = dev;
+  int major = 0, minor = 0;
+  check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev), "cudaDeviceGetAttribute");
+  check_cuda(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev), "cudaDeviceGetAttribute");
+  check_cuda(cudaDeviceGetAttribute(&d.num_sms, cudaDevAttrMultiProcessorCount, dev), "cudaDeviceGetAttribute");
+  check_cuda(cudaDeviceGetAttribute(&d.max_smem_per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev),
+             "cudaDeviceGetAttribute");
+  check_cuda(cudaDeviceGetAttribute(&d.max_smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev),
+             "cudaDeviceGetAttribute");
+  d.compute_capability = major * 10 + minor;
+  return cache.emplace(dev, d).first->second;
+}
+
+void* workspace(cudaStream_t stream, size_t bytes) {
+  struct Buffer {
+    void* ptr = nullptr;
+    size_t size = 0;
+  };
+  static std::mutex mu;
+  static std::map<std::pair<int, cudaStream_t>, Buffer> buffers;
+  int dev = 0;
+  check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
+  std::lock_guard<std::mutex> lock(mu);
+  Buffer& b = buffers[{dev, stream}];
+  if (b.size < bytes) {
+    if (b.ptr) {
+      check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+      check_cuda(cudaFree(b.ptr), "cudaFree");
+    }
+    b = {};
+    check_cuda(cudaMalloc(&b.ptr, bytes), "cudaMalloc (smla workspace)");
+    b.size = bytes;
+  }
+  return b.ptr;
+}
+
+}  // namespace smla::cuda
+
+#include "cuda/common/device_guard.h"
+
+namespace smla::cuda {
+
+DeviceGuard::DeviceGuard(const Device& device) {
+  check_cuda(cudaGetDevice(&previous_), "cudaGetDevice");
+  if (device.index != previous_) check_cuda(cudaSetDevice(device.index), "cudaSetDevice");
+  else previous_ = -1;
+}
+
+DeviceGuard::~DeviceGuard() {
+  if (previous_ >= 0) cudaSetDevice(previous_);
+}
+
+}  // namespace smla::cuda

@@ -1,0 +1,37 @@
+// Host-side CUDA helpers: error checks that throw smla::Error, per-device
+// properties read once, and a grow-only workspace per (device, stream).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <string>
+
+#include "smla/error.h"
+
+namespace smla::cuda {
+
+inline void check_cuda(cudaError_t e, const char* what) {
+  if (e != cudaSuccess)
+    throw Error(ErrorKind::internal, std::string(what) + ": " + cudaGetErrorName(e) + ": " + cudaGetErrorString(e));
+}
+// After a launch: configuration errors surface here, not at the next sync.
+inline void check_launch(const char* kernel) { check_cuda(cudaGetLastError(), kernel); }
+
+struct DeviceInfo {
+  int index = 0;
+  int compute_capability = 0;  // major*10 + minor
+  int num_sms = 0;
+  int max_smem_per_block = 0;  // opt-in limit, bytes
+  int max_smem_per_sm = 0;
+};
+// The current device's properties (cached per device).
+const DeviceInfo& current_device();
+
+// Scratch memory for `stream` on the current device, at least `bytes`. It
+// grows (cudaFree + cudaMalloc, synchronising) only when a larger size is
+// first asked for, so steady-state calls — and CUDA-graph capture after a
+// warm-up call of the same size — allocate nothing.
+void* workspace(cudaStream_t stream, size_t bytes);
+
+}  // namespace smla::cuda

@@ -1,0 +1,181 @@
+// Host side of the MLA attention kernel: fills AttentionParams from checked
+// args, picks the pipeline depth and the split over keys for this device,
+// launches the attention and (when split) the combine kernel.
+#include <algorithm>
+#include <mutex>
+#include <set>
+#include <tuple>
+
+#include "cuda/common/runtime.h"
+#include "cuda/kernels.h"
+#include "cuda/mla/attention_kernel.cuh"
+
+namespace smla::cuda {
+
+namespace {
+
+using mla::AttentionParams;
+using mla::CacheFormat;
+
+using KernelFn = void (*)(AttentionParams);
+
+template <CacheFormat F, bool kPaged>
+KernelFn kernel_for(int stages) {
+  if constexpr (F == CacheFormat::fp8_ds_mla) return mla::attention_kernel<F, kPaged, 1>;
+  else return stages == 3 ? mla::attention_kernel<F, kPaged, 3> : mla::attention_kernel<F, kPaged, 2>;
+}
+
+KernelFn select_kernel(CacheFormat f, bool paged, int stages) {
+  switch (f) {
+    case CacheFormat::bf16: return paged ? kernel_for<CacheFormat::bf16, true>(stages) : kernel_for<CacheFormat::bf16, false>(stages);
+    case CacheFormat::f16: return paged ? kernel_for<CacheFormat::f16, true>(stages) : kernel_for<CacheFormat::f16, false>(stages);
+    case CacheFormat::fp8_ds_mla:
+      return paged ? kernel_for<CacheFormat::fp8_ds_mla, true>(stages) : kernel_for<CacheFormat::fp8_ds_mla, false>(stages);
+  }
+  return nullptr;
+}
+
+// Opts the kernel into `smem` bytes of dynamic shared memory (once per device)
+// and returns how many CTAs of it fit on one multiprocessor.
+int prepare(KernelFn fn, int smem) {
+  static std::mutex mu;
+  static std::set<std::tuple<int, KernelFn>> done;
+  const DeviceInfo& dev = current_device();
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    if (done.insert({dev.index, fn}).second)
+      check_cuda(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+                 "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");
+  }
+  int blocks = 0;
+  check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, fn, mla::kThreads, smem),
+             "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+  return blocks;
+}
+
+CacheFormat format_of(DType d) {
+  return d == DType::bf16 ? CacheFormat::bf16 : d == DType::f16 ? CacheFormat::f16 : CacheFormat::fp8_ds_mla;
+}
+
+void require_aligned(const char* op, const char* arg, const void* ptr, int64_t bytes_multiple,
+                     std::initializer_list<int64_t> stride_bytes) {
+  bool ok = reinterpret_cast<uintptr_t>(ptr) % bytes_multiple == 0;
+  for (int64_t s : stride_bytes) ok = ok && s % bytes_multiple == 0;
+  if (!ok)
+    fail(std::string(op) + ": " + arg + ": the CUDA backend needs the data pointer and the outer strides to be " +
+         std::to_string(bytes_multiple) + "-byte aligned");
+}
+
+// The fields both ops share: query, cache, outputs, scale. `b`/`s` strides
+// address (request, step); sparse attention passes s_q = 1.
+void fill_common(AttentionParams& p, const char* op, const TensorView& q, int64_t q_sb, int64_t q_ss, const TensorView& cache,
+                 const TensorView& out, int64_t o_sb, int64_t o_ss, const TensorView& lse, int64_t l_sb, int64_t l_ss,
+                 const TensorView& sink, float softmax_scale) {
+  const int64_t row_elem = cache.dtype == DType::fp8_ds_mla ? 1 : 2;
+  p.q = q.ptr<uint16_t>();
+  p.q_is_bf16 = q.dtype == DType::bf16;
+  p.q_stride_b = q_sb;
+  p.q_stride_s = q_ss;
+  p.q_stride_h = q.stride(-2);
+  p.num_heads = static_cast<int>(q.size(-2));
+  p.cache = cache.ptr<uint8_t>();
+  p.block_stride = cache.stride(0) * row_elem;
+  p.row_stride = cache.stride(1) * row_elem;
+  p.block_size = static_cast<int>(cache.size(1));
+  p.num_blocks = static_cast<int>(cache.size(0));
+  p.num_slots = cache.size(0) * cache.size(1);
+  p.attn_sink = sink.defined() ? sink.ptr<float>() : nullptr;
+  p.scale_log2 = softmax_scale * 1.4426950408889634f;
+  p.out = out.data;
+  p.out_stride_b = o_sb;
+  p.out_stride_s = o_ss;
+  p.out_stride_h = out.stride(-2);
+  p.lse = lse.ptr<float>();
+  p.lse_stride_b = l_sb;
+  p.lse_stride_s = l_ss;
+  p.lse_stride_h = lse.stride(-1);
+
+  require_aligned(op, "q", q.data, 16, {q_sb * 2, q_ss * 2, p.q_stride_h * 2});
+  require_aligned(op, "kv_cache", cache.data, 16, {p.block_stride, p.row_stride});
+  require_aligned(op, "out", out.data, 8, {o_sb * 2, o_ss * 2, p.out_stride_h * 2});
+}
+
+void launch(AttentionParams& p, CacheFormat f, bool paged, int num_keys, cudaStream_t stream) {
+  const DeviceInfo& dev = current_device();
+  if (p.num_tokens == 0) return;
+
+  // Pipeline depth: the one that keeps more chunks in flight per SM
+  // (CTAs per SM x prefetched stages); ties go to more CTAs.
+  KernelFn fn = select_kernel(f, paged, 2);
+  int smem = mla::SmemLayout(f, 2).total;
+  int per_sm = prepare(fn, smem);
+  if (f != CacheFormat::fp8_ds_mla && mla::SmemLayout(f, 3).total <= dev.max_smem_per_block) {
+    const int smem3 = mla::SmemLayout(f, 3).total;
+    KernelFn fn3 = select_kernel(f, paged, 3);
+    const int per_sm3 = prepare(fn3, smem3);
+    if (per_sm3 * 2 > per_sm * 1) {
+      fn = fn3;
+      smem = smem3;
+      per_sm = per_sm3;
+    }
+  }
+  if (per_sm == 0)
+    throw Error(ErrorKind::unsupported, "MLA attention needs " + std::to_string(smem) +
+                                            " bytes of shared memory per block; this device allows " +
+                                            std::to_string(dev.max_smem_per_block));
+
+  // Split the keys when one CTA per (token, head group) leaves SMs idle (decode).
+  const int head_groups = (p.num_heads + mla::kHeadsPerCta - 1) / mla::kHeadsPerCta;
+  const int64_t ctas = static_cast<int64_t>(p.num_tokens) * head_groups;
+  const int chunks = std::max(1, (num_keys + mla::kKeysPerChunk - 1) / mla::kKeysPerChunk);
+  const int64_t target = static_cast<int64_t>(dev.num_sms) * per_sm;
+  int splits = static_cast<int>(std::clamp<int64_t>((target + ctas - 1) / ctas, 1, std::max(1, chunks / 2)));
+  p.chunks_per_split = (chunks + splits - 1) / splits;
+  p.num_splits = (chunks + p.chunks_per_split - 1) / p.chunks_per_split;
+  if (p.num_splits > 1) {
+    const size_t rows = static_cast<size_t>(p.num_splits) * p.num_tokens * p.num_heads;
+    float* ws = static_cast<float*>(workspace(stream, rows * (mla::kVDim + 1) * sizeof(float)));
+    p.partial_out = ws;
+    p.partial_lse = ws + rows * mla::kVDim;
+  }
+  fn<<<dim3(static_cast<unsigned>(ctas), p.num_splits), mla::kThreads, smem, stream>>>(p);
+  check_launch("smla MLA attention kernel");
+  if (p.num_splits > 1) {
+    mla::combine_kernel<<<static_cast<unsigned>(p.num_tokens) * p.num_heads, mla::kThreads, 0, stream>>>(p);
+    check_launch("smla MLA combine kernel");
+  }
+}
+
+}  // namespace
+
+void sparse_mla(const SparseMlaArgs& a) {
+  AttentionParams p{};
+  fill_common(p, "sparse_mla", a.q, a.q.stride(0), 0, a.kv_cache, a.out, a.out.stride(0), 0, a.lse, a.lse.stride(0), 0,
+              a.attn_sink, a.softmax_scale);
+  p.num_tokens = static_cast<int>(a.q.size(0));
+  p.s_q = 1;
+  p.indices = a.indices.ptr<int32_t>();
+  p.indices_stride = a.indices.stride(0);
+  p.topk = static_cast<int>(a.indices.size(1));
+  p.topk_length = a.topk_length.defined() ? a.topk_length.ptr<int32_t>() : nullptr;
+  if (a.topk_length.defined())
+    require(a.topk_length.stride(0) == 1, "sparse_mla: topk_length: the CUDA backend needs it contiguous");
+  launch(p, format_of(a.kv_cache.dtype), false, p.topk, static_cast<cudaStream_t>(a.stream));
+}
+
+void paged_mla_decode(const PagedMlaDecodeArgs& a) {
+  AttentionParams p{};
+  fill_common(p, "paged_mla_decode", a.q, a.q.stride(0), a.q.stride(1), a.kv_cache, a.out, a.out.stride(0),
+              a.out.stride(1), a.lse, a.lse.stride(0), a.lse.stride(1), a.attn_sink, a.softmax_scale);
+  p.s_q = static_cast<int>(a.q.size(1));
+  p.num_tokens = static_cast<int>(a.q.size(0)) * p.s_q;
+  p.block_table = a.block_table.ptr<int32_t>();
+  p.block_table_stride = a.block_table.stride(0);
+  p.max_blocks = static_cast<int>(a.block_table.size(1));
+  p.seq_lens = a.seq_lens.ptr<int32_t>();
+  require(a.seq_lens.stride(0) == 1, "paged_mla_decode: seq_lens: the CUDA backend needs it contiguous");
+  p.causal = a.causal;
+  launch(p, format_of(a.kv_cache.dtype), true, p.max_blocks * p.block_size, static_cast<cudaStream_t>(a.stream));
+}
+
+}  // namespace smla::cuda

@@ -1,0 +1,54 @@
+// Parameters of the MLA attention kernel, filled and checked on the host once;
+// the kernel trusts them (but never trusts index values).
+#pragma once
+
+#include <cstdint>
+
+namespace smla::cuda::mla {
+
+// Latent cache formats the kernel reads. Scores and values are computed in
+// the cache's 16-bit type (bf16 for fp8_ds_mla, whose values are dequantised
+// to bf16 in shared memory); queries of the other 16-bit type are converted.
+enum class CacheFormat { bf16, f16, fp8_ds_mla };
+
+struct AttentionParams {
+  // Query token t is (request b, step j) with b = t / s_q, j = t % s_q. For
+  // sparse attention s_q is 1 and b indexes tokens.
+  const uint16_t* q;  // [.., .., H, 576], bf16 or f16 bits
+  bool q_is_bf16;
+  int64_t q_stride_b, q_stride_s, q_stride_h;  // elements
+  int num_tokens, s_q, num_heads;
+
+  const uint8_t* cache;  // [num_blocks, block_size, row]
+  int64_t block_stride, row_stride;  // bytes
+  int block_size, num_blocks;
+  int64_t num_slots;
+
+  // Key source. Sparse: row t of `indices` (physical slots), the first
+  // topk_length[t] when given. Paged: logical positions 0..seq_len through
+  // the request's block table, causal among the s_q new tokens.
+  const int32_t* indices;
+  int64_t indices_stride;
+  int topk;
+  const int32_t* topk_length;
+  const int32_t* block_table;
+  int64_t block_table_stride;
+  int max_blocks;
+  const int32_t* seq_lens;
+  bool causal;
+
+  const float* attn_sink;  // [H] or null
+  float scale_log2;        // softmax_scale * log2(e)
+
+  void* out;  // [.., .., H, 512], q's dtype
+  int64_t out_stride_b, out_stride_s, out_stride_h;
+  float* lse;  // [.., .., H]
+  int64_t lse_stride_b, lse_stride_s, lse_stride_h;
+
+  // Split over the keys: split s handles chunks [s * chunks_per_split, ...).
+  int num_splits, chunks_per_split;
+  float* partial_out;  // [num_splits, num_tokens, H, 512], normalised per split
+  float* partial_lse;  // [num_splits, num_tokens, H], log2 units
+};
+
+}  // namespace smla::cuda::mla

@@ -1,0 +1,340 @@
+// The CUDA attention ops against the CPU backend (itself tested against the
+// float64 reference): every dtype and cache format, head counts, top-k, block
+// sizes, padded strides, invalid indices, NaN-poisoned unused slots, outputs
+// pre-filled with NaN and checked fully written, topk_length and sinks.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "core/numeric.h"
+#include "smla/select.h"
+#include "support/test_util.h"
+
+namespace smla {
+namespace {
+
+#define CUDA_OK(x) ASSERT_EQ((x), cudaSuccess) << #x
+
+const Backend& cpu() { return *Registry::global().find("cpu"); }
+const Backend& gpu() { return *Registry::global().find("cuda_mma"); }
+
+// Device copy of a host buffer; freed at scope exit.
+struct DeviceBuffer {
+  void* ptr = nullptr;
+  size_t bytes = 0;
+  explicit DeviceBuffer(size_t n) : bytes(n) { EXPECT_EQ(cudaMalloc(&ptr, std::max<size_t>(n, 16)), cudaSuccess); }
+  template <class T>
+  explicit DeviceBuffer(const std::vector<T>& host) : DeviceBuffer(host.size() * sizeof(T)) {
+    EXPECT_EQ(cudaMemcpy(ptr, host.data(), bytes, cudaMemcpyHostToDevice), cudaSuccess);
+  }
+  ~DeviceBuffer() { cudaFree(ptr); }
+  template <class T>
+  std::vector<T> download() const {
+    std::vector<T> v(bytes / sizeof(T));
+    EXPECT_EQ(cudaMemcpy(v.data(), ptr, bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+    return v;
+  }
+};
+
+TensorView on_gpu(TensorView v, void* data) {
+  v.data = data;
+  v.device = Device::cuda(0, 0);
+  return v;
+}
+
+struct Problem {
+  DType q_dtype = DType::bf16;
+  DType kv_dtype = DType::bf16;
+  int tokens = 3, heads = 16, topk = 128, block_size = 16, num_blocks = 0, block_pad = 0;
+  bool topk_length = false, sink = false, q_padded = false;
+};
+
+int row_elems(DType kv) { return kv == DType::fp8_ds_mla ? kFp8DsMlaRowBytes : kMlaQkDim; }
+
+// A paged cache: written through the CPU backend from random latents where
+// `used`, NaN (0xff bytes) everywhere else, including the block padding.
+std::vector<uint8_t> make_cache(test::Rng& rng, const Problem& pr, const std::vector<bool>& used, TensorView& view) {
+  const int row = row_elems(pr.kv_dtype);
+  const int64_t esz = dtype_size(pr.kv_dtype);
+  const int64_t block_stride = static_cast<int64_t>(pr.block_size) * row + pr.block_pad;
+  std::vector<uint8_t> cache(pr.num_blocks * block_stride * esz, 0xff);
+  view = TensorView(cache.data(), {pr.num_blocks, pr.block_size, row}, {block_stride, row, 1}, pr.kv_dtype);
+  std::vector<int64_t> slots;
+  for (size_t s = 0; s < used.size(); ++s)
+    if (used[s]) slots.push_back(static_cast<int64_t>(s));
+  const int64_t n = static_cast<int64_t>(slots.size());
+  auto latent = test::to_half_bits(test::random_floats(rng, n * kMlaLatentDim, -2.f, 2.f), DType::bf16);
+  auto kpe = test::to_half_bits(test::random_floats(rng, n * kMlaRopeDim, -2.f, 2.f), DType::bf16);
+  WriteMlaCacheArgs w;
+  w.latent = TensorView(latent.data(), {n, kMlaLatentDim}, DType::bf16);
+  w.k_pe = TensorView(kpe.data(), {n, kMlaRopeDim}, DType::bf16);
+  w.slot_mapping = TensorView(slots.data(), {n}, DType::i64);
+  w.cache = view;
+  write_mla_cache(w, &cpu());
+  return cache;
+}
+
+std::vector<double> as_doubles(const std::vector<uint16_t>& bits, DType d) {
+  std::vector<double> v(bits.size());
+  for (size_t i = 0; i < bits.size(); ++i) v[i] = test::half_bits_to_float(bits[i], d);
+  return v;
+}
+
+void expect_close(const std::vector<uint16_t>& ref, const std::vector<uint16_t>& got, DType d,
+                  const std::vector<float>& ref_lse, const std::vector<float>& got_lse, const std::string& what) {
+  const auto r = as_doubles(ref, d), g = as_doubles(got, d);
+  for (size_t i = 0; i < g.size(); ++i) ASSERT_FALSE(std::isnan(g[i])) << what << ": out[" << i << "] not written";
+  EXPECT_EQ(test::compare(r, g, 2e-3, 2e-2, 0.9999), "") << what;
+  std::vector<double> rl(ref_lse.begin(), ref_lse.end()), gl(got_lse.begin(), got_lse.end());
+  EXPECT_EQ(test::compare(rl, gl, 1e-3, 1e-4, 0.9999), "") << what << " (lse)";
+}
+
+void run_sparse(const Problem& pr, uint64_t seed) {
+  const std::string what = std::string("sparse q=") + std::string(dtype_name(pr.q_dtype)) + " kv=" +
+                           std::string(dtype_name(pr.kv_dtype)) + " H=" + std::to_string(pr.heads) +
+                           " K=" + std::to_string(pr.topk) + " bs=" + std::to_string(pr.block_size);
+  SCOPED_TRACE(what);
+  test::Rng rng(seed);
+  Problem p = pr;
+  if (p.num_blocks == 0) p.num_blocks = std::max(4, (p.topk * 2 + p.block_size - 1) / p.block_size);
+  const int64_t num_slots = static_cast<int64_t>(p.num_blocks) * p.block_size;
+
+  // Indices: random valid slots with every kind of invalid value mixed in.
+  std::uniform_int_distribution<int64_t> pick(0, num_slots - 1);
+  const int32_t invalid[] = {-1, std::numeric_limits<int32_t>::min(), static_cast<int32_t>(num_slots),
+                             std::numeric_limits<int32_t>::max()};
+  std::vector<int32_t> idx(static_cast<size_t>(p.tokens) * p.topk);
+  std::vector<bool> used(num_slots, false);
+  for (size_t i = 0; i < idx.size(); ++i) {
+    if (rng() % 7 == 0) {
+      idx[i] = invalid[rng() % 4];
+    } else {
+      idx[i] = static_cast<int32_t>(pick(rng));
+      used[idx[i]] = true;
+    }
+  }
+  if (p.tokens > 1)  // one row with nothing valid: out 0, lse -inf
+    for (int k = 0; k < p.topk; ++k) idx[p.topk + k] = -1;
+  TensorView cache_view;
+  auto cache = make_cache(rng, p, used, cache_view);
+
+  const int64_t q_row = p.q_padded ? kMlaQkDim + 64 : kMlaQkDim;
+  auto qbits = test::to_half_bits(test::random_floats(rng, p.tokens * p.heads * q_row, -1.f, 1.f), p.q_dtype);
+  std::vector<int32_t> lens(p.tokens);
+  for (auto& l : lens) l = static_cast<int32_t>(rng() % (p.topk + 1));
+  std::vector<float> sink = test::random_floats(rng, p.heads, -2.f, 2.f);
+
+  SparseMlaArgs a;
+  a.q = TensorView(qbits.data(), {p.tokens, p.heads, kMlaQkDim}, {p.heads * q_row, q_row, 1}, p.q_dtype);
+  a.kv_cache = cache_view;
+  a.indices = TensorView(idx.data(), {p.tokens, p.topk}, DType::i32);
+  if (p.topk_length) a.topk_length = TensorView(lens.data(), {p.tokens}, DType::i32);
+  if (p.sink) a.attn_sink = TensorView(sink.data(), {p.heads}, DType::f32);
+  a.softmax_scale = 0.0625f;
+  std::vector<uint16_t> ref(p.tokens * p.heads * kMlaVDim);
+  std::vector<float> ref_lse(p.tokens * p.heads);
+  a.out = TensorView(ref.data(), {p.tokens, p.heads, kMlaVDim}, p.q_dtype);
+  a.lse = TensorView(ref_lse.data(), {p.tokens, p.heads}, DType::f32);
+  sparse_mla(a, &cpu());
+
+  DeviceBuffer dq(qbits), dcache(cache), didx(idx), dlens(lens), dsink(sink);
+  DeviceBuffer dout(std::vector<uint16_t>(ref.size(), 0x7fc1));  // NaN sentinel in both 16-bit types
+  DeviceBuffer dlse(std::vector<float>(ref_lse.size(), std::nanf("")));
+  SparseMlaArgs g = a;
+  g.q = on_gpu(a.q, dq.ptr);
+  g.kv_cache = on_gpu(a.kv_cache, dcache.ptr);
+  g.indices = on_gpu(a.indices, didx.ptr);
+  if (p.topk_length) g.topk_length = on_gpu(a.topk_length, dlens.ptr);
+  if (p.sink) g.attn_sink = on_gpu(a.attn_sink, dsink.ptr);
+  g.out = on_gpu(a.out, dout.ptr);
+  g.lse = on_gpu(a.lse, dlse.ptr);
+  sparse_mla(g, &gpu());
+  CUDA_OK(cudaDeviceSynchronize());
+  expect_close(ref, dout.download<uint16_t>(), p.q_dtype, ref_lse, dlse.download<float>(), what);
+}
+
+TEST(CudaSparseMla, HeadsAndTopk) {
+  uint64_t seed = 1;
+  for (int heads : {1, 8, 16, 20, 32, 64, 128})
+    for (int topk : {1, 100, 2048}) {
+      Problem p;
+      p.heads = heads;
+      p.topk = topk;
+      p.tokens = heads >= 64 ? 2 : 3;
+      run_sparse(p, seed++);
+    }
+  Problem big;
+  big.topk = 4096;
+  big.heads = 8;
+  run_sparse(big, seed++);
+}
+
+TEST(CudaSparseMla, DtypesFormatsBlockSizes) {
+  uint64_t seed = 100;
+  for (DType q : {DType::bf16, DType::f16})
+    for (DType kv : {DType::bf16, DType::f16, DType::fp8_ds_mla})
+      for (int bs : {1, 16, 64}) {
+        Problem p;
+        p.q_dtype = q;
+        p.kv_dtype = kv;
+        p.block_size = bs;
+        p.heads = 20;
+        p.topk = 300;
+        p.block_pad = bs == 16 ? 8 * 16 : 0;  // padded block stride (in elements), keeps 16-byte alignment
+        run_sparse(p, seed++);
+      }
+}
+
+TEST(CudaSparseMla, TopkLengthSinksAndStridedQ) {
+  uint64_t seed = 200;
+  for (DType kv : {DType::bf16, DType::fp8_ds_mla}) {
+    Problem p;
+    p.kv_dtype = kv;
+    p.heads = 8;
+    p.topk = 1000;
+    p.tokens = 5;
+    p.topk_length = true;
+    p.sink = true;
+    p.q_padded = true;
+    run_sparse(p, seed++);
+  }
+}
+
+TEST(CudaSparseMla, DecodeBatchUsesSplits) {
+  // 64 tokens x 8 heads x top-k 2048: the GLM-5 TP8 decode shape.
+  Problem p;
+  p.tokens = 64;
+  p.heads = 8;
+  p.topk = 2048;
+  p.block_size = 64;
+  run_sparse(p, 300);
+}
+
+void run_paged(DType q_dtype, DType kv, int batch, int s_q, int heads, int block_size, bool causal, uint64_t seed) {
+  SCOPED_TRACE("paged kv=" + std::string(dtype_name(kv)) + " B=" + std::to_string(batch) + " s_q=" +
+               std::to_string(s_q) + " H=" + std::to_string(heads) + " bs=" + std::to_string(block_size));
+  test::Rng rng(seed);
+  const int max_blocks = (700 + block_size - 1) / block_size;
+  Problem p;
+  p.kv_dtype = kv;
+  p.block_size = block_size;
+  p.num_blocks = batch * max_blocks + 3;
+  std::vector<int32_t> seq(batch), table(batch * max_blocks);
+  std::vector<int32_t> perm(p.num_blocks);
+  for (int i = 0; i < p.num_blocks; ++i) perm[i] = i;
+  std::shuffle(perm.begin(), perm.end(), rng);
+  for (int i = 0; i < batch * max_blocks; ++i) table[i] = perm[i];
+  std::vector<bool> used(static_cast<size_t>(p.num_blocks) * block_size, false);
+  for (int b = 0; b < batch; ++b) {
+    seq[b] = static_cast<int32_t>(s_q + rng() % (max_blocks * block_size - s_q + 1));
+    for (int pos = 0; pos < seq[b]; ++pos) used[table[b * max_blocks + pos / block_size] * block_size + pos % block_size] = true;
+  }
+  TensorView cache_view;
+  auto cache = make_cache(rng, p, used, cache_view);
+  auto qbits = test::to_half_bits(test::random_floats(rng, batch * s_q * heads * kMlaQkDim), q_dtype);
+
+  PagedMlaDecodeArgs a;
+  a.q = TensorView(qbits.data(), {batch, s_q, heads, kMlaQkDim}, q_dtype);
+  a.kv_cache = cache_view;
+  a.block_table = TensorView(table.data(), {batch, max_blocks}, DType::i32);
+  a.seq_lens = TensorView(seq.data(), {batch}, DType::i32);
+  a.softmax_scale = 0.1352f;
+  a.causal = causal;
+  std::vector<uint16_t> ref(batch * s_q * heads * kMlaVDim);
+  std::vector<float> ref_lse(batch * s_q * heads);
+  a.out = TensorView(ref.data(), {batch, s_q, heads, kMlaVDim}, q_dtype);
+  a.lse = TensorView(ref_lse.data(), {batch, s_q, heads}, DType::f32);
+  paged_mla_decode(a, &cpu());
+
+  DeviceBuffer dq(qbits), dcache(cache), dtable(table), dseq(seq);
+  DeviceBuffer dout(std::vector<uint16_t>(ref.size(), 0x7fc1));
+  DeviceBuffer dlse(std::vector<float>(ref_lse.size(), std::nanf("")));
+  PagedMlaDecodeArgs g = a;
+  g.q = on_gpu(a.q, dq.ptr);
+  g.kv_cache = on_gpu(a.kv_cache, dcache.ptr);
+  g.block_table = on_gpu(a.block_table, dtable.ptr);
+  g.seq_lens = on_gpu(a.seq_lens, dseq.ptr);
+  g.out = on_gpu(a.out, dout.ptr);
+  g.lse = on_gpu(a.lse, dlse.ptr);
+  paged_mla_decode(g, &gpu());
+  CUDA_OK(cudaDeviceSynchronize());
+  expect_close(ref, dout.download<uint16_t>(), q_dtype, ref_lse, dlse.download<float>(), "paged");
+}
+
+TEST(CudaPagedDecode, MatchesCpu) {
+  uint64_t seed = 400;
+  for (DType kv : {DType::bf16, DType::f16, DType::fp8_ds_mla})
+    for (int bs : {1, 16, 64}) run_paged(DType::bf16, kv, 3, 2, 16, bs, true, seed++);
+  run_paged(DType::f16, DType::bf16, 4, 1, 128, 64, true, seed++);
+  run_paged(DType::bf16, DType::bf16, 2, 4, 8, 16, false, seed++);
+}
+
+TEST(CudaWriteMlaCache, SameBytesAsCpu) {
+  test::Rng rng(500);
+  for (DType src : {DType::f32, DType::bf16, DType::f16})
+    for (DType kv : {DType::bf16, DType::f16, DType::fp8_ds_mla}) {
+      SCOPED_TRACE(std::string(dtype_name(src)) + " -> " + std::string(dtype_name(kv)));
+      const int n = 77, num_blocks = 10, bs = 16;
+      const int row = row_elems(kv);
+      const int64_t esz = dtype_size(src);
+      std::vector<uint8_t> latent(n * kMlaLatentDim * esz), kpe(n * kMlaRopeDim * esz);
+      auto fill = [&](std::vector<uint8_t>& buf, int count) {
+        auto vals = test::random_floats(rng, count, -40.f, 40.f);
+        if (src == DType::f32) std::memcpy(buf.data(), vals.data(), buf.size());
+        else {
+          auto bits = test::to_half_bits(vals, src);
+          std::memcpy(buf.data(), bits.data(), buf.size());
+        }
+      };
+      fill(latent, n * kMlaLatentDim);
+      fill(kpe, n * kMlaRopeDim);
+      std::vector<int64_t> slots(n);
+      std::vector<int64_t> perm(num_blocks * bs);
+      for (size_t i = 0; i < perm.size(); ++i) perm[i] = static_cast<int64_t>(i);
+      std::shuffle(perm.begin(), perm.end(), rng);
+      for (int i = 0; i < n; ++i) slots[i] = i % 11 == 5 ? -1 : perm[i];
+      std::vector<uint8_t> ref(num_blocks * bs * row * dtype_size(kv), 0xab);
+      WriteMlaCacheArgs a;
+      a.latent = TensorView(latent.data(), {n, kMlaLatentDim}, src);
+      a.k_pe = TensorView(kpe.data(), {n, kMlaRopeDim}, src);
+      a.slot_mapping = TensorView(slots.data(), {n}, DType::i64);
+      a.cache = TensorView(ref.data(), {num_blocks, bs, row}, kv);
+      write_mla_cache(a, &cpu());
+      DeviceBuffer dl(latent), dk(kpe), ds(slots), dc(std::vector<uint8_t>(ref.size(), 0xab));
+      WriteMlaCacheArgs g = a;
+      g.latent = on_gpu(a.latent, dl.ptr);
+      g.k_pe = on_gpu(a.k_pe, dk.ptr);
+      g.slot_mapping = on_gpu(a.slot_mapping, ds.ptr);
+      g.cache = on_gpu(a.cache, dc.ptr);
+      write_mla_cache(g, &gpu());
+      CUDA_OK(cudaDeviceSynchronize());
+      EXPECT_EQ(dc.download<uint8_t>(), ref);
+    }
+}
+
+TEST(CudaBackend, RejectsMisalignedQueries) {
+  uint16_t dummy[8];
+  SparseMlaArgs a;
+  DeviceBuffer d(1 << 20);
+  a.q = on_gpu(TensorView(dummy, {1, 1, kMlaQkDim}, {kMlaQkDim, kMlaQkDim, 1}, DType::bf16),
+               static_cast<char*>(d.ptr) + 2);
+  a.kv_cache = on_gpu(TensorView(dummy, {1, 16, kMlaQkDim}, DType::bf16), d.ptr);
+  a.indices = on_gpu(TensorView(dummy, {1, 1}, DType::i32), d.ptr);
+  a.out = on_gpu(TensorView(dummy, {1, 1, kMlaVDim}, DType::bf16), d.ptr);
+  a.lse = on_gpu(TensorView(dummy, {1, 1}, DType::f32), d.ptr);
+  a.softmax_scale = 1.f;
+  try {
+    sparse_mla(a, &gpu());
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("q:"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace smla
