@@ -17,7 +17,7 @@ build: deps $(BUILD)/CMakeCache.txt
 
 # The main job.
 run: build
-	$(BUILD)/tools/smla/smla explain --model glm-5 --device cpu
+	$(BUILD)/tools/smla/smla run
 
 # Every CPU test.
 test: build

@@ -7,10 +7,11 @@
 
 #include <algorithm>
 #include <atomic>
-#include <climits>
+#include <cstdint>
 #include <cstring>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/numeric.h"
@@ -21,6 +22,7 @@
 namespace smla::cpu {
 
 namespace {
+
 // Grows `v` to at least n elements, never shrinking, and returns its data.
 template <class T>
 T* grow(std::vector<T>& v, size_t n) {
@@ -75,54 +77,99 @@ void force_isa(std::optional<Isa> isa) {
   forced_isa.store(isa ? static_cast<int>(*isa) : -1, std::memory_order_relaxed);
 }
 
+namespace {
+
+// A floor that about 1.25 m + n / 64 of the keys reach, from a strided
+// sample; 0 (keep everything) for short rows. Only a filter: select_topk is
+// exact whatever it returns.
+uint32_t estimate_floor(const uint32_t* keys, int64_t n, int64_t m) {
+  constexpr int64_t kSample = 1024;
+  if (n <= 4 * kSample) return 0;
+  uint32_t sample[kSample];
+  for (int64_t i = 0; i < kSample; ++i) sample[i] = keys[i * n / kSample];
+  const int64_t rank = m * kSample * 5 / (4 * n) + 16;
+  if (rank >= kSample) return 0;
+  std::nth_element(sample, sample + rank, sample + kSample, std::greater<>());
+  return sample[rank];
+}
+
+// Entries are key << 32 | position, kept in position order until the final sort.
+uint32_t key_of(uint64_t entry) { return static_cast<uint32_t>(entry >> 32); }
+
+// Packs the keys >= floor; returns their count.
+int64_t compact(const uint32_t* keys, int64_t n, uint32_t floor, uint64_t* out) {
+  int64_t count = 0;
+  for (int64_t s = 0; s < n; ++s) {  // branchless: always write, advance when kept
+    out[count] = static_cast<uint64_t>(keys[s]) << 32 | static_cast<uint64_t>(s);
+    count += keys[s] >= floor;
+  }
+  return count;
+}
+
+// Radix select, 8 bits at a time from the top: the m-th largest key of
+// entries[0, count), and how many entries equal to it are among the top m.
+std::pair<uint32_t, int64_t> kth_largest_key(const uint64_t* entries, int64_t count, int64_t m, uint64_t* scratch) {
+  uint32_t key = 0;
+  int64_t needed = m;
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    uint32_t hist[256] = {};
+    for (int64_t i = 0; i < count; ++i) ++hist[key_of(entries[i]) >> shift & 255];
+    uint32_t bin = 255;
+    while (hist[bin] < needed) needed -= hist[bin--];  // the bins hold >= needed entries
+    key |= bin << shift;
+    if (shift == 0) break;
+    int64_t kept = 0;  // in place after the first level
+    for (int64_t i = 0; i < count; ++i)
+      if ((key_of(entries[i]) >> shift & 255) == bin) scratch[kept++] = entries[i];
+    entries = scratch;
+    count = kept;
+  }
+  return {key, needed};
+}
+
+// Stable LSD radix sort by key, descending; returns where the result is (a or b).
+uint64_t* sort_by_key_descending(uint64_t* a, uint64_t* b, int64_t count) {
+  for (int shift = 0; shift < 32; shift += 8) {
+    uint32_t offset[256] = {};
+    for (int64_t i = 0; i < count; ++i) ++offset[255 - (key_of(a[i]) >> shift & 255)];
+    if (offset[255 - (key_of(a[0]) >> shift & 255)] == count) continue;  // one digit value: order unchanged
+    uint32_t sum = 0;
+    for (uint32_t& o : offset) sum += std::exchange(o, sum);
+    for (int64_t i = 0; i < count; ++i) b[offset[255 - (key_of(a[i]) >> shift & 255)]++] = a[i];
+    std::swap(a, b);
+  }
+  return a;
+}
+
+}  // namespace
+
 void select_topk(const uint32_t* keys, int64_t n, int64_t k, int32_t* out) {
   const int64_t m = std::min(k, n);
   std::fill(out + m, out + k, -1);
   if (m == 0) return;
-
-  // Radix select of the m-th largest key, 11 + 11 + 10 bits; the first
-  // level's bin is copied out so later levels scan only it. With m == n the
-  // threshold stays 0 and everything is taken.
-  thread_local std::vector<uint32_t> candidates;
-  thread_local std::vector<uint64_t> picked;
-  uint32_t threshold = 0;    // the m-th largest key
-  int64_t equal_needed = m;  // how many keys equal to the threshold to take
-  if (m < n) {
-    constexpr int kShift[3] = {21, 10, 0};
-    constexpr uint32_t kMask[3] = {2047, 2047, 1023};
-    uint32_t* buffer = grow(candidates, static_cast<size_t>(n));
-    const uint32_t* cand = keys;
-    int64_t count = n;
-    for (int level = 0; level < 3; ++level) {
-      uint32_t hist[2048] = {};
-      for (int64_t i = 0; i < count; ++i) ++hist[(cand[i] >> kShift[level]) & kMask[level]];
-      uint32_t bin = kMask[level];
-      while (hist[bin] < equal_needed) equal_needed -= hist[bin--];  // the bins hold >= equal_needed keys
-      threshold |= bin << kShift[level];
-      if (level == 2) break;
-      int64_t kept = 0;
-      for (int64_t i = 0; i < count; ++i)
-        if (((cand[i] >> kShift[level]) & kMask[level]) == bin) buffer[kept++] = cand[i];
-      cand = buffer;
-      count = kept;
+  thread_local std::vector<uint64_t> buffer_a, buffer_b;
+  uint64_t* a = grow(buffer_a, static_cast<size_t>(n));
+  uint64_t* b = grow(buffer_b, static_cast<size_t>(n));
+  // Candidates: the keys >= a sampled floor, or all keys if that keeps fewer than m.
+  int64_t count = compact(keys, n, estimate_floor(keys, n, m), a);
+  if (count < m) count = compact(keys, n, 0, a);
+  // Survivors: keys above the m-th largest, then equal ones lowest position first.
+  if (count > m) {
+    auto [threshold, equal_needed] = kth_largest_key(a, count, m, b);
+    int64_t kept = 0;
+    for (int64_t i = 0; i < count; ++i) {
+      const uint32_t key = key_of(a[i]);
+      if (key > threshold) {
+        b[kept++] = a[i];
+      } else if (key == threshold && equal_needed > 0) {
+        b[kept++] = a[i];
+        --equal_needed;
+      }
     }
+    std::swap(a, b);
   }
-
-  uint64_t* p = grow(picked, static_cast<size_t>(m));
-  int64_t np = 0;
-  // Ascending positions, so equal keys are taken lowest position first.
-  for (int64_t s = 0; s < n; ++s) {
-    const uint32_t key = keys[s];
-    bool take = key > threshold;
-    if (key == threshold && equal_needed > 0) {
-      take = true;
-      --equal_needed;
-    }
-    if (take) p[np++] = (static_cast<uint64_t>(key) << 32) | ~static_cast<uint32_t>(s);
-  }
-  // Descending composite: larger key first, then lower position (larger ~position).
-  std::sort(p, p + np, std::greater<>());
-  for (int64_t i = 0; i < np; ++i) out[i] = static_cast<int32_t>(~static_cast<uint32_t>(p[i]));
+  const uint64_t* sorted = sort_by_key_descending(a, b, m);
+  for (int64_t i = 0; i < m; ++i) out[i] = static_cast<int32_t>(sorted[i] & 0xffffffffu);
 }
 
 }  // namespace indexer

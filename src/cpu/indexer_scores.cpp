@@ -17,7 +17,12 @@
 #include "core/numeric.h"
 
 #if defined(__x86_64__) || defined(__i386__)
+// GCC 12 warns about the intrinsics' own _mm*_undefined_* helpers (GCC bug 105593).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
+#pragma GCC diagnostic pop
 #define SMLA_X86 1
 #define SMLA_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma")))
 #define SMLA_TARGET_AVX2 __attribute__((target("avx2,fma")))
@@ -49,9 +54,10 @@ void fp8_row_to_float(const uint8_t* src, float* dst) {
   for (int d = 0; d < kDim; ++d) dst[d] = table[src[d]];
 }
 
-// Kernel traits: Q and Key are the packed query and key element types; a
-// kernel processes `keys_per_block(groups)` keys and `groups` lane-groups of
-// heads per call of dot().
+// Each kernel K (Portable, Avx2, Avx512 below) provides Q and Key, the packed
+// query and key element types; kLanes heads per vector; kMaxGroups vectors
+// of heads per chunk; keys_per_block(groups), the keys one dot() call scores;
+// fp8_row(), widening an fp8 key to Key; and dot().
 template <class K>
 QueryLayout layout(int heads, DType q_dtype) {
   QueryLayout l;
@@ -107,16 +113,29 @@ void score(const QueryLayout& l, const void* query_v, const float* weights, cons
            const int32_t* blocks, int64_t s0, int64_t s1, uint32_t* keys) {
   using Key = typename K::Key;
   const auto* query = static_cast<const typename K::Q*>(query_v);
+  static_assert(K::keys_per_block(1) <= kMaxKeysPerBlock);
   const int kb = K::keys_per_block(l.groups);
   alignas(64) Key scratch[kMaxKeysPerBlock][kDim];
   const Key* rows[kMaxKeysPerBlock];
   float scale[kMaxKeysPerBlock], partial[kMaxKeysPerBlock];
+  // (block, offset) cursors instead of a division per key; the second runs
+  // kPrefetch keys ahead so the rows of the next block are on their way.
+  constexpr int64_t kPrefetch = 32;
+  const int64_t row_bytes = c.fp8 ? kDim : c.row_stride, data_bytes = c.fp8 ? kDim : 2 * kDim;
+  int64_t bi = s0 / c.block_size, off = s0 % c.block_size;
+  int64_t ahead = std::min(s0 + kPrefetch, s1 - 1), pbi = ahead / c.block_size, poff = ahead % c.block_size;
   for (int64_t s = s0; s < s1; s += kb) {
     const int n = static_cast<int>(std::min<int64_t>(kb, s1 - s));
-    for (int r = 0; r < kb; ++r) {
-      const int64_t pos = s + std::min(r, n - 1);
-      const uint8_t* block = c.base + blocks[pos / c.block_size] * c.block_stride;
-      const int64_t off = pos % c.block_size;
+    for (int r = 0; r < n; ++r) {
+      const uint8_t* pblock = c.base + blocks[pbi] * c.block_stride;
+      for (int64_t line = 0; line < data_bytes; line += 64) __builtin_prefetch(pblock + poff * row_bytes + line);
+      if (c.fp8) __builtin_prefetch(pblock + c.block_size * kDim + poff * sizeof(float));
+      if (ahead + 1 < s1) {
+        ++ahead;
+        if (++poff == c.block_size) poff = 0, ++pbi;
+      }
+
+      const uint8_t* block = c.base + blocks[bi] * c.block_stride;
       partial[r] = 0.f;
       scale[r] = 1.f;
       if (c.fp8) {
@@ -129,6 +148,11 @@ void score(const QueryLayout& l, const void* query_v, const float* weights, cons
         bf16_row_to_float(reinterpret_cast<const uint16_t*>(block + off * c.row_stride), scratch[r]);
         rows[r] = scratch[r];
       }
+      if (++off == c.block_size) off = 0, ++bi;
+    }
+    for (int r = n; r < kb; ++r) {  // results dropped
+      rows[r] = rows[n - 1];
+      partial[r] = 0.f;
     }
     for (int ch = 0; ch < l.chunks; ++ch)
       K::dot(l.groups, query + ch * l.chunk_elems, l.planes, weights + ch * l.groups * l.lanes, rows, partial);
@@ -145,7 +169,7 @@ struct Portable {
   using Q = float;
   using Key = float;
   static constexpr int kLanes = 8, kMaxGroups = 16;  // one chunk of up to 128 heads
-  static int keys_per_block(int) { return 1; }
+  static constexpr int keys_per_block(int) { return 1; }
   static void fp8_row(const uint8_t* src, float* dst) { fp8_row_to_float(src, dst); }
   static void dot(int groups, const float* q, int, const float* w, const float* const* rows, float* partial) {
     const int heads = groups * kLanes;
@@ -173,9 +197,12 @@ void with_groups(int g, F&& f) {
   }
 }
 
+// Accumulator registers a dot() call keeps: keys per call = this / groups.
+constexpr int kAvx2Accumulators = 8;  // enough FMAs in flight, room for the query registers
+
 template <int G>
 SMLA_TARGET_AVX2 void dot_avx2(const float* q, const float* w, const float* const* rows, float* partial) {
-  constexpr int KB = 8 / G;  // KB * G = 8 accumulators: enough FMAs in flight, room for G query registers
+  constexpr int KB = kAvx2Accumulators / G;
   __m256 acc[KB][G];
 #pragma GCC unroll 8
   for (int r = 0; r < KB; ++r)
@@ -209,7 +236,7 @@ struct Avx2 {
   using Q = float;
   using Key = float;
   static constexpr int kLanes = 8, kMaxGroups = 4;
-  static int keys_per_block(int groups) { return 8 / groups; }
+  static constexpr int keys_per_block(int groups) { return kAvx2Accumulators / groups; }
   static void fp8_row(const uint8_t* src, float* dst) { fp8_row_to_float(src, dst); }
   static void dot(int groups, const float* q, int, const float* w, const float* const* rows, float* partial) {
     with_groups(groups, [&]<int G>() { dot_avx2<G>(q, w, rows, partial); });
@@ -239,10 +266,12 @@ SMLA_TARGET_AVX512 void fp8_row_to_bf16_avx512(const uint8_t* src, uint16_t* dst
   }
 }
 
+constexpr int kAvx512Accumulators = 16;  // cover VDPBF16PS latency, leave room for the query registers
+
 template <int G>
 SMLA_TARGET_AVX512 void dot_avx512(const uint16_t* q, int planes, const float* w, const uint16_t* const* rows,
                                    float* partial) {
-  constexpr int KB = 16 / G;  // KB * G <= 16 accumulators cover VDPBF16PS latency; G query registers besides
+  constexpr int KB = kAvx512Accumulators / G;
   __m512 acc[KB][G];
 #pragma GCC unroll 16
   for (int r = 0; r < KB; ++r)
@@ -278,7 +307,7 @@ struct Avx512 {
   using Q = uint16_t;
   using Key = uint16_t;
   static constexpr int kLanes = 16, kMaxGroups = 4;
-  static int keys_per_block(int groups) { return 16 / groups; }
+  static constexpr int keys_per_block(int groups) { return kAvx512Accumulators / groups; }
   static void fp8_row(const uint8_t* src, uint16_t* dst) { fp8_row_to_bf16_avx512(src, dst); }
   static void dot(int groups, const uint16_t* q, int planes, const float* w, const uint16_t* const* rows,
                   float* partial) {
@@ -299,6 +328,18 @@ const ScoreKernel& score_kernel(Isa isa) {
   if (isa == Isa::avx2) return avx2;
 #endif
   return portable;
+}
+
+void widen_fp8_key(Isa isa, const uint8_t* src, float* dst) {
+#ifdef SMLA_X86
+  if (isa == Isa::avx512) {
+    uint16_t bf16[kDim];
+    Avx512::fp8_row(src, bf16);
+    for (int d = 0; d < kDim; ++d) dst[d] = numeric::bf16_to_float(bf16[d]);
+    return;
+  }
+#endif
+  Portable::fp8_row(src, dst);
 }
 
 }  // namespace smla::cpu::indexer

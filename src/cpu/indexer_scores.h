@@ -57,4 +57,8 @@ struct ScoreKernel {
 // The kernel for `isa` (which must be supported).
 const ScoreKernel& score_kernel(Isa isa);
 
+// 128 fp8 key bytes widened as `isa`'s kernel widens them, as floats; tests
+// hold it to numeric::e4m3_to_float bit for bit.
+void widen_fp8_key(Isa isa, const uint8_t* src, float* dst);
+
 }  // namespace smla::cpu::indexer

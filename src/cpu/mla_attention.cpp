@@ -1,10 +1,375 @@
-// PLACEHOLDER: being written; replaced before the first commit.
-#include "smla/backend.h"
-#include "smla/error.h"
-#include "smla/spec.h"
+// The CPU attention ops. The checks (smla::check) have vouched for shapes,
+// dtypes and strides; this driver checks the index values it can read (slots,
+// lengths, block ids), turns each token's indices or block-table positions into
+// a list of cache-row pointers, and spreads (token, split) work items over
+// OpenMP threads. attention_kernels.cpp does the arithmetic.
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstring>
+#include <memory>
+#include <new>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "core/numeric.h"
+#include "cpu/attention_kernels.h"
 #include "cpu/kernels.h"
+#include "smla/error.h"
+
 namespace smla::cpu {
-void write_mla_cache(const WriteMlaCacheArgs&) { throw Error(ErrorKind::internal, "todo"); }
-void sparse_mla(const SparseMlaArgs&) { throw Error(ErrorKind::internal, "todo"); }
-void paged_mla_decode(const PagedMlaDecodeArgs&) { throw Error(ErrorKind::internal, "todo"); }
+
+namespace {
+
+using attn::padded_heads;
+
+// Byte addressing of a [num_blocks, block_size, row] cache with padded strides.
+struct CacheLayout {
+  uint8_t* base;
+  int64_t num_blocks, block_size, block_stride, row_stride;  // strides in bytes
+
+  explicit CacheLayout(const TensorView& c)
+      : base(c.ptr<uint8_t>()),
+        num_blocks(c.shape[0]),
+        block_size(c.shape[1]),
+        block_stride(c.strides[0] * static_cast<int64_t>(dtype_size(c.dtype))),
+        row_stride(c.strides[1] * static_cast<int64_t>(dtype_size(c.dtype))) {}
+  int64_t num_slots() const { return num_blocks * block_size; }
+  uint8_t* row(int64_t block, int64_t offset) const { return base + block * block_stride + offset * row_stride; }
+  uint8_t* slot(int64_t s) const { return row(s / block_size, s % block_size); }
+};
+
+// A grow-only, 64-byte aligned buffer: once warmed up, calls allocate nothing.
+class Buffer {
+ public:
+  std::byte* reserve(size_t bytes) {
+    if (bytes > size_) {
+      data_.reset(static_cast<std::byte*>(::operator new(bytes, std::align_val_t{64})));
+      size_ = bytes;
+    }
+    return data_.get();
+  }
+
+ private:
+  struct Free {
+    void operator()(std::byte* p) const { ::operator delete(p, std::align_val_t{64}); }
+  };
+  std::unique_ptr<std::byte, Free> data_;
+  size_t size_ = 0;
+};
+
+// Scratch of the calling thread, sized before each parallel region (so nothing
+// inside it allocates or throws): per OpenMP thread, and the split partials.
+struct Scratch {
+  std::vector<Buffer> per_thread;
+  std::vector<std::byte*> thread_ptr;
+  Buffer partials;
+};
+Scratch& scratch() {
+  thread_local Scratch s;
+  return s;
 }
+
+size_t round_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
+
+// Element offset of token t in a tensor whose leading dims are [T] (per_batch = 1)
+// or [B, s_q] (per_batch = s_q), with strides sb and sj.
+struct TokenIndex {
+  int64_t per_batch, sb, sj;
+  int64_t operator()(int64_t t) const { return (t / per_batch) * sb + (t % per_batch) * sj; }
+};
+
+struct Problem {
+  int64_t tokens = 0;
+  int heads = 0;
+  int64_t max_rows = 0;  // most positions any token has
+  const TensorView* q;
+  const TensorView* out;
+  const TensorView* lse;
+  TokenIndex q_at, out_at, lse_at;
+  int64_t q_head_stride, out_head_stride, lse_head_stride;
+  const float* sink;
+  float scale;
+  DType cache_dtype;
+};
+
+// Work items per token: the fewest splits whose makespan, ceil(tokens * s / threads) / s,
+// is within 10% of tokens / threads, keeping >= 128 rows per split.
+int choose_splits(int64_t tokens, int64_t max_rows, int threads) {
+  const int limit = static_cast<int>(std::clamp<int64_t>(max_rows / 128, 1, attn::kMaxSplits));
+  const double ideal = static_cast<double>(tokens) / threads;
+  for (int s = 1; s < limit; ++s)
+    if (static_cast<double>((tokens * s + threads - 1) / threads) / s <= 1.1 * ideal) return s;
+  return limit;
+}
+
+// Runs attention for every token; `rows.count(t)` is the number of positions of
+// token t and `rows.fill(t, k0, k1, list)` writes the valid rows among
+// positions [k0, k1) to `list`, returning how many.
+template <class Rows>
+void run_attention(const Problem& p, const Rows& rows) {
+  if (p.tokens == 0) return;
+  const attn::Kernels& kernels = attn::active_kernels();
+  const int threads = omp_get_max_threads();
+  const int splits = choose_splits(p.tokens, p.max_rows, threads);
+  const int hp = padded_heads(p.heads);
+  const size_t part_floats = size_t(hp) * (kMlaVDim + 2);  // acc, m, l
+  const size_t ws_bytes = round_up(kernels.workspace_bytes(p.heads), 64);
+  const size_t list_bytes = round_up(sizeof(const uint8_t*) * std::max<int64_t>(p.max_rows, 1), 64);
+  const size_t own_part_bytes = splits == 1 ? round_up(part_floats * sizeof(float), 64) : 0;
+
+  Scratch& s = scratch();
+  if (s.per_thread.size() < size_t(threads)) s.per_thread.resize(threads);
+  s.thread_ptr.resize(s.per_thread.size());
+  for (int i = 0; i < threads; ++i) s.thread_ptr[i] = s.per_thread[i].reserve(ws_bytes + list_bytes + own_part_bytes);
+  float* partials =
+      splits > 1 ? reinterpret_cast<float*>(s.partials.reserve(p.tokens * splits * part_floats * sizeof(float)))
+                 : nullptr;
+  std::byte* const* thread_ptr = s.thread_ptr.data();
+
+  const auto finalize = [&](int64_t t, const float* part, int n_parts, int h_begin, int h_end) {
+    attn::FinalizeJob f;
+    f.acc = part;
+    f.m = part + size_t(hp) * kMlaVDim;
+    f.l = f.m + hp;
+    f.part_stride = static_cast<int64_t>(part_floats);
+    f.n_parts = n_parts;
+    f.h_begin = h_begin;
+    f.h_end = h_end;
+    f.sink = p.sink;
+    f.out = p.out->ptr<uint16_t>() + p.out_at(t);
+    f.out_head_stride = p.out_head_stride;
+    f.out_dtype = p.out->dtype;
+    f.lse = p.lse->ptr<float>() + p.lse_at(t);
+    f.lse_head_stride = p.lse_head_stride;
+    kernels.finalize(f);
+  };
+
+#pragma omp parallel num_threads(threads)
+  {
+    std::byte* mine = thread_ptr[omp_get_thread_num()];
+    auto* list = reinterpret_cast<const uint8_t**>(mine + ws_bytes);
+    float* own_part = reinterpret_cast<float*>(mine + ws_bytes + list_bytes);
+#pragma omp for schedule(dynamic)
+    for (int64_t item = 0; item < p.tokens * splits; ++item) {
+      const int64_t t = item / splits, split = item % splits;
+      const int64_t n_pos = rows.count(t);
+      float* part = splits == 1 ? own_part : partials + item * part_floats;
+      attn::AttendJob j;
+      j.q = static_cast<const uint16_t*>(p.q->data) + p.q_at(t);
+      j.q_head_stride = p.q_head_stride;
+      j.q_dtype = p.q->dtype;
+      j.heads = p.heads;
+      j.cache_dtype = p.cache_dtype;
+      j.rows = list;
+      j.n_rows = rows.fill(t, n_pos * split / splits, n_pos * (split + 1) / splits, list);
+      j.scale = p.scale;
+      j.acc = part;
+      j.m = part + size_t(hp) * kMlaVDim;
+      j.l = j.m + hp;
+      j.workspace = mine;
+      kernels.attend(j);
+      if (splits == 1) finalize(t, part, 1, 0, p.heads);
+    }
+    if (splits > 1) {
+      constexpr int kHeadGroup = 16;
+      const int groups = (p.heads + kHeadGroup - 1) / kHeadGroup;
+#pragma omp for schedule(static)
+      for (int64_t item = 0; item < p.tokens * groups; ++item) {
+        const int64_t t = item / groups;
+        const int g = static_cast<int>(item % groups);
+        finalize(t, partials + t * splits * part_floats, splits, g * kHeadGroup,
+                 std::min(p.heads, (g + 1) * kHeadGroup));
+      }
+    }
+  }
+}
+
+struct SparseRows {
+  const int32_t* indices;
+  int64_t index_stride;
+  const int32_t* lengths;  // optional
+  int64_t length_stride;
+  int64_t topk;
+  CacheLayout cache;
+
+  int64_t count(int64_t t) const { return lengths ? lengths[t * length_stride] : topk; }
+  int64_t fill(int64_t t, int64_t k0, int64_t k1, const uint8_t** list) const {
+    const int32_t* idx = indices + t * index_stride;
+    const int64_t num_slots = cache.num_slots();
+    int64_t n = 0;
+    for (int64_t k = k0; k < k1; ++k)
+      if (idx[k] >= 0 && idx[k] < num_slots) list[n++] = cache.slot(idx[k]);
+    return n;
+  }
+};
+
+struct PagedRows {
+  const int32_t* table;
+  int64_t table_stride;
+  const int32_t* seq_lens;
+  int64_t seq_len_stride;
+  int64_t s_q;
+  bool causal;
+  CacheLayout cache;
+
+  int64_t count(int64_t t) const {
+    const int64_t len = seq_lens[(t / s_q) * seq_len_stride];
+    return causal ? len - s_q + t % s_q + 1 : len;
+  }
+  int64_t fill(int64_t t, int64_t k0, int64_t k1, const uint8_t** list) const {
+    const int32_t* blocks = table + (t / s_q) * table_stride;
+    for (int64_t pos = k0; pos < k1; ++pos)
+      list[pos - k0] = cache.row(blocks[pos / cache.block_size], pos % cache.block_size);
+    return k1 - k0;
+  }
+};
+
+// One row of write_mla_cache: `get(i)` reads value i of the latent (i < 512) or k_pe (i >= 512) as float.
+template <class Get>
+void write_row(DType cache_dtype, const Get& get, uint8_t* dst) {
+  if (cache_dtype != DType::fp8_ds_mla) {
+    auto* out = reinterpret_cast<uint16_t*>(dst);
+    for (int i = 0; i < kMlaQkDim; ++i)
+      out[i] = cache_dtype == DType::bf16 ? numeric::float_to_bf16(get(i)) : numeric::float_to_f16(get(i));
+    return;
+  }
+  float scales[4];
+  for (int tile = 0; tile < 4; ++tile) {
+    float x[128], amax = 0.f;
+    for (int i = 0; i < 128; ++i) {
+      x[i] = get(tile * 128 + i);
+      amax = std::fmax(amax, std::fabs(x[i]));
+    }
+    scales[tile] = numeric::ds_mla_tile_scale(amax);
+    for (int i = 0; i < 128; ++i) dst[tile * 128 + i] = numeric::float_to_e4m3(x[i] / scales[tile]);
+  }
+  std::memcpy(dst + kMlaLatentDim, scales, sizeof scales);
+  for (int i = 0; i < kMlaRopeDim; ++i) {
+    const uint16_t h = numeric::float_to_bf16(get(kMlaLatentDim + i));
+    std::memcpy(dst + kMlaLatentDim + sizeof scales + 2 * i, &h, 2);
+  }
+}
+
+float value_at(const TensorView& t, int64_t offset) {
+  switch (t.dtype) {
+    case DType::f32: return t.ptr<const float>()[offset];
+    case DType::f16: return numeric::f16_to_float(t.ptr<const uint16_t>()[offset]);
+    default: return numeric::bf16_to_float(t.ptr<const uint16_t>()[offset]);
+  }
+}
+
+// Tensors on another device reach here only when a caller forces the CPU backend.
+void require_cpu(std::string_view op, std::string_view name, const TensorView& t) {
+  if (!t.device.is_cpu())
+    fail(std::string(op) + ": " + std::string(name) + ": is on " + t.device.name() +
+         " but the cpu backend reads host memory");
+}
+
+}  // namespace
+
+void write_mla_cache(const WriteMlaCacheArgs& a) {
+  require_cpu("write_mla_cache", "cache", a.cache);
+  const int64_t n = a.latent.shape[0];
+  const CacheLayout cache(a.cache);
+  const auto* slots = a.slot_mapping.ptr<const int64_t>();
+  const int64_t slot_stride = a.slot_mapping.strides[0];
+  for (int64_t i = 0; i < n; ++i)
+    if (slots[i * slot_stride] >= cache.num_slots())
+      fail("write_mla_cache: slot_mapping: row " + std::to_string(i) + " holds slot " +
+           std::to_string(slots[i * slot_stride]) + ", beyond the cache's " + std::to_string(cache.num_slots()) +
+           " slots (num_blocks x block_size)");
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t slot = slots[i * slot_stride];
+    if (slot < 0) continue;
+    const int64_t lat = i * a.latent.strides[0], rope = i * a.k_pe.strides[0];
+    const auto get = [&](int d) {
+      return d < kMlaLatentDim ? value_at(a.latent, lat + d) : value_at(a.k_pe, rope + d - kMlaLatentDim);
+    };
+    write_row(a.cache.dtype, get, cache.slot(slot));
+  }
+}
+
+void sparse_mla(const SparseMlaArgs& a) {
+  require_cpu("sparse_mla", "q", a.q);
+  const int64_t tokens = a.q.shape[0], topk = a.indices.shape[1];
+  const auto* lengths = a.topk_length.defined() ? a.topk_length.ptr<const int32_t>() : nullptr;
+  const int64_t length_stride = lengths ? a.topk_length.strides[0] : 0;
+  if (lengths)
+    for (int64_t t = 0; t < tokens; ++t) {
+      const int32_t len = lengths[t * length_stride];
+      if (len < 0 || len > topk)
+        fail("sparse_mla: topk_length: row " + std::to_string(t) + " is " + std::to_string(len) + ", outside [0, " +
+             std::to_string(topk) + "] (K = indices.size(1))");
+    }
+  Problem p;
+  p.tokens = tokens;
+  p.heads = static_cast<int>(a.q.shape[1]);
+  p.max_rows = topk;
+  p.q = &a.q;
+  p.out = &a.out;
+  p.lse = &a.lse;
+  p.q_at = {1, a.q.strides[0], 0};
+  p.out_at = {1, a.out.strides[0], 0};
+  p.lse_at = {1, a.lse.strides[0], 0};
+  p.q_head_stride = a.q.strides[1];
+  p.out_head_stride = a.out.strides[1];
+  p.lse_head_stride = a.lse.strides[1];
+  p.sink = a.attn_sink.defined() ? a.attn_sink.ptr<const float>() : nullptr;
+  p.scale = a.softmax_scale;
+  p.cache_dtype = a.kv_cache.dtype;
+  run_attention(p, SparseRows{a.indices.ptr<const int32_t>(), a.indices.strides[0], lengths, length_stride, topk,
+                              CacheLayout(a.kv_cache)});
+}
+
+void paged_mla_decode(const PagedMlaDecodeArgs& a) {
+  require_cpu("paged_mla_decode", "q", a.q);
+  const int64_t batch = a.q.shape[0], s_q = a.q.shape[1];
+  const int64_t max_blocks = a.block_table.shape[1];
+  const CacheLayout cache(a.kv_cache);
+  const auto* table = a.block_table.ptr<const int32_t>();
+  const auto* seq_lens = a.seq_lens.ptr<const int32_t>();
+  const int64_t table_stride = a.block_table.strides[0], len_stride = a.seq_lens.strides[0];
+  int64_t max_rows = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t len = seq_lens[b * len_stride];
+    const std::string row = "paged_mla_decode: seq_lens: row " + std::to_string(b) + " is " + std::to_string(len);
+    if (len < 0) fail(row + "; lengths must be >= 0");
+    if (len > max_blocks * cache.block_size)
+      fail(row + ", beyond the block table's capacity of " + std::to_string(max_blocks) + " blocks x " +
+           std::to_string(cache.block_size) + " = " + std::to_string(max_blocks * cache.block_size) + " positions");
+    if (a.causal && len < s_q)
+      fail(row + ", shorter than the s_q = " + std::to_string(s_q) + " new tokens it must contain (causal)");
+    for (int64_t j = 0; j < (len + cache.block_size - 1) / cache.block_size; ++j) {
+      const int64_t block = table[b * table_stride + j];
+      if (block < 0 || block >= cache.num_blocks)
+        fail("paged_mla_decode: block_table: row " + std::to_string(b) + ", column " + std::to_string(j) + " is " +
+             std::to_string(block) + ", outside [0, " + std::to_string(cache.num_blocks) +
+             ") (num_blocks), and seq_lens reads it");
+    }
+    max_rows = std::max(max_rows, len);
+  }
+  Problem p;
+  p.tokens = batch * s_q;
+  p.heads = static_cast<int>(a.q.shape[2]);
+  p.max_rows = max_rows;
+  p.q = &a.q;
+  p.out = &a.out;
+  p.lse = &a.lse;
+  p.q_at = {s_q, a.q.strides[0], a.q.strides[1]};
+  p.out_at = {s_q, a.out.strides[0], a.out.strides[1]};
+  p.lse_at = {s_q, a.lse.strides[0], a.lse.strides[1]};
+  p.q_head_stride = a.q.strides[2];
+  p.out_head_stride = a.out.strides[2];
+  p.lse_head_stride = a.lse.strides[2];
+  p.sink = a.attn_sink.defined() ? a.attn_sink.ptr<const float>() : nullptr;
+  p.scale = a.softmax_scale;
+  p.cache_dtype = a.kv_cache.dtype;
+  run_attention(p, PagedRows{table, table_stride, seq_lens, len_stride, s_q, a.causal, cache});
+}
+
+}  // namespace smla::cpu

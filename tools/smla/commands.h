@@ -10,5 +10,6 @@ namespace smla::cli {
 using Action = std::function<int()>;
 Action add_explain(CLI::App& app);
 Action add_backends(CLI::App& app);
+Action add_run(CLI::App& app);
 
 }  // namespace smla::cli

@@ -8,7 +8,7 @@
 int main(int argc, char** argv) {
   CLI::App app{"smla: Multi-head Latent Attention and DeepSeek Sparse Attention on CPUs and NVIDIA GPUs"};
   app.require_subcommand(1);
-  std::vector<smla::cli::Action> actions = {smla::cli::add_explain(app), smla::cli::add_backends(app)};
+  std::vector<smla::cli::Action> actions = {smla::cli::add_run(app), smla::cli::add_explain(app), smla::cli::add_backends(app)};
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -1,0 +1,138 @@
+#include "reference/indexer_reference.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <numeric>
+
+#include "core/numeric.h"
+
+namespace smla::reference {
+
+namespace {
+
+const uint8_t* address(const TensorView& t, std::initializer_list<int64_t> index) {
+  int64_t offset = 0, d = 0;
+  for (int64_t i : index) offset += i * t.strides[d++];
+  return static_cast<const uint8_t*>(t.data) + offset * static_cast<int64_t>(dtype_size(t.dtype));
+}
+
+float read_f32(const uint8_t* p) {
+  float f;
+  std::memcpy(&f, p, sizeof f);
+  return f;
+}
+
+}  // namespace
+
+double element(const TensorView& t, std::initializer_list<int64_t> index) {
+  const uint8_t* p = address(t, index);
+  auto read = [p](auto value) {
+    std::memcpy(&value, p, sizeof value);
+    return value;
+  };
+  switch (t.dtype) {
+    case DType::f32: return read(0.f);
+    case DType::f16: return numeric::f16_to_float(read(uint16_t{}));
+    case DType::bf16: return numeric::bf16_to_float(read(uint16_t{}));
+    case DType::fp8_e4m3: return numeric::e4m3_to_float(*p);
+    case DType::i32: return read(int32_t{});
+    case DType::i64: return static_cast<double>(read(int64_t{}));
+    default: return std::numeric_limits<double>::quiet_NaN();
+  }
+}
+
+void ref_write_index_cache(const WriteIndexCacheArgs& a) {
+  const int64_t block_size = a.cache.shape[1];
+  for (int64_t i = 0; i < a.k.shape[0]; ++i) {
+    const int64_t slot = static_cast<int64_t>(element(a.slot_mapping, {i}));
+    if (slot < 0) continue;
+    const int64_t block = slot / block_size, offset = slot % block_size;
+    uint8_t* base = const_cast<uint8_t*>(address(a.cache, {block, 0, 0}));
+    if (a.cache.dtype == DType::bf16) {
+      for (int64_t d = 0; d < kIndexHeadDim; ++d) {
+        const uint16_t bits = numeric::float_to_bf16(static_cast<float>(element(a.k, {i, d})));
+        std::memcpy(const_cast<uint8_t*>(address(a.cache, {block, offset, d})), &bits, sizeof bits);
+      }
+      continue;
+    }
+    double amax = 0;
+    for (int64_t d = 0; d < kIndexHeadDim; ++d) amax = std::max(amax, std::fabs(element(a.k, {i, d})));
+    const float scale = numeric::index_key_scale(static_cast<float>(amax));
+    for (int64_t d = 0; d < kIndexHeadDim; ++d)
+      base[offset * kIndexHeadDim + d] = numeric::float_to_e4m3(static_cast<float>(element(a.k, {i, d}) / scale));
+    std::memcpy(base + block_size * kIndexHeadDim + offset * 4, &scale, sizeof scale);
+  }
+}
+
+std::vector<double> ref_index_key(const TensorView& cache, int64_t block, int64_t offset, double* scale) {
+  std::vector<double> key(kIndexHeadDim);
+  *scale = 1;
+  if (cache.dtype == DType::bf16) {
+    for (int64_t d = 0; d < kIndexHeadDim; ++d) key[d] = element(cache, {block, offset, d});
+    return key;
+  }
+  const uint8_t* base = address(cache, {block, 0, 0});
+  *scale = read_f32(base + cache.shape[1] * kIndexHeadDim + offset * 4);
+  for (int64_t d = 0; d < kIndexHeadDim; ++d) key[d] = numeric::e4m3_to_float(base[offset * kIndexHeadDim + d]);
+  return key;
+}
+
+std::vector<double> ref_indexer_scores(const IndexerTopkArgs& a, int64_t t) {
+  const int64_t heads = a.q.shape[1], block_size = a.index_cache.shape[1];
+  const int64_t request = static_cast<int64_t>(element(a.request_ids, {t}));
+  const int64_t context = static_cast<int64_t>(element(a.context_lens, {t}));
+  std::vector<double> scores(context);
+  for (int64_t s = 0; s < context; ++s) {
+    const int64_t block = static_cast<int64_t>(element(a.block_table, {request, s / block_size}));
+    double k_scale;
+    const std::vector<double> key = ref_index_key(a.index_cache, block, s % block_size, &k_scale);
+    double score = 0;
+    for (int64_t h = 0; h < heads; ++h) {
+      double dot = 0;
+      for (int64_t d = 0; d < kIndexHeadDim; ++d) dot += element(a.q, {t, h, d}) * key[d];
+      const double q_scale = a.q.dtype == DType::fp8_e4m3 ? element(a.q_scale, {t, h}) : 1.0;
+      score += element(a.weights, {t, h}) * q_scale * std::max(dot, 0.0);
+    }
+    scores[s] = score * k_scale;
+  }
+  return scores;
+}
+
+std::vector<int32_t> ref_topk_of_scores(const std::vector<double>& scores, int64_t k) {
+  std::vector<int32_t> order(scores.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int32_t x, int32_t y) { return scores[x] > scores[y]; });
+  order.resize(static_cast<size_t>(k), -1);
+  return order;
+}
+
+void ref_indexer_topk(const IndexerTopkArgs& a) {
+  const int64_t k = a.topk.shape[1];
+  for (int64_t t = 0; t < a.q.shape[0]; ++t) {
+    const std::vector<int32_t> best = ref_topk_of_scores(ref_indexer_scores(a, t), k);
+    for (int64_t i = 0; i < k; ++i)
+      std::memcpy(const_cast<uint8_t*>(address(a.topk, {t, i})), &best[i], sizeof(int32_t));
+  }
+}
+
+void ref_positions_to_slots(const PositionsToSlotsArgs& a) {
+  const int64_t block_size = a.block_size, max_blocks = a.block_table.shape[1];
+  for (int64_t t = 0; t < a.positions.shape[0]; ++t) {
+    const int64_t request = static_cast<int64_t>(element(a.request_ids, {t}));
+    for (int64_t i = 0; i < a.positions.shape[1]; ++i) {
+      const int64_t pos = static_cast<int64_t>(element(a.positions, {t, i}));
+      int64_t slot = -1;
+      if (pos >= 0 && pos < max_blocks * block_size) {
+        const int64_t block = static_cast<int64_t>(element(a.block_table, {request, pos / block_size}));
+        if (block >= 0) slot = block * block_size + pos % block_size;
+      }
+      if (slot > std::numeric_limits<int32_t>::max()) slot = -1;
+      const int32_t value = static_cast<int32_t>(slot);
+      std::memcpy(const_cast<uint8_t*>(address(a.slots, {t, i})), &value, sizeof value);
+    }
+  }
+}
+
+}  // namespace smla::reference

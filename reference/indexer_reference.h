@@ -1,0 +1,32 @@
+// Float64 references of the indexer ops (the attention ones are in
+// mla_reference.h), written as plainly as possible: loops over the
+// definitions in docs/ops.md, reading tensors element by element through
+// their strides. They take the same Args as the ops and write the same outputs.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "smla/ops.h"
+
+namespace smla::reference {
+
+// One element of a host tensor as float64 (f32, f16, bf16, fp8_e4m3, i32, i64).
+double element(const TensorView& t, std::initializer_list<int64_t> index);
+
+void ref_write_index_cache(const WriteIndexCacheArgs& args);
+
+// The index key of cache slot (block, offset): its 128 stored values, and its
+// fp32 scale in *scale (1 for a bf16 cache).
+std::vector<double> ref_index_key(const TensorView& index_cache, int64_t block, int64_t offset, double* scale);
+
+// Token t's scores over logical positions [0, context_lens[t]).
+std::vector<double> ref_indexer_scores(const IndexerTopkArgs& args, int64_t t);
+
+// Positions of the top-k scores, best first, ties toward the lower position, -1 padded.
+std::vector<int32_t> ref_topk_of_scores(const std::vector<double>& scores, int64_t k);
+
+void ref_indexer_topk(const IndexerTopkArgs& args);
+void ref_positions_to_slots(const PositionsToSlotsArgs& args);
+
+}  // namespace smla::reference
