@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "core/numeric.h"
+#include "smla/error.h"
 #include "smla/select.h"
 #include "support/test_util.h"
 

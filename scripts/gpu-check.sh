@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One GPU session: build the CUDA tests and benchmark for this machine's GPU,
+# run the tests, compute-sanitizer on small cases, then the benchmark (its
+# table last). Logs go to $OUT when set. Dependencies that the machine cannot
+# install come from .devdeps (scripts/pack-device-deps.sh).
+set -uo pipefail
+out=${OUT:-/tmp/smla-gpu}
+mkdir -p "$out"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
+arch=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d .)
+prefix=()
+[ -d .devdeps ] && prefix=(-DCMAKE_PREFIX_PATH="$PWD/.devdeps/usr")
+cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES="${arch}-real" "${prefix[@]}" \
+  >"$out/configure.log" 2>&1 || { tail -30 "$out/configure.log"; exit 1; }
+cmake --build build-gpu -j "$(nproc)" --target test_gpu_attention bench_cuda_attention >"$out/build.log" 2>&1 ||
+  { grep -E "error" "$out/build.log" | head -30; exit 1; }
+echo "== GPU tests"
+./build-gpu/tests/gpu/test_gpu_attention 2>&1 | tee "$out/test.log" | grep -E "^\[  (PASSED|FAILED)|Failure|error|Expected|Which is|which is" | head -40
+small="CudaSparseMla.TopkLengthSinksAndStridedQ:CudaPagedDecode.*:CudaWriteMlaCache.*"
+if command -v compute-sanitizer >/dev/null; then
+  for tool in memcheck racecheck; do
+    echo "== compute-sanitizer $tool"
+    compute-sanitizer --tool "$tool" --error-exitcode 9 ./build-gpu/tests/gpu/test_gpu_attention --gtest_filter="$small" \
+      >"$out/$tool.log" 2>&1
+    echo "exit $? ; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/$tool.log" | tail -1)"
+  done
+fi
+echo "== benchmark"
+./build-gpu/bench/bench_cuda_attention 2>&1 | tee "$out/bench.txt"
