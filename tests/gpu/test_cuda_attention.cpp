@@ -80,6 +80,17 @@ std::vector<uint8_t> make_cache(test::Rng& rng, const Problem& pr, const std::ve
   return cache;
 }
 
+// Queries as the kernel sees them: it computes in the cache's 16-bit type
+// (bf16 for fp8_ds_mla) and rounds queries of the other type to it, as
+// docs/ops.md says. Pre-rounding makes that conversion exact, so the CPU and
+// GPU results are compared on the same function.
+std::vector<uint16_t> queries(test::Rng& rng, size_t n, DType q_dtype, DType kv_dtype) {
+  const DType compute = kv_dtype == DType::f16 ? DType::f16 : DType::bf16;
+  std::vector<float> rounded;
+  test::to_half_bits(test::random_floats(rng, n, -1.f, 1.f), compute, &rounded);
+  return test::to_half_bits(rounded, q_dtype);
+}
+
 std::vector<double> as_doubles(const std::vector<uint16_t>& bits, DType d) {
   std::vector<double> v(bits.size());
   for (size_t i = 0; i < bits.size(); ++i) v[i] = test::half_bits_to_float(bits[i], d);
@@ -125,7 +136,7 @@ void run_sparse(const Problem& pr, uint64_t seed) {
   auto cache = make_cache(rng, p, used, cache_view);
 
   const int64_t q_row = p.q_padded ? kMlaQkDim + 64 : kMlaQkDim;
-  auto qbits = test::to_half_bits(test::random_floats(rng, p.tokens * p.heads * q_row, -1.f, 1.f), p.q_dtype);
+  auto qbits = queries(rng, p.tokens * p.heads * q_row, p.q_dtype, p.kv_dtype);
   std::vector<int32_t> lens(p.tokens);
   for (auto& l : lens) l = static_cast<int32_t>(rng() % (p.topk + 1));
   std::vector<float> sink = test::random_floats(rng, p.heads, -2.f, 2.f);
@@ -237,7 +248,7 @@ void run_paged(DType q_dtype, DType kv, int batch, int s_q, int heads, int block
   }
   TensorView cache_view;
   auto cache = make_cache(rng, p, used, cache_view);
-  auto qbits = test::to_half_bits(test::random_floats(rng, batch * s_q * heads * kMlaQkDim), q_dtype);
+  auto qbits = queries(rng, batch * s_q * heads * kMlaQkDim, q_dtype, kv);
 
   PagedMlaDecodeArgs a;
   a.q = TensorView(qbits.data(), {batch, s_q, heads, kMlaQkDim}, q_dtype);

@@ -19,10 +19,16 @@ using mla::CacheFormat;
 
 using KernelFn = void (*)(AttentionParams);
 
+// Pipeline depths compiled per format (see mla::chunks_in_flight).
+constexpr int kHalfStages[] = {2, 3, 4};
+constexpr int kFp8Stages[] = {1, 2, 3};
+
 template <CacheFormat F, bool kPaged>
 KernelFn kernel_for(int stages) {
-  if constexpr (F == CacheFormat::fp8_ds_mla) return mla::attention_kernel<F, kPaged, 1>;
-  else return stages == 3 ? mla::attention_kernel<F, kPaged, 3> : mla::attention_kernel<F, kPaged, 2>;
+  constexpr const int* depths = F == CacheFormat::fp8_ds_mla ? kFp8Stages : kHalfStages;
+  if (stages == depths[0]) return mla::attention_kernel<F, kPaged, depths[0]>;
+  if (stages == depths[1]) return mla::attention_kernel<F, kPaged, depths[1]>;
+  return mla::attention_kernel<F, kPaged, depths[2]>;
 }
 
 KernelFn select_kernel(CacheFormat f, bool paged, int stages) {
@@ -104,23 +110,25 @@ void launch(AttentionParams& p, CacheFormat f, bool paged, int num_keys, cudaStr
   const DeviceInfo& dev = current_device();
   if (p.num_tokens == 0) return;
 
-  // Pipeline depth: the one that keeps more chunks in flight per SM
-  // (CTAs per SM x prefetched stages); ties go to more CTAs.
-  KernelFn fn = select_kernel(f, paged, 2);
-  int smem = mla::SmemLayout(f, 2).total;
-  int per_sm = prepare(fn, smem);
-  if (f != CacheFormat::fp8_ds_mla && mla::SmemLayout(f, 3).total <= dev.max_smem_per_block) {
-    const int smem3 = mla::SmemLayout(f, 3).total;
-    KernelFn fn3 = select_kernel(f, paged, 3);
-    const int per_sm3 = prepare(fn3, smem3);
-    if (per_sm3 * 2 > per_sm * 1) {
-      fn = fn3;
-      smem = smem3;
-      per_sm = per_sm3;
+  // Pipeline depth from this device's shared memory: the deepest one that
+  // keeps the most CTAs per SM. Measured on an H200: two CTAs with one chunk
+  // in flight each beat one CTA with three (the softmax barriers of one CTA
+  // leave the SM idle unless another CTA runs beside it).
+  KernelFn fn = nullptr;
+  int smem = 0, per_sm = 0;
+  for (int stages : f == CacheFormat::fp8_ds_mla ? kFp8Stages : kHalfStages) {
+    const int bytes = mla::SmemLayout(f, stages).total;
+    if (bytes > dev.max_smem_per_block) continue;
+    KernelFn k = select_kernel(f, paged, stages);
+    const int ctas = prepare(k, bytes);
+    if (ctas >= per_sm && ctas > 0) {
+      fn = k;
+      smem = bytes;
+      per_sm = ctas;
     }
   }
   if (per_sm == 0)
-    throw Error(ErrorKind::unsupported, "MLA attention needs " + std::to_string(smem) +
+    throw Error(ErrorKind::unsupported, "MLA attention needs " + std::to_string(mla::SmemLayout(f, 2).total) +
                                             " bytes of shared memory per block; this device allows " +
                                             std::to_string(dev.max_smem_per_block));
 

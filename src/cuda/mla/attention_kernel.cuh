@@ -1,8 +1,10 @@
 // MLA attention on tensor cores (mma.sync, SM80+): one CTA = one query token,
 // 16 heads (one mma row tile) and a range of 32-key chunks. The selected
 // cache rows are gathered with cp.async into shared memory (fp8 rows are
-// dequantised there), scores and P*V run on m16n8k16 with fp32 accumulators,
-// the softmax is online in fp32 (log2 domain).
+// dequantised there). Scores: each warp holds a quarter of the 576 query dims
+// in registers and computes partial scores for all 32 keys (four independent
+// accumulator chains, no query reloads); the partials are summed in the fp32
+// online softmax (log2 domain). P*V: each warp owns 128 output columns.
 #pragma once
 
 #include <cuda_fp8.h>
@@ -23,25 +25,34 @@ constexpr int kPieces = kQkDim * 2 / 16;  // 16-byte pieces of a 16-bit row (72)
 constexpr int kFp8RowBytes = 656;
 constexpr int kFp8Pieces = kFp8RowBytes / 16;  // 41
 constexpr int kSRow = kKeysPerChunk + 4;       // fp32 scores row
+constexpr int kDimsPerWarp = kQkDim / 4;       // 144 = 9 k-steps of 16
 constexpr int kPRow = kKeysPerChunk + 8;       // 16-bit probabilities row (80 bytes, 16-byte aligned)
 
 template <CacheFormat F>
 using ComputeT = std::conditional_t<F == CacheFormat::f16, __half, __nv_bfloat16>;
 
+// Pipeline depth: 16-bit caches are gathered straight into `stages` key
+// buffers (stages - 1 chunks in flight while one is used); fp8 rows land in
+// `stages` staging buffers and are dequantised into one key buffer (stages
+// chunks in flight).
+__host__ __device__ constexpr int chunks_in_flight(CacheFormat f, int stages) {
+  return f == CacheFormat::fp8_ds_mla ? stages : stages - 1;
+}
+
 // Shared-memory layout, in bytes from the start (all offsets 16-byte aligned).
+// The queries pass through the last key buffer once, before it is first used.
 struct SmemLayout {
-  int q, k, staging, s, p, stats, valid, total;
-  __host__ __device__ constexpr SmemLayout(CacheFormat f, int stages) : q(0), k(0), staging(0), s(0), p(0), stats(0), valid(0), total(0) {
+  int k = 0, staging = 0, s = 0, p = 0, stats = 0, valid = 0, valid_sets = 0, total = 0, q = 0;
+  __host__ __device__ constexpr SmemLayout(CacheFormat f, int stages) {
     const bool fp8 = f == CacheFormat::fp8_ds_mla;
     const int k_buffers = fp8 ? 1 : stages;
-    const int valid_sets = fp8 ? 2 : stages;
-    q = 0;
-    k = q + kHeadsPerCta * kRowElems * 2;
+    q = (k_buffers - 1) * kKeysPerChunk * kRowElems * 2;
     staging = k + k_buffers * kKeysPerChunk * kRowElems * 2;
-    s = staging + (fp8 ? kKeysPerChunk * kFp8RowBytes : 0);
-    p = s + kHeadsPerCta * kSRow * 4;
+    s = staging + (fp8 ? stages * kKeysPerChunk * kFp8RowBytes : 0);
+    p = s + 4 * kHeadsPerCta * kSRow * 4;  // one partial-score tile per warp
     stats = p + kHeadsPerCta * kPRow * 2;
     valid = stats + 3 * kHeadsPerCta * 4;
+    valid_sets = chunks_in_flight(f, stages) + 1;  // the chunk in use and those in flight
     total = valid + valid_sets * kKeysPerChunk * 4;
   }
 };
@@ -70,9 +81,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const AttentionPara
   constexpr bool kFp8 = F == CacheFormat::fp8_ds_mla;
   constexpr SmemLayout L(F, kStages);
   extern __shared__ __align__(16) uint8_t smem[];
-  T* sq = reinterpret_cast<T*>(smem + L.q);
   T* sk = reinterpret_cast<T*>(smem + L.k);
-  uint8_t* staging = smem + L.staging;
   float* ss = reinterpret_cast<float*>(smem + L.s);
   T* sp = reinterpret_cast<T*>(smem + L.p);
   float* row_max = reinterpret_cast<float*>(smem + L.stats);
@@ -101,42 +110,33 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const AttentionPara
   const int chunk_begin = split * p.chunks_per_split;
   const int n_chunks = max(0, min(p.chunks_per_split, total_chunks - chunk_begin));
 
-  // Queries -> shared memory in the compute type; rows past the last head are zero.
-  const uint16_t* q = p.q + b * p.q_stride_b + j * p.q_stride_s + h0 * p.q_stride_h;
-  for (int i = tid; i < kHeadsPerCta * kPieces; i += kThreads) {
-    const int row = i / kPieces, piece = i % kPieces;
-    uint4 raw = make_uint4(0, 0, 0, 0);
-    if (row < nh) raw = *reinterpret_cast<const uint4*>(q + row * p.q_stride_h + piece * 8);
-    const uint16_t* in = reinterpret_cast<const uint16_t*>(&raw);
-    uint4 conv;
-    uint32_t* outw = reinterpret_cast<uint32_t*>(&conv);
-    for (int e = 0; e < 4; ++e)
-      outw[e] = pack2<T>(bits_to_float(in[2 * e], p.q_is_bf16), bits_to_float(in[2 * e + 1], p.q_is_bf16));
-    *reinterpret_cast<uint4*>(sq + row * kRowElems + piece * 8) = conv;
-  }
   if (tid < kHeadsPerCta) {
     row_max[tid] = -INFINITY;
     row_sum[tid] = 0.f;
   }
 
   // Gathers chunk `chunk` (its 32 rows) into `dst`: 4 threads per row, each
-  // 16-byte piece one cp.async; invalid rows are zero-filled, never read.
-  auto gather = [&](int chunk, uint8_t* dst, int dst_row_bytes, int pieces, int* valid_out) {
-    const int row = tid / 4, part = tid % 4;
-    const int key = chunk * kKeysPerChunk + row;
-    const int64_t slot = slot_of<kPaged>(p, t, b, key, visible);
+  // 16-byte piece one cp.async; invalid rows are zero-filled, never read. The
+  // row's slot was loaded a chunk earlier (`next_slot`), so the index load's
+  // latency is off the critical path.
+  const int my_row = tid / 4, my_part = tid % 4;
+  auto slot_for = [&](int chunk) { return slot_of<kPaged>(p, t, b, chunk * kKeysPerChunk + my_row, visible); };
+  int64_t next_slot = n_chunks > 0 ? slot_for(chunk_begin) : -1;
+  auto gather = [&](int chunk, uint8_t* dst, int dst_row_bytes, int pieces) {
+    const int64_t slot = next_slot;
+    if (chunk + 1 < chunk_begin + n_chunks) next_slot = slot_for(chunk + 1);
     const uint8_t* src = p.cache;
     if (slot >= 0) src += (slot / p.block_size) * p.block_stride + (slot % p.block_size) * p.row_stride;
-    for (int piece = part; piece < pieces; piece += 4)
-      cp_async_16(dst + row * dst_row_bytes + piece * 16, src + piece * 16, slot >= 0);
-    if (part == 0) valid_out[row] = slot >= 0;
+    for (int piece = my_part; piece < pieces; piece += 4)
+      cp_async_16(dst + my_row * dst_row_bytes + piece * 16, src + piece * 16, slot >= 0);
+    if (my_part == 0) valid[(chunk % L.valid_sets) * kKeysPerChunk + my_row] = slot >= 0;
   };
 
   // fp8_ds_mla rows: 512 e4m3 latents, 4 fp32 tile scales, 64 bf16 rope values -> bf16.
-  auto dequantise = [&]() {
+  auto dequantise = [&](const uint8_t* rows) {
     for (int i = tid; i < kKeysPerChunk * kPieces; i += kThreads) {
       const int row = i / kPieces, piece = i % kPieces;
-      const uint8_t* src = staging + row * kFp8RowBytes;
+      const uint8_t* src = rows + row * kFp8RowBytes;
       uint4 out;
       if (piece < kLatent / 8) {
         const float scale = reinterpret_cast<const float*>(src + kLatent)[piece / 16];
@@ -159,22 +159,31 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const AttentionPara
   for (int n = 0; n < 16; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
 
   // One chunk: scores, online softmax, O += P V, with keys in `kt` (row-major [32][kRowElems]).
+  uint32_t qa[kDimsPerWarp / 16][4];  // this warp's query fragments (A operand), loaded once
+
   auto attend = [&](const T* kt, const int* vmask) {
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll 2
-    for (int kk = 0; kk < kQkDim; kk += 32) {
-      uint32_t a0[4], a1[4], bk[4];
-      ldmatrix_x4(a0, sq + (lane % 16) * kRowElems + kk + (lane / 16) * 8);
-      ldmatrix_x4(a1, sq + (lane % 16) * kRowElems + kk + 16 + (lane / 16) * 8);
-      ldmatrix_x4(bk, kt + (warp * 8 + lane % 8) * kRowElems + kk + (lane / 8) * 8);
-      mma_16816<T>(acc, a0, {bk[0], bk[1]});
-      mma_16816<T>(acc, a1, {bk[2], bk[3]});
+    float acc[4][4] = {};  // partial scores of keys 8n..8n+7 over this warp's dims
+#pragma unroll
+    for (int ks = 0; ks < kDimsPerWarp / 16; ++ks) {
+      const int dim = warp * kDimsPerWarp + ks * 16;
+#pragma unroll
+      for (int n = 0; n < 4; n += 2) {
+        uint32_t bk[4];  // keys 8n..8n+15, dims dim..dim+15
+        ldmatrix_x4(bk, kt + (n * 8 + lane % 8 + (lane / 16) * 8) * kRowElems + dim + ((lane / 8) % 2) * 8);
+        mma_16816<T>(acc[n], qa[ks], {bk[0], bk[1]});
+        mma_16816<T>(acc[n + 1], qa[ks], {bk[2], bk[3]});
+      }
     }
-    const int g = lane / 4, c = warp * 8 + (lane % 4) * 2;
-    ss[g * kSRow + c] = acc[0];
-    ss[g * kSRow + c + 1] = acc[1];
-    ss[(g + 8) * kSRow + c] = acc[2];
-    ss[(g + 8) * kSRow + c + 1] = acc[3];
+    const int g = lane / 4;
+    float* part = ss + warp * kHeadsPerCta * kSRow;
+#pragma unroll
+    for (int n = 0; n < 4; ++n) {
+      const int c = n * 8 + (lane % 4) * 2;
+      part[g * kSRow + c] = acc[n][0];
+      part[g * kSRow + c + 1] = acc[n][1];
+      part[(g + 8) * kSRow + c] = acc[n][2];
+      part[(g + 8) * kSRow + c + 1] = acc[n][3];
+    }
     __syncthreads();
 
     {  // 8 threads per head row, 4 keys each
@@ -182,7 +191,9 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const AttentionPara
       float v[4], cmax = -INFINITY;
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        v[e] = vmask[c0 + e] ? ss[r * kSRow + c0 + e] * p.scale_log2 : -INFINITY;
+        const int at = r * kSRow + c0 + e;
+        const float score = (ss[at] + ss[at + kHeadsPerCta * kSRow]) + (ss[at + 2 * kHeadsPerCta * kSRow] + ss[at + 3 * kHeadsPerCta * kSRow]);
+        v[e] = vmask[c0 + e] ? score * p.scale_log2 : -INFINITY;
         cmax = fmaxf(cmax, v[e]);
       }
 #pragma unroll
@@ -233,37 +244,53 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const AttentionPara
     }
   };
 
-  if constexpr (kFp8) {
-    if (n_chunks > 0) gather(chunk_begin, staging, kFp8RowBytes, kFp8Pieces, valid);
-    cp_async_commit();
-    for (int i = 0; i < n_chunks; ++i) {
-      cp_async_wait<0>();
-      __syncthreads();  // staging holds chunk i; every warp is done with the previous chunk's keys
-      dequantise();
-      int* vm = valid + (i % 2) * kKeysPerChunk;
-      __syncthreads();
-      if (i + 1 < n_chunks)
-        gather(chunk_begin + i + 1, staging, kFp8RowBytes, kFp8Pieces, valid + ((i + 1) % 2) * kKeysPerChunk);
-      cp_async_commit();
-      attend(sk, vm);
-    }
-  } else {
-    constexpr int kStageBytes = kKeysPerChunk * kRowElems * 2;
+  // Chunk c lives in buffer c % kStages (key buffers, or fp8 staging).
+  constexpr int kAhead = chunks_in_flight(F, kStages);
+  constexpr int kBufBytes = kFp8 ? kKeysPerChunk * kFp8RowBytes : kKeysPerChunk * kRowElems * 2;
+  uint8_t* const bufs = smem + (kFp8 ? L.staging : L.k);
+  auto issue = [&](int i) {  // chunk i of this split, if it exists
+    if (i < n_chunks)
+      gather(chunk_begin + i, bufs + (i % kStages) * kBufBytes, kFp8 ? kFp8RowBytes : kRowElems * 2,
+             kFp8 ? kFp8Pieces : kPieces);
+    cp_async_commit();  // empty groups keep the wait counts uniform
+  };
 #pragma unroll
-    for (int s = 0; s < kStages - 1; ++s) {
-      if (s < n_chunks)
-        gather(chunk_begin + s, smem + L.k + s * kStageBytes, kRowElems * 2, kPieces, valid + s * kKeysPerChunk);
-      cp_async_commit();
-    }
-    for (int i = 0; i < n_chunks; ++i) {
-      cp_async_wait<kStages - 2>();
-      __syncthreads();  // chunk i has landed; every warp is done with chunk i-1's stage
-      const int next = i + kStages - 1;
-      if (next < n_chunks)
-        gather(chunk_begin + next, smem + L.k + (next % kStages) * kStageBytes, kRowElems * 2, kPieces,
-               valid + (next % kStages) * kKeysPerChunk);
-      cp_async_commit();
-      attend(reinterpret_cast<const T*>(smem + L.k + (i % kStages) * kStageBytes), valid + (i % kStages) * kKeysPerChunk);
+  for (int i = 0; i < kAhead; ++i) issue(i);
+
+  // Queries, converted to the compute type, pass through shared memory (the
+  // last key buffer, not yet in use) into registers; rows past the last head
+  // are zero.
+  T* sq = reinterpret_cast<T*>(smem + L.q);
+  const uint16_t* q = p.q + b * p.q_stride_b + j * p.q_stride_s + h0 * p.q_stride_h;
+  for (int i = tid; i < kHeadsPerCta * kPieces; i += kThreads) {
+    const int row = i / kPieces, piece = i % kPieces;
+    uint4 raw = make_uint4(0, 0, 0, 0);
+    if (row < nh) raw = *reinterpret_cast<const uint4*>(q + row * p.q_stride_h + piece * 8);
+    const uint16_t* in = reinterpret_cast<const uint16_t*>(&raw);
+    uint4 conv;
+    uint32_t* outw = reinterpret_cast<uint32_t*>(&conv);
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      outw[e] = pack2<T>(bits_to_float(in[2 * e], p.q_is_bf16), bits_to_float(in[2 * e + 1], p.q_is_bf16));
+    *reinterpret_cast<uint4*>(sq + row * kRowElems + piece * 8) = conv;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int ks = 0; ks < kDimsPerWarp / 16; ++ks)
+    ldmatrix_x4(qa[ks], sq + (lane % 16) * kRowElems + warp * kDimsPerWarp + ks * 16 + (lane / 16) * 8);
+  // The loop's first barrier orders these reads before the buffer is reused.
+  for (int i = 0; i < n_chunks; ++i) {
+    cp_async_wait<kAhead - 1>();
+    __syncthreads();  // chunk i has landed; every warp is done with chunk i-1
+    const int* vmask = valid + ((chunk_begin + i) % L.valid_sets) * kKeysPerChunk;
+    if constexpr (kFp8) {
+      dequantise(bufs + (i % kStages) * kBufBytes);
+      __syncthreads();  // staging buffer i % kStages is free again
+      issue(i + kAhead);
+      attend(sk, vmask);
+    } else {
+      issue(i + kAhead);  // into the buffer chunk i-1 used
+      attend(reinterpret_cast<const T*>(bufs + (i % kStages) * kBufBytes), vmask);
     }
   }
   cp_async_wait<0>();
