@@ -2,9 +2,10 @@
 // args, picks the pipeline depth and the split over keys for this device,
 // launches the attention and (when split) the combine kernel.
 #include <algorithm>
+#include <map>
 #include <mutex>
-#include <set>
 #include <tuple>
+#include <vector>
 
 #include "cuda/common/runtime.h"
 #include "cuda/kernels.h"
@@ -39,24 +40,6 @@ KernelFn select_kernel(CacheFormat f, bool paged, int stages) {
       return paged ? kernel_for<CacheFormat::fp8_ds_mla, true>(stages) : kernel_for<CacheFormat::fp8_ds_mla, false>(stages);
   }
   return nullptr;
-}
-
-// Opts the kernel into `smem` bytes of dynamic shared memory (once per device)
-// and returns how many CTAs of it fit on one multiprocessor.
-int prepare(KernelFn fn, int smem) {
-  static std::mutex mu;
-  static std::set<std::tuple<int, KernelFn>> done;
-  const DeviceInfo& dev = current_device();
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    if (done.insert({dev.index, fn}).second)
-      check_cuda(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
-                 "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");
-  }
-  int blocks = 0;
-  check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, fn, mla::kThreads, smem),
-             "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
-  return blocks;
 }
 
 CacheFormat format_of(DType d) {
@@ -106,38 +89,77 @@ void fill_common(AttentionParams& p, const char* op, const TensorView& q, int64_
   require_aligned(op, "out", out.data, 8, {o_sb * 2, o_ss * 2, p.out_stride_h * 2});
 }
 
-void launch(AttentionParams& p, CacheFormat f, bool paged, int num_keys, cudaStream_t stream) {
-  const DeviceInfo& dev = current_device();
-  if (p.num_tokens == 0) return;
-
-  // Pipeline depth from this device's shared memory: the deepest one that
-  // keeps the most CTAs per SM. Measured on an H200: two CTAs with one chunk
-  // in flight each beat one CTA with three (the softmax barriers of one CTA
-  // leave the SM idle unless another CTA runs beside it).
+struct LaunchConfig {
   KernelFn fn = nullptr;
-  int smem = 0, per_sm = 0;
+  int smem = 0, ctas_per_sm = 0;
+};
+
+// Pipeline depth from this device's shared memory, chosen once per (device,
+// format, op). Measured on an H200: one CTA per SM with a deep pipeline loses
+// to two CTAs with shallow ones (a lone CTA's softmax barriers idle the SM),
+// so the rule is: the deepest pipeline that still fits two CTAs per SM (or
+// the most the device allows).
+const LaunchConfig& launch_config(CacheFormat f, bool paged) {
+  static std::mutex mu;
+  static std::map<std::tuple<int, CacheFormat, bool>, LaunchConfig> configs;
+  const DeviceInfo& dev = current_device();
+  std::lock_guard<std::mutex> lock(mu);
+  const auto key = std::make_tuple(dev.index, f, paged);
+  if (auto it = configs.find(key); it != configs.end()) return it->second;
+  std::vector<LaunchConfig> fits;
+  int most = 0;
   for (int stages : f == CacheFormat::fp8_ds_mla ? kFp8Stages : kHalfStages) {
     const int bytes = mla::SmemLayout(f, stages).total;
     if (bytes > dev.max_smem_per_block) continue;
     KernelFn k = select_kernel(f, paged, stages);
-    const int ctas = prepare(k, bytes);
-    if (ctas >= per_sm && ctas > 0) {
-      fn = k;
-      smem = bytes;
-      per_sm = ctas;
-    }
+    check_cuda(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
+               "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");
+    int ctas = 0;
+    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, k, mla::kThreads, bytes),
+               "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+    if (ctas == 0) continue;
+    fits.push_back({k, bytes, ctas});
+    most = std::max(most, ctas);
   }
-  if (per_sm == 0)
+  if (fits.empty())
     throw Error(ErrorKind::unsupported, "MLA attention needs " + std::to_string(mla::SmemLayout(f, 2).total) +
                                             " bytes of shared memory per block; this device allows " +
                                             std::to_string(dev.max_smem_per_block));
+  LaunchConfig best;
+  for (const LaunchConfig& c : fits)  // depths ascend, so the last that fits wins
+    if (c.ctas_per_sm >= std::min(2, most)) best = c;
+  return configs.emplace(key, best).first->second;
+}
 
-  // Split the keys when one CTA per (token, head group) leaves SMs idle (decode).
+// How many ways to split each (token, head group)'s keys: the count whose CTAs
+// fill the GPU's resident slots in whole waves best (a last wave half full
+// leaves half the GPU idle: 384 CTAs on 264 slots ran at ~70%), the smallest
+// such count on ties (each split costs a partial row and a combine). Each
+// split keeps at least two chunks.
+int choose_splits(int64_t ctas, int chunks, int64_t slots) {
+  const int most = std::max(1, std::min(chunks / 2, mla::kMaxSplits));
+  int best = 1;
+  double best_fill = 0;
+  for (int s = 1; s <= most && ctas * s <= 8 * slots + ctas; ++s) {
+    const int64_t total = ctas * s, waves = (total + slots - 1) / slots;
+    const double fill = static_cast<double>(total) / static_cast<double>(waves * slots);
+    if (fill > best_fill + 1e-9) {
+      best = s;
+      best_fill = fill;
+    }
+  }
+  return best;
+}
+
+void launch(AttentionParams& p, CacheFormat f, bool paged, int num_keys, cudaStream_t stream) {
+  if (p.num_tokens == 0) return;
+  const DeviceInfo& dev = current_device();
+  const LaunchConfig& cfg = launch_config(f, paged);
+
   const int head_groups = (p.num_heads + mla::kHeadsPerCta - 1) / mla::kHeadsPerCta;
   const int64_t ctas = static_cast<int64_t>(p.num_tokens) * head_groups;
   const int chunks = std::max(1, (num_keys + mla::kKeysPerChunk - 1) / mla::kKeysPerChunk);
-  const int64_t target = static_cast<int64_t>(dev.num_sms) * per_sm;
-  int splits = static_cast<int>(std::clamp<int64_t>((target + ctas - 1) / ctas, 1, std::max(1, chunks / 2)));
+  const int splits = choose_splits(ctas, chunks, static_cast<int64_t>(dev.num_sms) * cfg.ctas_per_sm);
   p.chunks_per_split = (chunks + splits - 1) / splits;
   p.num_splits = (chunks + p.chunks_per_split - 1) / p.chunks_per_split;
   if (p.num_splits > 1) {
@@ -146,7 +168,7 @@ void launch(AttentionParams& p, CacheFormat f, bool paged, int num_keys, cudaStr
     p.partial_out = ws;
     p.partial_lse = ws + rows * mla::kVDim;
   }
-  fn<<<dim3(static_cast<unsigned>(ctas), p.num_splits), mla::kThreads, smem, stream>>>(p);
+  cfg.fn<<<dim3(static_cast<unsigned>(ctas), p.num_splits), mla::kThreads, cfg.smem, stream>>>(p);
   check_launch("smla MLA attention kernel");
   if (p.num_splits > 1) {
     mla::combine_kernel<<<static_cast<unsigned>(p.num_tokens) * p.num_heads, mla::kThreads, 0, stream>>>(p);
