@@ -4,7 +4,7 @@ BUILD ?= build
 JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?=
 
-.PHONY: run test test-asan test-gpu deps build install clean
+.PHONY: run test python-test test-asan test-gpu deps build install clean
 
 deps:
 	bash scripts/install-deps.sh
@@ -19,9 +19,21 @@ build: deps $(BUILD)/CMakeCache.txt
 run: build
 	$(BUILD)/tools/smla/smla run
 
-# Every CPU test.
+# Every CPU test: the C++ tests, then the Python package's.
 test: build
 	ctest --test-dir $(BUILD) --output-on-failure -j $(JOBS) -LE gpu
+	$(MAKE) --no-print-directory python-test
+
+# The Python package: `pip install .` into $(PYTHON) (with the CUDA kernels when nvcc is found;
+# built in $(BUILD)-py so that a re-run is incremental), then its tests (the GPU ones skip
+# without a GPU). PIP_CONFIG passes more, e.g. -Ccmake.define.SMLA_CUDA=OFF.
+PYTHON ?= python3
+PIP_CONFIG ?=
+python-test: deps
+	PYTHON=$(PYTHON) bash scripts/install-deps.sh --python
+	CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) $(PYTHON) -m pip install --no-build-isolation --disable-pip-version-check \
+	  --root-user-action=ignore . -Cbuild-dir=$(BUILD)-py $(PIP_CONFIG)
+	$(PYTHON) -m pytest tests/python -q
 
 # The GPU tests (on a machine with an NVIDIA GPU of compute capability >= 8.0).
 test-gpu: build

@@ -12,18 +12,18 @@ prefix=()
 [ -d .devdeps ] && prefix=(-DCMAKE_PREFIX_PATH="$PWD/.devdeps/usr")
 cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES="${arch}-real" "${prefix[@]}" \
   >"$out/configure.log" 2>&1 || { tail -30 "$out/configure.log"; exit 1; }
-cmake --build build-gpu -j "$(nproc)" --target test_gpu_attention bench_cuda_attention >"$out/build.log" 2>&1 ||
+cmake --build build-gpu -j "$(nproc)" --target test_gpu bench_cuda >"$out/build.log" 2>&1 ||
   { grep -E "error" "$out/build.log" | head -30; exit 1; }
 echo "== GPU tests"
-./build-gpu/tests/gpu/test_gpu_attention 2>&1 | tee "$out/test.log" | grep -E "^\[  (PASSED|FAILED)|Failure|error|Expected|Which is|which is" | head -40
-small="CudaSparseMla.TopkLengthSinksAndStridedQ:CudaPagedDecode.*:CudaWriteMlaCache.*"
+./build-gpu/tests/gpu/test_gpu 2>&1 | tee "$out/test.log" | grep -E "^\[  (PASSED|FAILED)|Failure|error|Expected|Which is|which is" | head -40
+small="CudaSparseMla.TopkLengthSinksAndStridedQ:CudaPagedDecode.*:CudaWriteMlaCache.*:CudaIndexer.TiesGoToTheLowerPosition:CudaIndexer.PositionsToSlotsMatchesCpu:CudaIndexer.DsaDecodeStepMatchesCpu"
 if command -v compute-sanitizer >/dev/null; then
   for tool in memcheck racecheck; do
     echo "== compute-sanitizer $tool"
-    compute-sanitizer --tool "$tool" --error-exitcode 9 ./build-gpu/tests/gpu/test_gpu_attention --gtest_filter="$small" \
+    compute-sanitizer --tool "$tool" --error-exitcode 9 ./build-gpu/tests/gpu/test_gpu --gtest_filter="$small" \
       >"$out/$tool.log" 2>&1
     echo "exit $? ; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/$tool.log" | tail -1)"
   done
 fi
 echo "== benchmark"
-./build-gpu/bench/bench_cuda_attention 2>&1 | tee "$out/bench.txt"
+./build-gpu/bench/bench_cuda 2>&1 | tee "$out/bench.txt"

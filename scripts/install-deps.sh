@@ -15,3 +15,11 @@ if ((${#missing[@]})); then
   $sudo apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
+
+# --python: what the Python package builds and tests with (pip install . / make python-test),
+# into $PYTHON (default python3; use a virtual environment on an externally managed Python).
+if [[ " $* " == *" --python "* ]]; then
+  python=${PYTHON:-python3}
+  "$python" -m pip install --quiet --disable-pip-version-check --root-user-action=ignore \
+    "scikit-build-core>=0.10" "nanobind>=2.4" "numpy>=1.22" "pytest>=7.0" "ml_dtypes>=0.2"
+fi

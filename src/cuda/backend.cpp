@@ -23,8 +23,8 @@ Capabilities mma_capabilities() {
   c.kv_cache_dtypes = {DType::bf16, DType::f16, DType::fp8_ds_mla};
   c.heads = {1, 128};
   c.block_size = {1, 1 << 20};
-  c.topk = {1, 65536};
-  c.ops = {Op::sparse_mla, Op::paged_mla_decode};
+  c.topk = {1, kMaxIndexerTopk};  // the indexer's top-k; sparse_mla itself takes any K up to 65536
+  c.ops = {Op::sparse_mla, Op::paged_mla_decode, Op::indexer};
   c.attn_sink = true;
 #ifndef SMLA_WITH_CUDA
   c.combination_rule = [](const AttentionSpec&, const RunSpec&) {
@@ -50,22 +50,30 @@ class MmaBackend final : public Backend {
     DeviceGuard g(a.q.device);
     cuda::paged_mla_decode(a);
   }
+  void write_index_cache(const WriteIndexCacheArgs& a) const override {
+    DeviceGuard g(a.cache.device);
+    cuda::write_index_cache(a);
+  }
+  void indexer_topk(const IndexerTopkArgs& a) const override {
+    DeviceGuard g(a.q.device);
+    cuda::indexer_topk(a);
+  }
+  void positions_to_slots(const PositionsToSlotsArgs& a) const override {
+    DeviceGuard g(a.positions.device);
+    cuda::positions_to_slots(a);
+  }
 #else
   void write_mla_cache(const WriteMlaCacheArgs&) const override { not_built(); }
   void sparse_mla(const SparseMlaArgs&) const override { not_built(); }
   void paged_mla_decode(const PagedMlaDecodeArgs&) const override { not_built(); }
+  void write_index_cache(const WriteIndexCacheArgs&) const override { not_built(); }
+  void indexer_topk(const IndexerTopkArgs&) const override { not_built(); }
+  void positions_to_slots(const PositionsToSlotsArgs&) const override { not_built(); }
 #endif
-  void write_index_cache(const WriteIndexCacheArgs&) const override { no_indexer("write_index_cache"); }
-  void indexer_topk(const IndexerTopkArgs&) const override { no_indexer("indexer_topk"); }
-  void positions_to_slots(const PositionsToSlotsArgs&) const override { no_indexer("positions_to_slots"); }
 
  private:
   [[noreturn]] static void not_built() {
     throw Error(ErrorKind::unsupported, "cuda_mma: this build of smla has no CUDA support (built without nvcc)");
-  }
-  [[noreturn]] static void no_indexer(const char* op) {
-    throw Error(ErrorKind::unsupported, std::string("cuda_mma: ") + op +
-                                            " is not implemented on the GPU yet (see `smla backends`)");
   }
   Capabilities caps_ = mma_capabilities();
 };

@@ -8,5 +8,14 @@ namespace smla::cuda {
 void write_mla_cache(const WriteMlaCacheArgs& args);
 void sparse_mla(const SparseMlaArgs& args);
 void paged_mla_decode(const PagedMlaDecodeArgs& args);
+void write_index_cache(const WriteIndexCacheArgs& args);
+void positions_to_slots(const PositionsToSlotsArgs& args);
+void indexer_topk(const IndexerTopkArgs& args);
+
+// indexer_topk's two stages, for benchmarks: scores of every visible position
+// into `scores` ([T, index_capacity] fp32, device memory), then the top-k.
+int64_t index_capacity(const IndexerTopkArgs& args);  // max_blocks * block_size
+void indexer_scores(const IndexerTopkArgs& args, float* scores);
+void select_topk(const IndexerTopkArgs& args, const float* scores);
 
 }  // namespace smla::cuda

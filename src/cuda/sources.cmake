@@ -3,4 +3,6 @@ target_sources(smla_objects PRIVATE
   cuda/device_query.cu
   cuda/common/runtime.cu
   cuda/mla/attention.cu
-  cuda/mla/cache_write.cu)
+  cuda/mla/cache_write.cu
+  cuda/indexer/index_cache.cu
+  cuda/indexer/indexer_topk.cu)

@@ -14,39 +14,11 @@
 #include "core/numeric.h"
 #include "smla/error.h"
 #include "smla/select.h"
+#include "gpu/gpu_util.h"
 #include "support/test_util.h"
 
 namespace smla {
 namespace {
-
-#define CUDA_OK(x) ASSERT_EQ((x), cudaSuccess) << #x
-
-const Backend& cpu() { return *Registry::global().find("cpu"); }
-const Backend& gpu() { return *Registry::global().find("cuda_mma"); }
-
-// Device copy of a host buffer; freed at scope exit.
-struct DeviceBuffer {
-  void* ptr = nullptr;
-  size_t bytes = 0;
-  explicit DeviceBuffer(size_t n) : bytes(n) { EXPECT_EQ(cudaMalloc(&ptr, std::max<size_t>(n, 16)), cudaSuccess); }
-  template <class T>
-  explicit DeviceBuffer(const std::vector<T>& host) : DeviceBuffer(host.size() * sizeof(T)) {
-    EXPECT_EQ(cudaMemcpy(ptr, host.data(), bytes, cudaMemcpyHostToDevice), cudaSuccess);
-  }
-  ~DeviceBuffer() { cudaFree(ptr); }
-  template <class T>
-  std::vector<T> download() const {
-    std::vector<T> v(bytes / sizeof(T));
-    EXPECT_EQ(cudaMemcpy(v.data(), ptr, bytes, cudaMemcpyDeviceToHost), cudaSuccess);
-    return v;
-  }
-};
-
-TensorView on_gpu(TensorView v, void* data) {
-  v.data = data;
-  v.device = Device::cuda(0, 0);
-  return v;
-}
 
 struct Problem {
   DType q_dtype = DType::bf16;

@@ -1,18 +1,22 @@
-// GPU benchmark of the cuda_mma attention ops. Measures its ceilings in the
-// same run (device-to-device copy bandwidth, cuBLAS bf16 GEMM rate), then for
-// each config prints time, TFLOP/s (2*H*K*(576+512) per query token), GB/s of
-// cache rows gathered, and the fraction of the ceiling that bounds it.
+// GPU benchmark of the cuda_mma backend. Measures its ceilings in the same run
+// (device-to-device copy bandwidth, cuBLAS bf16 GEMM rate), then for each
+// attention config prints time, TFLOP/s (2*H*K*(576+512) per query token), GB/s
+// of cache rows gathered and the fraction of the ceiling that bounds it; and
+// for the indexer, the scores' GB/s of index-cache bytes and TFLOP/s
+// (2*H_I*128 per position) and the top-k time per row.
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <numeric>
 #include <cstdio>
 #include <cstdlib>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "cuda/kernels.h"
 #include "smla/select.h"
 
 namespace {
@@ -205,6 +209,72 @@ void bench_paged(const char* name, Cache& cache, int batch, int context, int hea
   cudaFree(lse);
 }
 
+// Indexer decode: `tokens` requests, each with `context` positions of its own
+// in an fp8 index cache (132 bytes per position), 64-position blocks.
+void bench_indexer(const char* name, int tokens, int heads, int context, int topk, const Ceilings& c) {
+  const smla::Device dev = smla::Device::cuda(90);
+  const int bs = 64, blocks_per_req = context / bs;
+  const int64_t blocks = static_cast<int64_t>(tokens) * blocks_per_req;
+  const size_t cache_bytes = static_cast<size_t>(blocks) * bs * 132;
+  std::vector<uint8_t> h(static_cast<size_t>(bs) * 132);
+  std::mt19937 rng(5);
+  for (int i = 0; i < bs * 128; ++i) h[i] = static_cast<uint8_t>(rng() % 0x70) | (rng() & 0x80);
+  for (int i = 0; i < bs; ++i) reinterpret_cast<float*>(h.data() + bs * 128)[i] = 1.f / 64;
+  uint8_t* cache;
+  CHECK(cudaMalloc(&cache, cache_bytes));
+  // The same random block everywhere (by doubling copies): the scores' time does not depend on the values.
+  CHECK(cudaMemcpy(cache, h.data(), h.size(), cudaMemcpyHostToDevice));
+  for (size_t done = h.size(); done < cache_bytes; done *= 2)
+    CHECK(cudaMemcpy(cache + done, cache, std::min(done, cache_bytes - done), cudaMemcpyDeviceToDevice));
+  std::vector<int32_t> table(blocks), req(tokens), ctx(tokens, context);
+  std::iota(table.begin(), table.end(), 0);
+  std::shuffle(table.begin(), table.end(), rng);
+  std::iota(req.begin(), req.end(), 0);
+  std::vector<float> w(static_cast<size_t>(tokens) * heads);
+  for (auto& x : w) x = 0.01f + (rng() % 100) * 1e-4f;
+  int32_t *dtable, *dreq, *dctx, *dout;
+  float* dw;
+  CHECK(cudaMalloc(&dtable, table.size() * 4));
+  CHECK(cudaMalloc(&dreq, req.size() * 4));
+  CHECK(cudaMalloc(&dctx, ctx.size() * 4));
+  CHECK(cudaMalloc(&dout, static_cast<size_t>(tokens) * topk * 4));
+  CHECK(cudaMalloc(&dw, w.size() * 4));
+  CHECK(cudaMemcpy(dtable, table.data(), table.size() * 4, cudaMemcpyHostToDevice));
+  CHECK(cudaMemcpy(dreq, req.data(), req.size() * 4, cudaMemcpyHostToDevice));
+  CHECK(cudaMemcpy(dctx, ctx.data(), ctx.size() * 4, cudaMemcpyHostToDevice));
+  CHECK(cudaMemcpy(dw, w.data(), w.size() * 4, cudaMemcpyHostToDevice));
+  void* q = device_random_half(static_cast<size_t>(tokens) * heads * 128);
+  smla::IndexerTopkArgs a;
+  a.q = smla::TensorView(q, {tokens, heads, 128}, smla::DType::bf16, dev);
+  a.weights = smla::TensorView(dw, {tokens, heads}, smla::DType::f32, dev);
+  a.index_cache = smla::TensorView(cache, {blocks, bs, 132}, smla::DType::fp8_e4m3, dev);
+  a.request_ids = smla::TensorView(dreq, {tokens}, smla::DType::i32, dev);
+  a.block_table = smla::TensorView(dtable, {tokens, blocks_per_req}, smla::DType::i32, dev);
+  a.context_lens = smla::TensorView(dctx, {tokens}, smla::DType::i32, dev);
+  a.topk = smla::TensorView(dout, {tokens, topk}, smla::DType::i32, dev);
+  float* scores;
+  CHECK(cudaMalloc(&scores, static_cast<size_t>(tokens) * context * 4));
+  // Distinct scores for the top-k timing: random values, not the tied ones above.
+  const double ms_scores = time_ms([&] { smla::cuda::indexer_scores(a, scores); });
+  std::vector<float> hs(static_cast<size_t>(tokens) * context);
+  for (auto& x : hs) x = static_cast<float>(rng()) / 4e9f;
+  CHECK(cudaMemcpy(scores, hs.data(), hs.size() * 4, cudaMemcpyHostToDevice));
+  const double ms_topk = time_ms([&] { smla::cuda::select_topk(a, scores); });
+  const double bytes = static_cast<double>(tokens) * context * 132;
+  const double gbs = bytes / (ms_scores * 1e-3) / 1e9;
+  const double tflops = 2.0 * heads * 128 * context * tokens / (ms_scores * 1e-3) / 1e12;
+  std::printf("%-16s %6d %5d %7d %10.1f %8.1f %6.0f%% %8.1f %12.1f %12.2f\n", name, tokens, heads, context,
+              ms_scores * 1e3, gbs, 100 * gbs / c.copy_gbs, tflops, ms_topk * 1e3, ms_topk * 1e3 / tokens);
+  cudaFree(cache);
+  cudaFree(dtable);
+  cudaFree(dreq);
+  cudaFree(dctx);
+  cudaFree(dout);
+  cudaFree(dw);
+  cudaFree(q);
+  cudaFree(scores);
+}
+
 }  // namespace
 
 int main() {
@@ -226,5 +296,14 @@ int main() {
       for (int h : {64, 128}) bench_sparse("prefill", cache, 4096, h, 2048, c);
     for (int h : {16, 128}) bench_paged("dense paged decode", cache, 128, 8192, h, c);
   }
+
+  std::printf("\nindexer (fp8 index cache, 132 B/position; top-k 2048 of distinct random scores)\n");
+  std::printf("%-16s %6s %5s %7s %10s %8s %7s %8s %12s %12s\n", "config", "tokens", "heads", "context", "scores us",
+              "GB/s", "copy%", "TFLOP/s", "top-k us", "top-k us/row");
+  for (int heads : {32, 64})
+    for (int tokens : {1, 32, 128})
+      for (int context : {8192, 32768, 131072})
+        bench_indexer(heads == 32 ? "glm5 decode" : "dsv32 decode", tokens, heads, context, 2048, c);
+  bench_indexer("topk 64 rows", 64, 64, 131072, 2048, c);
   return 0;
 }

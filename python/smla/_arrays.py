@@ -1,0 +1,154 @@
+"""Array plumbing shared by the ops: which framework a tensor comes from,
+outputs of the same kind on the same device, streams, and handing tensors to
+the C++ layer through DLPack without copying them."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Optional, Sequence, Union
+
+from . import _smla
+
+Shape = Sequence[int]
+# What the C++ layer takes for one tensor: the object itself, or
+# (object, "dtype") to read its raw bytes as that smla dtype.
+Exported = Union[Any, tuple]
+
+
+def framework(x: Any) -> str:
+    """'numpy', 'torch', 'cupy' or 'other', from the type's top-level module."""
+    root = type(x).__module__.split(".", 1)[0]
+    return root if root in ("numpy", "torch", "cupy") else "other"
+
+
+def is_torch(x: Any) -> bool:
+    """True for a torch.Tensor (without importing torch)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def dtype_name(x: Any) -> str:
+    """The tensor's dtype as a plain name: 'bfloat16', 'float8_e4m3fn', 'uint8', ..."""
+    dtype = getattr(x, "dtype", None)  # a non-tensor is reported by the C++ layer
+    return "" if dtype is None else str(dtype).rsplit(".", 1)[-1]
+
+
+def is_8bit(x: Any) -> bool:
+    """True for byte-sized elements (uint8, int8, float8_*): how fp8 data arrives."""
+    name = dtype_name(x)
+    return name in ("uint8", "int8") or name.startswith("float8")
+
+
+def is_cuda(x: Any) -> bool:
+    """True when the tensor lives on a CUDA device."""
+    if is_torch(x):
+        return x.is_cuda
+    if framework(x) == "cupy":
+        return True
+    dev = getattr(x, "__dlpack_device__", None)
+    return dev is not None and dev()[0] in (2, 13)  # kDLCUDA, kDLCUDAManaged
+
+
+def export(x: Any, as_dtype: Optional[str] = None) -> Exported:
+    """`x` as the C++ layer takes it, never copied. `as_dtype` reads 8-bit data
+    as an fp8 format ('fp8_ds_mla', 'fp8_e4m3') or checks a float tensor's dtype."""
+    if x is None:
+        return None
+    kind = framework(x)
+    name = dtype_name(x)
+    if kind == "numpy":
+        # numpy cannot export ml_dtypes' bfloat16 / float8 through DLPack: pass their bits.
+        if name == "bfloat16":
+            import numpy as np
+
+            if as_dtype and as_dtype.lower() not in ("bfloat16", "bf16"):
+                raise _smla.InvalidArgumentError(f"a bfloat16 array was given where {as_dtype} was asked for")
+            return (x.view(np.uint16), "bfloat16")
+        if name.startswith("float8"):
+            import numpy as np
+
+            return (x.view(np.uint8), as_dtype or "fp8_e4m3")
+    elif kind == "torch":
+        import torch
+
+        if name.startswith("float8"):
+            # Older torch cannot export fp8 through DLPack; bytes always work.
+            x = x.view(torch.uint8)
+            as_dtype = as_dtype or "fp8_e4m3"
+        x = x.detach()
+        if x.is_cuda:
+            # torch's __dlpack__() would make the legacy default stream wait on the
+            # current one (breaking CUDA-graph capture); the op runs on torch's
+            # current stream, so the legacy exporter, which never synchronises, is right.
+            from torch.utils.dlpack import to_dlpack
+
+            x = to_dlpack(x)
+    return (x, as_dtype) if as_dtype else x
+
+
+def shape(x: Any, name: str) -> tuple:
+    """x.shape as a tuple of ints; a non-tensor is reported as the C++ layer would."""
+    s = getattr(x, "shape", None)
+    if s is None:
+        raise _smla.InvalidArgumentError(
+            f"{name}: expected a DLPack-capable tensor (numpy, torch, cupy, ...), got {type(x).__name__}")
+    return tuple(int(d) for d in s)
+
+
+def resolve_stream(ref: Any, stream: Any = None) -> int:
+    """The CUDA stream to run on, as an integer: `stream` if given (an int, a
+    torch.cuda.Stream or a cupy Stream), else the current stream of `ref`'s
+    framework; 0 (the default stream, ignored on the CPU) otherwise."""
+    if stream is not None:
+        for attr in ("cuda_stream", "ptr"):
+            if hasattr(stream, attr):
+                return int(getattr(stream, attr))
+        return int(stream)
+    if not is_cuda(ref):
+        return 0
+    kind = framework(ref)
+    if kind == "torch":
+        import torch
+
+        return torch.cuda.current_stream(ref.device).cuda_stream
+    if kind == "cupy":
+        import cupy
+
+        with cupy.cuda.Device(ref.device.id):
+            return cupy.cuda.get_current_stream().ptr
+    return 0
+
+
+def empty(ref: Any, shape: Shape, dtype: Optional[str] = None) -> Any:
+    """An uninitialised array of `ref`'s kind on `ref`'s device; `dtype` is a
+    name ('float32', 'int32', ...) or None for `ref`'s own dtype."""
+    shape = tuple(int(s) for s in shape)
+    kind = framework(ref)
+    if kind == "torch":
+        import torch
+
+        return torch.empty(shape, dtype=getattr(torch, dtype) if dtype else ref.dtype, device=ref.device)
+    if kind == "cupy":
+        import cupy
+
+        with cupy.cuda.Device(ref.device.id):
+            return cupy.empty(shape, dtype=dtype or ref.dtype)
+    if is_cuda(ref):
+        raise _smla.UnsupportedError(
+            f"cannot allocate outputs for a {type(ref).__name__} on a GPU: pass out= (and lse=) arrays you allocated"
+        )
+    import numpy as np
+
+    return np.empty(shape, dtype=_numpy_dtype(dtype) if dtype else ref.dtype)
+
+
+def _numpy_dtype(name: str) -> Any:
+    if name == "bfloat16":
+        try:
+            import ml_dtypes
+        except ImportError as e:  # numpy has no bfloat16 of its own
+            raise _smla.UnsupportedError("bfloat16 numpy arrays need the ml_dtypes package") from e
+        return ml_dtypes.bfloat16
+    import numpy as np
+
+    return np.dtype(name)

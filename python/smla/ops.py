@@ -1,0 +1,260 @@
+"""The MLA / DSA ops on any DLPack-capable tensors (numpy on the CPU, torch or
+cupy on the GPU), without copying them. docs/ops.md is the contract.
+
+Outputs are allocated like the first tensor argument (numpy in, numpy out;
+torch in, torch out, on its device) unless passed as ``out=`` (and
+``lse=``). torch tensors go through the registered ``torch.ops.smla``
+custom ops (traceable by torch.compile, capturable in CUDA graphs) unless
+outputs or a stream are passed explicitly. GPU work runs on ``stream``:
+by default the current stream of the tensors' framework.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple
+
+from . import _arrays, _smla
+
+Tensor = Any  # numpy.ndarray, torch.Tensor, cupy.ndarray or any DLPack producer
+
+_MLA_FP8_ALIASES = ("fp8", "fp8_e4m3", "float8_e4m3fn", "e4m3", "fp8_ds_mla")
+_LATENT_DIM = 512
+
+
+def _mla_cache_dtype(cache: Tensor, kv_cache_dtype: Optional[str]) -> Optional[str]:
+    """The smla dtype to read an MLA cache as: 8-bit data is fp8_ds_mla (the
+    one fp8 MLA cache format, 656 bytes a token); else the tensor's own dtype.
+    An explicit bfloat16 / float16 is checked against the tensor."""
+    if kv_cache_dtype is None or kv_cache_dtype == "auto":
+        return "fp8_ds_mla" if _arrays.is_8bit(cache) else None
+    name = str(kv_cache_dtype).lower()
+    return "fp8_ds_mla" if name in _MLA_FP8_ALIASES else name
+
+
+def _index_dtype(x: Tensor, dtype: Optional[str]) -> Optional[str]:
+    """The smla dtype of an indexer tensor (q or cache): 8-bit data is fp8_e4m3."""
+    if dtype is None or dtype == "auto":
+        return "fp8_e4m3" if _arrays.is_8bit(x) else None
+    name = str(dtype).lower()
+    return "fp8_e4m3" if name in ("fp8", "float8_e4m3fn", "e4m3") else name
+
+
+def _torch_ops(x: Tensor) -> Any:
+    """torch.ops.smla when `x` is a torch tensor and the custom ops are registered."""
+    if not _arrays.is_torch(x):
+        return None
+    from . import torch_ops
+
+    return torch_ops.ops() if torch_ops.available() else None
+
+
+def _backend(backend: Optional[str]) -> str:
+    return backend or ""
+
+
+# --- eager implementations (also the bodies of the torch custom ops) ---------
+
+
+def _write_mla_cache(latent, k_pe, slot_mapping, cache, kv_cache_dtype, stream, backend) -> None:
+    _smla.write_mla_cache(
+        _arrays.export(latent), _arrays.export(k_pe), _arrays.export(slot_mapping),
+        _arrays.export(cache, _mla_cache_dtype(cache, kv_cache_dtype)),
+        _arrays.resolve_stream(cache, stream), _backend(backend))
+
+
+def _sparse_mla(q, kv_cache, indices, topk_length, attn_sink, softmax_scale, out, lse, kv_cache_dtype, stream,
+                backend) -> None:
+    _smla.sparse_mla(
+        _arrays.export(q), _arrays.export(kv_cache, _mla_cache_dtype(kv_cache, kv_cache_dtype)),
+        _arrays.export(indices), _arrays.export(topk_length), _arrays.export(attn_sink), float(softmax_scale),
+        _arrays.export(out), _arrays.export(lse), _arrays.resolve_stream(q, stream), _backend(backend))
+
+
+def _paged_mla_decode(q, kv_cache, block_table, seq_lens, attn_sink, softmax_scale, causal, out, lse,
+                      kv_cache_dtype, stream, backend) -> None:
+    _smla.paged_mla_decode(
+        _arrays.export(q), _arrays.export(kv_cache, _mla_cache_dtype(kv_cache, kv_cache_dtype)),
+        _arrays.export(block_table), _arrays.export(seq_lens), _arrays.export(attn_sink), float(softmax_scale),
+        bool(causal), _arrays.export(out), _arrays.export(lse), _arrays.resolve_stream(q, stream),
+        _backend(backend))
+
+
+def _write_index_cache(k, slot_mapping, cache, index_cache_dtype, stream, backend) -> None:
+    _smla.write_index_cache(
+        _arrays.export(k), _arrays.export(slot_mapping),
+        _arrays.export(cache, _index_dtype(cache, index_cache_dtype)),
+        _arrays.resolve_stream(cache, stream), _backend(backend))
+
+
+def _indexer_topk(q, q_scale, weights, index_cache, request_ids, block_table, context_lens, topk_out,
+                  index_cache_dtype, stream, backend) -> None:
+    _smla.indexer_topk(
+        _arrays.export(q, _index_dtype(q, None)), _arrays.export(q_scale), _arrays.export(weights),
+        _arrays.export(index_cache, _index_dtype(index_cache, index_cache_dtype)), _arrays.export(request_ids),
+        _arrays.export(block_table), _arrays.export(context_lens), _arrays.export(topk_out),
+        _arrays.resolve_stream(q, stream), _backend(backend))
+
+
+def _positions_to_slots(positions, request_ids, block_table, block_size, slots, stream, backend) -> None:
+    _smla.positions_to_slots(
+        _arrays.export(positions), _arrays.export(request_ids), _arrays.export(block_table), int(block_size),
+        _arrays.export(slots), _arrays.resolve_stream(positions, stream), _backend(backend))
+
+
+def _dsa_decode_step(q, kv_cache, index_q, index_weights, index_cache, request_ids, block_table, context_lens,
+                     index_q_scale, attn_sink, softmax_scale, out, lse, topk_out, slots, kv_cache_dtype,
+                     index_cache_dtype, stream, backend) -> None:
+    _smla.dsa_decode_step(
+        _arrays.export(index_q, _index_dtype(index_q, None)), _arrays.export(index_q_scale),
+        _arrays.export(index_weights), _arrays.export(index_cache, _index_dtype(index_cache, index_cache_dtype)),
+        _arrays.export(request_ids), _arrays.export(block_table), _arrays.export(context_lens),
+        _arrays.export(topk_out), _arrays.export(slots), _arrays.export(q),
+        _arrays.export(kv_cache, _mla_cache_dtype(kv_cache, kv_cache_dtype)), _arrays.export(attn_sink),
+        float(softmax_scale), _arrays.export(out), _arrays.export(lse), _arrays.resolve_stream(q, stream),
+        _backend(backend))
+
+
+def _attention_outputs(q: Tensor, out: Optional[Tensor], lse: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+    # Shapes follow q ([..., 576] -> [..., 512] and [...]); a q of the wrong rank
+    # is reported by the C++ checks, which look at q first.
+    lead = _arrays.shape(q, "q")[:-1]
+    if out is None:
+        out = _arrays.empty(q, lead + (_LATENT_DIM,))
+    if lse is None:
+        lse = _arrays.empty(q, lead, "float32")
+    return out, lse
+
+
+def _tokens(q: Tensor) -> int:
+    # A q of the wrong rank gets its message from the C++ checks.
+    s = _arrays.shape(q, "q")
+    return s[0] if s else 0
+
+
+# --- public API ----------------------------------------------------------------
+
+
+def write_mla_cache(latent: Tensor, k_pe: Tensor, slot_mapping: Tensor, cache: Tensor, *,
+                    kv_cache_dtype: Optional[str] = "auto", stream: Any = None,
+                    backend: Optional[str] = None) -> Tensor:
+    """Writes latents [N, 512] and rope keys [N, 64] into the paged MLA cache
+    [num_blocks, block_size, 576 | 656] in place, at the physical slots
+    ``slot_mapping`` [N] (int64, negative = skip). An 8-bit cache (uint8,
+    int8, float8_e4m3fn) is fp8_ds_mla. Returns ``cache``."""
+    ops = _torch_ops(cache) if stream is None else None
+    if ops is not None:
+        ops.write_mla_cache(latent, k_pe, slot_mapping, cache, kv_cache_dtype or "auto", _backend(backend))
+    else:
+        _write_mla_cache(latent, k_pe, slot_mapping, cache, kv_cache_dtype, stream, backend)
+    return cache
+
+
+def sparse_mla(q: Tensor, kv_cache: Tensor, indices: Tensor, *, softmax_scale: float,
+               topk_length: Optional[Tensor] = None, attn_sink: Optional[Tensor] = None,
+               kv_cache_dtype: Optional[str] = "auto", out: Optional[Tensor] = None, lse: Optional[Tensor] = None,
+               stream: Any = None, backend: Optional[str] = None) -> Tuple[Tensor, Tensor]:
+    """Sparse MLA: token t attends to the cache slots ``indices[t]`` (int32
+    physical slots; negative or >= num_slots are skipped).
+
+    q [T, H, 576] bf16/f16, kv_cache [num_blocks, block_size, 576 | 656],
+    optional topk_length [T] int32 and attn_sink [H] float32. Returns
+    (out [T, H, 512] in q's dtype, lse [T, H] float32, natural log, without
+    the sink; -inf for a row with no valid index)."""
+    ops = _torch_ops(q) if out is None and lse is None and stream is None else None
+    if ops is not None:
+        return ops.sparse_mla(q, kv_cache, indices, topk_length, attn_sink, float(softmax_scale),
+                              kv_cache_dtype or "auto", _backend(backend))
+    out, lse = _attention_outputs(q, out, lse)
+    _sparse_mla(q, kv_cache, indices, topk_length, attn_sink, softmax_scale, out, lse, kv_cache_dtype, stream,
+                backend)
+    return out, lse
+
+
+def paged_mla_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, *, softmax_scale: float,
+                     causal: bool = True, attn_sink: Optional[Tensor] = None,
+                     kv_cache_dtype: Optional[str] = "auto", out: Optional[Tensor] = None,
+                     lse: Optional[Tensor] = None, stream: Any = None,
+                     backend: Optional[str] = None) -> Tuple[Tensor, Tensor]:
+    """Dense paged MLA decode: q [B, s_q, H, 576] over each request's first
+    ``seq_lens[b]`` positions through ``block_table`` [B, max_blocks] (int32).
+    With ``causal``, token j of s_q sees positions < seq_len - s_q + j + 1.
+    Returns (out [B, s_q, H, 512], lse [B, s_q, H] float32)."""
+    ops = _torch_ops(q) if out is None and lse is None and stream is None else None
+    if ops is not None:
+        return ops.paged_mla_decode(q, kv_cache, block_table, seq_lens, attn_sink, float(softmax_scale),
+                                    bool(causal), kv_cache_dtype or "auto", _backend(backend))
+    out, lse = _attention_outputs(q, out, lse)
+    _paged_mla_decode(q, kv_cache, block_table, seq_lens, attn_sink, softmax_scale, causal, out, lse,
+                      kv_cache_dtype, stream, backend)
+    return out, lse
+
+
+def write_index_cache(k: Tensor, slot_mapping: Tensor, cache: Tensor, *, index_cache_dtype: Optional[str] = "auto",
+                      stream: Any = None, backend: Optional[str] = None) -> Tensor:
+    """Writes indexer keys k [N, 128] into the index cache in place:
+    [num_blocks, block_size, 128] bf16, or [num_blocks, block_size, 132]
+    fp8_e4m3 (any 8-bit tensor). Returns ``cache``."""
+    ops = _torch_ops(cache) if stream is None else None
+    if ops is not None:
+        ops.write_index_cache(k, slot_mapping, cache, index_cache_dtype or "auto", _backend(backend))
+    else:
+        _write_index_cache(k, slot_mapping, cache, index_cache_dtype, stream, backend)
+    return cache
+
+
+def indexer_topk(q: Tensor, weights: Tensor, index_cache: Tensor, request_ids: Tensor, block_table: Tensor,
+                 context_lens: Tensor, *, topk: int, q_scale: Optional[Tensor] = None,
+                 index_cache_dtype: Optional[str] = "auto", out: Optional[Tensor] = None, stream: Any = None,
+                 backend: Optional[str] = None) -> Tensor:
+    """Lightning-indexer scores and exact top-k over each token's visible
+    context [0, context_lens[t]). q [T, H_I, 128] bf16/f16 or 8-bit (fp8_e4m3,
+    then q_scale [T, H_I] float32), weights [T, H_I] float32. Returns the
+    logical positions [T, topk] int32, best first, -1 padded."""
+    ops = _torch_ops(q) if out is None and stream is None else None
+    if ops is not None:
+        return ops.indexer_topk(q, q_scale, weights, index_cache, request_ids, block_table, context_lens,
+                                int(topk), index_cache_dtype or "auto", _backend(backend))
+    if out is None:
+        out = _arrays.empty(q, (_tokens(q), topk), "int32")
+    _indexer_topk(q, q_scale, weights, index_cache, request_ids, block_table, context_lens, out,
+                  index_cache_dtype, stream, backend)
+    return out
+
+
+def positions_to_slots(positions: Tensor, request_ids: Tensor, block_table: Tensor, *, block_size: int,
+                       out: Optional[Tensor] = None, stream: Any = None,
+                       backend: Optional[str] = None) -> Tensor:
+    """Logical positions [T, K] (int32, negative = invalid) -> physical slots
+    through each token's block-table row; -1 where invalid."""
+    ops = _torch_ops(positions) if out is None and stream is None else None
+    if ops is not None:
+        return ops.positions_to_slots(positions, request_ids, block_table, int(block_size), _backend(backend))
+    if out is None:
+        out = _arrays.empty(positions, _arrays.shape(positions, "positions"), "int32")
+    _positions_to_slots(positions, request_ids, block_table, block_size, out, stream, backend)
+    return out
+
+
+def dsa_decode_step(q: Tensor, kv_cache: Tensor, index_q: Tensor, index_weights: Tensor, index_cache: Tensor,
+                    request_ids: Tensor, block_table: Tensor, context_lens: Tensor, *, topk: int,
+                    softmax_scale: float, index_q_scale: Optional[Tensor] = None,
+                    attn_sink: Optional[Tensor] = None, kv_cache_dtype: Optional[str] = "auto",
+                    index_cache_dtype: Optional[str] = "auto", stream: Any = None,
+                    backend: Optional[str] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """One DSA decode step: indexer_topk -> positions_to_slots -> sparse_mla.
+    The MLA cache and the index cache share ``block_table`` and the block
+    size. Returns (out [T, H, 512], lse [T, H], positions [T, topk] (logical,
+    what the indexer chose), slots [T, topk] (physical, what was attended))."""
+    ops = _torch_ops(q) if stream is None else None
+    if ops is not None:
+        return ops.dsa_decode_step(q, kv_cache, index_q, index_weights, index_cache, request_ids, block_table,
+                                   context_lens, index_q_scale, attn_sink, int(topk), float(softmax_scale),
+                                   kv_cache_dtype or "auto", index_cache_dtype or "auto", _backend(backend))
+    out, lse = _attention_outputs(q, None, None)
+    tokens = _tokens(q)
+    positions = _arrays.empty(q, (tokens, topk), "int32")
+    slots = _arrays.empty(q, (tokens, topk), "int32")
+    _dsa_decode_step(q, kv_cache, index_q, index_weights, index_cache, request_ids, block_table, context_lens,
+                     index_q_scale, attn_sink, softmax_scale, out, lse, positions, slots, kv_cache_dtype,
+                     index_cache_dtype, stream, backend)
+    return out, lse, positions, slots

@@ -1,0 +1,97 @@
+// Selection and its explanation, the backends' declarations, the device.
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include "bindings.h"
+#include "smla/error.h"
+#include "smla/explain.h"
+#include "smla/select.h"
+
+namespace smla::python {
+
+namespace {
+
+// The run options as `smla explain` takes them (tools/smla/options.cpp), with
+// messages naming the Python parameters.
+RunSpec resolve_run(const AttentionSpec& spec, const std::string& device, const std::string& dtype,
+                    const std::string& kv_cache_dtype, int block_size, int tp, const std::string& backend,
+                    bool attn_sink) {
+  RunSpec run;
+  run.device = device == "auto" ? detect_device() : parse_device(device, "device");
+  const auto q = parse_dtype(dtype);
+  require(q == DType::bf16 || q == DType::f16, "dtype: expected bfloat16 or float16, got '" + dtype + "'");
+  run.q_dtype = *q;
+  if (kv_cache_dtype != "auto") {
+    const auto kv = parse_dtype(kv_cache_dtype);
+    require(kv == DType::bf16 || kv == DType::f16 || kv == DType::fp8_ds_mla,
+            "kv_cache_dtype: expected auto, bfloat16, float16 or fp8_ds_mla, got '" + kv_cache_dtype + "'");
+    run.kv_cache_dtype = *kv;
+  }
+  require(block_size >= 1, "block_size: expected a positive integer, got " + std::to_string(block_size));
+  require(tp >= 1, "tp: expected a positive integer, got " + std::to_string(tp));
+  run.block_size = block_size;
+  run.tp = tp;
+  run.backend = backend;
+  run.attn_sink = attn_sink;
+  heads_per_rank(spec, run);  // a tp that does not divide the heads is bad input
+  return run;
+}
+
+nb::tuple range(const IntRange& r) { return nb::make_tuple(r.min, r.max); }
+
+nb::list dtype_names(const std::vector<DType>& v) {
+  nb::list l;
+  for (DType d : v) l.append(std::string(dtype_name(d)));
+  return l;
+}
+
+nb::dict capabilities(const Capabilities& c) {
+  nb::dict d;
+  d["name"] = c.name;
+  d["description"] = c.description;
+  d["device"] = c.device_kind == DeviceKind::cpu ? "cpu" : "cuda";
+  d["compute_capability"] = c.device_kind == DeviceKind::cpu ? nb::none() : nb::object(range(c.compute_capability));
+  d["q_dtypes"] = dtype_names(c.q_dtypes);
+  d["kv_cache_dtypes"] = dtype_names(c.kv_cache_dtypes);
+  d["heads"] = range(c.heads);
+  d["head_counts"] = nb::cast(c.head_counts);
+  d["qk_head_dims"] = nb::cast(c.qk_head_dims);
+  d["v_head_dims"] = nb::cast(c.v_head_dims);
+  d["block_size"] = range(c.block_size);
+  d["block_size_multiple"] = c.block_size_multiple;
+  d["topk"] = range(c.topk);
+  d["topk_multiple"] = c.topk_multiple;
+  nb::list ops;
+  for (Op op : c.ops.list()) ops.append(std::string(op_name(op)));
+  d["ops"] = ops;
+  d["attn_sink"] = c.attn_sink;
+  return d;
+}
+
+}  // namespace
+
+void bind_explain(nb::module_& m) {
+  using nb::arg;
+  m.def(
+      "explain",
+      [](const AttentionSpec& spec, const std::string& device, const std::string& dtype,
+         const std::string& kv_cache_dtype, int block_size, int tp, const std::string& backend, bool attn_sink) {
+        const RunSpec run = resolve_run(spec, device, dtype, kv_cache_dtype, block_size, tp, backend, attn_sink);
+        const Selection sel = select(spec, run);
+        return nb::make_tuple(explain_text(spec, run, sel), explain_json(spec, run, sel));
+      },
+      arg("spec"), arg("device"), arg("dtype"), arg("kv_cache_dtype"), arg("block_size"), arg("tp"), arg("backend"),
+      arg("attn_sink"), "(text, json) of the selection for this run, as `smla explain` prints them.");
+
+  m.def("backends", [] {
+    nb::list l;
+    for (const Backend* b : Registry::global().all()) l.append(capabilities(b->capabilities()));
+    return l;
+  });
+  m.def("support_matrix", [] { return support_matrix_markdown(); },
+        "A Markdown table of every backend's declared capabilities (what `smla backends` prints).");
+  m.def("detect_device", [] { return detect_device().name(); },
+        "'cpu', or the first CUDA GPU as 'sm_XY' when this build has CUDA and the runtime finds one.");
+}
+
+}  // namespace smla::python

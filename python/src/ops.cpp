@@ -1,0 +1,175 @@
+// The ops, one binding each: tensors in (DLPack, no copies), outputs
+// allocated by the caller (python/smla/ops.py), the GIL released while the op
+// runs. Argument names match include/smla/ops.h so messages read the same.
+#include <nanobind/stl/string.h>
+
+#include <cstdint>
+#include <string>
+
+#include "bindings.h"
+#include "smla/ops.h"
+
+namespace smla::python {
+
+namespace {
+
+void* as_stream(uintptr_t stream) { return reinterpret_cast<void*>(stream); }
+
+// Runs `op(args, backend)` without the GIL: CPU ops can take a while and other
+// Python threads may run meanwhile; nothing in it touches Python objects.
+template <class Args, class Op>
+void run(const Args& args, const Backend* backend, Op op) {
+  nb::gil_scoped_release release;
+  op(args, backend);
+}
+
+}  // namespace
+
+void bind_ops(nb::module_& m) {
+  using nb::arg;
+  const auto obj = [](const char* name) { return arg(name).none(); };
+
+  m.def(
+      "write_mla_cache",
+      [](nb::handle latent, nb::handle k_pe, nb::handle slot_mapping, nb::handle cache, uintptr_t stream,
+         const std::string& backend) {
+        Importer imp;
+        WriteMlaCacheArgs a;
+        a.latent = imp.input(latent, "latent");
+        a.k_pe = imp.input(k_pe, "k_pe");
+        a.slot_mapping = imp.input(slot_mapping, "slot_mapping");
+        a.cache = imp.output(cache, "cache");
+        a.stream = as_stream(stream);
+        run(a, backend_by_name(backend, a.cache.device), [](const auto& x, auto b) { write_mla_cache(x, b); });
+      },
+      arg("latent"), arg("k_pe"), arg("slot_mapping"), arg("cache"), arg("stream") = 0, arg("backend") = "");
+
+  m.def(
+      "sparse_mla",
+      [](nb::handle q, nb::handle kv_cache, nb::handle indices, nb::handle topk_length, nb::handle attn_sink,
+         float softmax_scale, nb::handle out, nb::handle lse, uintptr_t stream, const std::string& backend) {
+        Importer imp;
+        SparseMlaArgs a;
+        a.q = imp.input(q, "q");
+        a.kv_cache = imp.input(kv_cache, "kv_cache");
+        a.indices = imp.input(indices, "indices");
+        a.topk_length = imp.input(topk_length, "topk_length");
+        a.attn_sink = imp.input(attn_sink, "attn_sink");
+        a.softmax_scale = softmax_scale;
+        a.out = imp.output(out, "out");
+        a.lse = imp.output(lse, "lse");
+        a.stream = as_stream(stream);
+        run(a, backend_by_name(backend, a.q.device), [](const auto& x, auto b) { sparse_mla(x, b); });
+      },
+      arg("q"), arg("kv_cache"), arg("indices"), obj("topk_length"), obj("attn_sink"), arg("softmax_scale"),
+      arg("out"), arg("lse"), arg("stream") = 0, arg("backend") = "");
+
+  m.def(
+      "paged_mla_decode",
+      [](nb::handle q, nb::handle kv_cache, nb::handle block_table, nb::handle seq_lens, nb::handle attn_sink,
+         float softmax_scale, bool causal, nb::handle out, nb::handle lse, uintptr_t stream,
+         const std::string& backend) {
+        Importer imp;
+        PagedMlaDecodeArgs a;
+        a.q = imp.input(q, "q");
+        a.kv_cache = imp.input(kv_cache, "kv_cache");
+        a.block_table = imp.input(block_table, "block_table");
+        a.seq_lens = imp.input(seq_lens, "seq_lens");
+        a.attn_sink = imp.input(attn_sink, "attn_sink");
+        a.softmax_scale = softmax_scale;
+        a.causal = causal;
+        a.out = imp.output(out, "out");
+        a.lse = imp.output(lse, "lse");
+        a.stream = as_stream(stream);
+        run(a, backend_by_name(backend, a.q.device), [](const auto& x, auto b) { paged_mla_decode(x, b); });
+      },
+      arg("q"), arg("kv_cache"), arg("block_table"), arg("seq_lens"), obj("attn_sink"), arg("softmax_scale"),
+      arg("causal"), arg("out"), arg("lse"), arg("stream") = 0, arg("backend") = "");
+
+  m.def(
+      "write_index_cache",
+      [](nb::handle k, nb::handle slot_mapping, nb::handle cache, uintptr_t stream, const std::string& backend) {
+        Importer imp;
+        WriteIndexCacheArgs a;
+        a.k = imp.input(k, "k");
+        a.slot_mapping = imp.input(slot_mapping, "slot_mapping");
+        a.cache = imp.output(cache, "cache");
+        a.stream = as_stream(stream);
+        run(a, backend_by_name(backend, a.cache.device), [](const auto& x, auto b) { write_index_cache(x, b); });
+      },
+      arg("k"), arg("slot_mapping"), arg("cache"), arg("stream") = 0, arg("backend") = "");
+
+  m.def(
+      "indexer_topk",
+      [](nb::handle q, nb::handle q_scale, nb::handle weights, nb::handle index_cache, nb::handle request_ids,
+         nb::handle block_table, nb::handle context_lens, nb::handle topk, uintptr_t stream,
+         const std::string& backend) {
+        Importer imp;
+        IndexerTopkArgs a;
+        a.q = imp.input(q, "q");
+        a.q_scale = imp.input(q_scale, "q_scale");
+        a.weights = imp.input(weights, "weights");
+        a.index_cache = imp.input(index_cache, "index_cache");
+        a.request_ids = imp.input(request_ids, "request_ids");
+        a.block_table = imp.input(block_table, "block_table");
+        a.context_lens = imp.input(context_lens, "context_lens");
+        a.topk = imp.output(topk, "topk");
+        a.stream = as_stream(stream);
+        run(a, backend_by_name(backend, a.q.device), [](const auto& x, auto b) { indexer_topk(x, b); });
+      },
+      arg("q"), obj("q_scale"), arg("weights"), arg("index_cache"), arg("request_ids"), arg("block_table"),
+      arg("context_lens"), arg("topk"), arg("stream") = 0, arg("backend") = "");
+
+  m.def(
+      "positions_to_slots",
+      [](nb::handle positions, nb::handle request_ids, nb::handle block_table, int block_size, nb::handle slots,
+         uintptr_t stream, const std::string& backend) {
+        Importer imp;
+        PositionsToSlotsArgs a;
+        a.positions = imp.input(positions, "positions");
+        a.request_ids = imp.input(request_ids, "request_ids");
+        a.block_table = imp.input(block_table, "block_table");
+        a.block_size = block_size;
+        a.slots = imp.output(slots, "slots");
+        a.stream = as_stream(stream);
+        run(a, backend_by_name(backend, a.positions.device), [](const auto& x, auto b) { positions_to_slots(x, b); });
+      },
+      arg("positions"), arg("request_ids"), arg("block_table"), arg("block_size"), arg("slots"), arg("stream") = 0,
+      arg("backend") = "");
+
+  m.def(
+      "dsa_decode_step",
+      [](nb::handle index_q, nb::handle index_q_scale, nb::handle index_weights, nb::handle index_cache,
+         nb::handle request_ids, nb::handle block_table, nb::handle context_lens, nb::handle topk, nb::handle slots,
+         nb::handle q, nb::handle kv_cache, nb::handle attn_sink, float softmax_scale, nb::handle out, nb::handle lse,
+         uintptr_t stream, const std::string& backend) {
+        Importer imp;
+        DsaDecodeStepArgs a;
+        a.indexer.q = imp.input(index_q, "index_q");
+        a.indexer.q_scale = imp.input(index_q_scale, "index_q_scale");
+        a.indexer.weights = imp.input(index_weights, "index_weights");
+        a.indexer.index_cache = imp.input(index_cache, "index_cache");
+        a.indexer.request_ids = imp.input(request_ids, "request_ids");
+        a.indexer.block_table = imp.input(block_table, "block_table");
+        a.indexer.context_lens = imp.input(context_lens, "context_lens");
+        a.indexer.topk = imp.output(topk, "topk");
+        a.indexer.stream = as_stream(stream);
+        a.slots = imp.output(slots, "slots");
+        a.q = imp.input(q, "q");
+        a.kv_cache = imp.input(kv_cache, "kv_cache");
+        a.attn_sink = imp.input(attn_sink, "attn_sink");
+        a.softmax_scale = softmax_scale;
+        a.out = imp.output(out, "out");
+        a.lse = imp.output(lse, "lse");
+        a.stream = as_stream(stream);
+        run(a, backend_by_name(backend, a.q.device), [](const auto& x, auto b) { dsa_decode_step(x, b); });
+      },
+      arg("index_q"), obj("index_q_scale"), arg("index_weights"), arg("index_cache"), arg("request_ids"),
+      arg("block_table"), arg("context_lens"), arg("topk"), arg("slots"), arg("q"), arg("kv_cache"),
+      obj("attn_sink"), arg("softmax_scale"), arg("out"), arg("lse"), arg("stream") = 0, arg("backend") = "");
+
+  m.def("tensor_info", &tensor_info, arg("tensor"),
+        "What C++ sees of a tensor: data pointer, shape, strides (elements), dtype, device.");
+}
+
+}  // namespace smla::python

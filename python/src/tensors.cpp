@@ -1,0 +1,112 @@
+// DLPack import of Python tensors into smla::TensorViews, zero-copy.
+#include <nanobind/stl/string.h>
+
+#include <optional>
+#include <string>
+
+#include "bindings.h"
+#include "smla/error.h"
+#include "smla/select.h"
+
+namespace smla::python {
+
+namespace {
+
+// DLPack codes of the 8/6/4-bit float types (DLPack >= 1.1); frameworks that
+// export fp8 natively use them, older ones refuse, so callers pass bytes.
+bool is_small_float_code(uint8_t code) { return code >= 7 && code <= 17; }
+
+struct Split {
+  nb::handle array;
+  std::optional<DType> as;
+};
+
+Split split(nb::handle obj, const char* name) {
+  if (!nb::isinstance<nb::tuple>(obj)) return {obj, std::nullopt};
+  auto t = nb::borrow<nb::tuple>(obj);
+  require(t.size() == 2 && nb::isinstance<nb::str>(t[1]),
+          std::string(name) + ": expected a tensor or a (tensor, dtype name) pair");
+  const std::string dtype = nb::cast<std::string>(t[1]);
+  auto dt = parse_dtype(dtype);
+  require(dt.has_value(), std::string(name) + ": unknown dtype '" + dtype + "'");
+  return {t[0], dt};
+}
+
+template <class Array>
+TensorView import_tensor(nb::handle obj, const char* name, std::vector<Array>& keep, bool writable) {
+  if (obj.is_none()) return {};
+  const Split s = split(obj, name);
+  Array a;
+  if (!nb::try_cast(s.array, a, false)) {
+    const std::string type = nb::cast<std::string>(nb::type_name(s.array.type()));
+    fail(std::string(name) + ": expected a " + (writable ? "writable " : "") +
+         "DLPack-capable tensor (numpy, torch, cupy, ...), got " + type);
+  }
+  DLTensor t{};
+  t.data = const_cast<void*>(static_cast<const void*>(a.data()));  // byte_offset already applied
+  t.device.device_type = static_cast<DLDeviceType>(a.device_type());
+  t.device.device_id = a.device_id();
+  t.ndim = static_cast<int>(a.ndim());
+  t.dtype.code = a.dtype().code;
+  t.dtype.bits = a.dtype().bits;
+  t.dtype.lanes = a.dtype().lanes;
+  t.shape = const_cast<int64_t*>(a.shape_ptr());
+  t.strides = const_cast<int64_t*>(a.stride_ptr());
+  keep.push_back(std::move(a));
+
+  std::optional<DType> reinterpret;
+  if (s.as) {
+    const bool raw = t.dtype.code == kDLUInt || t.dtype.code == kDLInt || is_small_float_code(t.dtype.code);
+    if (raw && t.dtype.bits == 8 && dtype_size(*s.as) == 1) {
+      t.dtype.code = kDLUInt;
+      reinterpret = s.as;
+    } else if (raw && t.dtype.bits == 16 && (*s.as == DType::bf16 || *s.as == DType::f16)) {
+      t.dtype.code = *s.as == DType::bf16 ? kDLBfloat : kDLFloat;
+    }
+  }
+  TensorView v = TensorView::from_dlpack(t, name, reinterpret);
+  if (s.as && v.dtype != *s.as)
+    fail(std::string(name) + ": is " + std::string(dtype_name(v.dtype)) + ", not " + std::string(dtype_name(*s.as)));
+  return v;
+}
+
+}  // namespace
+
+TensorView Importer::input(nb::handle obj, const char* name) { return import_tensor(obj, name, inputs_, false); }
+TensorView Importer::output(nb::handle obj, const char* name) { return import_tensor(obj, name, outputs_, true); }
+
+nb::dict tensor_info(nb::handle obj) {
+  Importer imp;
+  const TensorView v = imp.input(obj, "tensor");
+  nb::list shape, strides;
+  for (int d = 0; d < v.ndim; ++d) {
+    shape.append(v.shape[d]);
+    strides.append(v.strides[d]);
+  }
+  nb::dict info;
+  info["data"] = reinterpret_cast<uintptr_t>(v.data);
+  info["shape"] = nb::tuple(shape);
+  info["strides"] = nb::tuple(strides);
+  info["dtype"] = std::string(dtype_name(v.dtype));
+  info["device"] = v.device.is_cpu() ? std::string("cpu") : "cuda:" + std::to_string(v.device.index);
+  return info;
+}
+
+const Backend* backend_by_name(const std::string& name, const Device& device) {
+  if (name.empty()) return nullptr;
+  const Registry& registry = Registry::global();
+  const Backend* b = registry.find(name);
+  if (!b) {
+    std::string names;
+    for (const auto& n : registry.names()) names += (names.empty() ? "" : ", ") + n;
+    fail("backend: unknown backend '" + name + "'; this build has " + names);
+  }
+  // The ops trust a backend they are given: one for another device kind would
+  // dereference memory it cannot reach.
+  if (b->capabilities().device_kind != device.kind)
+    throw Error(ErrorKind::unsupported, "backend: " + name + " does not run on tensors on " +
+                                            (device.is_cpu() ? std::string("the CPU") : "a CUDA GPU"));
+  return b;
+}
+
+}  // namespace smla::python

@@ -1,0 +1,141 @@
+// write_index_cache and positions_to_slots on the GPU: one warp per key row,
+// one thread per position. Index values that the CPU backend rejects are
+// skipped (or mapped to -1) here, never read or written out of bounds.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include "cuda/common/runtime.h"
+#include "cuda/kernels.h"
+
+namespace smla::cuda {
+
+namespace {
+
+struct IndexWriteParams {
+  const void* k;
+  DType k_dtype;
+  int64_t k_stride;  // elements
+  const int64_t* slot_mapping;
+  int64_t slot_stride, num_tokens, num_slots;
+  uint8_t* cache;
+  bool fp8;
+  int64_t block_stride, row_stride;  // bytes (row stride: bf16 layout only)
+  int block_size;
+};
+
+__device__ __forceinline__ float load(const void* base, int64_t i, DType d) {
+  switch (d) {
+    case DType::bf16: return __bfloat162float(static_cast<const __nv_bfloat16*>(base)[i]);
+    case DType::f16: return __half2float(static_cast<const __half*>(base)[i]);
+    default: return static_cast<const float*>(base)[i];
+  }
+}
+
+__global__ void write_index_cache_kernel(const IndexWriteParams p) {
+  const int64_t token = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (token >= p.num_tokens) return;
+  const int64_t slot = p.slot_mapping[token * p.slot_stride];
+  if (slot < 0 || slot >= p.num_slots) return;
+  const int64_t block = slot / p.block_size, off = slot % p.block_size;
+  const char* src = static_cast<const char*>(p.k) + token * p.k_stride * (p.k_dtype == DType::f32 ? 4 : 2);
+  float v[4], amax = 0.f;
+  for (int e = 0; e < 4; ++e) {
+    v[e] = load(src, lane * 4 + e, p.k_dtype);
+    amax = fmaxf(amax, fabsf(v[e]));
+  }
+  uint8_t* base = p.cache + block * p.block_stride;
+  if (p.fp8) {
+    for (int o = 16; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    // numeric::index_key_scale: max(amax, 1e-4) / 448 rounded up to a power of two.
+    const uint32_t u = __float_as_uint(fmaxf(amax, 1e-4f) / 448.f);
+    const float scale = (u & 0x7fffffu) == 0 ? __uint_as_float(u) : __uint_as_float((u & 0x7f800000u) + 0x800000u);
+    for (int e = 0; e < 4; ++e)
+      base[off * 128 + lane * 4 + e] = __nv_cvt_float_to_fp8(v[e] / scale, __NV_SATFINITE, __NV_E4M3);
+    if (lane == 0) *reinterpret_cast<float*>(base + p.block_size * 128 + off * 4) = scale;
+  } else {
+    __nv_bfloat16* row = reinterpret_cast<__nv_bfloat16*>(base + off * p.row_stride);
+    for (int e = 0; e < 4; ++e) row[lane * 4 + e] = __float2bfloat16_rn(v[e]);
+  }
+}
+
+struct SlotsParams {
+  const int32_t* positions;
+  int64_t pos_stride;
+  const int32_t* request_ids;
+  int64_t req_stride;
+  const int32_t* block_table;
+  int64_t table_stride;
+  int64_t num_requests, max_blocks;
+  int block_size;
+  int32_t* slots;
+  int64_t slots_stride;
+  int64_t tokens, k;
+};
+
+__global__ void positions_to_slots_kernel(const SlotsParams p) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= p.tokens * p.k) return;
+  const int64_t t = i / p.k, c = i % p.k;
+  const int32_t pos = p.positions[t * p.pos_stride + c];
+  const int32_t req = p.request_ids[t * p.req_stride];
+  int32_t slot = -1;
+  if (pos >= 0 && req >= 0 && req < p.num_requests && pos / p.block_size < p.max_blocks) {
+    const int64_t block = p.block_table[req * p.table_stride + pos / p.block_size];
+    const int64_t s = block * p.block_size + pos % p.block_size;
+    if (block >= 0 && s <= INT32_MAX) slot = static_cast<int32_t>(s);
+  }
+  p.slots[t * p.slots_stride + c] = slot;
+}
+
+}  // namespace
+
+void write_index_cache(const WriteIndexCacheArgs& a) {
+  IndexWriteParams p{};
+  p.k = a.k.data;
+  p.k_dtype = a.k.dtype;
+  p.k_stride = a.k.stride(0);
+  p.slot_mapping = a.slot_mapping.ptr<int64_t>();
+  p.slot_stride = a.slot_mapping.stride(0);
+  p.num_tokens = a.k.size(0);
+  p.num_slots = a.cache.size(0) * a.cache.size(1);
+  p.cache = a.cache.ptr<uint8_t>();
+  p.fp8 = a.cache.dtype == DType::fp8_e4m3;
+  const int64_t elem = p.fp8 ? 1 : 2;
+  p.block_stride = a.cache.stride(0) * elem;
+  p.row_stride = a.cache.stride(1) * elem;
+  p.block_size = static_cast<int>(a.cache.size(1));
+  if (p.fp8)
+    require(reinterpret_cast<uintptr_t>(p.cache) % 4 == 0 && p.block_stride % 4 == 0,
+            "write_index_cache: cache: the fp8 scales need 4-byte aligned blocks");
+  if (p.num_tokens == 0) return;
+  constexpr int kThreads = 256;
+  write_index_cache_kernel<<<static_cast<unsigned>((p.num_tokens * 32 + kThreads - 1) / kThreads), kThreads, 0,
+                             static_cast<cudaStream_t>(a.stream)>>>(p);
+  check_launch("smla write_index_cache kernel");
+}
+
+void positions_to_slots(const PositionsToSlotsArgs& a) {
+  SlotsParams p{};
+  p.positions = a.positions.ptr<int32_t>();
+  p.pos_stride = a.positions.stride(0);
+  p.request_ids = a.request_ids.ptr<int32_t>();
+  p.req_stride = a.request_ids.stride(0);
+  p.block_table = a.block_table.ptr<int32_t>();
+  p.table_stride = a.block_table.stride(0);
+  p.num_requests = a.block_table.size(0);
+  p.max_blocks = a.block_table.size(1);
+  p.block_size = a.block_size;
+  p.slots = a.slots.ptr<int32_t>();
+  p.slots_stride = a.slots.stride(0);
+  p.tokens = a.positions.size(0);
+  p.k = a.positions.size(1);
+  if (p.tokens * p.k == 0) return;
+  constexpr int kThreads = 256;
+  positions_to_slots_kernel<<<static_cast<unsigned>((p.tokens * p.k + kThreads - 1) / kThreads), kThreads, 0,
+                              static_cast<cudaStream_t>(a.stream)>>>(p);
+  check_launch("smla positions_to_slots kernel");
+}
+
+}  // namespace smla::cuda

@@ -1,0 +1,46 @@
+// Helpers for the GPU tests: device copies of host buffers and views of them.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "smla/select.h"
+
+namespace smla {
+
+#define CUDA_OK(x) ASSERT_EQ((x), cudaSuccess) << #x
+
+inline const Backend& cpu() { return *Registry::global().find("cpu"); }
+inline const Backend& gpu() { return *Registry::global().find("cuda_mma"); }
+
+// Device copy of a host buffer; freed at scope exit.
+struct DeviceBuffer {
+  void* ptr = nullptr;
+  size_t bytes = 0;
+  explicit DeviceBuffer(size_t n) : bytes(n) { EXPECT_EQ(cudaMalloc(&ptr, std::max<size_t>(n, 16)), cudaSuccess); }
+  template <class T>
+  explicit DeviceBuffer(const std::vector<T>& host) : DeviceBuffer(host.size() * sizeof(T)) {
+    EXPECT_EQ(cudaMemcpy(ptr, host.data(), bytes, cudaMemcpyHostToDevice), cudaSuccess);
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  ~DeviceBuffer() { cudaFree(ptr); }
+  template <class T>
+  std::vector<T> download() const {
+    std::vector<T> v(bytes / sizeof(T));
+    EXPECT_EQ(cudaMemcpy(v.data(), ptr, bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+    return v;
+  }
+};
+
+// The same view, pointing at device memory.
+inline TensorView on_gpu(TensorView v, void* data) {
+  v.data = data;
+  v.device = Device::cuda(0, 0);
+  return v;
+}
+
+}  // namespace smla

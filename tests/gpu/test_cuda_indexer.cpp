@@ -1,0 +1,335 @@
+// The CUDA indexer ops against the CPU backend: index-cache bytes, top-k sets
+// (equal except where float64 scores tie within rounding), the tie rule,
+// short contexts, shuffled block tables, bf16/fp8 queries and caches, slot
+// mapping, and the whole DSA decode step.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <set>
+
+#include "core/numeric.h"
+#include "gpu/gpu_util.h"
+#include "reference/indexer_reference.h"
+#include "support/test_util.h"
+
+namespace smla {
+namespace {
+
+struct IndexProblem {
+  DType q_dtype = DType::bf16, cache_dtype = DType::bf16;
+  int tokens = 4, heads = 32, k = 64, block_size = 16, max_blocks = 40;
+  bool duplicate_keys = false;  // keys drawn from a handful of rows: massive exact ties
+  double tie_tol = 1e-4;        // relative score gap under which two positions may swap
+};
+
+int cache_row(DType d) { return d == DType::bf16 ? kIndexHeadDim : kFp8IndexRowBytes; }
+
+// Host tensors of one indexer problem, written through the CPU backend.
+struct IndexData {
+  IndexProblem pr;
+  int num_blocks = 0;
+  std::vector<uint8_t> cache, q;
+  std::vector<float> q_scale, weights;
+  std::vector<int32_t> request_ids, table, context;
+  TensorView cache_view;
+
+  explicit IndexData(const IndexProblem& p, uint64_t seed) : pr(p) {
+    test::Rng rng(seed);
+    const int requests = 3;
+    num_blocks = requests * p.max_blocks + 2;
+    std::vector<int32_t> perm(num_blocks);
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), rng);
+    table.assign(perm.begin(), perm.begin() + requests * p.max_blocks);
+    const int64_t slots = static_cast<int64_t>(num_blocks) * p.block_size;
+    cache.assign(slots * cache_row(p.cache_dtype) * dtype_size(p.cache_dtype), 0xff);  // NaN where unwritten
+    cache_view = TensorView(cache.data(), {num_blocks, p.block_size, cache_row(p.cache_dtype)}, p.cache_dtype);
+
+    // Every slot the tables reach gets a key; duplicates come from 7 base rows.
+    std::vector<int64_t> mapping;
+    for (int32_t b : table)
+      for (int o = 0; o < p.block_size; ++o) mapping.push_back(static_cast<int64_t>(b) * p.block_size + o);
+    const int64_t n = static_cast<int64_t>(mapping.size());
+    std::vector<float> keys = test::random_floats(rng, n * kIndexHeadDim);
+    if (p.duplicate_keys)
+      for (int64_t i = 0; i < n; ++i)
+        std::copy_n(keys.begin() + (i % 7) * kIndexHeadDim, kIndexHeadDim, keys.begin() + i * kIndexHeadDim);
+    auto kbits = test::to_half_bits(keys, DType::bf16);
+    WriteIndexCacheArgs w;
+    w.k = TensorView(kbits.data(), {n, kIndexHeadDim}, DType::bf16);
+    w.slot_mapping = TensorView(mapping.data(), {n}, DType::i64);
+    w.cache = cache_view;
+    write_index_cache(w, &cpu());
+
+    const int64_t qn = static_cast<int64_t>(p.tokens) * p.heads * kIndexHeadDim;
+    std::vector<float> qv = test::random_floats(rng, qn);
+    if (p.q_dtype == DType::fp8_e4m3) {
+      q.resize(qn);
+      for (int64_t i = 0; i < qn; ++i) q[i] = numeric::float_to_e4m3(qv[i] * 200.f);
+      q_scale = test::random_floats(rng, p.tokens * p.heads, 0.001f, 0.01f);
+    } else {
+      // Rounded to bf16 first: the GPU computes in bf16, so an f16 query is compared on the same values.
+      std::vector<float> rounded;
+      test::to_half_bits(qv, DType::bf16, &rounded);
+      auto bits = test::to_half_bits(rounded, p.q_dtype);
+      q.resize(qn * 2);
+      std::memcpy(q.data(), bits.data(), q.size());
+    }
+    weights = test::random_floats(rng, p.tokens * p.heads, 0.01f, 0.1f);
+    const int capacity = p.max_blocks * p.block_size;
+    for (int t = 0; t < p.tokens; ++t) {
+      request_ids.push_back(static_cast<int32_t>(rng() % requests));
+      // Mixed lengths: shorter than k, around k, up to the table's capacity.
+      const int choices[] = {1, p.k / 2, p.k, p.k + 1, capacity};
+      context.push_back(std::min(capacity, choices[t % 5]));
+    }
+  }
+
+  IndexerTopkArgs args(std::vector<int32_t>& out) {
+    IndexerTopkArgs a;
+    a.q = TensorView(q.data(), {pr.tokens, pr.heads, kIndexHeadDim}, pr.q_dtype);
+    if (pr.q_dtype == DType::fp8_e4m3) a.q_scale = TensorView(q_scale.data(), {pr.tokens, pr.heads}, DType::f32);
+    a.weights = TensorView(weights.data(), {pr.tokens, pr.heads}, DType::f32);
+    a.index_cache = cache_view;
+    a.request_ids = TensorView(request_ids.data(), {pr.tokens}, DType::i32);
+    a.block_table = TensorView(table.data(), {3, pr.max_blocks}, DType::i32);
+    a.context_lens = TensorView(context.data(), {pr.tokens}, DType::i32);
+    out.assign(static_cast<size_t>(pr.tokens) * pr.k, 12345);
+    a.topk = TensorView(out.data(), {pr.tokens, pr.k}, DType::i32);
+    return a;
+  }
+};
+
+void run_topk(const IndexProblem& pr, uint64_t seed) {
+  SCOPED_TRACE("q=" + std::string(dtype_name(pr.q_dtype)) + " cache=" + std::string(dtype_name(pr.cache_dtype)) +
+               " H=" + std::to_string(pr.heads) + " k=" + std::to_string(pr.k) + " bs=" +
+               std::to_string(pr.block_size) + (pr.duplicate_keys ? " ties" : ""));
+  IndexData d(pr, seed);
+  std::vector<int32_t> want, got;
+  IndexerTopkArgs a = d.args(want);
+  indexer_topk(a, &cpu());
+
+  DeviceBuffer dq(d.q), dqs(d.q_scale), dw(d.weights), dc(d.cache), dr(d.request_ids), dt(d.table), dl(d.context);
+  DeviceBuffer dout(std::vector<int32_t>(want.size(), 12345));
+  IndexerTopkArgs g = a;
+  g.q = on_gpu(a.q, dq.ptr);
+  if (a.q_scale.defined()) g.q_scale = on_gpu(a.q_scale, dqs.ptr);
+  g.weights = on_gpu(a.weights, dw.ptr);
+  g.index_cache = on_gpu(a.index_cache, dc.ptr);
+  g.request_ids = on_gpu(a.request_ids, dr.ptr);
+  g.block_table = on_gpu(a.block_table, dt.ptr);
+  g.context_lens = on_gpu(a.context_lens, dl.ptr);
+  g.topk = on_gpu(a.topk, dout.ptr);
+  indexer_topk(g, &gpu());
+  CUDA_OK(cudaDeviceSynchronize());
+  got = dout.download<int32_t>();
+
+  for (int t = 0; t < pr.tokens; ++t) {
+    const std::vector<double> scores = reference::ref_indexer_scores(a, t);
+    const auto row = [&](const std::vector<int32_t>& v) {
+      return std::vector<int32_t>(v.begin() + t * pr.k, v.begin() + (t + 1) * pr.k);
+    };
+    const std::vector<int32_t> w = row(want), gr = row(got);
+    if (pr.duplicate_keys) {  // exact ties: both must pick the lowest positions, in the same order
+      EXPECT_EQ(gr, w) << "token " << t;
+      continue;
+    }
+    // Same -1 padding; a position only one side chose must tie the other's within rounding.
+    EXPECT_EQ(std::count(gr.begin(), gr.end(), -1), std::count(w.begin(), w.end(), -1)) << "token " << t;
+    const std::set<int32_t> ws(w.begin(), w.end());
+    double kth = INFINITY;
+    for (int32_t p : w)
+      if (p >= 0) kth = std::min(kth, scores[p]);
+    for (size_t i = 0; i < gr.size(); ++i) {
+      const int32_t p = gr[i];
+      if (p < 0) continue;
+      ASSERT_LT(p, static_cast<int32_t>(scores.size())) << "token " << t;
+      if (!ws.count(p))
+        EXPECT_LE(std::fabs(scores[p] - kth), pr.tie_tol * std::fabs(kth) + 1e-9) << "token " << t << " pos " << p;
+      if (i > 0 && gr[i - 1] >= 0)  // best first
+        EXPECT_GE(scores[gr[i - 1]] + pr.tie_tol * std::fabs(scores[gr[i - 1]]) + 1e-9, scores[p]) << "token " << t;
+    }
+  }
+}
+
+TEST(CudaIndexer, TopkMatchesCpu) {
+  uint64_t seed = 1;
+  for (DType q : {DType::bf16, DType::fp8_e4m3})
+    for (DType c : {DType::bf16, DType::fp8_e4m3})
+      for (int bs : {1, 16, 64}) {
+        IndexProblem p;
+        p.q_dtype = q;
+        p.cache_dtype = c;
+        p.block_size = bs;
+        p.max_blocks = (bs == 1 ? 700 : 2200 / bs);
+        p.k = 128;
+        run_topk(p, seed++);
+      }
+  for (int heads : {1, 20, 64, 128}) {
+    IndexProblem p;
+    p.heads = heads;
+    p.k = 100;
+    run_topk(p, seed++);
+  }
+  IndexProblem f16;
+  f16.q_dtype = DType::f16;
+  run_topk(f16, seed++);
+}
+
+TEST(CudaIndexer, LongContextTopk2048) {
+  IndexProblem p;
+  p.tokens = 5;
+  p.heads = 64;
+  p.k = 2048;
+  p.block_size = 64;
+  p.max_blocks = 300;  // 19200 positions
+  p.cache_dtype = DType::fp8_e4m3;
+  run_topk(p, 50);
+}
+
+TEST(CudaIndexer, TiesGoToTheLowerPosition) {
+  for (DType c : {DType::bf16, DType::fp8_e4m3}) {
+    IndexProblem p;
+    p.cache_dtype = c;
+    p.duplicate_keys = true;
+    p.k = 50;
+    run_topk(p, 60 + static_cast<int>(c));
+  }
+}
+
+TEST(CudaIndexer, WriteIndexCacheSameBytesAsCpu) {
+  test::Rng rng(70);
+  for (DType src : {DType::f32, DType::bf16, DType::f16})
+    for (DType c : {DType::bf16, DType::fp8_e4m3}) {
+      SCOPED_TRACE(std::string(dtype_name(src)) + " -> " + std::string(dtype_name(c)));
+      const int n = 90, blocks = 8, bs = 16;
+      std::vector<float> vals = test::random_floats(rng, n * kIndexHeadDim, -30.f, 30.f);
+      std::vector<uint8_t> k(n * kIndexHeadDim * dtype_size(src));
+      if (src == DType::f32) std::memcpy(k.data(), vals.data(), k.size());
+      else {
+        auto bits = test::to_half_bits(vals, src);
+        std::memcpy(k.data(), bits.data(), k.size());
+      }
+      std::vector<int64_t> slots(n);
+      for (int i = 0; i < n; ++i) slots[i] = i % 13 == 3 ? -1 : (i * 37) % (blocks * bs);
+      std::vector<uint8_t> ref(blocks * bs * cache_row(c) * dtype_size(c), 0xab);
+      WriteIndexCacheArgs a;
+      a.k = TensorView(k.data(), {n, kIndexHeadDim}, src);
+      a.slot_mapping = TensorView(slots.data(), {n}, DType::i64);
+      a.cache = TensorView(ref.data(), {blocks, bs, cache_row(c)}, c);
+      write_index_cache(a, &cpu());
+      DeviceBuffer dk(k), ds(slots), dc(std::vector<uint8_t>(ref.size(), 0xab));
+      WriteIndexCacheArgs g = a;
+      g.k = on_gpu(a.k, dk.ptr);
+      g.slot_mapping = on_gpu(a.slot_mapping, ds.ptr);
+      g.cache = on_gpu(a.cache, dc.ptr);
+      write_index_cache(g, &gpu());
+      CUDA_OK(cudaDeviceSynchronize());
+      EXPECT_EQ(dc.download<uint8_t>(), ref);
+    }
+}
+
+TEST(CudaIndexer, PositionsToSlotsMatchesCpu) {
+  const int tokens = 6, k = 40, bs = 16, max_blocks = 5;
+  std::vector<int32_t> positions(tokens * k), req = {0, 1, 2, 0, 1, 2};
+  std::vector<int32_t> table = {3, 9, -1, 4, 8, 0, 1, 2, 5, 6, 7, 10, 11, 12, 13};
+  test::Rng rng(80);
+  for (auto& p : positions) p = static_cast<int32_t>(rng() % (max_blocks * bs + 10)) - 5;  // some < 0, some past the table
+  std::vector<int32_t> want(tokens * k, 7);
+  PositionsToSlotsArgs a;
+  a.positions = TensorView(positions.data(), {tokens, k}, DType::i32);
+  a.request_ids = TensorView(req.data(), {tokens}, DType::i32);
+  a.block_table = TensorView(table.data(), {3, max_blocks}, DType::i32);
+  a.block_size = bs;
+  a.slots = TensorView(want.data(), {tokens, k}, DType::i32);
+  positions_to_slots(a, &cpu());
+  DeviceBuffer dp(positions), dr(req), dt(table), ds(std::vector<int32_t>(want.size(), 7));
+  PositionsToSlotsArgs g = a;
+  g.positions = on_gpu(a.positions, dp.ptr);
+  g.request_ids = on_gpu(a.request_ids, dr.ptr);
+  g.block_table = on_gpu(a.block_table, dt.ptr);
+  g.slots = on_gpu(a.slots, ds.ptr);
+  positions_to_slots(g, &gpu());
+  CUDA_OK(cudaDeviceSynchronize());
+  EXPECT_EQ(ds.download<int32_t>(), want);
+}
+
+TEST(CudaIndexer, DsaDecodeStepMatchesCpu) {
+  IndexProblem pr;
+  pr.tokens = 5;
+  pr.heads = 32;
+  pr.k = 256;
+  pr.block_size = 64;
+  pr.max_blocks = 20;
+  IndexData d(pr, 90);
+  test::Rng rng(91);
+  const int H = 8;
+  std::vector<uint8_t> mla(static_cast<size_t>(d.num_blocks) * pr.block_size * kMlaQkDim * 2, 0xff);
+  TensorView mla_view(mla.data(), {d.num_blocks, pr.block_size, kMlaQkDim}, DType::bf16);
+  {
+    std::vector<int64_t> mapping;
+    for (int32_t b : d.table)
+      for (int o = 0; o < pr.block_size; ++o) mapping.push_back(static_cast<int64_t>(b) * pr.block_size + o);
+    const int64_t n = static_cast<int64_t>(mapping.size());
+    auto lat = test::to_half_bits(test::random_floats(rng, n * kMlaLatentDim), DType::bf16);
+    auto kpe = test::to_half_bits(test::random_floats(rng, n * kMlaRopeDim), DType::bf16);
+    WriteMlaCacheArgs w;
+    w.latent = TensorView(lat.data(), {n, kMlaLatentDim}, DType::bf16);
+    w.k_pe = TensorView(kpe.data(), {n, kMlaRopeDim}, DType::bf16);
+    w.slot_mapping = TensorView(mapping.data(), {n}, DType::i64);
+    w.cache = mla_view;
+    write_mla_cache(w, &cpu());
+  }
+  auto q = test::to_half_bits(test::random_floats(rng, pr.tokens * H * kMlaQkDim), DType::bf16);
+  std::vector<int32_t> topk, slots(pr.tokens * pr.k);
+  std::vector<uint16_t> out(pr.tokens * H * kMlaVDim);
+  std::vector<float> lse(pr.tokens * H);
+  DsaDecodeStepArgs a;
+  a.indexer = d.args(topk);
+  a.slots = TensorView(slots.data(), {pr.tokens, pr.k}, DType::i32);
+  a.q = TensorView(q.data(), {pr.tokens, H, kMlaQkDim}, DType::bf16);
+  a.kv_cache = mla_view;
+  a.softmax_scale = 0.0625f;
+  a.out = TensorView(out.data(), {pr.tokens, H, kMlaVDim}, DType::bf16);
+  a.lse = TensorView(lse.data(), {pr.tokens, H}, DType::f32);
+  dsa_decode_step(a, &cpu());
+
+  DeviceBuffer dq(d.q), dw(d.weights), dc(d.cache), dr(d.request_ids), dt(d.table), dl(d.context);
+  DeviceBuffer dtopk(topk), dslots(slots), dmq(q), dmla(mla), dout(std::vector<uint16_t>(out.size(), 0x7fc1)),
+      dlse(std::vector<float>(lse.size(), NAN));
+  DsaDecodeStepArgs g = a;
+  g.indexer.q = on_gpu(a.indexer.q, dq.ptr);
+  g.indexer.weights = on_gpu(a.indexer.weights, dw.ptr);
+  g.indexer.index_cache = on_gpu(a.indexer.index_cache, dc.ptr);
+  g.indexer.request_ids = on_gpu(a.indexer.request_ids, dr.ptr);
+  g.indexer.block_table = on_gpu(a.indexer.block_table, dt.ptr);
+  g.indexer.context_lens = on_gpu(a.indexer.context_lens, dl.ptr);
+  g.indexer.topk = on_gpu(a.indexer.topk, dtopk.ptr);
+  g.slots = on_gpu(a.slots, dslots.ptr);
+  g.q = on_gpu(a.q, dmq.ptr);
+  g.kv_cache = on_gpu(a.kv_cache, dmla.ptr);
+  g.out = on_gpu(a.out, dout.ptr);
+  g.lse = on_gpu(a.lse, dlse.ptr);
+  dsa_decode_step(g, &gpu());
+  CUDA_OK(cudaDeviceSynchronize());
+  EXPECT_EQ(dtopk.download<int32_t>(), topk);
+  EXPECT_EQ(dslots.download<int32_t>(), slots);
+  std::vector<double> want(out.size()), got(out.size());
+  const auto gout = dout.download<uint16_t>();
+  for (size_t i = 0; i < out.size(); ++i) {
+    want[i] = numeric::bf16_to_float(out[i]);
+    got[i] = numeric::bf16_to_float(gout[i]);
+  }
+  EXPECT_EQ(test::compare(want, got, 2e-3, 2e-2, 0.9999), "");
+  const auto glse = dlse.download<float>();
+  EXPECT_EQ(test::compare(std::vector<double>(lse.begin(), lse.end()), std::vector<double>(glse.begin(), glse.end()),
+                          1e-3, 1e-4, 0.9999),
+            "");
+}
+
+}  // namespace
+}  // namespace smla

@@ -1,0 +1,124 @@
+"""smla.explain, backends, model specs: the same answers as the C++ API and the CLI."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+
+import pytest
+
+import smla
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+GOLDEN = ROOT / "tests" / "golden"
+CONFIGS = ROOT / "tests" / "data" / "configs"
+
+# The golden cases of tests/cpu/test_explain.cpp: (file, model, device, dtype, kv_cache_dtype, tp).
+GOLDEN_CASES = [
+    ("glm5_sm120_fp16", "glm-5", "sm_120", "float16", "auto", 1),
+    ("glm5_cpu_tp8", "glm-5", "cpu", "bfloat16", "auto", 8),
+    ("deepseek_v32_cpu_fp8", "deepseek-v3.2", "cpu", "bfloat16", "fp8_ds_mla", 8),
+    ("deepseek_v3_sm80", "deepseek-v3", "sm_80", "bfloat16", "auto", 1),
+    ("kimi_k2_cpu", "kimi-k2", "cpu", "float16", "float16", 1),
+]
+
+
+@pytest.mark.parametrize("golden,model,device,dtype,kv,tp", GOLDEN_CASES)
+def test_explain_matches_the_golden_text_and_json(golden, model, device, dtype, kv, tp):
+    e = smla.explain(model, device=device, dtype=dtype, kv_cache_dtype=kv, tp=tp)
+    name = golden if smla.with_cuda else golden + ".nocuda"
+    assert str(e) == (GOLDEN / f"{name}.txt").read_text()
+    assert e.to_dict() == json.loads((GOLDEN / f"{name}.json").read_text())
+    # The dataclasses say what the JSON says.
+    d = e.to_dict()
+    assert e.schema == "smla.explain/1"
+    assert e.chosen == d["chosen"] and bool(e) == (d["chosen"] is not None)
+    assert e.run.heads_per_rank == e.model.num_heads // tp
+    assert e.model.absorbed_qk_dim == 576 and e.model.absorbed_v_dim == 512
+    assert [c.name for c in e.candidates] == [c["name"] for c in d["candidates"]]
+    assert all(c.valid == (not c.reasons) for c in e.candidates)
+    assert json.loads(e.to_json()) == d
+
+
+def test_explain_fields():
+    e = smla.explain("deepseek-v3.2", device="cpu", kv_cache_dtype="fp8_ds_mla", block_size=16, tp=8)
+    assert e.chosen == "cpu" and not e.forced and e.suggestion is None
+    assert e.model.indexer is not None and e.model.indexer.topk == 2048 and e.model.indexer.rope_style == "half-split"
+    assert e.model.rope.yarn is not None and e.model.rope.yarn.factor == 40.0
+    assert e.run.kv_cache_dtype == "fp8_ds_mla" and not e.run.kv_cache_dtype_auto
+    assert e.run.block_size == 16 and e.run.ops == ("sparse attention", "indexer")
+    assert "CHOSEN" in str(e)
+
+
+def test_explain_no_valid_backend_is_not_an_error():
+    e = smla.explain("glm-5", device="sm_120", dtype="float16")
+    if e.chosen is None:
+        assert e.suggestion and "cpu" in e.suggestion
+        assert all(c.reasons for c in e.candidates)
+
+
+def test_explain_forced_backend():
+    e = smla.explain("glm-5", device="cpu", backend="cpu")
+    assert e.chosen == "cpu" and e.forced
+    with pytest.raises(smla.UnsupportedError, match="backend 'cpu' was forced"):
+        smla.explain("glm-5", device="sm_90", backend="cpu")
+
+
+def test_explain_reads_smla_backend(monkeypatch):
+    monkeypatch.setenv("SMLA_BACKEND", "cpu")
+    assert smla.explain("kimi-k2", device="cpu").forced
+
+
+@pytest.mark.parametrize("kwargs,pattern", [
+    (dict(dtype="float32"), "dtype: expected bfloat16 or float16"),
+    (dict(kv_cache_dtype="fp4"), "kv_cache_dtype"),
+    (dict(device="tpu"), "device"),
+    (dict(block_size=0), "block_size"),
+    (dict(tp=3), "tp: 3 does not divide"),
+    (dict(backend="flashmla"), "cpu"),
+])
+def test_explain_bad_input_raises_value_errors(kwargs, pattern):
+    with pytest.raises(smla.InvalidArgumentError, match=pattern) as e:
+        smla.explain("glm-5", **{"device": "cpu", **kwargs})
+    assert isinstance(e.value, ValueError)
+
+
+def test_models():
+    assert smla.preset_names() == ["glm-5", "deepseek-v3.2", "deepseek-v3", "kimi-k2", "glm-4.7-flash"]
+    spec = smla.load_model_spec("glm-5")
+    assert (spec.num_heads, spec.qk_nope_head_dim, spec.v_head_dim, spec.softmax_scale) == (64, 192, 256, 0.0625)
+    assert spec.is_sparse and spec.indexer.heads == 32 and spec.rope_style == "interleaved"
+    from_file = smla.load_model_spec(CONFIGS / "deepseek-v3.2.json")
+    assert from_file.model_type == "deepseek_v32" and from_file.indexer.rope_style == "half-split"
+    as_dict = smla.load_model_spec(json.loads((CONFIGS / "kimi-k2.5-nested.json").read_text()))
+    assert as_dict.model_type == "kimi_k2"
+    # An adjusted spec explains as adjusted.
+    spec.num_heads = 96
+    assert smla.explain(spec, device="cpu", tp=8).run.heads_per_rank == 12
+    with pytest.raises(smla.InvalidArgumentError, match="llama-3"):
+        smla.load_model_spec("llama-3")
+    with pytest.raises(smla.InvalidArgumentError, match="num_attention_heads"):
+        smla.load_model_spec(ROOT / "tests" / "cli" / "bad" / "missing-heads.json")
+    bad = smla.AttentionSpec()
+    with pytest.raises(smla.InvalidArgumentError):
+        bad.validate()
+    with pytest.raises(smla.InvalidArgumentError, match="rope_style"):
+        spec.rope_style = "sideways"
+
+
+def test_backends_match_the_readme_support_matrix():
+    names = [b.name for b in smla.backends()]
+    assert "cpu" in names and "cuda_mma" in names
+    cpu = next(b for b in smla.backends() if b.name == "cpu")
+    assert cpu.device == "cpu" and cpu.compute_capability is None and "fp8_ds_mla" in cpu.kv_cache_dtypes
+    readme = (ROOT / "README.md").read_text()
+    table = re.search(r"<!-- support-matrix:begin.*?-->\n(.*?)<!-- support-matrix:end -->", readme, re.S).group(1)
+    assert smla.support_matrix() == table
+
+
+def test_detect_device():
+    device = smla.detect_device()
+    assert device == "cpu" or device.startswith("sm_")
+    if not smla.with_cuda:
+        assert device == "cpu"

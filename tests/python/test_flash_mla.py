@@ -1,0 +1,204 @@
+"""smla.flash_mla against FlashMLA's conventions, on numpy arrays (CPU).
+
+The cases follow FlashMLA's own tests (test_flash_mla_sparse_decoding.py,
+the sparse prefill test and tests/ref.py): NaN in every cache slot that no
+valid index reads, invalid indices -1 / -2^31 / s_kv / 2^31-1 and friends,
+attention sinks of +-inf, topk_length, blocks padded the way its quantiser
+pads them, lse of a query with nothing to attend = +inf.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import smla
+from reference import FP8_ROW, INVALID_INDICES, LATENT, QK, ROPE, V, attention, dequantize_ds_mla, quantize_ds_mla
+from smla.flash_mla import FlashMLASchedMeta, flash_mla_sparse_fwd, flash_mla_with_kvcache, get_mla_metadata
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+bf16 = ml_dtypes.bfloat16
+
+
+def flashmla_lse(lse: np.ndarray) -> np.ndarray:
+    return np.where(np.isneginf(lse), np.inf, lse)
+
+
+def check(name, ans, ref, atol, rtol):
+    ans = np.asarray(ans, np.float64)
+    assert ans.shape == ref.shape, f"{name}: {ans.shape} vs {ref.shape}"
+    np.testing.assert_array_equal(np.isposinf(ans), np.isposinf(ref), err_msg=name)
+    np.testing.assert_array_equal(np.isneginf(ans), np.isneginf(ref), err_msg=name)
+    assert not np.isnan(ans).any()
+    f = np.isfinite(ref)
+    np.testing.assert_allclose(ans[f], ref[f], atol=atol, rtol=rtol, err_msg=name)
+
+
+def sparse_decode_case(rng, b, s_q, h_q, topk, block_size, num_blocks, have_topk_length, all_invalid=False):
+    """FlashMLA-style sparse decode inputs with an FP8 cache (num_blocks, block_size, 1, 656)."""
+    q = np.clip(rng.standard_normal((b, s_q, h_q, QK)), -1, 1).astype(bf16)
+    # Blocks padded by one row, as FlashMLA's quantize_k_cache allocates them.
+    buf = np.zeros((num_blocks, block_size + 1, FP8_ROW), np.uint8)
+    kv = buf[:, :block_size, :]
+    num_slots = num_blocks * block_size
+    lat = np.clip(rng.standard_normal((num_slots, LATENT)) * 0.1, -1, 1).astype(np.float32)
+    pe = np.clip(rng.standard_normal((num_slots, ROPE)) * 0.1, -1, 1).astype(np.float32)
+    kv[:] = quantize_ds_mla(lat, pe).reshape(num_blocks, block_size, FP8_ROW)
+    indices = np.stack([rng.choice(num_slots, size=topk, replace=False) for _ in range(b * s_q)])
+    indices = indices.reshape(b, s_q, topk).astype(np.int32)
+    indices[rng.random(indices.shape) < 0.2] = -1
+    if all_invalid:
+        indices[0] = -1
+    topk_length = rng.integers(0, topk + 1, size=b).astype(np.int32) if have_topk_length else None
+    # Every slot that no counted index reads becomes NaN.
+    counted = indices.copy()
+    if topk_length is not None:
+        counted[np.broadcast_to(np.arange(topk)[None, None, :] >= topk_length[:, None, None], counted.shape)] = -1
+    used = np.zeros(num_slots, bool)
+    used[counted[counted >= 0]] = True
+    for s in np.flatnonzero(~used):
+        kv[s // block_size, s % block_size, :LATENT] = 0x7F  # e4m3 NaN
+    sink = rng.standard_normal(h_q).astype(np.float32)
+    mask = rng.standard_normal(h_q)
+    sink[mask > 0.5], sink[mask < -0.5] = np.inf, -np.inf
+    return q, kv[:, :, None, :], indices, topk_length, sink
+
+
+@pytest.mark.parametrize("b,s_q,h_q,topk,block_size,have_topk_length", [
+    (4, 1, 64, 64, 2, False),
+    (3, 3, 16, 64, 61, True),
+    (2, 2, 128, 96, 64, True),
+])
+def test_sparse_decode(rng, b, s_q, h_q, topk, block_size, have_topk_length):
+    num_blocks = -(-512 // block_size)
+    q, k_cache, indices, topk_length, sink = sparse_decode_case(rng, b, s_q, h_q, topk, block_size, num_blocks,
+                                                                have_topk_length, all_invalid=True)
+    sched, splits = get_mla_metadata()
+    assert isinstance(sched, FlashMLASchedMeta) and splits is None
+    scale = QK**-0.55
+    out, lse = flash_mla_with_kvcache(q, k_cache, None, None, 512, sched, None, softmax_scale=scale, causal=False,
+                                      is_fp8_kvcache=True, indices=indices, attn_sink=sink, topk_length=topk_length)
+    assert out.shape == (b, s_q, h_q, V) and out.dtype == bf16
+    assert lse.shape == (b, h_q, s_q) and lse.dtype == np.float32 and lse.flags.c_contiguous
+    rows = dequantize_ds_mla(k_cache[:, :, 0, :]).reshape(-1, QK)
+    tl = None if topk_length is None else np.repeat(topk_length, s_q)
+    ref_out, ref_lse = attention(np.asarray(q, np.float64).reshape(b * s_q, h_q, QK), rows,
+                                 indices.reshape(b * s_q, topk), scale, tl, sink)
+    check("out", out.reshape(b * s_q, h_q, V), ref_out, 1e-3 + 2**-8, 2.01 / 128)
+    check("lse", lse, flashmla_lse(ref_lse).reshape(b, s_q, h_q).transpose(0, 2, 1), 1e-6, 8.01 / 65536)
+    assert np.all(np.isposinf(lse[0])) and np.all(out[0] == 0)  # the all-invalid request
+    assert sched.have_initialized and sched.config.topk == topk and sched.config.is_fp8_kvcache
+
+
+def test_sched_meta_must_match_its_first_use(rng):
+    q, k_cache, indices, _, _ = sparse_decode_case(rng, 2, 1, 16, 64, 16, 32, False)
+    sched, _ = get_mla_metadata()
+    flash_mla_with_kvcache(q, k_cache, None, None, 512, sched, is_fp8_kvcache=True, indices=indices)
+    with pytest.raises(smla.InvalidArgumentError, match="topk"):
+        flash_mla_with_kvcache(q, k_cache, None, None, 512, sched, is_fp8_kvcache=True, indices=indices[..., :32])
+    with pytest.raises(smla.InvalidArgumentError, match="num_splits"):
+        flash_mla_with_kvcache(q, k_cache, None, None, 512, get_mla_metadata()[0], np.zeros(3, np.int32),
+                               is_fp8_kvcache=True, indices=indices)
+
+
+@pytest.mark.parametrize("dtype", [bf16, np.float16])
+@pytest.mark.parametrize("s_q,causal", [(1, False), (2, True)])
+def test_dense_decode(rng, dtype, s_q, causal):
+    b, h_q, block_size = 3, 16, 64
+    seqlens = np.array([1 + s_q, 200, 130], np.int32)
+    max_blocks = -(-int(seqlens.max()) // block_size)
+    block_table = rng.permutation(b * max_blocks).reshape(b, max_blocks).astype(np.int32)
+    k_cache = np.full((b * max_blocks, block_size, 1, QK), np.nan, dtype)
+    for i in range(b):
+        for p in range(seqlens[i]):
+            k_cache[block_table[i, p // block_size], p % block_size, 0] = rng.standard_normal(QK) * 0.1
+    q = rng.standard_normal((b, s_q, h_q, QK)).astype(dtype)
+    # The older metadata form: FlashMLA's shapes and dtypes, accepted and ignored.
+    tile_md, num_splits = get_mla_metadata(seqlens, s_q * h_q, 1, h_q, False, None)
+    assert tile_md.shape == (1, 8) and tile_md.dtype == np.int32 and num_splits.shape == (b + 1,)
+    out, lse = flash_mla_with_kvcache(q, k_cache, block_table, seqlens, 512, tile_md, num_splits, causal=causal)
+    rows = np.asarray(k_cache[:, :, 0, :], np.float64).reshape(-1, QK)
+    slots = np.full((b, s_q, max_blocks * block_size), -1, np.int64)
+    for i in range(b):
+        for j in range(s_q):
+            n = seqlens[i] - s_q + j + 1 if causal else seqlens[i]
+            p = np.arange(n)
+            slots[i, j, :n] = block_table[i, p // block_size] * block_size + p % block_size
+    scale = QK**-0.5  # FlashMLA's default softmax_scale
+    ref_out, ref_lse = attention(np.asarray(q, np.float64).reshape(b * s_q, h_q, QK), rows,
+                                 slots.reshape(b * s_q, -1), scale)
+    check("out", out.reshape(b * s_q, h_q, V), ref_out, 1e-3 + 2**-8, 2.01 / 128)
+    check("lse", lse, ref_lse.reshape(b, s_q, h_q).transpose(0, 2, 1), 1e-6, 8.01 / 65536)
+
+
+def test_dense_decode_empty_context_gives_inf_lse():
+    q = np.ones((2, 1, 4, QK), np.float16)
+    k_cache = np.full((2, 16, 1, QK), np.nan, np.float16)
+    out, lse = flash_mla_with_kvcache(q, k_cache, np.array([[0], [1]], np.int32), np.array([0, 0], np.int32), 512,
+                                      get_mla_metadata()[0])
+    assert np.all(np.isposinf(lse)) and np.all(out == 0)
+
+
+@pytest.mark.parametrize("s_q,s_kv,topk,h_q,have_sink,have_topk_length", [
+    (5, 128, 128, 64, False, False),
+    (7, 95, 128, 16, True, True),  # topk > s_kv: out-of-bounds indices
+    (3, 592, 64, 128, True, False),
+])
+def test_sparse_prefill(rng, s_q, s_kv, topk, h_q, have_sink, have_topk_length):
+    q = (rng.standard_normal((s_q, h_q, QK)) / 10 + (rng.random() - 0.5) / 10).astype(bf16)
+    kv_buf = (rng.standard_normal((s_kv, 2, QK)) / 10).astype(bf16)
+    kv = kv_buf[:, :1, :]  # non-contiguous (s_kv, 1, d_qk)
+    idx_buf = np.zeros((s_q, 1, topk + 3), np.int32)
+    indices = idx_buf[:, :, :topk]
+    invalid = list(INVALID_INDICES) + [s_kv, 114514, 1919810]
+    for t in range(s_q):
+        perm = rng.permutation(max(s_kv, topk))[:topk]
+        perm[perm >= s_kv] = rng.choice(invalid, size=int((perm >= s_kv).sum()))
+        indices[t, 0] = perm
+    indices[s_q - 1, 0] = rng.choice(invalid)  # a query with nothing to attend
+    sink = None
+    if have_sink:
+        sink = rng.standard_normal(h_q).astype(np.float32)
+        m = rng.standard_normal(h_q)
+        sink[m < -0.5], sink[m > 0.5] = -np.inf, np.inf
+    topk_length = None
+    if have_topk_length:
+        topk_length = np.minimum(rng.integers(0, max(topk + 1, 64), size=s_q), topk).astype(np.int32)
+    sm_scale = 0.5
+    out, max_logits, lse = flash_mla_sparse_fwd(q, kv, indices, sm_scale, 512, sink, topk_length)
+    assert out.shape == (s_q, h_q, V) and max_logits.shape == (s_q, h_q) and lse.shape == (s_q, h_q)
+    rows = np.asarray(kv[:, 0, :], np.float64)
+    idx = indices[:, 0, :]
+    ref_out, ref_lse = attention(np.asarray(q, np.float64), rows, idx, sm_scale, topk_length, sink)
+    check("out", out, ref_out, 8e-4 + 2**-8 * 0.5, 3.01 / 128)
+    check("lse", lse, flashmla_lse(ref_lse), 1e-6, 2.01 / 65536)
+    # max_logits: the largest valid scaled score, -inf where there is none; no sink.
+    valid = (idx >= 0) & (idx < s_kv)
+    if topk_length is not None:
+        valid &= np.arange(topk)[None, :] < topk_length[:, None]
+    scores = sm_scale * np.einsum("thd,tkd->thk", np.asarray(q, np.float64), rows[np.where(valid, idx, 0)])
+    ref_max = np.where(valid[:, None, :], scores, -np.inf).max(axis=-1)
+    check("max_logits", max_logits, ref_max, 1e-6, 2.01 / 65536)
+    assert np.all(np.isneginf(max_logits[-1])) and np.all(np.isposinf(lse[-1])) and np.all(out[-1] == 0)
+
+    out2, none, lse2 = flash_mla_sparse_fwd(q, kv, indices, sm_scale, 512, sink, topk_length,
+                                            return_max_logits=False)
+    assert none is None and np.array_equal(lse2, lse)
+
+
+def test_flash_mla_argument_errors(rng):
+    q, k_cache, indices, _, _ = sparse_decode_case(rng, 2, 1, 16, 64, 16, 32, False)
+    sched = get_mla_metadata()[0]
+    with pytest.raises(smla.InvalidArgumentError, match="head_dim_v"):
+        flash_mla_with_kvcache(q, k_cache, None, None, 128, sched, is_fp8_kvcache=True, indices=indices)
+    with pytest.raises(smla.InvalidArgumentError, match="causal"):
+        flash_mla_with_kvcache(q, k_cache, None, None, 512, sched, causal=True, is_fp8_kvcache=True, indices=indices)
+    with pytest.raises(smla.InvalidArgumentError, match="is_fp8_kvcache"):
+        flash_mla_with_kvcache(q, k_cache, None, None, 512, get_mla_metadata()[0], indices=indices)
+    with pytest.raises(smla.UnsupportedError, match="extra_k_cache"):
+        flash_mla_with_kvcache(q, k_cache, None, None, 512, sched, is_fp8_kvcache=True, indices=indices,
+                               extra_k_cache=k_cache)
+    with pytest.raises(smla.InvalidArgumentError, match="block_table"):
+        flash_mla_with_kvcache(q, k_cache, None, None, 512, get_mla_metadata()[0], is_fp8_kvcache=True)
+    with pytest.raises(smla.InvalidArgumentError, match="h_kv"):
+        flash_mla_sparse_fwd(q[0], np.zeros((8, 2, QK), bf16), np.zeros((1, 2, 64), np.int32), 0.1)

@@ -1,0 +1,374 @@
+"""PyTorch: torch tensors in and out, torch.ops.smla custom ops (opcheck,
+torch.compile), and on a CUDA GPU: correctness against the float64
+reference, streams, CUDA-graph capture, and FlashMLA's API the way
+FlashMLA's tests call it. Skipped without torch (and the CUDA part without a
+GPU or a CUDA build)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import smla
+from reference import INVALID_INDICES, LATENT, QK, ROPE, V, attention, cache_rows, dequantize_ds_mla, quantize_ds_mla
+from smla.flash_mla import flash_mla_sparse_fwd, flash_mla_with_kvcache, get_mla_metadata
+
+torch = pytest.importorskip("torch")
+ml_dtypes = pytest.importorskip("ml_dtypes")
+from smla import torch_ops  # noqa: E402  (needs torch)
+
+needs_custom_ops = pytest.mark.skipif(not torch_ops.available(), reason="torch < 2.4 has no torch.library.custom_op")
+cuda = pytest.mark.skipif(not (smla.with_cuda and torch.cuda.is_available()),
+                          reason="needs a CUDA GPU and a CUDA build")
+
+
+def to_torch(a: np.ndarray, device: str = "cpu") -> "torch.Tensor":
+    """numpy (ml_dtypes bfloat16 included) -> torch, same bits."""
+    if a.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(np.ascontiguousarray(a).view(np.uint16)).view(torch.bfloat16).to(device)
+    return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+
+
+def to_numpy(t: "torch.Tensor") -> np.ndarray:
+    t = t.detach().cpu()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+def attention_case(rng, tokens=4, heads=16, topk=64, num_blocks=8, block_size=16, fp8=True):
+    """numpy data: bf16 q, a cache with NaN in unread slots, indices with invalid entries."""
+    num_slots = num_blocks * block_size
+    used = rng.choice(num_slots, size=num_slots // 2, replace=False)
+    lat = rng.standard_normal((num_slots, LATENT)).astype(np.float32)
+    pe = rng.standard_normal((num_slots, ROPE)).astype(np.float32)
+    if fp8:
+        rows = quantize_ds_mla(lat, pe)
+        rows[~np.isin(np.arange(num_slots), used), :LATENT] = 0x7F
+    else:
+        rows = np.concatenate([lat, pe], 1).astype(ml_dtypes.bfloat16)
+        rows[~np.isin(np.arange(num_slots), used)] = np.nan
+    cache = rows.reshape(num_blocks, block_size, -1)
+    idx = np.stack([rng.choice(used, size=topk, replace=False) for _ in range(tokens)]).astype(np.int32)
+    idx[rng.random(idx.shape) < 0.2] = rng.choice(INVALID_INDICES)
+    idx[-1] = -1
+    q = rng.standard_normal((tokens, heads, QK)).astype(ml_dtypes.bfloat16)
+    return q, cache, idx
+
+
+def check(name, ans, ref, atol, rtol):
+    ans = np.asarray(to_numpy(ans) if isinstance(ans, torch.Tensor) else ans, np.float64)
+    assert ans.shape == ref.shape
+    for special in (np.inf, -np.inf):
+        np.testing.assert_array_equal(ans == special, ref == special, err_msg=name)
+    assert not np.isnan(ans).any(), name
+    f = np.isfinite(ref)
+    np.testing.assert_allclose(ans[f], ref[f], atol=atol, rtol=rtol, err_msg=name)
+
+
+# --- CPU -----------------------------------------------------------------------
+
+
+def test_torch_in_torch_out_same_as_numpy(rng):
+    q, cache, idx = attention_case(rng)
+    out, lse = smla.sparse_mla(to_torch(q), to_torch(cache).view(torch.float8_e4m3fn), to_torch(idx),
+                               softmax_scale=0.05)
+    assert isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    want_out, want_lse = smla.sparse_mla(q, cache, idx, softmax_scale=0.05)
+    np.testing.assert_array_equal(to_numpy(out).view(np.uint16), want_out.view(np.uint16))
+    np.testing.assert_array_equal(lse.numpy(), want_lse)
+    # int8 and uint8 caches are fp8 too.
+    out8, _ = smla.sparse_mla(to_torch(q), to_torch(cache).view(torch.int8), to_torch(idx), softmax_scale=0.05)
+    assert torch.equal(out8, out)
+
+
+def test_cache_write_lands_in_the_torch_tensor(rng):
+    cache = torch.zeros((4, 8, 656), dtype=torch.float8_e4m3fn)
+    latent = torch.randn(5, LATENT)
+    k_pe = torch.randn(5, ROPE)
+    slots = torch.tensor([0, 3, 9, -1, 31])
+    assert smla.write_mla_cache(latent, k_pe, slots, cache) is cache
+    got = cache.view(torch.uint8).view(-1, 656)[slots[slots >= 0]].numpy()
+    want = quantize_ds_mla(latent.numpy(), k_pe.numpy())[slots.numpy() >= 0]
+    np.testing.assert_array_equal(got, want)
+
+
+def test_cpp_sees_torch_memory():
+    from smla import _arrays, _smla
+
+    t = torch.zeros(4, 6, 600, dtype=torch.bfloat16)[1:, :, :QK]
+    info = _smla.tensor_info(_arrays.export(t))
+    assert info["data"] == t.data_ptr() and info["shape"] == tuple(t.shape) and info["strides"] == t.stride()
+    assert info["dtype"] == "bfloat16"
+    f8 = torch.zeros(2, 656, dtype=torch.float8_e4m3fn)
+    info = _smla.tensor_info(_arrays.export(f8, "fp8_ds_mla"))
+    assert info["data"] == f8.data_ptr() and info["dtype"] == "fp8_ds_mla"
+
+
+@needs_custom_ops
+def test_custom_ops_are_registered_and_pass_opcheck(rng):
+    for name in ("write_mla_cache", "sparse_mla", "paged_mla_decode", "write_index_cache", "indexer_topk",
+                 "positions_to_slots", "dsa_decode_step"):
+        assert hasattr(torch.ops.smla, name), name
+    q, cache, idx = attention_case(rng, fp8=False)
+    opcheck = torch.library.opcheck
+    opcheck(torch.ops.smla.sparse_mla.default, (to_torch(q), to_torch(cache), to_torch(idx), None, None, 0.05))
+    table = torch.arange(8, dtype=torch.int32).view(2, 4)
+    clean_cache = torch.randn(8, 16, QK).to(torch.bfloat16)  # every position is read: no NaN
+    opcheck(torch.ops.smla.paged_mla_decode.default,
+            (to_torch(q)[:2, None], clean_cache, table, torch.tensor([5, 60], dtype=torch.int32), None, 0.05))
+    opcheck(torch.ops.smla.write_mla_cache.default,
+            (torch.randn(3, LATENT), torch.randn(3, ROPE), torch.tensor([1, 2, 70]),
+             torch.zeros(8, 16, 656, dtype=torch.uint8)))
+    opcheck(torch.ops.smla.positions_to_slots.default,
+            (torch.tensor([[0, 5, -1]], dtype=torch.int32), torch.tensor([1], dtype=torch.int32), table, 16))
+
+
+@needs_custom_ops
+def test_torch_compile_traces_the_ops(rng):
+    q, cache, idx = attention_case(rng, fp8=False)
+    tq, tc, ti = to_torch(q), to_torch(cache), to_torch(idx)
+
+    def step(q, cache, idx):
+        out, lse = smla.sparse_mla(q * 2, cache, idx, softmax_scale=0.05)
+        return out.float().sum(-1), lse
+
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    for got, want in zip(compiled(tq, tc, ti), step(tq, tc, ti)):
+        assert torch.equal(got, want)
+
+
+def test_errors_from_torch_calls(rng):
+    q, cache, idx = attention_case(rng)
+    with pytest.raises(smla.InvalidArgumentError, match="sparse_mla: indices"):
+        smla.sparse_mla(to_torch(q), to_torch(cache), to_torch(idx).long(), softmax_scale=0.05)
+
+
+def test_flash_mla_with_torch_cpu_tensors(rng):
+    q, cache, idx = attention_case(rng, tokens=4)
+    tq = to_torch(q).view(2, 2, 16, QK)
+    k_cache = to_torch(cache).view(torch.float8_e4m3fn).unsqueeze(2)
+    out, lse = flash_mla_with_kvcache(tq, k_cache, None, None, 512, get_mla_metadata()[0], None, softmax_scale=0.05,
+                                      is_fp8_kvcache=True, indices=to_torch(idx).view(2, 2, -1))
+    assert out.shape == (2, 2, 16, V) and lse.shape == (2, 16, 2) and lse.is_contiguous()
+    want_out, want_lse = smla.sparse_mla(q, cache, idx, softmax_scale=0.05)
+    assert torch.equal(out.reshape(4, 16, V), to_torch(want_out))
+    want_lse = np.where(np.isneginf(want_lse), np.inf, want_lse).reshape(2, 2, 16).transpose(0, 2, 1)
+    np.testing.assert_array_equal(lse.numpy(), want_lse)
+
+
+# --- CUDA ----------------------------------------------------------------------
+
+
+@cuda
+@pytest.mark.parametrize("fp8", [True, False])
+def test_cuda_sparse_mla_matches_reference(rng, fp8):
+    q, cache, idx = attention_case(rng, tokens=6, heads=64, topk=128, num_blocks=16, block_size=64, fp8=fp8)
+    sink = rng.standard_normal(64).astype(np.float32)
+    sink[:2] = [np.inf, -np.inf]
+    topk_length = rng.integers(0, 129, size=6).astype(np.int32)
+    dev = "cuda"
+    out, lse = smla.sparse_mla(to_torch(q, dev), to_torch(cache, dev), to_torch(idx, dev), softmax_scale=0.04,
+                               topk_length=to_torch(topk_length, dev), attn_sink=to_torch(sink, dev))
+    assert out.is_cuda and lse.is_cuda
+    rows = cache_rows(cache) if fp8 else np.asarray(cache, np.float64).reshape(-1, QK)
+    ref_out, ref_lse = attention(np.asarray(q, np.float64), rows, idx, 0.04, topk_length, sink)
+    amax = np.nanmax(np.abs(rows[:, :V]))
+    check("out", out, ref_out, 1e-3 + 2**-8 * amax, 2.01 / 128)
+    check("lse", lse, ref_lse, 1e-5, 8.01 / 65536)
+
+
+@cuda
+def test_cuda_paged_decode_and_cache_write_match_cpu(rng):
+    dev = "cuda"
+    latent, k_pe = torch.randn(200, LATENT), torch.randn(200, ROPE)
+    slots = torch.randperm(256)[:200]
+    cpu_cache = torch.zeros(4, 64, 656, dtype=torch.uint8)
+    gpu_cache = cpu_cache.to(dev)
+    smla.write_mla_cache(latent, k_pe, slots, cpu_cache)
+    smla.write_mla_cache(latent.to(dev), k_pe.to(dev), slots.to(dev), gpu_cache)
+    assert torch.equal(gpu_cache.cpu(), cpu_cache)  # the same bits on both backends
+    q = torch.randn(3, 2, 16, QK, dtype=torch.bfloat16)
+    table = torch.tensor([[2, 0, 1, 3], [1, 3, 0, 2], [3, 2, 1, 0]], dtype=torch.int32)
+    seq_lens = torch.tensor([2, 130, 256], dtype=torch.int32)
+    out, lse = smla.paged_mla_decode(q.to(dev), gpu_cache, table.to(dev), seq_lens.to(dev), softmax_scale=0.06)
+    want_out, want_lse = smla.paged_mla_decode(q, cpu_cache, table, seq_lens, softmax_scale=0.06)
+    torch.testing.assert_close(out.cpu().float(), want_out.float(), atol=2e-2, rtol=2.01 / 128)
+    torch.testing.assert_close(lse.cpu(), want_lse, atol=1e-4, rtol=1e-4)
+
+
+@cuda
+def test_cuda_runs_on_the_current_stream_and_in_cuda_graphs(rng):
+    q, cache, idx = attention_case(rng, tokens=8, heads=32, topk=128, num_blocks=8, block_size=64)
+    tq, tc, ti = to_torch(q, "cuda"), to_torch(cache, "cuda"), to_torch(idx, "cuda")
+    want_out, want_lse = smla.sparse_mla(tq, tc, ti, softmax_scale=0.05)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        out, lse = smla.sparse_mla(tq, tc, ti, softmax_scale=0.05)
+    torch.cuda.current_stream().wait_stream(side)
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+
+    static_q = tq.clone()
+    capture = torch.cuda.Stream()
+    capture.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(capture):  # warm up on the capture stream: it sizes the backend's workspace
+        smla.sparse_mla(static_q, tc, ti, softmax_scale=0.05)
+    torch.cuda.current_stream().wait_stream(capture)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=capture):
+        g_out, g_lse = smla.sparse_mla(static_q, tc, ti, softmax_scale=0.05)
+    new_q = torch.randn_like(tq)
+    static_q.copy_(new_q)
+    graph.replay()
+    torch.cuda.synchronize()
+    e_out, e_lse = smla.sparse_mla(new_q, tc, ti, softmax_scale=0.05)
+    assert torch.equal(g_out, e_out) and torch.equal(g_lse, e_lse)
+
+
+@cuda
+@needs_custom_ops
+def test_cuda_torch_compile(rng):
+    q, cache, idx = attention_case(rng, fp8=True)
+    tq, tc, ti = to_torch(q, "cuda"), to_torch(cache, "cuda").view(torch.float8_e4m3fn), to_torch(idx, "cuda")
+
+    def step(q, cache, idx):
+        out, lse = smla.sparse_mla(q, cache, idx, softmax_scale=0.05)
+        return out * 2, lse
+
+    compiled = torch.compile(step, fullgraph=True)
+    for got, want in zip(compiled(tq, tc, ti), step(tq, tc, ti)):
+        assert torch.equal(got, want)
+
+
+@cuda
+def test_cuda_indexer_ops_follow_the_declared_capabilities():
+    gen = torch.Generator().manual_seed(7)
+    tokens, heads, blocks, block_size = 3, 8, 6, 16
+    keys = torch.randn(blocks * block_size, 128, generator=gen)
+    cache = torch.zeros(blocks, block_size, 128, dtype=torch.bfloat16)
+    smla.write_index_cache(keys, torch.arange(blocks * block_size), cache)
+    q = torch.randn(tokens, heads, 128, generator=gen).to(torch.bfloat16)
+    args = (q, torch.randn(tokens, heads, generator=gen), cache, torch.tensor([0, 1, 1], dtype=torch.int32),
+            torch.tensor([[0, 2, 4], [1, 3, 5]], dtype=torch.int32), torch.tensor([40, 7, 48], dtype=torch.int32))
+    gpu_args = [a.cuda() for a in args]
+    gpu = next(b for b in smla.backends() if b.name == "cuda_mma")
+    if "indexer" not in gpu.ops:
+        with pytest.raises(smla.UnsupportedError, match="indexer_topk"):
+            smla.indexer_topk(*gpu_args, topk=16)
+        return
+    want = smla.indexer_topk(*args, topk=16)
+    got = smla.indexer_topk(*gpu_args, topk=16).cpu()
+    assert torch.equal(got.sort(dim=1).values, want.sort(dim=1).values)
+
+
+# --- FlashMLA's API, called the way FlashMLA's tests call it ------------------------
+
+
+def _flashmla_decode_testcase(rng, b, s_q, h_q, topk, block_size, s_k, device):
+    """As FlashMLA's generate_testcase_for_decode: varlen cache_seqlens, a shuffled
+    block table, abs indices -> indices in the kv cache, NaN in unread slots, FP8 cache."""
+    seqlens = np.maximum(rng.normal(s_k, s_k / 2, size=b), s_q).astype(np.int64)
+    pad = max(-(-int(seqlens.max()) // (4 * block_size)), 1) * 4 * block_size
+    block_table = rng.permutation(b * pad // block_size).reshape(b, -1).astype(np.int32)
+    num_blocks = block_table.size
+    lat = np.clip(rng.standard_normal((num_blocks * block_size, LATENT)) * 0.1, -1, 1).astype(np.float32)
+    pe = np.clip(rng.standard_normal((num_blocks * block_size, ROPE)) * 0.1, -1, 1).astype(np.float32)
+    rows = quantize_ds_mla(lat, pe)
+    abs_idx = np.full((b, s_q, topk), -1, np.int64)
+    for i in range(b):
+        for j in range(s_q):
+            n = min(topk, int(seqlens[i]))
+            abs_idx[i, j, :n] = rng.permutation(int(seqlens[i]))[:n]
+    valid = abs_idx >= 0
+    blocks = np.take_along_axis(np.broadcast_to(block_table[:, None, :], (b, s_q, block_table.shape[1])),
+                                np.where(valid, abs_idx // block_size, 0), axis=2)
+    indices = np.where(valid, blocks * block_size + abs_idx % block_size, -1).astype(np.int32)
+    topk_length = rng.integers(0, topk + 1, size=b).astype(np.int32)
+    counted = np.where(np.arange(topk)[None, None, :] < topk_length[:, None, None], indices, -1)
+    unused = np.ones(rows.shape[0], bool)
+    unused[counted[counted >= 0]] = False
+    rows[unused, :LATENT] = 0x7F
+    k_cache = torch.from_numpy(rows.reshape(num_blocks, block_size, 1, -1)).view(torch.float8_e4m3fn).to(device)
+    q = torch.from_numpy(np.clip(rng.standard_normal((b, s_q, h_q, QK)), -1, 1).astype(np.float32))
+    q = q.to(torch.bfloat16).to(device)
+    sink = torch.randn(h_q)
+    m = torch.randn(h_q)
+    sink[m > 0.5], sink[m < -0.5] = float("inf"), float("-inf")
+    return q, k_cache, torch.from_numpy(indices).to(device), torch.from_numpy(topk_length).to(device), \
+        sink.to(device), rows
+
+
+@cuda
+@pytest.mark.parametrize("b,s_q,h_q,topk,block_size,s_k", [(4, 1, 128, 64, 64, 512), (3, 2, 64, 128, 61, 300),
+                                                             (2, 1, 16, 576, 2, 1024)])
+def test_flashmla_sparse_decoding_style(rng, b, s_q, h_q, topk, block_size, s_k):
+    q, k_cache, indices, topk_length, sink, rows = _flashmla_decode_testcase(rng, b, s_q, h_q, topk, block_size, s_k,
+                                                                             "cuda")
+    tile_scheduler_metadata, num_splits = get_mla_metadata()
+    sm_scale = QK**-0.55
+    capture = torch.cuda.Stream()  # the eager call warms up the stream the graph is captured on
+    capture.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(capture):
+        out, lse = flash_mla_with_kvcache(q, k_cache, None, None, 512, tile_scheduler_metadata, num_splits,
+                                          softmax_scale=sm_scale, causal=False, is_fp8_kvcache=True,
+                                          indices=indices, attn_sink=sink, extra_k_cache=None,
+                                          extra_indices_in_kvcache=None, topk_length=topk_length,
+                                          extra_topk_length=None)
+    torch.cuda.current_stream().wait_stream(capture)
+    assert out.shape == (b, s_q, h_q, V) and lse.shape == (b, h_q, s_q)
+    ref_out, ref_lse = attention(to_numpy(q).astype(np.float64).reshape(b * s_q, h_q, QK),
+                                 dequantize_ds_mla(rows), to_numpy(indices).reshape(b * s_q, -1), sm_scale,
+                                 np.repeat(to_numpy(topk_length), s_q), to_numpy(sink))
+    ref_lse = np.where(np.isneginf(ref_lse), np.inf, ref_lse).reshape(b, s_q, h_q).transpose(0, 2, 1)
+    check("out", out.reshape(b * s_q, h_q, V), ref_out, 1e-3 + 2**-8, 2.01 / 128)
+    check("lse", lse, ref_lse, 1e-6, 8.01 / 65536)
+    # The same call again on the now-initialised scheduling object, and inside a CUDA graph.
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=capture):
+        g_out, g_lse = flash_mla_with_kvcache(q, k_cache, None, None, 512, tile_scheduler_metadata, None,
+                                              softmax_scale=sm_scale, is_fp8_kvcache=True, indices=indices,
+                                              attn_sink=sink, topk_length=topk_length)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(g_out, out) and torch.equal(g_lse, lse)
+
+
+@cuda
+@pytest.mark.parametrize("s_q,s_kv,topk,h_q", [(62, 592, 128, 128), (1, 95, 128, 64), (213, 153, 256, 16)])
+def test_flashmla_sparse_prefill_style(rng, s_q, s_kv, topk, h_q):
+    dev = "cuda"
+    q = (torch.randn(s_q, h_q, QK) / 10 + (float(rng.random()) - 0.5) / 10).to(torch.bfloat16).to(dev)
+    kv = (torch.randn(s_kv, 1, QK) / 10).to(torch.bfloat16).to(dev)
+    invalid = torch.tensor([-2147483648, -123456, -1, s_kv, 114514, 1919810, 2147480000, 2147483647],
+                           dtype=torch.int32)
+    indices = torch.stack([torch.randperm(max(s_kv, topk))[:topk] for _ in range(s_q)]).to(torch.int32)
+    bad = indices >= s_kv
+    indices[bad] = invalid[torch.randint(0, len(invalid), (int(bad.sum()),))]
+    indices = indices.view(s_q, 1, topk).to(dev)
+    sink = torch.randn(h_q, device=dev)
+    topk_length = torch.randint(0, max(topk + 1, 64), (s_q,), dtype=torch.int32, device=dev).clamp_max(topk)
+    out, max_logits, lse = flash_mla_sparse_fwd(q, kv, indices, sm_scale=0.5, d_v=512, attn_sink=sink,
+                                                topk_length=topk_length)
+    idx = to_numpy(indices)[:, 0, :]
+    kv64 = to_numpy(kv).astype(np.float64)[:, 0, :]
+    ref_out, ref_lse = attention(to_numpy(q).astype(np.float64), kv64, idx, 0.5, to_numpy(topk_length),
+                                 to_numpy(sink))
+    check("out", out, ref_out, 8e-4 + 2**-8 * 0.5, 3.01 / 128)
+    check("lse", lse, np.where(np.isneginf(ref_lse), np.inf, ref_lse), 1e-6, 2.01 / 65536)
+    valid = (idx >= 0) & (idx < s_kv) & (np.arange(topk)[None, :] < to_numpy(topk_length)[:, None])
+    scores = 0.5 * np.einsum("thd,tkd->thk", to_numpy(q).astype(np.float64), kv64[np.where(valid, idx, 0)])
+    check("max_logits", max_logits, np.where(valid[:, None, :], scores, -np.inf).max(-1), 1e-6, 2.01 / 65536)
+
+
+@cuda
+def test_cupy_arrays(rng):
+    cupy = pytest.importorskip("cupy")
+    q, cache, idx = attention_case(rng, fp8=True)
+    q16 = np.asarray(q, np.float16)
+    out, lse = smla.sparse_mla(cupy.asarray(q16), cupy.asarray(cache), cupy.asarray(idx), softmax_scale=0.05)
+    assert isinstance(out, cupy.ndarray) and out.dtype == np.float16
+    want_out, want_lse = smla.sparse_mla(q16, cache, idx, softmax_scale=0.05)
+    np.testing.assert_allclose(cupy.asnumpy(out).astype(np.float32), want_out.astype(np.float32), atol=2e-3,
+                               rtol=1e-2)
+    np.testing.assert_allclose(cupy.asnumpy(lse), want_lse, atol=1e-4, rtol=1e-4)
