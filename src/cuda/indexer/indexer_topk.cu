@@ -77,18 +77,28 @@ __device__ __forceinline__ float q_value(const ScoreParams& p, const void* row, 
   }
 }
 
-template <int kMTiles>
+// Tiles in flight: fp8 keys land in kFp8Stages staging buffers and are
+// dequantised into one key tile; bf16 keys land in kBf16Stages key tiles
+// (one in use, the rest in flight).
+constexpr int kFp8Stages = 4, kBf16Stages = 3;
+
+template <int kMTiles, bool kFp8>
 struct ScoreSmem {
+  static constexpr int kStages = kFp8 ? kFp8Stages : kBf16Stages;
   __nv_bfloat16 q[kMTiles * 16][kRow];
-  __nv_bfloat16 k[2][kTile][kRow];            // bf16 keys (gathered or dequantised)
-  uint8_t staging[2][kTile][kDim];            // fp8 keys as gathered
-  float scale[2][kTile];                      // fp8 key scales
+  __nv_bfloat16 k[kFp8 ? 1 : kStages][kTile][kRow];  // bf16 keys (gathered, or dequantised)
+  uint8_t staging[kFp8 ? kStages : 1][kTile][kDim];  // fp8 keys as gathered
+  float scale[kStages][kTile];                       // key scales as gathered (-1: bad block)
+  float tile_scale[kTile];                           // the scales of the fp8 tile in use
 };
 
-template <int kMTiles>
+template <int kMTiles, bool kFp8>
 __global__ void __launch_bounds__(kScoreThreads) index_scores_kernel(const ScoreParams p) {
+  using Smem = ScoreSmem<kMTiles, kFp8>;
+  constexpr int kStages = Smem::kStages;
+  constexpr int kAhead = kFp8 ? kStages : kStages - 1;
   extern __shared__ __align__(16) uint8_t smem_raw[];
-  auto& s = *reinterpret_cast<ScoreSmem<kMTiles>*>(smem_raw);
+  auto& s = *reinterpret_cast<Smem*>(smem_raw);
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int t = blockIdx.y;
   const int64_t ctx = visible_positions(p.context_lens, p.ctx_stride, p.request_ids, p.req_stride, p.num_requests,
@@ -98,38 +108,42 @@ __global__ void __launch_bounds__(kScoreThreads) index_scores_kernel(const Score
   const int n_tiles = static_cast<int>(min(static_cast<int64_t>(kTilesPerCta), (ctx - begin + kTile - 1) / kTile));
   const int32_t req = p.request_ids[t * p.req_stride];
 
-  // Gathers tile i: 2 threads per position; positions past the context or in
-  // a block outside the cache are zero-filled and never read.
+  // Issues tile i into buffer i % kStages (if the tile exists): 2 threads per
+  // position; positions past the context or in a block outside the cache are
+  // zero-filled and never read.
   const int my_row = tid / 2, my_half = tid % 2;
-  auto gather = [&](int i) {
-    const int64_t pos = begin + static_cast<int64_t>(i) * kTile + my_row;
-    const int buf = i % 2;
-    int64_t block = -1;
-    if (pos < ctx) block = p.block_table[req * p.table_stride + pos / p.block_size];
-    const bool ok = block >= 0 && block < p.num_blocks;
-    const int64_t off = pos % p.block_size;
-    const uint8_t* blk = p.cache + (ok ? block : 0) * p.block_stride;
-    if (p.fp8_cache) {
-      const uint8_t* src = blk + off * kDim;
-      if (p.block_stride % 16 == 0) {
-        for (int piece = my_half; piece < kDim / 16; piece += 2)
-          cp_async_16(&s.staging[buf][my_row][piece * 16], src + piece * 16, ok);
-      } else {  // blocks of a size that is not a multiple of 4 start 4-byte aligned only
-        for (int word = my_half; word < kDim / 4; word += 2)
-          cp_async_4(&s.staging[buf][my_row][word * 4], src + word * 4, ok);
+  auto issue = [&](int i) {
+    if (i < n_tiles) {
+      const int64_t pos = begin + static_cast<int64_t>(i) * kTile + my_row;
+      const int buf = i % kStages;
+      int64_t block = -1;
+      if (pos < ctx) block = p.block_table[req * p.table_stride + pos / p.block_size];
+      const bool ok = block >= 0 && block < p.num_blocks;
+      const int64_t off = pos % p.block_size;
+      const uint8_t* blk = p.cache + (ok ? block : 0) * p.block_stride;
+      if constexpr (kFp8) {
+        const uint8_t* src = blk + off * kDim;
+        if (p.block_stride % 16 == 0) {
+          for (int piece = my_half; piece < kDim / 16; piece += 2)
+            cp_async_16(&s.staging[buf][my_row][piece * 16], src + piece * 16, ok);
+        } else {  // blocks of a size that is not a multiple of 4 start 4-byte aligned only
+          for (int word = my_half; word < kDim / 4; word += 2)
+            cp_async_4(&s.staging[buf][my_row][word * 4], src + word * 4, ok);
+        }
+        if (my_half == 0) {
+          if (ok) cp_async_4(&s.scale[buf][my_row], blk + static_cast<int64_t>(p.block_size) * kDim + off * 4, true);
+          else s.scale[buf][my_row] = pos < ctx ? -1.f : 0.f;
+        }
+      } else {
+        for (int piece = my_half; piece < kDim * 2 / 16; piece += 2)
+          cp_async_16(&s.k[buf][my_row][piece * 8], blk + off * p.row_stride + piece * 16, ok);
+        if (my_half == 0) s.scale[buf][my_row] = ok ? 1.f : (pos < ctx ? -1.f : 0.f);
       }
-      if (my_half == 0) {
-        if (ok) cp_async_4(&s.scale[buf][my_row], blk + static_cast<int64_t>(p.block_size) * kDim + off * 4, true);
-        else s.scale[buf][my_row] = pos < ctx ? -1.f : 0.f;  // -1 marks a bad block inside the context
-      }
-    } else {
-      for (int piece = my_half; piece < kDim * 2 / 16; piece += 2)
-        cp_async_16(&s.k[buf][my_row][piece * 8], blk + off * p.row_stride + piece * 16, ok);
-      if (my_half == 0) s.scale[buf][my_row] = ok ? 1.f : (pos < ctx ? -1.f : 0.f);
     }
-    cp_async_commit();
+    cp_async_commit();  // empty groups keep the wait counts uniform
   };
-  gather(0);
+#pragma unroll
+  for (int i = 0; i < kAhead; ++i) issue(i);
 
   // Queries of this token (bf16), and each thread's head weights for its rows g, g+8 of every m-tile.
   const char* qrow = static_cast<const char*>(p.q) + t * p.q_stride_t * (p.q_kind == QKind::fp8 ? 1 : 2);
@@ -150,12 +164,12 @@ __global__ void __launch_bounds__(kScoreThreads) index_scores_kernel(const Score
     }
 
   for (int i = 0; i < n_tiles; ++i) {
-    cp_async_wait<0>();
+    cp_async_wait<kAhead - 1>();
     __syncthreads();  // tile i landed (and the queries are in); everyone is done with tile i-1
-    if (i + 1 < n_tiles) gather(i + 1);
-    const int buf = i % 2;
-    __nv_bfloat16(*keys)[kRow] = s.k[buf];
-    if (p.fp8_cache) {  // e4m3 -> bf16 is exact; the scale is applied to the score
+    const int buf = i % kStages;
+    __nv_bfloat16(*keys)[kRow] = s.k[kFp8 ? 0 : buf];
+    const float* scales = kFp8 ? s.tile_scale : s.scale[buf];
+    if constexpr (kFp8) {  // e4m3 -> bf16 is exact; the scale is applied to the score
       for (int j = tid; j < kTile * kDim / 8; j += kScoreThreads) {
         const int row = j / (kDim / 8), c = (j % (kDim / 8)) * 8;
         const uint2 codes = *reinterpret_cast<const uint2*>(&s.staging[buf][row][c]);
@@ -169,8 +183,10 @@ __global__ void __launch_bounds__(kScoreThreads) index_scores_kernel(const Score
         }
         *reinterpret_cast<uint4*>(&keys[row][c]) = out;
       }
-      __syncthreads();
+      if (tid < kTile) s.tile_scale[tid] = s.scale[buf][tid];
+      __syncthreads();  // staging buffer `buf` is free again
     }
+    issue(i + kAhead);
 
     float acc[kMTiles][2][4] = {};
 #pragma unroll
@@ -203,7 +219,7 @@ __global__ void __launch_bounds__(kScoreThreads) index_scores_kernel(const Score
         const int row = warp * 16 + n * 8 + lane * 2;
         const int64_t pos = begin + static_cast<int64_t>(i) * kTile + row;
         float* out = p.scores + t * p.capacity + pos;
-        const float sc0 = s.scale[buf][row], sc1 = s.scale[buf][row + 1];
+        const float sc0 = scales[row], sc1 = scales[row + 1];
         if (pos < ctx) out[0] = sc0 < 0.f ? -INFINITY : s0 * sc0;
         if (pos + 1 < ctx) out[1] = sc1 < 0.f ? -INFINITY : s1 * sc1;
       }
@@ -324,16 +340,22 @@ __global__ void __launch_bounds__(kTopkThreads) topk_kernel(const TopkParams p) 
   }
 }
 
-template <int kMTiles>
+template <int kMTiles, bool kFp8>
 void launch_scores(const ScoreParams& p, int tokens, cudaStream_t stream) {
-  const int smem = sizeof(ScoreSmem<kMTiles>);
-  static_assert(sizeof(ScoreSmem<kMTiles>) <= 99 * 1024, "fits every arch's shared memory per block");
-  check_cuda(cudaFuncSetAttribute(index_scores_kernel<kMTiles>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+  constexpr int smem = sizeof(ScoreSmem<kMTiles, kFp8>);
+  static_assert(smem <= 99 * 1024, "fits every arch's shared memory per block");
+  check_cuda(cudaFuncSetAttribute(index_scores_kernel<kMTiles, kFp8>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
              "cudaFuncSetAttribute(index_scores_kernel)");
   const int64_t per_cta = kTile * kTilesPerCta;
   const dim3 grid(static_cast<unsigned>((p.capacity + per_cta - 1) / per_cta), tokens);
-  index_scores_kernel<kMTiles><<<grid, kScoreThreads, smem, stream>>>(p);
+  index_scores_kernel<kMTiles, kFp8><<<grid, kScoreThreads, smem, stream>>>(p);
   check_launch("smla indexer scores kernel");
+}
+
+template <int kMTiles>
+void launch_scores(const ScoreParams& p, int tokens, cudaStream_t stream) {
+  if (p.fp8_cache) launch_scores<kMTiles, true>(p, tokens, stream);
+  else launch_scores<kMTiles, false>(p, tokens, stream);
 }
 
 template <int kItems>
