@@ -19,7 +19,7 @@
 
 #include "commands.h"
 #include "core/numeric.h"
-#include "cpu/memory_bandwidth.h"
+#include "memory.h"
 #include "options.h"
 #include "reference/indexer_reference.h"
 #include "reference/mla_reference.h"
@@ -105,28 +105,38 @@ struct Report {
 int index_row_bytes(DType d) { return d == DType::bf16 ? 2 * kIndexHeadDim : kFp8IndexRowBytes; }
 int mla_row_bytes(DType d) { return d == DType::fp8_ds_mla ? kFp8DsMlaRowBytes : 2 * kMlaQkDim; }
 
-// The paged caches and block table shared by both jobs.
-struct PagedCaches {
-  int block_size, blocks_per_request;
-  std::vector<int32_t> block_table;  // [batch, blocks_per_request]
-  std::vector<uint8_t> mla, index;
-  TensorView mla_view, index_view;
+// A tensor's first `n` rows (a staging buffer used for a shorter chunk).
+TensorView first_rows(TensorView v, int64_t n) {
+  v.shape[0] = n;
+  return v;
+}
 
-  PagedCaches(const JobOptions& o, DType kv, bool with_index) : block_size(o.run.block_size) {
+// The paged caches and block table shared by both jobs, on the run's device.
+struct PagedCaches {
+  static constexpr int64_t kChunk = 4096;  // tokens written per cache-writer call
+  Memory& mem;
+  int block_size, blocks_per_request;
+  std::vector<int32_t> block_table;  // [batch, blocks_per_request], host copy
+  TensorView table, mla_view, index_view;
+  TensorView latent, k_pe, keys, slot_mapping;  // staging for the writers
+
+  PagedCaches(Memory& m, const JobOptions& o, DType kv, bool with_index) : mem(m), block_size(o.run.block_size) {
     const int64_t capacity = static_cast<int64_t>(o.context) + o.steps;
     blocks_per_request = static_cast<int>((capacity + block_size - 1) / block_size);
     const int64_t blocks = static_cast<int64_t>(o.batch) * blocks_per_request;
     block_table.resize(blocks);
     std::iota(block_table.begin(), block_table.end(), 0);
     std::shuffle(block_table.begin(), block_table.end(), std::mt19937_64(o.seed));  // blocks scattered, as in serving
-    const int row = kv == DType::fp8_ds_mla ? kFp8DsMlaRowBytes : kMlaQkDim;
-    mla.resize(blocks * block_size * mla_row_bytes(kv));
-    mla_view = TensorView(mla.data(), {blocks, block_size, row}, kv);
+    table = mem.empty({o.batch, blocks_per_request}, DType::i32);
+    mem.upload(table, block_table.data());
+    mla_view = mem.empty({blocks, block_size, kv == DType::fp8_ds_mla ? kFp8DsMlaRowBytes : kMlaQkDim}, kv);
+    latent = mem.empty({kChunk, kMlaLatentDim}, DType::bf16);
+    k_pe = mem.empty({kChunk, kMlaRopeDim}, DType::bf16);
+    slot_mapping = mem.empty({kChunk}, DType::i64);
     if (with_index) {
       const DType idx = kv == DType::fp8_ds_mla ? DType::fp8_e4m3 : DType::bf16;
-      index.resize(blocks * block_size * index_row_bytes(idx));
-      index_view = TensorView(index.data(), {blocks, block_size, idx == DType::bf16 ? kIndexHeadDim : kFp8IndexRowBytes},
-                              idx);
+      index_view = mem.empty({blocks, block_size, idx == DType::bf16 ? kIndexHeadDim : kFp8IndexRowBytes}, idx);
+      keys = mem.empty({kChunk, kIndexHeadDim}, DType::bf16);
     }
   }
 
@@ -134,36 +144,32 @@ struct PagedCaches {
     return static_cast<int64_t>(block_table[request * blocks_per_request + pos / block_size]) * block_size +
            pos % block_size;
   }
-  TensorView table_view() {
-    return TensorView(block_table.data(), {static_cast<int64_t>(block_table.size()) / blocks_per_request,
-                                           blocks_per_request},
-                      DType::i32);
-  }
 
   // Writes positions [from, to) of every request through the library's cache writers.
   void write(const Backend& be, Random& rng, int batch, int64_t from, int64_t to) {
     const int64_t per_request = to - from, n = per_request * batch;
-    const int64_t chunk = 4096;
-    for (int64_t start = 0; start < n; start += chunk) {
-      const int64_t m = std::min(chunk, n - start);
+    for (int64_t start = 0; start < n; start += kChunk) {
+      const int64_t m = std::min(kChunk, n - start);
       std::vector<int64_t> slots(m);
       for (int64_t i = 0; i < m; ++i) {
         const int64_t k = start + i;
         slots[i] = slot(static_cast<int>(k / per_request), from + k % per_request);
       }
-      auto latent = rng.bf16(m * kMlaLatentDim), kpe = rng.bf16(m * kMlaRopeDim);
       WriteMlaCacheArgs w;
-      w.latent = TensorView(latent.data(), {m, kMlaLatentDim}, DType::bf16);
-      w.k_pe = TensorView(kpe.data(), {m, kMlaRopeDim}, DType::bf16);
-      w.slot_mapping = TensorView(slots.data(), {m}, DType::i64);
+      w.latent = first_rows(latent, m);
+      w.k_pe = first_rows(k_pe, m);
+      w.slot_mapping = first_rows(slot_mapping, m);
       w.cache = mla_view;
+      mem.upload(w.latent, rng.bf16(m * kMlaLatentDim).data());
+      mem.upload(w.k_pe, rng.bf16(m * kMlaRopeDim).data());
+      mem.upload(w.slot_mapping, slots.data());
       write_mla_cache(w, &be);
       if (index_view.defined()) {
-        auto keys = rng.bf16(m * kIndexHeadDim);
         WriteIndexCacheArgs wi;
-        wi.k = TensorView(keys.data(), {m, kIndexHeadDim}, DType::bf16);
+        wi.k = first_rows(keys, m);
         wi.slot_mapping = w.slot_mapping;
         wi.cache = index_view;
+        mem.upload(wi.k, rng.bf16(m * kIndexHeadDim).data());
         write_index_cache(wi, &be);
       }
     }
@@ -199,127 +205,138 @@ void compare_attention(const SparseMlaArgs& a, int64_t t, Report& r) {
     r.max_abs_err = std::max(r.max_abs_err, std::fabs(static_cast<double>(one.lse.ptr<float>()[i]) - ref.lse[i]));
 }
 
-Report run_sparse(const JobOptions& o, const AttentionSpec& spec, const RunSpec& run, const Backend& be, bool quiet) {
+// Times `fn` on the host clock, the device's queued work included.
+template <class F>
+double timed(Memory& mem, F&& fn) {
+  mem.sync();
+  const auto t0 = Clock::now();
+  fn();
+  mem.sync();
+  return seconds_since(t0);
+}
+
+Report run_sparse(const JobOptions& o, const AttentionSpec& spec, const RunSpec& run, const Backend& be, Memory& mem,
+                  bool quiet) {
   Report r;
   Random rng(o.seed);
   const int B = o.batch, H = heads_per_rank(spec, run), HI = spec.indexer->heads, K = spec.indexer->topk;
   const DType kv = run.resolved_kv_cache_dtype();
-  PagedCaches caches(o, kv, true);
+  PagedCaches caches(mem, o, kv, true);
   if (o.context > 1) caches.write(be, rng, B, 0, o.context - 1);
 
-  std::vector<int32_t> request_ids(B), context_lens(B), topk(static_cast<size_t>(B) * K), slots(topk.size());
+  std::vector<int32_t> request_ids(B), context_lens(B);
   std::iota(request_ids.begin(), request_ids.end(), 0);
-  std::vector<uint16_t> out(static_cast<size_t>(B) * H * kMlaVDim);
-  std::vector<float> lse(static_cast<size_t>(B) * H), weights(static_cast<size_t>(B) * HI);
-  TensorView table = caches.table_view();
+  std::vector<float> weights(static_cast<size_t>(B) * HI);
+  IndexerTopkArgs idx;
+  idx.q = mem.empty({B, HI, kIndexHeadDim}, DType::bf16);
+  idx.weights = mem.empty({B, HI}, DType::f32);
+  idx.index_cache = caches.index_view;
+  idx.request_ids = mem.empty({B}, DType::i32);
+  idx.block_table = caches.table;
+  idx.context_lens = mem.empty({B}, DType::i32);
+  idx.topk = mem.empty({B, K}, DType::i32);
+  mem.upload(idx.request_ids, request_ids.data());
+  PositionsToSlotsArgs p2s;
+  p2s.positions = idx.topk;
+  p2s.request_ids = idx.request_ids;
+  p2s.block_table = caches.table;
+  p2s.block_size = caches.block_size;
+  p2s.slots = mem.empty({B, K}, DType::i32);
+  SparseMlaArgs attn;
+  attn.q = mem.empty({B, H, kMlaQkDim}, run.q_dtype);
+  attn.kv_cache = caches.mla_view;
+  attn.indices = p2s.slots;
+  attn.softmax_scale = static_cast<float>(spec.softmax_scale);
+  attn.out = mem.empty({B, H, kMlaVDim}, run.q_dtype);
+  attn.lse = mem.empty({B, H}, DType::f32);
 
   Progress progress(o.steps, quiet);
-  SparseMlaArgs attn;
-  IndexerTopkArgs idx;
-  std::vector<uint16_t> q, q_index;
   for (int s = 0; s < o.steps; ++s) {
     const int64_t pos = o.context - 1 + s;  // the new token of every request
-    auto t0 = Clock::now();
-    caches.write(be, rng, B, pos, pos + 1);
-    r.t.write += seconds_since(t0);
-
-    q = rng.half(static_cast<size_t>(B) * H * kMlaQkDim, run.q_dtype);
-    q_index = rng.bf16(static_cast<size_t>(B) * HI * kIndexHeadDim);
+    r.t.write += timed(mem, [&] { caches.write(be, rng, B, pos, pos + 1); });
     for (auto& w : weights) w = std::fabs(rng.next()) / std::sqrt(static_cast<float>(HI * kIndexHeadDim));
     std::fill(context_lens.begin(), context_lens.end(), static_cast<int32_t>(pos + 1));
+    mem.upload(attn.q, rng.half(static_cast<size_t>(B) * H * kMlaQkDim, run.q_dtype).data());
+    mem.upload(idx.q, rng.bf16(static_cast<size_t>(B) * HI * kIndexHeadDim).data());
+    mem.upload(idx.weights, weights.data());
+    mem.upload(idx.context_lens, context_lens.data());
 
-    idx.q = TensorView(q_index.data(), {B, HI, kIndexHeadDim}, DType::bf16);
-    idx.weights = TensorView(weights.data(), {B, HI}, DType::f32);
-    idx.index_cache = caches.index_view;
-    idx.request_ids = TensorView(request_ids.data(), {B}, DType::i32);
-    idx.block_table = table;
-    idx.context_lens = TensorView(context_lens.data(), {B}, DType::i32);
-    idx.topk = TensorView(topk.data(), {B, K}, DType::i32);
-    t0 = Clock::now();
-    indexer_topk(idx, &be);
-    r.t.indexer += seconds_since(t0);
-
-    PositionsToSlotsArgs p2s;
-    p2s.positions = idx.topk;
-    p2s.request_ids = idx.request_ids;
-    p2s.block_table = table;
-    p2s.block_size = caches.block_size;
-    p2s.slots = TensorView(slots.data(), {B, K}, DType::i32);
-    t0 = Clock::now();
-    positions_to_slots(p2s, &be);
-    r.t.slots += seconds_since(t0);
-
-    attn.q = TensorView(q.data(), {B, H, kMlaQkDim}, run.q_dtype);
-    attn.kv_cache = caches.mla_view;
-    attn.indices = p2s.slots;
-    attn.softmax_scale = static_cast<float>(spec.softmax_scale);
-    attn.out = TensorView(out.data(), {B, H, kMlaVDim}, run.q_dtype);
-    attn.lse = TensorView(lse.data(), {B, H}, DType::f32);
-    t0 = Clock::now();
-    sparse_mla(attn, &be);
-    r.t.attention += seconds_since(t0);
-
+    r.t.indexer += timed(mem, [&] { indexer_topk(idx, &be); });
+    r.t.slots += timed(mem, [&] { positions_to_slots(p2s, &be); });
+    r.t.attention += timed(mem, [&] { sparse_mla(attn, &be); });
     r.bytes_indexer += static_cast<double>(B) * (pos + 1) * index_row_bytes(caches.index_view.dtype);
     r.bytes_attention += static_cast<double>(B) * std::min<int64_t>(K, pos + 1) * mla_row_bytes(kv);
     progress.update(s + 1, 1e3 * r.t.total() / (s + 1));
   }
 
-  // Spot check of the last step: top-k sets and attention rows.
+  // Spot check of the last step on the host: top-k sets and attention rows.
+  std::vector<std::vector<uint8_t>> copies(9);
+  IndexerTopkArgs hidx = idx;
+  for (auto [v, c] : {std::pair{&hidx.q, 0}, {&hidx.weights, 1}, {&hidx.index_cache, 2}, {&hidx.request_ids, 3},
+                      {&hidx.block_table, 4}, {&hidx.context_lens, 5}, {&hidx.topk, 6}})
+    *v = mem.on_host(*v, copies[c]);
+  SparseMlaArgs hattn = attn;
+  std::vector<std::vector<uint8_t>> more(5);
+  for (auto [v, c] : {std::pair{&hattn.q, 0}, {&hattn.kv_cache, 1}, {&hattn.indices, 2}, {&hattn.out, 3},
+                      {&hattn.lse, 4}})
+    *v = mem.on_host(*v, more[c]);
+  const int32_t* topk = hidx.topk.ptr<int32_t>();
   for (int64_t t : sample_tokens(B)) {
-    const std::vector<double> scores = reference::ref_indexer_scores(idx, t);
+    const std::vector<double> scores = reference::ref_indexer_scores(hidx, t);
     const std::vector<int32_t> want = reference::ref_topk_of_scores(scores, K);
     // A position outside the reference's set is a mismatch unless its score
     // ties the k-th best within float rounding.
     const auto last = std::find(want.begin(), want.end(), -1);
     const double kth = scores[*(last - 1)];
-    const auto valid = std::count_if(topk.begin() + t * K, topk.begin() + (t + 1) * K, [](int32_t g) { return g >= 0; });
+    const auto valid = std::count_if(topk + t * K, topk + (t + 1) * K, [](int32_t g) { return g >= 0; });
     if (valid != last - want.begin()) r.topk_match = false;
     for (int64_t i = t * K; i < (t + 1) * K; ++i) {
       const int32_t g = topk[i];
       if (g < 0 || std::find(want.begin(), last, g) != last) continue;
       if (std::fabs(scores[g] - kth) > 1e-5 * std::fabs(kth) + 1e-7) r.topk_match = false;
     }
-    compare_attention(attn, t, r);
+    compare_attention(hattn, t, r);
     ++r.checked_tokens;
   }
   return r;
 }
 
-Report run_dense(const JobOptions& o, const AttentionSpec& spec, const RunSpec& run, const Backend& be, bool quiet) {
+Report run_dense(const JobOptions& o, const AttentionSpec& spec, const RunSpec& run, const Backend& be, Memory& mem,
+                 bool quiet) {
   Report r;
   Random rng(o.seed);
   const int B = o.batch, H = heads_per_rank(spec, run);
   const DType kv = run.resolved_kv_cache_dtype();
-  PagedCaches caches(o, kv, false);
+  PagedCaches caches(mem, o, kv, false);
   if (o.context > 1) caches.write(be, rng, B, 0, o.context - 1);
   std::vector<int32_t> seq(B);
-  std::vector<uint16_t> out(static_cast<size_t>(B) * H * kMlaVDim), q;
-  std::vector<float> lse(static_cast<size_t>(B) * H);
-  Progress progress(o.steps, quiet);
   PagedMlaDecodeArgs a;
+  a.q = mem.empty({B, 1, H, kMlaQkDim}, run.q_dtype);
+  a.kv_cache = caches.mla_view;
+  a.block_table = caches.table;
+  a.seq_lens = mem.empty({B}, DType::i32);
+  a.softmax_scale = static_cast<float>(spec.softmax_scale);
+  a.out = mem.empty({B, 1, H, kMlaVDim}, run.q_dtype);
+  a.lse = mem.empty({B, 1, H}, DType::f32);
+  Progress progress(o.steps, quiet);
   for (int s = 0; s < o.steps; ++s) {
     const int64_t pos = o.context - 1 + s;
-    auto t0 = Clock::now();
-    caches.write(be, rng, B, pos, pos + 1);
-    r.t.write += seconds_since(t0);
-    q = rng.half(static_cast<size_t>(B) * H * kMlaQkDim, run.q_dtype);
+    r.t.write += timed(mem, [&] { caches.write(be, rng, B, pos, pos + 1); });
     std::fill(seq.begin(), seq.end(), static_cast<int32_t>(pos + 1));
-    a.q = TensorView(q.data(), {B, 1, H, kMlaQkDim}, run.q_dtype);
-    a.kv_cache = caches.mla_view;
-    a.block_table = caches.table_view();
-    a.seq_lens = TensorView(seq.data(), {B}, DType::i32);
-    a.softmax_scale = static_cast<float>(spec.softmax_scale);
-    a.out = TensorView(out.data(), {B, 1, H, kMlaVDim}, run.q_dtype);
-    a.lse = TensorView(lse.data(), {B, 1, H}, DType::f32);
-    t0 = Clock::now();
-    paged_mla_decode(a, &be);
-    r.t.attention += seconds_since(t0);
+    mem.upload(a.q, rng.half(static_cast<size_t>(B) * H * kMlaQkDim, run.q_dtype).data());
+    mem.upload(a.seq_lens, seq.data());
+    r.t.attention += timed(mem, [&] { paged_mla_decode(a, &be); });
     r.bytes_attention += static_cast<double>(B) * (pos + 1) * mla_row_bytes(kv);
     progress.update(s + 1, 1e3 * r.t.total() / (s + 1));
   }
   // Spot check: the reference of the last step, on the sampled requests.
+  std::vector<std::vector<uint8_t>> copies(6);
+  PagedMlaDecodeArgs h = a;
+  for (auto [v, c] : {std::pair{&h.q, 0}, {&h.kv_cache, 1}, {&h.block_table, 2}, {&h.seq_lens, 3}, {&h.out, 4},
+                      {&h.lse, 5}})
+    *v = mem.on_host(*v, copies[c]);
   for (int64_t b : sample_tokens(B)) {
-    PagedMlaDecodeArgs one = a;
+    PagedMlaDecodeArgs one = h;
     for (TensorView* v : {&one.q, &one.block_table, &one.seq_lens, &one.out, &one.lse}) *v = row_of(*v, b);
     const reference::RefAttention ref = reference::ref_paged_mla_decode(one);
     for (int64_t i = 0; i < H * kMlaVDim; ++i) {
@@ -355,17 +372,20 @@ Action add_run(CLI::App& app) {
       return 1;
     }
     const Backend& be = *sel.chosen;
-    if (be.capabilities().device_kind != DeviceKind::cpu)
-      throw Error(ErrorKind::unsupported, "smla run drives CPU backends in this version; '" + be.name() +
-                                              "' runs through the C++/Python API and bench/bench_cuda_attention");
-
-    const double bw = cpu::measure_read_bandwidth_gbs();
+    if (res.run.device.is_cuda()) {  // --device sm_XY explains any GPU; running needs this one
+      const Device here = detect_device();
+      if (!here.is_cuda() || here.compute_capability != res.run.device.compute_capability)
+        throw Error(ErrorKind::unsupported, "--device " + res.run.device.name() + ": this machine's device is " +
+                                                here.name() + "; smla run runs on the device it is on (use --device auto)");
+    }
+    Memory mem(res.run.device);
+    const double bw = mem.bandwidth_gbs();
     if (!o->run.json)
       std::cout << "job        " << o->batch << " requests x " << o->context << " tokens of context, " << o->steps
-                << " decode steps on " << be.name() << " (memory read bandwidth measured now: " << bw << " GB/s)\n";
+                << " decode steps on " << be.name() << " (memory bandwidth measured now: " << bw << " GB/s)\n";
     const bool sparse = res.spec.is_sparse();
-    const Report r = sparse ? run_sparse(*o, res.spec, res.run, be, o->run.json)
-                            : run_dense(*o, res.spec, res.run, be, o->run.json);
+    const Report r = sparse ? run_sparse(*o, res.spec, res.run, be, mem, o->run.json)
+                            : run_dense(*o, res.spec, res.run, be, mem, o->run.json);
 
     const double step_ms = 1e3 * r.t.total() / o->steps;
     const double read_s = r.t.indexer + r.t.attention;

@@ -1,0 +1,120 @@
+#include "memory.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+
+#include "cpu/memory_bandwidth.h"
+#include "smla/error.h"
+#ifdef SMLA_WITH_CUDA
+#include <cuda_runtime.h>
+#endif
+
+namespace smla::cli {
+
+namespace {
+size_t bytes_of(const TensorView& v) { return static_cast<size_t>(v.numel()) * dtype_size(v.dtype); }
+
+#ifdef SMLA_WITH_CUDA
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw Error(ErrorKind::internal, std::string(what) + ": " + cudaGetErrorString(e));
+}
+#endif
+
+[[noreturn]] void no_cuda() {
+  throw Error(ErrorKind::unsupported, "this build of smla has no CUDA support (built without nvcc)");
+}
+}  // namespace
+
+Memory::~Memory() {
+  for (void* p : blocks_) {
+    if (device_.is_cpu()) std::free(p);
+#ifdef SMLA_WITH_CUDA
+    else cudaFree(p);
+#endif
+  }
+}
+
+TensorView Memory::empty(std::initializer_list<int64_t> shape, DType dtype) {
+  TensorView v(nullptr, shape, dtype, device_);
+  const size_t bytes = std::max<size_t>(bytes_of(v), 16);
+  void* p = nullptr;
+  if (device_.is_cpu()) {
+    p = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
+    if (!p) throw Error(ErrorKind::internal, "out of host memory (" + std::to_string(bytes) + " bytes)");
+  } else {
+#ifdef SMLA_WITH_CUDA
+    check(cudaSetDevice(device_.index), "cudaSetDevice");
+    check(cudaMalloc(&p, bytes), "cudaMalloc");
+#else
+    no_cuda();
+#endif
+  }
+  blocks_.push_back(p);
+  v.data = p;
+  return v;
+}
+
+void Memory::upload(const TensorView& dst, const void* host) {
+  if (device_.is_cpu()) {
+    std::memcpy(dst.data, host, bytes_of(dst));
+    return;
+  }
+#ifdef SMLA_WITH_CUDA
+  check(cudaMemcpy(dst.data, host, bytes_of(dst), cudaMemcpyHostToDevice), "cudaMemcpy to the GPU");
+#else
+  no_cuda();
+#endif
+}
+
+TensorView Memory::on_host(const TensorView& v, std::vector<uint8_t>& storage) {
+  if (device_.is_cpu()) return v;
+  TensorView h = v;
+  storage.resize(bytes_of(v));
+  h.data = storage.data();
+  h.device = Device::cpu();
+#ifdef SMLA_WITH_CUDA
+  check(cudaMemcpy(storage.data(), v.data, storage.size(), cudaMemcpyDeviceToHost), "cudaMemcpy from the GPU");
+#else
+  no_cuda();
+#endif
+  return h;
+}
+
+void Memory::sync() {
+#ifdef SMLA_WITH_CUDA
+  if (device_.is_cuda()) check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+#endif
+}
+
+double Memory::bandwidth_gbs() {
+  if (device_.is_cpu()) return cpu::measure_read_bandwidth_gbs();
+#ifdef SMLA_WITH_CUDA
+  const size_t bytes = size_t{1} << 30;
+  void *a = nullptr, *b = nullptr;
+  check(cudaMalloc(&a, bytes), "cudaMalloc");
+  check(cudaMalloc(&b, bytes), "cudaMalloc");
+  cudaEvent_t start, stop;
+  check(cudaEventCreate(&start), "cudaEventCreate");
+  check(cudaEventCreate(&stop), "cudaEventCreate");
+  float best = 1e30f;
+  for (int i = 0; i < 5; ++i) {
+    check(cudaEventRecord(start), "cudaEventRecord");
+    check(cudaMemcpy(b, a, bytes, cudaMemcpyDeviceToDevice), "cudaMemcpy");
+    check(cudaEventRecord(stop), "cudaEventRecord");
+    check(cudaEventSynchronize(stop), "cudaEventSynchronize");
+    float ms = 0;
+    check(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
+    best = std::min(best, ms);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  cudaFree(a);
+  cudaFree(b);
+  return 2.0 * bytes / (best * 1e-3) / 1e9;
+#else
+  no_cuda();
+#endif
+}
+
+}  // namespace smla::cli
