@@ -93,6 +93,11 @@ struct DsaDecodeStepArgs {
   void* stream = nullptr;
 };
 
+// The args of dsa_decode_step's second and third steps (the first is
+// `args.indexer`), for backends and callers that run the steps themselves.
+PositionsToSlotsArgs slots_step(const DsaDecodeStepArgs& args);
+SparseMlaArgs attention_step(const DsaDecodeStepArgs& args);
+
 // Each function checks its Args and runs them on `backend`, or, when null, on
 // the default backend for the tensors' device. Errors: smla::Error naming the
 // argument at fault.

@@ -118,16 +118,7 @@ void check(const DsaDecodeStepArgs& a) {
   check_topk_matrix(op, "slots", a.slots, topk.shape[0], a.indexer.q.device);
   arg(op, "slots", a.slots).dim(1, topk.shape[1], "K, as in indexer.topk");
 
-  SparseMlaArgs s;
-  s.q = a.q;
-  s.kv_cache = a.kv_cache;
-  s.indices = a.slots;
-  s.attn_sink = a.attn_sink;
-  s.softmax_scale = a.softmax_scale;
-  s.out = a.out;
-  s.lse = a.lse;
-  s.stream = a.stream;
-  step(s);
+  step(attention_step(a));
 
   // positions_to_slots maps through the shared block table with the MLA cache's block size.
   const TensorView& ic = a.indexer.index_cache;

@@ -36,16 +36,18 @@ void dsa_decode_step(const DsaDecodeStepArgs& a, const Backend* b) {
   dispatch(a, a.q.device, b, [&](const Backend& be) { be.dsa_decode_step(a); });
 }
 
-void Backend::dsa_decode_step(const DsaDecodeStepArgs& a) const {
-  indexer_topk(a.indexer);
+PositionsToSlotsArgs slots_step(const DsaDecodeStepArgs& a) {
   PositionsToSlotsArgs p;
   p.positions = a.indexer.topk;
   p.request_ids = a.indexer.request_ids;
   p.block_table = a.indexer.block_table;
-  p.block_size = static_cast<int>(a.kv_cache.shape[1]);
+  p.block_size = static_cast<int>(a.kv_cache.shape[1]);  // the MLA cache's; the index cache shares it
   p.slots = a.slots;
   p.stream = a.stream;
-  positions_to_slots(p);
+  return p;
+}
+
+SparseMlaArgs attention_step(const DsaDecodeStepArgs& a) {
   SparseMlaArgs s;
   s.q = a.q;
   s.kv_cache = a.kv_cache;
@@ -55,7 +57,13 @@ void Backend::dsa_decode_step(const DsaDecodeStepArgs& a) const {
   s.out = a.out;
   s.lse = a.lse;
   s.stream = a.stream;
-  sparse_mla(s);
+  return s;
+}
+
+void Backend::dsa_decode_step(const DsaDecodeStepArgs& a) const {
+  indexer_topk(a.indexer);
+  positions_to_slots(slots_step(a));
+  sparse_mla(attention_step(a));
 }
 
 }  // namespace smla
