@@ -6,8 +6,9 @@ CMAKE_FLAGS ?=
 
 .PHONY: run test python-test test-asan test-gpu deps build install clean
 
+# Debian packages, and the Python packages the tests and fixtures use.
 deps:
-	bash scripts/install-deps.sh
+	bash scripts/install-deps.sh --python
 
 $(BUILD)/CMakeCache.txt:
 	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release $(CMAKE_FLAGS)
@@ -44,6 +45,11 @@ test-asan: deps
 	cmake -S . -B $(BUILD)-asan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSMLA_SANITIZE=ON -DSMLA_CUDA=OFF -DSMLA_BUILD_BENCH=OFF
 	cmake --build $(BUILD)-asan -j $(JOBS)
 	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 ctest --test-dir $(BUILD)-asan --output-on-failure -j $(JOBS)
+
+# The libFuzzer targets (GGUF and config.json readers) under ASan + UBSan, FUZZ_SECONDS (60) each, in $(BUILD)-fuzz.
+.PHONY: fuzz-smoke
+fuzz-smoke: deps
+	BUILD=$(BUILD) bash scripts/fuzz-smoke.sh
 
 PREFIX ?= /usr/local
 install: build

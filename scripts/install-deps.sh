@@ -23,3 +23,8 @@ if [[ " $* " == *" --python "* ]]; then
   "$python" -m pip install --quiet --disable-pip-version-check --root-user-action=ignore \
     "scikit-build-core>=0.10" "nanobind>=2.4" "numpy>=1.22" "pytest>=7.0" "ml_dtypes>=0.2"
 fi
+# --python, for the GGUF / safetensors test fixtures (tests/models/make_fixtures.py) and the fuzzers' seed corpus.
+if [[ " $* " == *" --python "* ]]; then
+  "${PYTHON:-python3}" -m pip install --quiet --disable-pip-version-check --root-user-action=ignore \
+    "gguf>=0.10" "safetensors>=0.4" numpy "ml_dtypes>=0.2"
+fi

@@ -79,7 +79,8 @@ std::optional<AttentionSpec> preset(std::string_view name);
 AttentionSpec spec_from_config_json(std::string_view json_text, std::string_view source = "config.json");
 AttentionSpec spec_from_config_file(const std::string& path);
 
-// A preset name, a config.json path, or (later) a GGUF file.
+// A preset name, a config.json path (or a folder holding one), or a GGUF file
+// (the first part of a split model opens all parts).
 AttentionSpec load_model_spec(std::string_view model);
 
 enum class Op : uint32_t {

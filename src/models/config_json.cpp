@@ -14,6 +14,7 @@
 #include <string>
 #include <system_error>
 
+#include "models/gguf.h"
 #include "smla/error.h"
 #include "smla/spec.h"
 
@@ -244,13 +245,14 @@ AttentionSpec load_model_spec(std::string_view model) {
   if (std::optional<AttentionSpec> spec = preset(model)) return *spec;
   const std::string name(model);
   const std::string presets = "a preset (" + join(preset_names()) + ")";
-  if (lowercase(name).ends_with(".gguf"))
-    fail("model: GGUF models are not readable by this build yet, got \"" + name + "\"; pass " + presets +
-         " or a config.json");
-
   namespace fs = std::filesystem;
   const fs::path path(name);
   std::error_code ignored;
+  if (lowercase(name).ends_with(".gguf")) {
+    if (!fs::is_regular_file(path, ignored))
+      fail("model: no GGUF file \"" + name + "\"; pass " + presets + ", a config.json or an existing .gguf file");
+    return gguf::spec_from_gguf_file(name);  // the first part of a split model opens the others
+  }
   if (path.extension() == ".json" && fs::is_regular_file(path, ignored)) return spec_from_config_file(name);
   if (fs::is_directory(path, ignored) && fs::is_regular_file(path / "config.json", ignored))
     return spec_from_config_file((path / "config.json").string());

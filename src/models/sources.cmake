@@ -1,3 +1,6 @@
 target_sources(smla_objects PRIVATE
   models/presets.cpp
-  models/config_json.cpp)
+  models/config_json.cpp
+  models/gguf.cpp
+  models/safetensors.cpp
+  models/weights.cpp)

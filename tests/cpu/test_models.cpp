@@ -242,8 +242,8 @@ TEST(LoadModelSpec, ByConfigPathOrDirectory) {
   std::filesystem::remove_all(dir);
 }
 
-TEST(LoadModelSpec, GgufIsNotReadableYet) {
-  expect_error([] { load_model_spec("GLM-5-Q4_K_M.gguf"); }, ErrorKind::invalid_argument, "GGUF");
+TEST(LoadModelSpec, MissingGgufNamesTheFile) {
+  expect_error([] { load_model_spec("GLM-5-Q4_K_M.gguf"); }, ErrorKind::invalid_argument, "GLM-5-Q4_K_M.gguf");
 }
 
 TEST(LoadModelSpec, UnknownNameListsThePresets) {
