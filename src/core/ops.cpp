@@ -2,38 +2,45 @@
 #include "smla/ops.h"
 
 #include "smla/backend.h"
+#include "smla/error.h"
 #include "smla/select.h"
 
 namespace smla {
 
 namespace {
 template <class Args, class Run>
-void dispatch(const Args& args, const Device& device, const Backend* backend, Run run) {
+void dispatch(const char* op, const Args& args, const Device& device, const Backend* backend, Run run) {
   check(args);
-  run(backend ? *backend : backend_for(device));
+  const Backend& be = backend ? *backend : backend_for(device);
+  // A backend given explicitly must run where the tensors are: the CPU one
+  // would otherwise dereference device pointers.
+  if (be.capabilities().device_kind != device.kind)
+    fail(std::string(op) + ": backend '" + be.name() + "' does not run on " + device.name() +
+         ", where the tensors are");
+  run(be);
 }
 }  // namespace
 
 void write_mla_cache(const WriteMlaCacheArgs& a, const Backend* b) {
-  dispatch(a, a.cache.device, b, [&](const Backend& be) { be.write_mla_cache(a); });
+  dispatch("write_mla_cache", a, a.cache.device, b, [&](const Backend& be) { be.write_mla_cache(a); });
 }
 void sparse_mla(const SparseMlaArgs& a, const Backend* b) {
-  dispatch(a, a.q.device, b, [&](const Backend& be) { be.sparse_mla(a); });
+  dispatch("sparse_mla", a, a.q.device, b, [&](const Backend& be) { be.sparse_mla(a); });
 }
 void paged_mla_decode(const PagedMlaDecodeArgs& a, const Backend* b) {
-  dispatch(a, a.q.device, b, [&](const Backend& be) { be.paged_mla_decode(a); });
+  dispatch("paged_mla_decode", a, a.q.device, b, [&](const Backend& be) { be.paged_mla_decode(a); });
 }
 void write_index_cache(const WriteIndexCacheArgs& a, const Backend* b) {
-  dispatch(a, a.cache.device, b, [&](const Backend& be) { be.write_index_cache(a); });
+  dispatch("write_index_cache", a, a.cache.device, b, [&](const Backend& be) { be.write_index_cache(a); });
 }
 void indexer_topk(const IndexerTopkArgs& a, const Backend* b) {
-  dispatch(a, a.q.device, b, [&](const Backend& be) { be.indexer_topk(a); });
+  dispatch("indexer_topk", a, a.q.device, b, [&](const Backend& be) { be.indexer_topk(a); });
 }
 void positions_to_slots(const PositionsToSlotsArgs& a, const Backend* b) {
-  dispatch(a, a.positions.device, b, [&](const Backend& be) { be.positions_to_slots(a); });
+  dispatch("positions_to_slots", a, a.positions.device, b, [&](const Backend& be) { be.positions_to_slots(a); });
 }
 void dsa_decode_step(const DsaDecodeStepArgs& a, const Backend* b) {
-  dispatch(a, a.q.device, b, [&](const Backend& be) { be.dsa_decode_step(a); });
+  dispatch("dsa_decode_step", a, a.q.device, b, [&](const Backend& be) { be.dsa_decode_step(a); });
 }
 
 PositionsToSlotsArgs slots_step(const DsaDecodeStepArgs& a) {

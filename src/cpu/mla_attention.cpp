@@ -262,17 +262,9 @@ float value_at(const TensorView& t, int64_t offset) {
   }
 }
 
-// Tensors on another device reach here only when a caller forces the CPU backend.
-void require_cpu(std::string_view op, std::string_view name, const TensorView& t) {
-  if (!t.device.is_cpu())
-    fail(std::string(op) + ": " + std::string(name) + ": is on " + t.device.name() +
-         " but the cpu backend reads host memory");
-}
-
 }  // namespace
 
 void write_mla_cache(const WriteMlaCacheArgs& a) {
-  require_cpu("write_mla_cache", "cache", a.cache);
   const int64_t n = a.latent.shape[0];
   const CacheLayout cache(a.cache);
   const auto* slots = a.slot_mapping.ptr<const int64_t>();
@@ -295,7 +287,6 @@ void write_mla_cache(const WriteMlaCacheArgs& a) {
 }
 
 void sparse_mla(const SparseMlaArgs& a) {
-  require_cpu("sparse_mla", "q", a.q);
   const int64_t tokens = a.q.shape[0], topk = a.indices.shape[1];
   const auto* lengths = a.topk_length.defined() ? a.topk_length.ptr<const int32_t>() : nullptr;
   const int64_t length_stride = lengths ? a.topk_length.strides[0] : 0;
@@ -327,7 +318,6 @@ void sparse_mla(const SparseMlaArgs& a) {
 }
 
 void paged_mla_decode(const PagedMlaDecodeArgs& a) {
-  require_cpu("paged_mla_decode", "q", a.q);
   const int64_t batch = a.q.shape[0], s_q = a.q.shape[1];
   const int64_t max_blocks = a.block_table.shape[1];
   const CacheLayout cache(a.kv_cache);

@@ -757,7 +757,7 @@ TEST(SparseMlaErrors, NameTheArgument) {
   SparseMlaArgs gpu = good;
   for (TensorView* t : {&gpu.q, &gpu.kv_cache, &gpu.indices, &gpu.topk_length, &gpu.attn_sink, &gpu.out, &gpu.lse})
     t->device = Device::cuda(90);
-  expect_error([&] { sparse_mla(gpu, &backend_for(Device::cpu())); }, "sparse_mla: q: is on sm_90");
+  expect_error([&] { sparse_mla(gpu, &backend_for(Device::cpu())); }, "sparse_mla: backend 'cpu' does not run on sm_90");
 }
 
 TEST(PagedMlaDecodeErrors, NameTheArgument) {

@@ -289,5 +289,24 @@ TEST(Registry, GlobalHoldsTheCpuBackend) {
   EXPECT_THROW(dup.add(std::make_unique<DeclaredBackend>(cpu_like())), Error);
 }
 
+TEST(Ops, AnExplicitBackendMustRunWhereTheTensorsAre) {
+  // GPU-tagged views at bogus addresses: the check must stop before any access.
+  const Device gpu = Device::cuda(90);
+  auto* bogus = reinterpret_cast<void*>(uintptr_t{0x1000});
+  PositionsToSlotsArgs a;
+  a.positions = TensorView(bogus, {1, 4}, DType::i32, gpu);
+  a.request_ids = TensorView(bogus, {1}, DType::i32, gpu);
+  a.block_table = TensorView(bogus, {1, 2}, DType::i32, gpu);
+  a.block_size = 16;
+  a.slots = TensorView(bogus, {1, 4}, DType::i32, gpu);
+  try {
+    positions_to_slots(a, Registry::global().find("cpu"));
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("positions_to_slots: backend 'cpu' does not run on sm_90"), std::string::npos)
+        << e.what();
+  }
+}
+
 }  // namespace
 }  // namespace smla

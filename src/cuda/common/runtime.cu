@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <map>
 #include <mutex>
 #include <utility>
@@ -40,13 +41,12 @@ void* workspace(cudaStream_t stream, size_t bytes) {
   std::lock_guard<std::mutex> lock(mu);
   Buffer& b = buffers[{dev, stream}];
   if (b.size < bytes) {
-    if (b.ptr) {
-      check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
-      check_cuda(cudaFree(b.ptr), "cudaFree");
-    }
-    b = {};
-    check_cuda(cudaMalloc(&b.ptr, bytes), "cudaMalloc (smla workspace)");
-    b.size = bytes;
+    // The outgrown buffer is never freed: a CUDA graph captured earlier may
+    // still point at it. Doubling keeps the number of such buffers small.
+    const size_t size = std::max(bytes, 2 * b.size);
+    void* p = nullptr;
+    check_cuda(cudaMalloc(&p, size), "cudaMalloc (smla workspace)");
+    b = {p, size};
   }
   return b.ptr;
 }

@@ -29,9 +29,10 @@ struct DeviceInfo {
 const DeviceInfo& current_device();
 
 // Scratch memory for `stream` on the current device, at least `bytes`. It
-// grows (cudaFree + cudaMalloc, synchronising) only when a larger size is
-// first asked for, so steady-state calls — and CUDA-graph capture after a
-// warm-up call of the same size — allocate nothing.
+// grows (cudaMalloc) only when a larger size is first asked for, so
+// steady-state calls — and CUDA-graph capture after a warm-up call of the
+// same size — allocate nothing; outgrown buffers stay allocated, so a graph
+// captured earlier never points at freed memory.
 void* workspace(cudaStream_t stream, size_t bytes);
 
 }  // namespace smla::cuda
