@@ -51,9 +51,16 @@ test-asan: deps
 fuzz-smoke: deps
 	BUILD=$(BUILD) bash scripts/fuzz-smoke.sh
 
+# MlaLayer against transformers' own attention modules (deepseek_v3, deepseek_v32, glm_moe_dsa); installs torch and
+# transformers from PyPI into $(PYTHON) (scripts/install-deps.sh --layer). docs/layer.md says more.
+.PHONY: test-layer
+test-layer: build
+	PYTHON=$(PYTHON) bash scripts/install-deps.sh --layer
+	SMLA_LAYER_DRIVER=$(BUILD)/tests/cpu/layer_driver $(PYTHON) -m pytest tests/layer -q
+
 PREFIX ?= /usr/local
 install: build
 	cmake --install $(BUILD) --prefix $(PREFIX)
 
 clean:
-	rm -rf $(BUILD) $(BUILD)-asan
+	rm -rf $(BUILD) $(BUILD)-asan $(BUILD)-py $(BUILD)-fuzz

@@ -1,25 +1,13 @@
 #!/usr/bin/env bash
 # CI smoke run of the libFuzzer targets (fuzz/) under ASan + UBSan: each runs FUZZ_SECONDS (default 60) from a seed
 # corpus that tests/models/make_fixtures.py writes, and the run fails on any crash, sanitizer report, leak or hang.
-# Builds with clang in ${BUILD:-build}-fuzz; installs clang, libFuzzer and libomp from Debian when missing.
+# Builds with clang in ${BUILD:-build}-fuzz (scripts/install-deps.sh --fuzz installs clang and libFuzzer).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${BUILD:-build}-fuzz
 seconds=${FUZZ_SECONDS:-60}
 
-packages=(clang libclang-rt-dev libomp-dev)
-missing=()
-for p in "${packages[@]}"; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
-done
-if ((${#missing[@]})); then
-  sudo=""
-  [ "$(id -u)" -eq 0 ] || sudo="sudo"
-  echo "fuzz-smoke: installing ${missing[*]}"
-  $sudo apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
-fi
-bash scripts/install-deps.sh --python  # the fixture script's packages
+bash scripts/install-deps.sh --fuzz --python  # clang, libFuzzer; the fixture script's packages
 
 cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_COMPILER=clang++ -DSMLA_BUILD_FUZZERS=ON \
   -DSMLA_SANITIZE=ON -DSMLA_CUDA=OFF -DSMLA_BUILD_TESTS=OFF -DSMLA_BUILD_TOOLS=OFF -DSMLA_BUILD_BENCH=OFF

@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
-# Installs what smla builds with, from Debian's packages (and, with --python,
-# the Python test tools from PyPI). Idempotent: installs only what is missing.
+# Installs what smla builds with, from Debian's packages (and, with --python
+# or --layer, Python packages from PyPI). Idempotent: installs only what is
+# missing.
 set -euo pipefail
 
-packages=(cmake make g++ libdlpack-dev nlohmann-json3-dev libcli11-dev googletest libgtest-dev libbenchmark-dev)
+# Debian packages: what every build needs, plus clang and libFuzzer with --fuzz.
+packages=(cmake make g++ libdlpack-dev nlohmann-json3-dev libcli11-dev googletest libgtest-dev libbenchmark-dev
+          libopenblas-dev)
+[[ " $* " == *" --fuzz "* ]] && packages+=(clang libclang-rt-dev libomp-dev)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -16,15 +20,16 @@ if ((${#missing[@]})); then
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
 
-# --python: what the Python package builds and tests with (pip install . / make python-test),
-# into $PYTHON (default python3; use a virtual environment on an externally managed Python).
-if [[ " $* " == *" --python "* ]]; then
-  python=${PYTHON:-python3}
-  "$python" -m pip install --quiet --disable-pip-version-check --root-user-action=ignore \
-    "scikit-build-core>=0.10" "nanobind>=2.4" "numpy>=1.22" "pytest>=7.0" "ml_dtypes>=0.2"
-fi
-# --python, for the GGUF / safetensors test fixtures (tests/models/make_fixtures.py) and the fuzzers' seed corpus.
+# --python: what the Python package builds and tests with (pip install . / make python-test) and what the GGUF /
+# safetensors test fixtures (tests/models/make_fixtures.py) are written with, into $PYTHON (default python3; use a
+# virtual environment on an externally managed Python).
 if [[ " $* " == *" --python "* ]]; then
   "${PYTHON:-python3}" -m pip install --quiet --disable-pip-version-check --root-user-action=ignore \
-    "gguf>=0.10" "safetensors>=0.4" numpy "ml_dtypes>=0.2"
+    "scikit-build-core>=0.10" "nanobind>=2.4" "numpy>=1.22" "pytest>=7.0" "ml_dtypes>=0.2" "gguf>=0.10" "safetensors>=0.4"
+fi
+# --layer: torch and transformers for tests/layer (make test-layer), into $PYTHON. PyPI's torch is large (with its
+# CUDA libraries about 5 GiB installed; about 2 minutes here).
+if [[ " $* " == *" --layer "* ]]; then
+  "${PYTHON:-python3}" -m pip install --quiet --disable-pip-version-check --root-user-action=ignore \
+    torch "transformers>=5.2" safetensors numpy "pytest>=7.0"
 fi

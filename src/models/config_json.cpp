@@ -183,13 +183,15 @@ AttentionSpec spec_from_json(const json& root, const std::string& source) {
   spec.rope = read_rope(config);
   spec.rope_style = config.optional_bool("rope_interleave", true) ? RopeStyle::interleaved : RopeStyle::half_split;
   if (std::ranges::find(kSparseModelTypes, spec.model_type) != std::end(kSparseModelTypes)) {
-    // DeepSeek's indexer rotates half-split; GLM-5 says "indexer_rope_interleave": true.
+    // DeepSeek's indexer rotates half-split; GLM's interleaved (transformers'
+    // glm_moe_dsa always does; GLM-5's config also says so explicitly).
+    const bool glm = spec.model_type == "glm_moe_dsa";
     spec.indexer = IndexerSpec{
         .heads = config.required_int("index_n_heads"),
         .head_dim = config.required_int("index_head_dim"),
         .topk = config.required_int("index_topk"),
-        .rope_style = config.optional_bool("indexer_rope_interleave", false) ? RopeStyle::interleaved
-                                                                               : RopeStyle::half_split,
+        .rope_style = config.optional_bool("indexer_rope_interleave", glm) ? RopeStyle::interleaved
+                                                                             : RopeStyle::half_split,
     };
   }
   spec.softmax_scale = reference_softmax_scale(spec.qk_head_dim(), spec.rope);

@@ -160,6 +160,14 @@ TEST(ConfigJson, RopeStyles) {
   json not_interleaved = fixture_json("glm-5");
   not_interleaved["rope_interleave"] = false;
   EXPECT_EQ(parse(not_interleaved).rope_style, RopeStyle::half_split);
+
+  // Without the key each family keeps its own indexer RoPE.
+  json glm_default = fixture_json("glm-5");
+  glm_default.erase("indexer_rope_interleave");
+  EXPECT_EQ(parse(glm_default).indexer->rope_style, RopeStyle::interleaved);
+  json glm_half = fixture_json("glm-5");
+  glm_half["indexer_rope_interleave"] = false;
+  EXPECT_EQ(parse(glm_half).indexer->rope_style, RopeStyle::half_split);
 }
 
 TEST(ConfigJson, DenseModelsHaveNoIndexer) {

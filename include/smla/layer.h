@@ -1,0 +1,78 @@
+// The complete MLA / DSA attention layer of deepseek_v3, deepseek_v32 and glm_moe_dsa models on the CPU: hidden
+// states in, attention output (after o_proj) out, for a batch of requests that each own blocks of a paged cache.
+// docs/layer.md describes the math, the paths and the numerics.
+#pragma once
+
+#include <memory>
+#include <span>
+
+#include "smla/backend.h"
+#include "smla/weights.h"
+
+namespace smla {
+
+struct LayerOptions {
+  int num_blocks = 256;                   // paged cache capacity, shared by all requests
+  int block_size = 64;
+  DType kv_cache_dtype = DType::bf16;     // bf16, f16 or fp8_ds_mla
+  DType index_cache_dtype = DType::bf16;  // bf16 or fp8_e4m3 (DSA models)
+  int max_chunk_tokens = 256;             // tokens per pass: bounds the buffers of long prompts
+  const Backend* backend = nullptr;       // null: the default CPU backend
+};
+
+// The tokens of one request in a forward call; they are appended to its context in order.
+struct LayerSegment {
+  int request = 0;
+  int num_tokens = 0;
+};
+
+enum class AttentionPath {
+  absorbed,    // W_UK folded into the query, W_UV into the output, attention through the smla ops
+  unabsorbed,  // k_nope and v expanded through kv_b, standard causal attention (new prompts only; DSA only
+               // while the prompt fits in top-k, where it is exact)
+};
+
+// Seconds spent per phase, summed over forward calls.
+struct LayerProfile {
+  double projections = 0;  // q / kv projections, norms, absorbing W_UK
+  double rope = 0;
+  double cache_write = 0;  // write_mla_cache (and write_index_cache)
+  double indexer = 0;      // indexer projections, norm and RoPE
+  double topk = 0;         // indexer_topk and positions_to_slots
+  double attention = 0;    // sparse_mla / paged_mla_decode, or the unabsorbed attention
+  double output = 0;       // W_UV and o_proj
+};
+
+class MlaLayer {
+ public:
+  // Checks every tensor's shape against weights.spec (smla::Error naming the tensor) and that the spec fits the
+  // kernels (kv_lora_rank 512, qk_rope_head_dim 64, index_head_dim 128). Weights stay float32.
+  MlaLayer(AttentionWeights weights, const LayerOptions& options = {});
+  ~MlaLayer();
+  MlaLayer(MlaLayer&&) noexcept;
+  MlaLayer& operator=(MlaLayer&&) noexcept;
+
+  const AttentionSpec& spec() const;
+  // A new request with an empty context; returns its id.
+  int add_request();
+  // Gives the request's blocks back to the pool; its id is not reused.
+  void release_request(int request);
+  int context_length(int request) const;
+  int free_blocks() const;
+
+  // Appends `tokens` positions whose cache rows were computed elsewhere (an imported prefix, a benchmark's context):
+  // latent [tokens, 512] (normed c), k_pe [tokens, 64] and, for DSA models, index_k [tokens, 128] (after RoPE and
+  // the norm), all f32. Throws smla::Error, changing nothing, when the pool has too few blocks.
+  void append_context(int request, int tokens, const float* latent, const float* k_pe, const float* index_k);
+
+  // hidden: [Σ num_tokens, hidden_size] f32, the segments' rows in order; out: the same shape. The blocks every
+  // segment needs are taken before anything is computed: when the pool has too few, smla::Error and no change.
+  void forward(std::span<const LayerSegment> segments, const float* hidden, float* out,
+               AttentionPath path = AttentionPath::absorbed, LayerProfile* profile = nullptr);
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+};
+
+}  // namespace smla

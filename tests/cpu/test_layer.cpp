@@ -1,0 +1,327 @@
+// MlaLayer on the CPU: the absorbed path against the unabsorbed one, decode step by step against one prefill
+// (chunked, batched), DSA within top-k against dense attention, the block pool, imported context and the weight
+// checks. Tiny geometries keep the kernels' sizes (kv_lora 512, rope 64, indexer head 128) and shrink the rest.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "smla/error.h"
+#include "smla/layer.h"
+#include "support/test_util.h"
+
+namespace smla {
+namespace {
+
+using test::Rng;
+
+AttentionSpec tiny_spec(bool sparse, int q_lora_rank = 48, int topk = 16) {
+  AttentionSpec s;
+  s.name = "tiny";
+  s.model_type = sparse ? "glm_moe_dsa" : "deepseek_v3";
+  s.hidden_size = 64;
+  s.num_heads = 4;
+  s.q_lora_rank = q_lora_rank;
+  s.kv_lora_rank = 512;
+  s.qk_nope_head_dim = 32;
+  s.qk_rope_head_dim = 64;
+  s.v_head_dim = 48;
+  s.num_layers = 1;
+  s.rope.theta = 10000;
+  if (sparse) s.indexer = IndexerSpec{2, 128, topk, RopeStyle::half_split};
+  s.softmax_scale = reference_softmax_scale(s.qk_head_dim(), s.rope);
+  return s;
+}
+
+WeightTensor random_tensor(Rng& rng, std::vector<int64_t> shape, float lo, float hi) {
+  WeightTensor t{std::move(shape), {}};
+  t.data = test::random_floats(rng, size_t(t.numel()), lo, hi);
+  return t;
+}
+
+// A Linear [out, in] with values of the size that keeps activations near 1.
+WeightTensor linear(Rng& rng, int64_t out, int64_t in) {
+  const float bound = float(std::sqrt(3.0 / in));
+  return random_tensor(rng, {out, in}, -bound, bound);
+}
+
+AttentionWeights random_weights(const AttentionSpec& s, uint64_t seed) {
+  Rng rng(seed);
+  AttentionWeights w;
+  w.spec = s;
+  const int64_t h = s.num_heads, qk = s.qk_head_dim();
+  if (s.q_lora_rank > 0) {
+    w.q_a = linear(rng, s.q_lora_rank, s.hidden_size);
+    w.q_a_norm = random_tensor(rng, {s.q_lora_rank}, 0.8f, 1.2f);
+    w.q_b = linear(rng, h * qk, s.q_lora_rank);
+  } else {
+    w.q = linear(rng, h * qk, s.hidden_size);
+  }
+  w.kv_a_mqa = linear(rng, s.absorbed_qk_dim(), s.hidden_size);
+  w.kv_a_norm = random_tensor(rng, {s.kv_lora_rank}, 0.8f, 1.2f);
+  w.kv_b = linear(rng, h * (s.qk_nope_head_dim + s.v_head_dim), s.kv_lora_rank);
+  w.o = linear(rng, s.hidden_size, h * s.v_head_dim);
+  if (s.is_sparse()) {
+    const IndexerSpec& ix = *s.indexer;
+    w.indexer.wq_b = linear(rng, int64_t(ix.heads) * ix.head_dim, s.q_lora_rank);
+    w.indexer.wk = linear(rng, ix.head_dim, s.hidden_size);
+    w.indexer.k_norm = random_tensor(rng, {ix.head_dim}, 0.8f, 1.2f);
+    w.indexer.k_norm_bias = random_tensor(rng, {ix.head_dim}, -0.1f, 0.1f);
+    w.indexer.weights_proj = linear(rng, ix.heads, s.hidden_size);
+  }
+  return w;
+}
+
+std::vector<float> random_hidden(uint64_t seed, int64_t tokens, int hidden) {
+  Rng rng(seed);
+  return test::random_floats(rng, size_t(tokens * hidden));
+}
+
+// Runs one request's tokens one per forward call.
+std::vector<float> decode_steps(MlaLayer& layer, int request, const std::vector<float>& hidden) {
+  const int d = layer.spec().hidden_size;
+  std::vector<float> out(hidden.size());
+  for (size_t t = 0; t < hidden.size() / d; ++t) {
+    const LayerSegment seg{request, 1};
+    layer.forward({&seg, 1}, &hidden[t * d], &out[t * d]);
+  }
+  return out;
+}
+
+std::vector<float> prefill(MlaLayer& layer, int request, const std::vector<float>& hidden,
+                           AttentionPath path = AttentionPath::absorbed) {
+  std::vector<float> out(hidden.size());
+  const LayerSegment seg{request, int(hidden.size() / layer.spec().hidden_size)};
+  layer.forward({&seg, 1}, hidden.data(), out.data(), path);
+  return out;
+}
+
+// |a - b| <= tol * max|expected| everywhere, cosine >= min_cos.
+void expect_close(const std::vector<float>& expected, const std::vector<float>& actual, double tol, double min_cos) {
+  double max_abs = 0;
+  for (const float v : expected) max_abs = std::max(max_abs, double(std::fabs(v)));
+  const std::vector<double> e(expected.begin(), expected.end()), a(actual.begin(), actual.end());
+  EXPECT_EQ(test::compare(e, a, tol * max_abs, 0, min_cos), "");
+}
+
+// bf16 queries, cache and attention output bound the absorbed path's error (measured: ~3e-3 of the output's size).
+constexpr double kBf16Tol = 1e-2, kBf16Cos = 0.9999;
+
+struct PathCase {
+  const char* name;
+  AttentionSpec spec;
+};
+void PrintTo(const PathCase& c, std::ostream* os) { *os << c.name; }
+
+class LayerPaths : public ::testing::TestWithParam<PathCase> {};
+
+TEST_P(LayerPaths, AbsorbedDecodeEqualsUnabsorbedPrefill) {
+  const AttentionSpec& spec = GetParam().spec;
+  const std::vector<float> hidden = random_hidden(1, 13, spec.hidden_size);
+  MlaLayer reference(random_weights(spec, 7), {.num_blocks = 8, .block_size = 4});
+  MlaLayer layer(random_weights(spec, 7), {.num_blocks = 8, .block_size = 4});
+  const std::vector<float> expected = prefill(reference, reference.add_request(), hidden, AttentionPath::unabsorbed);
+  expect_close(expected, decode_steps(layer, layer.add_request(), hidden), kBf16Tol, kBf16Cos);
+}
+
+TEST_P(LayerPaths, DecodeStepByStepEqualsChunkedPrefill) {
+  const AttentionSpec& spec = GetParam().spec;
+  const std::vector<float> hidden = random_hidden(2, 21, spec.hidden_size);
+  MlaLayer stepped(random_weights(spec, 3), {.num_blocks = 8, .block_size = 4});
+  MlaLayer chunked(random_weights(spec, 3), {.num_blocks = 8, .block_size = 4, .max_chunk_tokens = 5});
+  // Same bf16 roundings on both sides: only fp32 summation order differs.
+  expect_close(decode_steps(stepped, stepped.add_request(), hidden), prefill(chunked, chunked.add_request(), hidden),
+               1e-3, 1 - 1e-7);
+}
+
+TEST_P(LayerPaths, BatchOfRequestsEqualsEachAlone) {
+  const AttentionSpec& spec = GetParam().spec;
+  const int d = spec.hidden_size;
+  const std::vector<int> prompt = {9, 3, 14};
+  std::vector<std::vector<float>> hidden, alone;
+  for (size_t r = 0; r < prompt.size(); ++r) {
+    hidden.push_back(random_hidden(10 + r, prompt[r] + 2, d));  // prompt, then two decode steps
+    MlaLayer single(random_weights(spec, 5), {.num_blocks = 16, .block_size = 4});
+    alone.push_back(prefill(single, single.add_request(), hidden[r]));
+  }
+  MlaLayer batched(random_weights(spec, 5), {.num_blocks = 16, .block_size = 4, .max_chunk_tokens = 8});
+  std::vector<std::vector<float>> out(prompt.size());
+  std::vector<LayerSegment> segs;
+  std::vector<float> x, y;
+  for (size_t r = 0; r < prompt.size(); ++r) {
+    segs.push_back({batched.add_request(), prompt[r]});
+    x.insert(x.end(), hidden[r].begin(), hidden[r].begin() + int64_t(prompt[r]) * d);
+  }
+  y.resize(x.size());
+  batched.forward(segs, x.data(), y.data());  // mixed prompt lengths, chunks across requests
+  for (size_t r = 0, row = 0; r < prompt.size(); row += prompt[r], ++r)
+    out[r].assign(y.begin() + int64_t(row) * d, y.begin() + int64_t(row + prompt[r]) * d);
+  for (int step = 0; step < 2; ++step) {
+    x.clear();
+    for (size_t r = 0; r < prompt.size(); ++r) {
+      segs[r].num_tokens = 1;
+      x.insert(x.end(), hidden[r].begin() + int64_t(prompt[r] + step) * d,
+               hidden[r].begin() + int64_t(prompt[r] + step + 1) * d);
+    }
+    y.assign(x.size(), 0.f);
+    batched.forward(segs, x.data(), y.data());  // one decode token per request
+    for (size_t r = 0; r < prompt.size(); ++r) out[r].insert(out[r].end(), y.begin() + r * d, y.begin() + (r + 1) * d);
+  }
+  for (size_t r = 0; r < prompt.size(); ++r) {
+    SCOPED_TRACE("request " + std::to_string(r));
+    EXPECT_EQ(batched.context_length(int(r)), prompt[r] + 2);
+    expect_close(alone[r], out[r], 1e-3, 1 - 1e-7);
+  }
+}
+
+AttentionSpec yarn_spec() {
+  AttentionSpec s = tiny_spec(false, 0);
+  s.rope = {.theta = 10000, .yarn = true, .factor = 40, .original_max_position_embeddings = 8, .beta_fast = 32,
+            .beta_slow = 1, .mscale = 1, .mscale_all_dim = 1};
+  s.softmax_scale = reference_softmax_scale(s.qk_head_dim(), s.rope);
+  return s;
+}
+
+AttentionSpec interleaved_indexer_spec() {
+  AttentionSpec s = tiny_spec(true);
+  s.indexer->rope_style = RopeStyle::interleaved;  // GLM-5's indexer
+  return s;
+}
+
+INSTANTIATE_TEST_SUITE_P(Specs, LayerPaths,
+                         ::testing::Values(PathCase{"dense", tiny_spec(false)},
+                                           PathCase{"dense_no_q_lora_yarn", yarn_spec()},
+                                           PathCase{"dsa", tiny_spec(true)},
+                                           PathCase{"dsa_interleaved_indexer", interleaved_indexer_spec()}),
+                         [](const auto& info) { return std::string(info.param.name); });
+
+TEST(Layer, DsaWithinTopkEqualsDense) {
+  const AttentionSpec sparse = tiny_spec(true, 48, 16);
+  AttentionSpec dense = sparse;
+  dense.indexer.reset();
+  AttentionWeights dense_weights = random_weights(sparse, 9);
+  dense_weights.spec = dense;
+  dense_weights.indexer = {};
+  const std::vector<float> hidden = random_hidden(4, 16, sparse.hidden_size);
+  MlaLayer dsa(random_weights(sparse, 9), {.num_blocks = 8, .block_size = 4});
+  MlaLayer mla(std::move(dense_weights), {.num_blocks = 8, .block_size = 4});
+  expect_close(prefill(mla, mla.add_request(), hidden), decode_steps(dsa, dsa.add_request(), hidden), 1e-3, 1 - 1e-7);
+}
+
+TEST(Layer, Fp8CachesStayCloseToBf16) {
+  const AttentionSpec spec = tiny_spec(true, 48, 8);
+  const std::vector<float> hidden = random_hidden(6, 12, spec.hidden_size);
+  MlaLayer bf16(random_weights(spec, 2), {.num_blocks = 8, .block_size = 4});
+  MlaLayer fp8(random_weights(spec, 2), {.num_blocks = 8, .block_size = 4, .kv_cache_dtype = DType::fp8_ds_mla,
+                                         .index_cache_dtype = DType::fp8_e4m3});
+  // e4m3 latents: about 2^-4 relative each; the selections (8 of up to 12) may differ on near-ties.
+  expect_close(prefill(bf16, bf16.add_request(), hidden), decode_steps(fp8, fp8.add_request(), hidden), 0.1, 0.995);
+}
+
+TEST(Layer, DsaBeyondTopkAttendsFewerPositions) {
+  // Past top-k the indexer drops positions, so the output differs from dense attention (and stays finite).
+  const AttentionSpec sparse = tiny_spec(true, 48, 4);
+  AttentionSpec dense = sparse;
+  dense.indexer.reset();
+  AttentionWeights dense_weights = random_weights(sparse, 9);
+  dense_weights.spec = dense;
+  const std::vector<float> hidden = random_hidden(4, 12, sparse.hidden_size);
+  MlaLayer dsa(random_weights(sparse, 9), {.num_blocks = 8, .block_size = 4});
+  MlaLayer mla(std::move(dense_weights), {.num_blocks = 8, .block_size = 4});
+  const std::vector<float> a = prefill(dsa, dsa.add_request(), hidden), b = prefill(mla, mla.add_request(), hidden);
+  const int d = sparse.hidden_size;
+  double first = 0, last = 0;
+  for (int i = 0; i < d; ++i) {
+    ASSERT_TRUE(std::isfinite(a[11 * d + i]));
+    first = std::max(first, double(std::fabs(a[3 * d + i] - b[3 * d + i])));
+    last = std::max(last, double(std::fabs(a[11 * d + i] - b[11 * d + i])));
+  }
+  EXPECT_LT(first, 1e-3);  // position 3: 4 positions, all selected
+  EXPECT_GT(last, 1e-3);
+}
+
+TEST(Layer, CacheFullIsAnErrorAndChangesNothing) {
+  const AttentionSpec spec = tiny_spec(true);
+  MlaLayer layer(random_weights(spec, 1), {.num_blocks = 3, .block_size = 4});
+  const int a = layer.add_request(), b = layer.add_request();
+  prefill(layer, a, random_hidden(1, 6, spec.hidden_size));  // 2 blocks
+  EXPECT_EQ(layer.free_blocks(), 1);
+  const std::vector<float> big = random_hidden(2, 5, spec.hidden_size);
+  std::vector<float> out(big.size());
+  const LayerSegment seg{b, 5};
+  try {
+    layer.forward({&seg, 1}, big.data(), out.data());
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("KV cache full: the batch needs 2 more blocks of 4 tokens, 1 of 3 are free"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(layer.context_length(b), 0);
+  EXPECT_EQ(layer.free_blocks(), 1);
+  layer.release_request(a);
+  EXPECT_EQ(layer.free_blocks(), 3);
+  layer.forward({&seg, 1}, big.data(), out.data());
+  EXPECT_EQ(layer.context_length(b), 5);
+  EXPECT_THROW(layer.context_length(a), Error);
+}
+
+TEST(Layer, AppendContextGrowsTheContextOrFails) {
+  const AttentionSpec spec = tiny_spec(true);
+  MlaLayer layer(random_weights(spec, 1), {.num_blocks = 3, .block_size = 4});
+  Rng rng(3);
+  const std::vector<float> latent = test::random_floats(rng, 10 * 512), k_pe = test::random_floats(rng, 10 * 64),
+                           index_k = test::random_floats(rng, 10 * 128);
+  const int a = layer.add_request(), b = layer.add_request();
+  layer.append_context(a, 10, latent.data(), k_pe.data(), index_k.data());
+  EXPECT_EQ(layer.context_length(a), 10);
+  EXPECT_EQ(layer.free_blocks(), 0);
+  EXPECT_THROW(layer.append_context(b, 1, latent.data(), k_pe.data(), index_k.data()), Error);
+  EXPECT_EQ(layer.context_length(b), 0);
+  const std::vector<float> out = decode_steps(layer, a, random_hidden(4, 2, spec.hidden_size));
+  for (const float v : out) ASSERT_TRUE(std::isfinite(v));
+  EXPECT_EQ(layer.context_length(a), 12);
+}
+
+void expect_error(const std::function<void()>& run, const std::string& text) {
+  try {
+    run();
+    ADD_FAILURE() << "no error, expected one with \"" << text << "\"";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(text), std::string::npos) << e.what();
+  }
+}
+
+TEST(Layer, BadWeightsNameTheTensor) {
+  const AttentionSpec spec = tiny_spec(true);
+  AttentionWeights w = random_weights(spec, 1);
+  w.q_b.shape = {4 * 96, 47};
+  expect_error([&] { MlaLayer layer(w); }, "MlaLayer: weights.q_b: expected shape [384, 48], got [384, 47]");
+  w = random_weights(spec, 1);
+  w.indexer.wk = {};
+  expect_error([&] { MlaLayer layer(w); }, "weights.indexer.wk: expected shape [128, 64], got []");
+  w = random_weights(spec, 1);
+  w.kv_a_norm.data.pop_back();
+  expect_error([&] { MlaLayer layer(w); }, "weights.kv_a_norm: shape [512] but 511 values");
+  AttentionSpec small = spec;
+  small.kv_lora_rank = 256;
+  expect_error([&] { MlaLayer layer(random_weights(small, 1)); }, "kv_lora_rank 512");
+}
+
+TEST(Layer, BadCallsAreErrors) {
+  const AttentionSpec spec = tiny_spec(true, 48, 4);
+  MlaLayer layer(random_weights(spec, 1), {.num_blocks = 4, .block_size = 4});
+  const int r = layer.add_request();
+  const std::vector<float> x = random_hidden(1, 6, spec.hidden_size);
+  std::vector<float> out(x.size());
+  const LayerSegment twice[] = {{r, 1}, {r, 1}};
+  expect_error([&] { layer.forward(twice, x.data(), out.data()); }, "request 0 appears twice");
+  expect_error([&] { prefill(layer, r, x, AttentionPath::unabsorbed); }, "a DSA prompt must fit in top-k (4)");
+  const LayerSegment missing{7, 1};
+  expect_error([&] { layer.forward({&missing, 1}, x.data(), out.data()); }, "no live request 7");
+}
+
+}  // namespace
+}  // namespace smla
