@@ -69,4 +69,21 @@ const Backend& backend_for(const Device& device, const Registry& registry = Regi
 // runtime finds one (and CUDA backends were built), else the CPU.
 Device detect_device();
 
+// A run described in words, as a user gives it (CLI flags, Python keyword arguments).
+struct RunOptions {
+  std::string device = "auto";          // auto | cpu | sm_XY | cuda[:N]
+  std::string dtype = "bfloat16";       // bfloat16 | float16
+  std::string kv_cache_dtype = "auto";  // auto (= dtype) | bfloat16 | float16 | fp8_ds_mla
+  int block_size = 64;
+  int tp = 1;
+  std::string backend;  // empty: choose (SMLA_BACKEND still applies)
+  bool attn_sink = false;
+};
+// How errors name the options: "--kv-cache-dtype" (cli) or "kv_cache_dtype" (python).
+enum class OptionNames { cli, python };
+// The RunSpec for `spec` those words describe. Throws smla::Error
+// (invalid_argument) naming the option at fault, including a tp that does not
+// divide the model's heads.
+RunSpec make_run_spec(const AttentionSpec& spec, const RunOptions& options, OptionNames names = OptionNames::python);
+
 }  // namespace smla

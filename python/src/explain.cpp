@@ -11,32 +11,6 @@ namespace smla::python {
 
 namespace {
 
-// The run options as `smla explain` takes them (tools/smla/options.cpp), with
-// messages naming the Python parameters.
-RunSpec resolve_run(const AttentionSpec& spec, const std::string& device, const std::string& dtype,
-                    const std::string& kv_cache_dtype, int block_size, int tp, const std::string& backend,
-                    bool attn_sink) {
-  RunSpec run;
-  run.device = device == "auto" ? detect_device() : parse_device(device, "device");
-  const auto q = parse_dtype(dtype);
-  require(q == DType::bf16 || q == DType::f16, "dtype: expected bfloat16 or float16, got '" + dtype + "'");
-  run.q_dtype = *q;
-  if (kv_cache_dtype != "auto") {
-    const auto kv = parse_dtype(kv_cache_dtype);
-    require(kv == DType::bf16 || kv == DType::f16 || kv == DType::fp8_ds_mla,
-            "kv_cache_dtype: expected auto, bfloat16, float16 or fp8_ds_mla, got '" + kv_cache_dtype + "'");
-    run.kv_cache_dtype = *kv;
-  }
-  require(block_size >= 1, "block_size: expected a positive integer, got " + std::to_string(block_size));
-  require(tp >= 1, "tp: expected a positive integer, got " + std::to_string(tp));
-  run.block_size = block_size;
-  run.tp = tp;
-  run.backend = backend;
-  run.attn_sink = attn_sink;
-  heads_per_rank(spec, run);  // a tp that does not divide the heads is bad input
-  return run;
-}
-
 nb::tuple range(const IntRange& r) { return nb::make_tuple(r.min, r.max); }
 
 nb::list dtype_names(const std::vector<DType>& v) {
@@ -76,7 +50,7 @@ void bind_explain(nb::module_& m) {
       "explain",
       [](const AttentionSpec& spec, const std::string& device, const std::string& dtype,
          const std::string& kv_cache_dtype, int block_size, int tp, const std::string& backend, bool attn_sink) {
-        const RunSpec run = resolve_run(spec, device, dtype, kv_cache_dtype, block_size, tp, backend, attn_sink);
+        const RunSpec run = make_run_spec(spec, {device, dtype, kv_cache_dtype, block_size, tp, backend, attn_sink});
         const Selection sel = select(spec, run);
         return nb::make_tuple(explain_text(spec, run, sel), explain_json(spec, run, sel));
       },

@@ -191,6 +191,33 @@ const Backend& backend_for(const Device& device, const Registry& registry) {
                                           (device.is_cuda() ? " (was smla built without CUDA?)" : ""));
 }
 
+RunSpec make_run_spec(const AttentionSpec& spec, const RunOptions& o, OptionNames names) {
+  const bool cli = names == OptionNames::cli;
+  auto name = [&](const char* python, const char* flag) { return std::string(cli ? flag : python) + ": "; };
+  RunSpec run;
+  run.device = o.device == "auto" ? detect_device() : parse_device(o.device, cli ? "--device" : "device");
+  const auto q = parse_dtype(o.dtype);
+  require(q == DType::bf16 || q == DType::f16,
+          name("dtype", "--dtype") + "expected bfloat16 or float16, got '" + o.dtype + "'");
+  run.q_dtype = *q;
+  if (o.kv_cache_dtype != "auto") {
+    const auto kv = parse_dtype(o.kv_cache_dtype);
+    require(kv == DType::bf16 || kv == DType::f16 || kv == DType::fp8_ds_mla,
+            name("kv_cache_dtype", "--kv-cache-dtype") + "expected auto, bfloat16, float16 or fp8_ds_mla, got '" +
+                o.kv_cache_dtype + "'");
+    run.kv_cache_dtype = *kv;
+  }
+  require(o.block_size >= 1,
+          name("block_size", "--block-size") + "expected a positive integer, got " + std::to_string(o.block_size));
+  require(o.tp >= 1, name("tp", "--tp") + "expected a positive integer, got " + std::to_string(o.tp));
+  run.block_size = o.block_size;
+  run.tp = o.tp;
+  run.backend = o.backend;
+  run.attn_sink = o.attn_sink;
+  heads_per_rank(spec, run);  // a tp that does not divide the heads is bad input
+  return run;
+}
+
 Device detect_device() {
 #ifdef SMLA_WITH_CUDA
   if (auto d = cuda::first_device()) return *d;

@@ -10,8 +10,8 @@ namespace smla::cli {
 
 Action add_explain(CLI::App& app) {
   auto* sub = app.add_subcommand("explain", "show which backend runs a model on a device, and why the others cannot");
-  auto opts = std::make_shared<RunOptions>();
-  add_run_options(*sub, *opts);
+  auto opts = std::make_shared<CommonOptions>();
+  add_common_options(*sub, *opts);
   return [sub, opts]() -> int {
     if (!sub->parsed()) return -1;
     const Resolved r = resolve(*opts);

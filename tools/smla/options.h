@@ -4,28 +4,24 @@
 #include <CLI/CLI.hpp>
 #include <string>
 
-#include "smla/spec.h"
+#include "smla/select.h"
 
 namespace smla::cli {
 
-struct RunOptions {
+// What explain and run share: the model, the run in words, JSON output.
+struct CommonOptions {
   std::string model = "glm-5";
-  std::string device = "auto";
-  std::string dtype = "bfloat16";
-  std::string kv_cache_dtype = "auto";
-  int block_size = 64;
-  int tp = 1;
-  std::string backend;
+  RunOptions run;
   bool json = false;
 };
 
-void add_run_options(CLI::App& app, RunOptions& o);
+void add_common_options(CLI::App& app, CommonOptions& o);
 
 struct Resolved {
   AttentionSpec spec;
   RunSpec run;
 };
 // Loads the model and builds the RunSpec; throws smla::Error naming the flag.
-Resolved resolve(const RunOptions& o);
+Resolved resolve(const CommonOptions& o);
 
 }  // namespace smla::cli

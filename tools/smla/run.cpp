@@ -31,7 +31,7 @@ namespace smla::cli {
 namespace {
 
 struct JobOptions {
-  RunOptions run;
+  CommonOptions common;
   int batch = 32;
   int context = 8192;
   int steps = 64;
@@ -120,7 +120,7 @@ struct PagedCaches {
   TensorView table, mla_view, index_view;
   TensorView latent, k_pe, keys, slot_mapping;  // staging for the writers
 
-  PagedCaches(Memory& m, const JobOptions& o, DType kv, bool with_index) : mem(m), block_size(o.run.block_size) {
+  PagedCaches(Memory& m, const JobOptions& o, DType kv, bool with_index) : mem(m), block_size(o.common.run.block_size) {
     const int64_t capacity = static_cast<int64_t>(o.context) + o.steps;
     blocks_per_request = static_cast<int>((capacity + block_size - 1) / block_size);
     const int64_t blocks = static_cast<int64_t>(o.batch) * blocks_per_request;
@@ -354,7 +354,7 @@ Report run_dense(const JobOptions& o, const AttentionSpec& spec, const RunSpec& 
 Action add_run(CLI::App& app) {
   auto* sub = app.add_subcommand("run", "run decode steps of a model's attention on the chosen backend and report speed");
   auto o = std::make_shared<JobOptions>();
-  add_run_options(*sub, o->run);
+  add_common_options(*sub, o->common);
   sub->add_option("--batch", o->batch, "requests decoded together (one new token each per step)")->capture_default_str();
   sub->add_option("--context", o->context, "tokens already in each request's cache")->capture_default_str();
   sub->add_option("--steps", o->steps, "decode steps")->capture_default_str();
@@ -364,11 +364,11 @@ Action add_run(CLI::App& app) {
     require(o->batch >= 1, "--batch: expected a positive integer, got " + std::to_string(o->batch));
     require(o->context >= 1, "--context: expected a positive integer, got " + std::to_string(o->context));
     require(o->steps >= 1, "--steps: expected a positive integer, got " + std::to_string(o->steps));
-    const Resolved res = resolve(o->run);
+    const Resolved res = resolve(o->common);
     const Selection sel = select(res.spec, res.run);
-    if (!o->run.json) std::cout << explain_text(res.spec, res.run, sel) << "\n";
+    if (!o->common.json) std::cout << explain_text(res.spec, res.run, sel) << "\n";
     if (!sel.chosen) {
-      if (o->run.json) std::cout << explain_json(res.spec, res.run, sel);
+      if (o->common.json) std::cout << explain_json(res.spec, res.run, sel);
       return 1;
     }
     const Backend& be = *sel.chosen;
@@ -380,19 +380,19 @@ Action add_run(CLI::App& app) {
     }
     Memory mem(res.run.device);
     const double bw = mem.bandwidth_gbs();
-    if (!o->run.json)
+    if (!o->common.json)
       std::cout << "job        " << o->batch << " requests x " << o->context << " tokens of context, " << o->steps
                 << " decode steps on " << be.name() << " (memory bandwidth measured now: " << bw << " GB/s)\n";
     const bool sparse = res.spec.is_sparse();
-    const Report r = sparse ? run_sparse(*o, res.spec, res.run, be, mem, o->run.json)
-                            : run_dense(*o, res.spec, res.run, be, mem, o->run.json);
+    const Report r = sparse ? run_sparse(*o, res.spec, res.run, be, mem, o->common.json)
+                            : run_dense(*o, res.spec, res.run, be, mem, o->common.json);
 
     const double step_ms = 1e3 * r.t.total() / o->steps;
     const double read_s = r.t.indexer + r.t.attention;
     const double gbs = (r.bytes_indexer + r.bytes_attention) / read_s / 1e9;
     const double tokens_per_s = o->batch * o->steps / r.t.total();
     const bool ok = r.topk_match && r.max_abs_err < 2e-2;
-    if (o->run.json) {
+    if (o->common.json) {
       nlohmann::json j = {{"schema", "smla.run/1"},
                           {"model", res.spec.name},
                           {"backend", be.name()},
