@@ -28,7 +28,9 @@ bool contains(const std::vector<DType>& v, DType d) { return std::find(v.begin()
 std::string compute_capability_text(int cc) { return std::to_string(cc / 10) + "." + std::to_string(cc % 10); }
 
 std::string describe_compute_capabilities(const IntRange& r) {
-  return "sm_" + std::to_string(r.min) + (r.max == r.min ? "" : " to sm_" + std::to_string(r.max));
+  // An upper bound of X9 means "every minor version of X": sm_129 reads sm_12x.
+  const std::string max = r.max % 10 == 9 ? std::to_string(r.max / 10) + "x" : std::to_string(r.max);
+  return "sm_" + std::to_string(r.min) + (r.max == r.min ? "" : " to sm_" + max);
 }
 
 std::string describe_heads(const Capabilities& c) {

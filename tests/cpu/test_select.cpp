@@ -119,14 +119,14 @@ class Select : public ::testing::Test {
 TEST(Validate, EveryDeclaredFieldGivesItsReason) {
   const Capabilities c = hopper_sparse();
   const auto r = validate(c, glm5(), on("sm_120", DType::f16, DType::bf16, 8));
-  EXPECT_TRUE(has_reason(r, "needs sm_90 to sm_109, device is sm_120 (compute capability 12.0)")) << joined(r);
+  EXPECT_TRUE(has_reason(r, "needs sm_90 to sm_10x, device is sm_120 (compute capability 12.0)")) << joined(r);
   EXPECT_TRUE(has_reason(r, "query dtype float16 not supported (supports bfloat16)")) << joined(r);
   EXPECT_TRUE(has_reason(r, "kv-cache dtype bfloat16 not supported (supports fp8_ds_mla)")) << joined(r);
   EXPECT_TRUE(has_reason(r, "8 heads per rank not supported (supports 64, 128)")) << joined(r);
   EXPECT_EQ(r.size(), 4u) << joined(r);
 
   EXPECT_TRUE(validate(c, glm5(), on("sm_90", DType::bf16, DType::fp8_ds_mla)).empty());
-  EXPECT_TRUE(has_reason(validate(c, glm5(), on("cpu")), "runs on CUDA GPUs (sm_90 to sm_109), not on the CPU"));
+  EXPECT_TRUE(has_reason(validate(c, glm5(), on("cpu")), "runs on CUDA GPUs (sm_90 to sm_10x), not on the CPU"));
   EXPECT_TRUE(has_reason(validate(cpu_like(), glm5(), on("sm_90")), "runs on the CPU, not on a CUDA GPU (sm_90)"));
   EXPECT_TRUE(has_reason(validate(c, glm5(), on("cuda", DType::bf16, DType::fp8_ds_mla)), "compute capability unknown"));
 }
