@@ -20,6 +20,7 @@
 #include "models/gguf.h"
 #include "models/safetensors.h"
 #include "smla/error.h"
+#include "support/test_util.h"
 #include "smla/spec.h"
 #include "smla/weights.h"
 
@@ -77,20 +78,7 @@ std::string fields(const AttentionSpec& s) {
   return out.str();
 }
 
-void expect_error(const std::function<void()>& action, ErrorKind kind, const std::vector<std::string>& fragments) {
-  try {
-    action();
-    ADD_FAILURE() << "no error thrown; expected one mentioning \"" << fragments.front() << "\"";
-  } catch (const Error& error) {
-    const std::string message = error.what();
-    EXPECT_EQ(static_cast<int>(error.kind()), static_cast<int>(kind)) << message;
-    for (const std::string& fragment : fragments)
-      EXPECT_NE(message.find(fragment), std::string::npos) << "\"" << fragment << "\" not in: " << message;
-    EXPECT_EQ(message.find('\n'), std::string::npos) << message;
-  } catch (const std::exception& error) {
-    ADD_FAILURE() << "not an smla::Error: " << error.what();
-  }
-}
+using test::expect_error;
 
 const WeightTensor& field(const AttentionWeights& w, const std::string& name) {
   static const std::map<std::string, std::function<const WeightTensor&(const AttentionWeights&)>> kFields = {

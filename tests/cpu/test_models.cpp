@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "smla/error.h"
+#include "support/test_util.h"
 #include "smla/spec.h"
 
 namespace smla {
@@ -61,22 +62,10 @@ void expect_same_spec(const AttentionSpec& expected, const AttentionSpec& actual
 }
 
 // Runs `action`, expecting a one-line smla::Error of `kind` whose message contains `fragment`.
-void expect_error(const std::function<void()>& action, ErrorKind kind, const std::string& fragment) {
-  try {
-    action();
-    ADD_FAILURE() << "no error thrown; expected one mentioning \"" << fragment << "\"";
-  } catch (const Error& error) {
-    const std::string message = error.what();
-    EXPECT_EQ(static_cast<int>(error.kind()), static_cast<int>(kind)) << message;
-    EXPECT_NE(message.find(fragment), std::string::npos) << "\"" << fragment << "\" not in: " << message;
-    EXPECT_EQ(message.find('\n'), std::string::npos) << message;
-  } catch (const std::exception& error) {
-    ADD_FAILURE() << "not an smla::Error: " << error.what();
-  }
-}
+using test::expect_error;
 
 void expect_config_error(const std::string& text, const std::string& fragment) {
-  expect_error([&] { spec_from_config_json(text, "bad.json"); }, ErrorKind::invalid_argument, fragment);
+  expect_error([&] { spec_from_config_json(text, "bad.json"); }, ErrorKind::invalid_argument, {fragment});
 }
 
 // The DeepSeek reference scale with YaRN: (nope + rope)^-0.5 * (0.1 * ln(factor) + 1)^2.
@@ -228,7 +217,7 @@ TEST(ConfigJson, BadInputNamesTheField) {
 
 TEST(ConfigJson, MissingFileIsAnIoError) {
   const std::string path = fixture_path("no-such-model");
-  expect_error([&] { spec_from_config_file(path); }, ErrorKind::io, path);
+  expect_error([&] { spec_from_config_file(path); }, ErrorKind::io, {path});
 }
 
 TEST(LoadModelSpec, ByPresetName) {
@@ -251,12 +240,12 @@ TEST(LoadModelSpec, ByConfigPathOrDirectory) {
 }
 
 TEST(LoadModelSpec, MissingGgufNamesTheFile) {
-  expect_error([] { load_model_spec("GLM-5-Q4_K_M.gguf"); }, ErrorKind::invalid_argument, "GLM-5-Q4_K_M.gguf");
+  expect_error([] { load_model_spec("GLM-5-Q4_K_M.gguf"); }, ErrorKind::invalid_argument, {"GLM-5-Q4_K_M.gguf"});
 }
 
 TEST(LoadModelSpec, UnknownNameListsThePresets) {
-  expect_error([] { load_model_spec("llama-3"); }, ErrorKind::invalid_argument, "neither a preset");
-  expect_error([] { load_model_spec("llama-3"); }, ErrorKind::invalid_argument, "glm-4.7-flash");
+  expect_error([] { load_model_spec("llama-3"); }, ErrorKind::invalid_argument, {"neither a preset"});
+  expect_error([] { load_model_spec("llama-3"); }, ErrorKind::invalid_argument, {"glm-4.7-flash"});
 }
 
 }  // namespace

@@ -1,5 +1,7 @@
 #include "support/test_util.h"
 
+#include <gtest/gtest.h>
+
 #include <cmath>
 #include <sstream>
 
@@ -58,6 +60,21 @@ std::string compare(const std::vector<double>& expected, const std::vector<doubl
     if (cos < min_cos) err << "cosine similarity " << cos << " < " << min_cos << "\n";
   }
   return err.str();
+}
+
+void expect_error(const std::function<void()>& action, ErrorKind kind, const std::vector<std::string>& fragments) {
+  try {
+    action();
+    ADD_FAILURE() << "no error thrown; expected one mentioning \"" << fragments.front() << "\"";
+  } catch (const Error& error) {
+    const std::string message = error.what();
+    EXPECT_EQ(static_cast<int>(error.kind()), static_cast<int>(kind)) << message;
+    for (const std::string& fragment : fragments)
+      EXPECT_NE(message.find(fragment), std::string::npos) << "\"" << fragment << "\" not in: " << message;
+    EXPECT_EQ(message.find('\n'), std::string::npos) << message;
+  } catch (const std::exception& error) {
+    ADD_FAILURE() << "not an smla::Error: " << error.what();
+  }
 }
 
 }  // namespace smla::test

@@ -3,10 +3,12 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "smla/error.h"
 #include "smla/types.h"
 
 namespace smla::test {
@@ -27,5 +29,9 @@ float half_bits_to_float(uint16_t bits, DType dtype);
 // passes, else a description of the first failures.
 std::string compare(const std::vector<double>& expected, const std::vector<double>& actual, double abs_tol,
                     double rel_tol, double min_cos = 0.999);
+
+// Runs `action` and expects one smla::Error of `kind` whose one-line message
+// holds every fragment (gtest failures otherwise).
+void expect_error(const std::function<void()>& action, ErrorKind kind, const std::vector<std::string>& fragments);
 
 }  // namespace smla::test

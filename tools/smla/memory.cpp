@@ -7,7 +7,7 @@
 #include "cpu/memory_bandwidth.h"
 #include "smla/error.h"
 #ifdef SMLA_WITH_CUDA
-#include <cuda_runtime.h>
+#include "cuda/common/runtime.h"
 #endif
 
 namespace smla::cli {
@@ -16,9 +16,7 @@ namespace {
 size_t bytes_of(const TensorView& v) { return static_cast<size_t>(v.numel()) * dtype_size(v.dtype); }
 
 #ifdef SMLA_WITH_CUDA
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw Error(ErrorKind::internal, std::string(what) + ": " + cudaGetErrorString(e));
-}
+using cuda::check_cuda;
 #endif
 
 [[noreturn]] void no_cuda() {
@@ -44,8 +42,8 @@ TensorView Memory::empty(std::initializer_list<int64_t> shape, DType dtype) {
     if (!p) throw Error(ErrorKind::internal, "out of host memory (" + std::to_string(bytes) + " bytes)");
   } else {
 #ifdef SMLA_WITH_CUDA
-    check(cudaSetDevice(device_.index), "cudaSetDevice");
-    check(cudaMalloc(&p, bytes), "cudaMalloc");
+    check_cuda(cudaSetDevice(device_.index), "cudaSetDevice");
+    check_cuda(cudaMalloc(&p, bytes), "cudaMalloc");
 #else
     no_cuda();
 #endif
@@ -61,7 +59,7 @@ void Memory::upload(const TensorView& dst, const void* host) {
     return;
   }
 #ifdef SMLA_WITH_CUDA
-  check(cudaMemcpy(dst.data, host, bytes_of(dst), cudaMemcpyHostToDevice), "cudaMemcpy to the GPU");
+  check_cuda(cudaMemcpy(dst.data, host, bytes_of(dst), cudaMemcpyHostToDevice), "cudaMemcpy to the GPU");
 #else
   no_cuda();
 #endif
@@ -74,7 +72,7 @@ TensorView Memory::on_host(const TensorView& v, std::vector<uint8_t>& storage) {
   h.data = storage.data();
   h.device = Device::cpu();
 #ifdef SMLA_WITH_CUDA
-  check(cudaMemcpy(storage.data(), v.data, storage.size(), cudaMemcpyDeviceToHost), "cudaMemcpy from the GPU");
+  check_cuda(cudaMemcpy(storage.data(), v.data, storage.size(), cudaMemcpyDeviceToHost), "cudaMemcpy from the GPU");
 #else
   no_cuda();
 #endif
@@ -83,7 +81,7 @@ TensorView Memory::on_host(const TensorView& v, std::vector<uint8_t>& storage) {
 
 void Memory::sync() {
 #ifdef SMLA_WITH_CUDA
-  if (device_.is_cuda()) check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  if (device_.is_cuda()) check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
 #endif
 }
 
@@ -92,19 +90,19 @@ double Memory::bandwidth_gbs() {
 #ifdef SMLA_WITH_CUDA
   const size_t bytes = size_t{1} << 30;
   void *a = nullptr, *b = nullptr;
-  check(cudaMalloc(&a, bytes), "cudaMalloc");
-  check(cudaMalloc(&b, bytes), "cudaMalloc");
+  check_cuda(cudaMalloc(&a, bytes), "cudaMalloc");
+  check_cuda(cudaMalloc(&b, bytes), "cudaMalloc");
   cudaEvent_t start, stop;
-  check(cudaEventCreate(&start), "cudaEventCreate");
-  check(cudaEventCreate(&stop), "cudaEventCreate");
+  check_cuda(cudaEventCreate(&start), "cudaEventCreate");
+  check_cuda(cudaEventCreate(&stop), "cudaEventCreate");
   float best = 1e30f;
   for (int i = 0; i < 5; ++i) {
-    check(cudaEventRecord(start), "cudaEventRecord");
-    check(cudaMemcpy(b, a, bytes, cudaMemcpyDeviceToDevice), "cudaMemcpy");
-    check(cudaEventRecord(stop), "cudaEventRecord");
-    check(cudaEventSynchronize(stop), "cudaEventSynchronize");
+    check_cuda(cudaEventRecord(start), "cudaEventRecord");
+    check_cuda(cudaMemcpy(b, a, bytes, cudaMemcpyDeviceToDevice), "cudaMemcpy");
+    check_cuda(cudaEventRecord(stop), "cudaEventRecord");
+    check_cuda(cudaEventSynchronize(stop), "cudaEventSynchronize");
     float ms = 0;
-    check(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
+    check_cuda(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
     best = std::min(best, ms);
   }
   cudaEventDestroy(start);
