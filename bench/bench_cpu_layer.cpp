@@ -6,7 +6,6 @@
 #include <algorithm>
 #include <array>
 #include <chrono>
-#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
@@ -17,7 +16,7 @@ namespace {
 
 using namespace smla;
 
-uint64_t next(uint64_t& s) {  // xorshift64: fast enough for 700 MB of weights
+uint64_t next(uint64_t& s) {  // xorshift64
   s ^= s << 13;
   s ^= s >> 7;
   s ^= s << 17;
@@ -28,33 +27,6 @@ std::vector<float> uniform(uint64_t& state, int64_t n, float bound) {
   std::vector<float> v(n);
   for (float& x : v) x = (float(next(state) >> 40) / float(1 << 24) * 2 - 1) * bound;
   return v;
-}
-
-// A Linear [out, in] that keeps activations near 1; norms at 1.
-WeightTensor linear(uint64_t& state, int64_t out, int64_t in) {
-  return {{out, in}, uniform(state, out * in, float(std::sqrt(3.0 / in)))};
-}
-WeightTensor ones(int64_t n) { return {{n}, std::vector<float>(n, 1.f)}; }
-
-AttentionWeights random_weights(const AttentionSpec& s) {
-  uint64_t state = 0x9e3779b97f4a7c15ull;
-  const int64_t h = s.num_heads, qk = s.qk_head_dim();
-  AttentionWeights w;
-  w.spec = s;
-  w.q_a = linear(state, s.q_lora_rank, s.hidden_size);
-  w.q_a_norm = ones(s.q_lora_rank);
-  w.q_b = linear(state, h * qk, s.q_lora_rank);
-  w.kv_a_mqa = linear(state, s.absorbed_qk_dim(), s.hidden_size);
-  w.kv_a_norm = ones(s.kv_lora_rank);
-  w.kv_b = linear(state, h * (s.qk_nope_head_dim + s.v_head_dim), s.kv_lora_rank);
-  w.o = linear(state, s.hidden_size, h * s.v_head_dim);
-  const IndexerSpec& ix = *s.indexer;
-  w.indexer.wq_b = linear(state, int64_t(ix.heads) * ix.head_dim, s.q_lora_rank);
-  w.indexer.wk = linear(state, ix.head_dim, s.hidden_size);
-  w.indexer.k_norm = ones(ix.head_dim);
-  w.indexer.k_norm_bias = {{ix.head_dim}, std::vector<float>(ix.head_dim, 0.f)};
-  w.indexer.weights_proj = linear(state, ix.heads, s.hidden_size);
-  return w;
 }
 
 }  // namespace
@@ -71,7 +43,7 @@ int main(int argc, char** argv) {
   int requests = 0;
   for (const int b : batches) requests += b;
   const int blocks_per_request = (context + kWarmup + steps + kBlock - 1) / kBlock;
-  MlaLayer layer(random_weights(spec), {.num_blocks = requests * blocks_per_request, .block_size = kBlock});
+  MlaLayer layer(random_attention_weights(spec), {.num_blocks = requests * blocks_per_request, .block_size = kBlock});
 
   uint64_t state = 42;
   const std::vector<float> latent = uniform(state, int64_t(context) * 512, 1.f),

@@ -60,4 +60,15 @@ WeightTensor merge_kv_b(const WeightTensor& k_b, const WeightTensor& v_b);
 // tensor at fault: a missing tensor, a shape that disagrees with the geometry, a type smla cannot read.
 AttentionWeights load_attention_weights(const std::string& path, int layer);
 
+// Random weights of the geometry, for benchmarks and dry runs: each Linear [out, in] uniform in ±sqrt(3 / in) (so
+// activations stay near 1), the norms' weights 1 and the indexer's LayerNorm bias 0; the same seed gives the same
+// values. Throws smla::Error when the spec does not validate.
+AttentionWeights random_attention_weights(const AttentionSpec& spec, uint64_t seed = 1);
+
+// Rank `rank`'s share under tensor parallelism over `tp` ranks: its num_heads / tp heads, that is its rows of q or
+// q_b and of kv_b and its columns of o (o_proj's output is then this rank's partial sum); q_a, kv_a, the norms and
+// the indexer stay whole, as every rank runs them. spec.num_heads becomes the rank's heads. Throws smla::Error
+// when tp does not divide the heads or rank is not in [0, tp).
+AttentionWeights shard_attention_heads(AttentionWeights weights, int tp, int rank);
+
 }  // namespace smla

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cmath>
 #include <filesystem>
 #include <optional>
 #include <string>
@@ -212,6 +213,79 @@ AttentionWeights load_attention_weights(const std::string& path, int layer) {
   std::ranges::transform(extension, extension.begin(), [](unsigned char c) { return std::tolower(c); });
   if (extension == ".gguf") return load_gguf(path, layer);
   fail(path + ": expected a .gguf file or a folder holding config.json and safetensors shards");
+}
+
+namespace {
+
+uint64_t xorshift(uint64_t& state) {
+  state ^= state << 13;
+  state ^= state >> 7;
+  state ^= state << 17;
+  return state;
+}
+
+// Rows [first, first + count) of a row-major tensor whose rows are `shape[0]`.
+WeightTensor rows_of(const WeightTensor& t, int64_t first, int64_t count) {
+  const int64_t width = t.numel() / t.shape[0];
+  WeightTensor out{t.shape, {}};
+  out.shape[0] = count;
+  out.data.assign(t.data.begin() + first * width, t.data.begin() + (first + count) * width);
+  return out;
+}
+
+// Columns [first, first + count) of a 2-D tensor.
+WeightTensor columns_of(const WeightTensor& t, int64_t first, int64_t count) {
+  WeightTensor out{{t.shape[0], count}, std::vector<float>(t.shape[0] * count)};
+  for (int64_t r = 0; r < t.shape[0]; ++r)
+    std::copy_n(t.data.begin() + r * t.shape[1] + first, count, out.data.begin() + r * count);
+  return out;
+}
+
+}  // namespace
+
+AttentionWeights random_attention_weights(const AttentionSpec& spec, uint64_t seed) {
+  validate(spec, "random_attention_weights: spec");
+  uint64_t state = seed * 0x9e3779b97f4a7c15ull + 1;  // never 0, which xorshift would keep
+  AttentionWeights weights;
+  weights.spec = spec;
+  for (const Slot& slot : kSlots) {
+    if (!needed(slot.needed, spec)) continue;
+    const std::vector<int64_t> shape = slot.shape(spec);
+    WeightTensor& t = slot.field(weights);
+    t.shape = shape;
+    t.data.resize(t.numel());
+    if (shape.size() == 1) {  // norm weights 1, the LayerNorm bias 0
+      std::ranges::fill(t.data, std::string_view(slot.hf).ends_with(".bias") ? 0.f : 1.f);
+      continue;
+    }
+    const float bound = float(std::sqrt(3.0 / double(shape[1])));
+    for (float& x : t.data) x = (float(xorshift(state) >> 40) * 0x1p-23f - 1.f) * bound;
+  }
+  return weights;
+}
+
+AttentionWeights shard_attention_heads(AttentionWeights weights, int tp, int rank) {
+  const AttentionSpec& s = weights.spec;
+  require(tp > 0 && s.num_heads % tp == 0,
+          "shard_attention_heads: tp " + std::to_string(tp) + " does not divide the " + std::to_string(s.num_heads) +
+              " heads");
+  require(rank >= 0 && rank < tp, "shard_attention_heads: rank: expected 0 to " + std::to_string(tp - 1) +
+                                      ", got " + std::to_string(rank));
+  for (const Slot& slot : kSlots) {
+    if (!needed(slot.needed, s)) continue;
+    const WeightTensor& t = slot.field(weights);
+    require(t.shape == slot.shape(s), std::string("shard_attention_heads: ") + slot.hf + ": expected shape " +
+                                          shape_text(slot.shape(s)) + ", got " + shape_text(t.shape));
+    require_consistent(t, std::string("shard_attention_heads: ") + slot.hf);
+  }
+  const int64_t heads = s.num_heads / tp, first = int64_t(rank) * heads;
+  const int64_t qk = s.qk_head_dim(), kv_rows = s.qk_nope_head_dim + s.v_head_dim;
+  WeightTensor& q = s.q_lora_rank > 0 ? weights.q_b : weights.q;
+  q = rows_of(q, first * qk, heads * qk);
+  weights.kv_b = rows_of(weights.kv_b, first * kv_rows, heads * kv_rows);
+  weights.o = columns_of(weights.o, first * s.v_head_dim, heads * s.v_head_dim);
+  weights.spec.num_heads = int(heads);  // last: `s` refers to it
+  return weights;
 }
 
 }  // namespace smla
