@@ -2,10 +2,11 @@
 """Writes the model files the GGUF / safetensors tests and the fuzzers read, into OUT (nothing binary is committed).
 
   specs/NAME.gguf       metadata only, as llama.cpp's converter writes it for tests/data/configs/NAME.json
-  tiny/ARCH/            a tiny model of each architecture: model.gguf (mixed F32/F16/BF16/Q8_0/Q4_K/Q6_K),
-                        split/ARCH-0000N-of-00003.gguf (the same, in three parts), hf/ (config.json and bf16/f16/f32
-                        safetensors shards) and expected/ (raw little-endian float32 of every attention tensor, as
-                        gguf-py dequantises it and as the safetensors hold it)
+  tiny/ARCH/            a tiny model of each architecture (and glm-dsa-layer, glm-dsa with the sizes MlaLayer
+                        needs): model.gguf (mixed F32/F16/BF16/Q8_0/Q4_K/Q6_K), split/ARCH-0000N-of-00003.gguf (the
+                        same, in three parts), hf/ (config.json and bf16/f16/f32 safetensors shards) and expected/
+                        (raw little-endian float32 of every attention tensor, as gguf-py dequantises it and as the
+                        safetensors hold it)
   quants.gguf           one tensor per type, expected values in quants/
   bad/                  damaged files, one fault each (tests/cpu/test_gguf.cpp lists what each must say)
   manifest.json         what is where, with the shapes of the expected tensors
@@ -243,6 +244,13 @@ TINY = {
                 "qk_rope_head_dim": 8, "v_head_dim": 32, "rms_norm_eps": 1e-5, "rope_interleave": True,
                 "rope_parameters": {"rope_theta": 1000000, "rope_type": "default"}, "index_n_heads": 2,
                 "index_head_dim": 32, "index_topk": 64, "indexer_rope_interleave": True},
+    # The sizes MlaLayer's kernels fix (kv_lora 512, rope 64, indexer heads of 128), the rest tiny: `smla run --layer`.
+    "glm-dsa-layer": {"model_type": "glm_moe_dsa", "hidden_size": 256, "num_hidden_layers": 2,
+                      "num_nextn_predict_layers": 1, "num_attention_heads": 4, "q_lora_rank": 64,
+                      "kv_lora_rank": 512, "qk_nope_head_dim": 32, "qk_rope_head_dim": 64, "v_head_dim": 32,
+                      "rms_norm_eps": 1e-5, "rope_interleave": True,
+                      "rope_parameters": {"rope_theta": 1000000, "rope_type": "default"}, "index_n_heads": 2,
+                      "index_head_dim": 128, "index_topk": 64, "indexer_rope_interleave": True},
 }
 SPLIT_PARTS = 3
 

@@ -18,8 +18,9 @@ void add_common_options(CLI::App& app, CommonOptions& o) {
   app.add_flag("--json", o.json, "print JSON (schema: docs/explain-json.md)");
 }
 
-Resolved resolve(const CommonOptions& o) {
-  AttentionSpec spec = load_model_spec(o.model);
+Resolved resolve(const CommonOptions& o) { return resolve(o, load_model_spec(o.model)); }
+
+Resolved resolve(const CommonOptions& o, AttentionSpec spec) {
   RunSpec run = make_run_spec(spec, o.run, OptionNames::cli);
   return {std::move(spec), std::move(run)};
 }

@@ -23,5 +23,7 @@ struct Resolved {
 };
 // Loads the model and builds the RunSpec; throws smla::Error naming the flag.
 Resolved resolve(const CommonOptions& o);
+// The RunSpec of the options for a model given otherwise (smla run --weights).
+Resolved resolve(const CommonOptions& o, AttentionSpec spec);
 
 }  // namespace smla::cli
