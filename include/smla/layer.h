@@ -1,6 +1,6 @@
-// The complete MLA / DSA attention layer of deepseek_v3, deepseek_v32 and glm_moe_dsa models on the CPU: hidden
-// states in, attention output (after o_proj) out, for a batch of requests that each own blocks of a paged cache.
-// docs/layer.md describes the math, the paths and the numerics.
+// The complete MLA / DSA attention layer of deepseek_v3, deepseek_v32 and glm_moe_dsa models, on the CPU or on a
+// CUDA GPU: hidden states in, attention output (after o_proj) out, for a batch of requests that each own blocks of a
+// paged cache. docs/layer.md describes the math, the paths, the devices and the numerics.
 #pragma once
 
 #include <memory>
@@ -17,7 +17,13 @@ struct LayerOptions {
   DType kv_cache_dtype = DType::bf16;     // bf16, f16 or fp8_ds_mla
   DType index_cache_dtype = DType::bf16;  // bf16 or fp8_e4m3 (DSA models)
   int max_chunk_tokens = 256;             // tokens per pass: bounds the buffers of long prompts
-  const Backend* backend = nullptr;       // null: the default CPU backend
+  // Where the layer runs. On a CUDA device (Device::cuda(compute_capability or 0, index)) the weights are held in
+  // bf16 and the caches in that GPU's memory, and forward's and append_context's arrays are device pointers.
+  Device device = Device::cpu();
+  // CUDA device only: the cudaStream_t every call runs on (null: the default stream); it must outlive the layer.
+  void* stream = nullptr;
+  const Backend* backend = nullptr;  // null: the backend select() chooses for the spec on `device` and these cache
+                                     // dtypes; else one that runs on `device` and can run the spec
 };
 
 // The tokens of one request in a forward call; they are appended to its context in order.
@@ -32,27 +38,33 @@ enum class AttentionPath {
                // while the prompt fits in top-k, where it is exact)
 };
 
-// Seconds spent per phase, summed over forward calls.
+// Seconds spent per phase, summed over forward calls. On a GPU, asking for a profile makes forward wait for the
+// device at every phase boundary (so each phase is charged its own kernels); without one, forward only enqueues work.
 struct LayerProfile {
   double projections = 0;  // q / kv projections, norms, absorbing W_UK
   double rope = 0;
   double cache_write = 0;  // write_mla_cache (and write_index_cache)
   double indexer = 0;      // indexer projections, norm and RoPE
-  double topk = 0;         // indexer_topk and positions_to_slots
-  double attention = 0;    // sparse_mla / paged_mla_decode, or the unabsorbed attention
+  double topk = 0;         // indexer_topk and positions_to_slots (and the indexer query to bf16)
+  double attention = 0;    // sparse_mla / paged_mla_decode (and the query to 16 bits), or the unabsorbed attention
   double output = 0;       // W_UV and o_proj
 };
 
 class MlaLayer {
  public:
-  // Checks every tensor's shape against weights.spec (smla::Error naming the tensor) and that the spec fits the
-  // kernels (kv_lora_rank 512, qk_rope_head_dim 64, index_head_dim 128). Weights stay float32.
+  // Checks every tensor's shape against weights.spec (smla::Error naming the tensor), that the spec fits the
+  // kernels (kv_lora_rank 512, qk_rope_head_dim 64, index_head_dim 128) and the options (smla::Error naming the
+  // option: a CUDA device in a build without CUDA or absent from the machine, a backend for another device or that
+  // cannot run the spec, a cache dtype). Weights stay float32 on the CPU and are converted to bf16 once on a GPU.
   MlaLayer(AttentionWeights weights, const LayerOptions& options = {});
   ~MlaLayer();
   MlaLayer(MlaLayer&&) noexcept;
   MlaLayer& operator=(MlaLayer&&) noexcept;
 
   const AttentionSpec& spec() const;
+  // The device the layer runs on (a CUDA device with its compute capability) and the backend its ops run on.
+  Device device() const;
+  const Backend& backend() const;
   // A new request with an empty context; returns its id.
   int add_request();
   // Gives the request's blocks back to the pool; its id is not reused.
@@ -62,11 +74,14 @@ class MlaLayer {
 
   // Appends `tokens` positions whose cache rows were computed elsewhere (an imported prefix, a benchmark's context):
   // latent [tokens, 512] (normed c), k_pe [tokens, 64] and, for DSA models, index_k [tokens, 128] (after RoPE and
-  // the norm), all f32. Throws smla::Error, changing nothing, when the pool has too few blocks.
+  // the norm), all f32 in the layer's device memory. Throws smla::Error, changing nothing, when the pool has too few
+  // blocks.
   void append_context(int request, int tokens, const float* latent, const float* k_pe, const float* index_k);
 
-  // hidden: [Σ num_tokens, hidden_size] f32, the segments' rows in order; out: the same shape. The blocks every
-  // segment needs are taken before anything is computed: when the pool has too few, smla::Error and no change.
+  // hidden: [Σ num_tokens, hidden_size] f32, the segments' rows in order; out: the same shape; both in the layer's
+  // device memory (device pointers on a GPU, where forward returns once the work is enqueued on options.stream).
+  // The blocks every segment needs are taken before anything is computed: when the pool has too few, smla::Error
+  // and no change. The unabsorbed path runs on the CPU only (smla::Error on a GPU).
   void forward(std::span<const LayerSegment> segments, const float* hidden, float* out,
                AttentionPath path = AttentionPath::absorbed, LayerProfile* profile = nullptr);
 

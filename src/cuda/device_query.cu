@@ -4,17 +4,20 @@
 
 namespace smla::cuda {
 
-std::optional<Device> first_device() {
+std::optional<Device> first_device() { return device_at(0); }
+
+std::optional<Device> device_at(int index) {
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
     cudaGetLastError();  // clear the sticky "no device" error for later callers
     return std::nullopt;
   }
   int major = 0, minor = 0;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0) != cudaSuccess ||
-      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0) != cudaSuccess)
+  if (index < 0 || index >= count ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, index) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, index) != cudaSuccess)
     return std::nullopt;
-  return Device::cuda(major * 10 + minor, 0);
+  return Device::cuda(major * 10 + minor, index);
 }
 
 }  // namespace smla::cuda

@@ -1,17 +1,24 @@
-// MlaLayer: projections, norms and RoPE in fp32 (OpenBLAS), the caches and attention through the smla ops, the
-// paged-cache block pool. The unabsorbed attention is in unabsorbed.cpp.
+// MlaLayer: the chunk algorithm (projections, norms and RoPE through layer::Compute on the layer's device, the caches
+// and attention through the smla ops), the paged-cache block pool, the device and backend choice. The unabsorbed
+// attention is in unabsorbed.cpp.
 #include "smla/layer.h"
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstring>
+#include <optional>
 #include <string>
 
-#include "core/numeric.h"
+#include "layer/compute.h"
 #include "layer/layer_math.h"
 #include "layer/unabsorbed.h"
 #include "smla/error.h"
 #include "smla/ops.h"
+#include "smla/select.h"
+#ifdef SMLA_WITH_CUDA
+#include "cuda/device_query.h"
+#endif
 
 namespace smla {
 namespace {
@@ -61,36 +68,90 @@ void check_weights(const AttentionWeights& w) {
   check_tensor(w.indexer.weights_proj, "indexer.weights_proj", {ix.heads, hidden});
 }
 
-// Adds the seconds from construction to destruction to *sink (when there is one).
-class PhaseTimer {
+// The chunk's scratch buffers (Compute::scratch ids).
+enum Scratch : int { kQr, kQ, kKva, kQAbs, kQHalf, kOHalf, kLse, kOLat, kAttn, kIndexQ, kIndexQHalf, kIndexK,
+                     kIndexWeights, kTopk, kSlots };
+
+// Host arrays packed into one buffer (each 8-byte aligned), so that a chunk's bookkeeping reaches the device in one
+// copy.
+class HostPack {
  public:
-  explicit PhaseTimer(double* sink) : sink_(sink), start_(std::chrono::steady_clock::now()) {}
-  ~PhaseTimer() {
-    if (sink_) *sink_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+  template <class T>
+  size_t add(const std::vector<T>& values) {
+    const size_t offset = (bytes_.size() + 7) / 8 * 8;
+    bytes_.resize(offset + values.size() * sizeof(T));
+    std::memcpy(bytes_.data() + offset, values.data(), values.size() * sizeof(T));
+    return offset;
   }
+  std::span<const std::byte> bytes() const { return bytes_; }
 
  private:
-  double* sink_;
-  std::chrono::steady_clock::time_point start_;
+  std::vector<std::byte> bytes_;
 };
 
-std::vector<uint16_t> to_half(const std::vector<float>& values, DType dtype) {
-  std::vector<uint16_t> out(values.size());
-  for (size_t i = 0; i < values.size(); ++i)
-    out[i] = dtype == DType::f16 ? numeric::float_to_f16(values[i]) : numeric::float_to_bf16(values[i]);
-  return out;
+// The device the options name; a CUDA device gets its compute capability from the GPU.
+Device resolve_device(const LayerOptions& o) {
+  if (o.device.is_cpu()) {
+    require(o.stream == nullptr, "MlaLayer: options.stream: a CUDA stream needs a CUDA options.device, got cpu");
+    return o.device;
+  }
+#ifdef SMLA_WITH_CUDA
+  const std::optional<Device> found = cuda::device_at(o.device.index);
+  require(found.has_value(), "MlaLayer: options.device: no CUDA device " + std::to_string(o.device.index) +
+                                 " on this machine (cudaGetDeviceCount)");
+  require(o.device.compute_capability == 0 || o.device.compute_capability == found->compute_capability,
+          "MlaLayer: options.device: " + o.device.name() + " asked for, but CUDA device " +
+              std::to_string(o.device.index) + " is " + found->name());
+  return *found;
+#else
+  fail("MlaLayer: options.device: " + o.device.name() + " needs smla built with CUDA; this build runs on the CPU only");
+#endif
+}
+
+// options.backend when it can run the layer on `device`, else the selector's choice.
+const Backend& resolve_backend(const AttentionSpec& s, const LayerOptions& o, const Device& device, DType q_dtype) {
+  RunSpec run;
+  run.q_dtype = q_dtype;
+  run.kv_cache_dtype = o.kv_cache_dtype;
+  run.block_size = o.block_size;
+  run.device = device;
+  if (!o.backend) {
+    try {
+      return select_backend(s, run);
+    } catch (const Error& e) {
+      throw Error(e.kind(), std::string("MlaLayer: options.backend (none given): ") + e.what());
+    }
+  }
+  const std::string name = o.backend->name();
+  require(o.backend->capabilities().device_kind == device.kind,
+          "MlaLayer: options.backend: '" + name + "' runs on " + (device.is_cpu() ? "CUDA GPUs" : "the CPU") +
+              ", not on options.device " + device.name());
+  std::string reasons;
+  for (const std::string& reason : validate(o.backend->capabilities(), s, run)) reasons += "; " + reason;
+  if (!reasons.empty())
+    throw Error(ErrorKind::unsupported, "MlaLayer: options.backend: '" + name + "' cannot run " + s.name + " on " +
+                                            device.name() + ": " + reasons.substr(2));
+  return *o.backend;
 }
 
 }  // namespace
 
 struct MlaLayer::State {
-  AttentionWeights w;
+  AttentionSpec spec;
   LayerOptions opt;
+  const Backend* backend = nullptr;
+  std::unique_ptr<layer::Compute> compute;
+  struct Weights {
+    layer::Matrix q, q_a, q_b, kv_a_mqa, kv_b, o, index_wq_b, index_wk, index_weights_proj;
+    const float *q_a_norm = nullptr, *kv_a_norm = nullptr, *index_k_norm = nullptr, *index_k_norm_bias = nullptr;
+  } w;
   float scale = 0;
-  std::vector<float> inv_freq;
+  const float* inv_freq = nullptr;  // RoPE frequencies, rope_pairs of them
+  int64_t rope_pairs = 0;
   DType q_dtype = DType::bf16;  // the attention query's type: the cache's 16-bit type
   int kv_row = 0, index_row = 0;
-  std::vector<uint8_t> kv_cache, index_cache;
+  void* kv_cache = nullptr;
+  void* index_cache = nullptr;
   std::vector<int32_t> free_blocks;  // a stack: the most recently freed block is reused first
   struct Request {
     bool live = false;
@@ -99,20 +160,35 @@ struct MlaLayer::State {
   };
   std::vector<Request> requests;
 
-  const AttentionSpec& spec() const { return w.spec; }
   // Blocks the requests need to grow by the segments' tokens; throws, changing nothing, when the pool has too few.
   void reserve(std::span<const LayerSegment> segments);
   std::vector<int64_t> slots_of(const Request& r, int first, int count) const;
-  TensorView kv_view() {
-    return TensorView(kv_cache.data(), {opt.num_blocks, opt.block_size, kv_row}, opt.kv_cache_dtype);
+  TensorView kv_view() const {
+    return TensorView(kv_cache, {opt.num_blocks, opt.block_size, kv_row}, opt.kv_cache_dtype, compute->device());
   }
-  TensorView index_view() {
-    return TensorView(index_cache.data(), {opt.num_blocks, opt.block_size, index_row}, opt.index_cache_dtype);
+  TensorView index_view() const {
+    return TensorView(index_cache, {opt.num_blocks, opt.block_size, index_row}, opt.index_cache_dtype,
+                      compute->device());
   }
   Request& request(int id, const char* what) {
     require(id >= 0 && id < int(requests.size()) && requests[id].live,
             std::string("MlaLayer: ") + what + ": no live request " + std::to_string(id));
     return requests[id];
+  }
+  template <class T>
+  T* buffer(Scratch id, int64_t count) {
+    return static_cast<T*>(compute->scratch(id, size_t(count) * sizeof(T)));
+  }
+  // Runs `work`, adding its seconds to prof->*field when profiling. The device is synchronised before and after,
+  // so that asynchronous (GPU) work is counted in its own phase; without a profile nothing waits.
+  template <class Work>
+  void phase(LayerProfile* prof, double LayerProfile::*field, Work&& work) {
+    if (!prof) return work();
+    compute->synchronize();
+    const auto start = std::chrono::steady_clock::now();
+    work();
+    compute->synchronize();
+    prof->*field += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   }
 
   // One pass over rows [row0, row0 + n) of the call: each token's block-table row and position.
@@ -127,9 +203,9 @@ struct MlaLayer::State {
 MlaLayer::MlaLayer(AttentionWeights weights, const LayerOptions& options) : state_(std::make_unique<State>()) {
   check_weights(weights);
   State& st = *state_;
-  st.w = std::move(weights);
+  st.spec = weights.spec;
   st.opt = options;
-  const AttentionSpec& s = st.spec();
+  const AttentionSpec& s = st.spec;
   require(options.num_blocks > 0 && options.block_size > 0 && options.max_chunk_tokens > 0,
           "MlaLayer: options: num_blocks, block_size and max_chunk_tokens must be positive");
   const DType kv = options.kv_cache_dtype, ix = options.index_cache_dtype;
@@ -138,15 +214,43 @@ MlaLayer::MlaLayer(AttentionWeights weights, const LayerOptions& options) : stat
               std::string(dtype_name(kv)));
   require(ix == DType::bf16 || ix == DType::fp8_e4m3,
           "MlaLayer: options.index_cache_dtype: expected bfloat16 or fp8_e4m3, got " + std::string(dtype_name(ix)));
-  st.scale = float(s.softmax_scale > 0 ? s.softmax_scale : reference_softmax_scale(s.qk_head_dim(), s.rope));
-  st.inv_freq = layer::rope_inv_freq(s.rope, s.qk_rope_head_dim);
   st.q_dtype = kv == DType::f16 ? DType::f16 : DType::bf16;
+  const Device device = resolve_device(options);
+  st.backend = &resolve_backend(s, options, device, st.q_dtype);
+#ifdef SMLA_WITH_CUDA
+  st.compute = device.is_cuda() ? layer::make_cuda_compute(device, options.stream) : layer::make_cpu_compute();
+#else
+  st.compute = layer::make_cpu_compute();
+#endif
+  layer::Compute& c = *st.compute;
+
+  const auto matrix = [&](WeightTensor& t) { return t.empty() ? layer::Matrix{} : c.matrix(std::move(t)); };
+  const auto vector = [&](WeightTensor& t) { return t.empty() ? nullptr : c.vector(std::move(t.data)); };
+  State::Weights& w = st.w;
+  w.q = matrix(weights.q);
+  w.q_a = matrix(weights.q_a);
+  w.q_b = matrix(weights.q_b);
+  w.kv_a_mqa = matrix(weights.kv_a_mqa);
+  w.kv_b = matrix(weights.kv_b);
+  w.o = matrix(weights.o);
+  w.index_wq_b = matrix(weights.indexer.wq_b);
+  w.index_wk = matrix(weights.indexer.wk);
+  w.index_weights_proj = matrix(weights.indexer.weights_proj);
+  w.q_a_norm = vector(weights.q_a_norm);
+  w.kv_a_norm = vector(weights.kv_a_norm);
+  w.index_k_norm = vector(weights.indexer.k_norm);
+  w.index_k_norm_bias = vector(weights.indexer.k_norm_bias);
+  std::vector<float> inv_freq = layer::rope_inv_freq(s.rope, s.qk_rope_head_dim);
+  st.rope_pairs = int64_t(inv_freq.size());
+  st.inv_freq = c.vector(std::move(inv_freq));
+
+  st.scale = float(s.softmax_scale > 0 ? s.softmax_scale : reference_softmax_scale(s.qk_head_dim(), s.rope));
   st.kv_row = kv == DType::fp8_ds_mla ? kFp8DsMlaRowBytes : kMlaQkDim;
   const int64_t slots = int64_t(options.num_blocks) * options.block_size;
-  st.kv_cache.assign(slots * st.kv_row * dtype_size(kv), 0);
+  st.kv_cache = c.allocate_zeroed(slots * st.kv_row * dtype_size(kv));
   if (s.is_sparse()) {
     st.index_row = ix == DType::fp8_e4m3 ? kFp8IndexRowBytes : kIndexHeadDim;
-    st.index_cache.assign(slots * st.index_row * (ix == DType::fp8_e4m3 ? 1 : 2), 0);
+    st.index_cache = c.allocate_zeroed(slots * st.index_row * (ix == DType::fp8_e4m3 ? 1 : 2));
   }
   for (int b = options.num_blocks - 1; b >= 0; --b) st.free_blocks.push_back(b);
 }
@@ -155,7 +259,9 @@ MlaLayer::~MlaLayer() = default;
 MlaLayer::MlaLayer(MlaLayer&&) noexcept = default;
 MlaLayer& MlaLayer::operator=(MlaLayer&&) noexcept = default;
 
-const AttentionSpec& MlaLayer::spec() const { return state_->spec(); }
+const AttentionSpec& MlaLayer::spec() const { return state_->spec; }
+const Backend& MlaLayer::backend() const { return *state_->backend; }
+Device MlaLayer::device() const { return state_->compute->device(); }
 int MlaLayer::free_blocks() const { return int(state_->free_blocks.size()); }
 int MlaLayer::context_length(int request) const { return state_->request(request, "context_length").length; }
 
@@ -202,25 +308,31 @@ void MlaLayer::append_context(int request, int tokens, const float* latent, cons
   State& st = *state_;
   State::Request& r = st.request(request, "append_context");
   require(tokens >= 0, "MlaLayer: append_context: negative tokens");
-  require(index_k || !st.spec().is_sparse(), "MlaLayer: append_context: a DSA model needs index_k");
+  require(index_k || !st.spec.is_sparse(), "MlaLayer: append_context: a DSA model needs index_k");
+  if (tokens == 0) return;
   const LayerSegment seg{request, tokens};
   st.reserve({&seg, 1});
-  std::vector<int64_t> slots = st.slots_of(r, r.length, tokens);
-  const TensorView slot_view(slots.data(), {tokens}, DType::i64);
-  write_mla_cache({TensorView(const_cast<float*>(latent), {tokens, kMlaLatentDim}, DType::f32),
-                   TensorView(const_cast<float*>(k_pe), {tokens, kMlaRopeDim}, DType::f32), slot_view, st.kv_view()},
-                  st.opt.backend);
-  if (st.spec().is_sparse())
-    write_index_cache({TensorView(const_cast<float*>(index_k), {tokens, kIndexHeadDim}, DType::f32), slot_view,
-                       st.index_view()},
-                      st.opt.backend);
+  const Device dev = st.compute->device();
+  const std::vector<int64_t> slots = st.slots_of(r, r.length, tokens);
+  const TensorView slot_view(st.compute->stage(std::as_bytes(std::span(slots))), {tokens}, DType::i64, dev);
+  write_mla_cache({TensorView(const_cast<float*>(latent), {tokens, kMlaLatentDim}, DType::f32, dev),
+                   TensorView(const_cast<float*>(k_pe), {tokens, kMlaRopeDim}, DType::f32, dev), slot_view,
+                   st.kv_view(), st.compute->stream()},
+                  st.backend);
+  if (st.spec.is_sparse())
+    write_index_cache({TensorView(const_cast<float*>(index_k), {tokens, kIndexHeadDim}, DType::f32, dev), slot_view,
+                       st.index_view(), st.compute->stream()},
+                      st.backend);
   r.length += tokens;
 }
 
 void MlaLayer::forward(std::span<const LayerSegment> segments, const float* hidden, float* out, AttentionPath path,
                        LayerProfile* profile) {
   State& st = *state_;
-  const AttentionSpec& s = st.spec();
+  const AttentionSpec& s = st.spec;
+  require(path == AttentionPath::absorbed || st.compute->device().is_cpu(),
+          "MlaLayer: forward: the unabsorbed path runs on the CPU only, not on options.device " +
+              st.compute->device().name());
   int64_t tokens = 0;
   std::vector<bool> seen(st.requests.size());
   for (const LayerSegment& seg : segments) {
@@ -271,189 +383,183 @@ void MlaLayer::forward(std::span<const LayerSegment> segments, const float* hidd
 
 void MlaLayer::State::run_chunk(const Chunk& chunk, const float* hidden, float* out, const std::vector<int32_t>& table,
                                 int max_blocks, AttentionPath path, LayerProfile* prof) {
-  const AttentionSpec& s = spec();
+  const AttentionSpec& s = spec;
+  layer::Compute& c = *compute;
+  const Device dev = c.device();
+  void* const stream = c.stream();
   const int64_t n = chunk.n, hidden_size = s.hidden_size, h = s.num_heads, nope = s.qk_nope_head_dim,
                 rope = s.qk_rope_head_dim, qk = s.qk_head_dim(), v = s.v_head_dim, lora = s.kv_lora_rank,
-                kv_rows = nope + v;
+                kv_rows = nope + v, kva_dim = s.absorbed_qk_dim(), q_lora = s.q_lora_rank;
   const float* x = hidden + chunk.row0 * hidden_size;
   const int64_t segments = int64_t(table.size()) / max_blocks;
-  TensorView block_table(const_cast<int32_t*>(table.data()), {segments, max_blocks}, DType::i32);
-  TensorView request_ids(const_cast<int32_t*>(chunk.table_row.data()), {n}, DType::i32);
-  const Backend* be = opt.backend;
+  const bool paged = !s.is_sparse() && path == AttentionPath::absorbed;
 
-  // Query and latent projections.
-  std::vector<float> qr, q(n * h * qk), kva(n * s.absorbed_qk_dim());
-  {
-    PhaseTimer timer(prof ? &prof->projections : nullptr);
-    if (s.q_lora_rank > 0) {
-      qr.resize(n * s.q_lora_rank);
-      layer::linear(x, hidden_size, w.q_a.data.data(), hidden_size, qr.data(), s.q_lora_rank, n, s.q_lora_rank,
-                    hidden_size);
-      layer::rms_norm(qr.data(), n, s.q_lora_rank, s.q_lora_rank, w.q_a_norm.data.data(), s.rms_norm_eps);
-      layer::linear(qr.data(), s.q_lora_rank, w.q_b.data.data(), s.q_lora_rank, q.data(), h * qk, n, h * qk,
-                    s.q_lora_rank);
-    } else {
-      layer::linear(x, hidden_size, w.q.data.data(), hidden_size, q.data(), h * qk, n, h * qk, hidden_size);
-    }
-    layer::linear(x, hidden_size, w.kv_a_mqa.data.data(), hidden_size, kva.data(), s.absorbed_qk_dim(), n,
-                  s.absorbed_qk_dim(), hidden_size);
-    layer::rms_norm(kva.data(), n, lora, s.absorbed_qk_dim(), w.kv_a_norm.data.data(), s.rms_norm_eps);
-  }
-  {
-    PhaseTimer timer(prof ? &prof->rope : nullptr);
-    for (int64_t t = 0; t < n; ++t) {
-      for (int64_t head = 0; head < h; ++head)
-        layer::apply_rope(&q[(t * h + head) * qk + nope], chunk.position[t], inv_freq, s.rope_style);
-      layer::apply_rope(&kva[t * s.absorbed_qk_dim() + lora], chunk.position[t], inv_freq, s.rope_style);
-    }
-  }
-
+  // The chunk's bookkeeping, computed here and staged on the device in one copy: each token's cache slot and
+  // context length; for dense models the runs of consecutive tokens of one request, which paged_mla_decode takes.
   std::vector<int64_t> slot_mapping(n);
+  std::vector<int32_t> context_lens(n);
   for (int64_t t = 0; t < n; ++t) {
     const int32_t p = chunk.position[t];
     slot_mapping[t] = int64_t(table[chunk.table_row[t] * max_blocks + p / opt.block_size]) * opt.block_size +
                       p % opt.block_size;
+    context_lens[t] = p + 1;
   }
-  TensorView slots_view(slot_mapping.data(), {n}, DType::i64);
-  {
-    PhaseTimer timer(prof ? &prof->cache_write : nullptr);
-    write_mla_cache({TensorView(kva.data(), {n, lora}, {s.absorbed_qk_dim(), 1}, DType::f32),
-                     TensorView(kva.data() + lora, {n, rope}, {s.absorbed_qk_dim(), 1}, DType::f32), slots_view,
-                     kv_view()},
-                    be);
+  std::vector<int64_t> run_start;
+  std::vector<int32_t> run_seq_lens, run_table;
+  if (paged) {
+    run_start.push_back(0);
+    for (int64_t t = 1; t < n; ++t)
+      if (chunk.table_row[t] != chunk.table_row[t - 1]) run_start.push_back(t);
+    run_start.push_back(n);
+    for (size_t r = 0; r + 1 < run_start.size(); ++r) {
+      run_seq_lens.push_back(chunk.position[run_start[r + 1] - 1] + 1);
+      const auto row = table.begin() + chunk.table_row[run_start[r]] * max_blocks;
+      run_table.insert(run_table.end(), row, row + max_blocks);
+    }
   }
+  HostPack pack;
+  const size_t at_slots = pack.add(slot_mapping), at_positions = pack.add(chunk.position),
+               at_rows = pack.add(chunk.table_row), at_context = pack.add(context_lens), at_table = pack.add(table),
+               at_seq_lens = pack.add(run_seq_lens), at_run_table = pack.add(run_table);
+  std::byte* const staged = static_cast<std::byte*>(c.stage(pack.bytes()));
+  const int32_t* positions = reinterpret_cast<const int32_t*>(staged + at_positions);
+  const TensorView slots_view(staged + at_slots, {n}, DType::i64, dev);
+  const TensorView request_ids(staged + at_rows, {n}, DType::i32, dev);
+  const TensorView block_table(staged + at_table, {segments, max_blocks}, DType::i32, dev);
+
+  // Query and latent projections, then RoPE.
+  float* const qr = q_lora > 0 ? buffer<float>(kQr, n * q_lora) : nullptr;
+  float* const q = buffer<float>(kQ, n * h * qk);
+  float* const kva = buffer<float>(kKva, n * kva_dim);
+  phase(prof, &LayerProfile::projections, [&] {
+    if (q_lora > 0) {
+      c.linear(x, hidden_size, w.q_a, qr, q_lora, n);
+      c.rms_norm(qr, n, q_lora, q_lora, w.q_a_norm, s.rms_norm_eps);
+      c.linear(qr, q_lora, w.q_b, q, h * qk, n);
+    } else {
+      c.linear(x, hidden_size, w.q, q, h * qk, n);
+    }
+    c.linear(x, hidden_size, w.kv_a_mqa, kva, kva_dim, n);
+    c.rms_norm(kva, n, lora, kva_dim, w.kv_a_norm, s.rms_norm_eps);
+  });
+  phase(prof, &LayerProfile::rope, [&] {
+    c.rope(q + nope, n, h, h * qk, qk, positions, inv_freq, rope_pairs, s.rope_style);
+    c.rope(kva + lora, n, 1, kva_dim, 0, positions, inv_freq, rope_pairs, s.rope_style);
+  });
+  phase(prof, &LayerProfile::cache_write, [&] {
+    write_mla_cache({TensorView(kva, {n, lora}, {kva_dim, 1}, DType::f32, dev),
+                     TensorView(kva + lora, {n, rope}, {kva_dim, 1}, DType::f32, dev), slots_view, kv_view(), stream},
+                    backend);
+  });
 
   // DSA: the lightning indexer chooses each token's attended positions.
-  std::vector<float> qi, weights;  // the indexer's queries and head weights
-  std::vector<int32_t> slots;
+  int32_t* slots = nullptr;
   int64_t topk = 0;
   if (s.is_sparse()) {
     const IndexerSpec& ix = *s.indexer;
     const int64_t hi = ix.heads, dim = ix.head_dim;
-    qi.resize(n * hi * dim);
-    weights.resize(n * hi);
-    std::vector<float> ki(n * dim);
-    {
-      PhaseTimer timer(prof ? &prof->indexer : nullptr);
-      layer::linear(qr.data(), s.q_lora_rank, w.indexer.wq_b.data.data(), s.q_lora_rank, qi.data(), hi * dim, n,
-                    hi * dim, s.q_lora_rank);
-      layer::linear(x, hidden_size, w.indexer.wk.data.data(), hidden_size, ki.data(), dim, n, dim, hidden_size);
-      layer::layer_norm(ki.data(), n, dim, dim, w.indexer.k_norm.data.data(), w.indexer.k_norm_bias.data.data(),
-                        1e-6);
-      layer::linear(x, hidden_size, w.indexer.weights_proj.data.data(), hidden_size, weights.data(), hi, n, hi,
-                    hidden_size);
-      const float weight_scale = float(1.0 / std::sqrt(double(hi) * double(dim)));
-      for (float& value : weights) value *= weight_scale;
+    float* const qi = buffer<float>(kIndexQ, n * hi * dim);
+    float* const ki = buffer<float>(kIndexK, n * dim);
+    float* const weights = buffer<float>(kIndexWeights, n * hi);
+    phase(prof, &LayerProfile::indexer, [&] {
+      c.linear(qr, q_lora, w.index_wq_b, qi, hi * dim, n);
+      c.linear(x, hidden_size, w.index_wk, ki, dim, n);
+      c.layer_norm(ki, n, dim, dim, w.index_k_norm, w.index_k_norm_bias, 1e-6);
+      c.linear(x, hidden_size, w.index_weights_proj, weights, hi, n, float(1.0 / std::sqrt(double(hi) * dim)));
       // Head layout [rope | nope]: rope first, unlike MLA's heads.
-      for (int64_t t = 0; t < n; ++t) {
-        for (int64_t head = 0; head < hi; ++head)
-          layer::apply_rope(&qi[(t * hi + head) * dim], chunk.position[t], inv_freq, ix.rope_style);
-        layer::apply_rope(&ki[t * dim], chunk.position[t], inv_freq, ix.rope_style);
-      }
+      c.rope(qi, n, hi, hi * dim, dim, positions, inv_freq, rope_pairs, ix.rope_style);
+      c.rope(ki, n, 1, dim, 0, positions, inv_freq, rope_pairs, ix.rope_style);
+    });
+    phase(prof, &LayerProfile::cache_write, [&] {
+      write_index_cache({TensorView(ki, {n, dim}, DType::f32, dev), slots_view, index_view(), stream}, backend);
+    });
+    if (path == AttentionPath::absorbed) {
+      topk = ix.topk;
+      uint16_t* const qi_half = buffer<uint16_t>(kIndexQHalf, n * hi * dim);
+      int32_t* const top = buffer<int32_t>(kTopk, n * topk);
+      slots = buffer<int32_t>(kSlots, n * topk);
+      phase(prof, &LayerProfile::topk, [&] {
+        c.to_half(qi, qi_half, n * hi * dim, DType::bf16);
+        IndexerTopkArgs args;
+        args.q = TensorView(qi_half, {n, hi, dim}, DType::bf16, dev);
+        args.weights = TensorView(weights, {n, hi}, DType::f32, dev);
+        args.index_cache = index_view();
+        args.request_ids = request_ids;
+        args.block_table = block_table;
+        args.context_lens = TensorView(staged + at_context, {n}, DType::i32, dev);
+        args.topk = TensorView(top, {n, topk}, DType::i32, dev);
+        args.stream = stream;
+        indexer_topk(args, backend);
+        positions_to_slots({args.topk, request_ids, block_table, opt.block_size,
+                            TensorView(slots, {n, topk}, DType::i32, dev), stream},
+                           backend);
+      });
     }
-    {
-      PhaseTimer timer(prof ? &prof->cache_write : nullptr);
-      write_index_cache({TensorView(ki.data(), {n, dim}, DType::f32), slots_view, index_view()}, be);
-    }
-  }
-  if (s.is_sparse() && path == AttentionPath::absorbed) {
-    PhaseTimer timer(prof ? &prof->topk : nullptr);
-    const int64_t hi = s.indexer->heads, dim = s.indexer->head_dim;
-    topk = s.indexer->topk;
-    std::vector<uint16_t> qi_bf16 = to_half(qi, DType::bf16);
-    std::vector<int32_t> context_lens(n), positions(n * topk);
-    for (int64_t t = 0; t < n; ++t) context_lens[t] = chunk.position[t] + 1;
-    slots.resize(n * topk);
-    IndexerTopkArgs args;
-    args.q = TensorView(qi_bf16.data(), {n, hi, dim}, DType::bf16);
-    args.weights = TensorView(weights.data(), {n, hi}, DType::f32);
-    args.index_cache = index_view();
-    args.request_ids = request_ids;
-    args.block_table = block_table;
-    args.context_lens = TensorView(context_lens.data(), {n}, DType::i32);
-    args.topk = TensorView(positions.data(), {n, topk}, DType::i32);
-    indexer_topk(args, be);
-    positions_to_slots({args.topk, request_ids, block_table, opt.block_size,
-                        TensorView(slots.data(), {n, topk}, DType::i32)},
-                       be);
   }
 
-  std::vector<float> attn(n * h * v);  // per token and head, the value-space output before o_proj
+  float* const attn = buffer<float>(kAttn, n * h * v);  // per token and head, the value-space output before o_proj
   if (path == AttentionPath::unabsorbed) {
-    PhaseTimer timer(prof ? &prof->attention : nullptr);
-    layer::unabsorbed_attention(s, scale, w.kv_b.data.data(), q.data(), kva.data(), n, attn.data());
+    // CPU only (forward checks it), where the matrices are the fp32 weights.
+    phase(prof, &LayerProfile::attention, [&] {
+      layer::unabsorbed_attention(s, scale, static_cast<const float*>(w.kv_b.data), q, kva, n, attn);
+    });
   } else {
-    // q_lat = q_nope @ W_UK per head, next to the roped q_pe: one 576-wide latent query head.
-    std::vector<float> q_abs(n * h * kMlaQkDim);
-    {
-      PhaseTimer timer(prof ? &prof->projections : nullptr);
-      for (int64_t head = 0; head < h; ++head) {
-        layer::matmul(&q[head * qk], h * qk, &w.kv_b.data[head * kv_rows * lora], lora, &q_abs[head * kMlaQkDim],
-                      h * kMlaQkDim, n, lora, nope);
-        for (int64_t t = 0; t < n; ++t)
-          std::copy_n(&q[(t * h + head) * qk + nope], rope, &q_abs[(t * h + head) * kMlaQkDim + lora]);
-      }
-    }
-    std::vector<uint16_t> q_half = to_half(q_abs, q_dtype), o_half(n * h * kMlaVDim);
-    std::vector<float> lse(n * h);
-    {
-      PhaseTimer timer(prof ? &prof->attention : nullptr);
-      const TensorView qv(q_half.data(), {n, h, kMlaQkDim}, q_dtype), ov(o_half.data(), {n, h, kMlaVDim}, q_dtype);
+    float* const q_abs = buffer<float>(kQAbs, n * h * kMlaQkDim);
+    phase(prof, &LayerProfile::projections, [&] {
+      // q_lat = q_nope @ W_UK per head, next to the roped q_pe: one 576-wide latent query head.
+      c.matmul_per_head({q, h * qk, qk}, w.kv_b, {0, nope, kv_rows}, {q_abs, h * kMlaQkDim, kMlaQkDim}, n, h);
+      c.copy_rows(q + nope, qk, q_abs + lora, kMlaQkDim, n * h, rope);
+    });
+    uint16_t* const q_half = buffer<uint16_t>(kQHalf, n * h * kMlaQkDim);
+    uint16_t* const o_half = buffer<uint16_t>(kOHalf, n * h * kMlaVDim);
+    float* const lse = buffer<float>(kLse, n * h);
+    phase(prof, &LayerProfile::attention, [&] {
+      c.to_half(q_abs, q_half, n * h * kMlaQkDim, q_dtype);
       if (s.is_sparse()) {
         SparseMlaArgs args;
-        args.q = qv;
+        args.q = TensorView(q_half, {n, h, kMlaQkDim}, q_dtype, dev);
         args.kv_cache = kv_view();
-        args.indices = TensorView(slots.data(), {n, topk}, DType::i32);
+        args.indices = TensorView(slots, {n, topk}, DType::i32, dev);
         args.softmax_scale = scale;
-        args.out = ov;
-        args.lse = TensorView(lse.data(), {n, h}, DType::f32);
-        sparse_mla(args, be);
-      } else {
-        // paged_mla_decode takes the same number of new tokens per request: one call for the chunk when its
-        // requests' runs are equally long (decode batches, single prompts), else one call per run.
-        std::vector<int64_t> run_start = {0};
-        for (int64_t t = 1; t < n; ++t)
-          if (chunk.table_row[t] != chunk.table_row[t - 1]) run_start.push_back(t);
-        run_start.push_back(n);
-        const int64_t runs = int64_t(run_start.size()) - 1, len0 = run_start[1];
-        bool uniform = true;
-        for (int64_t r = 0; r < runs; ++r) uniform &= run_start[r + 1] - run_start[r] == len0;
-        const auto call = [&](int64_t first_run, int64_t b, int64_t s_q) {
-          const int64_t t0 = run_start[first_run];
-          std::vector<int32_t> seq_lens(b), run_table(b * max_blocks);
-          for (int64_t i = 0; i < b; ++i) {
-            const int64_t t = run_start[first_run + i];
-            seq_lens[i] = chunk.position[t + s_q - 1] + 1;
-            std::copy_n(&table[chunk.table_row[t] * max_blocks], max_blocks, &run_table[i * max_blocks]);
-          }
-          PagedMlaDecodeArgs args;
-          args.q = TensorView(&q_half[t0 * h * kMlaQkDim], {b, s_q, h, kMlaQkDim}, q_dtype);
-          args.kv_cache = kv_view();
-          args.block_table = TensorView(run_table.data(), {b, max_blocks}, DType::i32);
-          args.seq_lens = TensorView(seq_lens.data(), {b}, DType::i32);
-          args.softmax_scale = scale;
-          args.out = TensorView(&o_half[t0 * h * kMlaVDim], {b, s_q, h, kMlaVDim}, q_dtype);
-          args.lse = TensorView(&lse[t0 * h], {b, s_q, h}, DType::f32);
-          paged_mla_decode(args, be);
-        };
-        if (uniform) {
-          call(0, runs, len0);
-        } else {
-          for (int64_t r = 0; r < runs; ++r) call(r, 1, run_start[r + 1] - run_start[r]);
-        }
+        args.out = TensorView(o_half, {n, h, kMlaVDim}, q_dtype, dev);
+        args.lse = TensorView(lse, {n, h}, DType::f32, dev);
+        args.stream = stream;
+        sparse_mla(args, backend);
+        return;
       }
-    }
-    PhaseTimer timer(prof ? &prof->output : nullptr);
-    std::vector<float> o_lat(o_half.size());
-    for (size_t i = 0; i < o_half.size(); ++i)
-      o_lat[i] = q_dtype == DType::f16 ? numeric::f16_to_float(o_half[i]) : numeric::bf16_to_float(o_half[i]);
-    for (int64_t head = 0; head < h; ++head)
-      layer::linear(&o_lat[head * kMlaVDim], h * kMlaVDim, &w.kv_b.data[(head * kv_rows + nope) * lora], lora,
-                    &attn[head * v], h * v, n, v, lora);
+      // paged_mla_decode takes the same number of new tokens per request: one call for the chunk when its runs are
+      // equally long (decode batches, single prompts), else one call per run.
+      const int64_t runs = int64_t(run_start.size()) - 1, len0 = run_start[1];
+      bool uniform = true;
+      for (int64_t r = 0; r < runs; ++r) uniform &= run_start[r + 1] - run_start[r] == len0;
+      const auto call = [&](int64_t first_run, int64_t b, int64_t s_q) {
+        const int64_t t0 = run_start[first_run];
+        PagedMlaDecodeArgs args;
+        args.q = TensorView(q_half + t0 * h * kMlaQkDim, {b, s_q, h, kMlaQkDim}, q_dtype, dev);
+        args.kv_cache = kv_view();
+        args.block_table = TensorView(staged + at_run_table + first_run * max_blocks * sizeof(int32_t),
+                                      {b, max_blocks}, DType::i32, dev);
+        args.seq_lens = TensorView(staged + at_seq_lens + first_run * sizeof(int32_t), {b}, DType::i32, dev);
+        args.softmax_scale = scale;
+        args.out = TensorView(o_half + t0 * h * kMlaVDim, {b, s_q, h, kMlaVDim}, q_dtype, dev);
+        args.lse = TensorView(lse + t0 * h, {b, s_q, h}, DType::f32, dev);
+        args.stream = stream;
+        paged_mla_decode(args, backend);
+      };
+      if (uniform) {
+        call(0, runs, len0);
+      } else {
+        for (int64_t r = 0; r < runs; ++r) call(r, 1, run_start[r + 1] - run_start[r]);
+      }
+    });
+    phase(prof, &LayerProfile::output, [&] {
+      float* const o_lat = buffer<float>(kOLat, n * h * kMlaVDim);
+      c.to_float(o_half, q_dtype, o_lat, n * h * kMlaVDim);
+      c.linear_per_head({o_lat, h * kMlaVDim, kMlaVDim}, w.kv_b, {nope, v, kv_rows}, {attn, h * v, v}, n, h);
+    });
   }
-  PhaseTimer timer(prof ? &prof->output : nullptr);
-  layer::linear(attn.data(), h * v, w.o.data.data(), h * v, out + chunk.row0 * hidden_size, hidden_size, n,
-                hidden_size, h * v);
+  phase(prof, &LayerProfile::output,
+        [&] { c.linear(attn, h * v, w.o, out + chunk.row0 * hidden_size, hidden_size, n); });
 }
 
 }  // namespace smla

@@ -9,11 +9,11 @@
 namespace smla::layer {
 
 void linear(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y, int64_t ldy, int64_t m, int64_t n,
-            int64_t k) {
+            int64_t k, float alpha) {
   if (m == 0 || n == 0) return;
   // One row (a decode step): OpenBLAS 0.3.21's sgemm does not hand M = 1 to its faster gemv.
-  if (m == 1) return cblas_sgemv(CblasRowMajor, CblasNoTrans, n, k, 1.f, w, ldw, x, 1, 0.f, y, 1);
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1.f, x, ldx, w, ldw, 0.f, y, ldy);
+  if (m == 1) return cblas_sgemv(CblasRowMajor, CblasNoTrans, n, k, alpha, w, ldw, x, 1, 0.f, y, 1);
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, alpha, x, ldx, w, ldw, 0.f, y, ldy);
 }
 
 void matmul(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y, int64_t ldy, int64_t m, int64_t n,
@@ -66,14 +66,13 @@ std::vector<float> rope_inv_freq(const RopeSpec& rope, int dim) {
   return freq;
 }
 
-void apply_rope(float* x, int64_t position, const std::vector<float>& inv_freq, RopeStyle style) {
-  const int64_t half = int64_t(inv_freq.size());
-  for (int64_t i = 0; i < half; ++i) {
+void apply_rope(float* x, int64_t position, const float* inv_freq, int64_t pairs, RopeStyle style) {
+  for (int64_t i = 0; i < pairs; ++i) {
     // float32 angles, as both DeepSeek's reference and transformers compute them.
     const float angle = float(position) * inv_freq[i];
     const float c = std::cos(angle), s = std::sin(angle);
     float& a = style == RopeStyle::interleaved ? x[2 * i] : x[i];
-    float& b = style == RopeStyle::interleaved ? x[2 * i + 1] : x[i + half];
+    float& b = style == RopeStyle::interleaved ? x[2 * i + 1] : x[i + pairs];
     const float a0 = a, b0 = b;
     a = a0 * c - b0 * s;
     b = a0 * s + b0 * c;
