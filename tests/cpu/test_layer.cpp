@@ -4,80 +4,22 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <functional>
 #include <string>
 #include <vector>
 
 #include "smla/error.h"
 #include "smla/layer.h"
+#include "smla/select.h"
+#include "support/layer_util.h"
 #include "support/test_util.h"
 
 namespace smla {
 namespace {
 
+using test::random_hidden;
+using test::random_weights;
 using test::Rng;
-
-AttentionSpec tiny_spec(bool sparse, int q_lora_rank = 48, int topk = 16) {
-  AttentionSpec s;
-  s.name = "tiny";
-  s.model_type = sparse ? "glm_moe_dsa" : "deepseek_v3";
-  s.hidden_size = 64;
-  s.num_heads = 4;
-  s.q_lora_rank = q_lora_rank;
-  s.kv_lora_rank = 512;
-  s.qk_nope_head_dim = 32;
-  s.qk_rope_head_dim = 64;
-  s.v_head_dim = 48;
-  s.num_layers = 1;
-  s.rope.theta = 10000;
-  if (sparse) s.indexer = IndexerSpec{2, 128, topk, RopeStyle::half_split};
-  s.softmax_scale = reference_softmax_scale(s.qk_head_dim(), s.rope);
-  return s;
-}
-
-WeightTensor random_tensor(Rng& rng, std::vector<int64_t> shape, float lo, float hi) {
-  WeightTensor t{std::move(shape), {}};
-  t.data = test::random_floats(rng, size_t(t.numel()), lo, hi);
-  return t;
-}
-
-// A Linear [out, in] with values of the size that keeps activations near 1.
-WeightTensor linear(Rng& rng, int64_t out, int64_t in) {
-  const float bound = float(std::sqrt(3.0 / in));
-  return random_tensor(rng, {out, in}, -bound, bound);
-}
-
-AttentionWeights random_weights(const AttentionSpec& s, uint64_t seed) {
-  Rng rng(seed);
-  AttentionWeights w;
-  w.spec = s;
-  const int64_t h = s.num_heads, qk = s.qk_head_dim();
-  if (s.q_lora_rank > 0) {
-    w.q_a = linear(rng, s.q_lora_rank, s.hidden_size);
-    w.q_a_norm = random_tensor(rng, {s.q_lora_rank}, 0.8f, 1.2f);
-    w.q_b = linear(rng, h * qk, s.q_lora_rank);
-  } else {
-    w.q = linear(rng, h * qk, s.hidden_size);
-  }
-  w.kv_a_mqa = linear(rng, s.absorbed_qk_dim(), s.hidden_size);
-  w.kv_a_norm = random_tensor(rng, {s.kv_lora_rank}, 0.8f, 1.2f);
-  w.kv_b = linear(rng, h * (s.qk_nope_head_dim + s.v_head_dim), s.kv_lora_rank);
-  w.o = linear(rng, s.hidden_size, h * s.v_head_dim);
-  if (s.is_sparse()) {
-    const IndexerSpec& ix = *s.indexer;
-    w.indexer.wq_b = linear(rng, int64_t(ix.heads) * ix.head_dim, s.q_lora_rank);
-    w.indexer.wk = linear(rng, ix.head_dim, s.hidden_size);
-    w.indexer.k_norm = random_tensor(rng, {ix.head_dim}, 0.8f, 1.2f);
-    w.indexer.k_norm_bias = random_tensor(rng, {ix.head_dim}, -0.1f, 0.1f);
-    w.indexer.weights_proj = linear(rng, ix.heads, s.hidden_size);
-  }
-  return w;
-}
-
-std::vector<float> random_hidden(uint64_t seed, int64_t tokens, int hidden) {
-  Rng rng(seed);
-  return test::random_floats(rng, size_t(tokens * hidden));
-}
+using test::tiny_spec;
 
 // Runs one request's tokens one per forward call.
 std::vector<float> decode_steps(MlaLayer& layer, int request, const std::vector<float>& hidden) {
@@ -285,29 +227,61 @@ TEST(Layer, AppendContextGrowsTheContextOrFails) {
   EXPECT_EQ(layer.context_length(a), 12);
 }
 
-void expect_error(const std::function<void()>& run, const std::string& text) {
-  try {
-    run();
-    ADD_FAILURE() << "no error, expected one with \"" << text << "\"";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(text), std::string::npos) << e.what();
-  }
-}
-
 TEST(Layer, BadWeightsNameTheTensor) {
   const AttentionSpec spec = tiny_spec(true);
   AttentionWeights w = random_weights(spec, 1);
   w.q_b.shape = {4 * 96, 47};
-  expect_error([&] { MlaLayer layer(w); }, "MlaLayer: weights.q_b: expected shape [384, 48], got [384, 47]");
+  test::expect_error([&] { MlaLayer layer(w); },
+                     ErrorKind::invalid_argument, {"MlaLayer: weights.q_b: expected shape [384, 48], got [384, 47]"});
   w = random_weights(spec, 1);
   w.indexer.wk = {};
-  expect_error([&] { MlaLayer layer(w); }, "weights.indexer.wk: expected shape [128, 64], got []");
+  test::expect_error([&] { MlaLayer layer(w); },
+                     ErrorKind::invalid_argument, {"weights.indexer.wk: expected shape [128, 64], got []"});
   w = random_weights(spec, 1);
   w.kv_a_norm.data.pop_back();
-  expect_error([&] { MlaLayer layer(w); }, "weights.kv_a_norm: shape [512] but 511 values");
+  test::expect_error([&] { MlaLayer layer(w); },
+                     ErrorKind::invalid_argument, {"weights.kv_a_norm: shape [512] but 511 values"});
   AttentionSpec small = spec;
   small.kv_lora_rank = 256;
-  expect_error([&] { MlaLayer layer(random_weights(small, 1)); }, "kv_lora_rank 512");
+  test::expect_error([&] { MlaLayer layer(random_weights(small, 1)); },
+                     ErrorKind::invalid_argument, {"kv_lora_rank 512"});
+}
+
+TEST(Layer, OptionsNameTheArgumentAtFault) {
+  const AttentionSpec spec = tiny_spec(true);
+  const Backend& cuda_mma = *Registry::global().find("cuda_mma");
+  test::expect_error([&] { MlaLayer layer(random_weights(spec, 1), {.backend = &cuda_mma}); },
+                     ErrorKind::invalid_argument,
+                     {"MlaLayer: options.backend: 'cuda_mma' runs on CUDA GPUs, not on options.device cpu"});
+  int not_a_stream = 0;
+  test::expect_error([&] { MlaLayer layer(random_weights(spec, 1), {.stream = &not_a_stream}); },
+                     ErrorKind::invalid_argument,
+                     {"MlaLayer: options.stream: a CUDA stream needs a CUDA options.device, got cpu"});
+  test::expect_error([&] { MlaLayer layer(random_weights(spec, 1), {.kv_cache_dtype = DType::f32}); },
+                     ErrorKind::invalid_argument, {"MlaLayer: options.kv_cache_dtype: expected", "got float32"});
+  test::expect_error([&] { MlaLayer layer(random_weights(spec, 1), {.index_cache_dtype = DType::f16}); },
+                     ErrorKind::invalid_argument, {"MlaLayer: options.index_cache_dtype: expected", "got float16"});
+  // More heads than any backend runs: the forced backend, and the selector, say why.
+  AttentionSpec wide = tiny_spec(false);
+  wide.num_heads = 130;
+  const Backend& cpu = *Registry::global().find("cpu");
+  test::expect_error([&] { MlaLayer layer(random_weights(wide, 1), {.backend = &cpu}); }, ErrorKind::unsupported,
+                     {"MlaLayer: options.backend: 'cpu' cannot run tiny on cpu:", "130"});
+  test::expect_error([&] { MlaLayer layer(random_weights(wide, 1)); }, ErrorKind::unsupported,
+                     {"MlaLayer: options.backend (none given): no valid attention backend for tiny on cpu"});
+}
+
+TEST(Layer, RunsOnTheSelectorsBackendByDefault) {
+  const MlaLayer layer(random_weights(tiny_spec(false), 1));
+  EXPECT_EQ(layer.backend().name(), "cpu");
+  EXPECT_TRUE(layer.device().is_cpu());
+}
+
+TEST(Layer, CudaDeviceWithoutAGpuIsAnError) {
+  if (detect_device().is_cuda()) GTEST_SKIP() << "this machine has a GPU: tests/gpu runs the layer on it";
+  // A build without CUDA says so; a CUDA build on a machine without a GPU finds no device 0.
+  test::expect_error([&] { MlaLayer layer(random_weights(tiny_spec(true), 1), {.device = Device::cuda(90)}); },
+                     ErrorKind::invalid_argument, {"MlaLayer: options.device: "});
 }
 
 TEST(Layer, BadCallsAreErrors) {
@@ -317,10 +291,13 @@ TEST(Layer, BadCallsAreErrors) {
   const std::vector<float> x = random_hidden(1, 6, spec.hidden_size);
   std::vector<float> out(x.size());
   const LayerSegment twice[] = {{r, 1}, {r, 1}};
-  expect_error([&] { layer.forward(twice, x.data(), out.data()); }, "request 0 appears twice");
-  expect_error([&] { prefill(layer, r, x, AttentionPath::unabsorbed); }, "a DSA prompt must fit in top-k (4)");
+  test::expect_error([&] { layer.forward(twice, x.data(), out.data()); },
+                     ErrorKind::invalid_argument, {"request 0 appears twice"});
+  test::expect_error([&] { prefill(layer, r, x, AttentionPath::unabsorbed); },
+                     ErrorKind::invalid_argument, {"a DSA prompt must fit in top-k (4)"});
   const LayerSegment missing{7, 1};
-  expect_error([&] { layer.forward({&missing, 1}, x.data(), out.data()); }, "no live request 7");
+  test::expect_error([&] { layer.forward({&missing, 1}, x.data(), out.data()); },
+                     ErrorKind::invalid_argument, {"no live request 7"});
 }
 
 }  // namespace
