@@ -1,20 +1,30 @@
 #!/usr/bin/env bash
 # One GPU session: build for this machine's GPU, then run the parts asked for
 # (default all): `tests` (GPU tests + compute-sanitizer on small cases),
-# `bench` (bench/bench_cuda.cu, its table last), `run` (`smla run` jobs).
+# `bench` (bench/bench_cuda.cu, its table last), `run` (`smla run` jobs),
+# `layer` (MlaLayer on the GPU: its GPU tests, the GLM-5 decode split of
+# bench/bench_cuda_layer.cpp, tests/layer against transformers when torch is there).
 # Logs go to $OUT when set. Dependencies that the machine cannot install come
 # from .devdeps (scripts/pack-device-deps.sh).
 set -uo pipefail
-parts=${*:-tests bench run}
+parts=${*:-tests bench run layer}
 out=${OUT:-/tmp/smla-gpu}
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 arch=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d .)
 prefix=()
-[ -d .devdeps ] && prefix=(-DCMAKE_PREFIX_PATH="$PWD/.devdeps/usr")
+if [ -d .devdeps ]; then
+  prefix=(-DCMAKE_PREFIX_PATH="$PWD/.devdeps/usr")
+  export LD_LIBRARY_PATH="$PWD/.devdeps/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"  # OpenBLAS
+fi
+targets=()
+[[ " $parts " == *" tests "* ]] && targets+=(test_gpu)
+[[ " $parts " == *" bench "* ]] && targets+=(bench_cuda)
+[[ " $parts " == *" run "* ]] && targets+=(smla_cli)
+[[ " $parts " == *" layer "* ]] && targets+=(test_gpu bench_cuda_layer layer_driver)
 cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES="${arch}-real" "${prefix[@]}" \
   >"$out/configure.log" 2>&1 || { tail -30 "$out/configure.log"; exit 1; }
-cmake --build build-gpu -j "$(nproc)" --target test_gpu bench_cuda smla_cli >"$out/build.log" 2>&1 ||
+cmake --build build-gpu -j "$(nproc)" --target "${targets[@]}" >"$out/build.log" 2>&1 ||
   { grep -E "error" "$out/build.log" | head -30; exit 1; }
 if [[ " $parts " == *" tests "* ]]; then
   echo "== GPU tests"
@@ -38,4 +48,27 @@ fi
 if [[ " $parts " == *" bench "* ]]; then
   echo "== benchmark"
   ./build-gpu/bench/bench_cuda 2>&1 | tee "$out/bench.txt"
+fi
+if [[ " $parts " == *" layer "* ]]; then
+  echo "== MlaLayer on the GPU"
+  ./build-gpu/tests/gpu/test_gpu --gtest_filter='*CudaLayer*' 2>&1 | tee "$out/layer-test.log" |
+    grep -E "^\[  (PASSED|FAILED)|^\[ measured|Failure|Expected|Which is|which is|error" | head -60
+  if command -v compute-sanitizer >/dev/null; then
+    small="CudaLayerContext.*:Models/CudaLayer.*/deepseek_v3_no_q_lora_f16:Models/CudaLayer.*/glm_moe_dsa_fp8"
+    for tool in memcheck racecheck; do
+      compute-sanitizer --tool "$tool" --error-exitcode 9 ./build-gpu/tests/gpu/test_gpu --gtest_filter="$small" \
+        >"$out/layer-$tool.log" 2>&1
+      echo "compute-sanitizer $tool: exit $? ; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/layer-$tool.log" | tail -1)"
+    done
+  fi
+  for kv in bfloat16 fp8_ds_mla; do
+    ./build-gpu/bench/bench_cuda_layer 8192 32 8 "$kv" 2>&1 | tee -a "$out/layer-bench.txt"
+  done
+  if python3 -c "import torch, transformers, safetensors" 2>/dev/null; then
+    echo "== tests/layer against transformers, layer on the GPU"
+    SMLA_LAYER_DRIVER=build-gpu/tests/cpu/layer_driver SMLA_LAYER_DEVICE=cuda python3 -m pytest tests/layer -q 2>&1 |
+      tee "$out/layer-hf.log" | tail -15
+  else
+    echo "== tests/layer skipped: no torch / transformers / safetensors here"
+  fi
 fi
