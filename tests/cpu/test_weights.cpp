@@ -8,29 +8,13 @@
 #include "smla/error.h"
 #include "smla/layer.h"
 #include "smla/weights.h"
+#include "support/layer_util.h"
 #include "support/test_util.h"
 
 namespace smla {
 namespace {
 
-// Kernel-sized latent, RoPE and indexer heads; the rest tiny.
-AttentionSpec tiny_spec(bool sparse, int q_lora_rank) {
-  AttentionSpec s;
-  s.name = "tiny";
-  s.model_type = sparse ? "glm_moe_dsa" : "deepseek_v3";
-  s.hidden_size = 64;
-  s.num_heads = 4;
-  s.q_lora_rank = q_lora_rank;
-  s.kv_lora_rank = 512;
-  s.qk_nope_head_dim = 32;
-  s.qk_rope_head_dim = 64;
-  s.v_head_dim = 48;
-  s.num_layers = 1;
-  s.rope.theta = 10000;
-  if (sparse) s.indexer = IndexerSpec{2, 128, 16, RopeStyle::interleaved};
-  s.softmax_scale = reference_softmax_scale(s.qk_head_dim(), s.rope);
-  return s;
-}
+using test::tiny_spec;
 
 std::vector<float> run_layer(AttentionWeights weights, const std::vector<float>& hidden) {
   MlaLayer layer(std::move(weights), {.num_blocks = 4, .block_size = 4});

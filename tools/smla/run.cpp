@@ -20,10 +20,11 @@ Action add_run(CLI::App& app) {
   sub->add_option("--batch", o->batch, "requests decoded together (one new token each per step)")->capture_default_str();
   sub->add_option("--context", o->context, "tokens already in each request's cache")->capture_default_str();
   sub->add_option("--steps", o->steps, "decode steps")->capture_default_str();
-  sub->add_option("--seed", o->seed, "random seed")->capture_default_str();
+  sub->add_option("--seed", o->seed, "random seed (of the data, and of --layer's random weights)")->capture_default_str();
   auto* layer = sub->add_option("--layer", o->layer,
                                 "run the whole attention layer N (projections, RoPE, caches, indexer, attention, "
-                                "o_proj) on the CPU: a prefill of --prompt tokens, then the decode steps");
+                                "o_proj; with --tp, one rank's heads): random context rows, a prefill of --prompt "
+                                "tokens, then the decode steps");
   sub->add_option("--weights", o->weights,
                   "with --layer: the layer's weights from a .gguf file (a split model's first part) or a folder of "
                   "safetensors shards with config.json (default: random weights of --model's geometry)")

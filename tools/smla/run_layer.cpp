@@ -1,8 +1,9 @@
-// `smla run --layer N`: the whole attention layer (smla::MlaLayer) with random weights of the model's geometry, or
-// layer N of a checkpoint (--weights), holding one tensor-parallel rank's heads. Each request's context is imported
-// as random cache rows (append_context: a prefill of long contexts through the layer would take minutes on a CPU);
-// then a prefill of --prompt tokens and --steps decode steps are timed, split into LayerProfile's phases, and a
-// short prompt run through the absorbed and the unabsorbed path checks that they agree.
+// `smla run --layer N`: the whole attention layer (smla::MlaLayer, on the run's device) with random weights of the
+// model's geometry, or layer N of a checkpoint (--weights), holding one tensor-parallel rank's heads. Each request's
+// context is imported as random cache rows (append_context: a prefill of long contexts through the layer would take
+// minutes on a CPU); then a prefill of --prompt tokens and --steps decode steps are timed, split into LayerProfile's
+// phases. A short prompt through the layer (absorbed path) and through the same weights on the CPU's unabsorbed
+// path checks it.
 #include <algorithm>
 #include <cctype>
 #include <cmath>
@@ -17,6 +18,7 @@
 #include "run_job.h"
 #include "smla/error.h"
 #include "smla/layer.h"
+#include "smla/select.h"
 #include "smla/weights.h"
 
 namespace smla::cli {
@@ -78,13 +80,13 @@ void check_model_matches(const JobOptions& o, const AttentionSpec& file) {
          "); leave --model out to take the model from the weights");
 }
 
-double weight_bytes(const AttentionWeights& w) {
+int64_t weight_values(const AttentionWeights& w) {
   int64_t values = 0;
   for (const WeightTensor* t : {&w.q, &w.q_a, &w.q_a_norm, &w.q_b, &w.kv_a_mqa, &w.kv_a_norm, &w.kv_b, &w.o,
                                 &w.indexer.wq_b, &w.indexer.wk, &w.indexer.k_norm, &w.indexer.k_norm_bias,
                                 &w.indexer.weights_proj})
     values += t->numel();
-  return 4.0 * double(values);  // float32, as MlaLayer holds them
+  return values;
 }
 
 // Rank 0's heads of the layer: read from --weights, or random with --model's geometry.
@@ -146,27 +148,40 @@ struct Check {
   bool passed() const { return error <= tolerance; }  // false for NaN
 };
 
-// A new prompt of `tokens` through both paths, on two fresh requests that are then released.
-Check check_paths(MlaLayer& layer, Memory& mem, Random& rng, int tokens, DType kv) {
+// A new prompt of `tokens` through the layer (absorbed path, on its device) and through the same weights in a CPU
+// layer on the unabsorbed path (fp32 throughout; it runs on the CPU only), each on a fresh request.
+Check check_paths(MlaLayer& layer, AttentionWeights weights, Memory& mem, Random& rng, int tokens, DType kv) {
   const int64_t d = layer.spec().hidden_size;
-  const TensorView hidden = mem.empty({tokens, d}, DType::f32), absorbed = mem.empty({tokens, d}, DType::f32),
-                   unabsorbed = mem.empty({tokens, d}, DType::f32);
-  mem.upload(hidden, rng.floats(size_t(tokens * d)).data());
-  const LayerSegment a{layer.add_request(), tokens}, b{layer.add_request(), tokens};
-  layer.forward({&a, 1}, hidden.ptr<float>(), absorbed.ptr<float>(), AttentionPath::absorbed);
-  layer.forward({&b, 1}, hidden.ptr<float>(), unabsorbed.ptr<float>(), AttentionPath::unabsorbed);
-  layer.release_request(a.request);
-  layer.release_request(b.request);
-  std::vector<uint8_t> sa, sb;
-  const float *got = mem.on_host(absorbed, sa).ptr<float>(), *want = mem.on_host(unabsorbed, sb).ptr<float>();
+  const std::vector<float> hidden = rng.floats(size_t(tokens * d));
+  std::vector<float> want(hidden.size());
+  {
+    LayerOptions cpu;
+    cpu.num_blocks = 1;
+    cpu.block_size = tokens;
+    cpu.kv_cache_dtype = kv;
+    cpu.index_cache_dtype = index_cache_dtype(kv);
+    cpu.backend = &backend_for(Device::cpu());
+    MlaLayer reference(std::move(weights), cpu);
+    const LayerSegment prompt{reference.add_request(), tokens};
+    reference.forward({&prompt, 1}, hidden.data(), want.data(), AttentionPath::unabsorbed);
+  }
+  const TensorView in = mem.empty({tokens, d}, DType::f32), out = mem.empty({tokens, d}, DType::f32);
+  mem.upload(in, hidden.data());
+  const LayerSegment prompt{layer.add_request(), tokens};
+  layer.forward({&prompt, 1}, in.ptr<float>(), out.ptr<float>(), AttentionPath::absorbed);
+  layer.release_request(prompt.request);
+  std::vector<uint8_t> storage;
+  const float* got = mem.on_host(out, storage).ptr<float>();
   double largest = 0, error = 0;
-  for (int64_t i = 0; i < tokens * d; ++i) {
+  for (size_t i = 0; i < want.size(); ++i) {
     largest = std::max(largest, double(std::fabs(want[i])));
     error = std::max(error, double(std::fabs(got[i] - want[i])));
     if (std::isnan(got[i]) || std::isnan(want[i])) error = NAN;
   }
-  // bf16 (f16) queries, cache rows and attention output: ~3e-3 of the output's size (docs/layer.md); fp8 rows more.
-  return {tokens, error / largest, kv == DType::fp8_ds_mla ? 5e-2 : 1e-2};
+  // bf16 (f16) queries, cache rows and attention output: ~3e-3 of the output's size (docs/layer.md); fp8 rows more;
+  // twice that for a GPU's bf16 weights and product inputs.
+  const double tolerance = (kv == DType::fp8_ds_mla ? 5e-2 : 1e-2) * (layer.device().is_cuda() ? 2 : 1);
+  return {tokens, error / largest, tolerance};
 }
 
 // Each request's first context - 1 positions as random cache rows, so that its first decode step attends to
@@ -217,9 +232,6 @@ Resolved resolve_layer_job(const JobOptions& o) {
     require(o.layer < layers, "--layer " + str(o.layer) + ": expected 0 to " + str(layers - 1) + ", as " + spec.name +
                                   " has " + str(layers) + " layers (" + source + ")");
   Resolved res = resolve(o.common, std::move(spec));
-  if (res.run.device.is_cuda())
-    throw Error(ErrorKind::unsupported, "--layer: the whole layer runs on the CPU only for now, not on " +
-                                            res.run.device.name() + "; use --device cpu");
   // MlaLayer's attention query takes the cache's 16-bit type: bf16 beside an fp8_ds_mla cache.
   const DType kv = res.run.resolved_kv_cache_dtype(), query = kv == DType::f16 ? DType::f16 : DType::bf16;
   require(res.run.q_dtype == query, "--dtype " + std::string(dtype_name(res.run.q_dtype)) +
@@ -236,34 +248,36 @@ int run_layer(const JobOptions& o, const Resolved& res, const Backend& be, Memor
   const double bw = mem.bandwidth_gbs();
 
   AttentionWeights weights = rank_weights(o, spec, tp);
-  const double w_bytes = weight_bytes(weights);
   const DType kv = res.run.resolved_kv_cache_dtype();
   const int check_tokens = sparse ? std::min(kCheckTokens, spec.indexer->topk) : kCheckTokens;
   const auto blocks = [bs](int64_t tokens) { return int((tokens + bs - 1) / bs); };
   LayerOptions options;
-  options.num_blocks = o.batch * blocks(int64_t(o.context) + o.steps) + blocks(o.prompt) + 2 * blocks(check_tokens);
+  options.num_blocks = o.batch * blocks(int64_t(o.context) + o.steps) + blocks(o.prompt) + blocks(check_tokens);
   options.block_size = bs;
   options.kv_cache_dtype = kv;
   options.index_cache_dtype = index_cache_dtype(kv);
+  options.device = res.run.device;
   options.backend = &be;
   MlaLayer layer = [&] {
     try {
-      return MlaLayer(std::move(weights), options);
-    } catch (const Error& e) {  // a geometry the ops run but the layer does not
+      return MlaLayer(weights, options);  // a copy: check_paths' reference layer takes the weights
+    } catch (const Error& e) {  // e.g. a geometry the ops run but the layer does not
       throw Error(ErrorKind::unsupported, "--layer: " + spec.name + " cannot run as a whole layer: " + e.what());
     }
   }();
-  if (!quiet)
-    std::printf("job        layer %d %s: %d of %d heads (tp %d), %.1f MB of float32 weights; %d requests x %d "
-                "tokens of context, a %d-token prompt, %d decode steps on %s (memory bandwidth measured now: %.1f "
-                "GB/s)\n",
-                o.layer, (o.weights.empty() ? "with random weights (seed " + str(int64_t(o.seed)) + ")"
-                                            : "from " + o.weights).c_str(),
-                heads, spec.num_heads, tp, w_bytes / 1e6, o.batch, o.context, o.prompt, o.steps, be.name().data(),
-                bw);
+  const bool gpu = layer.device().is_cuda();
+  const double w_bytes = double(weight_values(weights)) * (gpu ? 2 : 4);  // the layer holds bf16 on a GPU
+  if (!quiet) {
+    const std::string source = o.weights.empty() ? "with random weights (seed " + str(int64_t(o.seed)) + ")"
+                                                 : "from " + o.weights;
+    std::printf("job        layer %d %s: %d of %d heads (tp %d), %.1f MB of %s weights; %d requests x %d tokens of "
+                "context, a %d-token prompt, %d decode steps on %s (memory bandwidth measured now: %.1f GB/s)\n",
+                o.layer, source.c_str(), heads, spec.num_heads, tp, w_bytes / 1e6, gpu ? "bfloat16" : "float32",
+                o.batch, o.context, o.prompt, o.steps, std::string(be.name()).c_str(), bw);
+  }
 
   Random rng(o.seed);
-  const Check check = check_paths(layer, mem, rng, check_tokens, kv);  // first: it also warms the layer up
+  const Check check = check_paths(layer, std::move(weights), mem, rng, check_tokens, kv);  // first: it warms up too
 
   std::vector<LayerSegment> batch(o.batch);
   for (LayerSegment& seg : batch) seg = {layer.add_request(), 1};
