@@ -30,24 +30,28 @@ namespace {
     }                                                                              \
   } while (0)
 
-// Median time in ms of `reps` runs of fn, after warm-up.
+// Time in ms of one call of fn: calls are queued back to back (no sync between
+// them), so a kernel shorter than its host-side launch is not charged for the
+// host; median over `trials` runs of `reps` calls, after warm-up.
 template <class F>
-double time_ms(F&& fn, int reps = 20) {
+double time_ms(F&& fn, int reps = 20, int trials = 5) {
   cudaEvent_t a, b;
   CHECK(cudaEventCreate(&a));
   CHECK(cudaEventCreate(&b));
   for (int i = 0; i < 3; ++i) fn();
   std::vector<float> ts;
-  for (int i = 0; i < reps; ++i) {
+  for (int trial = 0; trial < trials; ++trial) {
     CHECK(cudaEventRecord(a));
-    fn();
+    for (int i = 0; i < reps; ++i) fn();
     CHECK(cudaEventRecord(b));
     CHECK(cudaEventSynchronize(b));
     float ms = 0;
     CHECK(cudaEventElapsedTime(&ms, a, b));
-    ts.push_back(ms);
+    ts.push_back(ms / reps);
   }
   CHECK(cudaGetLastError());
+  CHECK(cudaEventDestroy(a));
+  CHECK(cudaEventDestroy(b));
   std::nth_element(ts.begin(), ts.begin() + ts.size() / 2, ts.end());
   return ts[ts.size() / 2];
 }
@@ -209,17 +213,25 @@ void bench_paged(const char* name, Cache& cache, int batch, int context, int hea
   cudaFree(lse);
 }
 
-// Indexer decode: `tokens` requests, each with `context` positions of its own
-// in an fp8 index cache (132 bytes per position), 64-position blocks.
-void bench_indexer(const char* name, int tokens, int heads, int context, int topk, const Ceilings& c) {
+// Indexer: decode (`tokens` requests, each with `context` positions of its
+// own) or prefill (`tokens` new positions of one request, causal: the last
+// sees `context`), 64-position blocks scattered through the cache.
+void bench_indexer(const char* name, int tokens, int heads, int context, smla::DType cache_dtype, bool prefill,
+                   const Ceilings& c) {
   const smla::Device dev = smla::Device::cuda(90);
-  const int bs = 64, blocks_per_req = context / bs;
-  const int64_t blocks = static_cast<int64_t>(tokens) * blocks_per_req;
-  const size_t cache_bytes = static_cast<size_t>(blocks) * bs * 132;
-  std::vector<uint8_t> h(static_cast<size_t>(bs) * 132);
+  const bool fp8 = cache_dtype == smla::DType::fp8_e4m3;
+  const int bs = 64, blocks_per_req = context / bs, requests = prefill ? 1 : tokens, row = fp8 ? 132 : 256;
+  const int64_t blocks = static_cast<int64_t>(requests) * blocks_per_req;
+  const size_t cache_bytes = static_cast<size_t>(blocks) * bs * row;
+  std::vector<uint8_t> h(static_cast<size_t>(bs) * row);
   std::mt19937 rng(5);
-  for (int i = 0; i < bs * 128; ++i) h[i] = static_cast<uint8_t>(rng() % 0x70) | (rng() & 0x80);
-  for (int i = 0; i < bs; ++i) reinterpret_cast<float*>(h.data() + bs * 128)[i] = 1.f / 64;
+  if (fp8) {
+    for (int i = 0; i < bs * 128; ++i) h[i] = static_cast<uint8_t>(rng() % 0x70) | (rng() & 0x80);
+    for (int i = 0; i < bs; ++i) reinterpret_cast<float*>(h.data() + bs * 128)[i] = 1.f / 64;
+  } else {
+    for (size_t i = 0; i < h.size() / 2; ++i)
+      reinterpret_cast<uint16_t*>(h.data())[i] = static_cast<uint16_t>(0x3c00 + rng() % 0x200) | ((rng() & 1) << 15);
+  }
   uint8_t* cache;
   CHECK(cudaMalloc(&cache, cache_bytes));
   // The same random block everywhere (by doubling copies): the scores' time does not depend on the values.
@@ -229,11 +241,17 @@ void bench_indexer(const char* name, int tokens, int heads, int context, int top
   std::vector<int32_t> table(blocks), req(tokens), ctx(tokens, context);
   std::iota(table.begin(), table.end(), 0);
   std::shuffle(table.begin(), table.end(), rng);
-  std::iota(req.begin(), req.end(), 0);
+  double positions = 0;  // (token, visible position) pairs scored
+  for (int t = 0; t < tokens; ++t) {
+    req[t] = prefill ? 0 : t;
+    if (prefill) ctx[t] = context - tokens + t + 1;
+    positions += ctx[t];
+  }
   std::vector<float> w(static_cast<size_t>(tokens) * heads);
   for (auto& x : w) x = 0.01f + (rng() % 100) * 1e-4f;
   int32_t *dtable, *dreq, *dctx, *dout;
   float* dw;
+  const int topk = 2048;
   CHECK(cudaMalloc(&dtable, table.size() * 4));
   CHECK(cudaMalloc(&dreq, req.size() * 4));
   CHECK(cudaMalloc(&dctx, ctx.size() * 4));
@@ -247,24 +265,26 @@ void bench_indexer(const char* name, int tokens, int heads, int context, int top
   smla::IndexerTopkArgs a;
   a.q = smla::TensorView(q, {tokens, heads, 128}, smla::DType::bf16, dev);
   a.weights = smla::TensorView(dw, {tokens, heads}, smla::DType::f32, dev);
-  a.index_cache = smla::TensorView(cache, {blocks, bs, 132}, smla::DType::fp8_e4m3, dev);
+  a.index_cache = smla::TensorView(cache, {blocks, bs, fp8 ? 132 : 128}, cache_dtype, dev);
   a.request_ids = smla::TensorView(dreq, {tokens}, smla::DType::i32, dev);
-  a.block_table = smla::TensorView(dtable, {tokens, blocks_per_req}, smla::DType::i32, dev);
+  a.block_table = smla::TensorView(dtable, {requests, blocks_per_req}, smla::DType::i32, dev);
   a.context_lens = smla::TensorView(dctx, {tokens}, smla::DType::i32, dev);
   a.topk = smla::TensorView(dout, {tokens, topk}, smla::DType::i32, dev);
+  const size_t score_floats = static_cast<size_t>(tokens) * smla::cuda::score_row_stride(a);
   float* scores;
-  CHECK(cudaMalloc(&scores, static_cast<size_t>(tokens) * context * 4));
-  // Distinct scores for the top-k timing: random values, not the tied ones above.
+  CHECK(cudaMalloc(&scores, score_floats * 4));
   const double ms_scores = time_ms([&] { smla::cuda::indexer_scores(a, scores); });
-  std::vector<float> hs(static_cast<size_t>(tokens) * context);
+  // Distinct scores for the top-k timing: random values, not the tied ones above.
+  std::vector<float> hs(score_floats);
   for (auto& x : hs) x = static_cast<float>(rng()) / 4e9f;
   CHECK(cudaMemcpy(scores, hs.data(), hs.size() * 4, cudaMemcpyHostToDevice));
   const double ms_topk = time_ms([&] { smla::cuda::select_topk(a, scores); });
-  const double bytes = static_cast<double>(tokens) * context * 132;
+  // Decode reads every visible key once per token; a prefill's tokens share one request's keys.
+  const double bytes = (prefill ? static_cast<double>(context) : positions) * row;
   const double gbs = bytes / (ms_scores * 1e-3) / 1e9;
-  const double tflops = 2.0 * heads * 128 * context * tokens / (ms_scores * 1e-3) / 1e12;
-  std::printf("%-16s %6d %5d %7d %10.1f %8.1f %6.0f%% %8.1f %12.1f %12.2f\n", name, tokens, heads, context,
-              ms_scores * 1e3, gbs, 100 * gbs / c.copy_gbs, tflops, ms_topk * 1e3, ms_topk * 1e3 / tokens);
+  const double tflops = 2.0 * heads * 128 * positions / (ms_scores * 1e-3) / 1e12;
+  std::printf("%-16s %-5s %6d %5d %7d %10.1f %8.1f %6.0f%% %8.1f %12.1f %12.2f\n", name, fp8 ? "fp8" : "bf16", tokens,
+              heads, context, ms_scores * 1e3, gbs, 100 * gbs / c.copy_gbs, tflops, ms_topk * 1e3, ms_topk * 1e3 / tokens);
   cudaFree(cache);
   cudaFree(dtable);
   cudaFree(dreq);
@@ -277,33 +297,48 @@ void bench_indexer(const char* name, int tokens, int heads, int context, int top
 
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
+  // `bench_cuda attention` or `bench_cuda indexer` runs one part; no argument: both.
+  // `bench_cuda indexer TOKENS HEADS CONTEXT [bf16]` runs one indexer decode config.
+  const std::string part = argc > 1 ? argv[1] : "";
   cudaDeviceProp prop;
   CHECK(cudaGetDeviceProperties(&prop, 0));
   const Ceilings c{copy_bandwidth_gbs(), gemm_tflops()};
   std::printf("device: %s (sm_%d%d, %d SMs)\n", prop.name, prop.major, prop.minor, prop.multiProcessorCount);
   std::printf("ceilings measured now: copy %.0f GB/s (read+write), cuBLAS bf16 GEMM %.0f TFLOP/s\n\n", c.copy_gbs,
               c.gemm_tflops);
-  std::printf("%-22s %-10s %6s %5s %6s %10s %9s %8s %7s %s\n", "config", "cache", "tokens", "heads", "keys", "us",
-              "TFLOP/s", "GB/s", "ceil%", "bound");
-  const int64_t slots = int64_t{1} << 20;  // 1.2 GB of bf16 rows: gathers miss L2
-  for (smla::DType kv : {smla::DType::bf16, smla::DType::fp8_ds_mla}) {
-    Cache cache(kv, slots);
-    for (int t : {1, 8, 32, 64, 128}) bench_sparse("glm5-tp8 decode", cache, t, 8, 2048, c);
-    for (int t : {1, 32, 128}) bench_sparse("dsv32-tp8 decode", cache, t, 16, 2048, c);
-    for (int h : {64, 128}) bench_sparse("decode (compute)", cache, 64, h, 2048, c);
-    if (kv == smla::DType::bf16)
-      for (int h : {64, 128}) bench_sparse("prefill", cache, 4096, h, 2048, c);
-    for (int h : {16, 128}) bench_paged("dense paged decode", cache, 128, 8192, h, c);
+  if (part != "indexer") {
+    std::printf("%-22s %-10s %6s %5s %6s %10s %9s %8s %7s %s\n", "config", "cache", "tokens", "heads", "keys", "us",
+                "TFLOP/s", "GB/s", "ceil%", "bound");
+    const int64_t slots = int64_t{1} << 20;  // 1.2 GB of bf16 rows: gathers miss L2
+    for (smla::DType kv : {smla::DType::bf16, smla::DType::fp8_ds_mla}) {
+      Cache cache(kv, slots);
+      for (int t : {1, 8, 32, 64, 128}) bench_sparse("glm5-tp8 decode", cache, t, 8, 2048, c);
+      for (int t : {1, 32, 128}) bench_sparse("dsv32-tp8 decode", cache, t, 16, 2048, c);
+      for (int h : {64, 128}) bench_sparse("decode (compute)", cache, 64, h, 2048, c);
+      if (kv == smla::DType::bf16)
+        for (int h : {64, 128}) bench_sparse("prefill", cache, 4096, h, 2048, c);
+      for (int h : {16, 128}) bench_paged("dense paged decode", cache, 128, 8192, h, c);
+    }
   }
-
-  std::printf("\nindexer (fp8 index cache, 132 B/position; top-k 2048 of distinct random scores)\n");
-  std::printf("%-16s %6s %5s %7s %10s %8s %7s %8s %12s %12s\n", "config", "tokens", "heads", "context", "scores us",
-              "GB/s", "copy%", "TFLOP/s", "top-k us", "top-k us/row");
-  for (int heads : {32, 64})
-    for (int tokens : {1, 32, 128})
-      for (int context : {8192, 32768, 131072})
-        bench_indexer(heads == 32 ? "glm5 decode" : "dsv32 decode", tokens, heads, context, 2048, c);
-  bench_indexer("topk 64 rows", 64, 64, 131072, 2048, c);
+  if (part != "attention") {
+    std::printf("\nindexer (index cache fp8: 132 B/position, bf16: 256; top-k 2048 of distinct random scores)\n");
+    std::printf("%-16s %-5s %6s %5s %7s %10s %8s %7s %8s %12s %12s\n", "config", "cache", "tokens", "heads", "context",
+                "scores us", "GB/s", "copy%", "TFLOP/s", "top-k us", "top-k us/row");
+    if (argc >= 5) {
+      const bool bf16 = argc > 5 && std::string(argv[5]) == "bf16";
+      bench_indexer("decode", std::atoi(argv[2]), std::atoi(argv[3]), std::atoi(argv[4]),
+                    bf16 ? smla::DType::bf16 : smla::DType::fp8_e4m3, false, c);
+      return 0;
+    }
+    for (int heads : {32, 64})
+      for (int tokens : {1, 32, 128})
+        for (int context : {8192, 32768, 131072})
+          bench_indexer(heads == 32 ? "glm5 decode" : "dsv32 decode", tokens, heads, context, smla::DType::fp8_e4m3,
+                        false, c);
+    for (int tokens : {1, 128}) bench_indexer("glm5 decode", tokens, 32, 131072, smla::DType::bf16, false, c);
+    for (int heads : {32, 64}) bench_indexer("prefill", 4096, heads, 8192, smla::DType::fp8_e4m3, true, c);
+    bench_indexer("topk 64 rows", 64, 64, 131072, smla::DType::fp8_e4m3, false, c);
+  }
   return 0;
 }

@@ -13,8 +13,10 @@ void positions_to_slots(const PositionsToSlotsArgs& args);
 void indexer_topk(const IndexerTopkArgs& args);
 
 // indexer_topk's two stages, for benchmarks: scores of every visible position
-// into `scores` ([T, index_capacity] fp32, device memory), then the top-k.
-int64_t index_capacity(const IndexerTopkArgs& args);  // max_blocks * block_size
+// into `scores` (fp32 device memory, 16-byte aligned, T rows
+// score_row_stride apart), then the top-k.
+int64_t index_capacity(const IndexerTopkArgs& args);    // max_blocks * block_size
+int64_t score_row_stride(const IndexerTopkArgs& args);  // index_capacity rounded up to 4
 void indexer_scores(const IndexerTopkArgs& args, float* scores);
 void select_topk(const IndexerTopkArgs& args, const float* scores);
 

@@ -5,4 +5,5 @@ target_sources(smla_objects PRIVATE
   cuda/mla/attention.cu
   cuda/mla/cache_write.cu
   cuda/indexer/index_cache.cu
+  cuda/indexer/indexer_scores.cu
   cuda/indexer/indexer_topk.cu)

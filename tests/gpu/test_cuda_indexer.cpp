@@ -1,17 +1,20 @@
 // The CUDA indexer ops against the CPU backend: index-cache bytes, top-k sets
 // (equal except where float64 scores tie within rounding), the tie rule,
 // short contexts, shuffled block tables, bf16/fp8 queries and caches, slot
-// mapping, and the whole DSA decode step.
+// mapping, the whole DSA decode step, and the top-k stage alone on score rows
+// crafted to reach each of its paths.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <numeric>
 #include <random>
 #include <set>
 
 #include "core/numeric.h"
+#include "cuda/kernels.h"
 #include "gpu/gpu_util.h"
 #include "reference/indexer_reference.h"
 #include "support/test_util.h"
@@ -175,9 +178,12 @@ TEST(CudaIndexer, TopkMatchesCpu) {
     p.k = 100;
     run_topk(p, seed++);
   }
-  IndexProblem f16;
-  f16.q_dtype = DType::f16;
-  run_topk(f16, seed++);
+  for (DType c : {DType::bf16, DType::fp8_e4m3}) {  // f16 queries, rounded to bf16
+    IndexProblem f16;
+    f16.q_dtype = DType::f16;
+    f16.cache_dtype = c;
+    run_topk(f16, seed++);
+  }
 }
 
 TEST(CudaIndexer, LongContextTopk2048) {
@@ -329,6 +335,103 @@ TEST(CudaIndexer, DsaDecodeStepMatchesCpu) {
   EXPECT_EQ(test::compare(std::vector<double>(lse.begin(), lse.end()), std::vector<double>(glse.begin(), glse.end()),
                           1e-3, 1e-4, 0.9999),
             "");
+}
+
+// ---------------------------------------------- the top-k stage on crafted rows
+
+// Score rows built to reach every path of the selection: distinct scores
+// (coarse bin, then refine), one fp16 bin holding every score (refine over
+// all), few distinct values and all-equal rows (too many candidates: the exact
+// select over the row), both signs, zeros of both signs and -inf, rows shorter
+// than k, lengths that are not a multiple of 4, an empty context.
+struct CraftedRow {
+  const char* what;
+  int64_t n;
+  std::function<float(int64_t, test::Rng&)> score;
+};
+
+std::vector<int32_t> expected_topk(const std::vector<float>& row, int64_t n, int k) {
+  std::vector<int32_t> order(n);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return row[a] > row[b]; });
+  order.resize(std::min<int64_t>(n, k));
+  order.resize(k, -1);
+  return order;
+}
+
+void check_crafted_rows(const std::vector<CraftedRow>& rows, int k, uint64_t seed) {
+  test::Rng rng(seed);
+  const int tokens = static_cast<int>(rows.size()), bs = 64;
+  int64_t longest = 1;
+  for (const CraftedRow& r : rows) longest = std::max(longest, r.n);
+  const int max_blocks = static_cast<int>((longest + bs - 1) / bs);
+  std::vector<int32_t> request_ids(tokens), context(tokens), table(static_cast<size_t>(tokens) * max_blocks, 0);
+  std::iota(request_ids.begin(), request_ids.end(), 0);
+  std::vector<uint8_t> no_cache(16);
+  std::vector<int32_t> out(static_cast<size_t>(tokens) * k);
+  IndexerTopkArgs a;
+  a.q = TensorView(nullptr, {tokens, 1, kIndexHeadDim}, DType::bf16);
+  a.index_cache = TensorView(no_cache.data(), {1, bs, kFp8IndexRowBytes}, DType::fp8_e4m3);
+  a.block_table = TensorView(table.data(), {tokens, max_blocks}, DType::i32);
+  const int64_t stride = cuda::score_row_stride(a);
+  std::vector<float> scores(static_cast<size_t>(tokens) * stride, NAN);  // NaN past each row's context
+  std::vector<int32_t> want;
+  for (int t = 0; t < tokens; ++t) {
+    context[t] = static_cast<int32_t>(rows[t].n);
+    std::vector<float> row(rows[t].n);
+    for (int64_t i = 0; i < rows[t].n; ++i) row[i] = rows[t].score(i, rng);
+    std::copy(row.begin(), row.end(), scores.begin() + t * stride);
+    const std::vector<int32_t> w = expected_topk(row, rows[t].n, k);
+    want.insert(want.end(), w.begin(), w.end());
+  }
+  DeviceBuffer dscores(scores), dreq(request_ids), dctx(context), dtable(table), dout(std::vector<int32_t>(out.size(), 777));
+  a.request_ids = on_gpu(TensorView(request_ids.data(), {tokens}, DType::i32), dreq.ptr);
+  a.context_lens = on_gpu(TensorView(context.data(), {tokens}, DType::i32), dctx.ptr);
+  a.block_table = on_gpu(a.block_table, dtable.ptr);
+  a.topk = on_gpu(TensorView(out.data(), {tokens, k}, DType::i32), dout.ptr);
+  cuda::select_topk(a, static_cast<const float*>(dscores.ptr));
+  CUDA_OK(cudaDeviceSynchronize());
+  const std::vector<int32_t> got = dout.download<int32_t>();
+  for (int t = 0; t < tokens; ++t)
+    EXPECT_TRUE(std::equal(got.begin() + t * k, got.begin() + (t + 1) * k, want.begin() + t * k))
+        << rows[t].what << " (n = " << rows[t].n << ", k = " << k << ")";
+}
+
+std::vector<CraftedRow> crafted_rows() {
+  const auto uniform = [](test::Rng& rng) { return static_cast<float>(rng() % 1000000007) / 1e9f; };
+  return {
+      {"distinct", 131072, [uniform](int64_t, test::Rng& rng) { return uniform(rng); }},
+      {"distinct, odd length", 4099, [uniform](int64_t, test::Rng& rng) { return uniform(rng); }},
+      {"one fp16 bin", 20000, [](int64_t, test::Rng& rng) { return 1.f + 1e-7f * static_cast<float>(rng() % 5000); }},
+      {"one fp16 bin, long", 150000, [](int64_t, test::Rng& rng) { return 1.f + 1e-7f * static_cast<float>(rng() % 5000); }},
+      {"four values", 100003, [](int64_t, test::Rng& rng) { return static_cast<float>(rng() % 4); }},
+      {"all equal", 60000, [](int64_t, test::Rng&) { return 0.25f; }},
+      {"signs, zeros, -inf, wide range", 77777,
+       [uniform](int64_t i, test::Rng& rng) {
+         switch (i % 7) {
+           case 0: return 0.f;
+           case 1: return -0.f;
+           case 2: return -INFINITY;
+           default: {
+             const float mag = std::ldexp(uniform(rng) + 0.5f, static_cast<int>(rng() % 120) - 60);
+             return rng() % 2 ? mag : -mag;
+           }
+         }
+       }},
+      {"shorter than k", 1000, [uniform](int64_t, test::Rng& rng) { return uniform(rng); }},
+      {"empty context", 0, [](int64_t, test::Rng&) { return 0.f; }},
+  };
+}
+
+TEST(CudaTopk, ExactOnCraftedRows) {
+  check_crafted_rows(crafted_rows(), 2048, 100);
+  check_crafted_rows(crafted_rows(), 37, 101);
+}
+
+TEST(CudaTopk, ExactWithK8192) {
+  std::vector<CraftedRow> rows = crafted_rows();
+  rows.push_back({"many ties, 300K", 300000, [](int64_t, test::Rng& rng) { return static_cast<float>(rng() % 99991); }});
+  check_crafted_rows(rows, 8192, 102);
 }
 
 }  // namespace

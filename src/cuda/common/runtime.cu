@@ -1,6 +1,8 @@
 #include <algorithm>
 #include <map>
 #include <mutex>
+#include <set>
+#include <tuple>
 #include <utility>
 
 #include "cuda/common/runtime.h"
@@ -27,6 +29,37 @@ const DeviceInfo& current_device() {
              "cudaDeviceGetAttribute");
   d.compute_capability = major * 10 + minor;
   return cache.emplace(dev, d).first->second;
+}
+
+void allow_dynamic_smem(const void* kernel, int bytes) {
+  static std::mutex mu;
+  static std::set<std::tuple<int, const void*, int>> done;
+  const auto key = std::make_tuple(current_device().index, kernel, bytes);
+  std::lock_guard<std::mutex> lock(mu);
+  if (done.count(key)) return;
+  check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
+             "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");
+  done.insert(key);
+}
+
+int max_dynamic_smem(const void* kernel) {
+  static std::mutex mu;
+  static std::map<std::pair<int, const void*>, int> sizes;
+  const DeviceInfo& dev = current_device();
+  int bytes = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = sizes.find({dev.index, kernel});
+    if (it == sizes.end()) {
+      cudaFuncAttributes attr{};
+      check_cuda(cudaFuncGetAttributes(&attr, kernel), "cudaFuncGetAttributes");
+      it = sizes.emplace(std::make_pair(dev.index, kernel), dev.max_smem_per_block - static_cast<int>(attr.sharedSizeBytes))
+               .first;
+    }
+    bytes = it->second;
+  }
+  allow_dynamic_smem(kernel, bytes);
+  return bytes;
 }
 
 void* workspace(cudaStream_t stream, size_t bytes) {

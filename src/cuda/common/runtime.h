@@ -28,6 +28,13 @@ struct DeviceInfo {
 // The current device's properties (cached per device).
 const DeviceInfo& current_device();
 
+// Opts `kernel` in to `bytes` of dynamic shared memory on the current device
+// (the driver call is made once per kernel, device and size: launches stay cheap).
+void allow_dynamic_smem(const void* kernel, int bytes);
+// All the shared memory the current device lets one block of `kernel` have
+// beyond its static shared memory; `kernel` is opted in to it.
+int max_dynamic_smem(const void* kernel);
+
 // Scratch memory for `stream` on the current device, at least `bytes`. It
 // grows (cudaMalloc) only when a larger size is first asked for, so
 // steady-state calls — and CUDA-graph capture after a warm-up call of the

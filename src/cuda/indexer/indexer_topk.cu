@@ -1,235 +1,45 @@
-// indexer_topk on the GPU, in two kernels with no host synchronisation:
-//   1. scores: one CTA per (token, 512 positions); the token's index queries
-//      sit in shared memory, the keys of 64 positions at a time are gathered
-//      through the block table with cp.async (fp8 keys dequantised to bf16),
-//      q.k runs on mma.sync (bf16, fp32 accumulate), and ReLU, the head
-//      weights and the sum over heads are applied in registers. Scores go to
-//      a workspace row per token.
-//   2. top-k: one CTA per token; an exact radix select on the scores' order
-//      keys finds the k-th largest, the survivors (equal scores: the lowest
-//      positions) are compacted in position order and sorted by (score desc,
-//      position asc) — the same result as the CPU backend.
+// indexer_topk on the GPU: the scores kernel (indexer_scores.cu) writes every
+// visible position's score to a workspace row per token, then one CTA per
+// token selects the exact top-k without sorting the row:
+//   1. a 4096-bin histogram of the scores rounded to fp16 (a monotone map, so
+//      the bins are ordered as the scores are) finds the bin holding the
+//      k-th largest;
+//   2. a second pass over the row compacts, in position order, the positions
+//      in higher bins (all selected) and those in that bin (candidates) into
+//      shared memory;
+//   3. an exact radix select over the candidates' fp32 order keys picks the
+//      ones that complete the k (equal scores: the lowest positions);
+//   4. a stable radix sort by key orders the k best first, equal scores
+//      toward the lower position — the CPU backend's result.
+// When the candidates do not fit in shared memory (many equal scores), the
+// exact radix select runs over the row itself instead (four more passes).
 #include <cub/block/block_radix_sort.cuh>
 #include <cub/block/block_scan.cuh>
-#include <cuda_fp8.h>
+#include <cuda_fp16.h>
 
 #include <algorithm>
 
 #include "cuda/backend.h"
-#include "cuda/common/mma.cuh"
 #include "cuda/common/runtime.h"
+#include "cuda/indexer/indexer_common.cuh"
 #include "cuda/kernels.h"
 
 namespace smla::cuda {
 
 namespace {
 
-constexpr int kDim = 128;            // index head dim
-constexpr int kRow = kDim + 8;       // bf16 elements per shared key/query row (+16 bytes: no bank conflicts)
-constexpr int kScoreThreads = 128;   // 4 warps x 16 positions
-constexpr int kTile = 64;            // positions per pipeline step
-constexpr int kTilesPerCta = 8;      // 512 positions per CTA
+constexpr int kThreads = 1024;
+constexpr int kCoarseBins = 4096;                // 12 bits of the fp16-rounded score
+constexpr int kFineCopies = 8, kFineBins = 257;  // 8-bit radix digits; 8 copies (thread % 8) cut same-address atomics
+constexpr int kRun = 8;                          // consecutive positions per thread per compaction chunk
+static_assert(kFineCopies * kFineBins <= kCoarseBins, "the fine histograms reuse the coarse one's memory");
 
-enum class QKind { bf16, f16, fp8 };
+using Scan = cub::BlockScan<int, kThreads>;
 
-struct ScoreParams {
-  const void* q;
-  QKind q_kind;
-  int64_t q_stride_t, q_stride_h;
-  const float* q_scale;
-  int64_t qs_stride_t, qs_stride_h;
-  const float* weights;
-  int64_t w_stride_t, w_stride_h;
-  int heads;
-  const uint8_t* cache;
-  bool fp8_cache;
-  int64_t block_stride, row_stride;  // bytes (row stride: bf16 cache)
-  int block_size, num_blocks;
-  const int32_t* request_ids;
-  int64_t req_stride;
-  int num_requests;
-  const int32_t* block_table;
-  int64_t table_stride;
-  int max_blocks;
-  const int32_t* context_lens;
-  int64_t ctx_stride;
-  int64_t capacity;
-  float* scores;  // [T, capacity]
+struct Entry {
+  uint32_t key;  // order key of the score
+  int32_t pos;   // -1: no position
 };
-
-// Positions token t may see (0 when its request id is out of range).
-__device__ __forceinline__ int64_t visible_positions(const int32_t* context_lens, int64_t ctx_stride,
-                                                     const int32_t* request_ids, int64_t req_stride,
-                                                     int num_requests, int64_t capacity, int t) {
-  const int32_t req = request_ids[t * req_stride];
-  if (req < 0 || req >= num_requests) return 0;
-  return max(int64_t{0}, min(static_cast<int64_t>(context_lens[t * ctx_stride]), capacity));
-}
-
-__device__ __forceinline__ float q_value(const ScoreParams& p, const void* row, int d) {
-  switch (p.q_kind) {
-    case QKind::bf16: return __bfloat162float(static_cast<const __nv_bfloat16*>(row)[d]);
-    case QKind::f16: return __half2float(static_cast<const __half*>(row)[d]);
-    default: {
-      const __half_raw h = __nv_cvt_fp8_to_halfraw(static_cast<const __nv_fp8_storage_t*>(row)[d], __NV_E4M3);
-      return __half2float(__half(h));
-    }
-  }
-}
-
-// Tiles in flight: fp8 keys land in kFp8Stages staging buffers and are
-// dequantised into one key tile; bf16 keys land in kBf16Stages key tiles
-// (one in use, the rest in flight).
-constexpr int kFp8Stages = 4, kBf16Stages = 3;
-
-template <int kMTiles, bool kFp8>
-struct ScoreSmem {
-  static constexpr int kStages = kFp8 ? kFp8Stages : kBf16Stages;
-  __nv_bfloat16 q[kMTiles * 16][kRow];
-  __nv_bfloat16 k[kFp8 ? 1 : kStages][kTile][kRow];  // bf16 keys (gathered, or dequantised)
-  uint8_t staging[kFp8 ? kStages : 1][kTile][kDim];  // fp8 keys as gathered
-  float scale[kStages][kTile];                       // key scales as gathered (-1: bad block)
-  float tile_scale[kTile];                           // the scales of the fp8 tile in use
-};
-
-template <int kMTiles, bool kFp8>
-__global__ void __launch_bounds__(kScoreThreads) index_scores_kernel(const ScoreParams p) {
-  using Smem = ScoreSmem<kMTiles, kFp8>;
-  constexpr int kStages = Smem::kStages;
-  constexpr int kAhead = kFp8 ? kStages : kStages - 1;
-  extern __shared__ __align__(16) uint8_t smem_raw[];
-  auto& s = *reinterpret_cast<Smem*>(smem_raw);
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  const int t = blockIdx.y;
-  const int64_t ctx = visible_positions(p.context_lens, p.ctx_stride, p.request_ids, p.req_stride, p.num_requests,
-                                        p.capacity, t);
-  const int64_t begin = static_cast<int64_t>(blockIdx.x) * kTile * kTilesPerCta;
-  if (begin >= ctx) return;
-  const int n_tiles = static_cast<int>(min(static_cast<int64_t>(kTilesPerCta), (ctx - begin + kTile - 1) / kTile));
-  const int32_t req = p.request_ids[t * p.req_stride];
-
-  // Issues tile i into buffer i % kStages (if the tile exists): 2 threads per
-  // position; positions past the context or in a block outside the cache are
-  // zero-filled and never read.
-  const int my_row = tid / 2, my_half = tid % 2;
-  auto issue = [&](int i) {
-    if (i < n_tiles) {
-      const int64_t pos = begin + static_cast<int64_t>(i) * kTile + my_row;
-      const int buf = i % kStages;
-      int64_t block = -1;
-      if (pos < ctx) block = p.block_table[req * p.table_stride + pos / p.block_size];
-      const bool ok = block >= 0 && block < p.num_blocks;
-      const int64_t off = pos % p.block_size;
-      const uint8_t* blk = p.cache + (ok ? block : 0) * p.block_stride;
-      if constexpr (kFp8) {
-        const uint8_t* src = blk + off * kDim;
-        if (p.block_stride % 16 == 0) {
-          for (int piece = my_half; piece < kDim / 16; piece += 2)
-            cp_async_16(&s.staging[buf][my_row][piece * 16], src + piece * 16, ok);
-        } else {  // blocks of a size that is not a multiple of 4 start 4-byte aligned only
-          for (int word = my_half; word < kDim / 4; word += 2)
-            cp_async_4(&s.staging[buf][my_row][word * 4], src + word * 4, ok);
-        }
-        if (my_half == 0) {
-          if (ok) cp_async_4(&s.scale[buf][my_row], blk + static_cast<int64_t>(p.block_size) * kDim + off * 4, true);
-          else s.scale[buf][my_row] = pos < ctx ? -1.f : 0.f;
-        }
-      } else {
-        for (int piece = my_half; piece < kDim * 2 / 16; piece += 2)
-          cp_async_16(&s.k[buf][my_row][piece * 8], blk + off * p.row_stride + piece * 16, ok);
-        if (my_half == 0) s.scale[buf][my_row] = ok ? 1.f : (pos < ctx ? -1.f : 0.f);
-      }
-    }
-    cp_async_commit();  // empty groups keep the wait counts uniform
-  };
-#pragma unroll
-  for (int i = 0; i < kAhead; ++i) issue(i);
-
-  // Queries of this token (bf16), and each thread's head weights for its rows g, g+8 of every m-tile.
-  const char* qrow = static_cast<const char*>(p.q) + t * p.q_stride_t * (p.q_kind == QKind::fp8 ? 1 : 2);
-  for (int i = tid; i < kMTiles * 16 * kDim; i += kScoreThreads) {
-    const int h = i / kDim, d = i % kDim;
-    const float v = h < p.heads ? q_value(p, qrow + h * p.q_stride_h * (p.q_kind == QKind::fp8 ? 1 : 2), d) : 0.f;
-    s.q[h][d] = __float2bfloat16_rn(v);
-  }
-  float w[kMTiles][2];
-#pragma unroll
-  for (int m = 0; m < kMTiles; ++m)
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int h = m * 16 + lane / 4 + r * 8;
-      w[m][r] = h < p.heads ? p.weights[t * p.w_stride_t + h * p.w_stride_h] *
-                                  (p.q_scale ? p.q_scale[t * p.qs_stride_t + h * p.qs_stride_h] : 1.f)
-                            : 0.f;
-    }
-
-  for (int i = 0; i < n_tiles; ++i) {
-    cp_async_wait<kAhead - 1>();
-    __syncthreads();  // tile i landed (and the queries are in); everyone is done with tile i-1
-    const int buf = i % kStages;
-    __nv_bfloat16(*keys)[kRow] = s.k[kFp8 ? 0 : buf];
-    const float* scales = kFp8 ? s.tile_scale : s.scale[buf];
-    if constexpr (kFp8) {  // e4m3 -> bf16 is exact; the scale is applied to the score
-      for (int j = tid; j < kTile * kDim / 8; j += kScoreThreads) {
-        const int row = j / (kDim / 8), c = (j % (kDim / 8)) * 8;
-        const uint2 codes = *reinterpret_cast<const uint2*>(&s.staging[buf][row][c]);
-        const __nv_fp8x2_storage_t* c2 = reinterpret_cast<const __nv_fp8x2_storage_t*>(&codes);
-        uint4 out;
-        uint32_t* ow = reinterpret_cast<uint32_t*>(&out);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float2 f = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(c2[e], __NV_E4M3)));
-          ow[e] = pack2<__nv_bfloat16>(f.x, f.y);
-        }
-        *reinterpret_cast<uint4*>(&keys[row][c]) = out;
-      }
-      if (tid < kTile) s.tile_scale[tid] = s.scale[buf][tid];
-      __syncthreads();  // staging buffer `buf` is free again
-    }
-    issue(i + kAhead);
-
-    float acc[kMTiles][2][4] = {};
-#pragma unroll
-    for (int ks = 0; ks < kDim / 16; ++ks) {
-      uint32_t b[4];  // positions warp*16 .. +15, dims ks*16 .. +15
-      ldmatrix_x4(b, &keys[warp * 16 + lane % 8 + (lane / 16) * 8][ks * 16 + ((lane / 8) % 2) * 8]);
-#pragma unroll
-      for (int m = 0; m < kMTiles; ++m) {
-        uint32_t a[4];
-        ldmatrix_x4(a, &s.q[m * 16 + lane % 16][ks * 16 + (lane / 16) * 8]);
-        mma_16816<__nv_bfloat16>(acc[m][0], a, {b[0], b[1]});
-        mma_16816<__nv_bfloat16>(acc[m][1], a, {b[2], b[3]});
-      }
-    }
-    // score = sum over heads of w * ReLU(q.k); rows g, g+8 here, the other rows in lanes ^4, ^8, ^16.
-#pragma unroll
-    for (int n = 0; n < 2; ++n) {
-      float s0 = 0.f, s1 = 0.f;
-#pragma unroll
-      for (int m = 0; m < kMTiles; ++m) {
-        s0 += w[m][0] * fmaxf(acc[m][n][0], 0.f) + w[m][1] * fmaxf(acc[m][n][2], 0.f);
-        s1 += w[m][0] * fmaxf(acc[m][n][1], 0.f) + w[m][1] * fmaxf(acc[m][n][3], 0.f);
-      }
-#pragma unroll
-      for (int o = 4; o < 32; o *= 2) {
-        s0 += __shfl_xor_sync(0xffffffffu, s0, o);
-        s1 += __shfl_xor_sync(0xffffffffu, s1, o);
-      }
-      if (lane < 4) {
-        const int row = warp * 16 + n * 8 + lane * 2;
-        const int64_t pos = begin + static_cast<int64_t>(i) * kTile + row;
-        float* out = p.scores + t * p.capacity + pos;
-        const float sc0 = scales[row], sc1 = scales[row + 1];
-        if (pos < ctx) out[0] = sc0 < 0.f ? -INFINITY : s0 * sc0;
-        if (pos + 1 < ctx) out[1] = sc1 < 0.f ? -INFINITY : s1 * sc1;
-      }
-    }
-  }
-}
-
-// ---- exact top-k -------------------------------------------------------------
-
-constexpr int kTopkThreads = 1024;
 
 // Monotone map of a score to an unsigned key (as the CPU backend's order_key):
 // a > b iff key(a) > key(b); -0 and +0 tie.
@@ -238,208 +48,284 @@ __device__ __forceinline__ uint32_t order_key(float v) {
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
+// The top 12 bits of the order key of the score rounded to fp16: rounding is
+// monotone, so a higher bin never holds a lower score.
+__device__ __forceinline__ int coarse_bin(float v) {
+  const uint32_t u = __half_as_ushort(__float2half_rn(v + 0.0f));
+  return static_cast<int>(((u & 0x8000u) ? (~u & 0xffffu) : (u | 0x8000u)) >> 4);
+}
+__device__ __forceinline__ int coarse_bin_of_key(uint32_t key) {
+  return coarse_bin(__uint_as_float((key & 0x80000000u) ? (key & 0x7fffffffu) : ~key));
+}
+
+// Calls f(value) for the row's n scores, 16-byte loads, several in flight per thread.
+template <class F>
+__device__ __forceinline__ void for_each_score(const float* row, int64_t n, F&& f) {
+  const float4* row4 = reinterpret_cast<const float4*>(row);
+  const int64_t n4 = n / 4;
+#pragma unroll 4
+  for (int64_t i = threadIdx.x; i < n4; i += kThreads) {
+    const float4 v = row4[i];
+    f(v.x);
+    f(v.y);
+    f(v.z);
+    f(v.w);
+  }
+  for (int64_t i = 4 * n4 + threadIdx.x; i < n; i += kThreads) f(row[i]);
+}
+
+// The scores of a row as entries (rows start 16-byte aligned; see score_row_stride).
+struct RowSource {
+  const float* row;
+  int64_t count;
+  __device__ __forceinline__ void load(int64_t i0, Entry (&e)[kRun]) const {
+    if (i0 + kRun <= count) {
+#pragma unroll
+      for (int q = 0; q < kRun / 4; ++q) {
+        const float4 v = reinterpret_cast<const float4*>(row + i0)[q];
+        const float x[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int r = 0; r < 4; ++r) e[4 * q + r] = {order_key(x[r]), static_cast<int32_t>(i0 + 4 * q + r)};
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < kRun; ++j)
+        e[j] = i0 + j < count ? Entry{order_key(row[i0 + j]), static_cast<int32_t>(i0 + j)} : Entry{0, -1};
+    }
+  }
+};
+
+// Entries already in shared memory.
+struct ListSource {
+  const Entry* list;
+  int64_t count;
+  __device__ __forceinline__ void load(int64_t i0, Entry (&e)[kRun]) const {
+#pragma unroll
+    for (int j = 0; j < kRun; ++j) e[j] = i0 + j < count ? list[i0 + j] : Entry{0, -1};
+  }
+};
+
+// Copies, in source order, the entries `classify` puts in class 1 to first[]
+// and those in class 2 to second[] (only the first second_limit of them).
+template <class Source, class Classify>
+__device__ void compact(const Source& src, Classify classify, Entry* first, Entry* second, int second_limit,
+                        Scan::TempStorage& scan) {
+  int first_base = 0, second_base = 0;
+  for (int64_t base = 0; base < src.count; base += static_cast<int64_t>(kRun) * kThreads) {
+    Entry e[kRun];
+    src.load(base + static_cast<int64_t>(kRun) * threadIdx.x, e);
+    int cls[kRun], n1 = 0, n2 = 0;
+#pragma unroll
+    for (int j = 0; j < kRun; ++j) {
+      cls[j] = e[j].pos < 0 ? 0 : classify(e[j]);
+      n1 += cls[j] == 1;
+      n2 += cls[j] == 2;
+    }
+    // Both counts in one scan: each fits in 16 bits (at most kRun * kThreads).
+    int before, total;
+    Scan(scan).ExclusiveSum(n1 | (n2 << 16), before, total);
+    __syncthreads();  // the scan storage is reused by the next chunk
+    int at1 = first_base + (before & 0xffff), at2 = second_base + (before >> 16);
+#pragma unroll
+    for (int j = 0; j < kRun; ++j) {
+      if (cls[j] == 1) first[at1++] = e[j];
+      if (cls[j] == 2 && at2 < second_limit) second[at2] = e[j];
+      at2 += cls[j] == 2;
+    }
+    first_base += total & 0xffff;
+    second_base += total >> 16;
+  }
+}
+
+// The bin of hist[0, bins) in which the want-th largest falls, counting from
+// the top, and how many lie in the bins above it: result[0], result[1].
+__device__ void find_from_top(const int* hist, int bins, int want, Scan::TempStorage& scan, int* result) {
+  const int per = (bins + kThreads - 1) / kThreads;
+  const int hi = bins - static_cast<int>(threadIdx.x) * per;  // this thread's bins: [hi - per, hi)
+  int local = 0;
+  for (int b = hi - 1; b >= max(hi - per, 0); --b) local += hist[b];
+  int before;
+  Scan(scan).ExclusiveSum(local, before);
+  if (before < want && want <= before + local) {
+    int above = before, b = hi - 1;
+    while (above + hist[b] < want) above += hist[b--];
+    result[0] = b;
+    result[1] = above;
+  }
+  __syncthreads();
+}
+
+// Exact radix select, 8 bits at a time from the top: the key of the want-th
+// largest of the keys for_each_key visits (threshold), and how many keys
+// equal to it complete the want (remaining).
+template <class ForEachKey>
+__device__ void radix_select(ForEachKey for_each_key, int want, int* hist, Scan::TempStorage& scan, int* result,
+                             uint32_t& threshold, int& remaining) {
+  uint32_t prefix = 0, mask = 0;
+  remaining = want;
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    for (int i = threadIdx.x; i < kFineCopies * kFineBins; i += kThreads) hist[i] = 0;
+    __syncthreads();
+    int* mine = hist + (threadIdx.x % kFineCopies) * kFineBins;
+    for_each_key([&](uint32_t key) {
+      if ((key & mask) == prefix) atomicAdd(&mine[(key >> shift) & 0xff], 1);
+    });
+    __syncthreads();
+    for (int b = threadIdx.x; b < 256; b += kThreads)
+      for (int c = 1; c < kFineCopies; ++c) hist[b] += hist[c * kFineBins + b];
+    __syncthreads();
+    find_from_top(hist, 256, remaining, scan, result);
+    prefix |= static_cast<uint32_t>(result[0]) << shift;
+    remaining -= result[1];
+    mask |= 0xffu << shift;
+    __syncthreads();  // result and hist are rewritten next round
+  }
+  threshold = prefix;
+}
+
 struct TopkParams {
   const float* scores;
-  int64_t capacity;
-  const int32_t* context_lens;
-  int64_t ctx_stride;
-  const int32_t* request_ids;
-  int64_t req_stride;
-  int num_requests;
+  int64_t score_stride;
+  IndexRows rows;
   int k;
   int32_t* out;
   int64_t out_stride;
+  int list_capacity;  // entries of the dynamic shared memory
 };
 
-template <int kItems>
-__global__ void __launch_bounds__(kTopkThreads) topk_kernel(const TopkParams p) {
-  using Sort = cub::BlockRadixSort<uint64_t, kTopkThreads, kItems>;
-  using Scan = cub::BlockScan<int, kTopkThreads>;
-  // The survivors and, once they are in registers, the sort's scratch share
-  // the dynamic shared memory.
+template <int kSortItems>
+__global__ void __launch_bounds__(kThreads) topk_kernel(const TopkParams p) {
+  using Sort = cub::BlockRadixSort<uint32_t, kThreads, kSortItems, int32_t>;
+  // The entry list, and once the chosen entries are in registers, the sort's scratch.
   extern __shared__ __align__(16) uint8_t smem_raw[];
-  auto* sort_storage = reinterpret_cast<typename Sort::TempStorage*>(smem_raw);
-  uint64_t* selected = reinterpret_cast<uint64_t*>(smem_raw);
-  __shared__ typename Scan::TempStorage scan_storage;
-  // Eight copies of the histogram (lane % 8 picks one): similar scores share
-  // their top bits, and eight copies cut the same-address atomics 8-fold.
-  constexpr int kCopies = 8, kBins = 257;  // 257: copies start in different banks
-  __shared__ int hist[kCopies * kBins];
-  __shared__ uint32_t s_prefix;
-  __shared__ int s_remaining;
+  Entry* list = reinterpret_cast<Entry*>(smem_raw);
+  __shared__ int hist[kCoarseBins];
+  __shared__ Scan::TempStorage scan;
+  __shared__ int result[2];
 
-  const int t = blockIdx.x, tid = threadIdx.x;
-  const float* row = p.scores + t * p.capacity;
-  const int64_t n = visible_positions(p.context_lens, p.ctx_stride, p.request_ids, p.req_stride, p.num_requests,
-                                      p.capacity, t);
+  const int t = blockIdx.x;
+  const float* row = p.scores + t * p.score_stride;
+  const int64_t n = p.rows.visible(t);
   const int want = static_cast<int>(min(static_cast<int64_t>(p.k), n));
+  int32_t* out = p.out + t * p.out_stride;
+  if (want == 0) {
+    for (int i = threadIdx.x; i < p.k; i += kThreads) out[i] = -1;
+    return;
+  }
 
-  // Radix select, 8 bits at a time from the top: the key of the want-th largest.
-  uint32_t prefix = 0, mask = 0;
-  int remaining = want;
-  for (int shift = 24; shift >= 0 && want > 0; shift -= 8) {
-    for (int i = tid; i < kCopies * kBins; i += kTopkThreads) hist[i] = 0;
+  // 1. Coarse histogram: the bin of the want-th largest.
+  for (int i = threadIdx.x; i < kCoarseBins; i += kThreads) hist[i] = 0;
+  __syncthreads();
+  for_each_score(row, n, [&](float v) { atomicAdd(&hist[coarse_bin(v)], 1); });
+  __syncthreads();
+  find_from_top(hist, kCoarseBins, want, scan, result);
+  const int bin = result[0], above = result[1], in_bin = hist[bin];
+  __syncthreads();  // hist and result are reused below
+
+  // The chosen entries end up in list[0, listed) and rest[0, want - listed).
+  Entry* rest;
+  int listed = above;
+  const RowSource src{row, n};
+  if (want + in_bin <= p.list_capacity) {
+    // 2. Higher bins: selected; the bin itself: candidates.
+    Entry* candidates = list + above;
+    compact(
+        src, [&](const Entry& e) { const int b = coarse_bin_of_key(e.key); return b > bin ? 1 : b == bin ? 2 : 0; },
+        list, candidates, in_bin, scan);
     __syncthreads();
-    int* my_hist = hist + (tid % kCopies) * kBins;
-    for (int64_t i = tid; i < n; i += kTopkThreads) {
-      const uint32_t key = order_key(row[i]);
-      if ((key & mask) == prefix) atomicAdd(&my_hist[(key >> shift) & 0xff], 1);
+    // 3. The candidates that complete the want.
+    const int need = want - above;
+    rest = candidates;
+    if (need < in_bin) {
+      const ListSource cand{candidates, in_bin};
+      uint32_t threshold;
+      int remaining;
+      radix_select(
+          [&](auto&& f) {
+            for (int i = threadIdx.x; i < in_bin; i += kThreads) f(candidates[i].key);
+          },
+          need, hist, scan, result, threshold, remaining);
+      rest = candidates + in_bin;
+      compact(
+          cand, [&](const Entry& e) { return e.key > threshold ? 1 : e.key == threshold ? 2 : 0; }, rest,
+          rest + (need - remaining), remaining, scan);
+      __syncthreads();
     }
+  } else {
+    // Too many candidates for shared memory: the exact select over the row.
+    uint32_t threshold;
+    int remaining;
+    radix_select([&](auto&& f) { for_each_score(row, n, [&](float v) { f(order_key(v)); }); }, want, hist, scan,
+                 result, threshold, remaining);
+    compact(
+        src, [&](const Entry& e) { return e.key > threshold ? 1 : e.key == threshold ? 2 : 0; }, list,
+        list + (want - remaining), remaining, scan);
     __syncthreads();
-    for (int b = tid; b < 256; b += kTopkThreads)
-      for (int c = 1; c < kCopies; ++c) hist[b] += hist[c * kBins + b];
-    __syncthreads();
-    if (tid == 0) {
-      int above = 0, digit = 255;
-      while (above + hist[digit] < remaining) above += hist[digit--];
-      s_prefix = prefix | (static_cast<uint32_t>(digit) << shift);
-      s_remaining = remaining - above;
-    }
-    __syncthreads();
-    prefix = s_prefix;
-    remaining = s_remaining;
-    mask |= 0xffu << shift;
-    __syncthreads();
+    listed = want;
+    rest = list + want;
   }
-  const uint32_t threshold = prefix;  // keys > threshold are all in; `remaining` of the keys == threshold are
 
-  // Compaction in position order: each thread scans a contiguous segment.
-  const int64_t seg = (n + kTopkThreads - 1) / kTopkThreads;
-  const int64_t lo = min(n, tid * seg), hi = min(n, lo + seg);
-  int gt = 0, eq = 0;
-  for (int64_t i = lo; i < hi && want > 0; ++i) {
-    const uint32_t key = order_key(row[i]);
-    gt += key > threshold;
-    eq += key == threshold;
-  }
-  int gt_before, eq_before, gt_total;
-  Scan(scan_storage).ExclusiveSum(gt, gt_before, gt_total);
-  __syncthreads();
-  Scan(scan_storage).ExclusiveSum(eq, eq_before);
-  for (int i = tid; i < kTopkThreads * kItems; i += kTopkThreads) selected[i] = 0;
-  __syncthreads();
-  for (int64_t i = lo; i < hi && want > 0; ++i) {
-    const uint32_t key = order_key(row[i]);
-    // (key, position) packed so that a larger value ranks first: higher key, then lower position.
-    const uint64_t packed = (static_cast<uint64_t>(key) << 32) | (0xffffffffu - static_cast<uint32_t>(i));
-    if (key > threshold) selected[gt_before++] = packed;
-    else if (key == threshold && eq_before < remaining) selected[gt_total + eq_before++] = packed;
-  }
-  __syncthreads();
-
-  uint64_t items[kItems];
+  // 4. Best first. Both parts are in position order and no key is in both, so
+  // a stable sort leaves equal scores toward the lower position.
+  uint32_t keys[kSortItems];
+  int32_t positions[kSortItems];
 #pragma unroll
-  for (int j = 0; j < kItems; ++j) items[j] = selected[tid * kItems + j];
-  __syncthreads();
-  Sort(*sort_storage).SortDescendingBlockedToStriped(items);
+  for (int j = 0; j < kSortItems; ++j) {
+    const int i = threadIdx.x * kSortItems + j;
+    const Entry e = i < listed ? list[i] : i < want ? rest[i - listed] : Entry{0, -1};
+    keys[j] = e.key;
+    positions[j] = e.pos;
+  }
+  __syncthreads();  // the sort's scratch overwrites the list
+  Sort(*reinterpret_cast<typename Sort::TempStorage*>(smem_raw)).SortDescendingBlockedToStriped(keys, positions);
 #pragma unroll
-  for (int j = 0; j < kItems; ++j) {
-    const int rank = j * kTopkThreads + tid;
-    if (rank < p.k)
-      p.out[t * p.out_stride + rank] = rank < want ? static_cast<int32_t>(0xffffffffu - static_cast<uint32_t>(items[j])) : -1;
+  for (int j = 0; j < kSortItems; ++j) {
+    const int rank = j * kThreads + threadIdx.x;
+    if (rank < p.k) out[rank] = rank < want ? positions[j] : -1;
   }
 }
 
-template <int kMTiles, bool kFp8>
-void launch_scores(const ScoreParams& p, int tokens, cudaStream_t stream) {
-  constexpr int smem = sizeof(ScoreSmem<kMTiles, kFp8>);
-  static_assert(smem <= 99 * 1024, "fits every arch's shared memory per block");
-  check_cuda(cudaFuncSetAttribute(index_scores_kernel<kMTiles, kFp8>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
-             "cudaFuncSetAttribute(index_scores_kernel)");
-  const int64_t per_cta = kTile * kTilesPerCta;
-  const dim3 grid(static_cast<unsigned>((p.capacity + per_cta - 1) / per_cta), tokens);
-  index_scores_kernel<kMTiles, kFp8><<<grid, kScoreThreads, smem, stream>>>(p);
-  check_launch("smla indexer scores kernel");
-}
-
-template <int kMTiles>
-void launch_scores(const ScoreParams& p, int tokens, cudaStream_t stream) {
-  if (p.fp8_cache) launch_scores<kMTiles, true>(p, tokens, stream);
-  else launch_scores<kMTiles, false>(p, tokens, stream);
-}
-
-template <int kItems>
-void launch_topk(const TopkParams& p, int tokens, cudaStream_t stream) {
-  const int smem = static_cast<int>(std::max(sizeof(typename cub::BlockRadixSort<uint64_t, kTopkThreads, kItems>::TempStorage),
-                                             sizeof(uint64_t) * kTopkThreads * kItems));
-  check_cuda(cudaFuncSetAttribute(topk_kernel<kItems>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
-             "cudaFuncSetAttribute(topk_kernel)");
-  topk_kernel<kItems><<<tokens, kTopkThreads, smem, stream>>>(p);
+template <int kSortItems>
+void launch_topk(TopkParams p, int tokens, cudaStream_t stream) {
+  static_assert(sizeof(typename cub::BlockRadixSort<uint32_t, kThreads, kSortItems, int32_t>::TempStorage) <=
+                    kMaxIndexerTopk * sizeof(Entry),
+                "the sort's scratch fits where the list is");
+  const auto kernel = topk_kernel<kSortItems>;
+  // The list takes what shared memory is left (at least 8192 entries on every arch from SM80 on).
+  const int smem = max_dynamic_smem(reinterpret_cast<const void*>(kernel));
+  p.list_capacity = smem / static_cast<int>(sizeof(Entry));
+  require(p.list_capacity >= kMaxIndexerTopk, "indexer_topk: the device has too little shared memory per block");
+  kernel<<<tokens, kThreads, smem, stream>>>(p);
   check_launch("smla indexer top-k kernel");
 }
 
 }  // namespace
 
-void indexer_scores(const IndexerTopkArgs& a, float* scores) {
-  const int tokens = static_cast<int>(a.q.size(0));
-  ScoreParams p{};
-  p.q = a.q.data;
-  p.q_kind = a.q.dtype == DType::bf16 ? QKind::bf16 : a.q.dtype == DType::f16 ? QKind::f16 : QKind::fp8;
-  p.q_stride_t = a.q.stride(0);
-  p.q_stride_h = a.q.stride(1);
-  p.q_scale = a.q_scale.defined() ? a.q_scale.ptr<float>() : nullptr;
-  p.qs_stride_t = a.q_scale.defined() ? a.q_scale.stride(0) : 0;
-  p.qs_stride_h = a.q_scale.defined() ? a.q_scale.stride(1) : 0;
-  p.weights = a.weights.ptr<float>();
-  p.w_stride_t = a.weights.stride(0);
-  p.w_stride_h = a.weights.stride(1);
-  p.heads = static_cast<int>(a.q.size(1));
-  p.cache = a.index_cache.ptr<uint8_t>();
-  p.fp8_cache = a.index_cache.dtype == DType::fp8_e4m3;
-  const int64_t elem = p.fp8_cache ? 1 : 2;
-  p.block_stride = a.index_cache.stride(0) * elem;
-  p.row_stride = a.index_cache.stride(1) * elem;
-  p.block_size = static_cast<int>(a.index_cache.size(1));
-  p.num_blocks = static_cast<int>(a.index_cache.size(0));
-  p.request_ids = a.request_ids.ptr<int32_t>();
-  p.req_stride = a.request_ids.stride(0);
-  p.num_requests = static_cast<int>(a.block_table.size(0));
-  p.block_table = a.block_table.ptr<int32_t>();
-  p.table_stride = a.block_table.stride(0);
-  p.max_blocks = static_cast<int>(a.block_table.size(1));
-  p.context_lens = a.context_lens.ptr<int32_t>();
-  p.ctx_stride = a.context_lens.stride(0);
-  p.capacity = index_capacity(a);
-  p.scores = scores;
-  require(reinterpret_cast<uintptr_t>(p.cache) % 16 == 0 &&
-              (p.fp8_cache ? p.block_stride % 4 == 0 : p.block_stride % 16 == 0 && p.row_stride % 16 == 0),
-          "indexer_topk: index_cache: the CUDA backend needs 16-byte aligned data and bf16 rows, 4-byte aligned fp8 blocks");
-  if (tokens == 0 || p.capacity == 0) return;
-  const auto stream = static_cast<cudaStream_t>(a.stream);
-  const int m_tiles = (p.heads + 15) / 16;  // heads padded to 1, 2, 4 or 8 mma row tiles
-  if (m_tiles <= 1) launch_scores<1>(p, tokens, stream);
-  else if (m_tiles <= 2) launch_scores<2>(p, tokens, stream);
-  else if (m_tiles <= 4) launch_scores<4>(p, tokens, stream);
-  else launch_scores<8>(p, tokens, stream);
-}
+int64_t index_capacity(const IndexerTopkArgs& a) { return a.block_table.size(1) * a.index_cache.size(1); }
+int64_t score_row_stride(const IndexerTopkArgs& a) { return (index_capacity(a) + 3) / 4 * 4; }
 
 void select_topk(const IndexerTopkArgs& a, const float* scores) {
   const int tokens = static_cast<int>(a.q.size(0));
   const int k = static_cast<int>(a.topk.size(1));
   require(k <= kMaxIndexerTopk, "indexer_topk: topk: the CUDA backend selects at most " +
                                     std::to_string(kMaxIndexerTopk) + " positions per token, got " + std::to_string(k));
+  require(reinterpret_cast<uintptr_t>(scores) % 16 == 0, "select_topk: scores must be 16-byte aligned");
   if (tokens == 0) return;
-  TopkParams tp{};
-  tp.scores = scores;
-  tp.capacity = index_capacity(a);
-  tp.context_lens = a.context_lens.ptr<int32_t>();
-  tp.ctx_stride = a.context_lens.stride(0);
-  tp.request_ids = a.request_ids.ptr<int32_t>();
-  tp.req_stride = a.request_ids.stride(0);
-  tp.num_requests = static_cast<int>(a.block_table.size(0));
-  tp.k = k;
-  tp.out = a.topk.ptr<int32_t>();
-  tp.out_stride = a.topk.stride(0);
+  TopkParams p{};
+  p.scores = scores;
+  p.score_stride = score_row_stride(a);
+  p.rows = index_rows(a);
+  p.k = k;
+  p.out = a.topk.ptr<int32_t>();
+  p.out_stride = a.topk.stride(0);
   const auto stream = static_cast<cudaStream_t>(a.stream);
-  if (k <= kTopkThreads * 2) launch_topk<2>(tp, tokens, stream);
-  else launch_topk<8>(tp, tokens, stream);
+  if (k <= 2 * kThreads) launch_topk<2>(p, tokens, stream);
+  else launch_topk<kMaxIndexerTopk / kThreads>(p, tokens, stream);
 }
 
-int64_t index_capacity(const IndexerTopkArgs& a) { return a.block_table.size(1) * a.index_cache.size(1); }
-
 void indexer_topk(const IndexerTopkArgs& a) {
-  const size_t rows = static_cast<size_t>(a.q.size(0)) * std::max<int64_t>(index_capacity(a), 1);
-  float* scores = static_cast<float*>(workspace(static_cast<cudaStream_t>(a.stream), rows * sizeof(float)));
+  const size_t floats = static_cast<size_t>(a.q.size(0)) * std::max<int64_t>(score_row_stride(a), 4);
+  float* scores = static_cast<float*>(workspace(static_cast<cudaStream_t>(a.stream), floats * sizeof(float)));
   indexer_scores(a, scores);
   select_topk(a, scores);
 }

@@ -1,0 +1,34 @@
+// What the indexer's two kernels share: which rows of the block table a
+// token reads and how many positions it sees.
+#pragma once
+
+#include <cstdint>
+
+#include "smla/ops.h"
+
+namespace smla::cuda {
+
+struct IndexRows {
+  const int32_t* request_ids;
+  int64_t req_stride;
+  int num_requests;
+  const int32_t* context_lens;
+  int64_t ctx_stride;
+  int64_t capacity;  // max_blocks * block_size
+
+  __device__ __forceinline__ int32_t request(int t) const { return request_ids[t * req_stride]; }
+  // Positions token t may see: its context clamped to the table, 0 when its request id is out of range.
+  __device__ __forceinline__ int64_t visible(int t) const {
+    const int32_t req = request(t);
+    if (req < 0 || req >= num_requests) return 0;
+    const int64_t ctx = context_lens[t * ctx_stride];
+    return ctx < 0 ? 0 : (ctx < capacity ? ctx : capacity);
+  }
+};
+
+inline IndexRows index_rows(const IndexerTopkArgs& a) {
+  return {a.request_ids.ptr<int32_t>(),    a.request_ids.stride(0),   static_cast<int>(a.block_table.size(0)),
+          a.context_lens.ptr<int32_t>(),   a.context_lens.stride(0),  a.block_table.size(1) * a.index_cache.size(1)};
+}
+
+}  // namespace smla::cuda

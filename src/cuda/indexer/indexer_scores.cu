@@ -1,0 +1,340 @@
+// indexer_topk's first stage on the GPU: every visible position's score
+//   score[t, s] = k_scale[s] * Σ_h weights[t, h] * q_scale[t, h] * ReLU(q[t, h] · k[s])
+// One CTA per (token, run of 64-position tiles). Keys are gathered through the
+// block table with cp.async into a ring of tiles; positions are the mma's M
+// dimension (16 per warp), heads its N: the token's queries are B fragments
+// that stay in registers for the whole run (up to 32 heads; more are read
+// from shared memory per tile), so a key is read
+// from shared memory once and meets every head there. ReLU, the head weights
+// and the sum over heads happen on the accumulators; the key scale is
+// applied to the finished score.
+//
+// Keys and queries meet as bf16 (fp32 accumulation): fp8 keys become bf16 A
+// fragments in registers, exactly (the e4m3 bits land in a bf16 whose
+// exponent is 120 too small, then one multiply by 2^120), with the
+// dimensions permuted so each lane reads 16 contiguous bytes; the queries'
+// fragments use the same permutation (a dot product does not care about the
+// order of its terms). fp8 and bf16 queries are exact in bf16, f16 ones are
+// rounded.
+#include <cuda_fp8.h>
+
+#include <algorithm>
+
+#include "cuda/common/mma.cuh"
+#include "cuda/common/runtime.h"
+#include "cuda/indexer/indexer_common.cuh"
+#include "cuda/kernels.h"
+
+namespace smla::cuda {
+
+namespace {
+
+constexpr int kDim = 128;           // index head dim
+constexpr int kSteps = kDim / 16;   // mma k-steps per key
+constexpr int kScoreThreads = 128;  // 4 warps x 16 positions
+constexpr int kTile = 64;           // positions per pipeline stage
+
+enum class QKind { bf16, f16, fp8 };
+
+struct ScoreParams {
+  const void* q;
+  QKind q_kind;
+  int64_t q_stride_t, q_stride_h;  // elements
+  const float* q_scale;
+  int64_t qs_stride_t, qs_stride_h;
+  const float* weights;
+  int64_t w_stride_t, w_stride_h;
+  int heads;
+  const uint8_t* cache;
+  bool fp8_cache;
+  int64_t block_stride, row_stride;  // bytes (row stride: bf16 cache)
+  int block_size, num_blocks;
+  IndexRows rows;
+  const int32_t* block_table;
+  int64_t table_stride;
+  int tiles_per_cta;
+  float* scores;
+  int64_t score_stride;
+};
+
+__device__ __forceinline__ float q_value(const ScoreParams& p, int t, int h, int d) {
+  const int64_t i = t * p.q_stride_t + h * p.q_stride_h + d;
+  switch (p.q_kind) {
+    case QKind::bf16: return __bfloat162float(static_cast<const __nv_bfloat16*>(p.q)[i]);
+    case QKind::f16: return __half2float(static_cast<const __half*>(p.q)[i]);
+    default: {
+      const __half_raw h16 = __nv_cvt_fp8_to_halfraw(static_cast<const __nv_fp8_storage_t*>(p.q)[i], __NV_E4M3);
+      return __half2float(__half(h16));
+    }
+  }
+}
+
+// The key dimensions lane (g, c) (g = lane / 4, c = lane % 4) multiplies in
+// k-step j: its A fragment holds dims {d0, d0 + 1} and {d1, d1 + 1} of its
+// rows. bf16 keys come through ldmatrix in the mma's own order; fp8 keys are
+// read 4 bytes per k-step from the lane's 32 contiguous bytes.
+template <bool kFp8>
+__device__ __forceinline__ int2 fragment_dims(int j, int c) {
+  if constexpr (kFp8) return {32 * c + 4 * j, 32 * c + 4 * j + 2};
+  else return {16 * j + 2 * c, 16 * j + 8 + 2 * c};
+}
+
+// Where a key row comes from: its block (ok: a block of the cache) and its offset in it.
+struct KeySource {
+  const uint8_t* block;
+  int offset;
+  bool ok;
+};
+
+// Two e4m3 codes (bytes 0-1, or 2-3 when `high`) of `word` as an exact bf16x2.
+__device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint32_t word, bool high) {
+  const uint32_t r = __byte_perm(word, 0, high ? 0x3424 : 0x1404);  // each code in the top byte of a half
+  // sign stays; exponent and mantissa move down 4 bits: a bf16 of value * 2^-120 (subnormals included)
+  const uint32_t scaled = ((r >> 4) & 0x07f007f0u) | (r & 0x80008000u);
+  const __nv_bfloat162 v = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&scaled),
+                                   __nv_bfloat162(__ushort_as_bfloat16(0x7b80), __ushort_as_bfloat16(0x7b80)));
+  return *reinterpret_cast<const uint32_t*>(&v);  // 0x7b80 = 2^120
+}
+
+template <int kNTiles, int kGroups, bool kFp8>
+struct ScoreSmem {
+  // Tiles in the ring: one in use, the rest in flight (one fewer for bf16 keys with more than 64 heads, whose
+  // queries take 32 KB).
+  static constexpr int kStages = kGroups > 2 && !kFp8 ? 3 : 4;
+  // +16 bytes per row: the 8 rows an ldmatrix (or a quarter warp's 16-byte loads) touches start in different banks
+  static constexpr int kRowBytes = (kFp8 ? kDim : 2 * kDim) + 16;
+  uint8_t keys[kStages][kTile][kRowBytes];
+  float scale[kStages][kTile];  // the key's scale; -1: its block is outside the cache
+  uint2 q[kGroups][kNTiles][kSteps][32];  // B fragments, in lane order
+};
+
+// Heads (kGroups x kNTiles x 8 of them, padded with zeros) are the mma's N.
+// Registers are capped so that four CTAs share an SM.
+template <int kNTiles, int kGroups, bool kFp8>
+__global__ void __launch_bounds__(kScoreThreads, 4) index_scores_kernel(const ScoreParams p) {
+  using Smem = ScoreSmem<kNTiles, kGroups, kFp8>;
+  constexpr int kStages = Smem::kStages;
+  extern __shared__ __align__(16) uint8_t smem_raw[];
+  auto& s = *reinterpret_cast<Smem*>(smem_raw);
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, c = lane % 4;
+  const int t = blockIdx.y;
+  // Positions fit in int: context lengths are int32.
+  const int ctx = static_cast<int>(p.rows.visible(t));
+  const int begin = blockIdx.x * p.tiles_per_cta * kTile;
+  if (begin >= ctx) return;
+  const int n_tiles = min(p.tiles_per_cta, (ctx - begin + kTile - 1) / kTile);
+  const int32_t req = p.rows.request(t);
+
+  // Issues tile i into ring slot i % kStages (if the tile exists). The
+  // 16-byte pieces of the tile's rows are spread so that each warp copy
+  // covers whole consecutive rows (few cache lines per instruction);
+  // positions past the context or in a block outside the cache are
+  // zero-filled and never used. When tiles never straddle blocks (block sizes
+  // that are multiples of 64: tiles start 64-aligned), a tile is one run of
+  // rows of one block, and each issue also loads the next tile's block id, so
+  // the table's latency passes while the current tile is computed; other
+  // block sizes look each row up.
+  constexpr int kRowBytes = kFp8 ? kDim : 2 * kDim, kPiecesPerRow = kRowBytes / 16;
+  const int64_t row_stride = kFp8 ? kDim : p.row_stride;
+  const bool whole_blocks = p.block_size % kTile == 0;
+  const auto block_at = [&](int pos) { return pos < ctx ? p.block_table[req * p.table_stride + pos / p.block_size] : -1; };
+  const auto in_cache = [&](int block) { return block >= 0 && block < p.num_blocks; };
+  int next_block = whole_blocks ? block_at(begin) : -1;
+  auto issue = [&](int i) {
+    if (i < n_tiles) {
+      const int slot = i % kStages, start = begin + i * kTile;
+      const int tile_block = next_block;
+      if (whole_blocks && i + 1 < n_tiles) next_block = block_at(start + kTile);
+      // Row r of the tile: its block (ok: one of the cache's) and its offset in that block.
+      const auto source = [&](int row) {
+        const int block = whole_blocks ? tile_block : block_at(start + row);
+        const bool ok = in_cache(block) && start + row < ctx;
+        return KeySource{p.cache + (ok ? block : 0) * p.block_stride,
+                         whole_blocks ? start % p.block_size + row : (start + row) % p.block_size, ok};
+      };
+#pragma unroll
+      for (int k = 0; k < kTile * kPiecesPerRow / kScoreThreads; ++k) {
+        const int piece = k * kScoreThreads + tid, row = piece / kPiecesPerRow, col = piece % kPiecesPerRow;
+        const KeySource src = source(row);
+        const uint8_t* from = src.block + src.offset * row_stride + col * 16;
+        uint8_t* dst = &s.keys[slot][row][col * 16];
+        if (!kFp8 || p.block_stride % 16 == 0) {
+          cp_async_16(dst, from, src.ok);
+        } else {  // fp8 blocks of a size that is not a multiple of 4 start 4-byte aligned only
+          for (int w = 0; w < 4; ++w) cp_async_4(dst + 4 * w, from + 4 * w, src.ok);
+        }
+      }
+      if (tid < kTile) {  // the row's scale: the fp8 key's, 1 for bf16, -1 for a block outside the cache
+        const KeySource src = source(tid);
+        if (kFp8 && src.ok)
+          cp_async_4(&s.scale[slot][tid], src.block + static_cast<int64_t>(p.block_size) * kDim + src.offset * 4, true);
+        else
+          s.scale[slot][tid] = src.ok ? 1.f : start + tid < ctx ? -1.f : 0.f;
+      }
+    }
+    cp_async_commit();  // empty groups keep the wait counts uniform
+  };
+#pragma unroll
+  for (int i = 0; i < kStages - 1; ++i) issue(i);
+
+  // The token's queries as B fragments.
+  constexpr int kFragments = kGroups * kNTiles * kSteps * 32;
+#pragma unroll
+  for (int e = tid; e < kFragments; e += kScoreThreads) {
+    const int fl = e % 32, j = (e / 32) % kSteps, n = (e / (32 * kSteps)) % kNTiles, grp = e / (32 * kSteps * kNTiles);
+    const int h = (grp * kNTiles + n) * 8 + fl / 4;
+    const int2 d = fragment_dims<kFp8>(j, fl % 4);
+    uint2 f = {0, 0};
+    if (h < p.heads) {
+      f.x = pack2<__nv_bfloat16>(q_value(p, t, h, d.x), q_value(p, t, h, d.x + 1));
+      f.y = pack2<__nv_bfloat16>(q_value(p, t, h, d.y), q_value(p, t, h, d.y + 1));
+    }
+    s.q[grp][n][j][fl] = f;
+  }
+  // This lane's accumulator columns are heads 8n + 2c and 8n + 2c + 1 of each group.
+  float w[kGroups][kNTiles][2];
+#pragma unroll
+  for (int grp = 0; grp < kGroups; ++grp)
+#pragma unroll
+    for (int n = 0; n < kNTiles; ++n)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int h = (grp * kNTiles + n) * 8 + 2 * c + r;
+        w[grp][n][r] = h < p.heads ? p.weights[t * p.w_stride_t + h * p.w_stride_h] *
+                                         (p.q_scale ? p.q_scale[t * p.qs_stride_t + h * p.qs_stride_h] : 1.f)
+                                   : 0.f;
+      }
+  __syncthreads();
+  constexpr bool kQInRegisters = kGroups == 1;
+  uint2 bq[kQInRegisters ? kNTiles : 1][kQInRegisters ? kSteps : 1];
+  if constexpr (kQInRegisters) {
+#pragma unroll
+    for (int n = 0; n < kNTiles; ++n)
+#pragma unroll
+      for (int j = 0; j < kSteps; ++j) bq[n][j] = s.q[0][n][j][lane];
+  }
+
+  for (int i = 0; i < n_tiles; ++i) {
+    cp_async_wait<kStages - 2>();
+    __syncthreads();  // tile i landed; everyone is done with tile i - 1, whose slot is refilled next
+    issue(i + kStages - 1);
+    const int slot = i % kStages;
+    const uint8_t(*keys)[Smem::kRowBytes] = s.keys[slot];
+
+    float score[2] = {0.f, 0.f};  // this lane's rows g and g + 8 of the warp's 16 positions
+#pragma unroll
+    for (int grp = 0; grp < kGroups; ++grp) {
+      float acc[kNTiles][4] = {};
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {  // k-steps 4 * half .. + 3: half the A fragments live at a time
+        uint32_t a[4][4];
+        if constexpr (kFp8) {
+          const uint4 lo = *reinterpret_cast<const uint4*>(&keys[warp * 16 + g][32 * c + 16 * half]);
+          const uint4 hi = *reinterpret_cast<const uint4*>(&keys[warp * 16 + g + 8][32 * c + 16 * half]);
+          const uint32_t wlo[4] = {lo.x, lo.y, lo.z, lo.w}, whi[4] = {hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+          for (int jj = 0; jj < 4; ++jj) {
+            a[jj][0] = e4m3x2_to_bf16x2(wlo[jj], false);
+            a[jj][1] = e4m3x2_to_bf16x2(whi[jj], false);
+            a[jj][2] = e4m3x2_to_bf16x2(wlo[jj], true);
+            a[jj][3] = e4m3x2_to_bf16x2(whi[jj], true);
+          }
+        } else {
+#pragma unroll
+          for (int jj = 0; jj < 4; ++jj)
+            ldmatrix_x4(a[jj], &keys[warp * 16 + lane % 16][2 * (16 * (4 * half + jj) + (lane / 16) * 8)]);
+        }
+#pragma unroll
+        for (int jj = 0; jj < 4; ++jj)
+#pragma unroll
+          for (int n = 0; n < kNTiles; ++n) {
+            const uint2 b = kQInRegisters ? bq[n][4 * half + jj] : s.q[grp][n][4 * half + jj][lane];
+            mma_16816<__nv_bfloat16>(acc[n], a[jj], {b.x, b.y});
+          }
+      }
+#pragma unroll
+      for (int n = 0; n < kNTiles; ++n) {
+        score[0] += w[grp][n][0] * fmaxf(acc[n][0], 0.f) + w[grp][n][1] * fmaxf(acc[n][1], 0.f);
+        score[1] += w[grp][n][0] * fmaxf(acc[n][2], 0.f) + w[grp][n][1] * fmaxf(acc[n][3], 0.f);
+      }
+    }
+    // The other heads of rows g and g + 8 are in the quad's other lanes.
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      score[r] += __shfl_xor_sync(0xffffffffu, score[r], 1);
+      score[r] += __shfl_xor_sync(0xffffffffu, score[r], 2);
+    }
+    if (c < 2) {  // lane c = 0 writes row g, c = 1 row g + 8
+      const int row = warp * 16 + g + 8 * c, pos = begin + i * kTile + row;
+      const float sc = s.scale[slot][row];
+      if (pos < ctx) p.scores[t * p.score_stride + pos] = sc < 0.f ? -INFINITY : score[c] * sc;
+    }
+  }
+}
+
+template <int kNTiles, int kGroups, bool kFp8>
+void launch(const ScoreParams& p, int tokens, int64_t capacity, cudaStream_t stream) {
+  constexpr int smem = sizeof(ScoreSmem<kNTiles, kGroups, kFp8>);
+  static_assert(smem <= 99 * 1024, "fits every arch's shared memory per block");
+  const auto kernel = index_scores_kernel<kNTiles, kGroups, kFp8>;
+  allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
+  const int64_t per_cta = static_cast<int64_t>(p.tiles_per_cta) * kTile;
+  const dim3 grid(static_cast<unsigned>((capacity + per_cta - 1) / per_cta), tokens);
+  kernel<<<grid, kScoreThreads, smem, stream>>>(p);
+  check_launch("smla indexer scores kernel");
+}
+
+template <int kNTiles, int kGroups>
+void launch(const ScoreParams& p, int tokens, int64_t capacity, cudaStream_t stream) {
+  if (p.fp8_cache) launch<kNTiles, kGroups, true>(p, tokens, capacity, stream);
+  else launch<kNTiles, kGroups, false>(p, tokens, capacity, stream);
+}
+
+}  // namespace
+
+void indexer_scores(const IndexerTopkArgs& a, float* scores) {
+  const int tokens = static_cast<int>(a.q.size(0));
+  ScoreParams p{};
+  p.q = a.q.data;
+  p.q_kind = a.q.dtype == DType::bf16 ? QKind::bf16 : a.q.dtype == DType::f16 ? QKind::f16 : QKind::fp8;
+  p.q_stride_t = a.q.stride(0);
+  p.q_stride_h = a.q.stride(1);
+  p.q_scale = a.q_scale.defined() ? a.q_scale.ptr<float>() : nullptr;
+  p.qs_stride_t = a.q_scale.defined() ? a.q_scale.stride(0) : 0;
+  p.qs_stride_h = a.q_scale.defined() ? a.q_scale.stride(1) : 0;
+  p.weights = a.weights.ptr<float>();
+  p.w_stride_t = a.weights.stride(0);
+  p.w_stride_h = a.weights.stride(1);
+  p.heads = static_cast<int>(a.q.size(1));
+  p.cache = a.index_cache.ptr<uint8_t>();
+  p.fp8_cache = a.index_cache.dtype == DType::fp8_e4m3;
+  const int64_t elem = p.fp8_cache ? 1 : 2;
+  p.block_stride = a.index_cache.stride(0) * elem;
+  p.row_stride = a.index_cache.stride(1) * elem;
+  p.block_size = static_cast<int>(a.index_cache.size(1));
+  p.num_blocks = static_cast<int>(a.index_cache.size(0));
+  p.rows = index_rows(a);
+  p.block_table = a.block_table.ptr<int32_t>();
+  p.table_stride = a.block_table.stride(0);
+  p.scores = scores;
+  p.score_stride = score_row_stride(a);
+  require(reinterpret_cast<uintptr_t>(p.cache) % 16 == 0 &&
+              (p.fp8_cache ? p.block_stride % 4 == 0 : p.block_stride % 16 == 0 && p.row_stride % 16 == 0),
+          "indexer_topk: index_cache: the CUDA backend needs 16-byte aligned data and bf16 rows, 4-byte aligned fp8 blocks");
+  const int64_t capacity = index_capacity(a);
+  if (tokens == 0 || capacity == 0) return;
+  // Runs long enough to amortise the queries' set-up, short enough for about four CTAs per SM.
+  const int64_t tiles = tokens * ((capacity + kTile - 1) / kTile);
+  p.tiles_per_cta = static_cast<int>(std::clamp<int64_t>(tiles / (4 * current_device().num_sms), 1, 16));
+  const auto stream = static_cast<cudaStream_t>(a.stream);
+  // Heads padded to 8, 16 or 32 mma columns held in registers; more heads go
+  // in groups of 32 whose fragments are read from shared memory (64 heads in
+  // registers cost two of the four CTAs per SM, measured slower).
+  if (p.heads <= 8) launch<1, 1>(p, tokens, capacity, stream);
+  else if (p.heads <= 16) launch<2, 1>(p, tokens, capacity, stream);
+  else if (p.heads <= 32) launch<4, 1>(p, tokens, capacity, stream);
+  else if (p.heads <= 64) launch<4, 2>(p, tokens, capacity, stream);
+  else launch<4, 4>(p, tokens, capacity, stream);
+}
+
+}  // namespace smla::cuda
