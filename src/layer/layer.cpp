@@ -80,7 +80,7 @@ class HostPack {
   size_t add(const std::vector<T>& values) {
     const size_t offset = (bytes_.size() + 7) / 8 * 8;
     bytes_.resize(offset + values.size() * sizeof(T));
-    std::memcpy(bytes_.data() + offset, values.data(), values.size() * sizeof(T));
+    if (!values.empty()) std::memcpy(bytes_.data() + offset, values.data(), values.size() * sizeof(T));
     return offset;
   }
   std::span<const std::byte> bytes() const { return bytes_; }
