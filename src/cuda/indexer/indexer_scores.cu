@@ -4,18 +4,20 @@
 // block table with cp.async into a ring of tiles; positions are the mma's M
 // dimension (16 per warp), heads its N: the token's queries are B fragments
 // that stay in registers for the whole run (up to 32 heads; more are read
-// from shared memory per tile), so a key is read
-// from shared memory once and meets every head there. ReLU, the head weights
-// and the sum over heads happen on the accumulators; the key scale is
-// applied to the finished score.
+// from shared memory per tile), so a key is read from shared memory once and
+// meets every head there. Each warp gathers and computes its own 16 rows of
+// every tile, so warps never wait for each other. ReLU, the head weights and
+// the sum over heads happen on the accumulators; the key scale is applied to
+// the finished score.
 //
-// Keys and queries meet as bf16 (fp32 accumulation): fp8 keys become bf16 A
-// fragments in registers, exactly (the e4m3 bits land in a bf16 whose
-// exponent is 120 too small, then one multiply by 2^120), with the
-// dimensions permuted so each lane reads 16 contiguous bytes; the queries'
-// fragments use the same permutation (a dot product does not care about the
-// order of its terms). fp8 and bf16 queries are exact in bf16, f16 ones are
-// rounded.
+// Keys and queries meet as bf16 (fp32 accumulation). fp8 keys become bf16 A
+// fragments in registers in three instructions per pair: the e4m3 bits land
+// in a bf16 of value k * 2^-120 (subnormal codes included), exactly; the
+// queries' fragments carry 2^88 and the head weights 2^32 to make up for it
+// (so queries up to 2^40 in magnitude are exact). The fp8 rows' dimensions
+// are permuted so each lane reads 16 contiguous bytes; the queries' fragments
+// use the same permutation (a dot product does not care about the order of
+// its terms). fp8 and bf16 queries are exact in bf16, f16 ones are rounded.
 #include <cuda_fp8.h>
 
 #include <algorithm>
@@ -86,21 +88,22 @@ struct KeySource {
   bool ok;
 };
 
-// Two e4m3 codes (bytes 0-1, or 2-3 when `high`) of `word` as an exact bf16x2.
-__device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint32_t word, bool high) {
-  const uint32_t r = __byte_perm(word, 0, high ? 0x3424 : 0x1404);  // each code in the top byte of a half
-  // sign stays; exponent and mantissa move down 4 bits: a bf16 of value * 2^-120 (subnormals included)
-  const uint32_t scaled = ((r >> 4) & 0x07f007f0u) | (r & 0x80008000u);
-  const __nv_bfloat162 v = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&scaled),
-                                   __nv_bfloat162(__ushort_as_bfloat16(0x7b80), __ushort_as_bfloat16(0x7b80)));
-  return *reinterpret_cast<const uint32_t*>(&v);  // 0x7b80 = 2^120
+// Two e4m3 codes (bytes 0-1, or 2-3 when `high`) of `word` as a bf16x2 of
+// value * 2^-120: each code with its sign byte-replicated above it (prmt),
+// then the 7 exponent and mantissa bits moved to bf16's and the sign to bit 15.
+__device__ __forceinline__ uint32_t e4m3x2_to_scaled_bf16x2(uint32_t word, bool high) {
+  uint32_t r;
+  asm("prmt.b32 %0, %1, 0, %2;" : "=r"(r) : "r"(word), "r"(high ? 0xb3a2u : 0x9180u));
+  return (r << 4) & 0x87f087f0u;
 }
+// The powers of two that make up for the keys' 2^-120: on the queries and on the head weights.
+constexpr int kFp8QueryExponent = 88, kFp8WeightExponent = 120 - kFp8QueryExponent;
 
 template <int kNTiles, int kGroups, bool kFp8>
 struct ScoreSmem {
-  // Tiles in the ring: one in use, the rest in flight (one fewer for bf16 keys with more than 64 heads, whose
-  // queries take 32 KB).
-  static constexpr int kStages = kGroups > 2 && !kFp8 ? 3 : 4;
+  // Tiles in the ring (one in use, the rest in flight): as many as still let four CTAs (fp8 keys) or three
+  // (bf16 keys) share an SM's 228 KB.
+  static constexpr int kStages = kFp8 ? (kGroups == 1 ? 5 : 4) : 3;
   // +16 bytes per row: the 8 rows an ldmatrix (or a quarter warp's 16-byte loads) touches start in different banks
   static constexpr int kRowBytes = (kFp8 ? kDim : 2 * kDim) + 16;
   uint8_t keys[kStages][kTile][kRowBytes];
@@ -125,15 +128,16 @@ __global__ void __launch_bounds__(kScoreThreads, 4) index_scores_kernel(const Sc
   const int n_tiles = min(p.tiles_per_cta, (ctx - begin + kTile - 1) / kTile);
   const int32_t req = p.rows.request(t);
 
-  // Issues tile i into ring slot i % kStages (if the tile exists). The
-  // 16-byte pieces of the tile's rows are spread so that each warp copy
-  // covers whole consecutive rows (few cache lines per instruction);
-  // positions past the context or in a block outside the cache are
-  // zero-filled and never used. When tiles never straddle blocks (block sizes
-  // that are multiples of 64: tiles start 64-aligned), a tile is one run of
-  // rows of one block, and each issue also loads the next tile's block id, so
-  // the table's latency passes while the current tile is computed; other
-  // block sizes look each row up.
+  // Each warp computes 16 rows of every tile and gathers those rows itself,
+  // so warps wait only for their own copies (no CTA-wide barrier per tile).
+  // issue(i) puts the warp's rows of tile i into ring slot i % kStages (if
+  // the tile exists); a warp copy covers whole consecutive rows (few cache
+  // lines per instruction); positions past the context or in a block outside
+  // the cache are zero-filled and never used. When tiles never straddle
+  // blocks (block sizes that are multiples of 64: tiles start 64-aligned), a
+  // tile is one run of rows of one block, and each issue also loads the next
+  // tile's block id, so the table's latency passes while the current tile is
+  // computed; other block sizes look each row up.
   constexpr int kRowBytes = kFp8 ? kDim : 2 * kDim, kPiecesPerRow = kRowBytes / 16;
   const int64_t row_stride = kFp8 ? kDim : p.row_stride;
   const bool whole_blocks = p.block_size % kTile == 0;
@@ -153,8 +157,8 @@ __global__ void __launch_bounds__(kScoreThreads, 4) index_scores_kernel(const Sc
                          whole_blocks ? start % p.block_size + row : (start + row) % p.block_size, ok};
       };
 #pragma unroll
-      for (int k = 0; k < kTile * kPiecesPerRow / kScoreThreads; ++k) {
-        const int piece = k * kScoreThreads + tid, row = piece / kPiecesPerRow, col = piece % kPiecesPerRow;
+      for (int k = 0; k < 16 * kPiecesPerRow / 32; ++k) {
+        const int piece = k * 32 + lane, row = warp * 16 + piece / kPiecesPerRow, col = piece % kPiecesPerRow;
         const KeySource src = source(row);
         const uint8_t* from = src.block + src.offset * row_stride + col * 16;
         uint8_t* dst = &s.keys[slot][row][col * 16];
@@ -164,12 +168,13 @@ __global__ void __launch_bounds__(kScoreThreads, 4) index_scores_kernel(const Sc
           for (int w = 0; w < 4; ++w) cp_async_4(dst + 4 * w, from + 4 * w, src.ok);
         }
       }
-      if (tid < kTile) {  // the row's scale: the fp8 key's, 1 for bf16, -1 for a block outside the cache
-        const KeySource src = source(tid);
+      if (lane < 16) {  // the row's scale: the fp8 key's, 1 for bf16, -1 for a block outside the cache
+        const int row = warp * 16 + lane;
+        const KeySource src = source(row);
         if (kFp8 && src.ok)
-          cp_async_4(&s.scale[slot][tid], src.block + static_cast<int64_t>(p.block_size) * kDim + src.offset * 4, true);
+          cp_async_4(&s.scale[slot][row], src.block + static_cast<int64_t>(p.block_size) * kDim + src.offset * 4, true);
         else
-          s.scale[slot][tid] = src.ok ? 1.f : start + tid < ctx ? -1.f : 0.f;
+          s.scale[slot][row] = src.ok ? 1.f : start + row < ctx ? -1.f : 0.f;
       }
     }
     cp_async_commit();  // empty groups keep the wait counts uniform
@@ -186,8 +191,9 @@ __global__ void __launch_bounds__(kScoreThreads, 4) index_scores_kernel(const Sc
     const int2 d = fragment_dims<kFp8>(j, fl % 4);
     uint2 f = {0, 0};
     if (h < p.heads) {
-      f.x = pack2<__nv_bfloat16>(q_value(p, t, h, d.x), q_value(p, t, h, d.x + 1));
-      f.y = pack2<__nv_bfloat16>(q_value(p, t, h, d.y), q_value(p, t, h, d.y + 1));
+      const auto q = [&](int dim) { return ldexpf(q_value(p, t, h, dim), kFp8 ? kFp8QueryExponent : 0); };
+      f.x = pack2<__nv_bfloat16>(q(d.x), q(d.x + 1));
+      f.y = pack2<__nv_bfloat16>(q(d.y), q(d.y + 1));
     }
     s.q[grp][n][j][fl] = f;
   }
@@ -200,8 +206,9 @@ __global__ void __launch_bounds__(kScoreThreads, 4) index_scores_kernel(const Sc
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int h = (grp * kNTiles + n) * 8 + 2 * c + r;
-        w[grp][n][r] = h < p.heads ? p.weights[t * p.w_stride_t + h * p.w_stride_h] *
-                                         (p.q_scale ? p.q_scale[t * p.qs_stride_t + h * p.qs_stride_h] : 1.f)
+        w[grp][n][r] = h < p.heads ? ldexpf(p.weights[t * p.w_stride_t + h * p.w_stride_h] *
+                                                (p.q_scale ? p.q_scale[t * p.qs_stride_t + h * p.qs_stride_h] : 1.f),
+                                            kFp8 ? kFp8WeightExponent : 0)
                                    : 0.f;
       }
   __syncthreads();
@@ -216,7 +223,7 @@ __global__ void __launch_bounds__(kScoreThreads, 4) index_scores_kernel(const Sc
 
   for (int i = 0; i < n_tiles; ++i) {
     cp_async_wait<kStages - 2>();
-    __syncthreads();  // tile i landed; everyone is done with tile i - 1, whose slot is refilled next
+    __syncwarp();  // the warp's rows of tile i landed; its lanes are done with tile i - 1, whose slot is refilled next
     issue(i + kStages - 1);
     const int slot = i % kStages;
     const uint8_t(*keys)[Smem::kRowBytes] = s.keys[slot];
@@ -234,10 +241,10 @@ __global__ void __launch_bounds__(kScoreThreads, 4) index_scores_kernel(const Sc
           const uint32_t wlo[4] = {lo.x, lo.y, lo.z, lo.w}, whi[4] = {hi.x, hi.y, hi.z, hi.w};
 #pragma unroll
           for (int jj = 0; jj < 4; ++jj) {
-            a[jj][0] = e4m3x2_to_bf16x2(wlo[jj], false);
-            a[jj][1] = e4m3x2_to_bf16x2(whi[jj], false);
-            a[jj][2] = e4m3x2_to_bf16x2(wlo[jj], true);
-            a[jj][3] = e4m3x2_to_bf16x2(whi[jj], true);
+            a[jj][0] = e4m3x2_to_scaled_bf16x2(wlo[jj], false);
+            a[jj][1] = e4m3x2_to_scaled_bf16x2(whi[jj], false);
+            a[jj][2] = e4m3x2_to_scaled_bf16x2(wlo[jj], true);
+            a[jj][3] = e4m3x2_to_scaled_bf16x2(whi[jj], true);
           }
         } else {
 #pragma unroll
