@@ -44,6 +44,8 @@ if [[ " $parts " == *" run "* ]]; then
     echo "== smla run $args"
     ./build-gpu/tools/smla/smla run $args 2>&1 | tee -a "$out/run.log" | grep -E "^(result|job|per step|throughput|  *indexer|check)"
   done
+  echo "== smla run --model glm-5 --layer 3 --tp 8"
+  ./build-gpu/tools/smla/smla run --model glm-5 --layer 3 --tp 8 2>&1 | tee -a "$out/run.log" | tail -25
 fi
 if [[ " $parts " == *" bench "* ]]; then
   echo "== benchmark"

@@ -14,6 +14,9 @@
 #include <string>
 #include <vector>
 
+#if SMLA_WITH_CUDA
+#include "cuda/kernels.h"
+#endif
 #include "reference/indexer_reference.h"
 #include "reference/mla_reference.h"
 #include "run_job.h"
@@ -23,9 +26,18 @@ namespace smla::cli {
 
 namespace {
 
+#if SMLA_WITH_CUDA
+constexpr bool kWithCuda = true;
+#else
+constexpr bool kWithCuda = false;
+#endif
+
 struct Timings {
-  double write = 0, indexer = 0, slots = 0, attention = 0;  // seconds, summed over steps
-  double total() const { return write + indexer + slots + attention; }
+  // Seconds, summed over steps. `indexer` is the whole indexer_topk op, or its scores alone when `topk` (the
+  // selection) is timed apart.
+  double write = 0, indexer = 0, topk = 0, slots = 0, attention = 0;
+  double total() const { return write + indexer + topk + slots + attention; }
+  bool split() const { return topk > 0; }
 };
 
 struct Report {
@@ -165,6 +177,14 @@ Report run_sparse(const JobOptions& o, const AttentionSpec& spec, const RunSpec&
   attn.out = mem.empty({B, H, kMlaVDim}, run.q_dtype);
   attn.lse = mem.empty({B, H}, DType::f32);
 
+  // On the CUDA backend the op's two stages (scores, then the selection) are timed apart: the same kernels
+  // indexer_topk runs one after the other, with a scores buffer of their own.
+  const bool split_indexer = kWithCuda && be.name() == "cuda_mma";
+  TensorView scores;
+#if SMLA_WITH_CUDA
+  if (split_indexer) scores = mem.empty({B, cuda::score_row_stride(idx)}, DType::f32);
+#endif
+
   Progress progress(o.steps, quiet);
   for (int s = 0; s < o.steps; ++s) {
     const int64_t pos = o.context - 1 + s;  // the new token of every request
@@ -176,7 +196,14 @@ Report run_sparse(const JobOptions& o, const AttentionSpec& spec, const RunSpec&
     mem.upload(idx.weights, weights.data());
     mem.upload(idx.context_lens, context_lens.data());
 
-    r.t.indexer += timed(mem, [&] { indexer_topk(idx, &be); });
+    if (split_indexer) {
+#if SMLA_WITH_CUDA
+      r.t.indexer += timed(mem, [&] { cuda::indexer_scores(idx, scores.ptr<float>()); });
+      r.t.topk += timed(mem, [&] { cuda::select_topk(idx, scores.ptr<float>()); });
+#endif
+    } else {
+      r.t.indexer += timed(mem, [&] { indexer_topk(idx, &be); });
+    }
     r.t.slots += timed(mem, [&] { positions_to_slots(p2s, &be); });
     r.t.attention += timed(mem, [&] { sparse_mla(attn, &be); });
     r.bytes_indexer += static_cast<double>(B) * (pos + 1) * index_row_bytes(caches.index_view.dtype);
@@ -276,7 +303,7 @@ int run_ops(const JobOptions& o, const Resolved& res, const Backend& be, Memory&
                           : run_dense(o, res.spec, res.run, be, mem, o.common.json);
 
   const double step_ms = 1e3 * r.t.total() / o.steps;
-  const double read_s = r.t.indexer + r.t.attention;
+  const double read_s = r.t.indexer + r.t.topk + r.t.attention;
   const double gbs = (r.bytes_indexer + r.bytes_attention) / read_s / 1e9;
   const double tokens_per_s = o.batch * o.steps / r.t.total();
   const bool ok = r.topk_match && r.max_abs_err < 2e-2;
@@ -290,7 +317,7 @@ int run_ops(const JobOptions& o, const Resolved& res, const Backend& be, Memory&
                         {"ms_per_step",
                          {{"total", step_ms},
                           {"cache_write", 1e3 * r.t.write / o.steps},
-                          {"indexer_topk", 1e3 * r.t.indexer / o.steps},
+                          {"indexer_topk", 1e3 * (r.t.indexer + r.t.topk) / o.steps},
                           {"slots", 1e3 * r.t.slots / o.steps},
                           {"attention", 1e3 * r.t.attention / o.steps}}},
                         {"tokens_per_s", tokens_per_s},
@@ -298,10 +325,17 @@ int run_ops(const JobOptions& o, const Resolved& res, const Backend& be, Memory&
                         {"memory_bandwidth_gbs", bw},
                         {"check", {{"tokens", r.checked_tokens}, {"max_abs_err", r.max_abs_err},
                                    {"topk_match", r.topk_match}, {"passed", ok}}}};
+    if (r.t.split()) {
+      j["ms_per_step"]["indexer_scores"] = 1e3 * r.t.indexer / o.steps;
+      j["ms_per_step"]["topk"] = 1e3 * r.t.topk / o.steps;
+    }
     std::cout << j.dump(2) << "\n";
   } else {
     auto ms = [&](double s) { return 1e3 * s / o.steps; };
-    if (sparse)
+    if (sparse && r.t.split())
+      std::printf("\nper step   %.2f ms: cache write %.2f, indexer %.2f, top-k %.2f, slots %.2f, attention %.2f\n",
+                  step_ms, ms(r.t.write), ms(r.t.indexer), ms(r.t.topk), ms(r.t.slots), ms(r.t.attention));
+    else if (sparse)
       std::printf("\nper step   %.2f ms: cache write %.2f, indexer+top-k %.2f, slots %.2f, attention %.2f\n", step_ms,
                   ms(r.t.write), ms(r.t.indexer), ms(r.t.slots), ms(r.t.attention));
     else
@@ -310,7 +344,8 @@ int run_ops(const JobOptions& o, const Resolved& res, const Backend& be, Memory&
     std::printf("throughput %.0f tokens/s; cache bytes read %.1f GB/s = %.0f%% of the measured %.1f GB/s\n",
                 tokens_per_s, gbs, 100 * gbs / bw, bw);
     if (sparse)
-      std::printf("           indexer %.1f GB/s, attention %.1f GB/s\n", r.bytes_indexer / r.t.indexer / 1e9,
+      std::printf("           indexer %.1f GB/s%s, attention %.1f GB/s\n", r.bytes_indexer / r.t.indexer / 1e9,
+                  r.t.split() ? " (scores alone)" : "",
                   r.bytes_attention / r.t.attention / 1e9);
     std::printf("check      %d sampled tokens vs the float64 reference: %s (max abs error %.2g%s)\n",
                 r.checked_tokens, ok ? "match" : "MISMATCH", r.max_abs_err,
