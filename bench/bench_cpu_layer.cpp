@@ -5,11 +5,11 @@
 //   bench_cpu_layer [context (4096)] [steps (9)] [batch sizes (1 8)...]
 #include <algorithm>
 #include <array>
-#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
 
+#include "layer_profile.h"
 #include "smla/layer.h"
 
 namespace {
@@ -62,22 +62,7 @@ int main(int argc, char** argv) {
     const std::vector<float> hidden = uniform(state, int64_t(batch) * spec.hidden_size, 1.f);
     std::vector<float> out(hidden.size());
     for (int i = 0; i < kWarmup; ++i) layer.forward(segments, hidden.data(), out.data());
-    // Per column, the median over the steps: this VM's 2 cores are shared, and a busy neighbour hits single steps.
-    std::vector<std::array<double, 8>> rows;
-    for (int i = 0; i < steps; ++i) {
-      LayerProfile p;
-      const auto start = std::chrono::steady_clock::now();
-      layer.forward(segments, hidden.data(), out.data(), AttentionPath::absorbed, &p);
-      const double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      rows.push_back({p.projections, p.rope, p.cache_write, p.indexer, p.topk, p.attention, p.output, total});
-    }
-    std::array<double, 8> median{};
-    for (size_t c = 0; c < median.size(); ++c) {
-      std::vector<double> column;
-      for (const auto& row : rows) column.push_back(row[c] * 1e3);
-      std::ranges::nth_element(column, column.begin() + steps / 2);
-      median[c] = column[steps / 2];
-    }
+    const std::array<double, 8> median = bench::median_profile_ms(layer, segments, hidden.data(), out.data(), steps);
     std::printf("%6d %11.2f %6.2f %11.2f %8.2f %6.2f %9.2f %7.2f %8.2f\n", batch, median[0], median[1], median[2],
                 median[3], median[4], median[5], median[6], median[7]);
     for (const LayerSegment& seg : segments) layer.release_request(seg.request);

@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "layer_profile.h"
 #include "smla/error.h"
 #include "smla/layer.h"
 #include "smla/select.h"
@@ -78,21 +79,7 @@ int main(int argc, char** argv) try {
   const double step_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count() /
                          steps;
 
-  std::vector<std::array<double, 8>> rows;
-  for (int i = 0; i < steps; ++i) {
-    LayerProfile p;
-    const auto t0 = std::chrono::steady_clock::now();
-    layer.forward(segments, hidden, out, AttentionPath::absorbed, &p);
-    const double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    rows.push_back({p.projections, p.rope, p.cache_write, p.indexer, p.topk, p.attention, p.output, total});
-  }
-  std::array<double, 8> median{};
-  for (size_t c = 0; c < median.size(); ++c) {
-    std::vector<double> column;
-    for (const auto& row : rows) column.push_back(row[c] * 1e3);
-    std::ranges::nth_element(column, column.begin() + steps / 2);
-    median[c] = column[steps / 2];
-  }
+  const std::array<double, 8> median = bench::median_profile_ms(layer, segments, hidden, out, steps);
   std::printf("GLM-5 layer decode on %s (backend %s): %d heads (tp %d), batch %d, context %d, %s cache, "
               "%d steps after %d warm-up\n",
               layer.device().name().c_str(), layer.backend().name().c_str(), spec.num_heads, tp, batch, context,
