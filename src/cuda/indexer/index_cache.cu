@@ -6,6 +6,7 @@
 #include <cuda_fp8.h>
 
 #include "cuda/common/runtime.h"
+#include "cuda/indexer/indexer_common.cuh"
 #include "cuda/kernels.h"
 
 namespace smla::cuda {
@@ -18,10 +19,7 @@ struct IndexWriteParams {
   int64_t k_stride;  // elements
   const int64_t* slot_mapping;
   int64_t slot_stride, num_tokens, num_slots;
-  uint8_t* cache;
-  bool fp8;
-  int64_t block_stride, row_stride;  // bytes (row stride: bf16 layout only)
-  int block_size;
+  IndexCacheLayout cache;
 };
 
 __device__ __forceinline__ float load(const void* base, int64_t i, DType d) {
@@ -38,24 +36,24 @@ __global__ void write_index_cache_kernel(const IndexWriteParams p) {
   if (token >= p.num_tokens) return;
   const int64_t slot = p.slot_mapping[token * p.slot_stride];
   if (slot < 0 || slot >= p.num_slots) return;
-  const int64_t block = slot / p.block_size, off = slot % p.block_size;
+  const int64_t block = slot / p.cache.block_size, off = slot % p.cache.block_size;
   const char* src = static_cast<const char*>(p.k) + token * p.k_stride * (p.k_dtype == DType::f32 ? 4 : 2);
   float v[4], amax = 0.f;
   for (int e = 0; e < 4; ++e) {
     v[e] = load(src, lane * 4 + e, p.k_dtype);
     amax = fmaxf(amax, fabsf(v[e]));
   }
-  uint8_t* base = p.cache + block * p.block_stride;
-  if (p.fp8) {
+  uint8_t* base = p.cache.data + block * p.cache.block_stride;
+  if (p.cache.fp8) {
     for (int o = 16; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
     // numeric::index_key_scale: max(amax, 1e-4) / 448 rounded up to a power of two.
     const uint32_t u = __float_as_uint(fmaxf(amax, 1e-4f) / 448.f);
     const float scale = (u & 0x7fffffu) == 0 ? __uint_as_float(u) : __uint_as_float((u & 0x7f800000u) + 0x800000u);
     for (int e = 0; e < 4; ++e)
       base[off * 128 + lane * 4 + e] = __nv_cvt_float_to_fp8(v[e] / scale, __NV_SATFINITE, __NV_E4M3);
-    if (lane == 0) *reinterpret_cast<float*>(base + p.block_size * 128 + off * 4) = scale;
+    if (lane == 0) *reinterpret_cast<float*>(base + p.cache.block_size * 128 + off * 4) = scale;
   } else {
-    __nv_bfloat16* row = reinterpret_cast<__nv_bfloat16*>(base + off * p.row_stride);
+    __nv_bfloat16* row = reinterpret_cast<__nv_bfloat16*>(base + off * p.cache.row_stride);
     for (int e = 0; e < 4; ++e) row[lane * 4 + e] = __float2bfloat16_rn(v[e]);
   }
 }
@@ -100,14 +98,9 @@ void write_index_cache(const WriteIndexCacheArgs& a) {
   p.slot_stride = a.slot_mapping.stride(0);
   p.num_tokens = a.k.size(0);
   p.num_slots = a.cache.size(0) * a.cache.size(1);
-  p.cache = a.cache.ptr<uint8_t>();
-  p.fp8 = a.cache.dtype == DType::fp8_e4m3;
-  const int64_t elem = p.fp8 ? 1 : 2;
-  p.block_stride = a.cache.stride(0) * elem;
-  p.row_stride = a.cache.stride(1) * elem;
-  p.block_size = static_cast<int>(a.cache.size(1));
-  if (p.fp8)
-    require(reinterpret_cast<uintptr_t>(p.cache) % 4 == 0 && p.block_stride % 4 == 0,
+  p.cache = index_cache_layout(a.cache);
+  if (p.cache.fp8)
+    require(reinterpret_cast<uintptr_t>(p.cache.data) % 4 == 0 && p.cache.block_stride % 4 == 0,
             "write_index_cache: cache: the fp8 scales need 4-byte aligned blocks");
   if (p.num_tokens == 0) return;
   constexpr int kThreads = 256;

@@ -1,5 +1,5 @@
-// What the indexer's two kernels share: which rows of the block table a
-// token reads and how many positions it sees.
+// What the indexer's kernels share: the index cache's layout, which rows of
+// the block table a token reads and how many positions it sees.
 #pragma once
 
 #include <cstdint>
@@ -7,6 +7,22 @@
 #include "smla/ops.h"
 
 namespace smla::cuda {
+
+// An index cache [num_blocks, block_size, row] as the kernels address it: bf16
+// rows, or fp8 blocks (block_size keys of 128 bytes, then their fp32 scales).
+struct IndexCacheLayout {
+  uint8_t* data;
+  bool fp8;
+  int64_t block_stride, row_stride;  // bytes (row stride: bf16 rows)
+  int block_size, num_blocks;
+};
+
+inline IndexCacheLayout index_cache_layout(const TensorView& cache) {
+  const bool fp8 = cache.dtype == DType::fp8_e4m3;
+  const int64_t elem = fp8 ? 1 : 2;
+  return {cache.ptr<uint8_t>(),     fp8, cache.stride(0) * elem, cache.stride(1) * elem,
+          static_cast<int>(cache.size(1)), static_cast<int>(cache.size(0))};
+}
 
 struct IndexRows {
   const int32_t* request_ids;

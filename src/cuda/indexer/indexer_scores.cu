@@ -47,10 +47,7 @@ struct ScoreParams {
   const float* weights;
   int64_t w_stride_t, w_stride_h;
   int heads;
-  const uint8_t* cache;
-  bool fp8_cache;
-  int64_t block_stride, row_stride;  // bytes (row stride: bf16 cache)
-  int block_size, num_blocks;
+  IndexCacheLayout cache;
   IndexRows rows;
   const int32_t* block_table;
   int64_t table_stride;
@@ -139,10 +136,10 @@ __global__ void __launch_bounds__(kScoreThreads, 4) index_scores_kernel(const Sc
   // tile's block id, so the table's latency passes while the current tile is
   // computed; other block sizes look each row up.
   constexpr int kRowBytes = kFp8 ? kDim : 2 * kDim, kPiecesPerRow = kRowBytes / 16;
-  const int64_t row_stride = kFp8 ? kDim : p.row_stride;
-  const bool whole_blocks = p.block_size % kTile == 0;
-  const auto block_at = [&](int pos) { return pos < ctx ? p.block_table[req * p.table_stride + pos / p.block_size] : -1; };
-  const auto in_cache = [&](int block) { return block >= 0 && block < p.num_blocks; };
+  const int64_t row_stride = kFp8 ? kDim : p.cache.row_stride;
+  const bool whole_blocks = p.cache.block_size % kTile == 0;
+  const auto block_at = [&](int pos) { return pos < ctx ? p.block_table[req * p.table_stride + pos / p.cache.block_size] : -1; };
+  const auto in_cache = [&](int block) { return block >= 0 && block < p.cache.num_blocks; };
   int next_block = whole_blocks ? block_at(begin) : -1;
   auto issue = [&](int i) {
     if (i < n_tiles) {
@@ -153,8 +150,8 @@ __global__ void __launch_bounds__(kScoreThreads, 4) index_scores_kernel(const Sc
       const auto source = [&](int row) {
         const int block = whole_blocks ? tile_block : block_at(start + row);
         const bool ok = in_cache(block) && start + row < ctx;
-        return KeySource{p.cache + (ok ? block : 0) * p.block_stride,
-                         whole_blocks ? start % p.block_size + row : (start + row) % p.block_size, ok};
+        return KeySource{p.cache.data + (ok ? block : 0) * p.cache.block_stride,
+                         whole_blocks ? start % p.cache.block_size + row : (start + row) % p.cache.block_size, ok};
       };
 #pragma unroll
       for (int k = 0; k < 16 * kPiecesPerRow / 32; ++k) {
@@ -162,7 +159,7 @@ __global__ void __launch_bounds__(kScoreThreads, 4) index_scores_kernel(const Sc
         const KeySource src = source(row);
         const uint8_t* from = src.block + src.offset * row_stride + col * 16;
         uint8_t* dst = &s.keys[slot][row][col * 16];
-        if (!kFp8 || p.block_stride % 16 == 0) {
+        if (!kFp8 || p.cache.block_stride % 16 == 0) {
           cp_async_16(dst, from, src.ok);
         } else {  // fp8 blocks of a size that is not a multiple of 4 start 4-byte aligned only
           for (int w = 0; w < 4; ++w) cp_async_4(dst + 4 * w, from + 4 * w, src.ok);
@@ -172,7 +169,7 @@ __global__ void __launch_bounds__(kScoreThreads, 4) index_scores_kernel(const Sc
         const int row = warp * 16 + lane;
         const KeySource src = source(row);
         if (kFp8 && src.ok)
-          cp_async_4(&s.scale[slot][row], src.block + static_cast<int64_t>(p.block_size) * kDim + src.offset * 4, true);
+          cp_async_4(&s.scale[slot][row], src.block + static_cast<int64_t>(p.cache.block_size) * kDim + src.offset * 4, true);
         else
           s.scale[slot][row] = src.ok ? 1.f : start + row < ctx ? -1.f : 0.f;
       }
@@ -293,7 +290,7 @@ void launch(const ScoreParams& p, int tokens, int64_t capacity, cudaStream_t str
 
 template <int kNTiles, int kGroups>
 void launch(const ScoreParams& p, int tokens, int64_t capacity, cudaStream_t stream) {
-  if (p.fp8_cache) launch<kNTiles, kGroups, true>(p, tokens, capacity, stream);
+  if (p.cache.fp8) launch<kNTiles, kGroups, true>(p, tokens, capacity, stream);
   else launch<kNTiles, kGroups, false>(p, tokens, capacity, stream);
 }
 
@@ -313,20 +310,15 @@ void indexer_scores(const IndexerTopkArgs& a, float* scores) {
   p.w_stride_t = a.weights.stride(0);
   p.w_stride_h = a.weights.stride(1);
   p.heads = static_cast<int>(a.q.size(1));
-  p.cache = a.index_cache.ptr<uint8_t>();
-  p.fp8_cache = a.index_cache.dtype == DType::fp8_e4m3;
-  const int64_t elem = p.fp8_cache ? 1 : 2;
-  p.block_stride = a.index_cache.stride(0) * elem;
-  p.row_stride = a.index_cache.stride(1) * elem;
-  p.block_size = static_cast<int>(a.index_cache.size(1));
-  p.num_blocks = static_cast<int>(a.index_cache.size(0));
+  p.cache = index_cache_layout(a.index_cache);
   p.rows = index_rows(a);
   p.block_table = a.block_table.ptr<int32_t>();
   p.table_stride = a.block_table.stride(0);
   p.scores = scores;
   p.score_stride = score_row_stride(a);
-  require(reinterpret_cast<uintptr_t>(p.cache) % 16 == 0 &&
-              (p.fp8_cache ? p.block_stride % 4 == 0 : p.block_stride % 16 == 0 && p.row_stride % 16 == 0),
+  require(reinterpret_cast<uintptr_t>(p.cache.data) % 16 == 0 &&
+              (p.cache.fp8 ? p.cache.block_stride % 4 == 0
+                           : p.cache.block_stride % 16 == 0 && p.cache.row_stride % 16 == 0),
           "indexer_topk: index_cache: the CUDA backend needs 16-byte aligned data and bf16 rows, 4-byte aligned fp8 blocks");
   const int64_t capacity = index_capacity(a);
   if (tokens == 0 || capacity == 0) return;
