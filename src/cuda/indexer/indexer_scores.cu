@@ -118,10 +118,10 @@ __global__ void __launch_bounds__(kScoreThreads, 4) index_scores_kernel(const Sc
   auto& s = *reinterpret_cast<Smem*>(smem_raw);
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, c = lane % 4;
   const int t = blockIdx.y;
-  // Positions fit in int: context lengths are int32.
+  // Visible positions fit in int (context lengths are int32); the grid spans the table's capacity, which may not.
   const int ctx = static_cast<int>(p.rows.visible(t));
+  if (static_cast<int64_t>(blockIdx.x) * p.tiles_per_cta * kTile >= ctx) return;
   const int begin = blockIdx.x * p.tiles_per_cta * kTile;
-  if (begin >= ctx) return;
   const int n_tiles = min(p.tiles_per_cta, (ctx - begin + kTile - 1) / kTile);
   const int32_t req = p.rows.request(t);
 
