@@ -423,9 +423,26 @@ std::vector<CraftedRow> crafted_rows() {
   };
 }
 
+// Tables of 64K positions or more for a few tokens take the split path (histograms and compaction by slices of
+// the row); for many tokens (here 27: more than an eighth of any GPU's SMs this test runs on) one CTA per row.
 TEST(CudaTopk, ExactOnCraftedRows) {
   check_crafted_rows(crafted_rows(), 2048, 100);
   check_crafted_rows(crafted_rows(), 37, 101);
+  std::vector<CraftedRow> many;
+  for (int copy = 0; copy < 3; ++copy)
+    for (const CraftedRow& r : crafted_rows()) many.push_back(r);
+  check_crafted_rows(many, 2048, 105);
+}
+
+// Shorter tables: one CTA per row does everything.
+TEST(CudaTopk, ExactOnCraftedRowsOfShortTables) {
+  std::vector<CraftedRow> rows;
+  for (const CraftedRow& r : crafted_rows())
+    if (r.n < 32768) rows.push_back(r);
+  rows.push_back({"all equal, 30000", 30000, [](int64_t, test::Rng&) { return -2.5f; }});
+  rows.push_back({"four values, 30001", 30001, [](int64_t, test::Rng& rng) { return static_cast<float>(rng() % 4); }});
+  check_crafted_rows(rows, 2048, 103);
+  check_crafted_rows(rows, 8192, 104);
 }
 
 TEST(CudaTopk, ExactWithK8192) {

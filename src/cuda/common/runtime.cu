@@ -62,17 +62,17 @@ int max_dynamic_smem(const void* kernel) {
   return bytes;
 }
 
-void* workspace(cudaStream_t stream, size_t bytes) {
+void* workspace(cudaStream_t stream, size_t bytes, WorkspaceUse use) {
   struct Buffer {
     void* ptr = nullptr;
     size_t size = 0;
   };
   static std::mutex mu;
-  static std::map<std::pair<int, cudaStream_t>, Buffer> buffers;
+  static std::map<std::tuple<int, cudaStream_t, WorkspaceUse>, Buffer> buffers;
   int dev = 0;
   check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
   std::lock_guard<std::mutex> lock(mu);
-  Buffer& b = buffers[{dev, stream}];
+  Buffer& b = buffers[{dev, stream, use}];
   if (b.size < bytes) {
     // The outgrown buffer is never freed: a CUDA graph captured earlier may
     // still point at it. Doubling keeps the number of such buffers small.

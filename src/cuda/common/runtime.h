@@ -39,7 +39,9 @@ int max_dynamic_smem(const void* kernel);
 // grows (cudaMalloc) only when a larger size is first asked for, so
 // steady-state calls — and CUDA-graph capture after a warm-up call of the
 // same size — allocate nothing; outgrown buffers stay allocated, so a graph
-// captured earlier never points at freed memory.
-void* workspace(cudaStream_t stream, size_t bytes);
+// captured earlier never points at freed memory. Each `use` is a buffer of
+// its own, for scratch that must live at the same time as another's.
+enum class WorkspaceUse { primary, topk_lists };
+void* workspace(cudaStream_t stream, size_t bytes, WorkspaceUse use = WorkspaceUse::primary);
 
 }  // namespace smla::cuda

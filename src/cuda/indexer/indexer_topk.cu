@@ -13,6 +13,12 @@
 //      toward the lower position — the CPU backend's result.
 // When the candidates do not fit in shared memory (many equal scores), the
 // exact radix select runs over the row itself instead (four more passes).
+// Long rows (a table of 64K positions or more) of a few tokens (so few that
+// one CTA per token would leave most SMs idle) share steps 1-2 among CTAs of
+// 16K positions each: one kernel writes each slice's histogram, a second
+// compacts each slice into global lists at offsets the histograms give (so
+// the lists stay in position order), and the per-token CTA sums the
+// histograms and copies the lists instead of reading the row.
 #include <cub/block/block_radix_sort.cuh>
 #include <cub/block/block_scan.cuh>
 #include <cuda_fp16.h>
@@ -74,23 +80,25 @@ __device__ __forceinline__ void for_each_score(const float* row, int64_t n, F&& 
   for (int64_t i = 4 * n4 + threadIdx.x; i < n; i += kThreads) f(row[i]);
 }
 
-// The scores of a row as entries (rows start 16-byte aligned; see score_row_stride).
+// Positions [first, first + count) of a row's scores as entries (rows start
+// 16-byte aligned, see score_row_stride; `first` is a multiple of 4).
 struct RowSource {
   const float* row;
-  int64_t count;
+  int64_t count, first = 0;
   __device__ __forceinline__ void load(int64_t i0, Entry (&e)[kRun]) const {
+    const int64_t p0 = first + i0;
     if (i0 + kRun <= count) {
 #pragma unroll
       for (int q = 0; q < kRun / 4; ++q) {
-        const float4 v = reinterpret_cast<const float4*>(row + i0)[q];
+        const float4 v = reinterpret_cast<const float4*>(row + p0)[q];
         const float x[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-        for (int r = 0; r < 4; ++r) e[4 * q + r] = {order_key(x[r]), static_cast<int32_t>(i0 + 4 * q + r)};
+        for (int r = 0; r < 4; ++r) e[4 * q + r] = {order_key(x[r]), static_cast<int32_t>(p0 + 4 * q + r)};
       }
     } else {
 #pragma unroll
       for (int j = 0; j < kRun; ++j)
-        e[j] = i0 + j < count ? Entry{order_key(row[i0 + j]), static_cast<int32_t>(i0 + j)} : Entry{0, -1};
+        e[j] = i0 + j < count ? Entry{order_key(row[p0 + j]), static_cast<int32_t>(p0 + j)} : Entry{0, -1};
     }
   }
 };
@@ -183,6 +191,9 @@ __device__ void radix_select(ForEachKey for_each_key, int want, int* hist, Scan:
   threshold = prefix;
 }
 
+constexpr int kSlice = 16384;          // positions per CTA of the split path
+constexpr int64_t kSplitFrom = 65536;  // tables this long or longer take the split path (at 32K it was slower)
+
 struct TopkParams {
   const float* scores;
   int64_t score_stride;
@@ -191,7 +202,76 @@ struct TopkParams {
   int32_t* out;
   int64_t out_stride;
   int list_capacity;  // entries of the dynamic shared memory
+  // The split path (slices > 0): per token, `slices` histograms of kCoarseBins and a list of entries (the
+  // selected, then from kMaxIndexerTopk on the candidates; see slice_compact_kernel).
+  int slices;
+  int* slice_hists;
+  Entry* lists;
+  int64_t list_stride;  // entries per token: kMaxIndexerTopk selected, then list_capacity candidates
 };
+
+// The histogram of every slice summed into hist (which the caller zeroed or not: it is overwritten).
+__device__ void sum_slice_histograms(const TopkParams& p, int t, int* hist) {
+  const int* h = p.slice_hists + static_cast<int64_t>(t) * p.slices * kCoarseBins;
+  for (int b = threadIdx.x; b < kCoarseBins; b += kThreads) {
+    int sum = 0;
+    for (int s = 0; s < p.slices; ++s) sum += h[s * kCoarseBins + b];
+    hist[b] = sum;
+  }
+  __syncthreads();
+}
+
+// Split path, step 1: the coarse histogram of slice blockIdx.x of token blockIdx.y's row.
+__global__ void __launch_bounds__(kThreads) slice_histogram_kernel(const TopkParams p) {
+  __shared__ int hist[kCoarseBins];
+  const int t = blockIdx.y;
+  const int64_t n = p.rows.visible(t), first = static_cast<int64_t>(blockIdx.x) * kSlice;
+  for (int i = threadIdx.x; i < kCoarseBins; i += kThreads) hist[i] = 0;
+  __syncthreads();
+  if (first < n)
+    for_each_score(p.scores + t * p.score_stride + first, min(static_cast<int64_t>(kSlice), n - first),
+                   [&](float v) { atomicAdd(&hist[coarse_bin(v)], 1); });
+  __syncthreads();
+  int* out = p.slice_hists + (static_cast<int64_t>(t) * p.slices + blockIdx.x) * kCoarseBins;
+  for (int i = threadIdx.x; i < kCoarseBins; i += kThreads) out[i] = hist[i];
+}
+
+// Split path, step 2: slice blockIdx.x's positions in bins above the want-th
+// largest's (selected) and in that bin (candidates), compacted in position
+// order into the token's lists after those of the slices before it. Rows
+// whose candidates would not fit the per-token CTA's shared memory are left
+// to its exact select over the row.
+__global__ void __launch_bounds__(kThreads) slice_compact_kernel(const TopkParams p) {
+  __shared__ int hist[kCoarseBins];
+  __shared__ Scan::TempStorage scan;
+  __shared__ int result[2], before[2];
+  const int t = blockIdx.y, slice = blockIdx.x;
+  const int64_t n = p.rows.visible(t), first = static_cast<int64_t>(slice) * kSlice;
+  const int want = static_cast<int>(min(static_cast<int64_t>(p.k), n));
+  if (want == 0 || first >= n) return;
+  sum_slice_histograms(p, t, hist);
+  find_from_top(hist, kCoarseBins, want, scan, result);
+  const int bin = result[0], in_bin = hist[bin];
+  if (want + in_bin > p.list_capacity) return;
+  // How many selected and candidates the slices before this one hold.
+  if (threadIdx.x < 2) before[threadIdx.x] = 0;
+  __syncthreads();
+  const int* h = p.slice_hists + static_cast<int64_t>(t) * p.slices * kCoarseBins;
+  int selected = 0, candidates = 0;
+  for (int b = bin + threadIdx.x; b < kCoarseBins; b += kThreads) {
+    int count = 0;
+    for (int s = 0; s < slice; ++s) count += h[s * kCoarseBins + b];
+    (b > bin ? selected : candidates) += count;
+  }
+  atomicAdd(&before[0], selected);
+  atomicAdd(&before[1], candidates);
+  __syncthreads();
+  Entry* list = p.lists + t * p.list_stride;
+  compact(
+      RowSource{p.scores + t * p.score_stride, min(static_cast<int64_t>(kSlice), n - first), first},
+      [&](const Entry& e) { const int b = coarse_bin_of_key(e.key); return b > bin ? 1 : b == bin ? 2 : 0; },
+      list + before[0], list + kMaxIndexerTopk + before[1], in_bin - before[1], scan);
+}
 
 template <int kSortItems>
 __global__ void __launch_bounds__(kThreads) topk_kernel(const TopkParams p) {
@@ -214,10 +294,14 @@ __global__ void __launch_bounds__(kThreads) topk_kernel(const TopkParams p) {
   }
 
   // 1. Coarse histogram: the bin of the want-th largest.
-  for (int i = threadIdx.x; i < kCoarseBins; i += kThreads) hist[i] = 0;
-  __syncthreads();
-  for_each_score(row, n, [&](float v) { atomicAdd(&hist[coarse_bin(v)], 1); });
-  __syncthreads();
+  if (p.slices > 0) {
+    sum_slice_histograms(p, t, hist);
+  } else {
+    for (int i = threadIdx.x; i < kCoarseBins; i += kThreads) hist[i] = 0;
+    __syncthreads();
+    for_each_score(row, n, [&](float v) { atomicAdd(&hist[coarse_bin(v)], 1); });
+    __syncthreads();
+  }
   find_from_top(hist, kCoarseBins, want, scan, result);
   const int bin = result[0], above = result[1], in_bin = hist[bin];
   __syncthreads();  // hist and result are reused below
@@ -229,9 +313,15 @@ __global__ void __launch_bounds__(kThreads) topk_kernel(const TopkParams p) {
   if (want + in_bin <= p.list_capacity) {
     // 2. Higher bins: selected; the bin itself: candidates.
     Entry* candidates = list + above;
-    compact(
-        src, [&](const Entry& e) { const int b = coarse_bin_of_key(e.key); return b > bin ? 1 : b == bin ? 2 : 0; },
-        list, candidates, in_bin, scan);
+    if (p.slices > 0) {  // slice_compact_kernel listed them
+      const Entry* listed_by_slices = p.lists + t * p.list_stride;
+      for (int i = threadIdx.x; i < above; i += kThreads) list[i] = listed_by_slices[i];
+      for (int i = threadIdx.x; i < in_bin; i += kThreads) candidates[i] = listed_by_slices[kMaxIndexerTopk + i];
+    } else {
+      compact(
+          src, [&](const Entry& e) { const int b = coarse_bin_of_key(e.key); return b > bin ? 1 : b == bin ? 2 : 0; },
+          list, candidates, in_bin, scan);
+    }
     __syncthreads();
     // 3. The candidates that complete the want.
     const int need = want - above;
@@ -295,6 +385,20 @@ void launch_topk(TopkParams p, int tokens, cudaStream_t stream) {
   const int smem = max_dynamic_smem(reinterpret_cast<const void*>(kernel));
   p.list_capacity = smem / static_cast<int>(sizeof(Entry));
   require(p.list_capacity >= kMaxIndexerTopk, "indexer_topk: the device has too little shared memory per block");
+  if (p.slices > 0) {
+    p.list_stride = kMaxIndexerTopk + p.list_capacity;
+    const size_t hist_bytes = static_cast<size_t>(tokens) * p.slices * kCoarseBins * sizeof(int);
+    auto* scratch = static_cast<uint8_t*>(
+        workspace(stream, hist_bytes + static_cast<size_t>(tokens) * p.list_stride * sizeof(Entry),
+                  WorkspaceUse::topk_lists));
+    p.slice_hists = reinterpret_cast<int*>(scratch);
+    p.lists = reinterpret_cast<Entry*>(scratch + hist_bytes);
+    const dim3 slices(p.slices, tokens);
+    slice_histogram_kernel<<<slices, kThreads, 0, stream>>>(p);
+    check_launch("smla indexer top-k histogram kernel");
+    slice_compact_kernel<<<slices, kThreads, 0, stream>>>(p);
+    check_launch("smla indexer top-k compaction kernel");
+  }
   kernel<<<tokens, kThreads, smem, stream>>>(p);
   check_launch("smla indexer top-k kernel");
 }
@@ -318,6 +422,12 @@ void select_topk(const IndexerTopkArgs& a, const float* scores) {
   p.k = k;
   p.out = a.topk.ptr<int32_t>();
   p.out_stride = a.topk.stride(0);
+  // Splitting rows pays when one CTA per token leaves most SMs idle (measured on an H200: one 128K row 84 -> 52
+  // µs, 16 rows 54 µs); with 64 or more rows the per-slice work (each slice sums every slice's histogram) made it
+  // slower, and so did 2 slices of a 32K row (44 -> 50 µs).
+  const int64_t capacity = index_capacity(a);
+  const bool split = capacity >= kSplitFrom && tokens * 8 <= current_device().num_sms;
+  p.slices = split ? static_cast<int>((capacity + kSlice - 1) / kSlice) : 0;
   const auto stream = static_cast<cudaStream_t>(a.stream);
   if (k <= 2 * kThreads) launch_topk<2>(p, tokens, stream);
   else launch_topk<kMaxIndexerTopk / kThreads>(p, tokens, stream);
