@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "cuda/kernels.h"
 #include "smla/ops.h"
 
 namespace smla::cuda {
@@ -43,8 +44,8 @@ struct IndexRows {
 };
 
 inline IndexRows index_rows(const IndexerTopkArgs& a) {
-  return {a.request_ids.ptr<int32_t>(),    a.request_ids.stride(0),   static_cast<int>(a.block_table.size(0)),
-          a.context_lens.ptr<int32_t>(),   a.context_lens.stride(0),  a.block_table.size(1) * a.index_cache.size(1)};
+  return {a.request_ids.ptr<int32_t>(),  a.request_ids.stride(0),  static_cast<int>(a.block_table.size(0)),
+          a.context_lens.ptr<int32_t>(), a.context_lens.stride(0), index_capacity(a)};
 }
 
 }  // namespace smla::cuda
