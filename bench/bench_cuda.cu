@@ -295,10 +295,48 @@ void bench_indexer(const char* name, int tokens, int heads, int context, smla::D
   cudaFree(scores);
 }
 
+// The top-k stage alone on distinct random scores, `tokens` rows of `context`
+// positions, with rows shared among CTAs or not, and as select_topk decides.
+void bench_topk(int tokens, int context) {
+  const int topk = 2048;
+  const smla::Device dev = smla::Device::cuda(90);
+  std::vector<int32_t> req(tokens), ctx(tokens, context);
+  std::iota(req.begin(), req.end(), 0);
+  int32_t *dreq, *dctx, *dtable, *dout;
+  float* scores;
+  CHECK(cudaMalloc(&dreq, tokens * 4));
+  CHECK(cudaMalloc(&dctx, tokens * 4));
+  CHECK(cudaMalloc(&dtable, static_cast<size_t>(tokens) * (context / 64) * 4));
+  CHECK(cudaMalloc(&dout, static_cast<size_t>(tokens) * topk * 4));
+  CHECK(cudaMemcpy(dreq, req.data(), tokens * 4, cudaMemcpyHostToDevice));
+  CHECK(cudaMemcpy(dctx, ctx.data(), tokens * 4, cudaMemcpyHostToDevice));
+  smla::IndexerTopkArgs a;
+  a.q = smla::TensorView(nullptr, {tokens, 1, 128}, smla::DType::bf16, dev);
+  a.index_cache = smla::TensorView(nullptr, {1, 64, 132}, smla::DType::fp8_e4m3, dev);
+  a.request_ids = smla::TensorView(dreq, {tokens}, smla::DType::i32, dev);
+  a.block_table = smla::TensorView(dtable, {tokens, context / 64}, smla::DType::i32, dev);
+  a.context_lens = smla::TensorView(dctx, {tokens}, smla::DType::i32, dev);
+  a.topk = smla::TensorView(dout, {tokens, topk}, smla::DType::i32, dev);
+  std::vector<float> hs(static_cast<size_t>(tokens) * smla::cuda::score_row_stride(a));
+  std::mt19937 rng(9);
+  for (auto& x : hs) x = static_cast<float>(rng()) / 4e9f;
+  CHECK(cudaMalloc(&scores, hs.size() * 4));
+  CHECK(cudaMemcpy(scores, hs.data(), hs.size() * 4, cudaMemcpyHostToDevice));
+  using smla::cuda::TopkSplit;
+  double us[3];
+  int i = 0;
+  for (TopkSplit split : {TopkSplit::never, TopkSplit::always, TopkSplit::automatic})
+    us[i++] = 1e3 * time_ms([&] { smla::cuda::select_topk(a, scores, split); });
+  std::printf("%6d %7d %10.1f %10.1f %10.1f %12.2f\n", tokens, context, us[0], us[1], us[2], us[2] / tokens);
+  for (void* ptr : {static_cast<void*>(dreq), static_cast<void*>(dctx), static_cast<void*>(dtable),
+                    static_cast<void*>(dout), static_cast<void*>(scores)})
+    cudaFree(ptr);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  // `bench_cuda attention` or `bench_cuda indexer` runs one part; no argument: both.
+  // `bench_cuda attention|indexer|topk` runs one part; no argument: all.
   // `bench_cuda indexer TOKENS HEADS CONTEXT [bf16]` runs one indexer decode config.
   const std::string part = argc > 1 ? argv[1] : "";
   cudaDeviceProp prop;
@@ -307,7 +345,7 @@ int main(int argc, char** argv) {
   std::printf("device: %s (sm_%d%d, %d SMs)\n", prop.name, prop.major, prop.minor, prop.multiProcessorCount);
   std::printf("ceilings measured now: copy %.0f GB/s (read+write), cuBLAS bf16 GEMM %.0f TFLOP/s\n\n", c.copy_gbs,
               c.gemm_tflops);
-  if (part != "indexer") {
+  if (part.empty() || part == "attention") {
     std::printf("%-22s %-10s %6s %5s %6s %10s %9s %8s %7s %s\n", "config", "cache", "tokens", "heads", "keys", "us",
                 "TFLOP/s", "GB/s", "ceil%", "bound");
     const int64_t slots = int64_t{1} << 20;  // 1.2 GB of bf16 rows: gathers miss L2
@@ -321,7 +359,7 @@ int main(int argc, char** argv) {
       for (int h : {16, 128}) bench_paged("dense paged decode", cache, 128, 8192, h, c);
     }
   }
-  if (part != "attention") {
+  if (part.empty() || part == "indexer") {
     std::printf("\nindexer (index cache fp8: 132 B/position, bf16: 256; top-k 2048 of distinct random scores)\n");
     std::printf("%-16s %-5s %6s %5s %7s %10s %8s %7s %8s %12s %12s\n", "config", "cache", "tokens", "heads", "context",
                 "scores us", "GB/s", "copy%", "TFLOP/s", "top-k us", "top-k us/row");
@@ -339,6 +377,12 @@ int main(int argc, char** argv) {
     for (int tokens : {1, 128}) bench_indexer("glm5 decode", tokens, 32, 131072, smla::DType::bf16, false, c);
     for (int heads : {32, 64}) bench_indexer("prefill", 4096, heads, 8192, smla::DType::fp8_e4m3, true, c);
     bench_indexer("topk 64 rows", 64, 64, 131072, smla::DType::fp8_e4m3, false, c);
+  }
+  if (part.empty() || part == "topk") {
+    std::printf("\ntop-k 2048 of distinct random scores: one CTA per row, rows split among CTAs, as select_topk picks\n");
+    std::printf("%6s %7s %10s %10s %10s %12s\n", "tokens", "context", "unsplit us", "split us", "picked us", "us/row");
+    for (int context : {8192, 32768, 131072})
+      for (int tokens : {1, 8, 16, 32, 64, 128}) bench_topk(tokens, context);
   }
   return 0;
 }

@@ -18,6 +18,8 @@ void indexer_topk(const IndexerTopkArgs& args);
 int64_t index_capacity(const IndexerTopkArgs& args);    // max_blocks * block_size
 int64_t score_row_stride(const IndexerTopkArgs& args);  // index_capacity rounded up to 4
 void indexer_scores(const IndexerTopkArgs& args, float* scores);
-void select_topk(const IndexerTopkArgs& args, const float* scores);
+// How select_topk shares a row among CTAs: as it sees fit, or forced (tests, benchmarks).
+enum class TopkSplit { automatic, never, always };
+void select_topk(const IndexerTopkArgs& args, const float* scores, TopkSplit split = TopkSplit::automatic);
 
 }  // namespace smla::cuda

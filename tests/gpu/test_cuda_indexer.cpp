@@ -359,7 +359,8 @@ std::vector<int32_t> expected_topk(const std::vector<float>& row, int64_t n, int
   return order;
 }
 
-void check_crafted_rows(const std::vector<CraftedRow>& rows, int k, uint64_t seed) {
+void check_crafted_rows(const std::vector<CraftedRow>& rows, int k, uint64_t seed,
+                        cuda::TopkSplit split = cuda::TopkSplit::automatic) {
   test::Rng rng(seed);
   const int tokens = static_cast<int>(rows.size()), bs = 64;
   int64_t longest = 1;
@@ -389,12 +390,12 @@ void check_crafted_rows(const std::vector<CraftedRow>& rows, int k, uint64_t see
   a.context_lens = on_gpu(TensorView(context.data(), {tokens}, DType::i32), dctx.ptr);
   a.block_table = on_gpu(a.block_table, dtable.ptr);
   a.topk = on_gpu(TensorView(out.data(), {tokens, k}, DType::i32), dout.ptr);
-  cuda::select_topk(a, static_cast<const float*>(dscores.ptr));
+  cuda::select_topk(a, static_cast<const float*>(dscores.ptr), split);
   CUDA_OK(cudaDeviceSynchronize());
   const std::vector<int32_t> got = dout.download<int32_t>();
   for (int t = 0; t < tokens; ++t)
     EXPECT_TRUE(std::equal(got.begin() + t * k, got.begin() + (t + 1) * k, want.begin() + t * k))
-        << rows[t].what << " (n = " << rows[t].n << ", k = " << k << ")";
+        << rows[t].what << " (n = " << rows[t].n << ", k = " << k << ", split " << static_cast<int>(split) << ")";
 }
 
 std::vector<CraftedRow> crafted_rows() {
@@ -423,32 +424,36 @@ std::vector<CraftedRow> crafted_rows() {
   };
 }
 
-// Tables of 64K positions or more for a few tokens take the split path (histograms and compaction by slices of
-// the row); for many tokens (here 27: more than an eighth of any GPU's SMs this test runs on) one CTA per row.
+// Every row both in one CTA and split among CTAs (slice histograms, plan, slice compaction), and as select_topk
+// picks; few and many tokens.
 TEST(CudaTopk, ExactOnCraftedRows) {
-  check_crafted_rows(crafted_rows(), 2048, 100);
-  check_crafted_rows(crafted_rows(), 37, 101);
   std::vector<CraftedRow> many;
   for (int copy = 0; copy < 3; ++copy)
     for (const CraftedRow& r : crafted_rows()) many.push_back(r);
-  check_crafted_rows(many, 2048, 105);
+  for (cuda::TopkSplit split : {cuda::TopkSplit::never, cuda::TopkSplit::always, cuda::TopkSplit::automatic}) {
+    check_crafted_rows(crafted_rows(), 2048, 100, split);
+    check_crafted_rows(crafted_rows(), 37, 101, split);
+    check_crafted_rows(many, 2048, 105, split);
+  }
 }
 
-// Shorter tables: one CTA per row does everything.
+// Shorter tables (fewer slices when split).
 TEST(CudaTopk, ExactOnCraftedRowsOfShortTables) {
   std::vector<CraftedRow> rows;
   for (const CraftedRow& r : crafted_rows())
     if (r.n < 32768) rows.push_back(r);
   rows.push_back({"all equal, 30000", 30000, [](int64_t, test::Rng&) { return -2.5f; }});
   rows.push_back({"four values, 30001", 30001, [](int64_t, test::Rng& rng) { return static_cast<float>(rng() % 4); }});
-  check_crafted_rows(rows, 2048, 103);
-  check_crafted_rows(rows, 8192, 104);
+  for (cuda::TopkSplit split : {cuda::TopkSplit::never, cuda::TopkSplit::always}) {
+    check_crafted_rows(rows, 2048, 103, split);
+    check_crafted_rows(rows, 8192, 104, split);
+  }
 }
 
 TEST(CudaTopk, ExactWithK8192) {
   std::vector<CraftedRow> rows = crafted_rows();
   rows.push_back({"many ties, 300K", 300000, [](int64_t, test::Rng& rng) { return static_cast<float>(rng() % 99991); }});
-  check_crafted_rows(rows, 8192, 102);
+  for (cuda::TopkSplit split : {cuda::TopkSplit::never, cuda::TopkSplit::always}) check_crafted_rows(rows, 8192, 102, split);
 }
 
 }  // namespace

@@ -35,6 +35,7 @@ constexpr int kDim = 128;           // index head dim
 constexpr int kSteps = kDim / 16;   // mma k-steps per key
 constexpr int kScoreThreads = 128;  // 4 warps x 16 positions
 constexpr int kTile = 64;           // positions per pipeline stage
+constexpr int kMaxTilesPerCta = 64;
 
 enum class QKind { bf16, f16, fp8 };
 
@@ -93,8 +94,8 @@ __device__ __forceinline__ uint32_t e4m3x2_to_scaled_bf16x2(uint32_t word, bool 
   asm("prmt.b32 %0, %1, 0, %2;" : "=r"(r) : "r"(word), "r"(high ? 0xb3a2u : 0x9180u));
   return (r << 4) & 0x87f087f0u;
 }
-// The powers of two that make up for the keys' 2^-120: on the queries and on the head weights.
-constexpr int kFp8QueryExponent = 88, kFp8WeightExponent = 120 - kFp8QueryExponent;
+// The powers of two that make up for the keys' 2^-120: on the queries and on the head weights (exact products).
+constexpr float kFp8QueryScale = 0x1p88f, kFp8WeightScale = 0x1p32f;
 
 template <int kNTiles, int kGroups, bool kFp8>
 struct ScoreSmem {
@@ -109,8 +110,10 @@ struct ScoreSmem {
 };
 
 // Heads (kGroups x kNTiles x 8 of them, padded with zeros) are the mma's N.
-// Registers are capped so that four CTAs share an SM.
-template <int kNTiles, int kGroups, bool kFp8>
+// kRuns: every tile is one run of rows of one block, 16-byte aligned (block
+// sizes that are multiples of 64, since tiles start 64-aligned). Registers
+// are capped so that four CTAs share an SM.
+template <int kNTiles, int kGroups, bool kFp8, bool kRuns>
 __global__ void __launch_bounds__(kScoreThreads, 4) index_scores_kernel(const ScoreParams p) {
   using Smem = ScoreSmem<kNTiles, kGroups, kFp8>;
   constexpr int kStages = Smem::kStages;
@@ -122,56 +125,81 @@ __global__ void __launch_bounds__(kScoreThreads, 4) index_scores_kernel(const Sc
   const int ctx = static_cast<int>(p.rows.visible(t));
   if (static_cast<int64_t>(blockIdx.x) * p.tiles_per_cta * kTile >= ctx) return;
   const int begin = blockIdx.x * p.tiles_per_cta * kTile;
-  const int n_tiles = min(p.tiles_per_cta, (ctx - begin + kTile - 1) / kTile);
-  const int32_t req = p.rows.request(t);
+  const int n_tiles = min(p.tiles_per_cta, (ctx - begin + kTile - 1) / kTile);  // at most kMaxTilesPerCta
+  const int32_t* table = p.block_table + p.rows.request(t) * p.table_stride;
+  const int block_size = p.cache.block_size;
+  const auto in_cache = [&](int block) { return block >= 0 && block < p.cache.num_blocks; };
 
   // Each warp computes 16 rows of every tile and gathers those rows itself,
   // so warps wait only for their own copies (no CTA-wide barrier per tile).
   // issue(i) puts the warp's rows of tile i into ring slot i % kStages (if
   // the tile exists); a warp copy covers whole consecutive rows (few cache
   // lines per instruction); positions past the context or in a block outside
-  // the cache are zero-filled and never used. When tiles never straddle
-  // blocks (block sizes that are multiples of 64: tiles start 64-aligned), a
-  // tile is one run of rows of one block, and each issue also loads the next
-  // tile's block id, so the table's latency passes while the current tile is
-  // computed; other block sizes look each row up.
+  // the cache are zero-filled and never used. With kRuns, lane i of every
+  // warp looks tile i's block up once, before the first copy, so no copy
+  // waits for the block table; otherwise each row is looked up.
   constexpr int kRowBytes = kFp8 ? kDim : 2 * kDim, kPiecesPerRow = kRowBytes / 16;
+  // A lane copies 16-byte piece lane % kPiecesPerRow of rows lane / kPiecesPerRow + k * kRowsPerCopy.
+  constexpr int kRowsPerCopy = 32 / kPiecesPerRow, kCopies = 16 / kRowsPerCopy;
+  const int lane_row = lane / kPiecesPerRow, lane_col = lane % kPiecesPerRow, first_row = warp * 16;
   const int64_t row_stride = kFp8 ? kDim : p.cache.row_stride;
-  const bool whole_blocks = p.cache.block_size % kTile == 0;
-  const auto block_at = [&](int pos) { return pos < ctx ? p.block_table[req * p.table_stride + pos / p.cache.block_size] : -1; };
-  const auto in_cache = [&](int block) { return block >= 0 && block < p.cache.num_blocks; };
-  int next_block = whole_blocks ? block_at(begin) : -1;
+  // kRuns: tiles `lane` and `lane + 32`: their blocks and their first rows' offsets in them.
+  int lane_block[2] = {-1, -1}, lane_offset[2] = {0, 0};
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int i = lane + 32 * r, start = begin + i * kTile;
+    if (kRuns && i < n_tiles) {
+      lane_block[r] = table[start / block_size];
+      lane_offset[r] = start % block_size;
+    }
+  }
   auto issue = [&](int i) {
     if (i < n_tiles) {
       const int slot = i % kStages, start = begin + i * kTile;
-      const int tile_block = next_block;
-      if (whole_blocks && i + 1 < n_tiles) next_block = block_at(start + kTile);
-      // Row r of the tile: its block (ok: one of the cache's) and its offset in that block.
-      const auto source = [&](int row) {
-        const int block = whole_blocks ? tile_block : block_at(start + row);
-        const bool ok = in_cache(block) && start + row < ctx;
-        return KeySource{p.cache.data + (ok ? block : 0) * p.cache.block_stride,
-                         whole_blocks ? start % p.cache.block_size + row : (start + row) % p.cache.block_size, ok};
-      };
+      const int rows_left = ctx - start - first_row;  // of the warp's 16 rows, those in the context
+      uint8_t* dst = &s.keys[slot][first_row + lane_row][lane_col * 16];
+      float* scale = &s.scale[slot][first_row + lane];
+      if constexpr (kRuns) {
+        const int block = __shfl_sync(0xffffffffu, i < 32 ? lane_block[0] : lane_block[1], i % 32);
+        const int offset = __shfl_sync(0xffffffffu, i < 32 ? lane_offset[0] : lane_offset[1], i % 32) + first_row;
+        const bool block_ok = in_cache(block);
+        const uint8_t* data = p.cache.data + static_cast<int64_t>(block_ok ? block : 0) * p.cache.block_stride;
+        const uint8_t* from = data + (offset + lane_row) * row_stride + lane_col * 16;
 #pragma unroll
-      for (int k = 0; k < 16 * kPiecesPerRow / 32; ++k) {
-        const int piece = k * 32 + lane, row = warp * 16 + piece / kPiecesPerRow, col = piece % kPiecesPerRow;
-        const KeySource src = source(row);
-        const uint8_t* from = src.block + src.offset * row_stride + col * 16;
-        uint8_t* dst = &s.keys[slot][row][col * 16];
-        if (!kFp8 || p.cache.block_stride % 16 == 0) {
-          cp_async_16(dst, from, src.ok);
-        } else {  // fp8 blocks of a size that is not a multiple of 4 start 4-byte aligned only
-          for (int w = 0; w < 4; ++w) cp_async_4(dst + 4 * w, from + 4 * w, src.ok);
+        for (int k = 0; k < kCopies; ++k)
+          cp_async_16(dst + k * kRowsPerCopy * Smem::kRowBytes, from + k * kRowsPerCopy * row_stride,
+                      block_ok && lane_row + k * kRowsPerCopy < rows_left);
+        if (lane < 16) {  // the row's scale: the fp8 key's, 1 for bf16, -1 for a block outside the cache
+          const bool ok = block_ok && lane < rows_left;
+          if (kFp8 && ok) cp_async_4(scale, data + static_cast<int64_t>(block_size) * kDim + (offset + lane) * 4, true);
+          else *scale = ok ? 1.f : lane < rows_left ? -1.f : 0.f;
         }
-      }
-      if (lane < 16) {  // the row's scale: the fp8 key's, 1 for bf16, -1 for a block outside the cache
-        const int row = warp * 16 + lane;
-        const KeySource src = source(row);
-        if (kFp8 && src.ok)
-          cp_async_4(&s.scale[slot][row], src.block + static_cast<int64_t>(p.cache.block_size) * kDim + src.offset * 4, true);
-        else
-          s.scale[slot][row] = src.ok ? 1.f : start + row < ctx ? -1.f : 0.f;
+      } else {
+        // Row r of the warp's: its block (ok: one of the cache's, and in the context) and its offset in that block.
+        const auto source = [&](int r) {
+          const int pos = start + first_row + r;
+          const int block = r < rows_left ? table[pos / block_size] : -1;
+          const bool ok = in_cache(block);
+          return KeySource{p.cache.data + (ok ? block : 0) * p.cache.block_stride, pos % block_size, ok};
+        };
+#pragma unroll
+        for (int k = 0; k < kCopies; ++k) {
+          const KeySource src = source(lane_row + k * kRowsPerCopy);
+          const uint8_t* from = src.block + src.offset * row_stride + lane_col * 16;
+          uint8_t* to = dst + k * kRowsPerCopy * Smem::kRowBytes;
+          if (!kFp8 || p.cache.block_stride % 16 == 0) {
+            cp_async_16(to, from, src.ok);
+          } else {  // fp8 blocks of a size that is not a multiple of 4 start 4-byte aligned only
+            for (int w = 0; w < 4; ++w) cp_async_4(to + 4 * w, from + 4 * w, src.ok);
+          }
+        }
+        if (lane < 16) {
+          const KeySource src = source(lane);
+          if (kFp8 && src.ok)
+            cp_async_4(scale, src.block + static_cast<int64_t>(block_size) * kDim + src.offset * 4, true);
+          else
+            *scale = src.ok ? 1.f : lane < rows_left ? -1.f : 0.f;
+        }
       }
     }
     cp_async_commit();  // empty groups keep the wait counts uniform
@@ -188,7 +216,7 @@ __global__ void __launch_bounds__(kScoreThreads, 4) index_scores_kernel(const Sc
     const int2 d = fragment_dims<kFp8>(j, fl % 4);
     uint2 f = {0, 0};
     if (h < p.heads) {
-      const auto q = [&](int dim) { return ldexpf(q_value(p, t, h, dim), kFp8 ? kFp8QueryExponent : 0); };
+      const auto q = [&](int dim) { return q_value(p, t, h, dim) * (kFp8 ? kFp8QueryScale : 1.f); };
       f.x = pack2<__nv_bfloat16>(q(d.x), q(d.x + 1));
       f.y = pack2<__nv_bfloat16>(q(d.y), q(d.y + 1));
     }
@@ -203,9 +231,9 @@ __global__ void __launch_bounds__(kScoreThreads, 4) index_scores_kernel(const Sc
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int h = (grp * kNTiles + n) * 8 + 2 * c + r;
-        w[grp][n][r] = h < p.heads ? ldexpf(p.weights[t * p.w_stride_t + h * p.w_stride_h] *
-                                                (p.q_scale ? p.q_scale[t * p.qs_stride_t + h * p.qs_stride_h] : 1.f),
-                                            kFp8 ? kFp8WeightExponent : 0)
+        w[grp][n][r] = h < p.heads ? p.weights[t * p.w_stride_t + h * p.w_stride_h] *
+                                         (p.q_scale ? p.q_scale[t * p.qs_stride_t + h * p.qs_stride_h] : 1.f) *
+                                         (kFp8 ? kFp8WeightScale : 1.f)
                                    : 0.f;
       }
   __syncthreads();
@@ -226,9 +254,11 @@ __global__ void __launch_bounds__(kScoreThreads, 4) index_scores_kernel(const Sc
     const uint8_t(*keys)[Smem::kRowBytes] = s.keys[slot];
 
     float score[2] = {0.f, 0.f};  // this lane's rows g and g + 8 of the warp's 16 positions
+    // Each A fragment meets the heads of kPassGroups groups before the next is made (more accumulators would spill).
+    constexpr int kPassGroups = kGroups < 2 ? kGroups : 2;
 #pragma unroll
-    for (int grp = 0; grp < kGroups; ++grp) {
-      float acc[kNTiles][4] = {};
+    for (int pass = 0; pass < kGroups / kPassGroups; ++pass) {
+      float acc[kPassGroups][kNTiles][4] = {};
 #pragma unroll
       for (int half = 0; half < 2; ++half) {  // k-steps 4 * half .. + 3: half the A fragments live at a time
         uint32_t a[4][4];
@@ -249,18 +279,23 @@ __global__ void __launch_bounds__(kScoreThreads, 4) index_scores_kernel(const Sc
             ldmatrix_x4(a[jj], &keys[warp * 16 + lane % 16][2 * (16 * (4 * half + jj) + (lane / 16) * 8)]);
         }
 #pragma unroll
-        for (int jj = 0; jj < 4; ++jj)
+        for (int pg = 0; pg < kPassGroups; ++pg)
 #pragma unroll
-          for (int n = 0; n < kNTiles; ++n) {
-            const uint2 b = kQInRegisters ? bq[n][4 * half + jj] : s.q[grp][n][4 * half + jj][lane];
-            mma_16816<__nv_bfloat16>(acc[n], a[jj], {b.x, b.y});
-          }
+          for (int jj = 0; jj < 4; ++jj)
+#pragma unroll
+            for (int n = 0; n < kNTiles; ++n) {
+              const uint2 b = kQInRegisters ? bq[n][4 * half + jj] : s.q[pass * kPassGroups + pg][n][4 * half + jj][lane];
+              mma_16816<__nv_bfloat16>(acc[pg][n], a[jj], {b.x, b.y});
+            }
       }
 #pragma unroll
-      for (int n = 0; n < kNTiles; ++n) {
-        score[0] += w[grp][n][0] * fmaxf(acc[n][0], 0.f) + w[grp][n][1] * fmaxf(acc[n][1], 0.f);
-        score[1] += w[grp][n][0] * fmaxf(acc[n][2], 0.f) + w[grp][n][1] * fmaxf(acc[n][3], 0.f);
-      }
+      for (int pg = 0; pg < kPassGroups; ++pg)
+#pragma unroll
+        for (int n = 0; n < kNTiles; ++n) {
+          const float(&wn)[2] = w[pass * kPassGroups + pg][n];
+          score[0] += wn[0] * fmaxf(acc[pg][n][0], 0.f) + wn[1] * fmaxf(acc[pg][n][1], 0.f);
+          score[1] += wn[0] * fmaxf(acc[pg][n][2], 0.f) + wn[1] * fmaxf(acc[pg][n][3], 0.f);
+        }
     }
     // The other heads of rows g and g + 8 are in the quad's other lanes.
 #pragma unroll
@@ -276,11 +311,11 @@ __global__ void __launch_bounds__(kScoreThreads, 4) index_scores_kernel(const Sc
   }
 }
 
-template <int kNTiles, int kGroups, bool kFp8>
+template <int kNTiles, int kGroups, bool kFp8, bool kRuns>
 void launch(const ScoreParams& p, int tokens, int64_t capacity, cudaStream_t stream) {
   constexpr int smem = sizeof(ScoreSmem<kNTiles, kGroups, kFp8>);
   static_assert(smem <= 99 * 1024, "fits every arch's shared memory per block");
-  const auto kernel = index_scores_kernel<kNTiles, kGroups, kFp8>;
+  const auto kernel = index_scores_kernel<kNTiles, kGroups, kFp8, kRuns>;
   allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
   const int64_t per_cta = static_cast<int64_t>(p.tiles_per_cta) * kTile;
   const dim3 grid(static_cast<unsigned>((capacity + per_cta - 1) / per_cta), tokens);
@@ -290,8 +325,11 @@ void launch(const ScoreParams& p, int tokens, int64_t capacity, cudaStream_t str
 
 template <int kNTiles, int kGroups>
 void launch(const ScoreParams& p, int tokens, int64_t capacity, cudaStream_t stream) {
-  if (p.cache.fp8) launch<kNTiles, kGroups, true>(p, tokens, capacity, stream);
-  else launch<kNTiles, kGroups, false>(p, tokens, capacity, stream);
+  const bool runs = p.cache.block_size % kTile == 0 && p.cache.block_stride % 16 == 0;
+  if (p.cache.fp8 && runs) launch<kNTiles, kGroups, true, true>(p, tokens, capacity, stream);
+  else if (p.cache.fp8) launch<kNTiles, kGroups, true, false>(p, tokens, capacity, stream);
+  else if (runs) launch<kNTiles, kGroups, false, true>(p, tokens, capacity, stream);
+  else launch<kNTiles, kGroups, false, false>(p, tokens, capacity, stream);
 }
 
 }  // namespace
@@ -324,7 +362,7 @@ void indexer_scores(const IndexerTopkArgs& a, float* scores) {
   if (tokens == 0 || capacity == 0) return;
   // Runs long enough to amortise the queries' set-up, short enough for about four CTAs per SM.
   const int64_t tiles = tokens * ((capacity + kTile - 1) / kTile);
-  p.tiles_per_cta = static_cast<int>(std::clamp<int64_t>(tiles / (4 * current_device().num_sms), 1, 16));
+  p.tiles_per_cta = static_cast<int>(std::clamp<int64_t>(tiles / (4 * current_device().num_sms), 1, kMaxTilesPerCta));
   const auto stream = static_cast<cudaStream_t>(a.stream);
   // Heads padded to 8, 16 or 32 mma columns held in registers; more heads go
   // in groups of 32 whose fragments are read from shared memory (64 heads in

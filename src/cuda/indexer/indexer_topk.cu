@@ -13,12 +13,12 @@
 //      toward the lower position — the CPU backend's result.
 // When the candidates do not fit in shared memory (many equal scores), the
 // exact radix select runs over the row itself instead (four more passes).
-// Long rows (a table of 64K positions or more) of a few tokens (so few that
-// one CTA per token would leave most SMs idle) share steps 1-2 among CTAs of
-// 16K positions each: one kernel writes each slice's histogram, a second
-// compacts each slice into global lists at offsets the histograms give (so
-// the lists stay in position order), and the per-token CTA sums the
-// histograms and copies the lists instead of reading the row.
+// Long rows of tokens too few to fill the GPU with one CTA each share steps
+// 1-2 among CTAs that each take a slice of the row: one kernel writes each
+// slice's histogram; a second (one CTA per token) sums them, finds the bin
+// and gives each slice its offsets in the token's lists; a third compacts
+// each slice there (so the lists stay in position order); the per-token CTA
+// then copies the lists instead of reading the row.
 #include <cub/block/block_radix_sort.cuh>
 #include <cub/block/block_scan.cuh>
 #include <cuda_fp16.h>
@@ -34,10 +34,10 @@ namespace smla::cuda {
 
 namespace {
 
-constexpr int kThreads = 1024;
+constexpr int kThreads = 512;
 constexpr int kCoarseBins = 4096;                // 12 bits of the fp16-rounded score
 constexpr int kFineCopies = 8, kFineBins = 257;  // 8-bit radix digits; 8 copies (thread % 8) cut same-address atomics
-constexpr int kRun = 8;                          // consecutive positions per thread per compaction chunk
+constexpr int kRun = 16;                         // consecutive positions per thread per compaction chunk
 static_assert(kFineCopies * kFineBins <= kCoarseBins, "the fine histograms reuse the coarse one's memory");
 
 using Scan = cub::BlockScan<int, kThreads>;
@@ -64,34 +64,56 @@ __device__ __forceinline__ int coarse_bin_of_key(uint32_t key) {
   return coarse_bin(__uint_as_float((key & 0x80000000u) ? (key & 0x7fffffffu) : ~key));
 }
 
-// Calls f(value) for the row's n scores, 16-byte loads, several in flight per thread.
+// Calls f(value) for the row's n scores: each thread loads kBatch 16-byte
+// pieces before it uses the first (f's shared-memory atomics would otherwise
+// keep the next load from being issued: one load in flight per thread).
 template <class F>
 __device__ __forceinline__ void for_each_score(const float* row, int64_t n, F&& f) {
+  constexpr int kBatch = 8;
   const float4* row4 = reinterpret_cast<const float4*>(row);
   const int64_t n4 = n / 4;
-#pragma unroll 4
-  for (int64_t i = threadIdx.x; i < n4; i += kThreads) {
+  int64_t i = threadIdx.x;
+  for (; i + (kBatch - 1) * kThreads < n4; i += kBatch * kThreads) {
+    float4 v[kBatch];
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) v[b] = row4[i + b * kThreads];
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      f(v[b].x);
+      f(v[b].y);
+      f(v[b].z);
+      f(v[b].w);
+    }
+  }
+  for (; i < n4; i += kThreads) {
     const float4 v = row4[i];
     f(v.x);
     f(v.y);
     f(v.z);
     f(v.w);
   }
-  for (int64_t i = 4 * n4 + threadIdx.x; i < n; i += kThreads) f(row[i]);
+  for (int64_t j = 4 * n4 + threadIdx.x; j < n; j += kThreads) f(row[j]);
 }
 
 // Positions [first, first + count) of a row's scores as entries (rows start
-// 16-byte aligned, see score_row_stride; `first` is a multiple of 4).
+// 16-byte aligned, see score_row_stride; `first` is a multiple of 4). A
+// chunk's scores are fetched (into registers) a chunk ahead of their use.
 struct RowSource {
   const float* row;
   int64_t count, first = 0;
-  __device__ __forceinline__ void load(int64_t i0, Entry (&e)[kRun]) const {
+  using Fetched = float4[kRun / 4];
+  __device__ __forceinline__ void fetch(int64_t i0, Fetched& v) const {
+    if (i0 + kRun <= count) {
+#pragma unroll
+      for (int q = 0; q < kRun / 4; ++q) v[q] = reinterpret_cast<const float4*>(row + first + i0)[q];
+    }
+  }
+  __device__ __forceinline__ void load(int64_t i0, const Fetched& v, Entry (&e)[kRun]) const {
     const int64_t p0 = first + i0;
     if (i0 + kRun <= count) {
 #pragma unroll
       for (int q = 0; q < kRun / 4; ++q) {
-        const float4 v = reinterpret_cast<const float4*>(row + p0)[q];
-        const float x[4] = {v.x, v.y, v.z, v.w};
+        const float x[4] = {v[q].x, v[q].y, v[q].z, v[q].w};
 #pragma unroll
         for (int r = 0; r < 4; ++r) e[4 * q + r] = {order_key(x[r]), static_cast<int32_t>(p0 + 4 * q + r)};
       }
@@ -103,11 +125,13 @@ struct RowSource {
   }
 };
 
-// Entries already in shared memory.
+// Entries already in shared memory (nothing to fetch ahead).
 struct ListSource {
   const Entry* list;
   int64_t count;
-  __device__ __forceinline__ void load(int64_t i0, Entry (&e)[kRun]) const {
+  struct Fetched {};
+  __device__ __forceinline__ void fetch(int64_t, Fetched&) const {}
+  __device__ __forceinline__ void load(int64_t i0, const Fetched&, Entry (&e)[kRun]) const {
 #pragma unroll
     for (int j = 0; j < kRun; ++j) e[j] = i0 + j < count ? list[i0 + j] : Entry{0, -1};
   }
@@ -119,9 +143,14 @@ template <class Source, class Classify>
 __device__ void compact(const Source& src, Classify classify, Entry* first, Entry* second, int second_limit,
                         Scan::TempStorage& scan) {
   int first_base = 0, second_base = 0;
-  for (int64_t base = 0; base < src.count; base += static_cast<int64_t>(kRun) * kThreads) {
+  constexpr int64_t kChunk = static_cast<int64_t>(kRun) * kThreads;
+  const int64_t mine = static_cast<int64_t>(kRun) * threadIdx.x;
+  typename Source::Fetched next;
+  src.fetch(mine, next);
+  for (int64_t base = 0; base < src.count; base += kChunk) {
     Entry e[kRun];
-    src.load(base + static_cast<int64_t>(kRun) * threadIdx.x, e);
+    src.load(base + mine, next, e);
+    src.fetch(base + kChunk + mine, next);
     int cls[kRun], n1 = 0, n2 = 0;
 #pragma unroll
     for (int j = 0; j < kRun; ++j) {
@@ -191,8 +220,7 @@ __device__ void radix_select(ForEachKey for_each_key, int want, int* hist, Scan:
   threshold = prefix;
 }
 
-constexpr int kSlice = 16384;          // positions per CTA of the split path
-constexpr int64_t kSplitFrom = 65536;  // tables this long or longer take the split path (at 32K it was slower)
+constexpr int kMinSlice = 16384;  // positions per CTA of the split path, at least
 
 struct TopkParams {
   const float* scores;
@@ -202,16 +230,49 @@ struct TopkParams {
   int32_t* out;
   int64_t out_stride;
   int list_capacity;  // entries of the dynamic shared memory
-  // The split path (slices > 0): per token, `slices` histograms of kCoarseBins and a list of entries (the
-  // selected, then from kMaxIndexerTopk on the candidates; see slice_compact_kernel).
+  // The split path (slices > 0): per token, `slices` histograms of kCoarseBins, a plan (RowPlan then two
+  // offsets per slice) and a list of entries (the selected, then from kMaxIndexerTopk on the candidates).
   int slices;
+  int64_t slice_len;  // a multiple of 4, so every slice starts 16-byte aligned
   int* slice_hists;
+  int* plans;
   Entry* lists;
   int64_t list_stride;  // entries per token: kMaxIndexerTopk selected, then list_capacity candidates
+
+  __device__ int* plan(int t) const { return plans + static_cast<int64_t>(t) * (4 + 2 * slices); }
 };
 
-// The histogram of every slice summed into hist (which the caller zeroed or not: it is overwritten).
-__device__ void sum_slice_histograms(const TopkParams& p, int t, int* hist) {
+// What the split path's plan says of a token's row: the bin of the want-th largest, how many lie above it and in
+// it, and whether the candidates fit the per-token CTA's shared memory (if not, it selects over the row).
+struct RowPlan {
+  int bin, above, in_bin, fits;
+};
+
+// Split path, step 1: the coarse histogram of slice blockIdx.x of token blockIdx.y's row.
+__global__ void __launch_bounds__(kThreads) slice_histogram_kernel(const TopkParams p) {
+  __shared__ int hist[kCoarseBins];
+  const int t = blockIdx.y;
+  const int64_t n = p.rows.visible(t), first = blockIdx.x * p.slice_len;
+  for (int i = threadIdx.x; i < kCoarseBins; i += kThreads) hist[i] = 0;
+  __syncthreads();
+  if (first < n)
+    for_each_score(p.scores + t * p.score_stride + first, min(p.slice_len, n - first),
+                   [&](float v) { atomicAdd(&hist[coarse_bin(v)], 1); });
+  __syncthreads();
+  int* out = p.slice_hists + (static_cast<int64_t>(t) * p.slices + blockIdx.x) * kCoarseBins;
+  for (int i = threadIdx.x; i < kCoarseBins; i += kThreads) out[i] = hist[i];
+}
+
+// Split path, step 2: token blockIdx.x's plan: the slice histograms summed,
+// the bin of the want-th largest, and for each slice how many selected and
+// candidates the slices before it hold (its offsets in the lists).
+__global__ void __launch_bounds__(kThreads) row_plan_kernel(const TopkParams p) {
+  __shared__ int hist[kCoarseBins];
+  __shared__ Scan::TempStorage scan;
+  __shared__ int result[2];
+  const int t = blockIdx.x, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int want = static_cast<int>(min(static_cast<int64_t>(p.k), p.rows.visible(t)));
+  if (want == 0) return;  // topk_kernel needs no plan
   const int* h = p.slice_hists + static_cast<int64_t>(t) * p.slices * kCoarseBins;
   for (int b = threadIdx.x; b < kCoarseBins; b += kThreads) {
     int sum = 0;
@@ -219,58 +280,50 @@ __device__ void sum_slice_histograms(const TopkParams& p, int t, int* hist) {
     hist[b] = sum;
   }
   __syncthreads();
-}
-
-// Split path, step 1: the coarse histogram of slice blockIdx.x of token blockIdx.y's row.
-__global__ void __launch_bounds__(kThreads) slice_histogram_kernel(const TopkParams p) {
-  __shared__ int hist[kCoarseBins];
-  const int t = blockIdx.y;
-  const int64_t n = p.rows.visible(t), first = static_cast<int64_t>(blockIdx.x) * kSlice;
-  for (int i = threadIdx.x; i < kCoarseBins; i += kThreads) hist[i] = 0;
-  __syncthreads();
-  if (first < n)
-    for_each_score(p.scores + t * p.score_stride + first, min(static_cast<int64_t>(kSlice), n - first),
-                   [&](float v) { atomicAdd(&hist[coarse_bin(v)], 1); });
-  __syncthreads();
-  int* out = p.slice_hists + (static_cast<int64_t>(t) * p.slices + blockIdx.x) * kCoarseBins;
-  for (int i = threadIdx.x; i < kCoarseBins; i += kThreads) out[i] = hist[i];
-}
-
-// Split path, step 2: slice blockIdx.x's positions in bins above the want-th
-// largest's (selected) and in that bin (candidates), compacted in position
-// order into the token's lists after those of the slices before it. Rows
-// whose candidates would not fit the per-token CTA's shared memory are left
-// to its exact select over the row.
-__global__ void __launch_bounds__(kThreads) slice_compact_kernel(const TopkParams p) {
-  __shared__ int hist[kCoarseBins];
-  __shared__ Scan::TempStorage scan;
-  __shared__ int result[2], before[2];
-  const int t = blockIdx.y, slice = blockIdx.x;
-  const int64_t n = p.rows.visible(t), first = static_cast<int64_t>(slice) * kSlice;
-  const int want = static_cast<int>(min(static_cast<int64_t>(p.k), n));
-  if (want == 0 || first >= n) return;
-  sum_slice_histograms(p, t, hist);
   find_from_top(hist, kCoarseBins, want, scan, result);
-  const int bin = result[0], in_bin = hist[bin];
-  if (want + in_bin > p.list_capacity) return;
-  // How many selected and candidates the slices before this one hold.
-  if (threadIdx.x < 2) before[threadIdx.x] = 0;
-  __syncthreads();
-  const int* h = p.slice_hists + static_cast<int64_t>(t) * p.slices * kCoarseBins;
-  int selected = 0, candidates = 0;
-  for (int b = bin + threadIdx.x; b < kCoarseBins; b += kThreads) {
-    int count = 0;
-    for (int s = 0; s < slice; ++s) count += h[s * kCoarseBins + b];
-    (b > bin ? selected : candidates) += count;
+  const int bin = result[0];
+  int* plan = p.plan(t);
+  // Each warp counts a slice's selected and candidates.
+  for (int s = warp; s < p.slices; s += kThreads / 32) {
+    int selected = 0;
+    for (int b = bin + 1 + lane; b < kCoarseBins; b += 32) selected += h[s * kCoarseBins + b];
+    for (int o = 16; o > 0; o /= 2) selected += __shfl_xor_sync(0xffffffffu, selected, o);
+    if (lane == 0) {
+      plan[4 + 2 * s] = selected;
+      plan[5 + 2 * s] = h[s * kCoarseBins + bin];
+    }
   }
-  atomicAdd(&before[0], selected);
-  atomicAdd(&before[1], candidates);
   __syncthreads();
+  if (threadIdx.x == 0) {  // counts -> offsets (a few dozen slices at most)
+    int selected = 0, candidates = 0;
+    for (int s = 0; s < p.slices; ++s) {
+      const int sel = plan[4 + 2 * s], cand = plan[5 + 2 * s];
+      plan[4 + 2 * s] = selected;
+      plan[5 + 2 * s] = candidates;
+      selected += sel;
+      candidates += cand;
+    }
+    *reinterpret_cast<RowPlan*>(plan) = {bin, result[1], hist[bin], want + hist[bin] <= p.list_capacity};
+  }
+}
+
+// Split path, step 3: slice blockIdx.x's selected positions and candidates,
+// compacted in position order into token blockIdx.y's lists at the offsets
+// of its plan.
+__global__ void __launch_bounds__(kThreads) slice_compact_kernel(const TopkParams p) {
+  __shared__ Scan::TempStorage scan;
+  const int t = blockIdx.y, slice = blockIdx.x;
+  const int64_t n = p.rows.visible(t), first = slice * p.slice_len;
+  if (min(static_cast<int64_t>(p.k), n) == 0 || first >= n) return;
+  const int* plan = p.plan(t);
+  const RowPlan row = *reinterpret_cast<const RowPlan*>(plan);
+  if (!row.fits) return;
+  const int selected_before = plan[4 + 2 * slice], candidates_before = plan[5 + 2 * slice];
   Entry* list = p.lists + t * p.list_stride;
   compact(
-      RowSource{p.scores + t * p.score_stride, min(static_cast<int64_t>(kSlice), n - first), first},
-      [&](const Entry& e) { const int b = coarse_bin_of_key(e.key); return b > bin ? 1 : b == bin ? 2 : 0; },
-      list + before[0], list + kMaxIndexerTopk + before[1], in_bin - before[1], scan);
+      RowSource{p.scores + t * p.score_stride, min(p.slice_len, n - first), first},
+      [&](const Entry& e) { const int b = coarse_bin_of_key(e.key); return b > row.bin ? 1 : b == row.bin ? 2 : 0; },
+      list + selected_before, list + kMaxIndexerTopk + candidates_before, row.in_bin - candidates_before, scan);
 }
 
 template <int kSortItems>
@@ -282,6 +335,11 @@ __global__ void __launch_bounds__(kThreads) topk_kernel(const TopkParams p) {
   __shared__ int hist[kCoarseBins];
   __shared__ Scan::TempStorage scan;
   __shared__ int result[2];
+  __shared__ uint32_t key_range[2];  // the lowest and highest key chosen
+  if (threadIdx.x == 0) {
+    key_range[0] = 0xffffffffu;
+    key_range[1] = 0;
+  }
 
   const int t = blockIdx.x;
   const float* row = p.scores + t * p.score_stride;
@@ -293,24 +351,26 @@ __global__ void __launch_bounds__(kThreads) topk_kernel(const TopkParams p) {
     return;
   }
 
-  // 1. Coarse histogram: the bin of the want-th largest.
+  // 1. Coarse histogram: the bin of the want-th largest (the split path's plan has it).
+  RowPlan plan;
   if (p.slices > 0) {
-    sum_slice_histograms(p, t, hist);
+    plan = *reinterpret_cast<const RowPlan*>(p.plan(t));
   } else {
     for (int i = threadIdx.x; i < kCoarseBins; i += kThreads) hist[i] = 0;
     __syncthreads();
     for_each_score(row, n, [&](float v) { atomicAdd(&hist[coarse_bin(v)], 1); });
     __syncthreads();
+    find_from_top(hist, kCoarseBins, want, scan, result);
+    plan = {result[0], result[1], hist[result[0]], want + hist[result[0]] <= p.list_capacity};
+    __syncthreads();  // hist and result are reused below
   }
-  find_from_top(hist, kCoarseBins, want, scan, result);
-  const int bin = result[0], above = result[1], in_bin = hist[bin];
-  __syncthreads();  // hist and result are reused below
+  const int bin = plan.bin, above = plan.above, in_bin = plan.in_bin;
 
   // The chosen entries end up in list[0, listed) and rest[0, want - listed).
   Entry* rest;
   int listed = above;
   const RowSource src{row, n};
-  if (want + in_bin <= p.list_capacity) {
+  if (plan.fits) {
     // 2. Higher bins: selected; the bin itself: candidates.
     Entry* candidates = list + above;
     if (p.slices > 0) {  // slice_compact_kernel listed them
@@ -356,18 +416,35 @@ __global__ void __launch_bounds__(kThreads) topk_kernel(const TopkParams p) {
   }
 
   // 4. Best first. Both parts are in position order and no key is in both, so
-  // a stable sort leaves equal scores toward the lower position.
+  // a stable sort leaves equal scores toward the lower position. It sorts the
+  // keys less the lowest chosen, on as many bits as the highest then needs;
+  // the padding past `want` (key 0 too) stays last, being last already.
   uint32_t keys[kSortItems];
   int32_t positions[kSortItems];
+  uint32_t lowest = 0xffffffffu, highest = 0;
 #pragma unroll
   for (int j = 0; j < kSortItems; ++j) {
     const int i = threadIdx.x * kSortItems + j;
     const Entry e = i < listed ? list[i] : i < want ? rest[i - listed] : Entry{0, -1};
     keys[j] = e.key;
     positions[j] = e.pos;
+    if (i < want) {
+      lowest = min(lowest, e.key);
+      highest = max(highest, e.key);
+    }
   }
-  __syncthreads();  // the sort's scratch overwrites the list
-  Sort(*reinterpret_cast<typename Sort::TempStorage*>(smem_raw)).SortDescendingBlockedToStriped(keys, positions);
+  lowest = __reduce_min_sync(0xffffffffu, lowest);
+  highest = __reduce_max_sync(0xffffffffu, highest);
+  if (threadIdx.x % 32 == 0) {
+    atomicMin(&key_range[0], lowest);
+    atomicMax(&key_range[1], highest);
+  }
+  __syncthreads();  // the key range is known; the sort's scratch overwrites the list
+#pragma unroll
+  for (int j = 0; j < kSortItems; ++j) keys[j] = threadIdx.x * kSortItems + j < want ? keys[j] - key_range[0] : 0;
+  const int bits = max(1, 32 - __clz(static_cast<int>(key_range[1] - key_range[0])));
+  Sort(*reinterpret_cast<typename Sort::TempStorage*>(smem_raw))
+      .SortDescendingBlockedToStriped(keys, positions, 0, bits);
 #pragma unroll
   for (int j = 0; j < kSortItems; ++j) {
     const int rank = j * kThreads + threadIdx.x;
@@ -388,14 +465,18 @@ void launch_topk(TopkParams p, int tokens, cudaStream_t stream) {
   if (p.slices > 0) {
     p.list_stride = kMaxIndexerTopk + p.list_capacity;
     const size_t hist_bytes = static_cast<size_t>(tokens) * p.slices * kCoarseBins * sizeof(int);
-    auto* scratch = static_cast<uint8_t*>(
-        workspace(stream, hist_bytes + static_cast<size_t>(tokens) * p.list_stride * sizeof(Entry),
-                  WorkspaceUse::topk_lists));
+    const size_t plan_bytes = static_cast<size_t>(tokens) * (4 + 2 * p.slices) * sizeof(int);
+    const size_t list_offset = (hist_bytes + plan_bytes + 15) / 16 * 16;
+    auto* scratch = static_cast<uint8_t*>(workspace(
+        stream, list_offset + static_cast<size_t>(tokens) * p.list_stride * sizeof(Entry), WorkspaceUse::topk_lists));
     p.slice_hists = reinterpret_cast<int*>(scratch);
-    p.lists = reinterpret_cast<Entry*>(scratch + hist_bytes);
+    p.plans = reinterpret_cast<int*>(scratch + hist_bytes);
+    p.lists = reinterpret_cast<Entry*>(scratch + list_offset);
     const dim3 slices(p.slices, tokens);
     slice_histogram_kernel<<<slices, kThreads, 0, stream>>>(p);
     check_launch("smla indexer top-k histogram kernel");
+    row_plan_kernel<<<tokens, kThreads, 0, stream>>>(p);
+    check_launch("smla indexer top-k plan kernel");
     slice_compact_kernel<<<slices, kThreads, 0, stream>>>(p);
     check_launch("smla indexer top-k compaction kernel");
   }
@@ -408,7 +489,7 @@ void launch_topk(TopkParams p, int tokens, cudaStream_t stream) {
 int64_t index_capacity(const IndexerTopkArgs& a) { return a.block_table.size(1) * a.index_cache.size(1); }
 int64_t score_row_stride(const IndexerTopkArgs& a) { return (index_capacity(a) + 3) / 4 * 4; }
 
-void select_topk(const IndexerTopkArgs& a, const float* scores) {
+void select_topk(const IndexerTopkArgs& a, const float* scores, TopkSplit split) {
   const int tokens = static_cast<int>(a.q.size(0));
   const int k = static_cast<int>(a.topk.size(1));
   require(k <= kMaxIndexerTopk, "indexer_topk: topk: the CUDA backend selects at most " +
@@ -422,14 +503,21 @@ void select_topk(const IndexerTopkArgs& a, const float* scores) {
   p.k = k;
   p.out = a.topk.ptr<int32_t>();
   p.out_stride = a.topk.stride(0);
-  // Splitting rows pays when one CTA per token leaves most SMs idle (measured on an H200: one 128K row 84 -> 52
-  // µs, 16 rows 54 µs); with 64 or more rows the per-slice work (each slice sums every slice's histogram) made it
-  // slower, and so did 2 slices of a 32K row (44 -> 50 µs).
+  // Splitting rows pays when the rows are long and one CTA per token leaves most SMs idle (measured on an H200:
+  // rows of 128K for 1-32 tokens 35-45 µs split against 68 unsplit, for 64 tokens even; rows of 32K or less never
+  // faster split). Slices of at least kMinSlice positions, about two CTAs per SM in all.
   const int64_t capacity = index_capacity(a);
-  const bool split = capacity >= kSplitFrom && tokens * 8 <= current_device().num_sms;
-  p.slices = split ? static_cast<int>((capacity + kSlice - 1) / kSlice) : 0;
+  const int sms = current_device().num_sms;
+  if (split == TopkSplit::automatic)
+    split = capacity >= 65536 && 4 * tokens <= sms ? TopkSplit::always : TopkSplit::never;
+  if (split == TopkSplit::always) {
+    const int64_t most = std::max<int64_t>(1, (capacity + kMinSlice - 1) / kMinSlice);
+    p.slices = static_cast<int>(std::clamp<int64_t>((2 * sms + tokens - 1) / tokens, 1, most));
+    p.slice_len = (capacity + p.slices - 1) / p.slices;
+    p.slice_len = (p.slice_len + 3) / 4 * 4;
+  }
   const auto stream = static_cast<cudaStream_t>(a.stream);
-  if (k <= 2 * kThreads) launch_topk<2>(p, tokens, stream);
+  if (k <= 2048) launch_topk<2048 / kThreads>(p, tokens, stream);
   else launch_topk<kMaxIndexerTopk / kThreads>(p, tokens, stream);
 }
 
