@@ -60,9 +60,6 @@ __device__ __forceinline__ int coarse_bin(float v) {
   const uint32_t u = __half_as_ushort(__float2half_rn(v + 0.0f));
   return static_cast<int>(((u & 0x8000u) ? (~u & 0xffffu) : (u | 0x8000u)) >> 4);
 }
-__device__ __forceinline__ int coarse_bin_of_key(uint32_t key) {
-  return coarse_bin(__uint_as_float((key & 0x80000000u) ? (key & 0x7fffffffu) : ~key));
-}
 
 // Calls f(value) for the row's n scores: each thread loads kBatch 16-byte
 // pieces before it uses the first (f's shared-memory atomics would otherwise
@@ -95,66 +92,71 @@ __device__ __forceinline__ void for_each_score(const float* row, int64_t n, F&& 
   for (int64_t j = 4 * n4 + threadIdx.x; j < n; j += kThreads) f(row[j]);
 }
 
-// Positions [first, first + count) of a row's scores as entries (rows start
-// 16-byte aligned, see score_row_stride; `first` is a multiple of 4). A
-// chunk's scores are fetched (into registers) a chunk ahead of their use.
+// Positions [first, first + count) of a row's scores (rows start 16-byte
+// aligned, see score_row_stride; `first` is a multiple of 4). Items are the
+// scores themselves, classified as they are (an entry is made only of those
+// copied); a chunk's scores are fetched into registers a chunk ahead.
 struct RowSource {
   const float* row;
-  int64_t count, first = 0;
+  int count, first = 0;
+  using Item = float;
   using Fetched = float4[kRun / 4];
-  __device__ __forceinline__ void fetch(int64_t i0, Fetched& v) const {
+  __device__ __forceinline__ void fetch(int i0, Fetched& v) const {
     if (i0 + kRun <= count) {
 #pragma unroll
       for (int q = 0; q < kRun / 4; ++q) v[q] = reinterpret_cast<const float4*>(row + first + i0)[q];
     }
   }
-  __device__ __forceinline__ void load(int64_t i0, const Fetched& v, Entry (&e)[kRun]) const {
-    const int64_t p0 = first + i0;
+  __device__ __forceinline__ void load(int i0, const Fetched& v, float (&x)[kRun]) const {
     if (i0 + kRun <= count) {
 #pragma unroll
       for (int q = 0; q < kRun / 4; ++q) {
-        const float x[4] = {v[q].x, v[q].y, v[q].z, v[q].w};
-#pragma unroll
-        for (int r = 0; r < 4; ++r) e[4 * q + r] = {order_key(x[r]), static_cast<int32_t>(p0 + 4 * q + r)};
+        x[4 * q] = v[q].x;
+        x[4 * q + 1] = v[q].y;
+        x[4 * q + 2] = v[q].z;
+        x[4 * q + 3] = v[q].w;
       }
     } else {
 #pragma unroll
-      for (int j = 0; j < kRun; ++j)
-        e[j] = i0 + j < count ? Entry{order_key(row[p0 + j]), static_cast<int32_t>(p0 + j)} : Entry{0, -1};
+      for (int j = 0; j < kRun; ++j) x[j] = i0 + j < count ? row[first + i0 + j] : 0.f;
     }
   }
+  __device__ __forceinline__ Entry entry(int i, float v) const { return {order_key(v), first + i}; }
 };
 
 // Entries already in shared memory (nothing to fetch ahead).
 struct ListSource {
   const Entry* list;
-  int64_t count;
+  int count;
+  using Item = Entry;
   struct Fetched {};
-  __device__ __forceinline__ void fetch(int64_t, Fetched&) const {}
-  __device__ __forceinline__ void load(int64_t i0, const Fetched&, Entry (&e)[kRun]) const {
+  __device__ __forceinline__ void fetch(int, Fetched&) const {}
+  __device__ __forceinline__ void load(int i0, const Fetched&, Entry (&x)[kRun]) const {
 #pragma unroll
-    for (int j = 0; j < kRun; ++j) e[j] = i0 + j < count ? list[i0 + j] : Entry{0, -1};
+    for (int j = 0; j < kRun; ++j) x[j] = i0 + j < count ? list[i0 + j] : Entry{0, -1};
   }
+  __device__ __forceinline__ Entry entry(int, const Entry& e) const { return e; }
 };
 
-// Copies, in source order, the entries `classify` puts in class 1 to first[]
-// and those in class 2 to second[] (only the first second_limit of them).
+// Copies, in source order, the entries whose items `classify` puts in class
+// 1 to first[] and those in class 2 to second[] (only the first second_limit
+// of them).
 template <class Source, class Classify>
 __device__ void compact(const Source& src, Classify classify, Entry* first, Entry* second, int second_limit,
                         Scan::TempStorage& scan) {
   int first_base = 0, second_base = 0;
-  constexpr int64_t kChunk = static_cast<int64_t>(kRun) * kThreads;
-  const int64_t mine = static_cast<int64_t>(kRun) * threadIdx.x;
+  constexpr int kChunk = kRun * kThreads;
+  const int mine = kRun * threadIdx.x;
   typename Source::Fetched next;
   src.fetch(mine, next);
-  for (int64_t base = 0; base < src.count; base += kChunk) {
-    Entry e[kRun];
-    src.load(base + mine, next, e);
+  for (int base = 0; base < src.count; base += kChunk) {
+    typename Source::Item x[kRun];
+    src.load(base + mine, next, x);
     src.fetch(base + kChunk + mine, next);
     int cls[kRun], n1 = 0, n2 = 0;
 #pragma unroll
     for (int j = 0; j < kRun; ++j) {
-      cls[j] = e[j].pos < 0 ? 0 : classify(e[j]);
+      cls[j] = base + mine + j < src.count ? classify(x[j]) : 0;
       n1 += cls[j] == 1;
       n2 += cls[j] == 2;
     }
@@ -165,8 +167,8 @@ __device__ void compact(const Source& src, Classify classify, Entry* first, Entr
     int at1 = first_base + (before & 0xffff), at2 = second_base + (before >> 16);
 #pragma unroll
     for (int j = 0; j < kRun; ++j) {
-      if (cls[j] == 1) first[at1++] = e[j];
-      if (cls[j] == 2 && at2 < second_limit) second[at2] = e[j];
+      if (cls[j] == 1) first[at1++] = src.entry(base + mine + j, x[j]);
+      if (cls[j] == 2 && at2 < second_limit) second[at2] = src.entry(base + mine + j, x[j]);
       at2 += cls[j] == 2;
     }
     first_base += total & 0xffff;
@@ -321,8 +323,8 @@ __global__ void __launch_bounds__(kThreads) slice_compact_kernel(const TopkParam
   const int selected_before = plan[4 + 2 * slice], candidates_before = plan[5 + 2 * slice];
   Entry* list = p.lists + t * p.list_stride;
   compact(
-      RowSource{p.scores + t * p.score_stride, min(p.slice_len, n - first), first},
-      [&](const Entry& e) { const int b = coarse_bin_of_key(e.key); return b > row.bin ? 1 : b == row.bin ? 2 : 0; },
+      RowSource{p.scores + t * p.score_stride, static_cast<int>(min(p.slice_len, n - first)), static_cast<int>(first)},
+      [&](float v) { const int b = coarse_bin(v); return b > row.bin ? 1 : b == row.bin ? 2 : 0; },
       list + selected_before, list + kMaxIndexerTopk + candidates_before, row.in_bin - candidates_before, scan);
 }
 
@@ -369,7 +371,7 @@ __global__ void __launch_bounds__(kThreads) topk_kernel(const TopkParams p) {
   // The chosen entries end up in list[0, listed) and rest[0, want - listed).
   Entry* rest;
   int listed = above;
-  const RowSource src{row, n};
+  const RowSource src{row, static_cast<int>(n)};
   if (plan.fits) {
     // 2. Higher bins: selected; the bin itself: candidates.
     Entry* candidates = list + above;
@@ -379,7 +381,7 @@ __global__ void __launch_bounds__(kThreads) topk_kernel(const TopkParams p) {
       for (int i = threadIdx.x; i < in_bin; i += kThreads) candidates[i] = listed_by_slices[kMaxIndexerTopk + i];
     } else {
       compact(
-          src, [&](const Entry& e) { const int b = coarse_bin_of_key(e.key); return b > bin ? 1 : b == bin ? 2 : 0; },
+          src, [&](float v) { const int b = coarse_bin(v); return b > bin ? 1 : b == bin ? 2 : 0; },
           list, candidates, in_bin, scan);
     }
     __syncthreads();
@@ -408,7 +410,7 @@ __global__ void __launch_bounds__(kThreads) topk_kernel(const TopkParams p) {
     radix_select([&](auto&& f) { for_each_score(row, n, [&](float v) { f(order_key(v)); }); }, want, hist, scan,
                  result, threshold, remaining);
     compact(
-        src, [&](const Entry& e) { return e.key > threshold ? 1 : e.key == threshold ? 2 : 0; }, list,
+        src, [&](float v) { const uint32_t key = order_key(v); return key > threshold ? 1 : key == threshold ? 2 : 0; }, list,
         list + (want - remaining), remaining, scan);
     __syncthreads();
     listed = want;
