@@ -337,7 +337,8 @@ void bench_topk(int tokens, int context) {
 
 int main(int argc, char** argv) {
   // `bench_cuda attention|indexer|topk` runs one part; no argument: all.
-  // `bench_cuda indexer TOKENS HEADS CONTEXT [bf16]` runs one indexer decode config.
+  // `bench_cuda indexer TOKENS HEADS CONTEXT [bf16]` runs one indexer decode config, `bench_cuda topk TOKENS
+  // CONTEXT` one top-k config (unsplit, split, picked: in that order, each warmed up and timed).
   const std::string part = argc > 1 ? argv[1] : "";
   cudaDeviceProp prop;
   CHECK(cudaGetDeviceProperties(&prop, 0));
@@ -381,6 +382,10 @@ int main(int argc, char** argv) {
   if (part.empty() || part == "topk") {
     std::printf("\ntop-k 2048 of distinct random scores: one CTA per row, rows split among CTAs, as select_topk picks\n");
     std::printf("%6s %7s %10s %10s %10s %12s\n", "tokens", "context", "unsplit us", "split us", "picked us", "us/row");
+    if (argc >= 4) {
+      bench_topk(std::atoi(argv[2]), std::atoi(argv[3]));
+      return 0;
+    }
     for (int context : {8192, 32768, 131072})
       for (int tokens : {1, 8, 16, 32, 64, 128}) bench_topk(tokens, context);
   }

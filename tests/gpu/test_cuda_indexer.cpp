@@ -359,8 +359,10 @@ std::vector<int32_t> expected_topk(const std::vector<float>& row, int64_t n, int
   return order;
 }
 
+// exact: the result must be the reference's; else (NaN scores: an unspecified order) only valid: distinct
+// positions of the row, as many as it has up to k, then -1.
 void check_crafted_rows(const std::vector<CraftedRow>& rows, int k, uint64_t seed,
-                        cuda::TopkSplit split = cuda::TopkSplit::automatic) {
+                        cuda::TopkSplit split = cuda::TopkSplit::automatic, bool exact = true) {
   test::Rng rng(seed);
   const int tokens = static_cast<int>(rows.size()), bs = 64;
   int64_t longest = 1;
@@ -393,9 +395,21 @@ void check_crafted_rows(const std::vector<CraftedRow>& rows, int k, uint64_t see
   cuda::select_topk(a, static_cast<const float*>(dscores.ptr), split);
   CUDA_OK(cudaDeviceSynchronize());
   const std::vector<int32_t> got = dout.download<int32_t>();
-  for (int t = 0; t < tokens; ++t)
-    EXPECT_TRUE(std::equal(got.begin() + t * k, got.begin() + (t + 1) * k, want.begin() + t * k))
-        << rows[t].what << " (n = " << rows[t].n << ", k = " << k << ", split " << static_cast<int>(split) << ")";
+  for (int t = 0; t < tokens; ++t) {
+    const std::string what = std::string(rows[t].what) + " (n = " + std::to_string(rows[t].n) +
+                             ", k = " + std::to_string(k) + ", split " + std::to_string(static_cast<int>(split)) + ")";
+    if (exact) {
+      EXPECT_TRUE(std::equal(got.begin() + t * k, got.begin() + (t + 1) * k, want.begin() + t * k)) << what;
+      continue;
+    }
+    std::vector<int32_t> row(got.begin() + t * k, got.begin() + (t + 1) * k);
+    const int64_t chosen = std::min<int64_t>(rows[t].n, k);
+    for (int64_t i = 0; i < k; ++i)
+      if (i < chosen) EXPECT_TRUE(row[i] >= 0 && row[i] < rows[t].n) << what << ": rank " << i << " is " << row[i];
+      else EXPECT_EQ(row[i], -1) << what << ": rank " << i;
+    std::sort(row.begin(), row.begin() + chosen);
+    EXPECT_TRUE(std::adjacent_find(row.begin(), row.begin() + chosen) == row.begin() + chosen) << what << ": repeats";
+  }
 }
 
 std::vector<CraftedRow> crafted_rows() {
@@ -447,6 +461,25 @@ TEST(CudaTopk, ExactOnCraftedRowsOfShortTables) {
   for (cuda::TopkSplit split : {cuda::TopkSplit::never, cuda::TopkSplit::always}) {
     check_crafted_rows(rows, 2048, 103, split);
     check_crafted_rows(rows, 8192, 104, split);
+  }
+}
+
+// NaN scores have no order, but every path still returns distinct positions of the row.
+TEST(CudaTopk, NanScoresGiveValidPositions) {
+  const auto some_nan = [](int64_t i, test::Rng& rng) {
+    return i % 5 == 0 ? (i % 10 == 0 ? NAN : -NAN) : static_cast<float>(rng() % 1000) / 7.f;
+  };
+  const std::vector<CraftedRow> rows = {
+      {"a fifth NaN", 131072, some_nan},
+      {"one NaN in 1000", 131072,
+       [](int64_t i, test::Rng& rng) { return i % 1000 == 0 ? NAN : static_cast<float>(rng() % 100000) / 7.f; }},
+      {"a fifth NaN, short", 5000, some_nan},
+      {"all NaN", 70000, [](int64_t, test::Rng&) { return NAN; }},
+      {"NaN and -inf", 40000, [](int64_t i, test::Rng&) { return i % 2 ? NAN : -INFINITY; }},
+  };
+  for (cuda::TopkSplit split : {cuda::TopkSplit::never, cuda::TopkSplit::always}) {
+    check_crafted_rows(rows, 2048, 106, split, false);
+    check_crafted_rows(rows, 37, 107, split, false);
   }
 }
 

@@ -54,12 +54,14 @@ __device__ __forceinline__ uint32_t order_key(float v) {
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
-// The top 12 bits of the order key of the score rounded to fp16: rounding is
-// monotone, so a higher bin never holds a lower score.
-__device__ __forceinline__ int coarse_bin(float v) {
+// The order key of the score rounded to fp16 (16 bits), and its top 12 bits,
+// the score's coarse bin: rounding is monotone, so a higher bin never holds a
+// lower score.
+__device__ __forceinline__ uint32_t half_key(float v) {
   const uint32_t u = __half_as_ushort(__float2half_rn(v + 0.0f));
-  return static_cast<int>(((u & 0x8000u) ? (~u & 0xffffu) : (u | 0x8000u)) >> 4);
+  return (u & 0x8000u) ? (~u & 0xffffu) : (u | 0x8000u);
 }
+__device__ __forceinline__ int coarse_bin(float v) { return static_cast<int>(half_key(v) >> 4); }
 
 // Calls f(value) for the row's n scores: each thread loads kBatch 16-byte
 // pieces before it uses the first (f's shared-memory atomics would otherwise
@@ -121,6 +123,7 @@ struct RowSource {
       for (int j = 0; j < kRun; ++j) x[j] = i0 + j < count ? row[first + i0 + j] : 0.f;
     }
   }
+  __device__ __forceinline__ float item(int i) const { return row[first + i]; }
   __device__ __forceinline__ Entry entry(int i, float v) const { return {order_key(v), first + i}; }
 };
 
@@ -135,45 +138,90 @@ struct ListSource {
 #pragma unroll
     for (int j = 0; j < kRun; ++j) x[j] = i0 + j < count ? list[i0 + j] : Entry{0, -1};
   }
+  __device__ __forceinline__ Entry item(int i) const { return list[i]; }
   __device__ __forceinline__ Entry entry(int, const Entry& e) const { return e; }
 };
 
+// Where compact keeps its warps' counts: two sets, used by turns, so one CTA
+// barrier per chunk suffices.
+using WarpTotals = int[2][kThreads / 32];
+
 // Copies, in source order, the entries whose items `classify` puts in class
 // 1 to first[] and those in class 2 to second[] (only the first second_limit
-// of them).
+// of them). Each thread classifies its run of kRun consecutive items into two
+// bit masks (no branches); a scan over the warp's lanes (shuffles) and the
+// warps' totals give each run its place. The caller synchronises before it
+// reads the copies or calls again.
 template <class Source, class Classify>
 __device__ void compact(const Source& src, Classify classify, Entry* first, Entry* second, int second_limit,
-                        Scan::TempStorage& scan) {
-  int first_base = 0, second_base = 0;
-  constexpr int kChunk = kRun * kThreads;
-  const int mine = kRun * threadIdx.x;
+                        WarpTotals& totals) {
+  constexpr int kChunk = kRun * kThreads, kWarps = kThreads / 32;
+  static_assert(kChunk < (1 << 16), "a chunk's counts of both classes fit in one int");
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, mine = kRun * threadIdx.x;
+  int first_base = 0, second_base = 0, turn = 0;
   typename Source::Fetched next;
   src.fetch(mine, next);
-  for (int base = 0; base < src.count; base += kChunk) {
+  for (int base = 0; base < src.count; base += kChunk, turn ^= 1) {
     typename Source::Item x[kRun];
     src.load(base + mine, next, x);
     src.fetch(base + kChunk + mine, next);
-    int cls[kRun], n1 = 0, n2 = 0;
+    const int valid = src.count - (base + mine);  // items of the run before the source's end
+    uint32_t ones = 0, twos = 0;
 #pragma unroll
     for (int j = 0; j < kRun; ++j) {
-      cls[j] = base + mine + j < src.count ? classify(x[j]) : 0;
-      n1 += cls[j] == 1;
-      n2 += cls[j] == 2;
+      const int c = classify(x[j]);
+      ones |= static_cast<uint32_t>(j < valid && c == 1) << j;
+      twos |= static_cast<uint32_t>(j < valid && c == 2) << j;
     }
-    // Both counts in one scan: each fits in 16 bits (at most kRun * kThreads).
-    int before, total;
-    Scan(scan).ExclusiveSum(n1 | (n2 << 16), before, total);
-    __syncthreads();  // the scan storage is reused by the next chunk
-    int at1 = first_base + (before & 0xffff), at2 = second_base + (before >> 16);
+    const int counts = __popc(ones) | (__popc(twos) << 16);
+    int upto = counts;  // inclusive over the warp's lanes
 #pragma unroll
-    for (int j = 0; j < kRun; ++j) {
-      if (cls[j] == 1) first[at1++] = src.entry(base + mine + j, x[j]);
-      if (cls[j] == 2 && at2 < second_limit) second[at2] = src.entry(base + mine + j, x[j]);
-      at2 += cls[j] == 2;
+    for (int d = 1; d < 32; d *= 2) {
+      const int v = __shfl_up_sync(0xffffffffu, upto, d);
+      if (lane >= d) upto += v;
+    }
+    if (lane == 31) totals[turn][warp] = upto;
+    __syncthreads();
+    int before = upto - counts, total = 0;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const int t = totals[turn][w];
+      total += t;
+      before += w < warp ? t : 0;
+    }
+    int at1 = first_base + (before & 0xffff), at2 = second_base + (before >> 16);
+    // Few items are copied: each is read again (a cache hit) rather than every one tested in registers.
+    for (uint32_t copied = ones | twos; copied != 0; copied &= copied - 1) {
+      const int j = __ffs(copied) - 1, i = base + mine + j;
+      const Entry e = src.entry(i, src.item(i));
+      if ((ones >> j) & 1) {
+        first[at1++] = e;
+      } else {
+        if (at2 < second_limit) second[at2] = e;
+        ++at2;
+      }
     }
     first_base += total & 0xffff;
     second_base += total >> 16;
   }
+}
+
+// What the split path's plan says of a token's row: the bin of the want-th largest, how many lie above it and in
+// it, and whether the candidates fit the per-token CTA's shared memory (if not, it selects over the row).
+struct RowPlan {
+  int bin, above, in_bin, fits;
+  // The split path's plans go on with two offsets per slice: see slice_offsets.
+};
+constexpr int kPlanInts = sizeof(RowPlan) / sizeof(int);
+
+// Compacts a row's scores in bins above plan.bin to first[] and those in it to second[] (bin b holds the half
+// keys b * 16 .. b * 16 + 15).
+__device__ void compact_by_bin(const RowSource& src, const RowPlan& plan, Entry* first, Entry* second,
+                               int second_limit, WarpTotals& totals) {
+  const uint32_t lowest_in = static_cast<uint32_t>(plan.bin) << 4, lowest_above = lowest_in + 16;
+  compact(
+      src, [&](float v) { const uint32_t key = half_key(v); return key >= lowest_above ? 1 : key >= lowest_in ? 2 : 0; },
+      first, second, second_limit, totals);
 }
 
 // The bin of hist[0, bins) in which the want-th largest falls, counting from
@@ -241,14 +289,11 @@ struct TopkParams {
   Entry* lists;
   int64_t list_stride;  // entries per token: kMaxIndexerTopk selected, then list_capacity candidates
 
-  __device__ int* plan(int t) const { return plans + static_cast<int64_t>(t) * (4 + 2 * slices); }
+  __device__ int* plan(int t) const { return plans + static_cast<int64_t>(t) * (kPlanInts + 2 * slices); }
+  // How many selected ([0]) and candidates ([1]) the slices before slice s hold.
+  __device__ int* slice_offsets(int t, int s) const { return plan(t) + kPlanInts + 2 * s; }
 };
 
-// What the split path's plan says of a token's row: the bin of the want-th largest, how many lie above it and in
-// it, and whether the candidates fit the per-token CTA's shared memory (if not, it selects over the row).
-struct RowPlan {
-  int bin, above, in_bin, fits;
-};
 
 // Split path, step 1: the coarse histogram of slice blockIdx.x of token blockIdx.y's row.
 __global__ void __launch_bounds__(kThreads) slice_histogram_kernel(const TopkParams p) {
@@ -291,17 +336,18 @@ __global__ void __launch_bounds__(kThreads) row_plan_kernel(const TopkParams p) 
     for (int b = bin + 1 + lane; b < kCoarseBins; b += 32) selected += h[s * kCoarseBins + b];
     for (int o = 16; o > 0; o /= 2) selected += __shfl_xor_sync(0xffffffffu, selected, o);
     if (lane == 0) {
-      plan[4 + 2 * s] = selected;
-      plan[5 + 2 * s] = h[s * kCoarseBins + bin];
+      p.slice_offsets(t, s)[0] = selected;
+      p.slice_offsets(t, s)[1] = h[s * kCoarseBins + bin];
     }
   }
   __syncthreads();
   if (threadIdx.x == 0) {  // counts -> offsets (a few dozen slices at most)
     int selected = 0, candidates = 0;
     for (int s = 0; s < p.slices; ++s) {
-      const int sel = plan[4 + 2 * s], cand = plan[5 + 2 * s];
-      plan[4 + 2 * s] = selected;
-      plan[5 + 2 * s] = candidates;
+      int* offsets = p.slice_offsets(t, s);
+      const int sel = offsets[0], cand = offsets[1];
+      offsets[0] = selected;
+      offsets[1] = candidates;
       selected += sel;
       candidates += cand;
     }
@@ -312,20 +358,19 @@ __global__ void __launch_bounds__(kThreads) row_plan_kernel(const TopkParams p) 
 // Split path, step 3: slice blockIdx.x's selected positions and candidates,
 // compacted in position order into token blockIdx.y's lists at the offsets
 // of its plan.
-__global__ void __launch_bounds__(kThreads) slice_compact_kernel(const TopkParams p) {
-  __shared__ Scan::TempStorage scan;
+__global__ void __launch_bounds__(kThreads, 2) slice_compact_kernel(const TopkParams p) {
+  __shared__ WarpTotals totals;
   const int t = blockIdx.y, slice = blockIdx.x;
   const int64_t n = p.rows.visible(t), first = slice * p.slice_len;
   if (min(static_cast<int64_t>(p.k), n) == 0 || first >= n) return;
   const int* plan = p.plan(t);
   const RowPlan row = *reinterpret_cast<const RowPlan*>(plan);
   if (!row.fits) return;
-  const int selected_before = plan[4 + 2 * slice], candidates_before = plan[5 + 2 * slice];
+  const int selected_before = p.slice_offsets(t, slice)[0], candidates_before = p.slice_offsets(t, slice)[1];
   Entry* list = p.lists + t * p.list_stride;
-  compact(
+  compact_by_bin(
       RowSource{p.scores + t * p.score_stride, static_cast<int>(min(p.slice_len, n - first)), static_cast<int>(first)},
-      [&](float v) { const int b = coarse_bin(v); return b > row.bin ? 1 : b == row.bin ? 2 : 0; },
-      list + selected_before, list + kMaxIndexerTopk + candidates_before, row.in_bin - candidates_before, scan);
+      row, list + selected_before, list + kMaxIndexerTopk + candidates_before, row.in_bin - candidates_before, totals);
 }
 
 template <int kSortItems>
@@ -336,6 +381,7 @@ __global__ void __launch_bounds__(kThreads) topk_kernel(const TopkParams p) {
   Entry* list = reinterpret_cast<Entry*>(smem_raw);
   __shared__ int hist[kCoarseBins];
   __shared__ Scan::TempStorage scan;
+  __shared__ WarpTotals totals;
   __shared__ int result[2];
   __shared__ uint32_t key_range[2];  // the lowest and highest key chosen
   if (threadIdx.x == 0) {
@@ -380,9 +426,7 @@ __global__ void __launch_bounds__(kThreads) topk_kernel(const TopkParams p) {
       for (int i = threadIdx.x; i < above; i += kThreads) list[i] = listed_by_slices[i];
       for (int i = threadIdx.x; i < in_bin; i += kThreads) candidates[i] = listed_by_slices[kMaxIndexerTopk + i];
     } else {
-      compact(
-          src, [&](float v) { const int b = coarse_bin(v); return b > bin ? 1 : b == bin ? 2 : 0; },
-          list, candidates, in_bin, scan);
+      compact_by_bin(src, plan, list, candidates, in_bin, totals);
     }
     __syncthreads();
     // 3. The candidates that complete the want.
@@ -400,7 +444,7 @@ __global__ void __launch_bounds__(kThreads) topk_kernel(const TopkParams p) {
       rest = candidates + in_bin;
       compact(
           cand, [&](const Entry& e) { return e.key > threshold ? 1 : e.key == threshold ? 2 : 0; }, rest,
-          rest + (need - remaining), remaining, scan);
+          rest + (need - remaining), remaining, totals);
       __syncthreads();
     }
   } else {
@@ -411,7 +455,7 @@ __global__ void __launch_bounds__(kThreads) topk_kernel(const TopkParams p) {
                  result, threshold, remaining);
     compact(
         src, [&](float v) { const uint32_t key = order_key(v); return key > threshold ? 1 : key == threshold ? 2 : 0; }, list,
-        list + (want - remaining), remaining, scan);
+        list + (want - remaining), remaining, totals);
     __syncthreads();
     listed = want;
     rest = list + want;
@@ -467,7 +511,7 @@ void launch_topk(TopkParams p, int tokens, cudaStream_t stream) {
   if (p.slices > 0) {
     p.list_stride = kMaxIndexerTopk + p.list_capacity;
     const size_t hist_bytes = static_cast<size_t>(tokens) * p.slices * kCoarseBins * sizeof(int);
-    const size_t plan_bytes = static_cast<size_t>(tokens) * (4 + 2 * p.slices) * sizeof(int);
+    const size_t plan_bytes = static_cast<size_t>(tokens) * (kPlanInts + 2 * p.slices) * sizeof(int);
     const size_t list_offset = (hist_bytes + plan_bytes + 15) / 16 * 16;
     auto* scratch = static_cast<uint8_t*>(workspace(
         stream, list_offset + static_cast<size_t>(tokens) * p.list_stride * sizeof(Entry), WorkspaceUse::topk_lists));
