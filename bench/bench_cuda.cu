@@ -380,7 +380,8 @@ int main(int argc, char** argv) {
     bench_indexer("topk 64 rows", 64, 64, 131072, smla::DType::fp8_e4m3, false, c);
   }
   if (part.empty() || part == "topk") {
-    std::printf("\ntop-k 2048 of distinct random scores: one CTA per row, rows split among CTAs, as select_topk picks\n");
+    std::printf("\ntop-k 2048 of distinct random scores: one CTA per row, rows split among CTAs, "
+                "as select_topk picks\n");
     std::printf("%6s %7s %10s %10s %10s %12s\n", "tokens", "context", "unsplit us", "split us", "picked us", "us/row");
     if (argc >= 4) {
       bench_topk(std::atoi(argv[2]), std::atoi(argv[3]));

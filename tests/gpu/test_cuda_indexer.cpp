@@ -486,7 +486,8 @@ TEST(CudaTopk, NanScoresGiveValidPositions) {
 TEST(CudaTopk, ExactWithK8192) {
   std::vector<CraftedRow> rows = crafted_rows();
   rows.push_back({"many ties, 300K", 300000, [](int64_t, test::Rng& rng) { return static_cast<float>(rng() % 99991); }});
-  for (cuda::TopkSplit split : {cuda::TopkSplit::never, cuda::TopkSplit::always}) check_crafted_rows(rows, 8192, 102, split);
+  for (cuda::TopkSplit split : {cuda::TopkSplit::never, cuda::TopkSplit::always})
+    check_crafted_rows(rows, 8192, 102, split);
 }
 
 }  // namespace

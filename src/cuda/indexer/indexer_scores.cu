@@ -284,7 +284,8 @@ __global__ void __launch_bounds__(kScoreThreads, 4) index_scores_kernel(const Sc
           for (int jj = 0; jj < 4; ++jj)
 #pragma unroll
             for (int n = 0; n < kNTiles; ++n) {
-              const uint2 b = kQInRegisters ? bq[n][4 * half + jj] : s.q[pass * kPassGroups + pg][n][4 * half + jj][lane];
+              const int j = 4 * half + jj;
+              const uint2 b = kQInRegisters ? bq[n][j] : s.q[pass * kPassGroups + pg][n][j][lane];
               mma_16816<__nv_bfloat16>(acc[pg][n], a[jj], {b.x, b.y});
             }
       }

@@ -219,9 +219,11 @@ constexpr int kPlanInts = sizeof(RowPlan) / sizeof(int);
 __device__ void compact_by_bin(const RowSource& src, const RowPlan& plan, Entry* first, Entry* second,
                                int second_limit, WarpTotals& totals) {
   const uint32_t lowest_in = static_cast<uint32_t>(plan.bin) << 4, lowest_above = lowest_in + 16;
-  compact(
-      src, [&](float v) { const uint32_t key = half_key(v); return key >= lowest_above ? 1 : key >= lowest_in ? 2 : 0; },
-      first, second, second_limit, totals);
+  const auto by_bin = [&](float v) {
+    const uint32_t key = half_key(v);
+    return key >= lowest_above ? 1 : key >= lowest_in ? 2 : 0;
+  };
+  compact(src, by_bin, first, second, second_limit, totals);
 }
 
 // The bin of hist[0, bins) in which the want-th largest falls, counting from
@@ -293,7 +295,6 @@ struct TopkParams {
   // How many selected ([0]) and candidates ([1]) the slices before slice s hold.
   __device__ int* slice_offsets(int t, int s) const { return plan(t) + kPlanInts + 2 * s; }
 };
-
 
 // Split path, step 1: the coarse histogram of slice blockIdx.x of token blockIdx.y's row.
 __global__ void __launch_bounds__(kThreads) slice_histogram_kernel(const TopkParams p) {
@@ -412,7 +413,7 @@ __global__ void __launch_bounds__(kThreads) topk_kernel(const TopkParams p) {
     plan = {result[0], result[1], hist[result[0]], want + hist[result[0]] <= p.list_capacity};
     __syncthreads();  // hist and result are reused below
   }
-  const int bin = plan.bin, above = plan.above, in_bin = plan.in_bin;
+  const int above = plan.above, in_bin = plan.in_bin;
 
   // The chosen entries end up in list[0, listed) and rest[0, want - listed).
   Entry* rest;
@@ -453,9 +454,11 @@ __global__ void __launch_bounds__(kThreads) topk_kernel(const TopkParams p) {
     int remaining;
     radix_select([&](auto&& f) { for_each_score(row, n, [&](float v) { f(order_key(v)); }); }, want, hist, scan,
                  result, threshold, remaining);
-    compact(
-        src, [&](float v) { const uint32_t key = order_key(v); return key > threshold ? 1 : key == threshold ? 2 : 0; }, list,
-        list + (want - remaining), remaining, totals);
+    const auto by_threshold = [&](float v) {
+      const uint32_t key = order_key(v);
+      return key > threshold ? 1 : key == threshold ? 2 : 0;
+    };
+    compact(src, by_threshold, list, list + (want - remaining), remaining, totals);
     __syncthreads();
     listed = want;
     rest = list + want;
@@ -550,8 +553,8 @@ void select_topk(const IndexerTopkArgs& a, const float* scores, TopkSplit split)
   p.out = a.topk.ptr<int32_t>();
   p.out_stride = a.topk.stride(0);
   // Splitting rows pays when the rows are long and one CTA per token leaves most SMs idle (measured on an H200:
-  // rows of 128K for 1-32 tokens 35-45 µs split against 68 unsplit, for 64 tokens even; rows of 32K or less never
-  // faster split). Slices of at least kMinSlice positions, about two CTAs per SM in all.
+  // rows of 128K for 1-32 tokens 34-42 µs split against 57-58 unsplit, for 64 tokens 63 against 58; rows of 32K
+  // or less never faster split). Slices of at least kMinSlice positions, about two CTAs per SM in all.
   const int64_t capacity = index_capacity(a);
   const int sms = current_device().num_sms;
   if (split == TopkSplit::automatic)
