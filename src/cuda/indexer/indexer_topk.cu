@@ -342,7 +342,7 @@ __global__ void __launch_bounds__(kThreads) row_plan_kernel(const TopkParams p) 
     }
   }
   __syncthreads();
-  if (threadIdx.x == 0) {  // counts -> offsets (a few dozen slices at most)
+  if (threadIdx.x == 0) {  // counts -> offsets (at most 2 x SMs slices, see select_topk)
     int selected = 0, candidates = 0;
     for (int s = 0; s < p.slices; ++s) {
       int* offsets = p.slice_offsets(t, s);
