@@ -62,6 +62,21 @@ int max_dynamic_smem(const void* kernel) {
   return bytes;
 }
 
+int resident_ctas_per_sm(const void* kernel, int threads, int smem) {
+  static std::mutex mu;
+  static std::map<std::tuple<int, const void*, int, int>, int> counts;
+  const auto key = std::make_tuple(current_device().index, kernel, threads, smem);
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = counts.find(key);
+  if (it == counts.end()) {
+    int n = 0;
+    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem),
+               "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+    it = counts.emplace(key, n).first;
+  }
+  return it->second;
+}
+
 void* workspace(cudaStream_t stream, size_t bytes, WorkspaceUse use) {
   struct Buffer {
     void* ptr = nullptr;

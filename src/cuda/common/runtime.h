@@ -34,6 +34,9 @@ void allow_dynamic_smem(const void* kernel, int bytes);
 // All the shared memory the current device lets one block of `kernel` have
 // beyond its static shared memory; `kernel` is opted in to it.
 int max_dynamic_smem(const void* kernel);
+// How many CTAs of `kernel` (`threads` each, `smem` bytes of dynamic shared
+// memory) the current device keeps resident per SM (cached like the above).
+int resident_ctas_per_sm(const void* kernel, int threads, int smem);
 
 // Scratch memory for `stream` on the current device, at least `bytes`. It
 // grows (cudaMalloc) only when a larger size is first asked for, so

@@ -35,7 +35,9 @@ constexpr int kDim = 128;           // index head dim
 constexpr int kSteps = kDim / 16;   // mma k-steps per key
 constexpr int kScoreThreads = 128;  // 4 warps x 16 positions
 constexpr int kTile = 64;           // positions per pipeline stage
-constexpr int kMaxTilesPerCta = 64;
+constexpr int64_t kMaxTilesPerCta = 64;
+
+constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 enum class QKind { bf16, f16, fp8 };
 
@@ -125,7 +127,7 @@ __global__ void __launch_bounds__(kScoreThreads, 4) index_scores_kernel(const Sc
   const int ctx = static_cast<int>(p.rows.visible(t));
   if (static_cast<int64_t>(blockIdx.x) * p.tiles_per_cta * kTile >= ctx) return;
   const int begin = blockIdx.x * p.tiles_per_cta * kTile;
-  const int n_tiles = min(p.tiles_per_cta, (ctx - begin + kTile - 1) / kTile);  // at most kMaxTilesPerCta
+  const int n_tiles = min(p.tiles_per_cta, (ctx - begin + kTile - 1) / kTile);
   const int32_t* table = p.block_table + p.rows.request(t) * p.table_stride;
   const int block_size = p.cache.block_size;
   const auto in_cache = [&](int block) { return block >= 0 && block < p.cache.num_blocks; };
@@ -136,32 +138,42 @@ __global__ void __launch_bounds__(kScoreThreads, 4) index_scores_kernel(const Sc
   // the tile exists); a warp copy covers whole consecutive rows (few cache
   // lines per instruction); positions past the context or in a block outside
   // the cache are zero-filled and never used. With kRuns, lane i of every
-  // warp looks tile i's block up once, before the first copy, so no copy
-  // waits for the block table; otherwise each row is looked up.
+  // warp looks the block of tile i (mod 32) up a chunk of 32 tiles before its
+  // copies, so no copy waits for the block table; otherwise each row is looked up.
   constexpr int kRowBytes = kFp8 ? kDim : 2 * kDim, kPiecesPerRow = kRowBytes / 16;
   // A lane copies 16-byte piece lane % kPiecesPerRow of rows lane / kPiecesPerRow + k * kRowsPerCopy.
   constexpr int kRowsPerCopy = 32 / kPiecesPerRow, kCopies = 16 / kRowsPerCopy;
   const int lane_row = lane / kPiecesPerRow, lane_col = lane % kPiecesPerRow, first_row = warp * 16;
   const int64_t row_stride = kFp8 ? kDim : p.cache.row_stride;
-  // kRuns: tiles `lane` and `lane + 32`: their blocks and their first rows' offsets in them.
-  int lane_block[2] = {-1, -1}, lane_offset[2] = {0, 0};
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int i = lane + 32 * r, start = begin + i * kTile;
-    if (kRuns && i < n_tiles) {
-      lane_block[r] = table[start / block_size];
-      lane_offset[r] = start % block_size;
-    }
-  }
+  // kRuns: the block and first-row offset of tile 32 * chunk + lane, for the
+  // chunk of 32 tiles being issued (cur) and the next one (next): each chunk
+  // is looked up a chunk ahead.
+  const auto run_of = [&](int i) {
+    const int start = begin + i * kTile;
+    return kRuns && i < n_tiles ? int2{table[start / block_size], start % block_size} : int2{-1, 0};
+  };
+  int2 cur_run = run_of(lane), next_run = run_of(lane + 32);
   auto issue = [&](int i) {
     if (i < n_tiles) {
       const int slot = i % kStages, start = begin + i * kTile;
       const int rows_left = ctx - start - first_row;  // of the warp's 16 rows, those in the context
       uint8_t* dst = &s.keys[slot][first_row + lane_row][lane_col * 16];
-      float* scale = &s.scale[slot][first_row + lane];
+      // Lanes 0-15: the scale of the warp's row `lane` (from `src`, its key's): the fp8 key's, 1 for bf16, -1 for
+      // a block outside the cache, 0 past the context.
+      const auto load_scale = [&](const KeySource& src) {
+        float* scale = &s.scale[slot][first_row + lane];
+        if (kFp8 && src.ok)
+          cp_async_4(scale, src.block + static_cast<int64_t>(block_size) * kDim + src.offset * 4, true);
+        else
+          *scale = src.ok ? 1.f : lane < rows_left ? -1.f : 0.f;
+      };
       if constexpr (kRuns) {
-        const int block = __shfl_sync(0xffffffffu, i < 32 ? lane_block[0] : lane_block[1], i % 32);
-        const int offset = __shfl_sync(0xffffffffu, i < 32 ? lane_offset[0] : lane_offset[1], i % 32) + first_row;
+        if (i % 32 == 0 && i > 0) {  // issue() sees every i once, in order
+          cur_run = next_run;
+          next_run = run_of(i + 32 + lane);
+        }
+        const int block = __shfl_sync(0xffffffffu, cur_run.x, i % 32);
+        const int offset = __shfl_sync(0xffffffffu, cur_run.y, i % 32) + first_row;
         const bool block_ok = in_cache(block);
         const uint8_t* data = p.cache.data + static_cast<int64_t>(block_ok ? block : 0) * p.cache.block_stride;
         const uint8_t* from = data + (offset + lane_row) * row_stride + lane_col * 16;
@@ -169,11 +181,7 @@ __global__ void __launch_bounds__(kScoreThreads, 4) index_scores_kernel(const Sc
         for (int k = 0; k < kCopies; ++k)
           cp_async_16(dst + k * kRowsPerCopy * Smem::kRowBytes, from + k * kRowsPerCopy * row_stride,
                       block_ok && lane_row + k * kRowsPerCopy < rows_left);
-        if (lane < 16) {  // the row's scale: the fp8 key's, 1 for bf16, -1 for a block outside the cache
-          const bool ok = block_ok && lane < rows_left;
-          if (kFp8 && ok) cp_async_4(scale, data + static_cast<int64_t>(block_size) * kDim + (offset + lane) * 4, true);
-          else *scale = ok ? 1.f : lane < rows_left ? -1.f : 0.f;
-        }
+        if (lane < 16) load_scale(KeySource{data, offset + lane, block_ok && lane < rows_left});
       } else {
         // Row r of the warp's: its block (ok: one of the cache's, and in the context) and its offset in that block.
         const auto source = [&](int r) {
@@ -193,13 +201,7 @@ __global__ void __launch_bounds__(kScoreThreads, 4) index_scores_kernel(const Sc
             for (int w = 0; w < 4; ++w) cp_async_4(to + 4 * w, from + 4 * w, src.ok);
           }
         }
-        if (lane < 16) {
-          const KeySource src = source(lane);
-          if (kFp8 && src.ok)
-            cp_async_4(scale, src.block + static_cast<int64_t>(block_size) * kDim + src.offset * 4, true);
-          else
-            *scale = src.ok ? 1.f : lane < rows_left ? -1.f : 0.f;
-        }
+        if (lane < 16) load_scale(source(lane));
       }
     }
     cp_async_commit();  // empty groups keep the wait counts uniform
@@ -318,9 +320,20 @@ void launch(const ScoreParams& p, int tokens, int64_t capacity, cudaStream_t str
   static_assert(smem <= 99 * 1024, "fits every arch's shared memory per block");
   const auto kernel = index_scores_kernel<kNTiles, kGroups, kFp8, kRuns>;
   allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
-  const int64_t per_cta = static_cast<int64_t>(p.tiles_per_cta) * kTile;
-  const dim3 grid(static_cast<unsigned>((capacity + per_cta - 1) / per_cta), tokens);
-  kernel<<<grid, kScoreThreads, smem, stream>>>(p);
+  // Each token's tiles are split evenly among CTAs of at most kMaxTilesPerCta
+  // (long runs pay each CTA's ramp, its first tiles' latency, less often;
+  // on an H200 runs of up to 128 or 256 tiles were 10% slower than 64), as
+  // many CTAs as fill whole waves of the resident ones: a last wave of a few
+  // CTAs would cost as much as a full one.
+  const int64_t slots = std::max<int64_t>(
+      1, int64_t{current_device().num_sms} * resident_ctas_per_sm(reinterpret_cast<const void*>(kernel), kScoreThreads, smem));
+  const int64_t token_tiles = ceil_div(capacity, kTile);
+  const int64_t waves = ceil_div(tokens * ceil_div(token_tiles, kMaxTilesPerCta), slots);
+  const int64_t ctas_per_token = std::clamp<int64_t>(waves * slots / tokens, 1, token_tiles);
+  ScoreParams q = p;
+  q.tiles_per_cta = static_cast<int>(ceil_div(token_tiles, ctas_per_token));
+  const dim3 grid(static_cast<unsigned>(ceil_div(token_tiles, q.tiles_per_cta)), tokens);
+  kernel<<<grid, kScoreThreads, smem, stream>>>(q);
   check_launch("smla indexer scores kernel");
 }
 
@@ -361,9 +374,6 @@ void indexer_scores(const IndexerTopkArgs& a, float* scores) {
           "indexer_topk: index_cache: the CUDA backend needs 16-byte aligned data and bf16 rows, 4-byte aligned fp8 blocks");
   const int64_t capacity = index_capacity(a);
   if (tokens == 0 || capacity == 0) return;
-  // Runs long enough to amortise the queries' set-up, short enough for about four CTAs per SM.
-  const int64_t tiles = tokens * ((capacity + kTile - 1) / kTile);
-  p.tiles_per_cta = static_cast<int>(std::clamp<int64_t>(tiles / (4 * current_device().num_sms), 1, kMaxTilesPerCta));
   const auto stream = static_cast<cudaStream_t>(a.stream);
   // Heads padded to 8, 16 or 32 mma columns held in registers; more heads go
   // in groups of 32 whose fragments are read from shared memory (64 heads in

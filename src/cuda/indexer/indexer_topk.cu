@@ -244,6 +244,14 @@ __device__ void find_from_top(const int* hist, int bins, int want, Scan::TempSto
   __syncthreads();
 }
 
+// The plan of a row from its coarse histogram (every thread gets it).
+__device__ RowPlan plan_from_histogram(const int* hist, int want, int list_capacity, Scan::TempStorage& scan,
+                                       int* result) {
+  find_from_top(hist, kCoarseBins, want, scan, result);
+  const int bin = result[0];
+  return {bin, result[1], hist[bin], want + hist[bin] <= list_capacity};
+}
+
 // Exact radix select, 8 bits at a time from the top: the key of the want-th
 // largest of the keys for_each_key visits (threshold), and how many keys
 // equal to it complete the want (remaining).
@@ -328,17 +336,15 @@ __global__ void __launch_bounds__(kThreads) row_plan_kernel(const TopkParams p) 
     hist[b] = sum;
   }
   __syncthreads();
-  find_from_top(hist, kCoarseBins, want, scan, result);
-  const int bin = result[0];
-  int* plan = p.plan(t);
+  const RowPlan plan = plan_from_histogram(hist, want, p.list_capacity, scan, result);
   // Each warp counts a slice's selected and candidates.
   for (int s = warp; s < p.slices; s += kThreads / 32) {
     int selected = 0;
-    for (int b = bin + 1 + lane; b < kCoarseBins; b += 32) selected += h[s * kCoarseBins + b];
+    for (int b = plan.bin + 1 + lane; b < kCoarseBins; b += 32) selected += h[s * kCoarseBins + b];
     for (int o = 16; o > 0; o /= 2) selected += __shfl_xor_sync(0xffffffffu, selected, o);
     if (lane == 0) {
       p.slice_offsets(t, s)[0] = selected;
-      p.slice_offsets(t, s)[1] = h[s * kCoarseBins + bin];
+      p.slice_offsets(t, s)[1] = h[s * kCoarseBins + plan.bin];
     }
   }
   __syncthreads();
@@ -352,7 +358,7 @@ __global__ void __launch_bounds__(kThreads) row_plan_kernel(const TopkParams p) 
       selected += sel;
       candidates += cand;
     }
-    *reinterpret_cast<RowPlan*>(plan) = {bin, result[1], hist[bin], want + hist[bin] <= p.list_capacity};
+    *reinterpret_cast<RowPlan*>(p.plan(t)) = plan;
   }
 }
 
@@ -409,8 +415,7 @@ __global__ void __launch_bounds__(kThreads) topk_kernel(const TopkParams p) {
     __syncthreads();
     for_each_score(row, n, [&](float v) { atomicAdd(&hist[coarse_bin(v)], 1); });
     __syncthreads();
-    find_from_top(hist, kCoarseBins, want, scan, result);
-    plan = {result[0], result[1], hist[result[0]], want + hist[result[0]] <= p.list_capacity};
+    plan = plan_from_histogram(hist, want, p.list_capacity, scan, result);
     __syncthreads();  // hist and result are reused below
   }
   const int above = plan.above, in_bin = plan.in_bin;
