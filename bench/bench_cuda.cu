@@ -296,7 +296,8 @@ void bench_indexer(const char* name, int tokens, int heads, int context, smla::D
 }
 
 // The top-k stage alone on distinct random scores, `tokens` rows of `context`
-// positions, with rows shared among CTAs or not, and as select_topk decides.
+// positions: one CTA per row, rows split into slices, rows shared by a
+// cluster's CTAs ("-" below SM90), and as select_topk decides.
 void bench_topk(int tokens, int context) {
   const int topk = 2048;
   const smla::Device dev = smla::Device::cuda(90);
@@ -323,11 +324,16 @@ void bench_topk(int tokens, int context) {
   CHECK(cudaMalloc(&scores, hs.size() * 4));
   CHECK(cudaMemcpy(scores, hs.data(), hs.size() * 4, cudaMemcpyHostToDevice));
   using smla::cuda::TopkSplit;
-  double us[3];
-  int i = 0;
-  for (TopkSplit split : {TopkSplit::never, TopkSplit::always, TopkSplit::automatic})
-    us[i++] = 1e3 * time_ms([&] { smla::cuda::select_topk(a, scores, split); });
-  std::printf("%6d %7d %10.1f %10.1f %10.1f %12.2f\n", tokens, context, us[0], us[1], us[2], us[2] / tokens);
+  int device = 0, major = 0;
+  CHECK(cudaGetDevice(&device));
+  CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  const auto us = [&](TopkSplit split) { return 1e3 * time_ms([&] { smla::cuda::select_topk(a, scores, split); }); };
+  const double one_cta = us(TopkSplit::one_cta), slices = us(TopkSplit::slices);
+  char cluster[16] = "-";
+  if (major >= 9) std::snprintf(cluster, sizeof cluster, "%.1f", us(TopkSplit::cluster));
+  const double picked = us(TopkSplit::automatic);
+  std::printf("%6d %7d %10.1f %10.1f %10s %10.1f %12.2f\n", tokens, context, one_cta, slices, cluster, picked,
+              picked / tokens);
   for (void* ptr : {static_cast<void*>(dreq), static_cast<void*>(dctx), static_cast<void*>(dtable),
                     static_cast<void*>(dout), static_cast<void*>(scores)})
     cudaFree(ptr);
@@ -338,7 +344,7 @@ void bench_topk(int tokens, int context) {
 int main(int argc, char** argv) {
   // `bench_cuda attention|indexer|topk` runs one part; no argument: all.
   // `bench_cuda indexer TOKENS HEADS CONTEXT [bf16]` runs one indexer decode config, `bench_cuda topk TOKENS
-  // CONTEXT` one top-k config (unsplit, split, picked: in that order, each warmed up and timed).
+  // CONTEXT` one top-k config (unsplit, split, cluster, picked: in that order, each warmed up and timed).
   const std::string part = argc > 1 ? argv[1] : "";
   cudaDeviceProp prop;
   CHECK(cudaGetDeviceProperties(&prop, 0));
@@ -380,9 +386,10 @@ int main(int argc, char** argv) {
     bench_indexer("topk 64 rows", 64, 64, 131072, smla::DType::fp8_e4m3, false, c);
   }
   if (part.empty() || part == "topk") {
-    std::printf("\ntop-k 2048 of distinct random scores: one CTA per row, rows split among CTAs, "
-                "as select_topk picks\n");
-    std::printf("%6s %7s %10s %10s %10s %12s\n", "tokens", "context", "unsplit us", "split us", "picked us", "us/row");
+    std::printf("\ntop-k 2048 of distinct random scores: one CTA per row, rows split among CTAs, rows shared by a "
+                "cluster's CTAs (SM90+), as select_topk picks\n");
+    std::printf("%6s %7s %10s %10s %10s %10s %12s\n", "tokens", "context", "unsplit us", "split us", "cluster us",
+                "picked us", "us/row");
     if (argc >= 4) {
       bench_topk(std::atoi(argv[2]), std::atoi(argv[3]));
       return 0;

@@ -17,9 +17,13 @@ void indexer_topk(const IndexerTopkArgs& args);
 // score_row_stride apart), then the top-k.
 int64_t index_capacity(const IndexerTopkArgs& args);    // max_blocks * block_size
 int64_t score_row_stride(const IndexerTopkArgs& args);  // index_capacity rounded up to 4
-void indexer_scores(const IndexerTopkArgs& args, float* scores);
-// How select_topk shares a row among CTAs: as it sees fit, or forced (tests, benchmarks).
-enum class TopkSplit { automatic, never, always };
+// How the scores kernel multiplies fp8 keys: as it sees fit (e4m3 mma where the arch runs it natively: SM89,
+// SM12x), or forced (tests): converted to bf16, or e4m3 mma (SM89 on; SM90 and SM100 emulate it).
+enum class ScoreMma { automatic, bf16, fp8 };
+void indexer_scores(const IndexerTopkArgs& args, float* scores, ScoreMma mma = ScoreMma::automatic);
+// How select_topk shares a row among CTAs: as it sees fit, or forced (tests, benchmarks): one CTA per row,
+// slices of the row in more kernels passing through global memory, or the CTAs of a thread block cluster (SM90+).
+enum class TopkSplit { automatic, one_cta, slices, cluster };
 void select_topk(const IndexerTopkArgs& args, const float* scores, TopkSplit split = TopkSplit::automatic);
 
 }  // namespace smla::cuda

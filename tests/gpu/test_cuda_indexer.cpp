@@ -170,6 +170,7 @@ TEST(CudaIndexer, TopkMatchesCpu) {
         p.block_size = bs;
         p.max_blocks = (bs == 1 ? 700 : 2200 / bs);
         p.k = 128;
+        if (q == DType::fp8_e4m3 && c == DType::fp8_e4m3) p.tie_tol = 2e-3;  // e4m3 mma sums to ~13 bits (SM89, SM12x)
         run_topk(p, seed++);
       }
   for (int heads : {1, 20, 64, 128}) {
@@ -183,6 +184,72 @@ TEST(CudaIndexer, TopkMatchesCpu) {
     f16.q_dtype = DType::f16;
     f16.cache_dtype = c;
     run_topk(f16, seed++);
+  }
+}
+
+// The scores themselves, each way the kernel can multiply fp8 keys by fp8
+// queries, against float64: within 1e-5 of the row's largest score through
+// bf16 (exact products, fp32 sums), 2e-3 through e4m3 mma (SM89 and SM12x sum
+// a k-step's products to about 13 bits; SM90 emulates it exactly). Positions
+// past each token's context keep the sentinel. The last case has enough
+// tokens that CTAs take 64 tiles each (two chunks of block lookups).
+TEST(CudaIndexer, ScoresOfEachMmaMatchFloat64) {
+  int device = 0, major = 0, minor = 0;
+  CUDA_OK(cudaGetDevice(&device));
+  CUDA_OK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  CUDA_OK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  std::vector<cuda::ScoreMma> kinds = {cuda::ScoreMma::bf16, cuda::ScoreMma::automatic};
+  if (major * 10 + minor >= 89) kinds.push_back(cuda::ScoreMma::fp8);
+  struct Case {
+    int heads, block_size, max_blocks, tokens;
+  };
+  std::vector<Case> cases = {{1, 64, 128, 600}};
+  for (int heads : {8, 32, 64, 128})
+    for (int bs : {16, 64}) cases.push_back({heads, bs, 1100 / bs, 5});
+  uint64_t seed = 80;
+  for (const Case& c : cases) {
+    IndexProblem pr;
+    pr.q_dtype = pr.cache_dtype = DType::fp8_e4m3;
+    pr.heads = c.heads;
+    pr.block_size = c.block_size;
+    pr.max_blocks = c.max_blocks;
+    pr.tokens = c.tokens;
+    pr.k = 64;
+    IndexData d(pr, seed++);
+    std::vector<int32_t> unused;
+    IndexerTopkArgs a = d.args(unused);
+    DeviceBuffer dq(d.q), dqs(d.q_scale), dw(d.weights), dc(d.cache), dr(d.request_ids), dt(d.table), dl(d.context);
+    IndexerTopkArgs g = a;
+    g.q = on_gpu(a.q, dq.ptr);
+    g.q_scale = on_gpu(a.q_scale, dqs.ptr);
+    g.weights = on_gpu(a.weights, dw.ptr);
+    g.index_cache = on_gpu(a.index_cache, dc.ptr);
+    g.request_ids = on_gpu(a.request_ids, dr.ptr);
+    g.block_table = on_gpu(a.block_table, dt.ptr);
+    g.context_lens = on_gpu(a.context_lens, dl.ptr);
+    const int64_t stride = cuda::score_row_stride(a);
+    constexpr float kSentinel = -12345.f;
+    for (cuda::ScoreMma mma : kinds) {
+      SCOPED_TRACE("heads " + std::to_string(c.heads) + " bs " + std::to_string(c.block_size) + " tokens " +
+                   std::to_string(c.tokens) + " mma " + std::to_string(static_cast<int>(mma)));
+      DeviceBuffer scores(std::vector<float>(static_cast<size_t>(pr.tokens) * stride, kSentinel));
+      cuda::indexer_scores(g, static_cast<float*>(scores.ptr), mma);
+      CUDA_OK(cudaDeviceSynchronize());
+      const std::vector<float> got = scores.download<float>();
+      const double tol = mma == cuda::ScoreMma::fp8 ? 2e-3 : 1e-5;
+      for (int t = 0; t < pr.tokens; ++t) {
+        const std::vector<double> want = reference::ref_indexer_scores(a, t);
+        double largest = 0;  // 0 when ReLU zeroes every head (then so must the GPU)
+        for (double v : want) largest = std::max(largest, std::fabs(v));
+        for (int64_t i = 0; i < stride; ++i) {
+          const float v = got[t * stride + i];
+          if (i < static_cast<int64_t>(want.size()))
+            ASSERT_NEAR(v, want[i], tol * largest) << "token " << t << " position " << i;
+          else
+            ASSERT_EQ(v, kSentinel) << "token " << t << " position " << i << " is past the context";
+        }
+      }
+    }
   }
 }
 
@@ -343,7 +410,8 @@ TEST(CudaIndexer, DsaDecodeStepMatchesCpu) {
 // (coarse bin, then refine), one fp16 bin holding every score (refine over
 // all), few distinct values and all-equal rows (too many candidates: the exact
 // select over the row), both signs, zeros of both signs and -inf, rows shorter
-// than k, lengths that are not a multiple of 4, an empty context.
+// than k, lengths that are not a multiple of 4, a row too short for every rank
+// of a cluster to own positions, an empty context.
 struct CraftedRow {
   const char* what;
   int64_t n;
@@ -434,31 +502,45 @@ std::vector<CraftedRow> crafted_rows() {
          }
        }},
       {"shorter than k", 1000, [uniform](int64_t, test::Rng& rng) { return uniform(rng); }},
+      {"nine positions (cluster ranks with none)", 9, [uniform](int64_t, test::Rng& rng) { return uniform(rng); }},
       {"empty context", 0, [](int64_t, test::Rng&) { return 0.f; }},
   };
 }
 
-// Every row both in one CTA and split among CTAs (slice histograms, plan, slice compaction), and as select_topk
-// picks; few and many tokens.
+// The ways to force select_topk to share rows, and not: thread block clusters only where the device has them
+// (SM90+; elsewhere select_topk refuses them), so they are skipped on older devices.
+std::vector<cuda::TopkSplit> forced_splits() {
+  int device = 0, major = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  std::vector<cuda::TopkSplit> splits = {cuda::TopkSplit::one_cta, cuda::TopkSplit::slices};
+  if (major >= 9) splits.push_back(cuda::TopkSplit::cluster);
+  return splits;
+}
+
+// Every row in one CTA, split among CTAs (slice histograms, plan, slice compaction), shared by a cluster's CTAs,
+// and as select_topk picks; few and many tokens.
 TEST(CudaTopk, ExactOnCraftedRows) {
   std::vector<CraftedRow> many;
   for (int copy = 0; copy < 3; ++copy)
     for (const CraftedRow& r : crafted_rows()) many.push_back(r);
-  for (cuda::TopkSplit split : {cuda::TopkSplit::never, cuda::TopkSplit::always, cuda::TopkSplit::automatic}) {
+  std::vector<cuda::TopkSplit> splits = forced_splits();
+  splits.push_back(cuda::TopkSplit::automatic);
+  for (cuda::TopkSplit split : splits) {
     check_crafted_rows(crafted_rows(), 2048, 100, split);
     check_crafted_rows(crafted_rows(), 37, 101, split);
     check_crafted_rows(many, 2048, 105, split);
   }
 }
 
-// Shorter tables (fewer slices when split).
+// Shorter tables (fewer slices when split, ranks of a cluster with less each).
 TEST(CudaTopk, ExactOnCraftedRowsOfShortTables) {
   std::vector<CraftedRow> rows;
   for (const CraftedRow& r : crafted_rows())
     if (r.n < 32768) rows.push_back(r);
   rows.push_back({"all equal, 30000", 30000, [](int64_t, test::Rng&) { return -2.5f; }});
   rows.push_back({"four values, 30001", 30001, [](int64_t, test::Rng& rng) { return static_cast<float>(rng() % 4); }});
-  for (cuda::TopkSplit split : {cuda::TopkSplit::never, cuda::TopkSplit::always}) {
+  for (cuda::TopkSplit split : forced_splits()) {
     check_crafted_rows(rows, 2048, 103, split);
     check_crafted_rows(rows, 8192, 104, split);
   }
@@ -477,7 +559,7 @@ TEST(CudaTopk, NanScoresGiveValidPositions) {
       {"all NaN", 70000, [](int64_t, test::Rng&) { return NAN; }},
       {"NaN and -inf", 40000, [](int64_t i, test::Rng&) { return i % 2 ? NAN : -INFINITY; }},
   };
-  for (cuda::TopkSplit split : {cuda::TopkSplit::never, cuda::TopkSplit::always}) {
+  for (cuda::TopkSplit split : forced_splits()) {
     check_crafted_rows(rows, 2048, 106, split, false);
     check_crafted_rows(rows, 37, 107, split, false);
   }
@@ -486,8 +568,7 @@ TEST(CudaTopk, NanScoresGiveValidPositions) {
 TEST(CudaTopk, ExactWithK8192) {
   std::vector<CraftedRow> rows = crafted_rows();
   rows.push_back({"many ties, 300K", 300000, [](int64_t, test::Rng& rng) { return static_cast<float>(rng() % 99991); }});
-  for (cuda::TopkSplit split : {cuda::TopkSplit::never, cuda::TopkSplit::always})
-    check_crafted_rows(rows, 8192, 102, split);
+  for (cuda::TopkSplit split : forced_splits()) check_crafted_rows(rows, 8192, 102, split);
 }
 
 }  // namespace

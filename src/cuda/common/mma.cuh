@@ -1,5 +1,6 @@
-// Warp-level tensor-core primitives available on every arch from SM80 on:
-// mma.sync m16n8k16 (fp32 accumulate), ldmatrix and cp.async.
+// Warp-level tensor-core primitives: mma.sync m16n8k16 (fp32 accumulate),
+// ldmatrix and cp.async, on every arch from SM80 on; mma.sync m16n8k32 on
+// e4m3 from SM89 on.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -32,6 +33,23 @@ __device__ __forceinline__ void mma_16816<__half>(float (&d)[4], const uint32_t 
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
+
+// D = A (16x32, row) * B (32x8, col) + D on e4m3 values, fp32 accumulators.
+// PTX has it from SM89 on; SM89 and SM12x run it natively (their tensor
+// cores keep about 13 bits of the products' sum: not fp32-exact), SM90
+// emulates it (converts to f16). Older archs trap: callers check first.
+__device__ __forceinline__ void mma_16832_e4m3(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+  __trap();
+#endif
+}
+inline bool fp8_mma_available(int compute_capability) { return compute_capability >= 89; }
+inline bool fp8_mma_native(int compute_capability) { return compute_capability == 89 || compute_capability / 10 == 12; }
 
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"

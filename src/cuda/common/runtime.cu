@@ -77,6 +77,30 @@ int resident_ctas_per_sm(const void* kernel, int threads, int smem) {
   return it->second;
 }
 
+int max_active_clusters(const void* kernel, int threads, int smem, int ranks) {
+  static std::mutex mu;
+  static std::map<std::tuple<int, const void*, int, int, int>, int> counts;
+  const auto key = std::make_tuple(current_device().index, kernel, threads, smem, ranks);
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = counts.find(key);
+  if (it == counts.end()) {
+    cudaLaunchAttribute cluster{};
+    cluster.id = cudaLaunchAttributeClusterDimension;
+    cluster.val.clusterDim.x = static_cast<unsigned>(ranks);
+    cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
+    cudaLaunchConfig_t config{};
+    config.gridDim = dim3(static_cast<unsigned>(ranks));
+    config.blockDim = dim3(static_cast<unsigned>(threads));
+    config.dynamicSmemBytes = static_cast<size_t>(smem);
+    config.attrs = &cluster;
+    config.numAttrs = 1;
+    int n = 0;
+    check_cuda(cudaOccupancyMaxActiveClusters(&n, kernel, &config), "cudaOccupancyMaxActiveClusters");
+    it = counts.emplace(key, n).first;
+  }
+  return it->second;
+}
+
 void* workspace(cudaStream_t stream, size_t bytes, WorkspaceUse use) {
   struct Buffer {
     void* ptr = nullptr;

@@ -37,6 +37,9 @@ int max_dynamic_smem(const void* kernel);
 // How many CTAs of `kernel` (`threads` each, `smem` bytes of dynamic shared
 // memory) the current device keeps resident per SM (cached like the above).
 int resident_ctas_per_sm(const void* kernel, int threads, int smem);
+// How many clusters of `ranks` such CTAs the current device (SM90 on) runs at
+// once: clusters must fit in one GPC, so this can be less than SMs / ranks.
+int max_active_clusters(const void* kernel, int threads, int smem, int ranks);
 
 // Scratch memory for `stream` on the current device, at least `bytes`. It
 // grows (cudaMalloc) only when a larger size is first asked for, so

@@ -10,14 +10,18 @@
 // the sum over heads happen on the accumulators; the key scale is applied to
 // the finished score.
 //
-// Keys and queries meet as bf16 (fp32 accumulation). fp8 keys become bf16 A
-// fragments in registers in three instructions per pair: the e4m3 bits land
-// in a bf16 of value k * 2^-120 (subnormal codes included), exactly; the
-// queries' fragments carry 2^88 and the head weights 2^32 to make up for it
-// (so queries up to 2^40 in magnitude are exact). The fp8 rows' dimensions
-// are permuted so each lane reads 16 contiguous bytes; the queries' fragments
-// use the same permutation (a dot product does not care about the order of
-// its terms). fp8 and bf16 queries are exact in bf16, f16 ones are rounded.
+// fp8 keys meet fp8 queries as they are where the arch has e4m3 mma (SM89
+// on): half the mma instructions of bf16 and no conversion, but the tensor
+// cores sum a k-step's 32 products to about 13 bits (docs/ops.md).
+// Otherwise keys and queries meet as bf16 (fp32 accumulation, products
+// exact): fp8 keys become bf16 A fragments in registers in three
+// instructions per pair: the e4m3 bits land in a bf16 of value k * 2^-120
+// (subnormal codes included), exactly; the queries' fragments carry 2^88 and
+// the head weights 2^32 to make up for it (so queries up to 2^40 in
+// magnitude are exact). The fp8 rows' dimensions are permuted so each lane
+// reads 16 contiguous bytes; the queries' fragments use the same permutation
+// (a dot product does not care about the order of its terms). fp8 and bf16
+// queries are exact in bf16, f16 ones are rounded.
 #include <cuda_fp8.h>
 
 #include <algorithm>
@@ -32,7 +36,6 @@ namespace smla::cuda {
 namespace {
 
 constexpr int kDim = 128;           // index head dim
-constexpr int kSteps = kDim / 16;   // mma k-steps per key
 constexpr int kScoreThreads = 128;  // 4 warps x 16 positions
 constexpr int kTile = 64;           // positions per pipeline stage
 constexpr int64_t kMaxTilesPerCta = 64;
@@ -40,6 +43,13 @@ constexpr int64_t kMaxTilesPerCta = 64;
 constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 enum class QKind { bf16, f16, fp8 };
+
+// How keys meet queries in the mma: bf16 keys and queries (m16n8k16);
+// fp8 keys made bf16 in registers, bf16 queries (m16n8k16); fp8 keys and
+// queries as they are (m16n8k32, SM89 on).
+enum class Mma { bf16, bf16_from_fp8, fp8 };
+__host__ __device__ constexpr bool fp8_keys(Mma m) { return m != Mma::bf16; }
+__host__ __device__ constexpr int k_steps(Mma m) { return kDim / (m == Mma::fp8 ? 32 : 16); }  // mma k-steps per key
 
 struct ScoreParams {
   const void* q;
@@ -72,12 +82,14 @@ __device__ __forceinline__ float q_value(const ScoreParams& p, int t, int h, int
 }
 
 // The key dimensions lane (g, c) (g = lane / 4, c = lane % 4) multiplies in
-// k-step j: its A fragment holds dims {d0, d0 + 1} and {d1, d1 + 1} of its
-// rows. bf16 keys come through ldmatrix in the mma's own order; fp8 keys are
-// read 4 bytes per k-step from the lane's 32 contiguous bytes.
-template <bool kFp8>
+// k-step j: its A fragment holds dims d0 .. d0 + n - 1 and d1 .. d1 + n - 1
+// of its rows (n = 4 for Mma::fp8, else 2). bf16 keys come through ldmatrix
+// in the mma's own order; fp8 keys are read 4 bytes per k-step (8 for
+// Mma::fp8) from the lane's 32 contiguous bytes.
+template <Mma kMma>
 __device__ __forceinline__ int2 fragment_dims(int j, int c) {
-  if constexpr (kFp8) return {32 * c + 4 * j, 32 * c + 4 * j + 2};
+  if constexpr (kMma == Mma::fp8) return {32 * c + 8 * j, 32 * c + 8 * j + 4};
+  else if constexpr (kMma == Mma::bf16_from_fp8) return {32 * c + 4 * j, 32 * c + 4 * j + 2};
   else return {16 * j + 2 * c, 16 * j + 8 + 2 * c};
 }
 
@@ -99,8 +111,9 @@ __device__ __forceinline__ uint32_t e4m3x2_to_scaled_bf16x2(uint32_t word, bool 
 // The powers of two that make up for the keys' 2^-120: on the queries and on the head weights (exact products).
 constexpr float kFp8QueryScale = 0x1p88f, kFp8WeightScale = 0x1p32f;
 
-template <int kNTiles, int kGroups, bool kFp8>
+template <int kNTiles, int kGroups, Mma kMma>
 struct ScoreSmem {
+  static constexpr bool kFp8 = fp8_keys(kMma);
   // Tiles in the ring (one in use, the rest in flight): as many as still let four CTAs (fp8 keys) or three
   // (bf16 keys) share an SM's 228 KB.
   static constexpr int kStages = kFp8 ? (kGroups == 1 ? 5 : 4) : 3;
@@ -108,17 +121,18 @@ struct ScoreSmem {
   static constexpr int kRowBytes = (kFp8 ? kDim : 2 * kDim) + 16;
   uint8_t keys[kStages][kTile][kRowBytes];
   float scale[kStages][kTile];  // the key's scale; -1: its block is outside the cache
-  uint2 q[kGroups][kNTiles][kSteps][32];  // B fragments, in lane order
+  uint2 q[kGroups][kNTiles][k_steps(kMma)][32];  // B fragments, in lane order
 };
 
 // Heads (kGroups x kNTiles x 8 of them, padded with zeros) are the mma's N.
 // kRuns: every tile is one run of rows of one block, 16-byte aligned (block
 // sizes that are multiples of 64, since tiles start 64-aligned). Registers
 // are capped so that four CTAs share an SM.
-template <int kNTiles, int kGroups, bool kFp8, bool kRuns>
+template <int kNTiles, int kGroups, Mma kMma, bool kRuns>
 __global__ void __launch_bounds__(kScoreThreads, 4) index_scores_kernel(const ScoreParams p) {
-  using Smem = ScoreSmem<kNTiles, kGroups, kFp8>;
-  constexpr int kStages = Smem::kStages;
+  using Smem = ScoreSmem<kNTiles, kGroups, kMma>;
+  constexpr int kStages = Smem::kStages, kSteps = k_steps(kMma);
+  constexpr bool kFp8 = fp8_keys(kMma), kScaled = kMma == Mma::bf16_from_fp8;
   extern __shared__ __align__(16) uint8_t smem_raw[];
   auto& s = *reinterpret_cast<Smem*>(smem_raw);
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, c = lane % 4;
@@ -215,10 +229,16 @@ __global__ void __launch_bounds__(kScoreThreads, 4) index_scores_kernel(const Sc
   for (int e = tid; e < kFragments; e += kScoreThreads) {
     const int fl = e % 32, j = (e / 32) % kSteps, n = (e / (32 * kSteps)) % kNTiles, grp = e / (32 * kSteps * kNTiles);
     const int h = (grp * kNTiles + n) * 8 + fl / 4;
-    const int2 d = fragment_dims<kFp8>(j, fl % 4);
+    const int2 d = fragment_dims<kMma>(j, fl % 4);
     uint2 f = {0, 0};
-    if (h < p.heads) {
-      const auto q = [&](int dim) { return q_value(p, t, h, dim) * (kFp8 ? kFp8QueryScale : 1.f); };
+    if (h < p.heads && kMma == Mma::fp8) {  // the e4m3 codes as they are
+      const auto* q = static_cast<const uint8_t*>(p.q) + t * p.q_stride_t + h * p.q_stride_h;
+      const auto codes = [&](int dim) {
+        return uint32_t{q[dim]} | uint32_t{q[dim + 1]} << 8 | uint32_t{q[dim + 2]} << 16 | uint32_t{q[dim + 3]} << 24;
+      };
+      f = {codes(d.x), codes(d.y)};
+    } else if (h < p.heads) {
+      const auto q = [&](int dim) { return q_value(p, t, h, dim) * (kScaled ? kFp8QueryScale : 1.f); };
       f.x = pack2<__nv_bfloat16>(q(d.x), q(d.x + 1));
       f.y = pack2<__nv_bfloat16>(q(d.y), q(d.y + 1));
     }
@@ -235,7 +255,7 @@ __global__ void __launch_bounds__(kScoreThreads, 4) index_scores_kernel(const Sc
         const int h = (grp * kNTiles + n) * 8 + 2 * c + r;
         w[grp][n][r] = h < p.heads ? p.weights[t * p.w_stride_t + h * p.w_stride_h] *
                                          (p.q_scale ? p.q_scale[t * p.qs_stride_t + h * p.qs_stride_h] : 1.f) *
-                                         (kFp8 ? kFp8WeightScale : 1.f)
+                                         (kScaled ? kFp8WeightScale : 1.f)
                                    : 0.f;
       }
   __syncthreads();
@@ -261,34 +281,43 @@ __global__ void __launch_bounds__(kScoreThreads, 4) index_scores_kernel(const Sc
 #pragma unroll
     for (int pass = 0; pass < kGroups / kPassGroups; ++pass) {
       float acc[kPassGroups][kNTiles][4] = {};
+      constexpr int kHalfSteps = kSteps / 2;
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {  // k-steps 4 * half .. + 3: half the A fragments live at a time
-        uint32_t a[4][4];
+      for (int half = 0; half < 2; ++half) {  // k-steps of one half of the dims: half the A fragments live at a time
+        uint32_t a[kHalfSteps][4];
         if constexpr (kFp8) {
           const uint4 lo = *reinterpret_cast<const uint4*>(&keys[warp * 16 + g][32 * c + 16 * half]);
           const uint4 hi = *reinterpret_cast<const uint4*>(&keys[warp * 16 + g + 8][32 * c + 16 * half]);
           const uint32_t wlo[4] = {lo.x, lo.y, lo.z, lo.w}, whi[4] = {hi.x, hi.y, hi.z, hi.w};
 #pragma unroll
-          for (int jj = 0; jj < 4; ++jj) {
-            a[jj][0] = e4m3x2_to_scaled_bf16x2(wlo[jj], false);
-            a[jj][1] = e4m3x2_to_scaled_bf16x2(whi[jj], false);
-            a[jj][2] = e4m3x2_to_scaled_bf16x2(wlo[jj], true);
-            a[jj][3] = e4m3x2_to_scaled_bf16x2(whi[jj], true);
+          for (int jj = 0; jj < kHalfSteps; ++jj) {
+            if constexpr (kMma == Mma::fp8) {  // rows g, g + 8: 4 codes each of dims fragment_dims(j).x, then .y
+              a[jj][0] = wlo[2 * jj];
+              a[jj][1] = whi[2 * jj];
+              a[jj][2] = wlo[2 * jj + 1];
+              a[jj][3] = whi[2 * jj + 1];
+            } else {
+              a[jj][0] = e4m3x2_to_scaled_bf16x2(wlo[jj], false);
+              a[jj][1] = e4m3x2_to_scaled_bf16x2(whi[jj], false);
+              a[jj][2] = e4m3x2_to_scaled_bf16x2(wlo[jj], true);
+              a[jj][3] = e4m3x2_to_scaled_bf16x2(whi[jj], true);
+            }
           }
         } else {
 #pragma unroll
-          for (int jj = 0; jj < 4; ++jj)
-            ldmatrix_x4(a[jj], &keys[warp * 16 + lane % 16][2 * (16 * (4 * half + jj) + (lane / 16) * 8)]);
+          for (int jj = 0; jj < kHalfSteps; ++jj)
+            ldmatrix_x4(a[jj], &keys[warp * 16 + lane % 16][2 * (16 * (kHalfSteps * half + jj) + (lane / 16) * 8)]);
         }
 #pragma unroll
         for (int pg = 0; pg < kPassGroups; ++pg)
 #pragma unroll
-          for (int jj = 0; jj < 4; ++jj)
+          for (int jj = 0; jj < kHalfSteps; ++jj)
 #pragma unroll
             for (int n = 0; n < kNTiles; ++n) {
-              const int j = 4 * half + jj;
+              const int j = kHalfSteps * half + jj;
               const uint2 b = kQInRegisters ? bq[n][j] : s.q[pass * kPassGroups + pg][n][j][lane];
-              mma_16816<__nv_bfloat16>(acc[pg][n], a[jj], {b.x, b.y});
+              if constexpr (kMma == Mma::fp8) mma_16832_e4m3(acc[pg][n], a[jj], {b.x, b.y});
+              else mma_16816<__nv_bfloat16>(acc[pg][n], a[jj], {b.x, b.y});
             }
       }
 #pragma unroll
@@ -314,11 +343,11 @@ __global__ void __launch_bounds__(kScoreThreads, 4) index_scores_kernel(const Sc
   }
 }
 
-template <int kNTiles, int kGroups, bool kFp8, bool kRuns>
+template <int kNTiles, int kGroups, Mma kMma, bool kRuns>
 void launch(const ScoreParams& p, int tokens, int64_t capacity, cudaStream_t stream) {
-  constexpr int smem = sizeof(ScoreSmem<kNTiles, kGroups, kFp8>);
+  constexpr int smem = sizeof(ScoreSmem<kNTiles, kGroups, kMma>);
   static_assert(smem <= 99 * 1024, "fits every arch's shared memory per block");
-  const auto kernel = index_scores_kernel<kNTiles, kGroups, kFp8, kRuns>;
+  const auto kernel = index_scores_kernel<kNTiles, kGroups, kMma, kRuns>;
   allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
   // Each token's tiles are split evenly among CTAs of at most kMaxTilesPerCta
   // (long runs pay each CTA's ramp, its first tiles' latency, less often;
@@ -337,18 +366,24 @@ void launch(const ScoreParams& p, int tokens, int64_t capacity, cudaStream_t str
   check_launch("smla indexer scores kernel");
 }
 
-template <int kNTiles, int kGroups>
+template <int kNTiles, int kGroups, Mma kMma>
 void launch(const ScoreParams& p, int tokens, int64_t capacity, cudaStream_t stream) {
-  const bool runs = p.cache.block_size % kTile == 0 && p.cache.block_stride % 16 == 0;
-  if (p.cache.fp8 && runs) launch<kNTiles, kGroups, true, true>(p, tokens, capacity, stream);
-  else if (p.cache.fp8) launch<kNTiles, kGroups, true, false>(p, tokens, capacity, stream);
-  else if (runs) launch<kNTiles, kGroups, false, true>(p, tokens, capacity, stream);
-  else launch<kNTiles, kGroups, false, false>(p, tokens, capacity, stream);
+  if (p.cache.block_size % kTile == 0 && p.cache.block_stride % 16 == 0)
+    launch<kNTiles, kGroups, kMma, true>(p, tokens, capacity, stream);
+  else
+    launch<kNTiles, kGroups, kMma, false>(p, tokens, capacity, stream);
+}
+
+template <int kNTiles, int kGroups>
+void launch(const ScoreParams& p, Mma mma, int tokens, int64_t capacity, cudaStream_t stream) {
+  if (mma == Mma::bf16) launch<kNTiles, kGroups, Mma::bf16>(p, tokens, capacity, stream);
+  else if (mma == Mma::fp8) launch<kNTiles, kGroups, Mma::fp8>(p, tokens, capacity, stream);
+  else launch<kNTiles, kGroups, Mma::bf16_from_fp8>(p, tokens, capacity, stream);
 }
 
 }  // namespace
 
-void indexer_scores(const IndexerTopkArgs& a, float* scores) {
+void indexer_scores(const IndexerTopkArgs& a, float* scores, ScoreMma mma) {
   const int tokens = static_cast<int>(a.q.size(0));
   ScoreParams p{};
   p.q = a.q.data;
@@ -374,15 +409,23 @@ void indexer_scores(const IndexerTopkArgs& a, float* scores) {
           "indexer_topk: index_cache: the CUDA backend needs 16-byte aligned data and bf16 rows, 4-byte aligned fp8 blocks");
   const int64_t capacity = index_capacity(a);
   if (tokens == 0 || capacity == 0) return;
+  // e4m3 mma needs fp8 queries too (bf16 ones would be rounded), and pays only where the arch runs it natively.
+  const int cc = current_device().compute_capability;
+  const bool fp8_pair = p.cache.fp8 && p.q_kind == QKind::fp8;
+  if (mma == ScoreMma::fp8)
+    require(fp8_pair && fp8_mma_available(cc),
+            "indexer_scores: e4m3 mma needs fp8 queries and keys and a GPU of compute capability 8.9 or more");
+  const bool fp8_mma = fp8_pair && (mma == ScoreMma::fp8 || (mma == ScoreMma::automatic && fp8_mma_native(cc)));
+  const Mma kind = !p.cache.fp8 ? Mma::bf16 : fp8_mma ? Mma::fp8 : Mma::bf16_from_fp8;
   const auto stream = static_cast<cudaStream_t>(a.stream);
   // Heads padded to 8, 16 or 32 mma columns held in registers; more heads go
   // in groups of 32 whose fragments are read from shared memory (64 heads in
   // registers cost two of the four CTAs per SM, measured slower).
-  if (p.heads <= 8) launch<1, 1>(p, tokens, capacity, stream);
-  else if (p.heads <= 16) launch<2, 1>(p, tokens, capacity, stream);
-  else if (p.heads <= 32) launch<4, 1>(p, tokens, capacity, stream);
-  else if (p.heads <= 64) launch<4, 2>(p, tokens, capacity, stream);
-  else launch<4, 4>(p, tokens, capacity, stream);
+  if (p.heads <= 8) launch<1, 1>(p, kind, tokens, capacity, stream);
+  else if (p.heads <= 16) launch<2, 1>(p, kind, tokens, capacity, stream);
+  else if (p.heads <= 32) launch<4, 1>(p, kind, tokens, capacity, stream);
+  else if (p.heads <= 64) launch<4, 2>(p, kind, tokens, capacity, stream);
+  else launch<4, 4>(p, kind, tokens, capacity, stream);
 }
 
 }  // namespace smla::cuda

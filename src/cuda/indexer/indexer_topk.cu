@@ -14,11 +14,17 @@
 // When the candidates do not fit in shared memory (many equal scores), the
 // exact radix select runs over the row itself instead (four more passes).
 // Long rows of tokens too few to fill the GPU with one CTA each share steps
-// 1-2 among CTAs that each take a slice of the row: one kernel writes each
-// slice's histogram; a second (one CTA per token) sums them, finds the bin
-// and gives each slice its offsets in the token's lists; a third compacts
-// each slice there (so the lists stay in position order); the per-token CTA
-// then copies the lists instead of reading the row.
+// 1-2 among CTAs that each take a slice of the row. On SM90+ the CTAs (ranks)
+// of a thread block cluster share it through distributed shared memory: each
+// builds its slice's histogram, each sums all of them (so every rank finds
+// the same bin), each compacts its slice into its own shared memory, and
+// rank 0 gathers the lists in slice order (so in position order) and goes on
+// alone with steps 3-4. Below SM90 (no clusters) three more kernels pass
+// through global memory: one writes each slice's histogram; a second (one CTA
+// per token) sums them, finds the bin and gives each slice its offsets in the
+// token's lists; a third compacts each slice there; the per-token CTA then
+// copies the lists instead of reading the row.
+#include <cooperative_groups.h>
 #include <cub/block/block_radix_sort.cuh>
 #include <cub/block/block_scan.cuh>
 #include <cuda_fp16.h>
@@ -41,6 +47,26 @@ constexpr int kRun = 16;                         // consecutive positions per th
 static_assert(kFineCopies * kFineBins <= kCoarseBins, "the fine histograms reuse the coarse one's memory");
 
 using Scan = cub::BlockScan<int, kThreads>;
+
+// Thread block clusters exist from SM90 on; the host launches clusters of
+// more than one CTA only there, so on older archs these are never reached.
+__device__ __forceinline__ void cluster_sync() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  cooperative_groups::this_cluster().sync();
+#else
+  __trap();
+#endif
+}
+// Where `p`, in this CTA's shared memory, lies in the shared memory of the cluster's CTA `rank`.
+template <class T>
+__device__ __forceinline__ T* rank_shared(T* p, int rank) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  return cooperative_groups::this_cluster().map_shared_rank(p, rank);
+#else
+  __trap();
+  return p;
+#endif
+}
 
 struct Entry {
   uint32_t key;  // order key of the score
@@ -151,9 +177,10 @@ using WarpTotals = int[2][kThreads / 32];
 // of them). Each thread classifies its run of kRun consecutive items into two
 // bit masks (no branches); a scan over the warp's lanes (shuffles) and the
 // warps' totals give each run its place. The caller synchronises before it
-// reads the copies or calls again.
+// reads the copies or calls again. Returns how many items of each class
+// there were (all of class 2, beyond second_limit too).
 template <class Source, class Classify>
-__device__ void compact(const Source& src, Classify classify, Entry* first, Entry* second, int second_limit,
+__device__ int2 compact(const Source& src, Classify classify, Entry* first, Entry* second, int second_limit,
                         WarpTotals& totals) {
   constexpr int kChunk = kRun * kThreads, kWarps = kThreads / 32;
   static_assert(kChunk < (1 << 16), "a chunk's counts of both classes fit in one int");
@@ -204,6 +231,7 @@ __device__ void compact(const Source& src, Classify classify, Entry* first, Entr
     first_base += total & 0xffff;
     second_base += total >> 16;
   }
+  return make_int2(first_base, second_base);
 }
 
 // What the split path's plan says of a token's row: the bin of the want-th largest, how many lie above it and in
@@ -216,14 +244,14 @@ constexpr int kPlanInts = sizeof(RowPlan) / sizeof(int);
 
 // Compacts a row's scores in bins above plan.bin to first[] and those in it to second[] (bin b holds the half
 // keys b * 16 .. b * 16 + 15).
-__device__ void compact_by_bin(const RowSource& src, const RowPlan& plan, Entry* first, Entry* second,
+__device__ int2 compact_by_bin(const RowSource& src, const RowPlan& plan, Entry* first, Entry* second,
                                int second_limit, WarpTotals& totals) {
   const uint32_t lowest_in = static_cast<uint32_t>(plan.bin) << 4, lowest_above = lowest_in + 16;
   const auto by_bin = [&](float v) {
     const uint32_t key = half_key(v);
     return key >= lowest_above ? 1 : key >= lowest_in ? 2 : 0;
   };
-  compact(src, by_bin, first, second, second_limit, totals);
+  return compact(src, by_bin, first, second, second_limit, totals);
 }
 
 // The bin of hist[0, bins) in which the want-th largest falls, counting from
@@ -280,7 +308,8 @@ __device__ void radix_select(ForEachKey for_each_key, int want, int* hist, Scan:
   threshold = prefix;
 }
 
-constexpr int kMinSlice = 16384;  // positions per CTA of the split path, at least
+constexpr int kMinSlice = 16384;  // positions per CTA of a shared row, at least (unless forced)
+constexpr int kMaxRanks = 8;      // CTAs per cluster: the portable maximum
 
 struct TopkParams {
   const float* scores;
@@ -290,6 +319,7 @@ struct TopkParams {
   int32_t* out;
   int64_t out_stride;
   int list_capacity;  // entries of the dynamic shared memory
+  int ranks = 1;      // CTAs per token: a cluster's when more than one
   // The split path (slices > 0): per token, `slices` histograms of kCoarseBins, a plan (RowPlan then two
   // offsets per slice) and a list of entries (the selected, then from kMaxIndexerTopk on the candidates).
   int slices;
@@ -391,20 +421,27 @@ __global__ void __launch_bounds__(kThreads) topk_kernel(const TopkParams p) {
   __shared__ WarpTotals totals;
   __shared__ int result[2];
   __shared__ uint32_t key_range[2];  // the lowest and highest key chosen
+  __shared__ int counts[2];          // a cluster rank's selected and candidates
   if (threadIdx.x == 0) {
     key_range[0] = 0xffffffffu;
     key_range[1] = 0;
   }
 
-  const int t = blockIdx.x;
+  // Token t's row is shared by p.ranks CTAs (a cluster's when more than one),
+  // rank r taking positions [r * len, (r + 1) * len) (maybe none).
+  const int t = blockIdx.x / p.ranks, rank = blockIdx.x % p.ranks;
   const float* row = p.scores + t * p.score_stride;
   const int64_t n = p.rows.visible(t);
   const int want = static_cast<int>(min(static_cast<int64_t>(p.k), n));
   int32_t* out = p.out + t * p.out_stride;
   if (want == 0) {
-    for (int i = threadIdx.x; i < p.k; i += kThreads) out[i] = -1;
+    if (rank == 0)
+      for (int i = threadIdx.x; i < p.k; i += kThreads) out[i] = -1;
     return;
   }
+  const int64_t len = ((n + p.ranks - 1) / p.ranks + 3) / 4 * 4, first = min(n, rank * len);
+  const RowSource whole{row, static_cast<int>(n)}, slice{row, static_cast<int>(min(n, first + len) - first),
+                                                         static_cast<int>(first)};
 
   // 1. Coarse histogram: the bin of the want-th largest (the split path's plan has it).
   RowPlan plan;
@@ -413,17 +450,34 @@ __global__ void __launch_bounds__(kThreads) topk_kernel(const TopkParams p) {
   } else {
     for (int i = threadIdx.x; i < kCoarseBins; i += kThreads) hist[i] = 0;
     __syncthreads();
-    for_each_score(row, n, [&](float v) { atomicAdd(&hist[coarse_bin(v)], 1); });
-    __syncthreads();
-    plan = plan_from_histogram(hist, want, p.list_capacity, scan, result);
-    __syncthreads();  // hist and result are reused below
+    for_each_score(row + slice.first, slice.count, [&](float v) { atomicAdd(&hist[coarse_bin(v)], 1); });
+    const int* total = hist;
+    if (p.ranks > 1) {
+      cluster_sync();  // every rank's histogram is complete
+      // The sum of all ranks' histograms, in the list's memory (unused until step 2).
+      constexpr int kPer = kCoarseBins / kThreads;
+      int sum[kPer] = {};
+      for (int r = 0; r < p.ranks; ++r) {
+        const int* h = rank_shared(hist, r);
+#pragma unroll
+        for (int j = 0; j < kPer; ++j) sum[j] += h[j * kThreads + threadIdx.x];
+      }
+      int* summed = reinterpret_cast<int*>(list);
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) summed[j * kThreads + threadIdx.x] = sum[j];
+      total = summed;
+      cluster_sync();  // no rank may rewrite or leave its hist while another reads it
+    } else {
+      __syncthreads();
+    }
+    plan = plan_from_histogram(total, want, p.list_capacity, scan, result);
+    __syncthreads();  // hist, result and the list are reused below
   }
   const int above = plan.above, in_bin = plan.in_bin;
 
   // The chosen entries end up in list[0, listed) and rest[0, want - listed).
   Entry* rest;
   int listed = above;
-  const RowSource src{row, static_cast<int>(n)};
   if (plan.fits) {
     // 2. Higher bins: selected; the bin itself: candidates.
     Entry* candidates = list + above;
@@ -432,7 +486,30 @@ __global__ void __launch_bounds__(kThreads) topk_kernel(const TopkParams p) {
       for (int i = threadIdx.x; i < above; i += kThreads) list[i] = listed_by_slices[i];
       for (int i = threadIdx.x; i < in_bin; i += kThreads) candidates[i] = listed_by_slices[kMaxIndexerTopk + i];
     } else {
-      compact_by_bin(src, plan, list, candidates, in_bin, totals);
+      // Every rank lists its slice at the same places (a slice has at most `above` selected).
+      const int2 wrote = compact_by_bin(slice, plan, list, candidates, in_bin, totals);
+      if (p.ranks > 1) {
+        if (threadIdx.x == 0) {
+          counts[0] = wrote.x;
+          counts[1] = wrote.y;
+        }
+        cluster_sync();
+        if (rank == 0) {  // the other slices' lists after its own, in slice order: position order
+          int selected = wrote.x, candidates_before = wrote.y;
+          for (int r = 1; r < p.ranks; ++r) {
+            const int* their_counts = rank_shared(counts, r);
+            const Entry* theirs = rank_shared(list, r);
+            const int their_selected = their_counts[0], their_candidates = their_counts[1];
+            for (int i = threadIdx.x; i < their_selected; i += kThreads) list[selected + i] = theirs[i];
+            for (int i = threadIdx.x; i < their_candidates; i += kThreads)
+              candidates[candidates_before + i] = theirs[above + i];
+            selected += their_selected;
+            candidates_before += their_candidates;
+          }
+        }
+        cluster_sync();  // no rank may leave while rank 0 reads its shared memory
+        if (rank != 0) return;
+      }
     }
     __syncthreads();
     // 3. The candidates that complete the want.
@@ -454,7 +531,9 @@ __global__ void __launch_bounds__(kThreads) topk_kernel(const TopkParams p) {
       __syncthreads();
     }
   } else {
-    // Too many candidates for shared memory: the exact select over the row.
+    // Too many candidates for shared memory: the exact select over the row, by rank 0 alone (past step 1's last
+    // cluster barrier, no rank reads another's shared memory).
+    if (rank != 0) return;
     uint32_t threshold;
     int remaining;
     radix_select([&](auto&& f) { for_each_score(row, n, [&](float v) { f(order_key(v)); }); }, want, hist, scan,
@@ -463,7 +542,7 @@ __global__ void __launch_bounds__(kThreads) topk_kernel(const TopkParams p) {
       const uint32_t key = order_key(v);
       return key > threshold ? 1 : key == threshold ? 2 : 0;
     };
-    compact(src, by_threshold, list, list + (want - remaining), remaining, totals);
+    compact(whole, by_threshold, list, list + (want - remaining), remaining, totals);
     __syncthreads();
     listed = want;
     rest = list + want;
@@ -501,13 +580,15 @@ __global__ void __launch_bounds__(kThreads) topk_kernel(const TopkParams p) {
       .SortDescendingBlockedToStriped(keys, positions, 0, bits);
 #pragma unroll
   for (int j = 0; j < kSortItems; ++j) {
-    const int rank = j * kThreads + threadIdx.x;
-    if (rank < p.k) out[rank] = rank < want ? positions[j] : -1;
+    const int nth = j * kThreads + threadIdx.x;
+    if (nth < p.k) out[nth] = nth < want ? positions[j] : -1;
   }
 }
 
+// p.ranks is the most CTAs per token wanted; fewer (down to min_ranks) when the device could not run every
+// token's cluster at once (a second wave would cost more than smaller clusters).
 template <int kSortItems>
-void launch_topk(TopkParams p, int tokens, cudaStream_t stream) {
+void launch_topk(TopkParams p, int tokens, int min_ranks, cudaStream_t stream) {
   static_assert(sizeof(typename cub::BlockRadixSort<uint32_t, kThreads, kSortItems, int32_t>::TempStorage) <=
                     kMaxIndexerTopk * sizeof(Entry),
                 "the sort's scratch fits where the list is");
@@ -516,6 +597,9 @@ void launch_topk(TopkParams p, int tokens, cudaStream_t stream) {
   const int smem = max_dynamic_smem(reinterpret_cast<const void*>(kernel));
   p.list_capacity = smem / static_cast<int>(sizeof(Entry));
   require(p.list_capacity >= kMaxIndexerTopk, "indexer_topk: the device has too little shared memory per block");
+  while (p.ranks > min_ranks &&
+         tokens > max_active_clusters(reinterpret_cast<const void*>(kernel), kThreads, smem, p.ranks))
+    --p.ranks;
   if (p.slices > 0) {
     p.list_stride = kMaxIndexerTopk + p.list_capacity;
     const size_t hist_bytes = static_cast<size_t>(tokens) * p.slices * kCoarseBins * sizeof(int);
@@ -534,8 +618,19 @@ void launch_topk(TopkParams p, int tokens, cudaStream_t stream) {
     slice_compact_kernel<<<slices, kThreads, 0, stream>>>(p);
     check_launch("smla indexer top-k compaction kernel");
   }
-  kernel<<<tokens, kThreads, smem, stream>>>(p);
-  check_launch("smla indexer top-k kernel");
+  // All ranks of a cluster get the same shared memory.
+  cudaLaunchAttribute cluster{};
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = p.ranks;
+  cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(p.ranks * tokens);  // x, not y: more than 65535 tokens stay possible
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = &cluster;
+  config.numAttrs = p.ranks > 1 ? 1 : 0;  // no cluster attribute on one CTA per token (below SM90 too)
+  check_cuda(cudaLaunchKernelEx(&config, kernel, p), "smla indexer top-k kernel");
 }
 
 }  // namespace
@@ -557,22 +652,42 @@ void select_topk(const IndexerTopkArgs& a, const float* scores, TopkSplit split)
   p.k = k;
   p.out = a.topk.ptr<int32_t>();
   p.out_stride = a.topk.stride(0);
-  // Splitting rows pays when the rows are long and one CTA per token leaves most SMs idle (measured on an H200:
-  // rows of 128K for 1-32 tokens 34-42 µs split against 57-58 unsplit, for 64 tokens 63 against 58; rows of 32K
-  // or less never faster split). Slices of at least kMinSlice positions, about two CTAs per SM in all.
+  // Sharing rows pays when the rows are long and one CTA per token leaves most SMs idle. On SM90+: a cluster of
+  // up to one CTA per SM per token, with at least kMinSlice positions per rank (forced: at least 2 ranks, one per
+  // 4096 positions, so tests reach the cluster path on short rows too), as many as run at once. Below SM90,
+  // slices (measured on an H200 before clusters: rows of 128K for 1-32 tokens 34-42 µs split against 57-58
+  // unsplit, for 64 tokens 63 against 58; rows of 32K or less never faster split) of at least kMinSlice positions,
+  // about two CTAs per SM in all.
   const int64_t capacity = index_capacity(a);
-  const int sms = current_device().num_sms;
-  if (split == TopkSplit::automatic)
-    split = capacity >= 65536 && 4 * tokens <= sms ? TopkSplit::always : TopkSplit::never;
-  if (split == TopkSplit::always) {
+  const DeviceInfo& dev = current_device();
+  const int sms = dev.num_sms;
+  const bool clusters = dev.compute_capability >= 90;
+  const bool forced_cluster = split == TopkSplit::cluster;
+  require(!forced_cluster || clusters,
+          "select_topk: TopkSplit::cluster needs thread block clusters (SM90 or newer); the device is sm_" +
+              std::to_string(dev.compute_capability));
+  if (split == TopkSplit::automatic) {
+    if (clusters) {
+      p.ranks = static_cast<int>(
+          std::clamp<int64_t>(std::min<int64_t>(sms / tokens, capacity / kMinSlice), 1, kMaxRanks));
+      split = p.ranks > 1 ? TopkSplit::cluster : TopkSplit::one_cta;
+    } else {
+      split = capacity >= 65536 && 4 * tokens <= sms ? TopkSplit::slices : TopkSplit::one_cta;
+    }
+  } else if (split == TopkSplit::cluster) {
+    p.ranks = static_cast<int>(
+        std::clamp<int64_t>(std::min<int64_t>(sms / tokens, (capacity + 4095) / 4096), 2, kMaxRanks));
+  }
+  if (split == TopkSplit::slices) {
     const int64_t most = std::max<int64_t>(1, (capacity + kMinSlice - 1) / kMinSlice);
     p.slices = static_cast<int>(std::clamp<int64_t>((2 * sms + tokens - 1) / tokens, 1, most));
     p.slice_len = (capacity + p.slices - 1) / p.slices;
     p.slice_len = (p.slice_len + 3) / 4 * 4;
   }
   const auto stream = static_cast<cudaStream_t>(a.stream);
-  if (k <= 2048) launch_topk<2048 / kThreads>(p, tokens, stream);
-  else launch_topk<kMaxIndexerTopk / kThreads>(p, tokens, stream);
+  const int min_ranks = forced_cluster ? 2 : 1;
+  if (k <= 2048) launch_topk<2048 / kThreads>(p, tokens, min_ranks, stream);
+  else launch_topk<kMaxIndexerTopk / kThreads>(p, tokens, min_ranks, stream);
 }
 
 void indexer_topk(const IndexerTopkArgs& a) {
