@@ -107,6 +107,24 @@ struct IndexData {
   }
 };
 
+// A problem's inputs copied to the GPU, and `args` (a copy of the host's) pointing at them; args.topk stays the
+// host's.
+struct IndexInputsOnGpu {
+  DeviceBuffer q, q_scale, weights, cache, request_ids, table, context;
+  IndexerTopkArgs args;
+  IndexInputsOnGpu(const IndexData& d, const IndexerTopkArgs& host)
+      : q(d.q), q_scale(d.q_scale), weights(d.weights), cache(d.cache), request_ids(d.request_ids), table(d.table),
+        context(d.context), args(host) {
+    args.q = on_gpu(host.q, q.ptr);
+    if (host.q_scale.defined()) args.q_scale = on_gpu(host.q_scale, q_scale.ptr);
+    args.weights = on_gpu(host.weights, weights.ptr);
+    args.index_cache = on_gpu(host.index_cache, cache.ptr);
+    args.request_ids = on_gpu(host.request_ids, request_ids.ptr);
+    args.block_table = on_gpu(host.block_table, table.ptr);
+    args.context_lens = on_gpu(host.context_lens, context.ptr);
+  }
+};
+
 void run_topk(const IndexProblem& pr, uint64_t seed) {
   SCOPED_TRACE("q=" + std::string(dtype_name(pr.q_dtype)) + " cache=" + std::string(dtype_name(pr.cache_dtype)) +
                " H=" + std::to_string(pr.heads) + " k=" + std::to_string(pr.k) + " bs=" +
@@ -116,16 +134,9 @@ void run_topk(const IndexProblem& pr, uint64_t seed) {
   IndexerTopkArgs a = d.args(want);
   indexer_topk(a, &cpu());
 
-  DeviceBuffer dq(d.q), dqs(d.q_scale), dw(d.weights), dc(d.cache), dr(d.request_ids), dt(d.table), dl(d.context);
+  IndexInputsOnGpu on(d, a);
   DeviceBuffer dout(std::vector<int32_t>(want.size(), 12345));
-  IndexerTopkArgs g = a;
-  g.q = on_gpu(a.q, dq.ptr);
-  if (a.q_scale.defined()) g.q_scale = on_gpu(a.q_scale, dqs.ptr);
-  g.weights = on_gpu(a.weights, dw.ptr);
-  g.index_cache = on_gpu(a.index_cache, dc.ptr);
-  g.request_ids = on_gpu(a.request_ids, dr.ptr);
-  g.block_table = on_gpu(a.block_table, dt.ptr);
-  g.context_lens = on_gpu(a.context_lens, dl.ptr);
+  IndexerTopkArgs g = on.args;
   g.topk = on_gpu(a.topk, dout.ptr);
   indexer_topk(g, &gpu());
   CUDA_OK(cudaDeviceSynchronize());
@@ -218,22 +229,14 @@ TEST(CudaIndexer, ScoresOfEachMmaMatchFloat64) {
     IndexData d(pr, seed++);
     std::vector<int32_t> unused;
     IndexerTopkArgs a = d.args(unused);
-    DeviceBuffer dq(d.q), dqs(d.q_scale), dw(d.weights), dc(d.cache), dr(d.request_ids), dt(d.table), dl(d.context);
-    IndexerTopkArgs g = a;
-    g.q = on_gpu(a.q, dq.ptr);
-    g.q_scale = on_gpu(a.q_scale, dqs.ptr);
-    g.weights = on_gpu(a.weights, dw.ptr);
-    g.index_cache = on_gpu(a.index_cache, dc.ptr);
-    g.request_ids = on_gpu(a.request_ids, dr.ptr);
-    g.block_table = on_gpu(a.block_table, dt.ptr);
-    g.context_lens = on_gpu(a.context_lens, dl.ptr);
+    IndexInputsOnGpu on(d, a);
     const int64_t stride = cuda::score_row_stride(a);
     constexpr float kSentinel = -12345.f;
     for (cuda::ScoreMma mma : kinds) {
       SCOPED_TRACE("heads " + std::to_string(c.heads) + " bs " + std::to_string(c.block_size) + " tokens " +
                    std::to_string(c.tokens) + " mma " + std::to_string(static_cast<int>(mma)));
       DeviceBuffer scores(std::vector<float>(static_cast<size_t>(pr.tokens) * stride, kSentinel));
-      cuda::indexer_scores(g, static_cast<float*>(scores.ptr), mma);
+      cuda::indexer_scores(on.args, static_cast<float*>(scores.ptr), mma);
       CUDA_OK(cudaDeviceSynchronize());
       const std::vector<float> got = scores.download<float>();
       const double tol = mma == cuda::ScoreMma::fp8 ? 2e-3 : 1e-5;
@@ -251,6 +254,18 @@ TEST(CudaIndexer, ScoresOfEachMmaMatchFloat64) {
       }
     }
   }
+}
+
+// e4m3 mma multiplies fp8 queries by fp8 keys, nothing else: forced on bf16 queries it is refused.
+TEST(CudaIndexer, Fp8MmaNeedsFp8QueriesAndKeys) {
+  IndexProblem pr;
+  pr.cache_dtype = DType::fp8_e4m3;  // bf16 queries
+  IndexData d(pr, 90);
+  std::vector<int32_t> unused;
+  IndexInputsOnGpu on(d, d.args(unused));
+  DeviceBuffer scores(static_cast<size_t>(pr.tokens) * cuda::score_row_stride(on.args) * sizeof(float));
+  test::expect_error([&] { cuda::indexer_scores(on.args, static_cast<float*>(scores.ptr), cuda::ScoreMma::fp8); },
+                     ErrorKind::invalid_argument, {"e4m3 mma needs fp8 queries and keys"});
 }
 
 TEST(CudaIndexer, LongContextTopk2048) {
@@ -371,16 +386,11 @@ TEST(CudaIndexer, DsaDecodeStepMatchesCpu) {
   a.lse = TensorView(lse.data(), {pr.tokens, H}, DType::f32);
   dsa_decode_step(a, &cpu());
 
-  DeviceBuffer dq(d.q), dw(d.weights), dc(d.cache), dr(d.request_ids), dt(d.table), dl(d.context);
+  IndexInputsOnGpu on(d, a.indexer);
   DeviceBuffer dtopk(topk), dslots(slots), dmq(q), dmla(mla), dout(std::vector<uint16_t>(out.size(), 0x7fc1)),
       dlse(std::vector<float>(lse.size(), NAN));
   DsaDecodeStepArgs g = a;
-  g.indexer.q = on_gpu(a.indexer.q, dq.ptr);
-  g.indexer.weights = on_gpu(a.indexer.weights, dw.ptr);
-  g.indexer.index_cache = on_gpu(a.indexer.index_cache, dc.ptr);
-  g.indexer.request_ids = on_gpu(a.indexer.request_ids, dr.ptr);
-  g.indexer.block_table = on_gpu(a.indexer.block_table, dt.ptr);
-  g.indexer.context_lens = on_gpu(a.indexer.context_lens, dl.ptr);
+  g.indexer = on.args;
   g.indexer.topk = on_gpu(a.indexer.topk, dtopk.ptr);
   g.slots = on_gpu(a.slots, dslots.ptr);
   g.q = on_gpu(a.q, dmq.ptr);
