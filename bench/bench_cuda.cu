@@ -217,7 +217,7 @@ void bench_paged(const char* name, Cache& cache, int batch, int context, int hea
 // own) or prefill (`tokens` new positions of one request, causal: the last
 // sees `context`), 64-position blocks scattered through the cache.
 void bench_indexer(const char* name, int tokens, int heads, int context, smla::DType cache_dtype, bool prefill,
-                   const Ceilings& c) {
+                   const Ceilings& c, smla::cuda::ScoreMma mma = smla::cuda::ScoreMma::automatic) {
   const smla::Device dev = smla::Device::cuda(90);
   const bool fp8 = cache_dtype == smla::DType::fp8_e4m3;
   const int bs = 64, blocks_per_req = context / bs, requests = prefill ? 1 : tokens, row = fp8 ? 132 : 256;
@@ -273,7 +273,7 @@ void bench_indexer(const char* name, int tokens, int heads, int context, smla::D
   const size_t score_floats = static_cast<size_t>(tokens) * smla::cuda::score_row_stride(a);
   float* scores;
   CHECK(cudaMalloc(&scores, score_floats * 4));
-  const double ms_scores = time_ms([&] { smla::cuda::indexer_scores(a, scores); });
+  const double ms_scores = time_ms([&] { smla::cuda::indexer_scores(a, scores, mma); });
   // Distinct scores for the top-k timing: random values, not the tied ones above.
   std::vector<float> hs(score_floats);
   for (auto& x : hs) x = static_cast<float>(rng()) / 4e9f;
@@ -343,7 +343,8 @@ void bench_topk(int tokens, int context) {
 
 int main(int argc, char** argv) {
   // `bench_cuda attention|indexer|topk` runs one part; no argument: all.
-  // `bench_cuda indexer TOKENS HEADS CONTEXT [bf16]` runs one indexer decode config, `bench_cuda topk TOKENS
+  // `bench_cuda indexer TOKENS HEADS CONTEXT [bf16|mma.sync]` runs one indexer decode config (bf16 keys, or fp8
+  // keys on mma.sync even where wgmma would be chosen), `bench_cuda topk TOKENS
   // CONTEXT` one top-k config (unsplit, split, cluster, picked: in that order, each warmed up and timed).
   const std::string part = argc > 1 ? argv[1] : "";
   cudaDeviceProp prop;
@@ -371,9 +372,10 @@ int main(int argc, char** argv) {
     std::printf("%-16s %-5s %6s %5s %7s %10s %8s %7s %8s %12s %12s\n", "config", "cache", "tokens", "heads", "context",
                 "scores us", "GB/s", "copy%", "TFLOP/s", "top-k us", "top-k us/row");
     if (argc >= 5) {
-      const bool bf16 = argc > 5 && std::string(argv[5]) == "bf16";
+      const std::string extra = argc > 5 ? argv[5] : "";
       bench_indexer("decode", std::atoi(argv[2]), std::atoi(argv[3]), std::atoi(argv[4]),
-                    bf16 ? smla::DType::bf16 : smla::DType::fp8_e4m3, false, c);
+                    extra == "bf16" ? smla::DType::bf16 : smla::DType::fp8_e4m3, false, c,
+                    extra == "mma.sync" ? smla::cuda::ScoreMma::bf16 : smla::cuda::ScoreMma::automatic);
       return 0;
     }
     for (int heads : {32, 64})

@@ -12,6 +12,7 @@ out=${OUT:-/tmp/smla-gpu}
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 arch=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d .)
+[ "$arch" = 90 ] && arch=90a  # Hopper: the indexer's wgmma needs sm_90a code
 prefix=()
 if [ -d .devdeps ]; then
   prefix=(-DCMAKE_PREFIX_PATH="$PWD/.devdeps/usr")

@@ -18,8 +18,11 @@ void indexer_topk(const IndexerTopkArgs& args);
 int64_t index_capacity(const IndexerTopkArgs& args);    // max_blocks * block_size
 int64_t score_row_stride(const IndexerTopkArgs& args);  // index_capacity rounded up to 4
 // How the scores kernel multiplies fp8 keys: as it sees fit (e4m3 mma where the arch runs it natively: SM89,
-// SM12x), or forced (tests): converted to bf16, or e4m3 mma (SM89 on; SM90 and SM100 emulate it).
-enum class ScoreMma { automatic, bf16, fp8 };
+// SM12x; on Hopper wgmma for 33-64 heads), or forced (tests): converted to bf16 for mma.sync, converted to bf16
+// for wgmma (Hopper, sm_90a code: indexer_wgmma_available(); 17-64 heads), or e4m3 mma (SM89 on; SM90 and SM100
+// emulate it).
+enum class ScoreMma { automatic, bf16, bf16_wgmma, fp8 };
+bool indexer_wgmma_available();
 void indexer_scores(const IndexerTopkArgs& args, float* scores, ScoreMma mma = ScoreMma::automatic);
 // How select_topk shares a row among CTAs: as it sees fit, or forced (tests, benchmarks): one CTA per row,
 // slices of the row in more kernels passing through global memory, or the CTAs of a thread block cluster (SM90+).

@@ -200,10 +200,11 @@ TEST(CudaIndexer, TopkMatchesCpu) {
 
 // The scores themselves, each way the kernel can multiply fp8 keys by fp8
 // queries, against float64: within 1e-5 of the row's largest score through
-// bf16 (exact products, fp32 sums), 2e-3 through e4m3 mma (SM89 and SM12x sum
-// a k-step's products to about 13 bits; SM90 emulates it exactly). Positions
-// past each token's context keep the sentinel. The last case has enough
-// tokens that CTAs take 64 tiles each (two chunks of block lookups).
+// bf16 (exact products, fp32 sums; mma.sync, and wgmma on Hopper for 17-64
+// heads), 2e-3 through e4m3 mma (SM89 and SM12x sum a k-step's products to
+// about 13 bits; SM90 emulates it exactly). Positions past each token's
+// context keep the sentinel. The first case has enough tokens that CTAs take
+// 64 tiles each on an H200 (two chunks of block lookups).
 TEST(CudaIndexer, ScoresOfEachMmaMatchFloat64) {
   int device = 0, major = 0, minor = 0;
   CUDA_OK(cudaGetDevice(&device));
@@ -232,7 +233,9 @@ TEST(CudaIndexer, ScoresOfEachMmaMatchFloat64) {
     IndexInputsOnGpu on(d, a);
     const int64_t stride = cuda::score_row_stride(a);
     constexpr float kSentinel = -12345.f;
-    for (cuda::ScoreMma mma : kinds) {
+    std::vector<cuda::ScoreMma> these = kinds;
+    if (c.heads > 16 && c.heads <= 64 && cuda::indexer_wgmma_available()) these.push_back(cuda::ScoreMma::bf16_wgmma);
+    for (cuda::ScoreMma mma : these) {
       SCOPED_TRACE("heads " + std::to_string(c.heads) + " bs " + std::to_string(c.block_size) + " tokens " +
                    std::to_string(c.tokens) + " mma " + std::to_string(static_cast<int>(mma)));
       DeviceBuffer scores(std::vector<float>(static_cast<size_t>(pr.tokens) * stride, kSentinel));
@@ -253,6 +256,40 @@ TEST(CudaIndexer, ScoresOfEachMmaMatchFloat64) {
         }
       }
     }
+  }
+}
+
+// wgmma against mma.sync (itself checked against float64 above) on enough tokens of long rows that CTAs take 64
+// tiles each on an H200 (float64 there would take a minute): the same exact products, summed in another order.
+TEST(CudaIndexer, WgmmaScoresEqualMmaSyncOnLongRows) {
+  if (!cuda::indexer_wgmma_available()) GTEST_SKIP() << "needs a Hopper GPU and the library built for sm_90a";
+  for (int heads : {32, 64}) {
+    SCOPED_TRACE("heads " + std::to_string(heads));
+    IndexProblem pr;
+    pr.cache_dtype = DType::fp8_e4m3;
+    pr.heads = heads;
+    pr.tokens = 400;
+    pr.block_size = 64;
+    pr.max_blocks = 128;
+    IndexData d(pr, 95 + heads);
+    std::vector<int32_t> unused;
+    IndexInputsOnGpu on(d, d.args(unused));
+    const size_t floats = static_cast<size_t>(pr.tokens) * cuda::score_row_stride(on.args);
+    DeviceBuffer by_mma(std::vector<float>(floats, NAN)), by_wgmma(std::vector<float>(floats, NAN));
+    cuda::indexer_scores(on.args, static_cast<float*>(by_mma.ptr), cuda::ScoreMma::bf16);
+    cuda::indexer_scores(on.args, static_cast<float*>(by_wgmma.ptr), cuda::ScoreMma::bf16_wgmma);
+    CUDA_OK(cudaDeviceSynchronize());
+    const std::vector<float> want = by_mma.download<float>(), got = by_wgmma.download<float>();
+    int64_t compared = 0;
+    for (size_t i = 0; i < floats; ++i) {
+      if (std::isnan(want[i])) {  // past the context: untouched by both
+        ASSERT_TRUE(std::isnan(got[i])) << "score " << i;
+        continue;
+      }
+      ASSERT_NEAR(got[i], want[i], 1e-5 * std::fabs(want[i]) + 1e-30) << "score " << i;
+      ++compared;
+    }
+    EXPECT_GT(compared, 80 * 8192);  // the 80 tokens of full context, at least
   }
 }
 

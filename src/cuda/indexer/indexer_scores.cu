@@ -45,9 +45,10 @@ constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 enum class QKind { bf16, f16, fp8 };
 
 // How keys meet queries in the mma: bf16 keys and queries (m16n8k16);
-// fp8 keys made bf16 in registers, bf16 queries (m16n8k16); fp8 keys and
-// queries as they are (m16n8k32, SM89 on).
-enum class Mma { bf16, bf16_from_fp8, fp8 };
+// fp8 keys made bf16 in registers, bf16 queries (m16n8k16, or Hopper's
+// wgmma m64nNk16 with the queries in shared memory); fp8 keys and queries as
+// they are (m16n8k32, SM89 on).
+enum class Mma { bf16, bf16_from_fp8, bf16_wgmma, fp8 };
 __host__ __device__ constexpr bool fp8_keys(Mma m) { return m != Mma::bf16; }
 __host__ __device__ constexpr int k_steps(Mma m) { return kDim / (m == Mma::fp8 ? 32 : 16); }  // mma k-steps per key
 
@@ -89,7 +90,7 @@ __device__ __forceinline__ float q_value(const ScoreParams& p, int t, int h, int
 template <Mma kMma>
 __device__ __forceinline__ int2 fragment_dims(int j, int c) {
   if constexpr (kMma == Mma::fp8) return {32 * c + 8 * j, 32 * c + 8 * j + 4};
-  else if constexpr (kMma == Mma::bf16_from_fp8) return {32 * c + 4 * j, 32 * c + 4 * j + 2};
+  else if constexpr (kMma != Mma::bf16) return {32 * c + 4 * j, 32 * c + 4 * j + 2};
   else return {16 * j + 2 * c, 16 * j + 8 + 2 * c};
 }
 
@@ -132,7 +133,10 @@ template <int kNTiles, int kGroups, Mma kMma, bool kRuns>
 __global__ void __launch_bounds__(kScoreThreads, 4) index_scores_kernel(const ScoreParams p) {
   using Smem = ScoreSmem<kNTiles, kGroups, kMma>;
   constexpr int kStages = Smem::kStages, kSteps = k_steps(kMma);
-  constexpr bool kFp8 = fp8_keys(kMma), kScaled = kMma == Mma::bf16_from_fp8;
+  constexpr bool kFp8 = fp8_keys(kMma), kScaled = kMma == Mma::bf16_from_fp8 || kMma == Mma::bf16_wgmma;
+  // wgmma's N: 32 or 64 heads, all at once.
+  constexpr int kWgmmaN = 8 * kNTiles * kGroups;
+  static_assert(kMma != Mma::bf16_wgmma || kWgmmaN == 32 || kWgmmaN == 64, "wgmma_bf16 is there for N 32 and 64");
   extern __shared__ __align__(16) uint8_t smem_raw[];
   auto& s = *reinterpret_cast<Smem*>(smem_raw);
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, c = lane % 4;
@@ -223,8 +227,22 @@ __global__ void __launch_bounds__(kScoreThreads, 4) index_scores_kernel(const Sc
 #pragma unroll
   for (int i = 0; i < kStages - 1; ++i) issue(i);
 
-  // The token's queries as B fragments.
-  constexpr int kFragments = kGroups * kNTiles * kSteps * 32;
+  const auto q_scaled = [&](int h, int dim) { return q_value(p, t, h, dim) * (kScaled ? kFp8QueryScale : 1.f); };
+  if constexpr (kMma == Mma::bf16_wgmma) {
+    // The token's queries as wgmma's B (dims x heads), K-major core matrices of 8 heads x 8 dims: k-step j's
+    // block of kWgmmaN * 32 bytes holds, for each 8 heads (256 bytes), dims of k-indices 0-7 then 8-15 (128 bytes
+    // each), k-index κ being dim 32 (κ % 8 / 2) + 4 j + 2 (κ / 8) + κ % 2: the A fragments' permutation.
+    auto* b = reinterpret_cast<uint8_t*>(s.q);
+    for (int e = tid; e < kWgmmaN * kDim / 2; e += kScoreThreads) {  // pairs of k-indices κ, κ + 1
+      const int h = e / (kDim / 2), j = e % (kDim / 2) / 8, kappa = 2 * (e % 8);
+      const int dim = 32 * (kappa % 8 / 2) + 4 * j + 2 * (kappa / 8);
+      *reinterpret_cast<uint32_t*>(b + j * kWgmmaN * 32 + h / 8 * 256 + kappa / 8 * 128 + h % 8 * 16 + kappa % 8 * 2) =
+          h < p.heads ? pack2<__nv_bfloat16>(q_scaled(h, dim), q_scaled(h, dim + 1)) : 0u;
+    }
+    fence_shared_for_async_proxy();
+  }
+  // Otherwise the token's queries as B fragments.
+  constexpr int kFragments = kMma == Mma::bf16_wgmma ? 0 : kGroups * kNTiles * kSteps * 32;
 #pragma unroll
   for (int e = tid; e < kFragments; e += kScoreThreads) {
     const int fl = e % 32, j = (e / 32) % kSteps, n = (e / (32 * kSteps)) % kNTiles, grp = e / (32 * kSteps * kNTiles);
@@ -238,9 +256,8 @@ __global__ void __launch_bounds__(kScoreThreads, 4) index_scores_kernel(const Sc
       };
       f = {codes(d.x), codes(d.y)};
     } else if (h < p.heads) {
-      const auto q = [&](int dim) { return q_value(p, t, h, dim) * (kScaled ? kFp8QueryScale : 1.f); };
-      f.x = pack2<__nv_bfloat16>(q(d.x), q(d.x + 1));
-      f.y = pack2<__nv_bfloat16>(q(d.y), q(d.y + 1));
+      f.x = pack2<__nv_bfloat16>(q_scaled(h, d.x), q_scaled(h, d.x + 1));
+      f.y = pack2<__nv_bfloat16>(q_scaled(h, d.y), q_scaled(h, d.y + 1));
     }
     s.q[grp][n][j][fl] = f;
   }
@@ -259,7 +276,7 @@ __global__ void __launch_bounds__(kScoreThreads, 4) index_scores_kernel(const Sc
                                    : 0.f;
       }
   __syncthreads();
-  constexpr bool kQInRegisters = kGroups == 1;
+  constexpr bool kQInRegisters = kGroups == 1 && kMma != Mma::bf16_wgmma;
   uint2 bq[kQInRegisters ? kNTiles : 1][kQInRegisters ? kSteps : 1];
   if constexpr (kQInRegisters) {
 #pragma unroll
@@ -267,6 +284,8 @@ __global__ void __launch_bounds__(kScoreThreads, 4) index_scores_kernel(const Sc
 #pragma unroll
       for (int j = 0; j < kSteps; ++j) bq[n][j] = s.q[0][n][j][lane];
   }
+
+  const uint64_t q_descriptor = wgmma_descriptor(s.q, 128, 256);  // Mma::bf16_wgmma: k-step 0's B
 
   for (int i = 0; i < n_tiles; ++i) {
     cp_async_wait<kStages - 2>();
@@ -276,58 +295,85 @@ __global__ void __launch_bounds__(kScoreThreads, 4) index_scores_kernel(const Sc
     const uint8_t(*keys)[Smem::kRowBytes] = s.keys[slot];
 
     float score[2] = {0.f, 0.f};  // this lane's rows g and g + 8 of the warp's 16 positions
-    // Each A fragment meets the heads of kPassGroups groups before the next is made (more accumulators would spill).
-    constexpr int kPassGroups = kGroups < 2 ? kGroups : 2;
+    // The lane's A fragments of k-steps kHalfSteps * half .. + kHalfSteps - 1 (one half of the dims).
+    constexpr int kHalfSteps = kSteps / 2;
+    const auto load_a = [&](int half, uint32_t(&a)[kHalfSteps][4]) {
+      if constexpr (kFp8) {
+        const uint4 lo = *reinterpret_cast<const uint4*>(&keys[warp * 16 + g][32 * c + 16 * half]);
+        const uint4 hi = *reinterpret_cast<const uint4*>(&keys[warp * 16 + g + 8][32 * c + 16 * half]);
+        const uint32_t wlo[4] = {lo.x, lo.y, lo.z, lo.w}, whi[4] = {hi.x, hi.y, hi.z, hi.w};
 #pragma unroll
-    for (int pass = 0; pass < kGroups / kPassGroups; ++pass) {
-      float acc[kPassGroups][kNTiles][4] = {};
-      constexpr int kHalfSteps = kSteps / 2;
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {  // k-steps of one half of the dims: half the A fragments live at a time
-        uint32_t a[kHalfSteps][4];
-        if constexpr (kFp8) {
-          const uint4 lo = *reinterpret_cast<const uint4*>(&keys[warp * 16 + g][32 * c + 16 * half]);
-          const uint4 hi = *reinterpret_cast<const uint4*>(&keys[warp * 16 + g + 8][32 * c + 16 * half]);
-          const uint32_t wlo[4] = {lo.x, lo.y, lo.z, lo.w}, whi[4] = {hi.x, hi.y, hi.z, hi.w};
-#pragma unroll
-          for (int jj = 0; jj < kHalfSteps; ++jj) {
-            if constexpr (kMma == Mma::fp8) {  // rows g, g + 8: 4 codes each of dims fragment_dims(j).x, then .y
-              a[jj][0] = wlo[2 * jj];
-              a[jj][1] = whi[2 * jj];
-              a[jj][2] = wlo[2 * jj + 1];
-              a[jj][3] = whi[2 * jj + 1];
-            } else {
-              a[jj][0] = e4m3x2_to_scaled_bf16x2(wlo[jj], false);
-              a[jj][1] = e4m3x2_to_scaled_bf16x2(whi[jj], false);
-              a[jj][2] = e4m3x2_to_scaled_bf16x2(wlo[jj], true);
-              a[jj][3] = e4m3x2_to_scaled_bf16x2(whi[jj], true);
-            }
+        for (int jj = 0; jj < kHalfSteps; ++jj) {
+          if constexpr (kMma == Mma::fp8) {  // rows g, g + 8: 4 codes each of dims fragment_dims(j).x, then .y
+            a[jj][0] = wlo[2 * jj];
+            a[jj][1] = whi[2 * jj];
+            a[jj][2] = wlo[2 * jj + 1];
+            a[jj][3] = whi[2 * jj + 1];
+          } else {
+            a[jj][0] = e4m3x2_to_scaled_bf16x2(wlo[jj], false);
+            a[jj][1] = e4m3x2_to_scaled_bf16x2(whi[jj], false);
+            a[jj][2] = e4m3x2_to_scaled_bf16x2(wlo[jj], true);
+            a[jj][3] = e4m3x2_to_scaled_bf16x2(whi[jj], true);
           }
-        } else {
+        }
+      } else {
 #pragma unroll
-          for (int jj = 0; jj < kHalfSteps; ++jj)
-            ldmatrix_x4(a[jj], &keys[warp * 16 + lane % 16][2 * (16 * (kHalfSteps * half + jj) + (lane / 16) * 8)]);
+        for (int jj = 0; jj < kHalfSteps; ++jj)
+          ldmatrix_x4(a[jj], &keys[warp * 16 + lane % 16][2 * (16 * (kHalfSteps * half + jj) + (lane / 16) * 8)]);
+      }
+    };
+    // ReLU, head weights and the sum over the heads of 8-column block n of group grp.
+    const auto add_heads = [&](int grp, int n, const float* acc) {
+      const float(&wn)[2] = w[grp][n];
+      score[0] += wn[0] * fmaxf(acc[0], 0.f) + wn[1] * fmaxf(acc[1], 0.f);
+      score[1] += wn[0] * fmaxf(acc[2], 0.f) + wn[1] * fmaxf(acc[3], 0.f);
+    };
+    if constexpr (kMma == Mma::bf16_wgmma) {
+      // The four warps' rows are the warpgroup's 64. The second half's A fragments are made while the tensor
+      // cores work on the first (no uninitialised accumulator is read: the first k-step overwrites them).
+      uint32_t a[2][kHalfSteps][4];
+      float acc[kWgmmaN / 2];
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        load_a(half, a[half]);
+        wgmma_fence();
+#pragma unroll
+        for (int jj = 0; jj < kHalfSteps; ++jj) {
+          const int j = kHalfSteps * half + jj;
+          wgmma_bf16<kWgmmaN>(acc, a[half][jj], q_descriptor + (j * kWgmmaN * 32 >> 4), j > 0);
+        }
+      }
+      wgmma_commit_and_wait();
+#pragma unroll
+      for (int b = 0; b < kWgmmaN / 8; ++b) add_heads(b / kNTiles, b % kNTiles, &acc[4 * b]);
+    } else {
+      // Each A fragment meets the heads of kPassGroups groups before the next is made (more accumulators would
+      // spill).
+      constexpr int kPassGroups = kGroups < 2 ? kGroups : 2;
+#pragma unroll
+      for (int pass = 0; pass < kGroups / kPassGroups; ++pass) {
+        float acc[kPassGroups][kNTiles][4] = {};
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {  // half the A fragments live at a time
+          uint32_t a[kHalfSteps][4];
+          load_a(half, a);
+#pragma unroll
+          for (int pg = 0; pg < kPassGroups; ++pg)
+#pragma unroll
+            for (int jj = 0; jj < kHalfSteps; ++jj)
+#pragma unroll
+              for (int n = 0; n < kNTiles; ++n) {
+                const int j = kHalfSteps * half + jj;
+                const uint2 b = kQInRegisters ? bq[n][j] : s.q[pass * kPassGroups + pg][n][j][lane];
+                if constexpr (kMma == Mma::fp8) mma_16832_e4m3(acc[pg][n], a[jj], {b.x, b.y});
+                else mma_16816<__nv_bfloat16>(acc[pg][n], a[jj], {b.x, b.y});
+              }
         }
 #pragma unroll
         for (int pg = 0; pg < kPassGroups; ++pg)
 #pragma unroll
-          for (int jj = 0; jj < kHalfSteps; ++jj)
-#pragma unroll
-            for (int n = 0; n < kNTiles; ++n) {
-              const int j = kHalfSteps * half + jj;
-              const uint2 b = kQInRegisters ? bq[n][j] : s.q[pass * kPassGroups + pg][n][j][lane];
-              if constexpr (kMma == Mma::fp8) mma_16832_e4m3(acc[pg][n], a[jj], {b.x, b.y});
-              else mma_16816<__nv_bfloat16>(acc[pg][n], a[jj], {b.x, b.y});
-            }
+          for (int n = 0; n < kNTiles; ++n) add_heads(pass * kPassGroups + pg, n, acc[pg][n]);
       }
-#pragma unroll
-      for (int pg = 0; pg < kPassGroups; ++pg)
-#pragma unroll
-        for (int n = 0; n < kNTiles; ++n) {
-          const float(&wn)[2] = w[pass * kPassGroups + pg][n];
-          score[0] += wn[0] * fmaxf(acc[pg][n][0], 0.f) + wn[1] * fmaxf(acc[pg][n][1], 0.f);
-          score[1] += wn[0] * fmaxf(acc[pg][n][2], 0.f) + wn[1] * fmaxf(acc[pg][n][3], 0.f);
-        }
     }
     // The other heads of rows g and g + 8 are in the quad's other lanes.
 #pragma unroll
@@ -376,12 +422,21 @@ void launch(const ScoreParams& p, int tokens, int64_t capacity, cudaStream_t str
 
 template <int kNTiles, int kGroups>
 void launch(const ScoreParams& p, Mma mma, int tokens, int64_t capacity, cudaStream_t stream) {
-  if (mma == Mma::bf16) launch<kNTiles, kGroups, Mma::bf16>(p, tokens, capacity, stream);
-  else if (mma == Mma::fp8) launch<kNTiles, kGroups, Mma::fp8>(p, tokens, capacity, stream);
-  else launch<kNTiles, kGroups, Mma::bf16_from_fp8>(p, tokens, capacity, stream);
+  if (mma == Mma::bf16) {
+    launch<kNTiles, kGroups, Mma::bf16>(p, tokens, capacity, stream);
+  } else if (mma == Mma::fp8) {
+    launch<kNTiles, kGroups, Mma::fp8>(p, tokens, capacity, stream);
+  } else if (mma == Mma::bf16_wgmma) {
+    if constexpr (kNTiles == 4 && kGroups <= 2) launch<kNTiles, kGroups, Mma::bf16_wgmma>(p, tokens, capacity, stream);
+    else throw Error(ErrorKind::internal, "indexer_scores: wgmma chosen for a head count it does not take");
+  } else {
+    launch<kNTiles, kGroups, Mma::bf16_from_fp8>(p, tokens, capacity, stream);
+  }
 }
 
 }  // namespace
+
+bool indexer_wgmma_available() { return wgmma_available(current_device().compute_capability); }
 
 void indexer_scores(const IndexerTopkArgs& a, float* scores, ScoreMma mma) {
   const int tokens = static_cast<int>(a.q.size(0));
@@ -410,13 +465,24 @@ void indexer_scores(const IndexerTopkArgs& a, float* scores, ScoreMma mma) {
   const int64_t capacity = index_capacity(a);
   if (tokens == 0 || capacity == 0) return;
   // e4m3 mma needs fp8 queries too (bf16 ones would be rounded), and pays only where the arch runs it natively.
+  // Otherwise fp8 keys go to bf16, on Hopper to wgmma for 33-64 heads (N = 64; measured on an H200: 128 tokens
+  // x 128K, 64 heads 914 µs against 1101 on mma.sync; with 32 heads, whose queries mma.sync keeps in registers,
+  // wgmma was 0-7% slower).
   const int cc = current_device().compute_capability;
   const bool fp8_pair = p.cache.fp8 && p.q_kind == QKind::fp8;
   if (mma == ScoreMma::fp8)
     require(fp8_pair && fp8_mma_available(cc),
             "indexer_scores: e4m3 mma needs fp8 queries and keys and a GPU of compute capability 8.9 or more");
+  const bool wgmma = p.cache.fp8 && p.heads > 16 && p.heads <= 64 && wgmma_available(cc);
+  if (mma == ScoreMma::bf16_wgmma)
+    require(wgmma, "indexer_scores: wgmma needs an fp8 index cache, 17 to 64 heads and a Hopper GPU (the library "
+                   "built with sm_90a code)");
+  const bool wgmma_pays = wgmma && p.heads > 32;
   const bool fp8_mma = fp8_pair && (mma == ScoreMma::fp8 || (mma == ScoreMma::automatic && fp8_mma_native(cc)));
-  const Mma kind = !p.cache.fp8 ? Mma::bf16 : fp8_mma ? Mma::fp8 : Mma::bf16_from_fp8;
+  const Mma kind = !p.cache.fp8                                                      ? Mma::bf16
+                   : fp8_mma                                                         ? Mma::fp8
+                   : mma == ScoreMma::bf16_wgmma || (mma == ScoreMma::automatic && wgmma_pays) ? Mma::bf16_wgmma
+                                                                                     : Mma::bf16_from_fp8;
   const auto stream = static_cast<cudaStream_t>(a.stream);
   // Heads padded to 8, 16 or 32 mma columns held in registers; more heads go
   // in groups of 32 whose fragments are read from shared memory (64 heads in
