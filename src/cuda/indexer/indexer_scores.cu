@@ -8,7 +8,10 @@
 // meets every head there. Each warp gathers and computes its own 16 rows of
 // every tile, so warps never wait for each other. ReLU, the head weights and
 // the sum over heads happen on the accumulators; the key scale is applied to
-// the finished score.
+// the finished score. On Hopper (sm_90a code), 33-64 heads with fp8 keys go
+// through wgmma instead: the CTA's four warps are one warpgroup whose 64 rows
+// meet all heads at once, the queries read by the tensor cores from shared
+// memory (mma.sync read them there with one instruction per fragment).
 //
 // fp8 keys meet fp8 queries as they are where the arch has e4m3 mma (SM89
 // on): half the mma instructions of bf16 and no conversion, but the tensor
