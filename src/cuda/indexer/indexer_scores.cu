@@ -125,7 +125,7 @@ struct ScoreSmem {
   static constexpr int kRowBytes = (kFp8 ? kDim : 2 * kDim) + 16;
   uint8_t keys[kStages][kTile][kRowBytes];
   float scale[kStages][kTile];  // the key's scale; -1: its block is outside the cache
-  uint2 q[kGroups][kNTiles][k_steps(kMma)][32];  // B fragments, in lane order
+  uint2 q[kGroups][kNTiles][k_steps(kMma)][32];  // B fragments, in lane order (Mma::bf16_wgmma: B itself)
 };
 
 // Heads (kGroups x kNTiles x 8 of them, padded with zeros) are the mma's N.
