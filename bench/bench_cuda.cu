@@ -343,8 +343,8 @@ void bench_topk(int tokens, int context) {
 
 int main(int argc, char** argv) {
   // `bench_cuda attention|indexer|topk` runs one part; no argument: all.
-  // `bench_cuda indexer TOKENS HEADS CONTEXT [bf16|mma.sync]` runs one indexer decode config (bf16 keys, or fp8
-  // keys on mma.sync even where wgmma would be chosen), `bench_cuda topk TOKENS
+  // `bench_cuda indexer TOKENS HEADS CONTEXT [bf16|mma.sync|wgmma]` runs one indexer decode config (bf16 keys, or
+  // fp8 keys forced onto mma.sync or wgmma), `bench_cuda topk TOKENS
   // CONTEXT` one top-k config (unsplit, split, cluster, picked: in that order, each warmed up and timed).
   const std::string part = argc > 1 ? argv[1] : "";
   cudaDeviceProp prop;
@@ -375,7 +375,9 @@ int main(int argc, char** argv) {
       const std::string extra = argc > 5 ? argv[5] : "";
       bench_indexer("decode", std::atoi(argv[2]), std::atoi(argv[3]), std::atoi(argv[4]),
                     extra == "bf16" ? smla::DType::bf16 : smla::DType::fp8_e4m3, false, c,
-                    extra == "mma.sync" ? smla::cuda::ScoreMma::bf16 : smla::cuda::ScoreMma::automatic);
+                    extra == "mma.sync" ? smla::cuda::ScoreMma::bf16
+                    : extra == "wgmma"  ? smla::cuda::ScoreMma::bf16_wgmma
+                                        : smla::cuda::ScoreMma::automatic);
       return 0;
     }
     for (int heads : {32, 64})

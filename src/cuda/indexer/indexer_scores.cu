@@ -469,8 +469,8 @@ void indexer_scores(const IndexerTopkArgs& a, float* scores, ScoreMma mma) {
   if (tokens == 0 || capacity == 0) return;
   // e4m3 mma needs fp8 queries too (bf16 ones would be rounded), and pays only where the arch runs it natively.
   // Otherwise fp8 keys go to bf16, on Hopper to wgmma for 33-64 heads (N = 64; measured on an H200: 128 tokens
-  // x 128K, 64 heads 914 µs against 1101 on mma.sync; with 32 heads, whose queries mma.sync keeps in registers,
-  // wgmma was 0-7% slower).
+  // x 128K, 64 heads 873 µs against 1059 on mma.sync; with 32 heads, whose queries mma.sync keeps in registers,
+  // wgmma was within run-to-run spread of it, 690-719 against 698-711 µs).
   const int cc = current_device().compute_capability;
   const bool fp8_pair = p.cache.fp8 && p.q_kind == QKind::fp8;
   if (mma == ScoreMma::fp8)
