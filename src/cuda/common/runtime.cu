@@ -9,6 +9,19 @@
 
 namespace smla::cuda {
 
+namespace {
+
+// What `compute()` gives for `key`, asked of the driver once and kept in `cache` (guarded by `mu`).
+template <class Key, class Compute>
+int remembered(std::map<Key, int>& cache, std::mutex& mu, const Key& key, Compute compute) {
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find(key);
+  if (it == cache.end()) it = cache.emplace(key, compute()).first;
+  return it->second;
+}
+
+}  // namespace
+
 const DeviceInfo& current_device() {
   static std::mutex mu;
   static std::map<int, DeviceInfo> cache;
@@ -46,18 +59,11 @@ int max_dynamic_smem(const void* kernel) {
   static std::mutex mu;
   static std::map<std::pair<int, const void*>, int> sizes;
   const DeviceInfo& dev = current_device();
-  int bytes = 0;
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    auto it = sizes.find({dev.index, kernel});
-    if (it == sizes.end()) {
-      cudaFuncAttributes attr{};
-      check_cuda(cudaFuncGetAttributes(&attr, kernel), "cudaFuncGetAttributes");
-      it = sizes.emplace(std::make_pair(dev.index, kernel), dev.max_smem_per_block - static_cast<int>(attr.sharedSizeBytes))
-               .first;
-    }
-    bytes = it->second;
-  }
+  const int bytes = remembered(sizes, mu, std::make_pair(dev.index, kernel), [&] {
+    cudaFuncAttributes attr{};
+    check_cuda(cudaFuncGetAttributes(&attr, kernel), "cudaFuncGetAttributes");
+    return dev.max_smem_per_block - static_cast<int>(attr.sharedSizeBytes);
+  });
   allow_dynamic_smem(kernel, bytes);
   return bytes;
 }
@@ -65,25 +71,18 @@ int max_dynamic_smem(const void* kernel) {
 int resident_ctas_per_sm(const void* kernel, int threads, int smem) {
   static std::mutex mu;
   static std::map<std::tuple<int, const void*, int, int>, int> counts;
-  const auto key = std::make_tuple(current_device().index, kernel, threads, smem);
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = counts.find(key);
-  if (it == counts.end()) {
+  return remembered(counts, mu, std::make_tuple(current_device().index, kernel, threads, smem), [&] {
     int n = 0;
     check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem),
                "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
-    it = counts.emplace(key, n).first;
-  }
-  return it->second;
+    return n;
+  });
 }
 
 int max_active_clusters(const void* kernel, int threads, int smem, int ranks) {
   static std::mutex mu;
   static std::map<std::tuple<int, const void*, int, int, int>, int> counts;
-  const auto key = std::make_tuple(current_device().index, kernel, threads, smem, ranks);
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = counts.find(key);
-  if (it == counts.end()) {
+  return remembered(counts, mu, std::make_tuple(current_device().index, kernel, threads, smem, ranks), [&] {
     cudaLaunchAttribute cluster{};
     cluster.id = cudaLaunchAttributeClusterDimension;
     cluster.val.clusterDim.x = static_cast<unsigned>(ranks);
@@ -96,9 +95,8 @@ int max_active_clusters(const void* kernel, int threads, int smem, int ranks) {
     config.numAttrs = 1;
     int n = 0;
     check_cuda(cudaOccupancyMaxActiveClusters(&n, kernel, &config), "cudaOccupancyMaxActiveClusters");
-    it = counts.emplace(key, n).first;
-  }
-  return it->second;
+    return n;
+  });
 }
 
 void* workspace(cudaStream_t stream, size_t bytes, WorkspaceUse use) {

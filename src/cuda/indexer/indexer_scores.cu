@@ -480,12 +480,11 @@ void indexer_scores(const IndexerTopkArgs& a, float* scores, ScoreMma mma) {
   if (mma == ScoreMma::bf16_wgmma)
     require(wgmma, "indexer_scores: wgmma needs an fp8 index cache, 17 to 64 heads and a Hopper GPU (the library "
                    "built with sm_90a code)");
-  const bool wgmma_pays = wgmma && p.heads > 32;
-  const bool fp8_mma = fp8_pair && (mma == ScoreMma::fp8 || (mma == ScoreMma::automatic && fp8_mma_native(cc)));
-  const Mma kind = !p.cache.fp8                                                      ? Mma::bf16
-                   : fp8_mma                                                         ? Mma::fp8
-                   : mma == ScoreMma::bf16_wgmma || (mma == ScoreMma::automatic && wgmma_pays) ? Mma::bf16_wgmma
-                                                                                     : Mma::bf16_from_fp8;
+  const bool automatic = mma == ScoreMma::automatic;
+  Mma kind = Mma::bf16_from_fp8;
+  if (!p.cache.fp8) kind = Mma::bf16;
+  else if (fp8_pair && (mma == ScoreMma::fp8 || (automatic && fp8_mma_native(cc)))) kind = Mma::fp8;
+  else if (mma == ScoreMma::bf16_wgmma || (automatic && wgmma && p.heads > 32)) kind = Mma::bf16_wgmma;
   const auto stream = static_cast<cudaStream_t>(a.stream);
   // Heads padded to 8, 16 or 32 mma columns held in registers; more heads go
   // in groups of 32 whose fragments are read from shared memory (64 heads in
