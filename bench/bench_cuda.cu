@@ -213,13 +213,23 @@ void bench_paged(const char* name, Cache& cache, int batch, int context, int hea
   cudaFree(lse);
 }
 
-// Indexer: decode (`tokens` requests, each with `context` positions of its
-// own) or prefill (`tokens` new positions of one request, causal: the last
-// sees `context`), 64-position blocks scattered through the cache.
-void bench_indexer(const char* name, int tokens, int heads, int context, smla::DType cache_dtype, bool prefill,
-                   const Ceilings& c, smla::cuda::ScoreMma mma = smla::cuda::ScoreMma::automatic) {
+// One indexer config: decode (`tokens` requests, each with `context`
+// positions of its own) or prefill (`tokens` new positions of one request,
+// causal: the last sees `context`); fp8 or bf16 keys; fp8 queries with
+// per-(token, head) scales (what DeepSeek-V3.2's indexer feeds its kernel)
+// or bf16 ones; how the scores kernel multiplies, as it picks or forced.
+struct IndexerConfig {
+  const char* name;
+  int tokens, heads, context;
+  bool fp8_keys = true, fp8_queries = false, prefill = false;
+  smla::cuda::ScoreMma mma = smla::cuda::ScoreMma::automatic;
+};
+
+// 64-position blocks scattered through the cache.
+void bench_indexer(const IndexerConfig& cfg, const Ceilings& c) {
   const smla::Device dev = smla::Device::cuda(90);
-  const bool fp8 = cache_dtype == smla::DType::fp8_e4m3;
+  const int tokens = cfg.tokens, heads = cfg.heads, context = cfg.context;
+  const bool fp8 = cfg.fp8_keys, prefill = cfg.prefill;
   const int bs = 64, blocks_per_req = context / bs, requests = prefill ? 1 : tokens, row = fp8 ? 132 : 256;
   const int64_t blocks = static_cast<int64_t>(requests) * blocks_per_req;
   const size_t cache_bytes = static_cast<size_t>(blocks) * bs * row;
@@ -247,25 +257,38 @@ void bench_indexer(const char* name, int tokens, int heads, int context, smla::D
     if (prefill) ctx[t] = context - tokens + t + 1;
     positions += ctx[t];
   }
-  std::vector<float> w(static_cast<size_t>(tokens) * heads);
+  std::vector<float> w(static_cast<size_t>(tokens) * heads), q_scale(w.size());
   for (auto& x : w) x = 0.01f + (rng() % 100) * 1e-4f;
+  for (auto& x : q_scale) x = 1.f / (16 + rng() % 16);
   int32_t *dtable, *dreq, *dctx, *dout;
-  float* dw;
+  float *dw, *dq_scale;
   const int topk = 2048;
   CHECK(cudaMalloc(&dtable, table.size() * 4));
   CHECK(cudaMalloc(&dreq, req.size() * 4));
   CHECK(cudaMalloc(&dctx, ctx.size() * 4));
   CHECK(cudaMalloc(&dout, static_cast<size_t>(tokens) * topk * 4));
   CHECK(cudaMalloc(&dw, w.size() * 4));
+  CHECK(cudaMalloc(&dq_scale, q_scale.size() * 4));
   CHECK(cudaMemcpy(dtable, table.data(), table.size() * 4, cudaMemcpyHostToDevice));
   CHECK(cudaMemcpy(dreq, req.data(), req.size() * 4, cudaMemcpyHostToDevice));
   CHECK(cudaMemcpy(dctx, ctx.data(), ctx.size() * 4, cudaMemcpyHostToDevice));
   CHECK(cudaMemcpy(dw, w.data(), w.size() * 4, cudaMemcpyHostToDevice));
-  void* q = device_random_half(static_cast<size_t>(tokens) * heads * 128);
+  CHECK(cudaMemcpy(dq_scale, q_scale.data(), q_scale.size() * 4, cudaMemcpyHostToDevice));
+  const size_t q_values = static_cast<size_t>(tokens) * heads * 128;
+  void* q;
+  if (cfg.fp8_queries) {
+    std::vector<uint8_t> codes(q_values);
+    for (auto& x : codes) x = static_cast<uint8_t>(rng() % 0x70) | (rng() & 0x80);
+    CHECK(cudaMalloc(&q, q_values));
+    CHECK(cudaMemcpy(q, codes.data(), q_values, cudaMemcpyHostToDevice));
+  } else {
+    q = device_random_half(q_values);
+  }
   smla::IndexerTopkArgs a;
-  a.q = smla::TensorView(q, {tokens, heads, 128}, smla::DType::bf16, dev);
+  a.q = smla::TensorView(q, {tokens, heads, 128}, cfg.fp8_queries ? smla::DType::fp8_e4m3 : smla::DType::bf16, dev);
+  if (cfg.fp8_queries) a.q_scale = smla::TensorView(dq_scale, {tokens, heads}, smla::DType::f32, dev);
   a.weights = smla::TensorView(dw, {tokens, heads}, smla::DType::f32, dev);
-  a.index_cache = smla::TensorView(cache, {blocks, bs, fp8 ? 132 : 128}, cache_dtype, dev);
+  a.index_cache = smla::TensorView(cache, {blocks, bs, fp8 ? 132 : 128}, fp8 ? smla::DType::fp8_e4m3 : smla::DType::bf16, dev);
   a.request_ids = smla::TensorView(dreq, {tokens}, smla::DType::i32, dev);
   a.block_table = smla::TensorView(dtable, {requests, blocks_per_req}, smla::DType::i32, dev);
   a.context_lens = smla::TensorView(dctx, {tokens}, smla::DType::i32, dev);
@@ -273,7 +296,7 @@ void bench_indexer(const char* name, int tokens, int heads, int context, smla::D
   const size_t score_floats = static_cast<size_t>(tokens) * smla::cuda::score_row_stride(a);
   float* scores;
   CHECK(cudaMalloc(&scores, score_floats * 4));
-  const double ms_scores = time_ms([&] { smla::cuda::indexer_scores(a, scores, mma); });
+  const double ms_scores = time_ms([&] { smla::cuda::indexer_scores(a, scores, cfg.mma); });
   // Distinct scores for the top-k timing: random values, not the tied ones above.
   std::vector<float> hs(score_floats);
   for (auto& x : hs) x = static_cast<float>(rng()) / 4e9f;
@@ -283,14 +306,16 @@ void bench_indexer(const char* name, int tokens, int heads, int context, smla::D
   const double bytes = (prefill ? static_cast<double>(context) : positions) * row;
   const double gbs = bytes / (ms_scores * 1e-3) / 1e9;
   const double tflops = 2.0 * heads * 128 * positions / (ms_scores * 1e-3) / 1e12;
-  std::printf("%-16s %-5s %6d %5d %7d %10.1f %8.1f %6.0f%% %8.1f %12.1f %12.2f\n", name, fp8 ? "fp8" : "bf16", tokens,
-              heads, context, ms_scores * 1e3, gbs, 100 * gbs / c.copy_gbs, tflops, ms_topk * 1e3, ms_topk * 1e3 / tokens);
+  std::printf("%-16s %-5s %-5s %6d %5d %7d %10.1f %8.1f %6.0f%% %8.1f %12.1f %12.2f\n", cfg.name, fp8 ? "fp8" : "bf16",
+              cfg.fp8_queries ? "fp8" : "bf16", tokens, heads, context, ms_scores * 1e3, gbs, 100 * gbs / c.copy_gbs,
+              tflops, ms_topk * 1e3, ms_topk * 1e3 / tokens);
   cudaFree(cache);
   cudaFree(dtable);
   cudaFree(dreq);
   cudaFree(dctx);
   cudaFree(dout);
   cudaFree(dw);
+  cudaFree(dq_scale);
   cudaFree(q);
   cudaFree(scores);
 }
@@ -343,8 +368,9 @@ void bench_topk(int tokens, int context) {
 
 int main(int argc, char** argv) {
   // `bench_cuda attention|indexer|topk` runs one part; no argument: all.
-  // `bench_cuda indexer TOKENS HEADS CONTEXT [bf16|mma.sync|wgmma]` runs one indexer decode config (bf16 keys, or
-  // fp8 keys forced onto mma.sync or wgmma), `bench_cuda topk TOKENS
+  // `bench_cuda indexer TOKENS HEADS CONTEXT [OPTION...]` runs one indexer decode config; options: bf16 (keys),
+  // fp8q (fp8 queries), and to force how fp8 keys are multiplied: mma.sync or wgmma (as bf16), e4m3 or e4m3-wgmma
+  // (fp8q only). `bench_cuda topk TOKENS
   // CONTEXT` one top-k config (unsplit, split, cluster, picked: in that order, each warmed up and timed).
   const std::string part = argc > 1 ? argv[1] : "";
   cudaDeviceProp prop;
@@ -369,25 +395,45 @@ int main(int argc, char** argv) {
   }
   if (part.empty() || part == "indexer") {
     std::printf("\nindexer (index cache fp8: 132 B/position, bf16: 256; top-k 2048 of distinct random scores)\n");
-    std::printf("%-16s %-5s %6s %5s %7s %10s %8s %7s %8s %12s %12s\n", "config", "cache", "tokens", "heads", "context",
-                "scores us", "GB/s", "copy%", "TFLOP/s", "top-k us", "top-k us/row");
+    std::printf("%-16s %-5s %-5s %6s %5s %7s %10s %8s %7s %8s %12s %12s\n", "config", "cache", "q", "tokens", "heads",
+                "context", "scores us", "GB/s", "copy%", "TFLOP/s", "top-k us", "top-k us/row");
+    using smla::cuda::ScoreMma;
     if (argc >= 5) {
-      const std::string extra = argc > 5 ? argv[5] : "";
-      bench_indexer("decode", std::atoi(argv[2]), std::atoi(argv[3]), std::atoi(argv[4]),
-                    extra == "bf16" ? smla::DType::bf16 : smla::DType::fp8_e4m3, false, c,
-                    extra == "mma.sync" ? smla::cuda::ScoreMma::bf16
-                    : extra == "wgmma"  ? smla::cuda::ScoreMma::bf16_wgmma
-                                        : smla::cuda::ScoreMma::automatic);
+      IndexerConfig cfg{"decode", std::atoi(argv[2]), std::atoi(argv[3]), std::atoi(argv[4])};
+      for (int i = 5; i < argc; ++i) {
+        const std::string option = argv[i];
+        if (option == "bf16") cfg.fp8_keys = false;
+        else if (option == "fp8q") cfg.fp8_queries = true;
+        else if (option == "mma.sync") cfg.mma = ScoreMma::bf16;
+        else if (option == "wgmma") cfg.mma = ScoreMma::bf16_wgmma;
+        else if (option == "e4m3") cfg.mma = ScoreMma::fp8;
+        else if (option == "e4m3-wgmma") cfg.mma = ScoreMma::fp8_wgmma;
+        else return std::fprintf(stderr, "bench_cuda indexer: unknown option %s\n", option.c_str()), 2;
+      }
+      bench_indexer(cfg, c);
       return 0;
     }
-    for (int heads : {32, 64})
-      for (int tokens : {1, 32, 128})
-        for (int context : {8192, 32768, 131072})
-          bench_indexer(heads == 32 ? "glm5 decode" : "dsv32 decode", tokens, heads, context, smla::DType::fp8_e4m3,
-                        false, c);
-    for (int tokens : {1, 128}) bench_indexer("glm5 decode", tokens, 32, 131072, smla::DType::bf16, false, c);
-    for (int heads : {32, 64}) bench_indexer("prefill", 4096, heads, 8192, smla::DType::fp8_e4m3, true, c);
-    bench_indexer("topk 64 rows", 64, 64, 131072, smla::DType::fp8_e4m3, false, c);
+    for (bool fp8_queries : {true, false})
+      for (int heads : {32, 64})
+        for (int tokens : {1, 32, 128})
+          for (int context : {8192, 32768, 131072}) {
+            IndexerConfig cfg{heads == 32 ? "glm5 decode" : "dsv32 decode", tokens, heads, context};
+            cfg.fp8_queries = fp8_queries;
+            bench_indexer(cfg, c);
+          }
+    for (int tokens : {1, 128}) {
+      IndexerConfig cfg{"glm5 decode", tokens, 32, 131072};
+      cfg.fp8_keys = false;
+      bench_indexer(cfg, c);
+    }
+    for (bool fp8_queries : {true, false})
+      for (int heads : {32, 64}) {
+        IndexerConfig cfg{"prefill", 4096, heads, 8192};
+        cfg.fp8_queries = fp8_queries;
+        cfg.prefill = true;
+        bench_indexer(cfg, c);
+      }
+    bench_indexer({"topk 64 rows", 64, 64, 131072}, c);
   }
   if (part.empty() || part == "topk") {
     std::printf("\ntop-k 2048 of distinct random scores: one CTA per row, rows split among CTAs, rows shared by a "

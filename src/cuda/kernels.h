@@ -17,11 +17,12 @@ void indexer_topk(const IndexerTopkArgs& args);
 // score_row_stride apart), then the top-k.
 int64_t index_capacity(const IndexerTopkArgs& args);    // max_blocks * block_size
 int64_t score_row_stride(const IndexerTopkArgs& args);  // index_capacity rounded up to 4
-// How the scores kernel multiplies fp8 keys: as it sees fit (e4m3 mma where the arch runs it natively: SM89,
-// SM12x; on Hopper wgmma for 33-64 heads), or forced (tests): converted to bf16 for mma.sync, converted to bf16
-// for wgmma (Hopper, sm_90a code: indexer_wgmma_available(); 17-64 heads), or e4m3 mma (SM89 on; SM90 and SM100
-// emulate it).
-enum class ScoreMma { automatic, bf16, bf16_wgmma, fp8 };
+// How the scores kernel multiplies fp8 keys: as it sees fit (fp8 queries: e4m3 operands where the arch multiplies
+// them natively, mma.sync on SM89 and SM12x, wgmma on Hopper for 17-64 heads; bf16 queries: on Hopper wgmma for
+// 33-64 heads), or forced (tests, benchmarks): converted to bf16 for mma.sync, converted to bf16 for wgmma (Hopper,
+// sm_90a code: indexer_wgmma_available(); 17-64 heads), e4m3 mma.sync (SM89 on; SM90 and SM100 emulate it), or
+// e4m3 wgmma (as bf16 wgmma, fp8 queries).
+enum class ScoreMma { automatic, bf16, bf16_wgmma, fp8, fp8_wgmma };
 bool indexer_wgmma_available();
 void indexer_scores(const IndexerTopkArgs& args, float* scores, ScoreMma mma = ScoreMma::automatic);
 // How select_topk shares a row among CTAs: as it sees fit, or forced (tests, benchmarks): one CTA per row,

@@ -1,6 +1,6 @@
 // Tensor-core primitives: mma.sync m16n8k16 (fp32 accumulate), ldmatrix and
 // cp.async, on every arch from SM80 on; mma.sync m16n8k32 on e4m3 from SM89
-// on; Hopper's warpgroup mma (wgmma) in sm_90a code.
+// on; Hopper's warpgroup mma (wgmma, bf16 or e4m3) in sm_90a code.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -52,46 +52,54 @@ inline bool fp8_mma_available(int compute_capability) { return compute_capabilit
 inline bool fp8_mma_native(int compute_capability) { return compute_capability == 89 || compute_capability / 10 == 12; }
 
 // Hopper's warpgroup mma (sm_90a code only; elsewhere these trap, and callers
-// check wgmma_available first). D (64 x N, fp32) = A (64 x 16, bf16, from the
-// registers of the warpgroup's four warps: warp w holds rows 16w..16w+15 in
-// mma.sync m16n8k16's A layout) * B (16 x N, bf16, in shared memory through
-// descriptor `b`) (+ D); d holds warp w's rows in mma.sync's accumulator
-// layout, 8 columns after 8 columns.
-template <int N>
-__device__ __forceinline__ void wgmma_bf16(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t b, bool accumulate);
-template <>
-__device__ __forceinline__ void wgmma_bf16<32>(float (&d)[16], const uint32_t (&a)[4], uint64_t b, bool accumulate) {
+// check wgmma_available first). D (64 x N, fp32) = A (64 x K) * B (K x N) (+ D):
+// bf16 (K = 16) or e4m3 (K = 32) values; A from the registers of the
+// warpgroup's four warps (warp w holds rows 16w..16w+15 in mma.sync
+// m16n8k16's A layout, m16n8k32's for e4m3), B in shared memory through
+// descriptor `b`; d holds warp w's rows in mma.sync's accumulator layout, 8
+// columns after 8 columns. e4m3 products are summed to about 14 bits, like
+// other tensor cores' fp8 (docs/ops.md).
+enum class WgmmaIn { bf16, e4m3 };
+// One wgmma's asm: `op` the instruction, `immediates` what follows the predicate scale-d (imm-scale-a,
+// imm-scale-b, and for bf16 imm-trans-b).
+#define SMLA_WGMMA_RS_N32(op, immediates)                                                                            \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n" op                                                    \
+               " {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, {%16,%17,%18,%19}, %20, p" immediates   \
+               ";\n}\n"                                                                                          \
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),   \
+                 "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),          \
+                 "+f"(d[15])                                                                                       \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(static_cast<int>(accumulate)))
+#define SMLA_WGMMA_RS_N64(op, immediates)                                                                            \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n" op                                                    \
+               " {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26," \
+               "%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, p" immediates ";\n}\n"                               \
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),   \
+                 "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),          \
+                 "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]),        \
+                 "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]),        \
+                 "+f"(d[29]), "+f"(d[30]), "+f"(d[31])                                                             \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(static_cast<int>(accumulate)))
+template <WgmmaIn kIn, int N>
+__device__ __forceinline__ void wgmma(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t b, bool accumulate) {
+  static_assert(N == 32 || N == 64, "wgmma is there for N 32 and 64");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
-      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, {%16,%17,%18,%19}, %20, p, 1, 1, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
-        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(static_cast<int>(accumulate)));
+  if constexpr (kIn == WgmmaIn::bf16 && N == 32)
+    SMLA_WGMMA_RS_N32("wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16", ", 1, 1, 0");
+  else if constexpr (kIn == WgmmaIn::bf16)
+    SMLA_WGMMA_RS_N64("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16", ", 1, 1, 0");
+  else if constexpr (N == 32)
+    SMLA_WGMMA_RS_N32("wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3", ", 1, 1");
+  else
+    SMLA_WGMMA_RS_N64("wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3", ", 1, 1");
 #else
   __trap();
 #endif
 }
-template <>
-__device__ __forceinline__ void wgmma_bf16<64>(float (&d)[32], const uint32_t (&a)[4], uint64_t b, bool accumulate) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
-      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, p, 1, 1, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
-        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
-        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
-        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(static_cast<int>(accumulate)));
-#else
-  __trap();
-#endif
-}
+#undef SMLA_WGMMA_RS_N32
+#undef SMLA_WGMMA_RS_N64
 
-// B of wgmma_bf16, K-major without swizzle: 8 x 16-byte core matrices, `k_stride` bytes apart along K and
+// B of wgmma, K-major without swizzle: 8 x 16-byte core matrices, `k_stride` bytes apart along K and
 // `n_stride` bytes apart along N (both multiples of 16, the start 16-byte aligned).
 __device__ __forceinline__ uint64_t wgmma_descriptor(const void* smem, uint32_t k_stride, uint32_t n_stride) {
   return uint64_t{(smem_addr(smem) >> 4) & 0x3fffu} | uint64_t{(k_stride >> 4) & 0x3fffu} << 16 |
@@ -116,7 +124,7 @@ __device__ __forceinline__ void fence_shared_for_async_proxy() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 #endif
 }
-// Whether the current device runs wgmma_bf16: a Hopper GPU, and the library built with sm_90a code.
+// Whether the current device runs wgmma: a Hopper GPU, and the library built with sm_90a code.
 inline bool wgmma_available(int compute_capability) {
 #if defined(SMLA_CUDA_SM90A)
   return compute_capability == 90;

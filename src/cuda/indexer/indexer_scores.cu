@@ -8,14 +8,16 @@
 // meets every head there. Each warp gathers and computes its own 16 rows of
 // every tile, so warps never wait for each other. ReLU, the head weights and
 // the sum over heads happen on the accumulators; the key scale is applied to
-// the finished score. On Hopper (sm_90a code), 33-64 heads with fp8 keys go
-// through wgmma instead: the CTA's four warps are one warpgroup whose 64 rows
-// meet all heads at once, the queries read by the tensor cores from shared
-// memory (mma.sync read them there with one instruction per fragment).
+// the finished score. On Hopper (sm_90a code), fp8 keys meet 17-64 heads of
+// fp8 queries, or 33-64 of bf16 ones, through wgmma instead: the CTA's four
+// warps are one warpgroup whose 64 rows meet all heads at once, the queries
+// read by the tensor cores from shared memory (mma.sync read them there with
+// one instruction per fragment).
 //
-// fp8 keys meet fp8 queries as they are where the arch has e4m3 mma (SM89
-// on): half the mma instructions of bf16 and no conversion, but the tensor
-// cores sum a k-step's 32 products to about 13 bits (docs/ops.md).
+// fp8 keys meet fp8 queries as they are where the arch multiplies e4m3
+// natively (mma.sync on SM89 and SM12x, wgmma on Hopper): half the k-steps of
+// bf16 and no conversion, but the tensor cores sum the products to about 13
+// or 14 bits (docs/ops.md).
 // Otherwise keys and queries meet as bf16 (fp32 accumulation, products
 // exact): fp8 keys become bf16 A fragments in registers in three
 // instructions per pair: the e4m3 bits land in a bf16 of value k * 2^-120
@@ -28,6 +30,7 @@
 #include <cuda_fp8.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #include "cuda/common/mma.cuh"
 #include "cuda/common/runtime.h"
@@ -50,10 +53,12 @@ enum class QKind { bf16, f16, fp8 };
 // How keys meet queries in the mma: bf16 keys and queries (m16n8k16);
 // fp8 keys made bf16 in registers, bf16 queries (m16n8k16, or Hopper's
 // wgmma m64nNk16 with the queries in shared memory); fp8 keys and queries as
-// they are (m16n8k32, SM89 on).
-enum class Mma { bf16, bf16_from_fp8, bf16_wgmma, fp8 };
+// they are (m16n8k32, SM89 on, or Hopper's wgmma m64nNk32).
+enum class Mma { bf16, bf16_from_fp8, bf16_wgmma, fp8, fp8_wgmma };
 __host__ __device__ constexpr bool fp8_keys(Mma m) { return m != Mma::bf16; }
-__host__ __device__ constexpr int k_steps(Mma m) { return kDim / (m == Mma::fp8 ? 32 : 16); }  // mma k-steps per key
+__host__ __device__ constexpr bool e4m3_operands(Mma m) { return m == Mma::fp8 || m == Mma::fp8_wgmma; }
+__host__ __device__ constexpr bool uses_wgmma(Mma m) { return m == Mma::bf16_wgmma || m == Mma::fp8_wgmma; }
+__host__ __device__ constexpr int k_steps(Mma m) { return kDim / (e4m3_operands(m) ? 32 : 16); }  // per key
 
 struct ScoreParams {
   const void* q;
@@ -73,26 +78,14 @@ struct ScoreParams {
   int64_t score_stride;
 };
 
-__device__ __forceinline__ float q_value(const ScoreParams& p, int t, int h, int d) {
-  const int64_t i = t * p.q_stride_t + h * p.q_stride_h + d;
-  switch (p.q_kind) {
-    case QKind::bf16: return __bfloat162float(static_cast<const __nv_bfloat16*>(p.q)[i]);
-    case QKind::f16: return __half2float(static_cast<const __half*>(p.q)[i]);
-    default: {
-      const __half_raw h16 = __nv_cvt_fp8_to_halfraw(static_cast<const __nv_fp8_storage_t*>(p.q)[i], __NV_E4M3);
-      return __half2float(__half(h16));
-    }
-  }
-}
-
 // The key dimensions lane (g, c) (g = lane / 4, c = lane % 4) multiplies in
 // k-step j: its A fragment holds dims d0 .. d0 + n - 1 and d1 .. d1 + n - 1
-// of its rows (n = 4 for Mma::fp8, else 2). bf16 keys come through ldmatrix
-// in the mma's own order; fp8 keys are read 4 bytes per k-step (8 for
-// Mma::fp8) from the lane's 32 contiguous bytes.
+// of its rows (n = 4 for e4m3 operands, else 2). bf16 keys come through
+// ldmatrix in the mma's own order; fp8 keys are read 4 bytes per k-step (8
+// for e4m3 operands) from the lane's 32 contiguous bytes.
 template <Mma kMma>
 __device__ __forceinline__ int2 fragment_dims(int j, int c) {
-  if constexpr (kMma == Mma::fp8) return {32 * c + 8 * j, 32 * c + 8 * j + 4};
+  if constexpr (e4m3_operands(kMma)) return {32 * c + 8 * j, 32 * c + 8 * j + 4};
   else if constexpr (kMma != Mma::bf16) return {32 * c + 4 * j, 32 * c + 4 * j + 2};
   else return {16 * j + 2 * c, 16 * j + 8 + 2 * c};
 }
@@ -125,8 +118,74 @@ struct ScoreSmem {
   static constexpr int kRowBytes = (kFp8 ? kDim : 2 * kDim) + 16;
   uint8_t keys[kStages][kTile][kRowBytes];
   float scale[kStages][kTile];  // the key's scale; -1: its block is outside the cache
-  uint2 q[kGroups][kNTiles][k_steps(kMma)][32];  // B fragments, in lane order (Mma::bf16_wgmma: B itself)
+  uint2 q[kGroups][kNTiles][k_steps(kMma)][32];  // B fragments, in lane order (wgmma: B itself)
 };
+
+// The token's queries as the mma's B operand in shared memory (s.q), as 32-bit words: word w holds dims dim and
+// dim + 1 of head h as bf16 (e4m3 operands: the codes of dims dim .. dim + 3), at byte `offset` of s.q.
+struct QueryWord {
+  int h, dim, offset;
+};
+template <int kNTiles, int kGroups, Mma kMma>  // 32 bytes of each head per k-step
+constexpr int kQueryWords = 8 * kNTiles * kGroups * 8 * k_steps(kMma);
+
+template <int kNTiles, int kGroups, Mma kMma>
+__device__ __forceinline__ QueryWord query_word(int w) {
+  constexpr int kSteps = k_steps(kMma);
+  if constexpr (uses_wgmma(kMma)) {
+    // K-major core matrices of 8 heads x 16 bytes: k-step j's block of N * 32 bytes holds, for each 8 heads (256
+    // bytes), their bytes 0-15 of the k-step then 16-31 (128 bytes each). Byte b of a head's k-step is that of
+    // A fragment lane b % 16 / 4, first or second register pair (b / 16): the A fragments' permutation.
+    constexpr int kN = 8 * kNTiles * kGroups;
+    const int h = w / (8 * kSteps), j = w / 8 % kSteps, b = 4 * (w % 8);
+    const int2 d = fragment_dims<kMma>(j, b % 16 / 4);
+    return {h, b / 16 ? d.y : d.x, j * kN * 32 + h / 8 * 256 + b / 16 * 128 + h % 8 * 16 + b % 16};
+  } else {
+    // s.q[grp][n][j][fragment lane]: uint2 fragments, words .x and .y of dims fragment_dims(j, lane % 4).
+    const int e = w / 2, fl = e % 32, j = (e / 32) % kSteps, tile = e / (32 * kSteps);
+    const int2 d = fragment_dims<kMma>(j, fl % 4);
+    return {tile * 8 + fl / 4, w % 2 ? d.y : d.x, 4 * w};
+  }
+}
+
+// Writes the token's B words into s.q. A thread loads all its values of a chunk before it packs any, so the set-up
+// costs a trip to memory per chunk (a value at a time made it a chain of dependent trips: ~6 µs per CTA). Raw: the
+// queries' element bits (uint16_t for bf16 and f16, uint8_t for fp8).
+template <int kNTiles, int kGroups, Mma kMma, QKind kQ>
+__device__ __forceinline__ void stage_queries(const ScoreParams& p, int t, uint8_t* b) {
+  using Raw = std::conditional_t<kQ == QKind::fp8, uint8_t, uint16_t>;
+  constexpr int kWords = kQueryWords<kNTiles, kGroups, kMma>, kValues = e4m3_operands(kMma) ? 4 : 2;
+  constexpr int kChunk = kWords / kScoreThreads < 16 ? kWords / kScoreThreads : 16;
+  static_assert(kWords % (kChunk * kScoreThreads) == 0, "whole chunks");
+  constexpr bool kScaled = kMma == Mma::bf16_from_fp8 || kMma == Mma::bf16_wgmma;
+  const auto value = [](Raw r) {
+    float v;
+    if constexpr (kQ == QKind::bf16) v = __uint_as_float(uint32_t{r} << 16);
+    else if constexpr (kQ == QKind::f16) v = __half2float(__ushort_as_half(r));
+    else v = __half2float(__half(__nv_cvt_fp8_to_halfraw(r, __NV_E4M3)));
+    return kScaled ? v * kFp8QueryScale : v;
+  };
+  const Raw* q = static_cast<const Raw*>(p.q) + t * p.q_stride_t;
+  for (int first = 0; first < kWords; first += kChunk * kScoreThreads) {
+    Raw raw[kChunk][kValues];
+#pragma unroll
+    for (int k = 0; k < kChunk; ++k) {
+      const QueryWord qw = query_word<kNTiles, kGroups, kMma>(first + k * kScoreThreads + threadIdx.x);
+#pragma unroll
+      for (int v = 0; v < kValues; ++v) raw[k][v] = qw.h < p.heads ? q[qw.h * p.q_stride_h + qw.dim + v] : Raw{0};
+    }
+#pragma unroll
+    for (int k = 0; k < kChunk; ++k) {
+      const QueryWord qw = query_word<kNTiles, kGroups, kMma>(first + k * kScoreThreads + threadIdx.x);
+      uint32_t word;
+      if constexpr (e4m3_operands(kMma))  // the codes as they are
+        word = uint32_t{raw[k][0]} | uint32_t{raw[k][1]} << 8 | uint32_t{raw[k][2]} << 16 | uint32_t{raw[k][3]} << 24;
+      else
+        word = pack2<__nv_bfloat16>(value(raw[k][0]), value(raw[k][1]));
+      *reinterpret_cast<uint32_t*>(b + qw.offset) = word;
+    }
+  }
+}
 
 // Heads (kGroups x kNTiles x 8 of them, padded with zeros) are the mma's N.
 // kRuns: every tile is one run of rows of one block, 16-byte aligned (block
@@ -139,7 +198,7 @@ __global__ void __launch_bounds__(kScoreThreads, 4) index_scores_kernel(const Sc
   constexpr bool kFp8 = fp8_keys(kMma), kScaled = kMma == Mma::bf16_from_fp8 || kMma == Mma::bf16_wgmma;
   // wgmma's N: 32 or 64 heads, all at once.
   constexpr int kWgmmaN = 8 * kNTiles * kGroups;
-  static_assert(kMma != Mma::bf16_wgmma || kWgmmaN == 32 || kWgmmaN == 64, "wgmma_bf16 is there for N 32 and 64");
+  static_assert(!uses_wgmma(kMma) || kWgmmaN == 32 || kWgmmaN == 64, "wgmma is there for N 32 and 64");
   extern __shared__ __align__(16) uint8_t smem_raw[];
   auto& s = *reinterpret_cast<Smem*>(smem_raw);
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, c = lane % 4;
@@ -230,40 +289,13 @@ __global__ void __launch_bounds__(kScoreThreads, 4) index_scores_kernel(const Sc
 #pragma unroll
   for (int i = 0; i < kStages - 1; ++i) issue(i);
 
-  const auto q_scaled = [&](int h, int dim) { return q_value(p, t, h, dim) * (kScaled ? kFp8QueryScale : 1.f); };
-  if constexpr (kMma == Mma::bf16_wgmma) {
-    // The token's queries as wgmma's B (dims x heads), K-major core matrices of 8 heads x 8 dims: k-step j's
-    // block of kWgmmaN * 32 bytes holds, for each 8 heads (256 bytes), dims of k-indices 0-7 then 8-15 (128 bytes
-    // each), k-index κ being dim 32 (κ % 8 / 2) + 4 j + 2 (κ / 8) + κ % 2: the A fragments' permutation.
-    auto* b = reinterpret_cast<uint8_t*>(s.q);
-    for (int e = tid; e < kWgmmaN * kDim / 2; e += kScoreThreads) {  // pairs of k-indices κ, κ + 1
-      const int h = e / (kDim / 2), j = e % (kDim / 2) / 8, kappa = 2 * (e % 8);
-      const int dim = 32 * (kappa % 8 / 2) + 4 * j + 2 * (kappa / 8);
-      *reinterpret_cast<uint32_t*>(b + j * kWgmmaN * 32 + h / 8 * 256 + kappa / 8 * 128 + h % 8 * 16 + kappa % 8 * 2) =
-          h < p.heads ? pack2<__nv_bfloat16>(q_scaled(h, dim), q_scaled(h, dim + 1)) : 0u;
-    }
-    fence_shared_for_async_proxy();
-  }
-  // Otherwise the token's queries as B fragments.
-  constexpr int kFragments = kMma == Mma::bf16_wgmma ? 0 : kGroups * kNTiles * kSteps * 32;
-#pragma unroll
-  for (int e = tid; e < kFragments; e += kScoreThreads) {
-    const int fl = e % 32, j = (e / 32) % kSteps, n = (e / (32 * kSteps)) % kNTiles, grp = e / (32 * kSteps * kNTiles);
-    const int h = (grp * kNTiles + n) * 8 + fl / 4;
-    const int2 d = fragment_dims<kMma>(j, fl % 4);
-    uint2 f = {0, 0};
-    if (h < p.heads && kMma == Mma::fp8) {  // the e4m3 codes as they are
-      const auto* q = static_cast<const uint8_t*>(p.q) + t * p.q_stride_t + h * p.q_stride_h;
-      const auto codes = [&](int dim) {
-        return uint32_t{q[dim]} | uint32_t{q[dim + 1]} << 8 | uint32_t{q[dim + 2]} << 16 | uint32_t{q[dim + 3]} << 24;
-      };
-      f = {codes(d.x), codes(d.y)};
-    } else if (h < p.heads) {
-      f.x = pack2<__nv_bfloat16>(q_scaled(h, d.x), q_scaled(h, d.x + 1));
-      f.y = pack2<__nv_bfloat16>(q_scaled(h, d.y), q_scaled(h, d.y + 1));
-    }
-    s.q[grp][n][j][fl] = f;
-  }
+  // The token's queries as the mma's B operand in shared memory (e4m3 operands: fp8 queries).
+  auto* b = reinterpret_cast<uint8_t*>(s.q);
+  if constexpr (e4m3_operands(kMma)) stage_queries<kNTiles, kGroups, kMma, QKind::fp8>(p, t, b);
+  else if (p.q_kind == QKind::fp8) stage_queries<kNTiles, kGroups, kMma, QKind::fp8>(p, t, b);
+  else if (p.q_kind == QKind::bf16) stage_queries<kNTiles, kGroups, kMma, QKind::bf16>(p, t, b);
+  else stage_queries<kNTiles, kGroups, kMma, QKind::f16>(p, t, b);
+  if constexpr (uses_wgmma(kMma)) fence_shared_for_async_proxy();
   // This lane's accumulator columns are heads 8n + 2c and 8n + 2c + 1 of each group.
   float w[kGroups][kNTiles][2];
 #pragma unroll
@@ -279,7 +311,7 @@ __global__ void __launch_bounds__(kScoreThreads, 4) index_scores_kernel(const Sc
                                    : 0.f;
       }
   __syncthreads();
-  constexpr bool kQInRegisters = kGroups == 1 && kMma != Mma::bf16_wgmma;
+  constexpr bool kQInRegisters = kGroups == 1 && !uses_wgmma(kMma);
   uint2 bq[kQInRegisters ? kNTiles : 1][kQInRegisters ? kSteps : 1];
   if constexpr (kQInRegisters) {
 #pragma unroll
@@ -288,7 +320,7 @@ __global__ void __launch_bounds__(kScoreThreads, 4) index_scores_kernel(const Sc
       for (int j = 0; j < kSteps; ++j) bq[n][j] = s.q[0][n][j][lane];
   }
 
-  const uint64_t q_descriptor = wgmma_descriptor(s.q, 128, 256);  // Mma::bf16_wgmma: k-step 0's B
+  const uint64_t q_descriptor = wgmma_descriptor(s.q, 128, 256);  // wgmma: k-step 0's B
 
   for (int i = 0; i < n_tiles; ++i) {
     cp_async_wait<kStages - 2>();
@@ -307,7 +339,7 @@ __global__ void __launch_bounds__(kScoreThreads, 4) index_scores_kernel(const Sc
         const uint32_t wlo[4] = {lo.x, lo.y, lo.z, lo.w}, whi[4] = {hi.x, hi.y, hi.z, hi.w};
 #pragma unroll
         for (int jj = 0; jj < kHalfSteps; ++jj) {
-          if constexpr (kMma == Mma::fp8) {  // rows g, g + 8: 4 codes each of dims fragment_dims(j).x, then .y
+          if constexpr (e4m3_operands(kMma)) {  // rows g, g + 8: 4 codes each of dims fragment_dims(j).x, then .y
             a[jj][0] = wlo[2 * jj];
             a[jj][1] = whi[2 * jj];
             a[jj][2] = wlo[2 * jj + 1];
@@ -331,9 +363,10 @@ __global__ void __launch_bounds__(kScoreThreads, 4) index_scores_kernel(const Sc
       score[0] += wn[0] * fmaxf(acc[0], 0.f) + wn[1] * fmaxf(acc[1], 0.f);
       score[1] += wn[0] * fmaxf(acc[2], 0.f) + wn[1] * fmaxf(acc[3], 0.f);
     };
-    if constexpr (kMma == Mma::bf16_wgmma) {
+    if constexpr (uses_wgmma(kMma)) {
       // The four warps' rows are the warpgroup's 64. The second half's A fragments are made while the tensor
       // cores work on the first (no uninitialised accumulator is read: the first k-step overwrites them).
+      constexpr WgmmaIn kIn = kMma == Mma::fp8_wgmma ? WgmmaIn::e4m3 : WgmmaIn::bf16;
       uint32_t a[2][kHalfSteps][4];
       float acc[kWgmmaN / 2];
 #pragma unroll
@@ -343,7 +376,7 @@ __global__ void __launch_bounds__(kScoreThreads, 4) index_scores_kernel(const Sc
 #pragma unroll
         for (int jj = 0; jj < kHalfSteps; ++jj) {
           const int j = kHalfSteps * half + jj;
-          wgmma_bf16<kWgmmaN>(acc, a[half][jj], q_descriptor + (j * kWgmmaN * 32 >> 4), j > 0);
+          wgmma<kIn, kWgmmaN>(acc, a[half][jj], q_descriptor + (j * kWgmmaN * 32 >> 4), j > 0);
         }
       }
       wgmma_commit_and_wait();
@@ -387,7 +420,7 @@ __global__ void __launch_bounds__(kScoreThreads, 4) index_scores_kernel(const Sc
     if (c < 2) {  // lane c = 0 writes row g, c = 1 row g + 8
       const int row = warp * 16 + g + 8 * c, pos = begin + i * kTile + row;
       const float sc = s.scale[slot][row];
-      if (pos < ctx) p.scores[t * p.score_stride + pos] = sc < 0.f ? -INFINITY : score[c] * sc;
+      if (pos < ctx) p.scores[t * p.score_stride + pos] = sc < 0.f ? -INFINITY : (c == 0 ? score[0] : score[1]) * sc;
     }
   }
 }
@@ -429,9 +462,13 @@ void launch(const ScoreParams& p, Mma mma, int tokens, int64_t capacity, cudaStr
     launch<kNTiles, kGroups, Mma::bf16>(p, tokens, capacity, stream);
   } else if (mma == Mma::fp8) {
     launch<kNTiles, kGroups, Mma::fp8>(p, tokens, capacity, stream);
-  } else if (mma == Mma::bf16_wgmma) {
-    if constexpr (kNTiles == 4 && kGroups <= 2) launch<kNTiles, kGroups, Mma::bf16_wgmma>(p, tokens, capacity, stream);
-    else throw Error(ErrorKind::internal, "indexer_scores: wgmma chosen for a head count it does not take");
+  } else if (uses_wgmma(mma)) {
+    if constexpr (kNTiles == 4 && kGroups <= 2) {
+      if (mma == Mma::fp8_wgmma) launch<kNTiles, kGroups, Mma::fp8_wgmma>(p, tokens, capacity, stream);
+      else launch<kNTiles, kGroups, Mma::bf16_wgmma>(p, tokens, capacity, stream);
+    } else {
+      throw Error(ErrorKind::internal, "indexer_scores: wgmma chosen for a head count it does not take");
+    }
   } else {
     launch<kNTiles, kGroups, Mma::bf16_from_fp8>(p, tokens, capacity, stream);
   }
@@ -467,23 +504,26 @@ void indexer_scores(const IndexerTopkArgs& a, float* scores, ScoreMma mma) {
           "indexer_topk: index_cache: the CUDA backend needs 16-byte aligned data and bf16 rows, 4-byte aligned fp8 blocks");
   const int64_t capacity = index_capacity(a);
   if (tokens == 0 || capacity == 0) return;
-  // e4m3 mma needs fp8 queries too (bf16 ones would be rounded), and pays only where the arch runs it natively.
-  // Otherwise fp8 keys go to bf16, on Hopper to wgmma for 33-64 heads (N = 64; measured on an H200: 128 tokens
-  // x 128K, 64 heads 873 µs against 1059 on mma.sync; with 32 heads, whose queries mma.sync keeps in registers,
-  // wgmma was within run-to-run spread of it, 690-719 against 698-711 µs).
+  // e4m3 operands need fp8 queries too (bf16 ones would be rounded), and pay where the arch multiplies them
+  // natively: mma.sync on SM89 and SM12x, wgmma on Hopper (17-64 heads). Otherwise fp8 keys go to bf16, on Hopper
+  // to wgmma for 33-64 heads (N = 64; measured on an H200: 128 tokens x 128K, 64 heads 873 µs against 1059 on
+  // mma.sync; with 32 heads, whose queries mma.sync keeps in registers, wgmma was within run-to-run spread of it,
+  // 690-719 against 698-711 µs).
   const int cc = current_device().compute_capability;
   const bool fp8_pair = p.cache.fp8 && p.q_kind == QKind::fp8;
   if (mma == ScoreMma::fp8)
     require(fp8_pair && fp8_mma_available(cc),
             "indexer_scores: e4m3 mma needs fp8 queries and keys and a GPU of compute capability 8.9 or more");
   const bool wgmma = p.cache.fp8 && p.heads > 16 && p.heads <= 64 && wgmma_available(cc);
-  if (mma == ScoreMma::bf16_wgmma)
-    require(wgmma, "indexer_scores: wgmma needs an fp8 index cache, 17 to 64 heads and a Hopper GPU (the library "
-                   "built with sm_90a code)");
+  if (mma == ScoreMma::bf16_wgmma || mma == ScoreMma::fp8_wgmma)
+    require(wgmma && (fp8_pair || mma == ScoreMma::bf16_wgmma),
+            "indexer_scores: wgmma needs an fp8 index cache (and for e4m3, fp8 queries), 17 to 64 heads and a Hopper "
+            "GPU (the library built with sm_90a code)");
   const bool automatic = mma == ScoreMma::automatic;
   Mma kind = Mma::bf16_from_fp8;
   if (!p.cache.fp8) kind = Mma::bf16;
   else if (fp8_pair && (mma == ScoreMma::fp8 || (automatic && fp8_mma_native(cc)))) kind = Mma::fp8;
+  else if (mma == ScoreMma::fp8_wgmma || (automatic && fp8_pair && wgmma)) kind = Mma::fp8_wgmma;
   else if (mma == ScoreMma::bf16_wgmma || (automatic && wgmma && p.heads > 32)) kind = Mma::bf16_wgmma;
   const auto stream = static_cast<cudaStream_t>(a.stream);
   // Heads padded to 8, 16 or 32 mma columns held in registers; more heads go
