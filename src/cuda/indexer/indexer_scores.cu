@@ -119,6 +119,7 @@ struct ScoreSmem {
   uint8_t keys[kStages][kTile][kRowBytes];
   float scale[kStages][kTile];  // the key's scale; -1: its block is outside the cache
   uint2 q[kGroups][kNTiles][k_steps(kMma)][32];  // B fragments, in lane order (wgmma: B itself)
+  float head_weight[kGroups * kNTiles * 8];       // weight * query scale (0: padding)
 };
 
 // The token's queries as the mma's B operand in shared memory (s.q), as 32-bit words: word w holds dims dim and
@@ -196,9 +197,7 @@ __global__ void __launch_bounds__(kScoreThreads, 4) index_scores_kernel(const Sc
   using Smem = ScoreSmem<kNTiles, kGroups, kMma>;
   constexpr int kStages = Smem::kStages, kSteps = k_steps(kMma);
   constexpr bool kFp8 = fp8_keys(kMma), kScaled = kMma == Mma::bf16_from_fp8 || kMma == Mma::bf16_wgmma;
-  // wgmma's N: 32 or 64 heads, all at once.
-  constexpr int kWgmmaN = 8 * kNTiles * kGroups;
-  static_assert(!uses_wgmma(kMma) || kWgmmaN == 32 || kWgmmaN == 64, "wgmma is there for N 32 and 64");
+  constexpr int kHeadColumns = 8 * kNTiles * kGroups;  // the mma's N: heads padded (wgmma: 32 or 64, all at once)
   extern __shared__ __align__(16) uint8_t smem_raw[];
   auto& s = *reinterpret_cast<Smem*>(smem_raw);
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, c = lane % 4;
@@ -296,21 +295,20 @@ __global__ void __launch_bounds__(kScoreThreads, 4) index_scores_kernel(const Sc
   else if (p.q_kind == QKind::bf16) stage_queries<kNTiles, kGroups, kMma, QKind::bf16>(p, t, b);
   else stage_queries<kNTiles, kGroups, kMma, QKind::f16>(p, t, b);
   if constexpr (uses_wgmma(kMma)) fence_shared_for_async_proxy();
-  // This lane's accumulator columns are heads 8n + 2c and 8n + 2c + 1 of each group.
-  float w[kGroups][kNTiles][2];
+  // Each head's weight times its query scale, a thread per head (one trip to memory).
+  for (int h = tid; h < kHeadColumns; h += kScoreThreads)
+    s.head_weight[h] = h < p.heads ? p.weights[t * p.w_stride_t + h * p.w_stride_h] *
+                                         (p.q_scale ? p.q_scale[t * p.qs_stride_t + h * p.qs_stride_h] : 1.f) *
+                                         (kScaled ? kFp8WeightScale : 1.f)
+                                   : 0.f;
+  __syncthreads();
+  float w[kGroups][kNTiles][2];  // this lane's accumulator columns: heads 8n + 2c and 8n + 2c + 1 of each group
 #pragma unroll
   for (int grp = 0; grp < kGroups; ++grp)
 #pragma unroll
     for (int n = 0; n < kNTiles; ++n)
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int h = (grp * kNTiles + n) * 8 + 2 * c + r;
-        w[grp][n][r] = h < p.heads ? p.weights[t * p.w_stride_t + h * p.w_stride_h] *
-                                         (p.q_scale ? p.q_scale[t * p.qs_stride_t + h * p.qs_stride_h] : 1.f) *
-                                         (kScaled ? kFp8WeightScale : 1.f)
-                                   : 0.f;
-      }
-  __syncthreads();
+      for (int r = 0; r < 2; ++r) w[grp][n][r] = s.head_weight[(grp * kNTiles + n) * 8 + 2 * c + r];
   constexpr bool kQInRegisters = kGroups == 1 && !uses_wgmma(kMma);
   uint2 bq[kQInRegisters ? kNTiles : 1][kQInRegisters ? kSteps : 1];
   if constexpr (kQInRegisters) {
@@ -368,7 +366,7 @@ __global__ void __launch_bounds__(kScoreThreads, 4) index_scores_kernel(const Sc
       // cores work on the first (no uninitialised accumulator is read: the first k-step overwrites them).
       constexpr WgmmaIn kIn = kMma == Mma::fp8_wgmma ? WgmmaIn::e4m3 : WgmmaIn::bf16;
       uint32_t a[2][kHalfSteps][4];
-      float acc[kWgmmaN / 2];
+      float acc[kHeadColumns / 2];
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         load_a(half, a[half]);
@@ -376,12 +374,12 @@ __global__ void __launch_bounds__(kScoreThreads, 4) index_scores_kernel(const Sc
 #pragma unroll
         for (int jj = 0; jj < kHalfSteps; ++jj) {
           const int j = kHalfSteps * half + jj;
-          wgmma<kIn, kWgmmaN>(acc, a[half][jj], q_descriptor + (j * kWgmmaN * 32 >> 4), j > 0);
+          wgmma<kIn, kHeadColumns>(acc, a[half][jj], q_descriptor + (j * kHeadColumns * 32 >> 4), j > 0);
         }
       }
       wgmma_commit_and_wait();
 #pragma unroll
-      for (int b = 0; b < kWgmmaN / 8; ++b) add_heads(b / kNTiles, b % kNTiles, &acc[4 * b]);
+      for (int b = 0; b < kHeadColumns / 8; ++b) add_heads(b / kNTiles, b % kNTiles, &acc[4 * b]);
     } else {
       // Each A fragment meets the heads of kPassGroups groups before the next is made (more accumulators would
       // spill).
