@@ -30,7 +30,6 @@
 #include <cuda_fp8.h>
 
 #include <algorithm>
-#include <type_traits>
 
 #include "cuda/common/mma.cuh"
 #include "cuda/common/runtime.h"
@@ -64,6 +63,7 @@ struct ScoreParams {
   const void* q;
   QKind q_kind;
   int64_t q_stride_t, q_stride_h;  // elements
+  bool q_aligned;                  // data and strides 16-byte aligned
   const float* q_scale;
   int64_t qs_stride_t, qs_stride_h;
   const float* weights;
@@ -122,68 +122,81 @@ struct ScoreSmem {
   float head_weight[kGroups * kNTiles * 8];       // weight * query scale (0: padding)
 };
 
-// The token's queries as the mma's B operand in shared memory (s.q), as 32-bit words: word w holds dims dim and
-// dim + 1 of head h as bf16 (e4m3 operands: the codes of dims dim .. dim + 3), at byte `offset` of s.q.
-struct QueryWord {
-  int h, dim, offset;
-};
-template <int kNTiles, int kGroups, Mma kMma>  // 32 bytes of each head per k-step
-constexpr int kQueryWords = 8 * kNTiles * kGroups * 8 * k_steps(kMma);
-
+// The token's queries as the mma's B operand in shared memory (s.q), in 32-bit words: the byte offset of the word
+// that holds head h's dims dim and dim + 1 as bf16 (e4m3 operands: the codes of dims dim .. dim + 3; dim a multiple
+// of 2, or 4). Dims go where the A fragments put the keys' (fragment_dims): quad lane c, k-step j, pair `half`.
 template <int kNTiles, int kGroups, Mma kMma>
-__device__ __forceinline__ QueryWord query_word(int w) {
-  constexpr int kSteps = k_steps(kMma);
+__device__ __forceinline__ int query_word_offset(int h, int dim) {
+  constexpr int kSteps = k_steps(kMma), kStepDims = 32 / kSteps;  // permuted: a lane's 32 dims, k-step by k-step
+  const int c = kMma == Mma::bf16 ? dim % 8 / 2 : dim / 32;
+  const int j = kMma == Mma::bf16 ? dim / 16 : dim % 32 / kStepDims;
+  const int half = kMma == Mma::bf16 ? dim % 16 / 8 : dim % kStepDims / (kStepDims / 2);
   if constexpr (uses_wgmma(kMma)) {
     // K-major core matrices of 8 heads x 16 bytes: k-step j's block of N * 32 bytes holds, for each 8 heads (256
-    // bytes), their bytes 0-15 of the k-step then 16-31 (128 bytes each). Byte b of a head's k-step is that of
-    // A fragment lane b % 16 / 4, first or second register pair (b / 16): the A fragments' permutation.
-    constexpr int kN = 8 * kNTiles * kGroups;
-    const int h = w / (8 * kSteps), j = w / 8 % kSteps, b = 4 * (w % 8);
-    const int2 d = fragment_dims<kMma>(j, b % 16 / 4);
-    return {h, b / 16 ? d.y : d.x, j * kN * 32 + h / 8 * 256 + b / 16 * 128 + h % 8 * 16 + b % 16};
+    // bytes), their bytes of the first register pairs then of the second (128 bytes each).
+    return j * (8 * kNTiles * kGroups) * 32 + h / 8 * 256 + half * 128 + h % 8 * 16 + 4 * c;
   } else {
-    // s.q[grp][n][j][fragment lane]: uint2 fragments, words .x and .y of dims fragment_dims(j, lane % 4).
-    const int e = w / 2, fl = e % 32, j = (e / 32) % kSteps, tile = e / (32 * kSteps);
-    const int2 d = fragment_dims<kMma>(j, fl % 4);
-    return {tile * 8 + fl / 4, w % 2 ? d.y : d.x, 4 * w};
+    // s.q[grp][n][j][quad lane]: uint2 fragments of 8 heads (grp * kNTiles + n = h / 8), .x then .y.
+    return 8 * (4 * (h % 8) + c + 32 * (j + kSteps * (h / 8))) + 4 * half;
   }
 }
 
-// Writes the token's B words into s.q. A thread loads all its values of a chunk before it packs any, so the set-up
-// costs a trip to memory per chunk (a value at a time made it a chain of dependent trips: ~6 µs per CTA). Raw: the
-// queries' element bits (uint16_t for bf16 and f16, uint8_t for fp8).
+// 16 bytes of query values: one load where the rows are 16-byte aligned, else value by value (elements of kElem bytes).
+template <int kElem>
+__device__ __forceinline__ uint4 load_query_piece(const uint8_t* from, bool aligned) {
+  if (aligned) return *reinterpret_cast<const uint4*>(from);
+  uint32_t w[4] = {};
+#pragma unroll
+  for (int i = 0; i < 16; i += kElem)
+    w[i / 4] |= (kElem == 1 ? uint32_t{from[i]} : uint32_t{*reinterpret_cast<const uint16_t*>(from + i)}) << 8 * (i % 4);
+  return {w[0], w[1], w[2], w[3]};
+}
+
+// Writes the token's queries into s.q: 16-byte pieces of its rows, all of a thread's chunk loaded before any is
+// converted (a trip to memory per chunk; a value at a time made the set-up a chain of trips, ~6 µs per CTA, and
+// per-value loads of one row by every CTA crowd its L2 lines).
 template <int kNTiles, int kGroups, Mma kMma, QKind kQ>
 __device__ __forceinline__ void stage_queries(const ScoreParams& p, int t, uint8_t* b) {
-  using Raw = std::conditional_t<kQ == QKind::fp8, uint8_t, uint16_t>;
-  constexpr int kWords = kQueryWords<kNTiles, kGroups, kMma>, kValues = e4m3_operands(kMma) ? 4 : 2;
-  constexpr int kChunk = kWords / kScoreThreads < 16 ? kWords / kScoreThreads : 16;
-  static_assert(kWords % (kChunk * kScoreThreads) == 0, "whole chunks");
+  constexpr int kElem = kQ == QKind::fp8 ? 1 : 2, kPieceValues = 16 / kElem, kPiecesPerHead = kDim / kPieceValues;
+  constexpr int kPieces = 8 * kNTiles * kGroups * kPiecesPerHead, kPerThread = kPieces / kScoreThreads;
+  constexpr int kChunk = kPerThread < 1 ? 1 : kPerThread < 4 ? kPerThread : 4;
   constexpr bool kScaled = kMma == Mma::bf16_from_fp8 || kMma == Mma::bf16_wgmma;
-  const auto value = [](Raw r) {
+  const auto value = [](const uint32_t(&in)[4], int i) {  // value i of a piece
     float v;
-    if constexpr (kQ == QKind::bf16) v = __uint_as_float(uint32_t{r} << 16);
-    else if constexpr (kQ == QKind::f16) v = __half2float(__ushort_as_half(r));
-    else v = __half2float(__half(__nv_cvt_fp8_to_halfraw(r, __NV_E4M3)));
+    if constexpr (kQ == QKind::fp8)
+      v = __half2float(__half(__nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(in[i / 4] >> 8 * (i % 4)),
+                                                      __NV_E4M3)));
+    else if constexpr (kQ == QKind::bf16) v = __uint_as_float(in[i / 2] >> 16 * (i % 2) << 16);
+    else v = __half2float(__ushort_as_half(static_cast<uint16_t>(in[i / 2] >> 16 * (i % 2))));
     return kScaled ? v * kFp8QueryScale : v;
   };
-  const Raw* q = static_cast<const Raw*>(p.q) + t * p.q_stride_t;
-  for (int first = 0; first < kWords; first += kChunk * kScoreThreads) {
-    Raw raw[kChunk][kValues];
+  const uint8_t* q = static_cast<const uint8_t*>(p.q) + t * p.q_stride_t * kElem;
+  for (int first = 0; first < kPieces; first += kChunk * kScoreThreads) {
+    uint4 raw[kChunk];
 #pragma unroll
     for (int k = 0; k < kChunk; ++k) {
-      const QueryWord qw = query_word<kNTiles, kGroups, kMma>(first + k * kScoreThreads + threadIdx.x);
-#pragma unroll
-      for (int v = 0; v < kValues; ++v) raw[k][v] = qw.h < p.heads ? q[qw.h * p.q_stride_h + qw.dim + v] : Raw{0};
+      const int piece = first + k * kScoreThreads + threadIdx.x, h = piece / kPiecesPerHead;
+      const int dim = piece % kPiecesPerHead * kPieceValues;
+      raw[k] = piece < kPieces && h < p.heads
+                   ? load_query_piece<kElem>(q + (h * p.q_stride_h + dim) * kElem, p.q_aligned)
+                   : uint4{0, 0, 0, 0};  // padding heads
     }
 #pragma unroll
     for (int k = 0; k < kChunk; ++k) {
-      const QueryWord qw = query_word<kNTiles, kGroups, kMma>(first + k * kScoreThreads + threadIdx.x);
-      uint32_t word;
-      if constexpr (e4m3_operands(kMma))  // the codes as they are
-        word = uint32_t{raw[k][0]} | uint32_t{raw[k][1]} << 8 | uint32_t{raw[k][2]} << 16 | uint32_t{raw[k][3]} << 24;
-      else
-        word = pack2<__nv_bfloat16>(value(raw[k][0]), value(raw[k][1]));
-      *reinterpret_cast<uint32_t*>(b + qw.offset) = word;
+      const int piece = first + k * kScoreThreads + threadIdx.x, h = piece / kPiecesPerHead;
+      const int dim = piece % kPiecesPerHead * kPieceValues;
+      if (piece >= kPieces) continue;
+      const uint32_t in[4] = {raw[k].x, raw[k].y, raw[k].z, raw[k].w};
+      if constexpr (e4m3_operands(kMma)) {  // the codes as they are, 4 dims a word
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          *reinterpret_cast<uint32_t*>(b + query_word_offset<kNTiles, kGroups, kMma>(h, dim + 4 * i)) = in[i];
+      } else {
+#pragma unroll
+        for (int i = 0; i < kPieceValues; i += 2)
+          *reinterpret_cast<uint32_t*>(b + query_word_offset<kNTiles, kGroups, kMma>(h, dim + i)) =
+              pack2<__nv_bfloat16>(value(in, i), value(in, i + 1));
+      }
     }
   }
 }
@@ -483,6 +496,9 @@ void indexer_scores(const IndexerTopkArgs& a, float* scores, ScoreMma mma) {
   p.q_kind = a.q.dtype == DType::bf16 ? QKind::bf16 : a.q.dtype == DType::f16 ? QKind::f16 : QKind::fp8;
   p.q_stride_t = a.q.stride(0);
   p.q_stride_h = a.q.stride(1);
+  const int64_t q_elem = a.q.dtype == DType::fp8_e4m3 ? 1 : 2;
+  p.q_aligned = reinterpret_cast<uintptr_t>(p.q) % 16 == 0 && p.q_stride_t * q_elem % 16 == 0 &&
+                p.q_stride_h * q_elem % 16 == 0;
   p.q_scale = a.q_scale.defined() ? a.q_scale.ptr<float>() : nullptr;
   p.qs_stride_t = a.q_scale.defined() ? a.q_scale.stride(0) : 0;
   p.qs_stride_h = a.q_scale.defined() ? a.q_scale.stride(1) : 0;
