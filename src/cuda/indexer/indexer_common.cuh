@@ -36,10 +36,9 @@ struct IndexRows {
   __device__ __forceinline__ int32_t request(int t) const { return request_ids[t * req_stride]; }
   // Positions token t may see: its context clamped to the table, 0 when its request id is out of range.
   __device__ __forceinline__ int64_t visible(int t) const {
-    const int32_t req = request(t);
-    const int64_t ctx = context_lens[t * ctx_stride];  // loaded with the request id: one trip to memory, not two
-    if (req < 0 || req >= num_requests) return 0;
-    return ctx < 0 ? 0 : (ctx < capacity ? ctx : capacity);
+    const int32_t req = request(t), ctx = context_lens[t * ctx_stride];  // one trip to memory, not two
+    if (req < 0 || req >= num_requests || ctx < 0) return 0;
+    return ctx < capacity ? ctx : capacity;
   }
 };
 
