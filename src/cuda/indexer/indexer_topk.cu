@@ -16,10 +16,11 @@
 // Long rows of tokens too few to fill the GPU with one CTA each share steps
 // 1-2 among CTAs that each take a slice of the row. On SM90+ the CTAs (ranks)
 // of a thread block cluster share it through distributed shared memory: each
-// builds its slice's histogram, each sums all of them (so every rank finds
-// the same bin), each compacts its slice into its own shared memory, and
-// rank 0 gathers the lists in slice order (so in position order) and goes on
-// alone with steps 3-4. Below SM90 (no clusters) three more kernels pass
+// builds its slice's histogram, each sums a share of the bins over all of
+// them and hands the sums to all (so every rank finds the same bin), each
+// compacts its slice into its own shared memory and pushes the lists into
+// rank 0's after those of the ranks before it (so in position order); rank 0
+// goes on alone with steps 3-4. Below SM90 (no clusters) three more kernels pass
 // through global memory: one writes each slice's histogram; a second (one CTA
 // per token) sums them, finds the bin and gives each slice its offsets in the
 // token's lists; a third compacts each slice there; the per-token CTA then
@@ -44,6 +45,7 @@ constexpr int kThreads = 512;
 constexpr int kCoarseBins = 4096;                // 12 bits of the fp16-rounded score
 constexpr int kFineCopies = 8, kFineBins = 257;  // 8-bit radix digits; 8 copies (thread % 8) cut same-address atomics
 constexpr int kRun = 16;                         // consecutive positions per thread per compaction chunk
+constexpr int kFewCopies = 2;                    // of a run's, read again rather than tested in registers
 static_assert(kFineCopies * kFineBins <= kCoarseBins, "the fine histograms reuse the coarse one's memory");
 
 using Scan = cub::BlockScan<int, kThreads>;
@@ -129,6 +131,7 @@ struct RowSource {
   int count, first = 0;
   using Item = float;
   using Fetched = float4[kRun / 4];
+  __device__ __forceinline__ float item(int i) const { return row[first + i]; }
   __device__ __forceinline__ void fetch(int i0, Fetched& v) const {
     if (i0 + kRun <= count) {
 #pragma unroll
@@ -149,7 +152,6 @@ struct RowSource {
       for (int j = 0; j < kRun; ++j) x[j] = i0 + j < count ? row[first + i0 + j] : 0.f;
     }
   }
-  __device__ __forceinline__ float item(int i) const { return row[first + i]; }
   __device__ __forceinline__ Entry entry(int i, float v) const { return {order_key(v), first + i}; }
 };
 
@@ -159,12 +161,12 @@ struct ListSource {
   int count;
   using Item = Entry;
   struct Fetched {};
+  __device__ __forceinline__ Entry item(int i) const { return list[i]; }
   __device__ __forceinline__ void fetch(int, Fetched&) const {}
   __device__ __forceinline__ void load(int i0, const Fetched&, Entry (&x)[kRun]) const {
 #pragma unroll
     for (int j = 0; j < kRun; ++j) x[j] = i0 + j < count ? list[i0 + j] : Entry{0, -1};
   }
-  __device__ __forceinline__ Entry item(int i) const { return list[i]; }
   __device__ __forceinline__ Entry entry(int, const Entry& e) const { return e; }
 };
 
@@ -217,15 +219,26 @@ __device__ int2 compact(const Source& src, Classify classify, Entry* first, Entr
       before += w < warp ? t : 0;
     }
     int at1 = first_base + (before & 0xffff), at2 = second_base + (before >> 16);
-    // Few items are copied: each is read again (a cache hit) rather than every one tested in registers.
-    for (uint32_t copied = ones | twos; copied != 0; copied &= copied - 1) {
-      const int j = __ffs(copied) - 1, i = base + mine + j;
-      const Entry e = src.entry(i, src.item(i));
+    // A run with few items to copy reads them again (a cache hit each, one after the other); one with more copies
+    // them from the registers (testing every item costs less than a chain of trips to memory).
+    const auto copy = [&](int j, const typename Source::Item& v) {
+      const Entry e = src.entry(base + mine + j, v);
       if ((ones >> j) & 1) {
         first[at1++] = e;
       } else {
         if (at2 < second_limit) second[at2] = e;
         ++at2;
+      }
+    };
+    const uint32_t copied = ones | twos;
+    if (__popc(copied) > kFewCopies) {
+#pragma unroll
+      for (int j = 0; j < kRun; ++j)
+        if ((copied >> j) & 1) copy(j, x[j]);
+    } else {
+      for (uint32_t left = copied; left != 0; left &= left - 1) {
+        const int j = __ffs(left) - 1;
+        copy(j, src.item(base + mine + j));
       }
     }
     first_base += total & 0xffff;
@@ -454,19 +467,18 @@ __global__ void __launch_bounds__(kThreads) topk_kernel(const TopkParams p) {
     const int* total = hist;
     if (p.ranks > 1) {
       cluster_sync();  // every rank's histogram is complete
-      // The sum of all ranks' histograms, in the list's memory (unused until step 2).
-      constexpr int kPer = kCoarseBins / kThreads;
-      int sum[kPer] = {};
-      for (int r = 0; r < p.ranks; ++r) {
-        const int* h = rank_shared(hist, r);
-#pragma unroll
-        for (int j = 0; j < kPer; ++j) sum[j] += h[j * kThreads + threadIdx.x];
-      }
+      // The sum of all ranks' histograms, into every rank's list memory (unused until step 2): each rank sums
+      // its share of the bins over the ranks and writes the sums to all of them (an eighth of the traffic of
+      // every rank reading every histogram).
       int* summed = reinterpret_cast<int*>(list);
-#pragma unroll
-      for (int j = 0; j < kPer; ++j) summed[j * kThreads + threadIdx.x] = sum[j];
+      const int share = (kCoarseBins + p.ranks - 1) / p.ranks;
+      for (int b = rank * share + threadIdx.x; b < min((rank + 1) * share, kCoarseBins); b += kThreads) {
+        int sum = 0;
+        for (int r = 0; r < p.ranks; ++r) sum += rank_shared(hist, r)[b];
+        for (int r = 0; r < p.ranks; ++r) rank_shared(summed, r)[b] = sum;
+      }
       total = summed;
-      cluster_sync();  // no rank may rewrite or leave its hist while another reads it
+      cluster_sync();  // every share delivered; no rank rewrites or leaves its hist while another reads it
     } else {
       __syncthreads();
     }
@@ -493,21 +505,20 @@ __global__ void __launch_bounds__(kThreads) topk_kernel(const TopkParams p) {
           counts[0] = wrote.x;
           counts[1] = wrote.y;
         }
-        cluster_sync();
-        if (rank == 0) {  // the other slices' lists after its own, in slice order: position order
-          int selected = wrote.x, candidates_before = wrote.y;
-          for (int r = 1; r < p.ranks; ++r) {
-            const int* their_counts = rank_shared(counts, r);
-            const Entry* theirs = rank_shared(list, r);
-            const int their_selected = their_counts[0], their_candidates = their_counts[1];
-            for (int i = threadIdx.x; i < their_selected; i += kThreads) list[selected + i] = theirs[i];
-            for (int i = threadIdx.x; i < their_candidates; i += kThreads)
-              candidates[candidates_before + i] = theirs[above + i];
-            selected += their_selected;
-            candidates_before += their_candidates;
-          }
+        cluster_sync();  // every rank's counts are known
+        // Each rank pushes its lists into rank 0's after those of the ranks before it: position order.
+        int selected_before = 0, candidates_before = 0;
+        for (int r = 0; r < rank; ++r) {
+          const int* their_counts = rank_shared(counts, r);
+          selected_before += their_counts[0];
+          candidates_before += their_counts[1];
         }
-        cluster_sync();  // no rank may leave while rank 0 reads its shared memory
+        if (rank > 0) {
+          Entry* to = rank_shared(list, 0);
+          for (int i = threadIdx.x; i < wrote.x; i += kThreads) to[selected_before + i] = list[i];
+          for (int i = threadIdx.x; i < wrote.y; i += kThreads) to[above + candidates_before + i] = candidates[i];
+        }
+        cluster_sync();  // rank 0 has every list
         if (rank != 0) return;
       }
     }
