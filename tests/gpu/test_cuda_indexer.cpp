@@ -304,6 +304,41 @@ TEST(CudaIndexer, WgmmaScoresEqualMmaSyncOnLongRows) {
   }
 }
 
+// Queries whose rows are not 16-byte aligned (a head stride of 136 values: 272 bytes of bf16, 136 of fp8) are
+// staged value by value instead of in 16-byte loads: the scores must be those of the same queries stored densely,
+// bit for bit, on every path (mma.sync, e4m3 or bf16 wgmma on Hopper). The padding between rows is NaN.
+TEST(CudaIndexer, StridedQueriesScoreAsDenseOnes) {
+  for (DType q_dtype : {DType::bf16, DType::fp8_e4m3})
+    for (int heads : {32, 64}) {
+      SCOPED_TRACE(std::string(dtype_name(q_dtype)) + " heads " + std::to_string(heads));
+      IndexProblem pr;
+      pr.q_dtype = q_dtype;
+      pr.cache_dtype = DType::fp8_e4m3;
+      pr.heads = heads;
+      pr.block_size = 64;
+      IndexData d(pr, 70 + heads);
+      std::vector<int32_t> unused;
+      IndexInputsOnGpu on(d, d.args(unused));
+      constexpr int kStride = kIndexHeadDim + 8;
+      const size_t elem = dtype_size(q_dtype), row_bytes = kIndexHeadDim * elem;
+      std::vector<uint8_t> strided(static_cast<size_t>(pr.tokens) * heads * kStride * elem, 0xff);
+      for (int64_t r = 0; r < int64_t{pr.tokens} * heads; ++r)
+        std::memcpy(strided.data() + r * kStride * elem, d.q.data() + r * row_bytes, row_bytes);
+      DeviceBuffer q(strided);
+      IndexerTopkArgs sa = on.args;
+      sa.q = TensorView(q.ptr, {pr.tokens, heads, kIndexHeadDim}, {int64_t{heads} * kStride, kStride, 1}, q_dtype,
+                        on.args.q.device);
+      const size_t floats = static_cast<size_t>(pr.tokens) * cuda::score_row_stride(on.args);
+      DeviceBuffer dense_scores(std::vector<float>(floats, NAN)), strided_scores(std::vector<float>(floats, NAN));
+      cuda::indexer_scores(on.args, static_cast<float*>(dense_scores.ptr));
+      cuda::indexer_scores(sa, static_cast<float*>(strided_scores.ptr));
+      CUDA_OK(cudaDeviceSynchronize());
+      const std::vector<float> want = dense_scores.download<float>(), got = strided_scores.download<float>();
+      ASSERT_EQ(std::memcmp(want.data(), got.data(), floats * sizeof(float)), 0);
+      EXPECT_GT(std::count_if(want.begin(), want.end(), [](float v) { return v > 0.f; }), 0);
+    }
+}
+
 // e4m3 operands are fp8 queries and fp8 keys, nothing else: forced on bf16 queries, mma.sync and wgmma are refused.
 TEST(CudaIndexer, Fp8MmaNeedsFp8QueriesAndKeys) {
   IndexProblem pr;
