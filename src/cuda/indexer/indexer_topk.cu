@@ -423,8 +423,10 @@ __global__ void __launch_bounds__(kThreads, 2) slice_compact_kernel(const TopkPa
       row, list + selected_before, list + kMaxIndexerTopk + candidates_before, row.in_bin - candidates_before, totals);
 }
 
+// One CTA per SM (its list takes the shared memory), told to ptxas so that it does not cap the registers lower
+// (for SM120 it chose 64 and spilled).
 template <int kSortItems>
-__global__ void __launch_bounds__(kThreads) topk_kernel(const TopkParams p) {
+__global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
   using Sort = cub::BlockRadixSort<uint32_t, kThreads, kSortItems, int32_t>;
   // The entry list, and once the chosen entries are in registers, the sort's scratch.
   extern __shared__ __align__(16) uint8_t smem_raw[];
