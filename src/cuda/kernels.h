@@ -24,6 +24,9 @@ int64_t score_row_stride(const IndexerTopkArgs& args);  // index_capacity rounde
 // e4m3 wgmma (as bf16 wgmma, fp8 queries).
 enum class ScoreMma { automatic, bf16, bf16_wgmma, fp8, fp8_wgmma };
 bool indexer_wgmma_available();
+// What `mma` comes to for these args on the current device (automatic resolved; bf16 keys and fp8 keys converted
+// for mma.sync are both `bf16`); a forced kind they cannot take is an error, as in indexer_scores.
+ScoreMma resolve_score_mma(const IndexerTopkArgs& args, ScoreMma mma = ScoreMma::automatic);
 void indexer_scores(const IndexerTopkArgs& args, float* scores, ScoreMma mma = ScoreMma::automatic);
 // How select_topk shares a row among CTAs: as it sees fit, or forced (tests, benchmarks): one CTA per row,
 // slices of the row in more kernels passing through global memory, or the CTAs of a thread block cluster (SM90+).

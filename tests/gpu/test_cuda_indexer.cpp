@@ -204,10 +204,11 @@ TEST(CudaIndexer, TopkMatchesCpu) {
 // bf16 (exact products, fp32 sums; mma.sync, and wgmma on Hopper for 17-64
 // heads), 2e-3 through e4m3 operands (mma.sync: SM89 and SM12x sum a
 // k-step's products to about 13 bits, SM90 emulates it exactly; wgmma on
-// Hopper) and as the kernel picks (it may pick those). Positions past each
+// Hopper; automatic is held to what it resolves to). Positions past each
 // token's context keep the sentinel. The first case has enough tokens that
-// CTAs take 64 tiles each on an H200 (two chunks of block lookups). The
-// worst error of each way is printed.
+// CTAs take 64 tiles each on an H200 (two chunks of block lookups); 20 and 40
+// heads leave padding columns in wgmma's N. The worst error of each way is
+// printed.
 TEST(CudaIndexer, ScoresOfEachMmaMatchFloat64) {
   int device = 0, major = 0, minor = 0;
   CUDA_OK(cudaGetDevice(&device));
@@ -222,6 +223,7 @@ TEST(CudaIndexer, ScoresOfEachMmaMatchFloat64) {
   std::map<cuda::ScoreMma, double> worst;  // error / the row's largest score
   for (int heads : {8, 32, 64, 128})
     for (int bs : {16, 64}) cases.push_back({heads, bs, 1100 / bs, 5});
+  for (int heads : {20, 40}) cases.push_back({heads, 64, 17, 5});
   uint64_t seed = 80;
   for (const Case& c : cases) {
     IndexProblem pr;
@@ -247,7 +249,8 @@ TEST(CudaIndexer, ScoresOfEachMmaMatchFloat64) {
       cuda::indexer_scores(on.args, static_cast<float*>(scores.ptr), mma);
       CUDA_OK(cudaDeviceSynchronize());
       const std::vector<float> got = scores.download<float>();
-      const bool exact_products = mma == cuda::ScoreMma::bf16 || mma == cuda::ScoreMma::bf16_wgmma;
+      const cuda::ScoreMma used = cuda::resolve_score_mma(on.args, mma);
+      const bool exact_products = used == cuda::ScoreMma::bf16 || used == cuda::ScoreMma::bf16_wgmma;
       const double tol = exact_products ? 1e-5 : 2e-3;
       for (int t = 0; t < pr.tokens; ++t) {
         const std::vector<double> want = reference::ref_indexer_scores(a, t);
@@ -304,7 +307,7 @@ TEST(CudaIndexer, WgmmaScoresEqualMmaSyncOnLongRows) {
   }
 }
 
-// Queries whose rows are not 16-byte aligned (a head stride of 136 values: 272 bytes of bf16, 136 of fp8) are
+// Queries whose rows are not 16-byte aligned (a head stride of 132 values: 264 bytes of bf16, 132 of fp8) are
 // staged value by value instead of in 16-byte loads: the scores must be those of the same queries stored densely,
 // bit for bit, on every path (mma.sync, e4m3 or bf16 wgmma on Hopper). The padding between rows is NaN.
 TEST(CudaIndexer, StridedQueriesScoreAsDenseOnes) {
@@ -319,7 +322,7 @@ TEST(CudaIndexer, StridedQueriesScoreAsDenseOnes) {
       IndexData d(pr, 70 + heads);
       std::vector<int32_t> unused;
       IndexInputsOnGpu on(d, d.args(unused));
-      constexpr int kStride = kIndexHeadDim + 8;
+      constexpr int kStride = kIndexHeadDim + 4;
       const size_t elem = dtype_size(q_dtype), row_bytes = kIndexHeadDim * elem;
       std::vector<uint8_t> strided(static_cast<size_t>(pr.tokens) * heads * kStride * elem, 0xff);
       for (int64_t r = 0; r < int64_t{pr.tokens} * heads; ++r)
@@ -349,9 +352,11 @@ TEST(CudaIndexer, Fp8MmaNeedsFp8QueriesAndKeys) {
   DeviceBuffer scores(static_cast<size_t>(pr.tokens) * cuda::score_row_stride(on.args) * sizeof(float));
   test::expect_error([&] { cuda::indexer_scores(on.args, static_cast<float*>(scores.ptr), cuda::ScoreMma::fp8); },
                      ErrorKind::invalid_argument, {"e4m3 mma needs fp8 queries and keys"});
+  // Where wgmma runs (32 heads, fp8 keys, Hopper) it is the queries that are refused.
   test::expect_error(
       [&] { cuda::indexer_scores(on.args, static_cast<float*>(scores.ptr), cuda::ScoreMma::fp8_wgmma); },
-      ErrorKind::invalid_argument, {"wgmma needs", "for e4m3, fp8 queries"});
+      ErrorKind::invalid_argument,
+      {cuda::indexer_wgmma_available() ? "e4m3 wgmma needs fp8 queries, got bfloat16" : "wgmma needs an fp8 index cache"});
 }
 
 TEST(CudaIndexer, LongContextTopk2048) {

@@ -485,7 +485,42 @@ void launch(const ScoreParams& p, Mma mma, int tokens, int64_t capacity, cudaStr
   }
 }
 
+// How the kernel multiplies for these args on the current device: `mma` if forced (checked), else as it sees fit.
+// e4m3 operands need fp8 queries too (bf16 ones would be rounded), and pay where the arch multiplies them natively:
+// mma.sync on SM89 and SM12x, wgmma on Hopper (17-64 heads). Otherwise fp8 keys go to bf16, on Hopper to wgmma for
+// 33-64 heads (N = 64; measured on an H200: 128 tokens x 128K, 64 heads 873 µs against 1059 on mma.sync; with 32
+// heads, whose queries mma.sync keeps in registers, wgmma was within run-to-run spread of it, 690-719 against
+// 698-711 µs).
+Mma pick_mma(const IndexerTopkArgs& a, ScoreMma mma) {
+  const int cc = current_device().compute_capability, heads = static_cast<int>(a.q.size(1));
+  const bool fp8_keys = a.index_cache.dtype == DType::fp8_e4m3, fp8_pair = fp8_keys && a.q.dtype == DType::fp8_e4m3;
+  if (mma == ScoreMma::fp8)
+    require(fp8_pair && fp8_mma_available(cc),
+            "indexer_scores: e4m3 mma needs fp8 queries and keys and a GPU of compute capability 8.9 or more");
+  const bool wgmma = fp8_keys && heads > 16 && heads <= 64 && wgmma_available(cc);
+  if (mma == ScoreMma::bf16_wgmma || mma == ScoreMma::fp8_wgmma)
+    require(wgmma, "indexer_scores: wgmma needs an fp8 index cache, 17 to 64 heads and a Hopper GPU (the library "
+                   "built with sm_90a code)");
+  if (mma == ScoreMma::fp8_wgmma)
+    require(fp8_pair, "indexer_scores: e4m3 wgmma needs fp8 queries, got " + std::string(dtype_name(a.q.dtype)));
+  const bool automatic = mma == ScoreMma::automatic;
+  if (!fp8_keys) return Mma::bf16;
+  if (fp8_pair && (mma == ScoreMma::fp8 || (automatic && fp8_mma_native(cc)))) return Mma::fp8;
+  if (mma == ScoreMma::fp8_wgmma || (automatic && fp8_pair && wgmma)) return Mma::fp8_wgmma;
+  if (mma == ScoreMma::bf16_wgmma || (automatic && wgmma && heads > 32)) return Mma::bf16_wgmma;
+  return Mma::bf16_from_fp8;
+}
+
 }  // namespace
+
+ScoreMma resolve_score_mma(const IndexerTopkArgs& args, ScoreMma mma) {
+  switch (pick_mma(args, mma)) {
+    case Mma::bf16_wgmma: return ScoreMma::bf16_wgmma;
+    case Mma::fp8: return ScoreMma::fp8;
+    case Mma::fp8_wgmma: return ScoreMma::fp8_wgmma;
+    default: return ScoreMma::bf16;
+  }
+}
 
 bool indexer_wgmma_available() { return wgmma_available(current_device().compute_capability); }
 
@@ -518,27 +553,7 @@ void indexer_scores(const IndexerTopkArgs& a, float* scores, ScoreMma mma) {
           "indexer_topk: index_cache: the CUDA backend needs 16-byte aligned data and bf16 rows, 4-byte aligned fp8 blocks");
   const int64_t capacity = index_capacity(a);
   if (tokens == 0 || capacity == 0) return;
-  // e4m3 operands need fp8 queries too (bf16 ones would be rounded), and pay where the arch multiplies them
-  // natively: mma.sync on SM89 and SM12x, wgmma on Hopper (17-64 heads). Otherwise fp8 keys go to bf16, on Hopper
-  // to wgmma for 33-64 heads (N = 64; measured on an H200: 128 tokens x 128K, 64 heads 873 µs against 1059 on
-  // mma.sync; with 32 heads, whose queries mma.sync keeps in registers, wgmma was within run-to-run spread of it,
-  // 690-719 against 698-711 µs).
-  const int cc = current_device().compute_capability;
-  const bool fp8_pair = p.cache.fp8 && p.q_kind == QKind::fp8;
-  if (mma == ScoreMma::fp8)
-    require(fp8_pair && fp8_mma_available(cc),
-            "indexer_scores: e4m3 mma needs fp8 queries and keys and a GPU of compute capability 8.9 or more");
-  const bool wgmma = p.cache.fp8 && p.heads > 16 && p.heads <= 64 && wgmma_available(cc);
-  if (mma == ScoreMma::bf16_wgmma || mma == ScoreMma::fp8_wgmma)
-    require(wgmma && (fp8_pair || mma == ScoreMma::bf16_wgmma),
-            "indexer_scores: wgmma needs an fp8 index cache (and for e4m3, fp8 queries), 17 to 64 heads and a Hopper "
-            "GPU (the library built with sm_90a code)");
-  const bool automatic = mma == ScoreMma::automatic;
-  Mma kind = Mma::bf16_from_fp8;
-  if (!p.cache.fp8) kind = Mma::bf16;
-  else if (fp8_pair && (mma == ScoreMma::fp8 || (automatic && fp8_mma_native(cc)))) kind = Mma::fp8;
-  else if (mma == ScoreMma::fp8_wgmma || (automatic && fp8_pair && wgmma)) kind = Mma::fp8_wgmma;
-  else if (mma == ScoreMma::bf16_wgmma || (automatic && wgmma && p.heads > 32)) kind = Mma::bf16_wgmma;
+  const Mma kind = pick_mma(a, mma);
   const auto stream = static_cast<cudaStream_t>(a.stream);
   // Heads padded to 8, 16 or 32 mma columns held in registers; more heads go
   // in groups of 32 whose fragments are read from shared memory (64 heads in
