@@ -57,6 +57,10 @@ enum class Mma { bf16, bf16_from_fp8, bf16_wgmma, fp8, fp8_wgmma };
 __host__ __device__ constexpr bool fp8_keys(Mma m) { return m != Mma::bf16; }
 __host__ __device__ constexpr bool e4m3_operands(Mma m) { return m == Mma::fp8 || m == Mma::fp8_wgmma; }
 __host__ __device__ constexpr bool uses_wgmma(Mma m) { return m == Mma::bf16_wgmma || m == Mma::fp8_wgmma; }
+// fp8 keys converted to bf16 carry 2^-120 (made up on the queries and the head weights).
+__host__ __device__ constexpr bool scaled_keys(Mma m) { return m == Mma::bf16_from_fp8 || m == Mma::bf16_wgmma; }
+// The mma's N: the heads padded to kNTiles x kGroups blocks of 8.
+__host__ __device__ constexpr int head_columns(int n_tiles, int groups) { return 8 * n_tiles * groups; }
 __host__ __device__ constexpr int k_steps(Mma m) { return kDim / (e4m3_operands(m) ? 32 : 16); }  // per key
 
 struct ScoreParams {
@@ -134,7 +138,7 @@ __device__ __forceinline__ int query_word_offset(int h, int dim) {
   if constexpr (uses_wgmma(kMma)) {
     // K-major core matrices of 8 heads x 16 bytes: k-step j's block of N * 32 bytes holds, for each 8 heads (256
     // bytes), their bytes of the first register pairs then of the second (128 bytes each).
-    return j * (8 * kNTiles * kGroups) * 32 + h / 8 * 256 + half * 128 + h % 8 * 16 + 4 * c;
+    return j * head_columns(kNTiles, kGroups) * 32 + h / 8 * 256 + half * 128 + h % 8 * 16 + 4 * c;
   } else {
     // s.q[grp][n][j][quad lane]: uint2 fragments of 8 heads (grp * kNTiles + n = h / 8), .x then .y.
     return 8 * (4 * (h % 8) + c + 32 * (j + kSteps * (h / 8))) + 4 * half;
@@ -158,9 +162,8 @@ __device__ __forceinline__ uint4 load_query_piece(const uint8_t* from, bool alig
 template <int kNTiles, int kGroups, Mma kMma, QKind kQ>
 __device__ __forceinline__ void stage_queries(const ScoreParams& p, int t, uint8_t* b) {
   constexpr int kElem = kQ == QKind::fp8 ? 1 : 2, kPieceValues = 16 / kElem, kPiecesPerHead = kDim / kPieceValues;
-  constexpr int kPieces = 8 * kNTiles * kGroups * kPiecesPerHead, kPerThread = kPieces / kScoreThreads;
+  constexpr int kPieces = head_columns(kNTiles, kGroups) * kPiecesPerHead, kPerThread = kPieces / kScoreThreads;
   constexpr int kChunk = kPerThread < 1 ? 1 : kPerThread < 4 ? kPerThread : 4;
-  constexpr bool kScaled = kMma == Mma::bf16_from_fp8 || kMma == Mma::bf16_wgmma;
   const auto value = [](const uint32_t(&in)[4], int i) {  // value i of a piece
     float v;
     if constexpr (kQ == QKind::fp8)
@@ -168,7 +171,7 @@ __device__ __forceinline__ void stage_queries(const ScoreParams& p, int t, uint8
                                                       __NV_E4M3)));
     else if constexpr (kQ == QKind::bf16) v = __uint_as_float(in[i / 2] >> 16 * (i % 2) << 16);
     else v = __half2float(__ushort_as_half(static_cast<uint16_t>(in[i / 2] >> 16 * (i % 2))));
-    return kScaled ? v * kFp8QueryScale : v;
+    return scaled_keys(kMma) ? v * kFp8QueryScale : v;
   };
   const uint8_t* q = static_cast<const uint8_t*>(p.q) + t * p.q_stride_t * kElem;
   for (int first = 0; first < kPieces; first += kChunk * kScoreThreads) {
@@ -209,8 +212,8 @@ template <int kNTiles, int kGroups, Mma kMma, bool kRuns>
 __global__ void __launch_bounds__(kScoreThreads, 4) index_scores_kernel(const ScoreParams p) {
   using Smem = ScoreSmem<kNTiles, kGroups, kMma>;
   constexpr int kStages = Smem::kStages, kSteps = k_steps(kMma);
-  constexpr bool kFp8 = fp8_keys(kMma), kScaled = kMma == Mma::bf16_from_fp8 || kMma == Mma::bf16_wgmma;
-  constexpr int kHeadColumns = 8 * kNTiles * kGroups;  // the mma's N: heads padded (wgmma: 32 or 64, all at once)
+  constexpr bool kFp8 = fp8_keys(kMma);
+  constexpr int kHeadColumns = head_columns(kNTiles, kGroups);  // wgmma: 32 or 64, all at once
   extern __shared__ __align__(16) uint8_t smem_raw[];
   auto& s = *reinterpret_cast<Smem*>(smem_raw);
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, c = lane % 4;
@@ -312,7 +315,7 @@ __global__ void __launch_bounds__(kScoreThreads, 4) index_scores_kernel(const Sc
   for (int h = tid; h < kHeadColumns; h += kScoreThreads)
     s.head_weight[h] = h < p.heads ? p.weights[t * p.w_stride_t + h * p.w_stride_h] *
                                          (p.q_scale ? p.q_scale[t * p.qs_stride_t + h * p.qs_stride_h] : 1.f) *
-                                         (kScaled ? kFp8WeightScale : 1.f)
+                                         (scaled_keys(kMma) ? kFp8WeightScale : 1.f)
                                    : 0.f;
   __syncthreads();
   float w[kGroups][kNTiles][2];  // this lane's accumulator columns: heads 8n + 2c and 8n + 2c + 1 of each group
@@ -531,7 +534,7 @@ void indexer_scores(const IndexerTopkArgs& a, float* scores, ScoreMma mma) {
   p.q_kind = a.q.dtype == DType::bf16 ? QKind::bf16 : a.q.dtype == DType::f16 ? QKind::f16 : QKind::fp8;
   p.q_stride_t = a.q.stride(0);
   p.q_stride_h = a.q.stride(1);
-  const int64_t q_elem = a.q.dtype == DType::fp8_e4m3 ? 1 : 2;
+  const int64_t q_elem = static_cast<int64_t>(dtype_size(a.q.dtype));
   p.q_aligned = reinterpret_cast<uintptr_t>(p.q) % 16 == 0 && p.q_stride_t * q_elem % 16 == 0 &&
                 p.q_stride_h * q_elem % 16 == 0;
   p.q_scale = a.q_scale.defined() ? a.q_scale.ptr<float>() : nullptr;
