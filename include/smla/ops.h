@@ -79,10 +79,11 @@ struct PositionsToSlotsArgs {
   void* stream = nullptr;
 };
 
-// One DSA decode step: indexer_topk -> positions_to_slots -> sparse_mla.
-// The MLA cache and the index cache share the block table and block size.
+// One DSA decode step: indexer_topk -> positions_to_slots -> sparse_mla, all
+// three on `stream`. The MLA cache and the index cache share the block table
+// and block size.
 struct DsaDecodeStepArgs {
-  IndexerTopkArgs indexer;  // its `topk` receives the logical positions
+  IndexerTopkArgs indexer;  // its `topk` receives the logical positions; its `stream` null or `stream`
   TensorView slots;         // [T, K] i32 out (workspace): the physical slots attended
   TensorView q;             // [T, H, 576]
   TensorView kv_cache;
@@ -93,8 +94,9 @@ struct DsaDecodeStepArgs {
   void* stream = nullptr;
 };
 
-// The args of dsa_decode_step's second and third steps (the first is
-// `args.indexer`), for backends and callers that run the steps themselves.
+// The args of dsa_decode_step's three steps, each on `args.stream`, for
+// backends and callers that run the steps themselves.
+IndexerTopkArgs indexer_step(const DsaDecodeStepArgs& args);
 PositionsToSlotsArgs slots_step(const DsaDecodeStepArgs& args);
 SparseMlaArgs attention_step(const DsaDecodeStepArgs& args);
 

@@ -113,7 +113,11 @@ void check(const DsaDecodeStepArgs& a) {
       throw Error(e.kind(), std::string(op) + ": " + e.what());
     }
   };
-  step(a.indexer);
+  step(indexer_step(a));
+  // One stream for the whole step: the indexer on another would race with the steps that read its output.
+  if (a.indexer.stream != nullptr && a.indexer.stream != a.stream)
+    fail(std::string(op) + ": indexer.stream: the step runs on `stream`; leave indexer.stream null or set it to "
+         "the same stream, got two different streams");
   const TensorView& topk = a.indexer.topk;
   check_topk_matrix(op, "slots", a.slots, topk.shape[0], a.indexer.q.device);
   arg(op, "slots", a.slots).dim(1, topk.shape[1], "K, as in indexer.topk");

@@ -43,6 +43,12 @@ void dsa_decode_step(const DsaDecodeStepArgs& a, const Backend* b) {
   dispatch("dsa_decode_step", a, a.q.device, b, [&](const Backend& be) { be.dsa_decode_step(a); });
 }
 
+IndexerTopkArgs indexer_step(const DsaDecodeStepArgs& a) {
+  IndexerTopkArgs ix = a.indexer;
+  ix.stream = a.stream;
+  return ix;
+}
+
 PositionsToSlotsArgs slots_step(const DsaDecodeStepArgs& a) {
   PositionsToSlotsArgs p;
   p.positions = a.indexer.topk;
@@ -68,7 +74,7 @@ SparseMlaArgs attention_step(const DsaDecodeStepArgs& a) {
 }
 
 void Backend::dsa_decode_step(const DsaDecodeStepArgs& a) const {
-  indexer_topk(a.indexer);
+  indexer_topk(indexer_step(a));
   positions_to_slots(slots_step(a));
   sparse_mla(attention_step(a));
 }

@@ -837,6 +837,17 @@ TEST(DsaDecodeStep, ChecksNameTheStepAndArgument) {
   a = good;
   a.q.dtype = DType::f32;
   expect_error([&] { check(a); }, {"dsa_decode_step", "q"});
+  // One stream for the whole step: the indexer's may be left null (it then runs on the step's) or be the same.
+  int two_streams[2];
+  a = good;
+  a.stream = &two_streams[0];
+  a.indexer.stream = &two_streams[1];
+  expect_error([&] { check(a); }, {"dsa_decode_step", "indexer.stream", "same stream"});
+  a.indexer.stream = a.stream;
+  EXPECT_NO_THROW(check(a));
+  a.indexer.stream = nullptr;
+  EXPECT_NO_THROW(check(a));
+  EXPECT_EQ(indexer_step(a).stream, a.stream);
 }
 
 }  // namespace

@@ -1,8 +1,8 @@
 // The CUDA indexer ops against the CPU backend: index-cache bytes, top-k sets
 // (equal except where float64 scores tie within rounding), the tie rule,
 // short contexts, shuffled block tables, bf16/fp8 queries and caches, slot
-// mapping, the whole DSA decode step, and the top-k stage alone on score rows
-// crafted to reach each of its paths.
+// mapping, the whole DSA decode step (also replayed from a CUDA graph), and
+// the top-k stage alone on score rows crafted to reach each of its paths.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -10,6 +10,7 @@
 #include <cstring>
 #include <functional>
 #include <map>
+#include <memory>
 #include <numeric>
 #include <random>
 #include <set>
@@ -437,19 +438,35 @@ TEST(CudaIndexer, PositionsToSlotsMatchesCpu) {
   EXPECT_EQ(ds.download<int32_t>(), want);
 }
 
-TEST(CudaIndexer, DsaDecodeStepMatchesCpu) {
+// One DSA decode step's inputs (random keys, latents and queries; 5 tokens of mixed contexts, shuffled blocks),
+// its CPU result (`host`, run at construction), and the same inputs on the GPU with poisoned outputs (`gpu`).
+struct DsaStepCase {
+  static constexpr int kHeads = 8;
   IndexProblem pr;
-  pr.tokens = 5;
-  pr.heads = 32;
-  pr.k = 256;
-  pr.block_size = 64;
-  pr.max_blocks = 20;
-  IndexData d(pr, 90);
-  test::Rng rng(91);
-  const int H = 8;
-  std::vector<uint8_t> mla(static_cast<size_t>(d.num_blocks) * pr.block_size * kMlaQkDim * 2, 0xff);
-  TensorView mla_view(mla.data(), {d.num_blocks, pr.block_size, kMlaQkDim}, DType::bf16);
-  {
+  IndexData d;
+  std::vector<uint8_t> mla;
+  std::vector<uint16_t> q, out;
+  std::vector<int32_t> topk, slots;
+  std::vector<float> lse;
+  DsaDecodeStepArgs host;
+  std::unique_ptr<IndexInputsOnGpu> on;
+  std::unique_ptr<DeviceBuffer> dtopk, dslots, dq, dmla, dout, dlse;
+  DsaDecodeStepArgs gpu;
+
+  static IndexProblem problem() {
+    IndexProblem pr;
+    pr.tokens = 5;
+    pr.heads = 32;
+    pr.k = 256;
+    pr.block_size = 64;
+    pr.max_blocks = 20;
+    return pr;
+  }
+
+  DsaStepCase() : pr(problem()), d(pr, 90) {
+    test::Rng rng(91);
+    mla.assign(static_cast<size_t>(d.num_blocks) * pr.block_size * kMlaQkDim * 2, 0xff);
+    TensorView mla_view(mla.data(), {d.num_blocks, pr.block_size, kMlaQkDim}, DType::bf16);
     std::vector<int64_t> mapping;
     for (int32_t b : d.table)
       for (int o = 0; o < pr.block_size; ++o) mapping.push_back(static_cast<int64_t>(b) * pr.block_size + o);
@@ -462,47 +479,124 @@ TEST(CudaIndexer, DsaDecodeStepMatchesCpu) {
     w.slot_mapping = TensorView(mapping.data(), {n}, DType::i64);
     w.cache = mla_view;
     write_mla_cache(w, &cpu());
-  }
-  auto q = test::to_half_bits(test::random_floats(rng, pr.tokens * H * kMlaQkDim), DType::bf16);
-  std::vector<int32_t> topk, slots(pr.tokens * pr.k);
-  std::vector<uint16_t> out(pr.tokens * H * kMlaVDim);
-  std::vector<float> lse(pr.tokens * H);
-  DsaDecodeStepArgs a;
-  a.indexer = d.args(topk);
-  a.slots = TensorView(slots.data(), {pr.tokens, pr.k}, DType::i32);
-  a.q = TensorView(q.data(), {pr.tokens, H, kMlaQkDim}, DType::bf16);
-  a.kv_cache = mla_view;
-  a.softmax_scale = 0.0625f;
-  a.out = TensorView(out.data(), {pr.tokens, H, kMlaVDim}, DType::bf16);
-  a.lse = TensorView(lse.data(), {pr.tokens, H}, DType::f32);
-  dsa_decode_step(a, &cpu());
 
-  IndexInputsOnGpu on(d, a.indexer);
-  DeviceBuffer dtopk(topk), dslots(slots), dmq(q), dmla(mla), dout(std::vector<uint16_t>(out.size(), 0x7fc1)),
-      dlse(std::vector<float>(lse.size(), NAN));
-  DsaDecodeStepArgs g = a;
-  g.indexer = on.args;
-  g.indexer.topk = on_gpu(a.indexer.topk, dtopk.ptr);
-  g.slots = on_gpu(a.slots, dslots.ptr);
-  g.q = on_gpu(a.q, dmq.ptr);
-  g.kv_cache = on_gpu(a.kv_cache, dmla.ptr);
-  g.out = on_gpu(a.out, dout.ptr);
-  g.lse = on_gpu(a.lse, dlse.ptr);
-  dsa_decode_step(g, &gpu());
-  CUDA_OK(cudaDeviceSynchronize());
-  EXPECT_EQ(dtopk.download<int32_t>(), topk);
-  EXPECT_EQ(dslots.download<int32_t>(), slots);
-  std::vector<double> want(out.size()), got(out.size());
-  const auto gout = dout.download<uint16_t>();
-  for (size_t i = 0; i < out.size(); ++i) {
-    want[i] = numeric::bf16_to_float(out[i]);
-    got[i] = numeric::bf16_to_float(gout[i]);
+    q = test::to_half_bits(test::random_floats(rng, pr.tokens * kHeads * kMlaQkDim), DType::bf16);
+    slots.resize(pr.tokens * pr.k);
+    out.resize(pr.tokens * kHeads * kMlaVDim);
+    lse.resize(pr.tokens * kHeads);
+    host.indexer = d.args(topk);
+    host.slots = TensorView(slots.data(), {pr.tokens, pr.k}, DType::i32);
+    host.q = TensorView(q.data(), {pr.tokens, kHeads, kMlaQkDim}, DType::bf16);
+    host.kv_cache = mla_view;
+    host.softmax_scale = 0.0625f;
+    host.out = TensorView(out.data(), {pr.tokens, kHeads, kMlaVDim}, DType::bf16);
+    host.lse = TensorView(lse.data(), {pr.tokens, kHeads}, DType::f32);
+
+    // On the GPU before the CPU runs: the outputs start poisoned.
+    on = std::make_unique<IndexInputsOnGpu>(d, host.indexer);
+    dtopk = std::make_unique<DeviceBuffer>(topk);
+    dslots = std::make_unique<DeviceBuffer>(std::vector<int32_t>(slots.size(), 777));
+    dq = std::make_unique<DeviceBuffer>(q);
+    dmla = std::make_unique<DeviceBuffer>(mla);
+    dout = std::make_unique<DeviceBuffer>(std::vector<uint16_t>(out.size(), 0x7fc1));
+    dlse = std::make_unique<DeviceBuffer>(std::vector<float>(lse.size(), NAN));
+    gpu = host;
+    gpu.indexer = on->args;
+    gpu.indexer.topk = on_gpu(host.indexer.topk, dtopk->ptr);
+    gpu.slots = on_gpu(host.slots, dslots->ptr);
+    gpu.q = on_gpu(host.q, dq->ptr);
+    gpu.kv_cache = on_gpu(host.kv_cache, dmla->ptr);
+    gpu.out = on_gpu(host.out, dout->ptr);
+    gpu.lse = on_gpu(host.lse, dlse->ptr);
+
+    dsa_decode_step(host, &cpu());
   }
-  EXPECT_EQ(test::compare(want, got, 2e-3, 2e-2, 0.9999), "");
-  const auto glse = dlse.download<float>();
-  EXPECT_EQ(test::compare(std::vector<double>(lse.begin(), lse.end()), std::vector<double>(glse.begin(), glse.end()),
-                          1e-3, 1e-4, 0.9999),
+
+  // The GPU's outputs: top-k positions, slots, out (bf16 bits), lse.
+  struct Outputs {
+    std::vector<int32_t> topk, slots;
+    std::vector<uint16_t> out;
+    std::vector<float> lse;
+  };
+  Outputs download() const {
+    return {dtopk->download<int32_t>(), dslots->download<int32_t>(), dout->download<uint16_t>(),
+            dlse->download<float>()};
+  }
+  // Sentinels in every output, so a step that writes nothing cannot pass for one that wrote the same values.
+  void poison_outputs() const {
+    CUDA_OK(cudaMemset(dtopk->ptr, 0x5a, dtopk->bytes));
+    CUDA_OK(cudaMemset(dslots->ptr, 0x5a, dslots->bytes));
+    CUDA_OK(cudaMemset(dout->ptr, 0xff, dout->bytes));
+    CUDA_OK(cudaMemset(dlse->ptr, 0xff, dlse->bytes));
+  }
+};
+
+TEST(CudaIndexer, DsaDecodeStepMatchesCpu) {
+  DsaStepCase c;
+  dsa_decode_step(c.gpu, &gpu());
+  CUDA_OK(cudaDeviceSynchronize());
+  const DsaStepCase::Outputs got = c.download();
+  EXPECT_EQ(got.topk, c.topk);
+  EXPECT_EQ(got.slots, c.slots);
+  std::vector<double> want(c.out.size()), out(c.out.size());
+  for (size_t i = 0; i < c.out.size(); ++i) {
+    want[i] = numeric::bf16_to_float(c.out[i]);
+    out[i] = numeric::bf16_to_float(got.out[i]);
+  }
+  EXPECT_EQ(test::compare(want, out, 2e-3, 2e-2, 0.9999), "");
+  EXPECT_EQ(test::compare(std::vector<double>(c.lse.begin(), c.lse.end()),
+                          std::vector<double>(got.lse.begin(), got.lse.end()), 1e-3, 1e-4, 0.9999),
             "");
+}
+
+// The whole step captured into a CUDA graph on a non-blocking stream (after a warm-up call there: capture cannot
+// allocate the workspace), with only the step's `stream` set: replayed on new queries, it must give what an
+// eager call on them gives, bit for bit. Capture fails if anything in the step synchronises with the host or
+// runs on another stream.
+TEST(CudaIndexer, DsaDecodeStepReplaysInACudaGraph) {
+  DsaStepCase c;
+  cudaStream_t stream = nullptr;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  DsaDecodeStepArgs g = c.gpu;
+  g.stream = stream;
+  ASSERT_EQ(g.indexer.stream, nullptr);
+  dsa_decode_step(g, &gpu());
+  CUDA_OK(cudaStreamSynchronize(stream));
+  const DsaStepCase::Outputs first = c.download();
+
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  dsa_decode_step(g, &gpu());
+  CUDA_OK(cudaStreamEndCapture(stream, &graph));
+  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+
+  // New queries for the indexer and for the attention, in the buffers the graph reads.
+  IndexProblem other = DsaStepCase::problem();
+  const IndexData d2(other, 190);
+  test::Rng rng(191);
+  const auto q2 = test::to_half_bits(test::random_floats(rng, c.q.size()), DType::bf16);
+  CUDA_OK(cudaMemcpy(c.on->q.ptr, d2.q.data(), d2.q.size(), cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(c.dq->ptr, q2.data(), q2.size() * 2, cudaMemcpyHostToDevice));
+
+  c.poison_outputs();
+  CUDA_OK(cudaGraphLaunch(exec, stream));
+  CUDA_OK(cudaStreamSynchronize(stream));
+  const DsaStepCase::Outputs replayed = c.download();
+  c.poison_outputs();
+  dsa_decode_step(g, &gpu());
+  CUDA_OK(cudaStreamSynchronize(stream));
+  const DsaStepCase::Outputs eager = c.download();
+  EXPECT_EQ(replayed.topk, eager.topk);
+  EXPECT_EQ(replayed.slots, eager.slots);
+  EXPECT_EQ(replayed.out, eager.out);
+  EXPECT_EQ(std::memcmp(replayed.lse.data(), eager.lse.data(), eager.lse.size() * sizeof(float)), 0);
+  EXPECT_NE(replayed.out, first.out);  // the replay read the new queries
+  EXPECT_EQ(first.topk, c.topk);    // and the first call was the CPU's step
+
+  CUDA_OK(cudaGraphExecDestroy(exec));
+  CUDA_OK(cudaGraphDestroy(graph));
+  CUDA_OK(cudaStreamDestroy(stream));
 }
 
 // ---------------------------------------------- the top-k stage on crafted rows
