@@ -17,6 +17,7 @@
 #include <bit>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <numeric>
 #include <optional>
 #include <string>
@@ -52,15 +53,9 @@ struct ForceIsa {
   ~ForceIsa() { cpu::indexer::force_isa(std::nullopt); }
 };
 
-// Expects `f` to throw smla::Error whose message contains every fragment.
-template <class F>
-void expect_error(F&& f, std::initializer_list<std::string> fragments) {
-  try {
-    f();
-    ADD_FAILURE() << "no error thrown; expected one mentioning " << *fragments.begin();
-  } catch (const Error& e) {
-    for (const auto& s : fragments) EXPECT_NE(std::string(e.what()).find(s), std::string::npos) << e.what();
-  }
+// Expects `f` to throw an invalid_argument smla::Error, one line, that contains every fragment.
+void expect_error(const std::function<void()>& f, std::initializer_list<std::string> fragments) {
+  test::expect_error(f, ErrorKind::invalid_argument, fragments);
 }
 
 // Values stored as `dtype` (bf16 / f16 / f32) in a byte buffer.
@@ -626,9 +621,11 @@ TEST(IndexerChecks, BadTensorsNameTheArgument) {
   expect_bad([](auto& a) { a.request_ids.dtype = DType::i64; }, {"request_ids", "dtype"});
   expect_bad([](auto& a) { a.block_table.ndim = 1; }, {"block_table", "dimensions"});
   expect_bad([](auto& a) { a.context_lens = TensorView(); }, {"context_lens", "required"});
-  expect_bad([](auto& a) { a.topk.shape[1] = 0; }, {"topk", "K"});
-  expect_bad([](auto& a) { a.topk.shape[1] = 65537; }, {"topk", "65536"});
-  expect_bad([](auto& a) { a.topk.shape[0] = 3; }, {"topk", "T"});
+  expect_bad([](auto& a) { a.topk.shape[1] = 0; }, {"indexer_topk: topk: dimension 1 (K)"});
+  expect_bad([](auto& a) { a.topk.shape[1] = 65537; }, {"indexer_topk: topk:", "65536"});
+  expect_bad([](auto& a) { a.topk.shape[0] = 3; }, {"indexer_topk: topk: dimension 0 (T"});
+  expect_bad([](auto& a) { a.q.shape[0] = -1; }, {"indexer_topk: q:", "negative size in dimension 0"});
+  expect_bad([](auto& a) { a.weights.strides[0] = -4; }, {"indexer_topk: weights:", "negative strides"});
   expect_bad([](auto& a) { a.weights.device = Device::cuda(90); }, {"weights", "sm_90"});
 
   WriteIndexCacheArgs w;
@@ -648,7 +645,7 @@ TEST(IndexerChecks, BadTensorsNameTheArgument) {
   expect_error([&] { check(s); }, {"positions_to_slots", "block_size"});
   s.block_size = 16;
   s.slots.shape[1] = 8;
-  expect_error([&] { check(s); }, {"positions_to_slots", "slots"});
+  expect_error([&] { check(s); }, {"positions_to_slots: slots:"});
 }
 
 // ---------------------------------------------------------------- dsa_decode_step
@@ -691,9 +688,10 @@ DsaProblem make_dsa(Rng& rng, const ProblemSpec& spec) {
       const auto bits = test::to_half_bits(test::random_floats(rng, bs * 576), DType::bf16);
       std::copy(bits.begin(), bits.end(), d.kv.begin() + b * bs * 576);
     }
-  d.out.assign(t * d.heads * 512, 0);
-  d.lse.assign(t * d.heads, 0.f);
-  d.slots.assign(t * spec.k, 0);
+  // Sentinels: NaN outputs, slot 12345 (past every cache here); 0 would be a valid slot and an empty row's output.
+  d.out.assign(t * d.heads * 512, 0x7fc1);
+  d.lse.assign(t * d.heads, NAN);
+  d.slots.assign(t * spec.k, 12345);
   return d;
 }
 
@@ -789,7 +787,12 @@ TEST(DsaDecodeStep, EqualsTheThreeOpsWithASink) {
   dsa_decode_step(a, &cpu_backend());
   const std::vector<uint16_t> out = d.out;
   const std::vector<float> lse = d.lse;
-  const std::vector<int32_t> slots = d.slots;
+  const std::vector<int32_t> slots = d.slots, topk = d.index.topk;
+  // The three ops write the same buffers again, poisoned first: what they leave must be the step's.
+  std::fill(d.out.begin(), d.out.end(), uint16_t{0x7fc1});
+  std::fill(d.lse.begin(), d.lse.end(), NAN);
+  std::fill(d.slots.begin(), d.slots.end(), 12345);
+  std::fill(d.index.topk.begin(), d.index.topk.end(), 12345);
 
   indexer_topk(a.indexer, &cpu_backend());
   PositionsToSlotsArgs p;
@@ -808,6 +811,7 @@ TEST(DsaDecodeStep, EqualsTheThreeOpsWithASink) {
   s.out = a.out;
   s.lse = a.lse;
   sparse_mla(s, &cpu_backend());
+  EXPECT_EQ(d.index.topk, topk);
   EXPECT_EQ(d.slots, slots);
   EXPECT_EQ(d.out, out);
   EXPECT_EQ(d.lse, lse);
@@ -827,7 +831,7 @@ TEST(DsaDecodeStep, ChecksNameTheStepAndArgument) {
   EXPECT_NO_THROW(check(good));
   DsaDecodeStepArgs a = good;
   a.slots.shape[1] = 8;
-  expect_error([&] { check(a); }, {"dsa_decode_step", "slots"});
+  expect_error([&] { check(a); }, {"dsa_decode_step: slots:"});
   a = good;
   a.indexer.weights.dtype = DType::f16;
   expect_error([&] { check(a); }, {"dsa_decode_step", "indexer_topk", "weights"});
@@ -836,7 +840,7 @@ TEST(DsaDecodeStep, ChecksNameTheStepAndArgument) {
   expect_error([&] { check(a); }, {"dsa_decode_step", "kv_cache", "num_blocks"});
   a = good;
   a.q.dtype = DType::f32;
-  expect_error([&] { check(a); }, {"dsa_decode_step", "q"});
+  expect_error([&] { check(a); }, {"dsa_decode_step: sparse_mla: q:", "dtype"});
   // One stream for the whole step: the indexer's may be left null (it then runs on the step's) or be the same.
   int two_streams[2];
   a = good;

@@ -26,7 +26,7 @@ namespace {
 
 struct IndexProblem {
   DType q_dtype = DType::bf16, cache_dtype = DType::bf16;
-  int tokens = 4, heads = 32, k = 64, block_size = 16, max_blocks = 40;
+  int tokens = 5, heads = 32, k = 64, block_size = 16, max_blocks = 40;  // 5 tokens: every context choice below
   bool duplicate_keys = false;  // keys drawn from a handful of rows: massive exact ties
   double tie_tol = 1e-4;        // relative score gap under which two positions may swap
 };
@@ -150,6 +150,9 @@ void run_topk(const IndexProblem& pr, uint64_t seed) {
       return std::vector<int32_t>(v.begin() + t * pr.k, v.begin() + (t + 1) * pr.k);
     };
     const std::vector<int32_t> w = row(want), gr = row(got);
+    const std::set<int32_t> distinct(gr.begin(), gr.end());
+    EXPECT_EQ(distinct.size() - distinct.count(-1), gr.size() - std::count(gr.begin(), gr.end(), -1))
+        << "token " << t << ": a position chosen twice";
     if (pr.duplicate_keys) {  // exact ties: both must pick the lowest positions, in the same order
       EXPECT_EQ(gr, w) << "token " << t;
       continue;
