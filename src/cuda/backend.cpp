@@ -1,5 +1,7 @@
 // The CUDA backend that works on every NVIDIA GPU from SM80 to SM120: tensor
-// cores through mma.sync (m16n8k16), cp.async gathers, no wgmma/tcgen05.
+// cores through mma.sync (m16n8k16) and cp.async gathers everywhere; the
+// indexer's scores also take e4m3 mma.sync (SM89, SM12x) and wgmma (sm_90a
+// code on Hopper). No tcgen05.
 #include "cuda/backend.h"
 
 #include "smla/error.h"

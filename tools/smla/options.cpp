@@ -5,7 +5,9 @@
 namespace smla::cli {
 
 void add_common_options(CLI::App& app, CommonOptions& o) {
-  app.add_option("--model", o.model, "preset name (glm-5, deepseek-v3.2, deepseek-v3, kimi-k2, glm-4.7-flash) or config.json")
+  app.add_option("--model", o.model,
+                 "preset name (glm-5, deepseek-v3.2, deepseek-v3, kimi-k2, glm-4.7-flash), a config.json or its "
+                 "folder, or a .gguf file")
       ->capture_default_str();
   app.add_option("--device", o.run.device, "auto, cpu, or a GPU architecture sm_80 / sm_86 / sm_89 / sm_90 / sm_100 / sm_120")
       ->capture_default_str();
@@ -15,7 +17,8 @@ void add_common_options(CLI::App& app, CommonOptions& o) {
   app.add_option("--block-size", o.run.block_size, "tokens per KV-cache block")->capture_default_str();
   app.add_option("--tp", o.run.tp, "tensor-parallel size (heads per rank = heads / tp)")->capture_default_str();
   app.add_option("--backend", o.run.backend, "force a backend by name (default: $SMLA_BACKEND, else choose)");
-  app.add_flag("--json", o.json, "print JSON (schema: docs/explain-json.md)");
+  app.add_flag("--json", o.json,
+               "print JSON (explain: docs/explain-json.md; run: smla.run/1 in README.md; run --layer: docs/layer.md)");
 }
 
 Resolved resolve(const CommonOptions& o) { return resolve(o, load_model_spec(o.model)); }
