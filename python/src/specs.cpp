@@ -91,7 +91,7 @@ void bind_specs(nb::module_& m) {
       .def_prop_ro("absorbed_qk_dim", &AttentionSpec::absorbed_qk_dim)
       .def_prop_ro("absorbed_v_dim", &AttentionSpec::absorbed_v_dim)
       .def(
-          "validate", [](const AttentionSpec& s) { validate(s, s.name); },
+          "validate", [](const AttentionSpec& s) { validate(s, s.name.empty() ? "AttentionSpec" : s.name); },
           "Checks the geometry; raises InvalidArgumentError naming the field at fault.")
       .def("__repr__", &repr);
 

@@ -6,6 +6,7 @@
 
 #include "smla/error.h"
 #include "smla/select.h"
+#include "support/test_util.h"
 
 namespace smla {
 namespace {
@@ -223,7 +224,8 @@ TEST_F(Select, ForcedBackends) {
   run.backend = "hopper_sparse";
   EXPECT_EQ(select(glm5(), run, registry).chosen->name(), "hopper_sparse");
   setenv("SMLA_BACKEND", "nope", 1);
-  EXPECT_THROW(select(glm5(), on("sm_90"), registry), Error);
+  test::expect_error([&] { select(glm5(), on("sm_90"), registry); }, ErrorKind::invalid_argument,
+                     {"backend: unknown backend 'nope' (from SMLA_BACKEND)"});
   unsetenv("SMLA_BACKEND");
 }
 

@@ -5,6 +5,7 @@
 #include "core/numeric.h"
 #include "smla/error.h"
 #include "smla/types.h"
+#include "support/test_util.h"
 
 namespace smla {
 namespace {
@@ -77,9 +78,21 @@ TEST(TensorView, DlpackRoundTrip) {
   EXPECT_EQ(c.data, reinterpret_cast<char*>(x) + 4);
   EXPECT_EQ(c.stride(0), 656);
   EXPECT_EQ(c.dtype, DType::fp8_ds_mla);
-  EXPECT_THROW(TensorView::from_dlpack(raw, "kv_cache", DType::bf16), Error);  // 1-byte data viewed as 2-byte
+  const auto bad = [&](const std::string& fragment, std::optional<DType> as = std::nullopt) {
+    test::expect_error([&] { TensorView::from_dlpack(raw, "kv_cache", as); }, ErrorKind::invalid_argument,
+                       {"kv_cache: ", fragment});
+  };
+  bad("cannot view uint8 as bfloat16", DType::bf16);  // 1-byte data viewed as 2-byte
   raw.dtype = {kDLComplex, 64, 1};
-  EXPECT_THROW(TensorView::from_dlpack(raw, "kv_cache"), Error);
+  bad("has no smla equivalent");
+  raw.dtype = {kDLUInt, 8, 4};
+  bad("lanes != 1");
+  raw.dtype = {kDLUInt, 8, 1};
+  raw.device = {kDLOpenCL, 0};
+  bad("is not cpu or cuda");
+  raw.device = {kDLCPU, 0};
+  raw.ndim = 9;
+  bad("at most");
 }
 
 TEST(Numeric, Bf16AndF16RoundTrips) {

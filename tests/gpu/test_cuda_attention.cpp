@@ -88,14 +88,19 @@ void run_sparse(const Problem& pr, uint64_t seed) {
   if (p.num_blocks == 0) p.num_blocks = std::max(4, (p.topk * 2 + p.block_size - 1) / p.block_size);
   const int64_t num_slots = static_cast<int64_t>(p.num_blocks) * p.block_size;
 
-  // Indices: random valid slots with every kind of invalid value mixed in.
-  std::uniform_int_distribution<int64_t> pick(0, num_slots - 1);
+  // Indices: random valid slots with every kind of invalid value mixed in. With topk_length, the entries past a
+  // row's length point at the last slot, which is never written (NaN): they must not be read.
+  std::vector<int32_t> lens(p.tokens);
+  for (auto& l : lens) l = static_cast<int32_t>(rng() % (p.topk + 1));
+  std::uniform_int_distribution<int64_t> pick(0, num_slots - 2);
   const int32_t invalid[] = {-1, std::numeric_limits<int32_t>::min(), static_cast<int32_t>(num_slots),
                              std::numeric_limits<int32_t>::max()};
   std::vector<int32_t> idx(static_cast<size_t>(p.tokens) * p.topk);
   std::vector<bool> used(num_slots, false);
   for (size_t i = 0; i < idx.size(); ++i) {
-    if (rng() % 7 == 0) {
+    if (p.topk_length && static_cast<int>(i % p.topk) >= lens[i / p.topk]) {
+      idx[i] = static_cast<int32_t>(num_slots - 1);
+    } else if (rng() % 7 == 0) {
       idx[i] = invalid[rng() % 4];
     } else {
       idx[i] = static_cast<int32_t>(pick(rng));
@@ -109,8 +114,6 @@ void run_sparse(const Problem& pr, uint64_t seed) {
 
   const int64_t q_row = p.q_padded ? kMlaQkDim + 64 : kMlaQkDim;
   auto qbits = queries(rng, p.tokens * p.heads * q_row, p.q_dtype, p.kv_dtype);
-  std::vector<int32_t> lens(p.tokens);
-  for (auto& l : lens) l = static_cast<int32_t>(rng() % (p.topk + 1));
   std::vector<float> sink = test::random_floats(rng, p.heads, -2.f, 2.f);
 
   SparseMlaArgs a;
