@@ -634,7 +634,22 @@ TEST(IndexerChecks, BadTensorsNameTheArgument) {
   w.k = TensorView(k.data(), {1, 128}, DType::f32);
   w.slot_mapping = TensorView(slot32.data(), {1}, DType::i32);
   w.cache = p.cache->view;
-  expect_error([&] { check(w); }, {"write_index_cache", "slot_mapping", "int64"});
+  expect_error([&] { check(w); }, {"write_index_cache: slot_mapping:", "int64"});
+  std::vector<int64_t> slot64{0};
+  w.slot_mapping = TensorView(slot64.data(), {1}, DType::i64);
+  EXPECT_NO_THROW(check(w));
+  const auto bad_write = [&](const std::function<void(WriteIndexCacheArgs&)>& mutate, const std::string& fragment) {
+    WriteIndexCacheArgs b = w;
+    mutate(b);
+    expect_error([&] { check(b); }, {fragment});
+  };
+  bad_write([](auto& b) { b.k.dtype = DType::i32; }, "write_index_cache: k: expected dtype");
+  bad_write([](auto& b) { b.k.ndim = 1; }, "write_index_cache: k: expected 2 dimensions");
+  bad_write([](auto& b) { b.k.shape[1] = 64; }, "write_index_cache: k: dimension 1 (index head dim) must be 128");
+  bad_write([](auto& b) { b.k.data = nullptr; }, "write_index_cache: k: is required");
+  bad_write([](auto& b) { b.k.device = Device::cuda(90); }, "write_index_cache: k: is on sm_90");
+  bad_write([](auto& b) { b.slot_mapping.shape[0] = 2; }, "write_index_cache: slot_mapping: dimension 0 (N)");
+  bad_write([](auto& b) { b.cache.shape[1] = 0; }, "write_index_cache: index cache: dimension 1 (block_size)");
 
   std::vector<int32_t> pos(16), slots(16), table(4), req(1);
   PositionsToSlotsArgs s;
@@ -644,8 +659,19 @@ TEST(IndexerChecks, BadTensorsNameTheArgument) {
   s.slots = TensorView(slots.data(), {1, 16}, DType::i32);
   expect_error([&] { check(s); }, {"positions_to_slots", "block_size"});
   s.block_size = 16;
-  s.slots.shape[1] = 8;
-  expect_error([&] { check(s); }, {"positions_to_slots: slots:"});
+  EXPECT_NO_THROW(check(s));
+  const auto bad_map = [&](const std::function<void(PositionsToSlotsArgs&)>& mutate, const std::string& fragment) {
+    PositionsToSlotsArgs b = s;
+    mutate(b);
+    expect_error([&] { check(b); }, {fragment});
+  };
+  bad_map([](auto& b) { b.slots.shape[1] = 8; }, "positions_to_slots: slots: dimension 1");
+  bad_map([](auto& b) { b.positions.dtype = DType::i64; }, "positions_to_slots: positions: expected dtype");
+  bad_map([](auto& b) { b.positions.shape[1] = 0; }, "positions_to_slots: positions: dimension 1 (K)");
+  bad_map([](auto& b) { b.request_ids.shape[0] = 2; }, "positions_to_slots: request_ids: dimension 0 (T)");
+  bad_map([](auto& b) { b.request_ids.dtype = DType::i64; }, "positions_to_slots: request_ids: expected dtype");
+  bad_map([](auto& b) { b.block_table.ndim = 1; }, "positions_to_slots: block_table: expected 2 dimensions");
+  bad_map([](auto& b) { b.block_table.device = Device::cuda(80); }, "positions_to_slots: block_table: is on sm_80");
 }
 
 // ---------------------------------------------------------------- dsa_decode_step
