@@ -10,8 +10,12 @@ CMAKE_FLAGS ?=
 deps:
 	bash scripts/install-deps.sh --python
 
-$(BUILD)/CMakeCache.txt:
-	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release $(CMAKE_FLAGS)
+# The Python the tests and the Python package use (scripts/python.sh: a virtual environment in .venv where python3
+# is Debian's own). Expanded only where a recipe uses it, after `deps` has installed python3.
+PYTHON ?= $(shell bash scripts/python.sh)
+
+$(BUILD)/CMakeCache.txt: | deps
+	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release -DSMLA_PYTHON=$(PYTHON) $(CMAKE_FLAGS)
 
 build: deps $(BUILD)/CMakeCache.txt
 	cmake --build $(BUILD) -j $(JOBS)
@@ -27,13 +31,12 @@ test: build
 
 # The Python package: `pip install .` into $(PYTHON) (with the CUDA kernels when nvcc is found;
 # built in $(BUILD)-py so that a re-run is incremental), then its tests (the GPU ones skip
-# without a GPU). PIP_CONFIG passes more, e.g. -Ccmake.define.SMLA_CUDA=OFF.
-PYTHON ?= python3
+# without a GPU). PIP_CONFIG passes more, e.g. --config-settings=cmake.define.SMLA_CUDA=OFF.
 PIP_CONFIG ?=
 python-test: deps
 	PYTHON=$(PYTHON) bash scripts/install-deps.sh --python
 	CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) $(PYTHON) -m pip install --no-build-isolation --disable-pip-version-check \
-	  --root-user-action=ignore . -Cbuild-dir=$(BUILD)-py $(PIP_CONFIG)
+	  --root-user-action=ignore . --config-settings=build-dir=$(BUILD)-py $(PIP_CONFIG)
 	$(PYTHON) -m pytest tests/python -q
 
 # The GPU tests (on a machine with an NVIDIA GPU of compute capability >= 8.0).
@@ -42,7 +45,8 @@ test-gpu: build
 
 # The CPU tests under AddressSanitizer and UndefinedBehaviorSanitizer (CUDA off: nothing to run it on).
 test-asan: deps
-	cmake -S . -B $(BUILD)-asan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSMLA_SANITIZE=ON -DSMLA_CUDA=OFF -DSMLA_BUILD_BENCH=OFF
+	cmake -S . -B $(BUILD)-asan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSMLA_SANITIZE=ON -DSMLA_CUDA=OFF -DSMLA_BUILD_BENCH=OFF \
+	  -DSMLA_PYTHON=$(PYTHON)
 	cmake --build $(BUILD)-asan -j $(JOBS)
 	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 ctest --test-dir $(BUILD)-asan --output-on-failure -j $(JOBS)
 

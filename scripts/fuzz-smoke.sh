@@ -15,7 +15,7 @@ cmake --build "$build" -j "$(nproc)" --target fuzz_gguf fuzz_config_json
 
 # Seeds: the small fixture files (metadata-only models, one-tensor-per-type, every kind of damage) and the configs.
 fixtures=$build/fixtures
-python3 tests/models/make_fixtures.py "$fixtures"
+"$(bash scripts/python.sh)" tests/models/make_fixtures.py "$fixtures"
 rm -rf "$build/seeds" "$build/corpus" "$build/artifacts"
 mkdir -p "$build/seeds/gguf" "$build/seeds/config_json" "$build/corpus/gguf" "$build/corpus/config_json" \
   "$build/artifacts"
