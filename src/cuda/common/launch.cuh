@@ -1,4 +1,4 @@
-// Kernel launches of the ops. Where a kernel's code is SM90 code, it is
+// Kernel launches of the library. Where a kernel's code is SM90 code, it is
 // launched as a programmatic dependent of the kernel before it in the stream
 // (programmatic dependent launch): its CTAs may be placed once every CTA of
 // that kernel has called start_next_kernel() (or exited), so the launch
