@@ -300,23 +300,15 @@ void bench_indexer(const IndexerConfig& cfg, const Ceilings& c) {
   // Distinct scores for the top-k timing: random values, not the tied ones above.
   std::vector<float> hs(score_floats);
   for (auto& x : hs) x = static_cast<float>(rng()) / 4e9f;
-  float* distinct;
-  CHECK(cudaMalloc(&distinct, score_floats * 4));
-  CHECK(cudaMemcpy(distinct, hs.data(), hs.size() * 4, cudaMemcpyHostToDevice));
-  const double ms_topk = time_ms([&] { smla::cuda::select_topk(a, distinct); });
-  // The two stages one after the other, as indexer_topk runs them (the top-k on the distinct scores): where the
-  // second kernel's launch hides behind the first's tail, less than their sum.
-  const double ms_both = time_ms([&] {
-    smla::cuda::indexer_scores(a, scores, cfg.mma);
-    smla::cuda::select_topk(a, distinct);
-  });
+  CHECK(cudaMemcpy(scores, hs.data(), hs.size() * 4, cudaMemcpyHostToDevice));
+  const double ms_topk = time_ms([&] { smla::cuda::select_topk(a, scores); });
   // Decode reads every visible key once per token; a prefill's tokens share one request's keys.
   const double bytes = (prefill ? static_cast<double>(context) : positions) * row;
   const double gbs = bytes / (ms_scores * 1e-3) / 1e9;
   const double tflops = 2.0 * heads * 128 * positions / (ms_scores * 1e-3) / 1e12;
-  std::printf("%-16s %-5s %-5s %6d %5d %7d %10.1f %8.1f %6.0f%% %8.1f %12.1f %12.2f %12.1f\n", cfg.name,
-              fp8 ? "fp8" : "bf16", cfg.fp8_queries ? "fp8" : "bf16", tokens, heads, context, ms_scores * 1e3, gbs,
-              100 * gbs / c.copy_gbs, tflops, ms_topk * 1e3, ms_topk * 1e3 / tokens, ms_both * 1e3);
+  std::printf("%-16s %-5s %-5s %6d %5d %7d %10.1f %8.1f %6.0f%% %8.1f %12.1f %12.2f\n", cfg.name, fp8 ? "fp8" : "bf16",
+              cfg.fp8_queries ? "fp8" : "bf16", tokens, heads, context, ms_scores * 1e3, gbs, 100 * gbs / c.copy_gbs,
+              tflops, ms_topk * 1e3, ms_topk * 1e3 / tokens);
   cudaFree(cache);
   cudaFree(dtable);
   cudaFree(dreq);
@@ -326,7 +318,6 @@ void bench_indexer(const IndexerConfig& cfg, const Ceilings& c) {
   cudaFree(dq_scale);
   cudaFree(q);
   cudaFree(scores);
-  cudaFree(distinct);
 }
 
 // The top-k stage alone on distinct random scores, `tokens` rows of `context`
@@ -404,8 +395,8 @@ int main(int argc, char** argv) {
   }
   if (part.empty() || part == "indexer") {
     std::printf("\nindexer (index cache fp8: 132 B/position, bf16: 256; top-k 2048 of distinct random scores)\n");
-    std::printf("%-16s %-5s %-5s %6s %5s %7s %10s %8s %7s %8s %12s %12s %12s\n", "config", "cache", "q", "tokens",
-                "heads", "context", "scores us", "GB/s", "copy%", "TFLOP/s", "top-k us", "top-k us/row", "both us");
+    std::printf("%-16s %-5s %-5s %6s %5s %7s %10s %8s %7s %8s %12s %12s\n", "config", "cache", "q", "tokens", "heads",
+                "context", "scores us", "GB/s", "copy%", "TFLOP/s", "top-k us", "top-k us/row");
     using smla::cuda::ScoreMma;
     if (argc >= 5) {
       IndexerConfig cfg{"decode", std::atoi(argv[2]), std::atoi(argv[3]), std::atoi(argv[4])};

@@ -1,7 +1,6 @@
 // The layer's math on a CUDA GPU: weights converted once to bf16, products through cuBLAS (bf16 inputs, fp32
-// accumulation and output), small kernels for the norms, RoPE and conversions (launched as programmatic dependents,
-// src/cuda/common/launch.cuh). Everything runs on one stream; the host waits only for the copy a staging buffer is
-// about to be reused for, and when profiling.
+// accumulation and output), small kernels for the norms, RoPE and conversions. Everything runs on one stream; the
+// host waits only for the copy a staging buffer is about to be reused for, and when profiling.
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -12,7 +11,6 @@
 
 #include "core/numeric.h"
 #include "cuda/common/device_guard.h"
-#include "cuda/common/launch.cuh"
 #include "cuda/common/runtime.h"
 #include "layer/compute.h"
 
@@ -20,7 +18,7 @@ namespace smla::layer {
 namespace {
 
 using cuda::check_cuda;
-using cuda::launch_kernel;
+using cuda::check_launch;
 
 void check_cublas(cublasStatus_t status, const char* what) {
   if (status != CUBLAS_STATUS_SUCCESS)
@@ -45,8 +43,6 @@ __device__ float block_sum(float value, float* partial) {
 
 // One block per row.
 __global__ void rms_norm_kernel(float* x, int64_t dim, int64_t stride, const float* weight, float eps) {
-  cuda::wait_for_previous_kernel();
-  cuda::start_next_kernel();
   __shared__ float partial[kThreads / 32];
   float* row = x + blockIdx.x * stride;
   float sum = 0.f;
@@ -57,8 +53,6 @@ __global__ void rms_norm_kernel(float* x, int64_t dim, int64_t stride, const flo
 
 __global__ void layer_norm_kernel(float* x, int64_t dim, int64_t stride, const float* weight, const float* bias,
                                   float eps) {
-  cuda::wait_for_previous_kernel();
-  cuda::start_next_kernel();
   __shared__ float partial[kThreads / 32];
   float* row = x + blockIdx.x * stride;
   float sum = 0.f;
@@ -73,8 +67,6 @@ __global__ void layer_norm_kernel(float* x, int64_t dim, int64_t stride, const f
 // One thread per rotated pair; float32 angles, as the CPU path and the references compute them.
 __global__ void rope_kernel(float* x, int64_t tokens, int64_t heads, int64_t token_stride, int64_t head_stride,
                             const int32_t* positions, const float* inv_freq, int64_t pairs, bool interleaved) {
-  cuda::wait_for_previous_kernel();
-  cuda::start_next_kernel();
   const int64_t total = tokens * heads * pairs;
   for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < total;
        idx += int64_t(gridDim.x) * blockDim.x) {
@@ -100,8 +92,6 @@ __device__ __half from_float(float v) { return __float2half_rn(v); }
 // y[r, 0:cols] (rows contiguous) = x[r, 0:cols] (rows ldx apart), rounded to Half.
 template <class Half>
 __global__ void to_half_kernel(const float* x, int64_t ldx, Half* y, int64_t rows, int64_t cols) {
-  cuda::wait_for_previous_kernel();
-  cuda::start_next_kernel();
   for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < rows * cols;
        idx += int64_t(gridDim.x) * blockDim.x)
     y[idx] = from_float<Half>(x[idx / cols * ldx + idx % cols]);
@@ -109,8 +99,6 @@ __global__ void to_half_kernel(const float* x, int64_t ldx, Half* y, int64_t row
 
 template <class Half>
 __global__ void to_float_kernel(const Half* x, float* y, int64_t count) {
-  cuda::wait_for_previous_kernel();
-  cuda::start_next_kernel();
   for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < count;
        idx += int64_t(gridDim.x) * blockDim.x)
     y[idx] = float(x[idx]);
@@ -221,46 +209,43 @@ class CudaCompute final : public Compute {
   void rms_norm(float* x, int64_t rows, int64_t dim, int64_t stride, const float* weight, double eps) override {
     if (rows == 0) return;
     const cuda::DeviceGuard guard(device_);
-    launch_kernel("MlaLayer: rms_norm_kernel", rms_norm_kernel, {unsigned(rows), kThreads, 0, stream_}, x, dim, stride,
-                  weight, float(eps));
+    rms_norm_kernel<<<unsigned(rows), kThreads, 0, stream_>>>(x, dim, stride, weight, float(eps));
+    check_launch("MlaLayer: rms_norm_kernel");
   }
   void layer_norm(float* x, int64_t rows, int64_t dim, int64_t stride, const float* weight, const float* bias,
                   double eps) override {
     if (rows == 0) return;
     const cuda::DeviceGuard guard(device_);
-    launch_kernel("MlaLayer: layer_norm_kernel", layer_norm_kernel, {unsigned(rows), kThreads, 0, stream_}, x, dim,
-                  stride, weight, bias, float(eps));
+    layer_norm_kernel<<<unsigned(rows), kThreads, 0, stream_>>>(x, dim, stride, weight, bias, float(eps));
+    check_launch("MlaLayer: layer_norm_kernel");
   }
   void rope(float* x, int64_t tokens, int64_t heads, int64_t token_stride, int64_t head_stride,
             const int32_t* positions, const float* inv_freq, int64_t pairs, RopeStyle style) override {
     const int64_t total = tokens * heads * pairs;
     if (total == 0) return;
     const cuda::DeviceGuard guard(device_);
-    launch_kernel("MlaLayer: rope_kernel", rope_kernel, {unsigned(blocks_for(total)), kThreads, 0, stream_}, x, tokens,
-                  heads, token_stride, head_stride, positions, inv_freq, pairs, style == RopeStyle::interleaved);
+    rope_kernel<<<blocks_for(total), kThreads, 0, stream_>>>(x, tokens, heads, token_stride, head_stride, positions,
+                                                               inv_freq, pairs, style == RopeStyle::interleaved);
+    check_launch("MlaLayer: rope_kernel");
   }
 
   void to_half(const float* x, void* y, int64_t count, DType half) override {
     if (count == 0) return;
     const cuda::DeviceGuard guard(device_);
-    const cuda::LaunchShape shape{unsigned(blocks_for(count)), kThreads, 0, stream_};
     if (half == DType::f16)
-      launch_kernel("MlaLayer: to_half_kernel", to_half_kernel<__half>, shape, x, count, static_cast<__half*>(y),
-                    int64_t{1}, count);
+      to_half_kernel<<<blocks_for(count), kThreads, 0, stream_>>>(x, count, static_cast<__half*>(y), 1, count);
     else
-      launch_kernel("MlaLayer: to_half_kernel", to_half_kernel<__nv_bfloat16>, shape, x, count,
-                    static_cast<__nv_bfloat16*>(y), int64_t{1}, count);
+      to_half_kernel<<<blocks_for(count), kThreads, 0, stream_>>>(x, count, static_cast<__nv_bfloat16*>(y), 1, count);
+    check_launch("MlaLayer: to_half_kernel");
   }
   void to_float(const void* x, DType half, float* y, int64_t count) override {
     if (count == 0) return;
     const cuda::DeviceGuard guard(device_);
-    const cuda::LaunchShape shape{unsigned(blocks_for(count)), kThreads, 0, stream_};
     if (half == DType::f16)
-      launch_kernel("MlaLayer: to_float_kernel", to_float_kernel<__half>, shape, static_cast<const __half*>(x), y,
-                    count);
+      to_float_kernel<<<blocks_for(count), kThreads, 0, stream_>>>(static_cast<const __half*>(x), y, count);
     else
-      launch_kernel("MlaLayer: to_float_kernel", to_float_kernel<__nv_bfloat16>, shape,
-                    static_cast<const __nv_bfloat16*>(x), y, count);
+      to_float_kernel<<<blocks_for(count), kThreads, 0, stream_>>>(static_cast<const __nv_bfloat16*>(x), y, count);
+    check_launch("MlaLayer: to_float_kernel");
   }
   void copy_rows(const float* src, int64_t src_ld, float* dst, int64_t dst_ld, int64_t rows, int64_t cols) override {
     if (rows == 0) return;
@@ -286,8 +271,8 @@ class CudaCompute final : public Compute {
   // x[rows, cols] (rows ldx apart) as contiguous bf16, the products' input type.
   const __nv_bfloat16* to_bf16(const float* x, int64_t ldx, int64_t rows, int64_t cols) {
     auto* y = static_cast<__nv_bfloat16*>(gemm_input_.reserve(rows * cols * sizeof(__nv_bfloat16), stream_));
-    launch_kernel("MlaLayer: to_half_kernel (product input)", to_half_kernel<__nv_bfloat16>,
-                  {unsigned(blocks_for(rows * cols)), kThreads, 0, stream_}, x, ldx, y, rows, cols);
+    to_half_kernel<<<blocks_for(rows * cols), kThreads, 0, stream_>>>(x, ldx, y, rows, cols);
+    check_launch("MlaLayer: to_half_kernel (product input)");
     return y;
   }
   // Per head h: y_h = x_h @ op(W_h), as one strided-batched product. Column-major, that is y_h^T = op(W_h)^T x_h^T

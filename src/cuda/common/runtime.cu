@@ -79,16 +79,6 @@ int resident_ctas_per_sm(const void* kernel, int threads, int smem) {
   });
 }
 
-bool waits_for_previous_kernel(const void* kernel) {
-  static std::mutex mu;
-  static std::map<std::pair<int, const void*>, int> versions;
-  return remembered(versions, mu, std::make_pair(current_device().index, kernel), [&] {
-           cudaFuncAttributes attr{};
-           check_cuda(cudaFuncGetAttributes(&attr, kernel), "cudaFuncGetAttributes");
-           return attr.ptxVersion;  // the virtual arch __CUDA_ARCH__ was, x10
-         }) >= 90;
-}
-
 int max_active_clusters(const void* kernel, int threads, int smem, int ranks) {
   static std::mutex mu;
   static std::map<std::tuple<int, const void*, int, int, int>, int> counts;

@@ -40,9 +40,6 @@ int resident_ctas_per_sm(const void* kernel, int threads, int smem);
 // How many clusters of `ranks` such CTAs the current device (SM90 on) runs at
 // once: clusters must fit in one GPC, so this can be less than SMs / ranks.
 int max_active_clusters(const void* kernel, int threads, int smem, int ranks);
-// Whether `kernel`'s code on the current device was compiled for SM90 or newer (not JIT-compiled from older PTX),
-// so that its wait_for_previous_kernel() waits and it may be launched as a programmatic dependent (launch.cuh).
-bool waits_for_previous_kernel(const void* kernel);
 
 // Scratch memory for `stream` on the current device, at least `bytes`. It
 // grows (cudaMalloc) only when a larger size is first asked for, so

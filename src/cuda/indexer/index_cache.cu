@@ -5,7 +5,6 @@
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
-#include "cuda/common/launch.cuh"
 #include "cuda/common/runtime.h"
 #include "cuda/indexer/indexer_common.cuh"
 #include "cuda/kernels.h"
@@ -32,8 +31,6 @@ __device__ __forceinline__ float load(const void* base, int64_t i, DType d) {
 }
 
 __global__ void write_index_cache_kernel(const IndexWriteParams p) {
-  wait_for_previous_kernel();
-  start_next_kernel();
   const int64_t token = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
   if (token >= p.num_tokens) return;
@@ -76,8 +73,6 @@ struct SlotsParams {
 };
 
 __global__ void positions_to_slots_kernel(const SlotsParams p) {
-  wait_for_previous_kernel();
-  start_next_kernel();
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= p.tokens * p.k) return;
   const int64_t t = i / p.k, c = i % p.k;
@@ -109,10 +104,9 @@ void write_index_cache(const WriteIndexCacheArgs& a) {
             "write_index_cache: cache: the fp8 scales need 4-byte aligned blocks");
   if (p.num_tokens == 0) return;
   constexpr int kThreads = 256;
-  launch_kernel("smla write_index_cache kernel", write_index_cache_kernel,
-                {static_cast<unsigned>((p.num_tokens * 32 + kThreads - 1) / kThreads), kThreads, 0,
-                 static_cast<cudaStream_t>(a.stream)},
-                p);
+  write_index_cache_kernel<<<static_cast<unsigned>((p.num_tokens * 32 + kThreads - 1) / kThreads), kThreads, 0,
+                             static_cast<cudaStream_t>(a.stream)>>>(p);
+  check_launch("smla write_index_cache kernel");
 }
 
 void positions_to_slots(const PositionsToSlotsArgs& a) {
@@ -132,10 +126,9 @@ void positions_to_slots(const PositionsToSlotsArgs& a) {
   p.k = a.positions.size(1);
   if (p.tokens * p.k == 0) return;
   constexpr int kThreads = 256;
-  launch_kernel("smla positions_to_slots kernel", positions_to_slots_kernel,
-                {static_cast<unsigned>((p.tokens * p.k + kThreads - 1) / kThreads), kThreads, 0,
-                 static_cast<cudaStream_t>(a.stream)},
-                p);
+  positions_to_slots_kernel<<<static_cast<unsigned>((p.tokens * p.k + kThreads - 1) / kThreads), kThreads, 0,
+                              static_cast<cudaStream_t>(a.stream)>>>(p);
+  check_launch("smla positions_to_slots kernel");
 }
 
 }  // namespace smla::cuda

@@ -31,7 +31,6 @@
 
 #include <algorithm>
 
-#include "cuda/common/launch.cuh"
 #include "cuda/common/mma.cuh"
 #include "cuda/common/runtime.h"
 #include "cuda/indexer/indexer_common.cuh"
@@ -211,7 +210,6 @@ __device__ __forceinline__ void stage_queries(const ScoreParams& p, int t, uint8
 // are capped so that four CTAs share an SM.
 template <int kNTiles, int kGroups, Mma kMma, bool kRuns>
 __global__ void __launch_bounds__(kScoreThreads, 4) index_scores_kernel(const ScoreParams p) {
-  wait_for_previous_kernel();
   using Smem = ScoreSmem<kNTiles, kGroups, kMma>;
   constexpr int kStages = Smem::kStages, kSteps = k_steps(kMma);
   constexpr bool kFp8 = fp8_keys(kMma);
@@ -439,7 +437,6 @@ __global__ void __launch_bounds__(kScoreThreads, 4) index_scores_kernel(const Sc
       if (pos < ctx) p.scores[t * p.score_stride + pos] = sc < 0.f ? -INFINITY : (c == 0 ? score[0] : score[1]) * sc;
     }
   }
-  start_next_kernel();
 }
 
 template <int kNTiles, int kGroups, Mma kMma, bool kRuns>
@@ -461,7 +458,8 @@ void launch(const ScoreParams& p, int tokens, int64_t capacity, cudaStream_t str
   ScoreParams q = p;
   q.tiles_per_cta = static_cast<int>(ceil_div(token_tiles, ctas_per_token));
   const dim3 grid(static_cast<unsigned>(ceil_div(token_tiles, q.tiles_per_cta)), tokens);
-  launch_kernel("smla indexer scores kernel", kernel, {grid, kScoreThreads, smem, stream}, q);
+  kernel<<<grid, kScoreThreads, smem, stream>>>(q);
+  check_launch("smla indexer scores kernel");
 }
 
 template <int kNTiles, int kGroups, Mma kMma>

@@ -33,7 +33,6 @@
 #include <algorithm>
 
 #include "cuda/backend.h"
-#include "cuda/common/launch.cuh"
 #include "cuda/common/runtime.h"
 #include "cuda/indexer/indexer_common.cuh"
 #include "cuda/kernels.h"
@@ -350,8 +349,6 @@ struct TopkParams {
 
 // Split path, step 1: the coarse histogram of slice blockIdx.x of token blockIdx.y's row.
 __global__ void __launch_bounds__(kThreads) slice_histogram_kernel(const TopkParams p) {
-  wait_for_previous_kernel();
-  start_next_kernel();
   __shared__ int hist[kCoarseBins];
   const int t = blockIdx.y;
   const int64_t n = p.rows.visible(t), first = blockIdx.x * p.slice_len;
@@ -369,8 +366,6 @@ __global__ void __launch_bounds__(kThreads) slice_histogram_kernel(const TopkPar
 // the bin of the want-th largest, and for each slice how many selected and
 // candidates the slices before it hold (its offsets in the lists).
 __global__ void __launch_bounds__(kThreads) row_plan_kernel(const TopkParams p) {
-  wait_for_previous_kernel();
-  start_next_kernel();
   __shared__ int hist[kCoarseBins];
   __shared__ Scan::TempStorage scan;
   __shared__ int result[2];
@@ -414,8 +409,6 @@ __global__ void __launch_bounds__(kThreads) row_plan_kernel(const TopkParams p) 
 // compacted in position order into token blockIdx.y's lists at the offsets
 // of its plan.
 __global__ void __launch_bounds__(kThreads, 2) slice_compact_kernel(const TopkParams p) {
-  wait_for_previous_kernel();
-  start_next_kernel();
   __shared__ WarpTotals totals;
   const int t = blockIdx.y, slice = blockIdx.x;
   const int64_t n = p.rows.visible(t), first = slice * p.slice_len;
@@ -434,8 +427,6 @@ __global__ void __launch_bounds__(kThreads, 2) slice_compact_kernel(const TopkPa
 // (for SM120 it chose 64 and spilled).
 template <int kSortItems>
 __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
-  wait_for_previous_kernel();
-  start_next_kernel();
   using Sort = cub::BlockRadixSort<uint32_t, kThreads, kSortItems, int32_t>;
   // The entry list, and once the chosen entries are in registers, the sort's scratch.
   extern __shared__ __align__(16) uint8_t smem_raw[];
@@ -633,13 +624,26 @@ void launch_topk(TopkParams p, int tokens, int min_ranks, cudaStream_t stream) {
     p.plans = reinterpret_cast<int*>(scratch + hist_bytes);
     p.lists = reinterpret_cast<Entry*>(scratch + list_offset);
     const dim3 slices(p.slices, tokens);
-    launch_kernel("smla indexer top-k histogram kernel", slice_histogram_kernel, {slices, kThreads, 0, stream}, p);
-    launch_kernel("smla indexer top-k plan kernel", row_plan_kernel, {dim3(tokens), kThreads, 0, stream}, p);
-    launch_kernel("smla indexer top-k compaction kernel", slice_compact_kernel, {slices, kThreads, 0, stream}, p);
+    slice_histogram_kernel<<<slices, kThreads, 0, stream>>>(p);
+    check_launch("smla indexer top-k histogram kernel");
+    row_plan_kernel<<<tokens, kThreads, 0, stream>>>(p);
+    check_launch("smla indexer top-k plan kernel");
+    slice_compact_kernel<<<slices, kThreads, 0, stream>>>(p);
+    check_launch("smla indexer top-k compaction kernel");
   }
-  // All ranks of a cluster get the same shared memory; the grid spans x, not y: more than 65535 tokens stay possible.
-  launch_kernel("smla indexer top-k kernel", kernel,
-                {dim3(p.ranks * tokens), kThreads, static_cast<size_t>(smem), stream, p.ranks}, p);
+  // All ranks of a cluster get the same shared memory.
+  cudaLaunchAttribute cluster{};
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = p.ranks;
+  cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(p.ranks * tokens);  // x, not y: more than 65535 tokens stay possible
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = &cluster;
+  config.numAttrs = p.ranks > 1 ? 1 : 0;  // no cluster attribute on one CTA per token (below SM90 too)
+  check_cuda(cudaLaunchKernelEx(&config, kernel, p), "smla indexer top-k kernel");
 }
 
 }  // namespace

@@ -7,7 +7,6 @@
 #include <tuple>
 #include <vector>
 
-#include "cuda/common/launch.cuh"
 #include "cuda/common/runtime.h"
 #include "cuda/kernels.h"
 #include "cuda/mla/attention_kernel.cuh"
@@ -169,11 +168,12 @@ void launch(AttentionParams& p, CacheFormat f, bool paged, int num_keys, cudaStr
     p.partial_out = ws;
     p.partial_lse = ws + rows * mla::kVDim;
   }
-  const dim3 grid(static_cast<unsigned>(ctas), p.num_splits);
-  launch_kernel("smla MLA attention kernel", cfg.fn, {grid, mla::kThreads, static_cast<size_t>(cfg.smem), stream}, p);
-  if (p.num_splits > 1)
-    launch_kernel("smla MLA combine kernel", mla::combine_kernel,
-                  {static_cast<unsigned>(p.num_tokens) * p.num_heads, mla::kThreads, 0, stream}, p);
+  cfg.fn<<<dim3(static_cast<unsigned>(ctas), p.num_splits), mla::kThreads, cfg.smem, stream>>>(p);
+  check_launch("smla MLA attention kernel");
+  if (p.num_splits > 1) {
+    mla::combine_kernel<<<static_cast<unsigned>(p.num_tokens) * p.num_heads, mla::kThreads, 0, stream>>>(p);
+    check_launch("smla MLA combine kernel");
+  }
 }
 
 }  // namespace

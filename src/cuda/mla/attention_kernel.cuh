@@ -11,7 +11,6 @@
 
 #include <cfloat>
 
-#include "cuda/common/launch.cuh"
 #include "cuda/common/mma.cuh"
 #include "cuda/mla/params.h"
 
@@ -78,7 +77,6 @@ __device__ __forceinline__ int64_t slot_of(const AttentionParams& p, int t, int 
 
 template <CacheFormat F, bool kPaged, int kStages>
 __global__ void __launch_bounds__(kThreads) attention_kernel(const AttentionParams p) {
-  wait_for_previous_kernel();
   using T = ComputeT<F>;
   constexpr bool kFp8 = F == CacheFormat::fp8_ds_mla;
   constexpr SmemLayout L(F, kStages);
@@ -297,7 +295,6 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const AttentionPara
   }
   cp_async_wait<0>();
   __syncthreads();  // row statistics final (also when this split had no chunks)
-  start_next_kernel();
 
   const int g = lane / 4;
   const float ln2 = 0.6931471805599453f;
@@ -354,8 +351,6 @@ __device__ __forceinline__ float block_reduce(float v, bool is_max, float* scrat
 }
 
 __global__ void __launch_bounds__(kThreads) combine_kernel(const AttentionParams p) {
-  wait_for_previous_kernel();
-  start_next_kernel();
   __shared__ float weight[kMaxSplits];
   __shared__ float scratch[kThreads / 32];
   const int t = blockIdx.x / p.num_heads, h = blockIdx.x % p.num_heads;

@@ -5,7 +5,6 @@
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
-#include "cuda/common/launch.cuh"
 #include "cuda/common/runtime.h"
 #include "cuda/kernels.h"
 
@@ -42,8 +41,6 @@ __device__ __forceinline__ float pow2_ceil(float x) {
 }
 
 __global__ void write_mla_cache_kernel(const CacheWriteParams p) {
-  wait_for_previous_kernel();
-  start_next_kernel();
   const int64_t token = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
   if (token >= p.num_tokens) return;
@@ -104,8 +101,8 @@ void write_mla_cache(const WriteMlaCacheArgs& a) {
   if (p.num_tokens == 0) return;
   constexpr int kThreads = 256;
   const int64_t blocks = (p.num_tokens * 32 + kThreads - 1) / kThreads;
-  launch_kernel("smla write_mla_cache kernel", write_mla_cache_kernel,
-                {static_cast<unsigned>(blocks), kThreads, 0, static_cast<cudaStream_t>(a.stream)}, p);
+  write_mla_cache_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, static_cast<cudaStream_t>(a.stream)>>>(p);
+  check_launch("smla write_mla_cache kernel");
 }
 
 }  // namespace smla::cuda
