@@ -10,6 +10,14 @@ namespace smla {
 
 class Backend;
 
+// Scratch memory. The GPU ops that need it (sparse_mla and paged_mla_decode
+// when they split a token's keys, indexer_topk, dsa_decode_step) take it from
+// `workspace`: a 1-D uint8 tensor on the tensors' device, 16-byte aligned, of
+// at least workspace_size(args) bytes, which depends only on the args' shapes
+// and the device. Left absent, the library uses a buffer of its own per
+// (device, stream), which cannot be allocated while the stream is capturing a
+// CUDA graph (docs/ops.md, "Workspace").
+
 // Writes latents and rope keys into the paged MLA cache.
 struct WriteMlaCacheArgs {
   TensorView latent;        // [N, 512] f32 / f16 / bf16
@@ -28,7 +36,10 @@ struct SparseMlaArgs {
   TensorView attn_sink;    // optional [H] f32
   float softmax_scale = 0.f;
   TensorView out;          // [T, H, 512], q's dtype
-  TensorView lse;          // [T, H] f32, natural log; -inf for rows with no valid index
+  TensorView lse;          // [T, H] f32 (any strides), natural log; -inf for rows with no valid index
+  TensorView max_logits;   // optional [T, H] f32 out (any strides): max of softmax_scale * q.k; -inf when none
+  bool empty_lse_plus_inf = false;  // true: rows with no valid index get lse = +inf (FlashMLA's convention)
+  TensorView workspace;    // optional, see above
   void* stream = nullptr;
 };
 
@@ -42,7 +53,9 @@ struct PagedMlaDecodeArgs {
   float softmax_scale = 0.f;
   bool causal = true;      // token j of s_q sees positions < seq_len - s_q + j + 1
   TensorView out;          // [B, s_q, H, 512], q's dtype
-  TensorView lse;          // [B, s_q, H] f32
+  TensorView lse;          // [B, s_q, H] f32 (any strides)
+  bool empty_lse_plus_inf = false;  // as in SparseMlaArgs
+  TensorView workspace;    // optional, see above
   void* stream = nullptr;
 };
 
@@ -65,6 +78,7 @@ struct IndexerTopkArgs {
   TensorView block_table;   // [R, max_blocks] i32
   TensorView context_lens;  // [T] i32: token t sees logical positions [0, context_lens[t])
   TensorView topk;          // [T, K] i32 out: logical positions, best first; -1 padded
+  TensorView workspace;     // optional, see above
   void* stream = nullptr;
 };
 
@@ -83,7 +97,8 @@ struct PositionsToSlotsArgs {
 // three on `stream`. The MLA cache and the index cache share the block table
 // and block size.
 struct DsaDecodeStepArgs {
-  IndexerTopkArgs indexer;  // its `topk` receives the logical positions; its `stream` null or `stream`
+  IndexerTopkArgs indexer;  // its `topk` receives the logical positions; its `stream` null or `stream`,
+                            // its `workspace` absent (the step's `workspace` serves all three steps)
   TensorView slots;         // [T, K] i32 out (workspace): the physical slots attended
   TensorView q;             // [T, H, 576]
   TensorView kv_cache;
@@ -91,10 +106,11 @@ struct DsaDecodeStepArgs {
   float softmax_scale = 0.f;
   TensorView out;           // [T, H, 512]
   TensorView lse;           // [T, H]
+  TensorView workspace;     // optional, see above
   void* stream = nullptr;
 };
 
-// The args of dsa_decode_step's three steps, each on `args.stream`, for
+// The args of dsa_decode_step's three steps, each on `args.stream` with `args.workspace`, for
 // backends and callers that run the steps themselves.
 IndexerTopkArgs indexer_step(const DsaDecodeStepArgs& args);
 PositionsToSlotsArgs slots_step(const DsaDecodeStepArgs& args);
@@ -110,6 +126,14 @@ void write_index_cache(const WriteIndexCacheArgs& args, const Backend* backend =
 void indexer_topk(const IndexerTopkArgs& args, const Backend* backend = nullptr);
 void positions_to_slots(const PositionsToSlotsArgs& args, const Backend* backend = nullptr);
 void dsa_decode_step(const DsaDecodeStepArgs& args, const Backend* backend = nullptr);
+
+// Bytes of `workspace` the op needs for these args on `backend` (null: the
+// default backend for the tensors' device); 0 when it needs none (the CPU
+// backend never does). Checks the args as the op does.
+size_t workspace_size(const SparseMlaArgs& args, const Backend* backend = nullptr);
+size_t workspace_size(const PagedMlaDecodeArgs& args, const Backend* backend = nullptr);
+size_t workspace_size(const IndexerTopkArgs& args, const Backend* backend = nullptr);
+size_t workspace_size(const DsaDecodeStepArgs& args, const Backend* backend = nullptr);
 
 // The checks the functions above run, exposed for bindings and tests.
 void check(const WriteMlaCacheArgs& args);

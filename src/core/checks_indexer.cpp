@@ -63,6 +63,7 @@ void check(const WriteIndexCacheArgs& a) {
   arg(op, "k", a.k).dim(1, kIndexHeadDim, "index head dim").inner_contiguous();
   arg(op, "slot_mapping", a.slot_mapping).defined().rank(1, "[N]").dtype_in({DType::i64});
   arg(op, "slot_mapping", a.slot_mapping).dim(0, a.k.shape[0], "N").on(device).inner_contiguous();
+  checks::check_no_overlap(op, {{"cache", a.cache}}, {{"k", a.k}, {"slot_mapping", a.slot_mapping}});
 }
 
 void check(const IndexerTopkArgs& a) {
@@ -89,6 +90,10 @@ void check(const IndexerTopkArgs& a) {
   check_block_table(op, a.block_table, device);
   check_token_vector(op, "context_lens", a.context_lens, tokens, device);
   check_topk_matrix(op, "topk", a.topk, tokens, device);
+  checks::check_no_overlap(op, {{"topk", a.topk}, {"workspace", a.workspace}},
+                           {{"q", a.q}, {"q_scale", a.q_scale}, {"weights", a.weights}, {"index_cache", a.index_cache},
+                            {"request_ids", a.request_ids}, {"block_table", a.block_table},
+                            {"context_lens", a.context_lens}});
 }
 
 void check(const PositionsToSlotsArgs& a) {
@@ -101,6 +106,8 @@ void check(const PositionsToSlotsArgs& a) {
   if (a.block_size <= 0) fail(std::string(op) + ": block_size: must be > 0, got " + std::to_string(a.block_size));
   check_topk_matrix(op, "slots", a.slots, tokens, device);
   arg(op, "slots", a.slots).dim(1, a.positions.shape[1], "K, as in positions");
+  checks::check_no_overlap(op, {{"slots", a.slots}},
+                           {{"positions", a.positions}, {"request_ids", a.request_ids}, {"block_table", a.block_table}});
 }
 
 void check(const DsaDecodeStepArgs& a) {
@@ -118,6 +125,9 @@ void check(const DsaDecodeStepArgs& a) {
   if (a.indexer.stream != nullptr && a.indexer.stream != a.stream)
     fail(std::string(op) + ": indexer.stream: the step runs on `stream`; leave indexer.stream null or set it to "
          "the same stream, got two different streams");
+  if (a.indexer.workspace.ndim > 0 || a.indexer.workspace.defined())
+    fail(std::string(op) + ": indexer.workspace: the step's `workspace` serves all three steps; leave "
+         "indexer.workspace absent");
   const TensorView& topk = a.indexer.topk;
   check_topk_matrix(op, "slots", a.slots, topk.shape[0], a.indexer.q.device);
   arg(op, "slots", a.slots).dim(1, topk.shape[1], "K, as in indexer.topk");
@@ -130,6 +140,15 @@ void check(const DsaDecodeStepArgs& a) {
     arg(op, "kv_cache", a.kv_cache)
         .fail("must have the index cache's num_blocks and block_size (they share the block table), got " +
               a.kv_cache.describe() + " and index cache " + ic.describe());
+  // What the steps' own checks cannot see: one step's output against another step's tensors.
+  const IndexerTopkArgs& ix = a.indexer;
+  checks::check_no_overlap(op,
+                           {{"indexer.topk", ix.topk}, {"slots", a.slots}, {"out", a.out}, {"lse", a.lse},
+                            {"workspace", a.workspace}},
+                           {{"indexer.q", ix.q}, {"indexer.q_scale", ix.q_scale}, {"indexer.weights", ix.weights},
+                            {"indexer.index_cache", ix.index_cache}, {"indexer.request_ids", ix.request_ids},
+                            {"indexer.block_table", ix.block_table}, {"indexer.context_lens", ix.context_lens},
+                            {"q", a.q}, {"kv_cache", a.kv_cache}, {"attn_sink", a.attn_sink}});
 }
 
 }  // namespace smla

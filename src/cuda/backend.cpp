@@ -22,8 +22,9 @@ Capabilities mma_capabilities() {
   c.device_kind = DeviceKind::cuda;
   c.compute_capability = {80, 129};
   c.q_dtypes = {DType::bf16, DType::f16};
-  c.kv_cache_dtypes = {DType::bf16, DType::f16, DType::fp8_ds_mla};
+  c.kv_cache_dtypes = {DType::bf16, DType::f16, DType::fp8_ds_mla, DType::fp8_ds_mla_nope};
   c.heads = {1, 128};
+  c.qk_head_dims = {kMlaQkDim, kMlaLatentDim};
   c.block_size = {1, 1 << 20};
   c.topk = {1, kMaxIndexerTopk};  // the indexer's top-k; sparse_mla itself takes any K up to 65536
   c.ops = {Op::sparse_mla, Op::paged_mla_decode, Op::indexer};
@@ -64,6 +65,19 @@ class MmaBackend final : public Backend {
     DeviceGuard g(a.positions.device);
     cuda::positions_to_slots(a);
   }
+  size_t workspace_size(const SparseMlaArgs& a) const override {
+    DeviceGuard g(a.q.device);
+    return cuda::sparse_mla_workspace_size(a);
+  }
+  size_t workspace_size(const PagedMlaDecodeArgs& a) const override {
+    DeviceGuard g(a.q.device);
+    return cuda::paged_mla_decode_workspace_size(a);
+  }
+  size_t workspace_size(const IndexerTopkArgs& a) const override {
+    DeviceGuard g(a.q.device);
+    return cuda::indexer_workspace_size(a);
+  }
+  using Backend::workspace_size;  // dsa_decode_step: the default, the largest of its steps'
 #else
   void write_mla_cache(const WriteMlaCacheArgs&) const override { not_built(); }
   void sparse_mla(const SparseMlaArgs&) const override { not_built(); }

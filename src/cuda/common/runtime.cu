@@ -4,6 +4,7 @@
 #include <set>
 #include <tuple>
 #include <utility>
+#include <vector>
 
 #include "cuda/common/runtime.h"
 
@@ -99,26 +100,75 @@ int max_active_clusters(const void* kernel, int threads, int smem, int ranks) {
   });
 }
 
-void* workspace(cudaStream_t stream, size_t bytes, WorkspaceUse use) {
-  struct Buffer {
-    void* ptr = nullptr;
-    size_t size = 0;
-  };
-  static std::mutex mu;
-  static std::map<std::tuple<int, cudaStream_t, WorkspaceUse>, Buffer> buffers;
-  int dev = 0;
-  check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
-  std::lock_guard<std::mutex> lock(mu);
-  Buffer& b = buffers[{dev, stream, use}];
-  if (b.size < bytes) {
-    // The outgrown buffer is never freed: a CUDA graph captured earlier may
-    // still point at it. Doubling keeps the number of such buffers small.
-    const size_t size = std::max(bytes, 2 * b.size);
+namespace {
+
+struct StreamBuffer {
+  cudaStream_t stream = nullptr;
+  void* ptr = nullptr;
+  size_t size = 0;
+  int lent = 0;           // DefaultWorkspace objects using it now
+  bool captured = false;  // a graph was captured with it: never freed
+  uint64_t last_use = 0;
+};
+
+std::mutex workspace_mu;
+std::map<int, std::vector<StreamBuffer>> workspace_buffers;  // by device, at most kDefaultWorkspaceStreams each
+uint64_t workspace_clock = 0;
+
+// Lets `b`'s memory go: freed unless a graph may still use it. cudaFree waits for the device's pending work,
+// so kernels queued earlier with this buffer finish first.
+void give_up(StreamBuffer& b) {
+  if (b.ptr && !b.captured) check_cuda(cudaFree(b.ptr), "cudaFree (smla default workspace)");
+  b = StreamBuffer{};
+}
+
+}  // namespace
+
+DefaultWorkspace::DefaultWorkspace(cudaStream_t stream, size_t bytes, const char* op) {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  check_cuda(cudaStreamIsCapturing(stream, &capture), "cudaStreamIsCapturing");
+  check_cuda(cudaGetDevice(&device_), "cudaGetDevice");
+  std::lock_guard<std::mutex> lock(workspace_mu);
+  std::vector<StreamBuffer>& buffers = workspace_buffers[device_];
+  auto it = std::find_if(buffers.begin(), buffers.end(), [&](const StreamBuffer& b) { return b.stream == stream; });
+  if (it == buffers.end() || it->size < bytes) {
+    if (capture != cudaStreamCaptureStatusNone)
+      throw Error(ErrorKind::invalid_argument,
+                  std::string(op) + ": workspace: the stream is capturing a CUDA graph and the library's own "
+                  "workspace for it would have to be allocated (" + std::to_string(bytes) + " bytes). Pass a "
+                  "`workspace` of workspace_size(args) bytes (the way to capture), or call the op once on this "
+                  "stream before capturing");
+    if (it == buffers.end()) {
+      if (buffers.size() < kDefaultWorkspaceStreams) {
+        it = buffers.insert(buffers.end(), StreamBuffer{});
+      } else {
+        it = std::min_element(buffers.begin(), buffers.end(), [](const StreamBuffer& a, const StreamBuffer& b) {
+          return (a.lent > 0) < (b.lent > 0) || ((a.lent > 0) == (b.lent > 0) && a.last_use < b.last_use);
+        });
+        if (it->lent > 0) it = buffers.insert(buffers.end(), StreamBuffer{});  // all lent: one more for now
+      }
+    }
+    if (it->lent > 0) it->captured = true;  // another thread's call on this stream still uses it: kept, not freed
+    give_up(*it);
+    // Doubling keeps the number of reallocations small while one stream's sizes grow.
+    const size_t size = std::max(bytes, 2 * it->size);
     void* p = nullptr;
-    check_cuda(cudaMalloc(&p, size), "cudaMalloc (smla workspace)");
-    b = {p, size};
+    check_cuda(cudaMalloc(&p, size), "cudaMalloc (smla default workspace)");
+    *it = StreamBuffer{stream, p, size};
   }
-  return b.ptr;
+  it->lent += 1;
+  it->last_use = ++workspace_clock;
+  if (capture != cudaStreamCaptureStatusNone) it->captured = true;
+  ptr_ = it->ptr;
+}
+
+DefaultWorkspace::~DefaultWorkspace() {
+  std::lock_guard<std::mutex> lock(workspace_mu);
+  for (StreamBuffer& b : workspace_buffers[device_])
+    if (b.ptr == ptr_ && b.lent > 0) {
+      b.lent -= 1;
+      return;
+    }
 }
 
 }  // namespace smla::cuda
