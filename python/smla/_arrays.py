@@ -152,3 +152,28 @@ def _numpy_dtype(name: str) -> Any:
     import numpy as np
 
     return np.dtype(name)
+
+
+def workspace_allocator(ref: Any) -> Any:
+    """A callable giving `n` bytes of scratch on `ref`'s GPU from its framework's allocator (torch's caching
+    allocator, which CUDA-graph capture handles; cupy's pool), or None for other arrays. The C++ layer calls it
+    only when an op needs scratch (see workspace_size in include/smla/ops.h)."""
+    if is_torch(ref):
+        if not ref.is_cuda:
+            return None
+        import torch
+        from torch.utils.dlpack import to_dlpack
+
+        device = ref.device
+        return lambda n: to_dlpack(torch.empty(n, dtype=torch.uint8, device=device))
+    if framework(ref) == "cupy":
+        import cupy
+
+        device = ref.device.id
+
+        def allocate(n: int) -> Any:
+            with cupy.cuda.Device(device):
+                return cupy.empty(n, dtype=cupy.uint8)
+
+        return allocate
+    return None

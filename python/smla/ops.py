@@ -19,16 +19,23 @@ Tensor = Any  # numpy.ndarray, torch.Tensor, cupy.ndarray or any DLPack producer
 
 _MLA_FP8_ALIASES = ("fp8", "fp8_e4m3", "float8_e4m3fn", "e4m3", "fp8_ds_mla")
 _LATENT_DIM = 512
+_FP8_NOPE_ROW_BYTES = 528  # fp8_ds_mla_nope: 512 e4m3 + 4 fp32 scales
+
+
+def _fp8_mla_cache_dtype(cache: Tensor) -> str:
+    """The fp8 MLA cache format of 8-bit rows, told by their width: 528 bytes a token is fp8_ds_mla_nope (no rope
+    part), anything else fp8_ds_mla (656 bytes; the checks name a wrong width)."""
+    return "fp8_ds_mla_nope" if int(cache.shape[-1]) == _FP8_NOPE_ROW_BYTES else "fp8_ds_mla"
 
 
 def _mla_cache_dtype(cache: Tensor, kv_cache_dtype: Optional[str]) -> Optional[str]:
-    """The smla dtype to read an MLA cache as: 8-bit data is fp8_ds_mla (the
-    one fp8 MLA cache format, 656 bytes a token); else the tensor's own dtype.
-    An explicit bfloat16 / float16 is checked against the tensor."""
+    """The smla dtype to read an MLA cache as: 8-bit data is fp8_ds_mla (656
+    bytes a token) or, 528 bytes wide, fp8_ds_mla_nope; else the tensor's own
+    dtype. An explicit bfloat16 / float16 is checked against the tensor."""
     if kv_cache_dtype is None or kv_cache_dtype == "auto":
-        return "fp8_ds_mla" if _arrays.is_8bit(cache) else None
+        return _fp8_mla_cache_dtype(cache) if _arrays.is_8bit(cache) else None
     name = str(kv_cache_dtype).lower()
-    return "fp8_ds_mla" if name in _MLA_FP8_ALIASES else name
+    return _fp8_mla_cache_dtype(cache) if name in _MLA_FP8_ALIASES and name != "fp8_ds_mla" else name
 
 
 def _index_dtype(x: Tensor, dtype: Optional[str]) -> Optional[str]:
@@ -52,6 +59,13 @@ def _backend(backend: Optional[str]) -> str:
     return backend or ""
 
 
+def _workspace(ref: Tensor, workspace: Any) -> Any:
+    """The op's scratch: the caller's `workspace` (a uint8 tensor, or a callable taking a byte count), else one
+    allocated by `ref`'s framework when the op needs it (torch's caching allocator, cupy's pool), else None
+    (numpy: the CPU backend needs none; other GPU arrays: the library's own)."""
+    return workspace if workspace is not None else _arrays.workspace_allocator(ref)
+
+
 # --- eager implementations (also the bodies of the torch custom ops) ---------
 
 
@@ -63,20 +77,21 @@ def _write_mla_cache(latent, k_pe, slot_mapping, cache, kv_cache_dtype, stream, 
 
 
 def _sparse_mla(q, kv_cache, indices, topk_length, attn_sink, softmax_scale, out, lse, kv_cache_dtype, stream,
-                backend) -> None:
+                backend, max_logits=None, empty_lse_plus_inf=False, workspace=None) -> None:
     _smla.sparse_mla(
         _arrays.export(q), _arrays.export(kv_cache, _mla_cache_dtype(kv_cache, kv_cache_dtype)),
         _arrays.export(indices), _arrays.export(topk_length), _arrays.export(attn_sink), float(softmax_scale),
-        _arrays.export(out), _arrays.export(lse), _arrays.resolve_stream(q, stream), _backend(backend))
+        _arrays.export(out), _arrays.export(lse), _arrays.resolve_stream(q, stream), _backend(backend),
+        _arrays.export(max_logits), empty_lse_plus_inf, _workspace(q, workspace))
 
 
 def _paged_mla_decode(q, kv_cache, block_table, seq_lens, attn_sink, softmax_scale, causal, out, lse,
-                      kv_cache_dtype, stream, backend) -> None:
+                      kv_cache_dtype, stream, backend, empty_lse_plus_inf=False, workspace=None) -> None:
     _smla.paged_mla_decode(
         _arrays.export(q), _arrays.export(kv_cache, _mla_cache_dtype(kv_cache, kv_cache_dtype)),
         _arrays.export(block_table), _arrays.export(seq_lens), _arrays.export(attn_sink), float(softmax_scale),
         bool(causal), _arrays.export(out), _arrays.export(lse), _arrays.resolve_stream(q, stream),
-        _backend(backend))
+        _backend(backend), empty_lse_plus_inf, _workspace(q, workspace))
 
 
 def _write_index_cache(k, slot_mapping, cache, index_cache_dtype, stream, backend) -> None:
@@ -87,12 +102,12 @@ def _write_index_cache(k, slot_mapping, cache, index_cache_dtype, stream, backen
 
 
 def _indexer_topk(q, q_scale, weights, index_cache, request_ids, block_table, context_lens, topk_out,
-                  index_cache_dtype, stream, backend) -> None:
+                  index_cache_dtype, stream, backend, workspace=None) -> None:
     _smla.indexer_topk(
         _arrays.export(q, _index_dtype(q, None)), _arrays.export(q_scale), _arrays.export(weights),
         _arrays.export(index_cache, _index_dtype(index_cache, index_cache_dtype)), _arrays.export(request_ids),
         _arrays.export(block_table), _arrays.export(context_lens), _arrays.export(topk_out),
-        _arrays.resolve_stream(q, stream), _backend(backend))
+        _arrays.resolve_stream(q, stream), _backend(backend), _workspace(q, workspace))
 
 
 def _positions_to_slots(positions, request_ids, block_table, block_size, slots, stream, backend) -> None:
@@ -103,7 +118,7 @@ def _positions_to_slots(positions, request_ids, block_table, block_size, slots, 
 
 def _dsa_decode_step(q, kv_cache, index_q, index_weights, index_cache, request_ids, block_table, context_lens,
                      index_q_scale, attn_sink, softmax_scale, out, lse, topk_out, slots, kv_cache_dtype,
-                     index_cache_dtype, stream, backend) -> None:
+                     index_cache_dtype, stream, backend, workspace=None) -> None:
     _smla.dsa_decode_step(
         _arrays.export(index_q, _index_dtype(index_q, None)), _arrays.export(index_q_scale),
         _arrays.export(index_weights), _arrays.export(index_cache, _index_dtype(index_cache, index_cache_dtype)),
@@ -111,7 +126,7 @@ def _dsa_decode_step(q, kv_cache, index_q, index_weights, index_cache, request_i
         _arrays.export(topk_out), _arrays.export(slots), _arrays.export(q),
         _arrays.export(kv_cache, _mla_cache_dtype(kv_cache, kv_cache_dtype)), _arrays.export(attn_sink),
         float(softmax_scale), _arrays.export(out), _arrays.export(lse), _arrays.resolve_stream(q, stream),
-        _backend(backend))
+        _backend(backend), _workspace(q, workspace))
 
 
 def _attention_outputs(q: Tensor, out: Optional[Tensor], lse: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
@@ -134,13 +149,18 @@ def _tokens(q: Tensor) -> int:
 # --- public API ----------------------------------------------------------------
 
 
-def write_mla_cache(latent: Tensor, k_pe: Tensor, slot_mapping: Tensor, cache: Tensor, *,
+def write_mla_cache(latent: Tensor, k_pe: Optional[Tensor], slot_mapping: Tensor, cache: Tensor, *,
                     kv_cache_dtype: Optional[str] = "auto", stream: Any = None,
                     backend: Optional[str] = None) -> Tensor:
     """Writes latents [N, 512] and rope keys [N, 64] into the paged MLA cache
     [num_blocks, block_size, 576 | 656] in place, at the physical slots
     ``slot_mapping`` [N] (int64, negative = skip). An 8-bit cache (uint8,
-    int8, float8_e4m3fn) is fp8_ds_mla. Returns ``cache``."""
+    int8, float8_e4m3fn) is fp8_ds_mla, or fp8_ds_mla_nope when 528 bytes
+    wide. Heads with no rope part: ``k_pe`` None (or empty) and a cache of
+    [..., 512] in a 16-bit type, [..., 528] fp8_ds_mla_nope or [..., 656]
+    fp8_ds_mla (whose rope bytes are left alone). Returns ``cache``."""
+    if k_pe is None:
+        k_pe = _arrays.empty(latent, (0, 64))  # an empty k_pe: no rope part
     ops = _torch_ops(cache) if stream is None else None
     if ops is not None:
         ops.write_mla_cache(latent, k_pe, slot_mapping, cache, kv_cache_dtype or "auto", _backend(backend))

@@ -15,6 +15,7 @@ from typing import Any, Optional, Tuple
 import torch
 from torch import Tensor
 
+from . import flash_mla as _flash_mla
 from . import ops as _ops
 
 _LATENT_DIM = 512
@@ -132,7 +133,43 @@ def _register() -> bool:
         return (out, lse, q.new_empty((q.shape[0], topk), dtype=torch.int32),
                 q.new_empty((q.shape[0], topk), dtype=torch.int32))
 
+    # smla.flash_mla's two attention functions, with FlashMLA's output layouts written by the kernels.
+    @custom_op("smla::flash_mla_with_kvcache", mutates_args=())
+    def flash_mla_with_kvcache(q: Tensor, k_cache: Tensor, block_table: Optional[Tensor],
+                               cache_seqlens: Optional[Tensor], indices: Optional[Tensor],
+                               topk_length: Optional[Tensor], attn_sink: Optional[Tensor], softmax_scale: float,
+                               causal: bool, kv_cache_dtype: str = "auto", backend: str = "") -> Tuple[Tensor, Tensor]:
+        out, lse = _kvcache_out(q)
+        _flash_mla._with_kvcache_into(q, k_cache, block_table, cache_seqlens, indices, topk_length, attn_sink,
+                                      softmax_scale, causal, kv_cache_dtype, out, lse, backend)
+        return out, lse
+
+    @flash_mla_with_kvcache.register_fake
+    def _(q, k_cache, block_table, cache_seqlens, indices, topk_length, attn_sink, softmax_scale, causal,
+          kv_cache_dtype="auto", backend=""):
+        return _kvcache_out(q)
+
+    @custom_op("smla::flash_mla_sparse_fwd", mutates_args=())
+    def flash_mla_sparse_fwd(q: Tensor, kv: Tensor, indices: Tensor, topk_length: Optional[Tensor],
+                             attn_sink: Optional[Tensor], sm_scale: float,
+                             backend: str = "") -> Tuple[Tensor, Tensor, Tensor]:
+        out, lse = _attention_out(q)
+        max_logits = torch.empty_like(lse)
+        _flash_mla._sparse_fwd_into(q, kv, indices, topk_length, attn_sink, sm_scale, out, max_logits, lse, backend)
+        return out, max_logits, lse
+
+    @flash_mla_sparse_fwd.register_fake
+    def _(q, kv, indices, topk_length, attn_sink, sm_scale, backend=""):
+        out, lse = _attention_out(q)
+        return out, torch.empty_like(lse), lse
+
     return True
+
+
+def _kvcache_out(q: Tensor) -> Tuple[Tensor, Tensor]:
+    """flash_mla_with_kvcache's out (b, s_q, h_q, 512) and lse (b, h_q, s_q)."""
+    b, s_q, h_q = q.shape[:3]
+    return q.new_empty((b, s_q, h_q, _LATENT_DIM)), q.new_empty((b, h_q, s_q), dtype=torch.float32)
 
 
 _REGISTERED = _register()
