@@ -134,7 +134,7 @@ def flash_mla_with_kvcache(
     if isinstance(tile_scheduler_metadata, FlashMLASchedMeta):
         if num_splits is not None:
             raise _smla.InvalidArgumentError("num_splits: must be None with a FlashMLASchedMeta")
-        _check_sched_meta(tile_scheduler_metadata, FlashMLASchedMeta.Config(
+        _check_sched_meta(tile_scheduler_metadata, (
             b, s_q, h_q, int(k_cache.shape[1]), int(k_cache.shape[2]) if len(k_cache.shape) == 4 else 1,
             bool(causal), bool(is_fp8_kvcache), topk, None, None))
     if softmax_scale is None:
@@ -149,7 +149,7 @@ def flash_mla_with_kvcache(
             raise _smla.InvalidArgumentError("topk_length: only valid with indices (sparse attention)")
         if block_table is None or cache_seqlens is None:
             raise _smla.InvalidArgumentError("block_table and cache_seqlens must be given for dense attention")
-    torch_ops = _torch_ops(q)
+    torch_ops = _ops._torch_ops(q)
     if torch_ops is not None:
         return torch_ops.flash_mla_with_kvcache(q, cache, block_table, cache_seqlens, indices, topk_length, attn_sink,
                                                 float(softmax_scale), bool(causal), kv_cache_dtype, backend or "")
@@ -192,7 +192,7 @@ def flash_mla_sparse_fwd(
         raise _smla.InvalidArgumentError(f"indices: expected (s_q, 1, topk) (h_kv must be 1), got "
                                          f"{tuple(indices.shape)}")
     # kv is a paged cache of s_kv blocks of one token, so indices are its slots.
-    torch_ops = _torch_ops(q)
+    torch_ops = _ops._torch_ops(q)
     if torch_ops is not None:
         out, max_logits, lse = torch_ops.flash_mla_sparse_fwd(q, kv, indices, topk_length, attn_sink, float(sm_scale),
                                                               backend or "")
@@ -208,13 +208,16 @@ def flash_mla_sparse_fwd(
 # --- helpers -------------------------------------------------------------------
 
 
-def _check_sched_meta(meta: FlashMLASchedMeta, config: FlashMLASchedMeta.Config) -> None:
+def _check_sched_meta(meta: FlashMLASchedMeta, config: tuple) -> None:
+    """`config`: this call's FlashMLASchedMeta.Config fields, in order (a tuple: cheap to compare per call)."""
     if not meta.have_initialized:
         meta.have_initialized = True
-        meta.config = config
+        meta.config = FlashMLASchedMeta.Config(*config)
         return
-    for field in dataclasses.fields(config):
-        want, got = getattr(meta.config, field.name), getattr(config, field.name)
+    if tuple(vars(meta.config).values()) == config:
+        return
+    for field, got in zip(dataclasses.fields(meta.config), config):
+        want = getattr(meta.config, field.name)
         if want != got:
             raise _smla.InvalidArgumentError(
                 f"tile_scheduler_metadata: {field.name} is {got} but was {want} when this FlashMLASchedMeta was "
@@ -226,8 +229,15 @@ def _cache_3d(k_cache: Tensor) -> Tensor:
     if len(k_cache.shape) == 4:
         if int(k_cache.shape[2]) != 1:
             raise _smla.InvalidArgumentError(f"k_cache: num_heads_k must be 1 (MLA), got {tuple(k_cache.shape)}")
-        return k_cache[:, :, 0, :]
+        return _select(k_cache, 2, 0)
     return k_cache
+
+
+def _select(x: Tensor, dim: int, index: int) -> Tensor:
+    """x with dimension `dim` fixed at `index` (a view): torch's select is several times cheaper than indexing."""
+    if _arrays.is_torch(x):
+        return x.select(dim, index)
+    return x[(slice(None),) * dim + (index,)]
 
 
 def _kv_cache_dtype(k_cache: Tensor, is_fp8_kvcache: bool) -> str:
@@ -248,15 +258,6 @@ def _array_module(x: Tensor) -> Any:
     return numpy
 
 
-def _torch_ops(x: Tensor) -> Any:
-    """torch.ops.smla for a torch tensor when the custom ops are registered (traceable, capturable), else None."""
-    if not _arrays.is_torch(x):
-        return None
-    from . import torch_ops
-
-    return torch_ops.ops() if torch_ops.available() else None
-
-
 def _with_kvcache_into(q: Tensor, cache: Tensor, block_table: Optional[Tensor], cache_seqlens: Optional[Tensor],
                        indices: Optional[Tensor], topk_length: Optional[Tensor], attn_sink: Optional[Tensor],
                        softmax_scale: float, causal: bool, kv_cache_dtype: str, out: Tensor, lse: Tensor,
@@ -272,14 +273,15 @@ def _with_kvcache_into(q: Tensor, cache: Tensor, block_table: Optional[Tensor], 
     # FlashMLA's per-request topk_length (b,) serves every j as it is.
     per_token_lengths = topk_length is not None and len(topk_length.shape) == 2
     for j in range(int(q.shape[1])):
-        lengths = topk_length[:, j] if per_token_lengths else topk_length
-        _ops._sparse_mla(q[:, j], cache, indices[:, j], lengths, attn_sink, softmax_scale, out[:, j], lse_view[:, j],
-                         kv_cache_dtype, None, backend, empty_lse_plus_inf=True)
+        lengths = _select(topk_length, 1, j) if per_token_lengths else topk_length
+        _ops._sparse_mla(_select(q, 1, j), cache, _select(indices, 1, j), lengths, attn_sink, softmax_scale,
+                         _select(out, 1, j), _select(lse_view, 1, j), kv_cache_dtype, None, backend,
+                         empty_lse_plus_inf=True)
 
 
 def _sparse_fwd_into(q: Tensor, kv: Tensor, indices: Tensor, topk_length: Optional[Tensor],
                      attn_sink: Optional[Tensor], sm_scale: float, out: Tensor, max_logits: Tensor, lse: Tensor,
                      backend: Optional[str]) -> None:
     """flash_mla_sparse_fwd into out, max_logits and lse, all three from the kernel (+inf lse for empty rows)."""
-    _ops._sparse_mla(q, kv, indices[:, 0, :], topk_length, attn_sink, sm_scale, out, lse, "auto", None, backend,
+    _ops._sparse_mla(q, kv, _select(indices, 1, 0), topk_length, attn_sink, sm_scale, out, lse, "auto", None, backend,
                      max_logits=max_logits, empty_lse_plus_inf=True)
