@@ -82,12 +82,18 @@ void check_sink(std::string_view op, const TensorView& sink, int64_t heads, cons
 
 }  // namespace
 
+// The rope width is k_pe's: an absent k_pe, or one of width 0, writes a head with no rope part (an empty batch's
+// [0, 64] k_pe, null data from torch, has one).
+MlaHead written_head(const WriteMlaCacheArgs& a) {
+  const bool has_rope = (a.k_pe.defined() || a.k_pe.ndim > 0) && !(a.k_pe.ndim == 2 && a.k_pe.shape[1] == 0);
+  return MlaHead{has_rope ? kMlaRopeDim : 0};
+}
+
 void check(const WriteMlaCacheArgs& a) {
   constexpr std::string_view op = "write_mla_cache";
   const Device& device = a.cache.device;
-  // The rope width is k_pe's: an absent or empty k_pe writes a head with no rope part.
-  const bool has_rope = a.k_pe.defined() && a.k_pe.numel() > 0;
-  const MlaHead head{has_rope ? kMlaRopeDim : 0};
+  const MlaHead head = written_head(a);
+  const bool has_rope = head.rope_dim > 0;
   check_cache(op, "cache", a.cache, device, head);
   require_data(op, "latent", a.latent);
   arg(op, "latent", a.latent)
@@ -97,6 +103,7 @@ void check(const WriteMlaCacheArgs& a) {
       .on(device)
       .inner_contiguous();
   const int64_t n = a.latent.shape[0];
+  if (has_rope) require_data(op, "k_pe", a.k_pe);
   if (has_rope)
     arg(op, "k_pe", a.k_pe)
         .rank(2, "[N, 64]")
@@ -167,9 +174,10 @@ void check(const SparseMlaArgs& a) {
         .on(device)
         .no_negative_strides();
   }
-  checks::check_no_overlap(op, {{"out", a.out}, {"lse", a.lse}, {"max_logits", a.max_logits}, {"workspace", a.workspace}},
-                           {{"q", a.q}, {"kv_cache", a.kv_cache}, {"indices", a.indices}, {"topk_length", a.topk_length},
-                            {"attn_sink", a.attn_sink}});
+  checks::check_no_overlap(
+      op, {{"out", a.out}, {"lse", a.lse}, {"max_logits", a.max_logits}, {"workspace", a.workspace}},
+      {{"q", a.q}, {"kv_cache", a.kv_cache}, {"indices", a.indices}, {"topk_length", a.topk_length},
+       {"attn_sink", a.attn_sink}});
 }
 
 void check(const PagedMlaDecodeArgs& a) {

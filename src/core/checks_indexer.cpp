@@ -106,8 +106,8 @@ void check(const PositionsToSlotsArgs& a) {
   if (a.block_size <= 0) fail(std::string(op) + ": block_size: must be > 0, got " + std::to_string(a.block_size));
   check_topk_matrix(op, "slots", a.slots, tokens, device);
   arg(op, "slots", a.slots).dim(1, a.positions.shape[1], "K, as in positions");
-  checks::check_no_overlap(op, {{"slots", a.slots}},
-                           {{"positions", a.positions}, {"request_ids", a.request_ids}, {"block_table", a.block_table}});
+  checks::check_no_overlap(
+      op, {{"slots", a.slots}}, {{"positions", a.positions}, {"request_ids", a.request_ids}, {"block_table", a.block_table}});
 }
 
 void check(const DsaDecodeStepArgs& a) {

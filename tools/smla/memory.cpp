@@ -4,6 +4,8 @@
 #include <cstdlib>
 #include <cstring>
 
+#include <unistd.h>
+
 #include "cpu/memory_bandwidth.h"
 #include "smla/error.h"
 #ifdef SMLA_WITH_CUDA
@@ -82,6 +84,18 @@ TensorView Memory::on_host(const TensorView& v, std::vector<uint8_t>& storage) {
 void Memory::sync() {
 #ifdef SMLA_WITH_CUDA
   if (device_.is_cuda()) check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+#endif
+}
+
+double Memory::capacity_bytes() const {
+  if (device_.is_cpu()) return double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGESIZE));
+#ifdef SMLA_WITH_CUDA
+  check_cuda(cudaSetDevice(device_.index), "cudaSetDevice");
+  size_t free = 0, total = 0;
+  check_cuda(cudaMemGetInfo(&free, &total), "cudaMemGetInfo");
+  return double(total);
+#else
+  no_cuda();
 #endif
 }
 

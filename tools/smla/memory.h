@@ -26,6 +26,9 @@ class Memory {
   TensorView on_host(const TensorView& v, std::vector<uint8_t>& storage);
   // Waits for the work queued on the device, so host timers measure it.
   void sync();
+  // Bytes of memory the device has in all: the machine's physical memory on
+  // the CPU, the GPU's memory on a GPU.
+  double capacity_bytes() const;
   // The device's memory bandwidth measured now, GB/s: all cores reading on
   // the CPU; a device-to-device copy (bytes read + written) on a GPU.
   double bandwidth_gbs();

@@ -92,6 +92,13 @@ DType index_cache_dtype(DType kv_cache);
 int index_row_bytes(DType index_cache);
 int mla_row_bytes(DType kv_cache);
 
+// The layer job's self-check prompt, tokens (at most top-k for DSA models).
+inline constexpr int kLayerCheckTokens = 16;
+
+// Throws smla::Error naming the options unless the job's caches fit the library's int32 slot numbers and, with the
+// layer job's prompt, the device's memory: a clear message instead of an allocation failure deep inside the job.
+void check_job_fits(const JobOptions& o, const Resolved& res, const Memory& mem);
+
 // The jobs, after the backend is chosen; each prints its report and returns the exit status (3: the check failed).
 int run_ops(const JobOptions& o, const Resolved& res, const Backend& be, Memory& mem);
 int run_layer(const JobOptions& o, const Resolved& res, const Backend& be, Memory& mem);

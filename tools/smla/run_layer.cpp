@@ -25,8 +25,6 @@ namespace smla::cli {
 
 namespace {
 
-// The self-check's prompt: new, and within top-k, where the unabsorbed (dense) path is exact for DSA too.
-constexpr int kCheckTokens = 16;
 // Context rows imported per append_context call.
 constexpr int kContextChunk = 4096;
 
@@ -249,7 +247,7 @@ int run_layer(const JobOptions& o, const Resolved& res, const Backend& be, Memor
 
   AttentionWeights weights = rank_weights(o, spec, tp);
   const DType kv = res.run.resolved_kv_cache_dtype();
-  const int check_tokens = sparse ? std::min(kCheckTokens, spec.indexer->topk) : kCheckTokens;
+  const int check_tokens = sparse ? std::min(kLayerCheckTokens, spec.indexer->topk) : kLayerCheckTokens;
   const auto blocks = [bs](int64_t tokens) { return int((tokens + bs - 1) / bs); };
   LayerOptions options;
   options.num_blocks = o.batch * blocks(int64_t(o.context) + o.steps) + blocks(o.prompt) + blocks(check_tokens);
