@@ -100,11 +100,17 @@ def _export_torch(x: Any, as_dtype: Optional[str]) -> Exported:
     return (capsule, as_dtype) if as_dtype else capsule
 
 
+class NotATensorError(_smla.InvalidArgumentError, TypeError):
+    """An argument that is no tensor at all (a list, None, a memoryview): bad input of the wrong type, so both an
+    InvalidArgumentError and a TypeError."""
+
+
 def shape(x: Any, name: str) -> tuple:
-    """x.shape as a tuple of ints; a non-tensor is reported as the C++ layer would."""
+    """x.shape as a tuple of ints; anything without a shape and a dtype (a list, None, a memoryview) is
+    NotATensorError naming the argument, as the C++ layer would name it."""
     s = getattr(x, "shape", None)
-    if s is None:
-        raise _smla.InvalidArgumentError(
+    if s is None or not hasattr(x, "dtype"):
+        raise NotATensorError(
             f"{name}: expected a DLPack-capable tensor (numpy, torch, cupy, ...), got {type(x).__name__}")
     return tuple(int(d) for d in s)
 

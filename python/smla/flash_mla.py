@@ -125,12 +125,13 @@ def flash_mla_with_kvcache(
     if extra_k_cache is not None or extra_indices_in_kvcache is not None or extra_topk_length is not None:
         raise _smla.UnsupportedError("extra_k_cache / extra_indices_in_kvcache / extra_topk_length (FlashMLA's "
                                      "512-dim MODEL1 layout) are not supported by smla")
-    if len(q.shape) != 4:
-        raise _smla.InvalidArgumentError(f"q: expected (batch_size, seq_len_q, num_heads_q, 576 | 512), got "
-                                         f"{tuple(q.shape)}")
-    b, s_q, h_q, d = (int(x) for x in q.shape)
+    q_shape = _arrays.shape(q, "q")
+    if len(q_shape) != 4:
+        raise _smla.InvalidArgumentError(f"q: expected (batch_size, seq_len_q, num_heads_q, 576 | 512), got {q_shape}")
+    b, s_q, h_q, d = q_shape
+    _arrays.shape(k_cache, "k_cache")
     cache = _cache_3d(k_cache)
-    topk = int(indices.shape[-1]) if indices is not None else None
+    topk = _sparse_shapes(b, s_q, indices, topk_length) if indices is not None else None
     if isinstance(tile_scheduler_metadata, FlashMLASchedMeta):
         if num_splits is not None:
             raise _smla.InvalidArgumentError("num_splits: must be None with a FlashMLASchedMeta")
@@ -152,7 +153,8 @@ def flash_mla_with_kvcache(
     torch_ops = _ops._torch_ops(q)
     if torch_ops is not None:
         return torch_ops.flash_mla_with_kvcache(q, cache, block_table, cache_seqlens, indices, topk_length, attn_sink,
-                                                float(softmax_scale), bool(causal), kv_cache_dtype, backend or "")
+                                                _ops._softmax_scale(softmax_scale), bool(causal), kv_cache_dtype,
+                                                backend or "")
     out = _arrays.empty(q, (b, s_q, h_q, _HEAD_DIM_V))
     lse = _arrays.empty(q, (b, h_q, s_q), "float32")
     _with_kvcache_into(q, cache, block_table, cache_seqlens, indices, topk_length, attn_sink, softmax_scale, causal,
@@ -186,15 +188,17 @@ def flash_mla_sparse_fwd(
     ``return_max_logits=False`` (smla only) returns None in max_logits' place."""
     if d_v != _HEAD_DIM_V:
         raise _smla.InvalidArgumentError(f"d_v: must be {_HEAD_DIM_V}, got {d_v}")
-    if len(kv.shape) != 3 or int(kv.shape[1]) != 1:
+    _arrays.shape(q, "q")
+    sm_scale = _ops._softmax_scale(sm_scale, "sm_scale")
+    if len(_arrays.shape(kv, "kv")) != 3 or int(kv.shape[1]) != 1:
         raise _smla.InvalidArgumentError(f"kv: expected (s_kv, 1, d_qk) (h_kv must be 1), got {tuple(kv.shape)}")
-    if len(indices.shape) != 3 or int(indices.shape[1]) != 1:
+    if len(_arrays.shape(indices, "indices")) != 3 or int(indices.shape[1]) != 1:
         raise _smla.InvalidArgumentError(f"indices: expected (s_q, 1, topk) (h_kv must be 1), got "
                                          f"{tuple(indices.shape)}")
     # kv is a paged cache of s_kv blocks of one token, so indices are its slots.
     torch_ops = _ops._torch_ops(q)
     if torch_ops is not None:
-        out, max_logits, lse = torch_ops.flash_mla_sparse_fwd(q, kv, indices, topk_length, attn_sink, float(sm_scale),
+        out, max_logits, lse = torch_ops.flash_mla_sparse_fwd(q, kv, indices, topk_length, attn_sink, sm_scale,
                                                               backend or "")
     else:
         s_q, h_q = (int(x) for x in q.shape[:2])
@@ -224,6 +228,20 @@ def _check_sched_meta(meta: FlashMLASchedMeta, config: tuple) -> None:
                 "first used; use one get_mla_metadata() object per configuration")
 
 
+def _sparse_shapes(b: int, s_q: int, indices: Tensor, topk_length: Optional[Tensor]) -> int:
+    """topk, after checking indices (b, s_q, topk) and topk_length (b,) or (b, s_q) against q's b and s_q."""
+    shape = _arrays.shape(indices, "indices")
+    if len(shape) != 3 or shape[:2] != (b, s_q):
+        raise _smla.InvalidArgumentError(
+            f"indices: expected (batch_size, seq_len_q, topk) with q's batch_size {b} and seq_len_q {s_q}, got {shape}")
+    if topk_length is not None:
+        lengths = _arrays.shape(topk_length, "topk_length")
+        if lengths != (b,) and lengths != (b, s_q):
+            raise _smla.InvalidArgumentError(
+                f"topk_length: expected ({b},) (per request) or ({b}, {s_q}) (per query token), got {lengths}")
+    return shape[2]
+
+
 def _cache_3d(k_cache: Tensor) -> Tensor:
     """FlashMLA's (num_blocks, page_block_size, 1, d) cache as smla's (num_blocks, page_block_size, d) view."""
     if len(k_cache.shape) == 4:
@@ -242,6 +260,10 @@ def _select(x: Tensor, dim: int, index: int) -> Tensor:
 
 def _kv_cache_dtype(k_cache: Tensor, is_fp8_kvcache: bool) -> str:
     if is_fp8_kvcache:
+        if not _arrays.is_8bit(k_cache):
+            raise _smla.InvalidArgumentError(
+                f"k_cache: is_fp8_kvcache=True needs 8-bit data (uint8, int8 or float8_e4m3fn rows of 656 bytes), "
+                f"got {_arrays.dtype_name(k_cache)}")
         return _ops._fp8_mla_cache_dtype(k_cache)
     if _arrays.is_8bit(k_cache):
         raise _smla.InvalidArgumentError("k_cache: 8-bit (FP8) data needs is_fp8_kvcache=True")

@@ -29,10 +29,12 @@ def _fp8_mla_cache_dtype(cache: Tensor) -> str:
     return "fp8_ds_mla_nope" if int(cache.shape[-1]) == _FP8_NOPE_ROW_BYTES else "fp8_ds_mla"
 
 
-def _mla_cache_dtype(cache: Tensor, kv_cache_dtype: Optional[str]) -> Optional[str]:
+def _mla_cache_dtype(cache: Tensor, kv_cache_dtype: Optional[str], name: str = "kv_cache") -> Optional[str]:
     """The smla dtype to read an MLA cache as: 8-bit data is fp8_ds_mla (656
     bytes a token) or, 528 bytes wide, fp8_ds_mla_nope; else the tensor's own
     dtype. An explicit bfloat16 / float16 is checked against the tensor."""
+    if cache is None:
+        _arrays.shape(cache, name)  # NotATensorError naming it
     _checked_name(kv_cache_dtype, "kv_cache_dtype", _MLA_CACHE_DTYPES)
     if kv_cache_dtype is None or kv_cache_dtype == "auto":
         return _fp8_mla_cache_dtype(cache) if _arrays.is_8bit(cache) else None
@@ -55,16 +57,18 @@ _MLA_CACHE_DTYPES = ("auto", "bfloat16", "bf16", "float16", "fp16", "half", "fp8
 _INDEX_CACHE_DTYPES = ("auto", "bfloat16", "bf16", "fp8", "fp8_e4m3", "float8_e4m3fn", "e4m3")
 
 
-def _softmax_scale(value: Any) -> float:
+def _softmax_scale(value: Any, name: str = "softmax_scale") -> float:
     """softmax_scale as the float32 the kernels take, checked first, so that a value float32 cannot hold
     (1e300) is reported as given rather than as the inf it would round to."""
     try:
+        if isinstance(value, (str, bytes)):
+            raise TypeError
         scale = float(value)
     except (TypeError, ValueError):
-        raise _smla.InvalidArgumentError(f"softmax_scale: expected a number, got {type(value).__name__}") from None
+        raise _smla.InvalidArgumentError(f"{name}: expected a number, got {type(value).__name__}") from None
     if not 0.0 < scale <= _FLOAT32_MAX:
         raise _smla.InvalidArgumentError(
-            f"softmax_scale: must be finite, > 0 and at most {_FLOAT32_MAX:.7g} (float32), got {value!r}")
+            f"{name}: must be finite, > 0 and at most {_FLOAT32_MAX:.7g} (float32), got {value!r}")
     return scale
 
 
@@ -133,7 +137,7 @@ def _workspace(ref: Tensor, workspace: Any) -> Any:
 def _write_mla_cache(latent, k_pe, slot_mapping, cache, kv_cache_dtype, stream, backend) -> None:
     _smla.write_mla_cache(
         _arrays.export(latent), _arrays.export(k_pe), _arrays.export(slot_mapping),
-        _arrays.export(cache, _mla_cache_dtype(cache, kv_cache_dtype)),
+        _arrays.export(cache, _mla_cache_dtype(cache, kv_cache_dtype, "cache")),
         _arrays.resolve_stream(cache, stream), _backend(backend))
 
 
