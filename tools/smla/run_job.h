@@ -59,15 +59,8 @@ inline double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
-// Times `fn` on the host clock, the device's queued work included.
-template <class F>
-double timed(Memory& mem, F&& fn) {
-  mem.sync();
-  const auto t0 = Clock::now();
-  fn();
-  mem.sync();
-  return seconds_since(t0);
-}
+// Seconds `fn` takes, the device's queued work included (Memory::time).
+inline double timed(Memory& mem, const std::function<void()>& fn) { return mem.time(fn); }
 
 // Progress on a terminal (one updating bar), plain lines otherwise; nothing when quiet.
 class Progress {
