@@ -213,3 +213,64 @@ def test_torch_topk_is_checked_first():
             smla.indexer_topk(q, w, cache, rid, table, lens, topk=bad)
     empty = smla.indexer_topk(q[:0], w[:0], cache, rid[:0], table, lens[:0], topk=8)
     assert tuple(empty.shape) == (0, 8)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_empty_batches_on_torch(device):
+    """torch hands out empty tensors with null data: every op, through the torch custom ops and flash_mla."""
+    torch = pytest.importorskip("torch")
+    if device == "cuda" and (not torch.cuda.is_available() or smla.detect_device() == "cpu"):
+        pytest.skip("needs a CUDA GPU and a build of smla with CUDA")
+    gen = torch.Generator().manual_seed(5)
+
+    def randn(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, generator=gen).to(dtype=dtype, device=device)
+
+    def empty(*shape, dtype=torch.bfloat16):
+        return torch.empty(*shape, dtype=dtype, device=device)
+
+    i32 = torch.int32
+    cache, icache = randn(4, 16, QK), randn(4, 16, INDEX_DIM)
+    table = torch.arange(4, dtype=i32, device=device)[None]
+    before, ibefore = cache.clone(), icache.clone()
+    out, lse = smla.sparse_mla(empty(0, 8, QK), cache, empty(0, 16, dtype=i32), softmax_scale=0.1)
+    assert tuple(out.shape) == (0, 8, V) and tuple(lse.shape) == (0, 8)
+    out, lse = smla.paged_mla_decode(empty(0, 1, 8, QK), cache, empty(0, 4, dtype=i32), empty(0, dtype=i32),
+                                     softmax_scale=0.1)
+    assert tuple(out.shape) == (0, 1, 8, V)
+    smla.write_mla_cache(empty(0, 512), empty(0, 64), empty(0, dtype=torch.int64), cache)
+    smla.write_index_cache(empty(0, INDEX_DIM), empty(0, dtype=torch.int64), icache)
+    assert tuple(smla.indexer_topk(empty(0, 4, INDEX_DIM), empty(0, 4, dtype=torch.float32), icache,
+                                   empty(0, dtype=i32), table, empty(0, dtype=i32), topk=8).shape) == (0, 8)
+    assert tuple(smla.positions_to_slots(empty(0, 8, dtype=i32), empty(0, dtype=i32), table,
+                                         block_size=16).shape) == (0, 8)
+    out, lse, positions, slots = smla.dsa_decode_step(
+        empty(0, 8, QK), cache, empty(0, 4, INDEX_DIM), empty(0, 4, dtype=torch.float32), icache,
+        empty(0, dtype=i32), table, empty(0, dtype=i32), topk=8, softmax_scale=0.1)
+    assert tuple(out.shape) == (0, 8, V) and tuple(slots.shape) == (0, 8)
+    out, lse = flash_mla.flash_mla_with_kvcache(empty(0, 1, 8, QK), cache[:, :, None, :], None, None, V, None,
+                                                indices=empty(0, 1, 16, dtype=i32))
+    assert tuple(out.shape) == (0, 1, 8, V) and tuple(lse.shape) == (0, 8, 1)
+    out, max_logits, lse = flash_mla.flash_mla_sparse_fwd(empty(0, 8, QK), randn(64, 1, QK),
+                                                          empty(0, 1, 16, dtype=i32), 0.1)
+    assert tuple(out.shape) == (0, 8, V) and tuple(max_logits.shape) == (0, 8)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(cache, before) and torch.equal(icache, ibefore)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_torch_out_inside_the_cache_is_refused(device):
+    torch = pytest.importorskip("torch")
+    if device == "cuda" and (not torch.cuda.is_available() or smla.detect_device() == "cpu"):
+        pytest.skip("needs a CUDA GPU and a build of smla with CUDA")
+    cache = torch.randn(4, 16, QK).to(dtype=torch.bfloat16, device=device)
+    before = cache.clone()
+    q = torch.randn(2, 8, QK).to(dtype=torch.bfloat16, device=device)
+    indices = torch.randint(0, 64, (2, 16), dtype=torch.int32, device=device)
+    inside = cache.view(-1)[: 2 * 8 * V].view(2, 8, V)
+    with pytest.raises(smla.InvalidArgumentError, match="sparse_mla: out: overlaps input kv_cache"):
+        smla.sparse_mla(q, cache, indices, softmax_scale=0.1, out=inside)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(cache, before)
