@@ -21,11 +21,15 @@ class Backend;
 // Writes latents and rope keys into the paged MLA cache.
 struct WriteMlaCacheArgs {
   TensorView latent;        // [N, 512] f32 / f16 / bf16
-  TensorView k_pe;          // [N, 64], same dtype as latent
+  TensorView k_pe;          // [N, 64], same dtype as latent; absent or [N, 0] for heads with no rope part
   TensorView slot_mapping;  // [N] i64 physical slot (block * block_size + offset); negative = skip
-  TensorView cache;         // [num_blocks, block_size, 576] bf16/f16, or [num_blocks, block_size, 656] fp8_ds_mla
+  TensorView cache;         // [num_blocks, block_size, 576 | 512] bf16/f16, or [..., 656] fp8_ds_mla,
+                            // or [..., 528] fp8_ds_mla_nope (no rope part)
   void* stream = nullptr;   // CUDA stream (cudaStream_t); ignored on the CPU
 };
+
+// The head write_mla_cache writes: rope 64, or none when k_pe is absent or of width 0 ([N, 0]).
+MlaHead written_head(const WriteMlaCacheArgs& args);
 
 // Sparse MLA: each query token attends to the cache slots in its row of `indices`.
 struct SparseMlaArgs {

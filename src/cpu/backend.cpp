@@ -14,8 +14,9 @@ Capabilities cpu_capabilities() {
   c.description = "portable CPU kernels (OpenMP, AVX-512/AVX2 when present)";
   c.device_kind = DeviceKind::cpu;
   c.q_dtypes = {DType::bf16, DType::f16};
-  c.kv_cache_dtypes = {DType::bf16, DType::f16, DType::fp8_ds_mla};
+  c.kv_cache_dtypes = {DType::bf16, DType::f16, DType::fp8_ds_mla, DType::fp8_ds_mla_nope};
   c.heads = {1, 128};
+  c.qk_head_dims = {kMlaQkDim, kMlaLatentDim};
   c.block_size = {1, 1 << 20};
   c.topk = {1, 65536};
   c.ops = {Op::sparse_mla, Op::paged_mla_decode, Op::indexer};

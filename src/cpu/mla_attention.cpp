@@ -279,7 +279,7 @@ void write_mla_cache(const WriteMlaCacheArgs& a) {
   const CacheLayout cache(a.cache);
   const auto* slots = a.slot_mapping.ptr<const int64_t>();
   const int64_t slot_stride = a.slot_mapping.strides[0];
-  const MlaHead head{a.k_pe.defined() && a.k_pe.numel() > 0 ? kMlaRopeDim : 0};  // as check() reads it
+  const MlaHead head = written_head(a);
   for (int64_t i = 0; i < n; ++i)
     if (slots[i * slot_stride] >= cache.num_slots())
       fail("write_mla_cache: slot_mapping: row " + std::to_string(i) + " holds slot " +

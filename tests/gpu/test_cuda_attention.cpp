@@ -1,10 +1,13 @@
 // The CUDA attention ops against the CPU backend (itself tested against the
 // float64 reference): every dtype and cache format, head counts, top-k, block
 // sizes, padded strides, invalid indices, NaN-poisoned unused slots, outputs
-// pre-filled with NaN and checked fully written, topk_length and sinks.
+// pre-filled with NaN and checked fully written, topk_length and sinks; heads
+// of 576 (rope 64) and of 512 (no rope part: the fp8_ds_mla envelope's rope
+// bytes NaN, never read).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -25,14 +28,18 @@ struct Problem {
   DType kv_dtype = DType::bf16;
   int tokens = 3, heads = 16, topk = 128, block_size = 16, num_blocks = 0, block_pad = 0;
   bool topk_length = false, sink = false, q_padded = false;
+  int rope = kMlaRopeDim;  // 0: 512-wide heads (GLM-5.3-Flash)
+  int qk() const { return MlaHead{rope}.qk_dim(); }
 };
 
-int row_elems(DType kv) { return kv == DType::fp8_ds_mla ? kFp8DsMlaRowBytes : kMlaQkDim; }
+int row_elems(DType kv, int rope) { return static_cast<int>(MlaHead{rope}.cache_row(kv)); }
+
+std::string nope_tag(const Problem& p) { return p.rope ? "" : " no-rope"; }
 
 // A paged cache: written through the CPU backend from random latents where
 // `used`, NaN (0xff bytes) everywhere else, including the block padding.
 std::vector<uint8_t> make_cache(test::Rng& rng, const Problem& pr, const std::vector<bool>& used, TensorView& view) {
-  const int row = row_elems(pr.kv_dtype);
+  const int row = row_elems(pr.kv_dtype, pr.rope);
   const int64_t esz = dtype_size(pr.kv_dtype);
   const int64_t block_stride = static_cast<int64_t>(pr.block_size) * row + pr.block_pad;
   std::vector<uint8_t> cache(pr.num_blocks * block_stride * esz, 0xff);
@@ -45,7 +52,7 @@ std::vector<uint8_t> make_cache(test::Rng& rng, const Problem& pr, const std::ve
   auto kpe = test::to_half_bits(test::random_floats(rng, n * kMlaRopeDim, -2.f, 2.f), DType::bf16);
   WriteMlaCacheArgs w;
   w.latent = TensorView(latent.data(), {n, kMlaLatentDim}, DType::bf16);
-  w.k_pe = TensorView(kpe.data(), {n, kMlaRopeDim}, DType::bf16);
+  if (pr.rope) w.k_pe = TensorView(kpe.data(), {n, kMlaRopeDim}, DType::bf16);  // none: the rope part stays NaN
   w.slot_mapping = TensorView(slots.data(), {n}, DType::i64);
   w.cache = view;
   write_mla_cache(w, &cpu());
@@ -81,7 +88,7 @@ void expect_close(const std::vector<uint16_t>& ref, const std::vector<uint16_t>&
 void run_sparse(const Problem& pr, uint64_t seed) {
   const std::string what = std::string("sparse q=") + std::string(dtype_name(pr.q_dtype)) + " kv=" +
                            std::string(dtype_name(pr.kv_dtype)) + " H=" + std::to_string(pr.heads) +
-                           " K=" + std::to_string(pr.topk) + " bs=" + std::to_string(pr.block_size);
+                           " K=" + std::to_string(pr.topk) + " bs=" + std::to_string(pr.block_size) + nope_tag(pr);
   SCOPED_TRACE(what);
   test::Rng rng(seed);
   Problem p = pr;
@@ -112,12 +119,12 @@ void run_sparse(const Problem& pr, uint64_t seed) {
   TensorView cache_view;
   auto cache = make_cache(rng, p, used, cache_view);
 
-  const int64_t q_row = p.q_padded ? kMlaQkDim + 64 : kMlaQkDim;
+  const int64_t q_row = p.q_padded ? p.qk() + 64 : p.qk();
   auto qbits = queries(rng, p.tokens * p.heads * q_row, p.q_dtype, p.kv_dtype);
   std::vector<float> sink = test::random_floats(rng, p.heads, -2.f, 2.f);
 
   SparseMlaArgs a;
-  a.q = TensorView(qbits.data(), {p.tokens, p.heads, kMlaQkDim}, {p.heads * q_row, q_row, 1}, p.q_dtype);
+  a.q = TensorView(qbits.data(), {p.tokens, p.heads, p.qk()}, {p.heads * q_row, q_row, 1}, p.q_dtype);
   a.kv_cache = cache_view;
   a.indices = TensorView(idx.data(), {p.tokens, p.topk}, DType::i32);
   if (p.topk_length) a.topk_length = TensorView(lens.data(), {p.tokens}, DType::i32);
@@ -202,12 +209,15 @@ TEST(CudaSparseMla, DecodeBatchUsesSplits) {
   run_sparse(p, 300);
 }
 
-void run_paged(DType q_dtype, DType kv, int batch, int s_q, int heads, int block_size, bool causal, uint64_t seed) {
+void run_paged(DType q_dtype, DType kv, int batch, int s_q, int heads, int block_size, bool causal, uint64_t seed,
+               int rope = kMlaRopeDim) {
   SCOPED_TRACE("paged kv=" + std::string(dtype_name(kv)) + " B=" + std::to_string(batch) + " s_q=" +
-               std::to_string(s_q) + " H=" + std::to_string(heads) + " bs=" + std::to_string(block_size));
+               std::to_string(s_q) + " H=" + std::to_string(heads) + " bs=" + std::to_string(block_size) +
+               " rope=" + std::to_string(rope));
   test::Rng rng(seed);
   const int max_blocks = (700 + block_size - 1) / block_size;
   Problem p;
+  p.rope = rope;
   p.kv_dtype = kv;
   p.block_size = block_size;
   p.num_blocks = batch * max_blocks + 3;
@@ -223,10 +233,10 @@ void run_paged(DType q_dtype, DType kv, int batch, int s_q, int heads, int block
   }
   TensorView cache_view;
   auto cache = make_cache(rng, p, used, cache_view);
-  auto qbits = queries(rng, batch * s_q * heads * kMlaQkDim, q_dtype, kv);
+  auto qbits = queries(rng, batch * s_q * heads * p.qk(), q_dtype, kv);
 
   PagedMlaDecodeArgs a;
-  a.q = TensorView(qbits.data(), {batch, s_q, heads, kMlaQkDim}, q_dtype);
+  a.q = TensorView(qbits.data(), {batch, s_q, heads, p.qk()}, q_dtype);
   a.kv_cache = cache_view;
   a.block_table = TensorView(table.data(), {batch, max_blocks}, DType::i32);
   a.seq_lens = TensorView(seq.data(), {batch}, DType::i32);
@@ -261,47 +271,116 @@ TEST(CudaPagedDecode, MatchesCpu) {
   run_paged(DType::bf16, DType::bf16, 2, 4, 8, 16, false, seed++);
 }
 
+// Heads with no rope part: 512-wide bf16/f16 caches, the fp8_ds_mla envelope (rope part NaN) and the compact
+// fp8_ds_mla_nope rows, against the CPU backend.
+TEST(CudaSparseMla, NoRopePartHeadsAndTopk) {
+  uint64_t seed = 600;
+  const DType forms[] = {DType::bf16, DType::fp8_ds_mla, DType::fp8_ds_mla_nope, DType::f16};
+  int turn = 0;
+  for (int heads : {1, 8, 16, 64, 128})
+    for (int topk : {1, 100, 2048}) {
+      Problem p;
+      p.rope = 0;
+      p.kv_dtype = forms[turn % 4];
+      p.block_size = std::array<int, 3>{1, 16, 64}[turn % 3];
+      p.heads = heads;
+      p.topk = topk;
+      p.tokens = heads >= 64 ? 2 : 3;
+      p.sink = turn % 2 == 1;
+      p.topk_length = turn % 3 == 2;
+      ++turn;
+      run_sparse(p, seed++);
+    }
+}
+
+TEST(CudaSparseMla, NoRopePartDtypesFormatsBlockSizes) {
+  uint64_t seed = 700;
+  for (DType q : {DType::bf16, DType::f16})
+    for (DType kv : {DType::bf16, DType::f16, DType::fp8_ds_mla, DType::fp8_ds_mla_nope})
+      for (int bs : {1, 16, 64}) {
+        Problem p;
+        p.rope = 0;
+        p.q_dtype = q;
+        p.kv_dtype = kv;
+        p.block_size = bs;
+        p.heads = 20;
+        p.topk = 300;
+        p.block_pad = bs == 16 ? 8 * 16 : 0;
+        p.topk_length = bs == 64;
+        p.sink = bs == 1;
+        p.q_padded = q == DType::f16;
+        run_sparse(p, seed++);
+      }
+}
+
+TEST(CudaSparseMla, NoRopePartDecodeBatchUsesSplits) {
+  // 64 tokens x 8 heads x top-k 2048: GLM-5.3-Flash's TP8 decode shape, in the three forms engines would use.
+  uint64_t seed = 800;
+  for (DType kv : {DType::bf16, DType::fp8_ds_mla, DType::fp8_ds_mla_nope}) {
+    Problem p;
+    p.rope = 0;
+    p.kv_dtype = kv;
+    p.tokens = 64;
+    p.heads = 8;
+    p.topk = 2048;
+    p.block_size = 64;
+    p.sink = true;
+    run_sparse(p, seed++);
+  }
+}
+
+TEST(CudaPagedDecode, NoRopePartMatchesCpu) {
+  uint64_t seed = 900;
+  for (DType kv : {DType::bf16, DType::f16, DType::fp8_ds_mla, DType::fp8_ds_mla_nope})
+    for (int bs : {1, 16, 64}) run_paged(DType::bf16, kv, 3, 2, 16, bs, true, seed++, 0);
+  run_paged(DType::f16, DType::f16, 4, 1, 128, 64, true, seed++, 0);
+  run_paged(DType::bf16, DType::fp8_ds_mla_nope, 2, 4, 8, 16, false, seed++, 0);
+}
+
 TEST(CudaWriteMlaCache, SameBytesAsCpu) {
   test::Rng rng(500);
-  for (DType src : {DType::f32, DType::bf16, DType::f16})
-    for (DType kv : {DType::bf16, DType::f16, DType::fp8_ds_mla}) {
-      SCOPED_TRACE(std::string(dtype_name(src)) + " -> " + std::string(dtype_name(kv)));
-      const int n = 77, num_blocks = 10, bs = 16;
-      const int row = row_elems(kv);
-      const int64_t esz = dtype_size(src);
-      std::vector<uint8_t> latent(n * kMlaLatentDim * esz), kpe(n * kMlaRopeDim * esz);
-      auto fill = [&](std::vector<uint8_t>& buf, int count) {
-        auto vals = test::random_floats(rng, count, -40.f, 40.f);
-        if (src == DType::f32) std::memcpy(buf.data(), vals.data(), buf.size());
-        else {
-          auto bits = test::to_half_bits(vals, src);
-          std::memcpy(buf.data(), bits.data(), buf.size());
-        }
-      };
-      fill(latent, n * kMlaLatentDim);
-      fill(kpe, n * kMlaRopeDim);
-      std::vector<int64_t> slots(n);
-      std::vector<int64_t> perm(num_blocks * bs);
-      for (size_t i = 0; i < perm.size(); ++i) perm[i] = static_cast<int64_t>(i);
-      std::shuffle(perm.begin(), perm.end(), rng);
-      for (int i = 0; i < n; ++i) slots[i] = i % 11 == 5 ? -1 : perm[i];
-      std::vector<uint8_t> ref(num_blocks * bs * row * dtype_size(kv), 0xab);
-      WriteMlaCacheArgs a;
-      a.latent = TensorView(latent.data(), {n, kMlaLatentDim}, src);
-      a.k_pe = TensorView(kpe.data(), {n, kMlaRopeDim}, src);
-      a.slot_mapping = TensorView(slots.data(), {n}, DType::i64);
-      a.cache = TensorView(ref.data(), {num_blocks, bs, row}, kv);
-      write_mla_cache(a, &cpu());
-      DeviceBuffer dl(latent), dk(kpe), ds(slots), dc(std::vector<uint8_t>(ref.size(), 0xab));
-      WriteMlaCacheArgs g = a;
-      g.latent = on_gpu(a.latent, dl.ptr);
-      g.k_pe = on_gpu(a.k_pe, dk.ptr);
-      g.slot_mapping = on_gpu(a.slot_mapping, ds.ptr);
-      g.cache = on_gpu(a.cache, dc.ptr);
-      write_mla_cache(g, &gpu());
-      CUDA_OK(cudaDeviceSynchronize());
-      EXPECT_EQ(dc.download<uint8_t>(), ref);
-    }
+  for (int rope : {kMlaRopeDim, 0})
+    for (DType src : {DType::f32, DType::bf16, DType::f16})
+      for (DType kv : {DType::bf16, DType::f16, DType::fp8_ds_mla, DType::fp8_ds_mla_nope}) {
+        if (MlaHead{rope}.cache_row(kv) == 0) continue;  // fp8_ds_mla_nope holds no rope part
+        SCOPED_TRACE(std::string(dtype_name(src)) + " -> " + std::string(dtype_name(kv)) + " rope " +
+                     std::to_string(rope));
+        const int n = 77, num_blocks = 10, bs = 16;
+        const int row = row_elems(kv, rope);
+        const int64_t esz = dtype_size(src);
+        std::vector<uint8_t> latent(n * kMlaLatentDim * esz), kpe(n * kMlaRopeDim * esz);
+        auto fill = [&](std::vector<uint8_t>& buf, int count) {
+          auto vals = test::random_floats(rng, count, -40.f, 40.f);
+          if (src == DType::f32) std::memcpy(buf.data(), vals.data(), buf.size());
+          else {
+            auto bits = test::to_half_bits(vals, src);
+            std::memcpy(buf.data(), bits.data(), buf.size());
+          }
+        };
+        fill(latent, n * kMlaLatentDim);
+        fill(kpe, n * kMlaRopeDim);
+        std::vector<int64_t> slots(n);
+        std::vector<int64_t> perm(num_blocks * bs);
+        for (size_t i = 0; i < perm.size(); ++i) perm[i] = static_cast<int64_t>(i);
+        std::shuffle(perm.begin(), perm.end(), rng);
+        for (int i = 0; i < n; ++i) slots[i] = i % 11 == 5 ? -1 : perm[i];
+        std::vector<uint8_t> ref(num_blocks * bs * row * dtype_size(kv), 0xab);
+        WriteMlaCacheArgs a;
+        a.latent = TensorView(latent.data(), {n, kMlaLatentDim}, src);
+        if (rope) a.k_pe = TensorView(kpe.data(), {n, kMlaRopeDim}, src);  // none: the envelope's rope bytes stay
+        a.slot_mapping = TensorView(slots.data(), {n}, DType::i64);
+        a.cache = TensorView(ref.data(), {num_blocks, bs, row}, kv);
+        write_mla_cache(a, &cpu());
+        DeviceBuffer dl(latent), dk(kpe), ds(slots), dc(std::vector<uint8_t>(ref.size(), 0xab));
+        WriteMlaCacheArgs g = a;
+        g.latent = on_gpu(a.latent, dl.ptr);
+        if (rope) g.k_pe = on_gpu(a.k_pe, dk.ptr);
+        g.slot_mapping = on_gpu(a.slot_mapping, ds.ptr);
+        g.cache = on_gpu(a.cache, dc.ptr);
+        write_mla_cache(g, &gpu());
+        CUDA_OK(cudaDeviceSynchronize());
+        EXPECT_EQ(dc.download<uint8_t>(), ref);
+      }
 }
 
 TEST(CudaBackend, RejectsMisalignedQueries) {

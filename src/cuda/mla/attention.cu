@@ -112,11 +112,13 @@ struct LaunchConfig {
 // the most the device allows).
 const LaunchConfig& launch_config(CacheFormat f, int rope, bool paged) {
   static std::mutex mu;
-  static std::map<std::tuple<int, CacheFormat, int, bool>, LaunchConfig> configs;
+  static std::map<std::tuple<int, CacheFormat, int, bool>, LaunchConfig> configs;  // nodes never move
+  thread_local std::map<std::tuple<int, CacheFormat, int, bool>, const LaunchConfig*> mine;  // no lock once seen
   const DeviceInfo& dev = current_device();
-  std::lock_guard<std::mutex> lock(mu);
   const auto key = std::make_tuple(dev.index, f, rope, paged);
-  if (auto it = configs.find(key); it != configs.end()) return it->second;
+  if (auto it = mine.find(key); it != mine.end()) return *it->second;
+  std::lock_guard<std::mutex> lock(mu);
+  if (auto it = configs.find(key); it != configs.end()) return *(mine[key] = &it->second);
   std::vector<LaunchConfig> fits;
   int most = 0;
   for (int stages : f == CacheFormat::fp8_ds_mla ? kFp8Stages : kHalfStages) {
@@ -142,7 +144,7 @@ const LaunchConfig& launch_config(CacheFormat f, int rope, bool paged) {
   LaunchConfig best;
   for (const LaunchConfig& c : fits)  // depths ascend, so the last that fits wins
     if (c.ctas_per_sm >= std::min(2, most)) best = c;
-  return configs.emplace(key, best).first->second;
+  return *(mine[key] = &configs.emplace(key, best).first->second);
 }
 
 // How many ways to split each (token, head group)'s keys: the count whose CTAs
