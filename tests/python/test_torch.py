@@ -212,7 +212,7 @@ def test_cuda_runs_on_the_current_stream_and_in_cuda_graphs(rng):
     static_q = tq.clone()
     capture = torch.cuda.Stream()
     capture.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(capture):  # warm up on the capture stream: it sizes the backend's workspace
+    with torch.cuda.stream(capture):  # an eager call on the capture stream first (test_capture.py covers the others)
         smla.sparse_mla(static_q, tc, ti, softmax_scale=0.05)
     torch.cuda.current_stream().wait_stream(capture)
     graph = torch.cuda.CUDAGraph()
