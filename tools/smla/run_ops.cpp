@@ -247,28 +247,34 @@ Report run_sparse(const JobOptions& o, const AttentionSpec& spec, const RunSpec&
   if (split_indexer) scores = mem.empty({B, cuda::score_row_stride(idx)}, DType::f32);
 #endif
 
-  Progress progress(o.steps, quiet);
-  for (int s = 0; s < o.steps; ++s) {
-    const int64_t pos = o.context - 1 + s;  // the new token of every request
+  // Step s, each op timed alone into `t`.
+  const auto step = [&](int s, Timings& t) {
     const WriteMlaCacheArgs mla_write = data.mla_write(caches.mla_view, s);
     const WriteIndexCacheArgs index_write = data.index_write(caches.index_view, s);
-    r.t.write += timed(mem, [&] { write_mla_cache(mla_write, &be); });
-    r.t.write += timed(mem, [&] { write_index_cache(index_write, &be); });
+    t.write += timed(mem, [&] { write_mla_cache(mla_write, &be); });
+    t.write += timed(mem, [&] { write_index_cache(index_write, &be); });
     idx.q = data.variant(data.index_q, s);
     idx.weights = data.variant(data.weights, s);
     idx.context_lens = data.step(data.context_lens, s);
     attn.q = data.variant(data.q, s);
-
     if (split_indexer) {
 #if SMLA_WITH_CUDA
-      r.t.indexer += timed(mem, [&] { cuda::indexer_scores(idx, scores.ptr<float>()); });
-      r.t.topk += timed(mem, [&] { cuda::select_topk(idx, scores.ptr<float>()); });
+      t.indexer += timed(mem, [&] { cuda::indexer_scores(idx, scores.ptr<float>()); });
+      t.topk += timed(mem, [&] { cuda::select_topk(idx, scores.ptr<float>()); });
 #endif
     } else {
-      r.t.indexer += timed(mem, [&] { indexer_topk(idx, &be); });
+      t.indexer += timed(mem, [&] { indexer_topk(idx, &be); });
     }
-    r.t.slots += timed(mem, [&] { positions_to_slots(p2s, &be); });
-    r.t.attention += timed(mem, [&] { sparse_mla(attn, &be); });
+    t.slots += timed(mem, [&] { positions_to_slots(p2s, &be); });
+    t.attention += timed(mem, [&] { sparse_mla(attn, &be); });
+  };
+  Timings warm_up;
+  step(0, warm_up);  // untimed: first calls allocate (per-thread scratch on the CPU, the default workspace on a GPU)
+
+  Progress progress(o.steps, quiet);
+  for (int s = 0; s < o.steps; ++s) {
+    const int64_t pos = o.context - 1 + s;  // the new token of every request
+    step(s, r.t);
     r.bytes_indexer += static_cast<double>(B) * (pos + 1) * index_row_bytes(caches.index_view.dtype);
     r.bytes_attention += static_cast<double>(B) * std::min<int64_t>(K, pos + 1) * mla_row_bytes(kv);
     progress.update(s + 1, 1e3 * r.t.total() / (s + 1));
@@ -323,17 +329,23 @@ Report run_dense(const JobOptions& o, const AttentionSpec& spec, const RunSpec& 
   a.softmax_scale = static_cast<float>(spec.softmax_scale);
   a.out = mem.empty({B, 1, H, kMlaVDim}, run.q_dtype);
   a.lse = mem.empty({B, 1, H}, DType::f32);
-  Progress progress(o.steps, quiet);
-  for (int s = 0; s < o.steps; ++s) {
-    const int64_t pos = o.context - 1 + s;
+  const auto step = [&](int s, Timings& t) {
     const WriteMlaCacheArgs mla_write = data.mla_write(caches.mla_view, s);
-    r.t.write += timed(mem, [&] { write_mla_cache(mla_write, &be); });
+    t.write += timed(mem, [&] { write_mla_cache(mla_write, &be); });
     a.q = data.variant(data.q, s);
     a.q.ndim = 4;  // [B, s_q = 1, H, 576]
     a.q.shape = {B, 1, H, kMlaQkDim, 0, 0};
     a.q.strides = {H * kMlaQkDim, H * kMlaQkDim, kMlaQkDim, 1, 0, 0};
     a.seq_lens = data.step(data.context_lens, s);
-    r.t.attention += timed(mem, [&] { paged_mla_decode(a, &be); });
+    t.attention += timed(mem, [&] { paged_mla_decode(a, &be); });
+  };
+  Timings warm_up;
+  step(0, warm_up);  // untimed: first calls allocate (per-thread scratch on the CPU, the default workspace on a GPU)
+
+  Progress progress(o.steps, quiet);
+  for (int s = 0; s < o.steps; ++s) {
+    const int64_t pos = o.context - 1 + s;
+    step(s, r.t);
     r.bytes_attention += static_cast<double>(B) * (pos + 1) * mla_row_bytes(kv);
     progress.update(s + 1, 1e3 * r.t.total() / (s + 1));
   }
@@ -405,16 +417,21 @@ int run_ops(const JobOptions& o, const Resolved& res, const Backend& be, Memory&
       j["per_user"] = {{"layers", layers}, {"ms_per_token", token_ms}, {"tokens_per_s", 1e3 / token_ms}};
     std::cout << j.dump(2) << "\n";
   } else {
-    auto ms = [&](double s) { return 1e3 * s / o.steps; };
+    // Steps under a millisecond (a few tokens on a GPU) in microseconds, so that each op keeps its digits.
+    const bool us = step_ms < 1;
+    const char* unit = us ? "us" : "ms";
+    auto per_step = [&](double s) { return (us ? 1e6 : 1e3) * s / o.steps; };
+    const double step = per_step(r.t.total());
     if (sparse && r.t.split())
-      std::printf("\nper step   %.2f ms: cache write %.2f, indexer %.2f, top-k %.2f, slots %.2f, attention %.2f\n",
-                  step_ms, ms(r.t.write), ms(r.t.indexer), ms(r.t.topk), ms(r.t.slots), ms(r.t.attention));
+      std::printf("\nper step   %.2f %s: cache write %.2f, indexer %.2f, top-k %.2f, slots %.2f, attention %.2f\n",
+                  step, unit, per_step(r.t.write), per_step(r.t.indexer), per_step(r.t.topk), per_step(r.t.slots),
+                  per_step(r.t.attention));
     else if (sparse)
-      std::printf("\nper step   %.2f ms: cache write %.2f, indexer+top-k %.2f, slots %.2f, attention %.2f\n", step_ms,
-                  ms(r.t.write), ms(r.t.indexer), ms(r.t.slots), ms(r.t.attention));
+      std::printf("\nper step   %.2f %s: cache write %.2f, indexer+top-k %.2f, slots %.2f, attention %.2f\n", step,
+                  unit, per_step(r.t.write), per_step(r.t.indexer), per_step(r.t.slots), per_step(r.t.attention));
     else
-      std::printf("\nper step   %.2f ms: cache write %.2f, paged attention %.2f\n", step_ms, ms(r.t.write),
-                  ms(r.t.attention));
+      std::printf("\nper step   %.2f %s: cache write %.2f, paged attention %.2f\n", step, unit, per_step(r.t.write),
+                  per_step(r.t.attention));
     std::printf("throughput %.0f tokens/s; cache bytes read %.1f GB/s = %.0f%% of the measured %.1f GB/s\n",
                 tokens_per_s, gbs, 100 * gbs / bw, bw);
     if (sparse)
@@ -422,9 +439,9 @@ int run_ops(const JobOptions& o, const Resolved& res, const Backend& be, Memory&
                   r.t.split() ? " (scores alone)" : "",
                   r.bytes_attention / r.t.attention / 1e9);
     if (layers > 0)
-      std::printf("per user   a token runs this step in each of the %d attention layers: %.3f ms, at most %.1f "
-                  "tokens/s for one user (attention alone)\n",
-                  layers, token_ms, 1e3 / token_ms);
+      std::printf("per user   a token runs this step in each of the %d attention layers: %.2f %s x %d = %.3f ms, "
+                  "at most %.1f tokens/s for one user (attention alone)\n",
+                  layers, step, unit, layers, token_ms, 1e3 / token_ms);
     else
       std::printf("per user   unknown: the model does not say how many layers it has (num_hidden_layers)\n");
     std::printf("host       each op timed alone (%s); the steps' inputs (new cache rows, queries%s) were generated "
