@@ -26,6 +26,7 @@ void check_index_cache(std::string_view op, const TensorView& cache, const Devic
     return;
   }
   c.dim(2, kFp8IndexRowBytes, "bytes per token for fp8_e4m3: 128 values + fp32 scale").inner_contiguous();
+  if (cache.numel() == 0) return;  // no blocks: no layout to check
   const int64_t block_bytes = cache.shape[1] * kFp8IndexRowBytes;
   if (cache.strides[1] != kFp8IndexRowBytes || (cache.shape[0] > 1 && cache.strides[0] < block_bytes))
     c.fail("fp8_e4m3 blocks must be contiguous (stride of dimension 1 = 132, block stride >= block_size * 132), got " +

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -168,6 +169,25 @@ TEST(OpInputs, EmptyBatchesJustWork) {
     for (int32_t v : p.topk) EXPECT_EQ(v, -7);
     for (uint16_t v : p.out) EXPECT_EQ(v, 0x7fc0);
   }
+}
+
+// A cache of no blocks (numpy: zero strides) has no valid slot: every row is empty (out 0, lse -inf), no error.
+TEST(OpInputs, CacheOfNoBlocks) {
+  Problem p;
+  SparseMlaArgs a = p.sparse();
+  uint8_t scratch[16] = {};
+  a.kv_cache = empty_numpy_style(scratch, {0, kBlockSize, kMlaQkDim}, DType::bf16);
+  std::vector<int32_t> indices(kTokens * kTopk, 0);
+  a.indices = TensorView(indices.data(), {kTokens, kTopk}, DType::i32);
+  ASSERT_NO_THROW(sparse_mla(a));
+  for (uint16_t v : p.out) EXPECT_EQ(v, 0);
+  for (float v : p.lse) EXPECT_EQ(v, -std::numeric_limits<float>::infinity());
+  IndexerTopkArgs ix = p.step.indexer;
+  ix.index_cache = empty_numpy_style(scratch, {0, kBlockSize, kFp8IndexRowBytes}, DType::fp8_e4m3);
+  std::vector<int32_t> lens(kTokens, 0);
+  ix.context_lens = TensorView(lens.data(), {kTokens}, DType::i32);
+  ASSERT_NO_THROW(indexer_topk(ix));
+  for (int32_t v : p.topk) EXPECT_EQ(v, -1);
 }
 
 // A tensor shaped like `like` on another tensor's memory.
