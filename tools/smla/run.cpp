@@ -1,5 +1,7 @@
 // `smla run`: its options, the model and backend, then one of its two jobs: the attention ops alone (run_ops.cpp,
 // the default) or the whole attention layer (run_layer.cpp, with --layer).
+#include <charconv>
+#include <cstdint>
 #include <iostream>
 #include <memory>
 #include <new>
@@ -23,10 +25,13 @@ Action add_run(CLI::App& app) {
   sub->add_option("--steps", o->steps, "decode steps")->capture_default_str();
   sub->add_option("--seed", o->seed, "random seed (of the data, and of --layer's random weights)")
       ->capture_default_str()
-      ->check(CLI::Validator(  // a uint64 option would otherwise take -1 as 2^64 - 1
+      ->check(CLI::Validator(  // CLI11 would take -1 as 2^64 - 1 and saturate 2^64
           [](const std::string& text) {
-            return text.find('-') == std::string::npos ? std::string()
-                                                       : "expected an integer from 0 to 2^64 - 1, got " + text;
+            uint64_t value = 0;
+            const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+            return ec == std::errc() && end == text.data() + text.size()
+                       ? std::string()
+                       : "expected an integer from 0 to 2^64 - 1, got " + text;
           },
           "UINT64"));
   auto* layer = sub->add_option("--layer", o->layer,

@@ -266,7 +266,7 @@ int run_layer(const JobOptions& o, const Resolved& res, const Backend& be, Memor
   const bool gpu = layer.device().is_cuda();
   const double w_bytes = double(weight_values(weights)) * (gpu ? 2 : 4);  // the layer holds bf16 on a GPU
   if (!quiet) {
-    const std::string source = o.weights.empty() ? "with random weights (seed " + str(int64_t(o.seed)) + ")"
+    const std::string source = o.weights.empty() ? "with random weights (seed " + std::to_string(o.seed) + ")"
                                                  : "from " + o.weights;
     std::printf("job        layer %d %s: %d of %d heads (tp %d), %.1f MB of %s weights; %d requests x %d tokens of "
                 "context, a %d-token prompt, %d decode steps on %s (memory bandwidth measured now: %.1f GB/s)\n",
