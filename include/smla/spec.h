@@ -75,7 +75,7 @@ struct AttentionSpec {
 double reference_softmax_scale(int qk_head_dim, const RopeSpec& rope);
 
 // The largest sizes validate() accepts, far above any real model: a width (hidden_size, the LoRA ranks), heads
-// (attention or indexer), a head dimension, layers and the indexer's top-k.
+// (attention or indexer), a head dimension, layers and the indexer's top-k (and pool size).
 inline constexpr int kMaxSpecWidth = 1 << 17;
 inline constexpr int kMaxSpecHeads = 1024;
 inline constexpr int kMaxSpecHeadDim = 4096;

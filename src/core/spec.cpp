@@ -92,6 +92,7 @@ void validate(const AttentionSpec& s, std::string_view source) {
     at_most(s.indexer->heads, kMaxSpecHeads, "index_n_heads");
     at_most(s.indexer->head_dim, kMaxSpecHeadDim, "index_head_dim");
     at_most(s.indexer->topk, kMaxSpecTopk, "index_topk");
+    at_most(s.indexer->kpool, kMaxSpecTopk, "index_kpool");
   }
   require(std::isfinite(s.rope.theta), src + ": rope_theta must be finite, got " + number_text(s.rope.theta));
   require(!s.rope.yarn || std::isfinite(s.rope.factor),
