@@ -26,7 +26,8 @@ const uint8_t* cache_row_bytes(const TensorView& cache, int64_t slot) {
   return cache.ptr<uint8_t>() + element * static_cast<int64_t>(dtype_size(cache.dtype));
 }
 
-// One query token: q[h] (576 or 512 values per head) against `rows` (as wide), natural-log lse (`empty_lse` without rows).
+// One query token: q[h] (576 or 512 values per head) against `rows` (as wide), natural-log lse (`empty_lse`
+// without rows).
 void attend(const std::vector<std::vector<double>>& q, const std::vector<std::vector<double>>& rows, double scale,
             const TensorView& sink, double empty_lse, double* out, double* lse, double* max_logits) {
   for (size_t h = 0; h < q.size(); ++h) {

@@ -26,8 +26,9 @@ void require_data(std::string_view op, std::string_view name, const TensorView& 
 MlaHead head_of_q(std::string_view op, const TensorView& q, int dim) {
   const std::optional<MlaHead> head = mla_head_for_qk_dim(q.shape[dim]);
   if (!head)
-    arg(op, "q", q).fail("dimension " + std::to_string(dim) + " (absorbed head size) must be 576 (512 latent + 64 rope) " +
-                         "or 512 (latent only, no rope part), got " + q.describe());
+    arg(op, "q", q).fail("dimension " + std::to_string(dim) +
+                         " (absorbed head size) must be 576 (512 latent + 64 rope) or 512 (latent only, no rope " +
+                         "part), got " + q.describe());
   return *head;
 }
 

@@ -179,8 +179,10 @@ std::string support_matrix_markdown(const Registry& registry) {
     o << "| " << c.name << " | "
       << (c.device_kind == DeviceKind::cpu ? std::string("CPU") : describe_compute_capabilities(c.compute_capability))
       << " | " << describe_dtypes(c.q_dtypes) << " | " << describe_dtypes(c.kv_cache_dtypes) << " | "
-      << describe_head_sizes(c) << " | " << describe_heads(c) << " | " << describe_block_sizes(c) << " | " << describe_topk(c) << " | "
-      << ops_text(c.ops) << (c.ops.contains(Op::indexer) && !c.pooled_indexer ? " (not pooled)" : "") << " | " << (c.attn_sink ? "yes" : "no") << " |\n";
+      << describe_head_sizes(c) << " | " << describe_heads(c) << " | " << describe_block_sizes(c) << " | "
+      << describe_topk(c) << " | " << ops_text(c.ops)
+      << (c.ops.contains(Op::indexer) && !c.pooled_indexer ? " (not pooled)" : "") << " | "
+      << (c.attn_sink ? "yes" : "no") << " |\n";
   }
   return o.str();
 }

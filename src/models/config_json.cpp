@@ -136,7 +136,8 @@ int read_attention_layers(const Section& config, int num_layers) {
   if (const json* types = config.find_set("layer_types")) {
     if (!types->is_array()) config.reject("layer_types", "expected an array of layer type names", describe(*types));
     if (std::cmp_not_equal(types->size(), num_layers))
-      config.reject("layer_types", "expected one entry per layer (num_hidden_layers " + std::to_string(num_layers) + ")",
+      config.reject("layer_types",
+                    "expected one entry per layer (num_hidden_layers " + std::to_string(num_layers) + ")",
                     "an array of " + std::to_string(types->size()));
     int attention = 0;
     for (const json& type : *types) {
@@ -230,7 +231,8 @@ AttentionSpec spec_from_json(const json& root, const std::string& source) {
     if (std::ranges::find(kPooledIndexerModelTypes, spec.model_type) != std::end(kPooledIndexerModelTypes)) {
       // Required: vLLM's config class would default a missing one to 16, not to the checkpoint's value.
       spec.indexer->kpool = config.required_int("index_kpool");
-      if (spec.indexer->kpool < 1) config.reject("index_kpool", "expected a positive integer", describe(spec.indexer->kpool));
+      if (spec.indexer->kpool < 1)
+        config.reject("index_kpool", "expected a positive integer", describe(spec.indexer->kpool));
       spec.indexer->always_select_tail = config.optional_bool("index_kpool_always_select_tail", true);
     }
   }

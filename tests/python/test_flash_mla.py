@@ -301,7 +301,8 @@ def test_write_mla_cache_without_rope_part(rng, form):
     flat, old = cache.reshape(-1, width), before.reshape(-1, width)
     written = slots[slots >= 0]
     if form == "bfloat16":
-        np.testing.assert_array_equal(np.asarray(flat[written], np.float32), latent[slots >= 0].astype(bf16).astype(np.float32))
+        want = latent[slots >= 0].astype(bf16).astype(np.float32)
+        np.testing.assert_array_equal(np.asarray(flat[written], np.float32), want)
     else:
         want = quantize_ds_mla(latent[slots >= 0], np.zeros((len(written), ROPE), np.float32))[:, :FP8_NOPE_ROW]
         np.testing.assert_array_equal(flat[written, :FP8_NOPE_ROW], want)

@@ -38,7 +38,9 @@ struct HeadDims {
   static constexpr int kDimsPerWarp = kQkDim / 4;       // 144 | 128 = 9 | 8 k-steps of 16
 };
 
-__host__ __device__ constexpr int row_elems(int rope) { return rope ? HeadDims<64>::kRowElems : HeadDims<0>::kRowElems; }
+__host__ __device__ constexpr int row_elems(int rope) {
+  return rope ? HeadDims<64>::kRowElems : HeadDims<0>::kRowElems;
+}
 __host__ __device__ constexpr int fp8_row_bytes(int rope) {
   return rope ? HeadDims<64>::kFp8RowBytes : HeadDims<0>::kFp8RowBytes;
 }
