@@ -12,25 +12,26 @@ namespace smla::cuda {
 
 namespace {
 
-// What `compute()` gives for `key`, asked of the driver once and kept in `cache` (guarded by `mu`).
+// What `compute()` gives for `key`, asked of the driver once and kept in `cache` (guarded by `mu`); each thread
+// then keeps its own copy, so later calls take no lock.
 template <class Key, class Compute>
 int remembered(std::map<Key, int>& cache, std::mutex& mu, const Key& key, Compute compute) {
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = cache.find(key);
-  if (it == cache.end()) it = cache.emplace(key, compute()).first;
-  return it->second;
+  thread_local std::map<std::pair<const void*, Key>, int> mine;  // by (cache, key): one per call site
+  const auto my_key = std::make_pair(static_cast<const void*>(&cache), key);
+  if (auto it = mine.find(my_key); it != mine.end()) return it->second;
+  int value = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = cache.find(key);
+    if (it == cache.end()) it = cache.emplace(key, compute()).first;
+    value = it->second;
+  }
+  mine.emplace(my_key, value);
+  return value;
 }
 
-}  // namespace
-
-const DeviceInfo& current_device() {
-  static std::mutex mu;
-  static std::map<int, DeviceInfo> cache;
-  int dev = 0;
-  check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = cache.find(dev);
-  if (it != cache.end()) return it->second;
+// The properties the kernels need of device `dev`, from the driver.
+DeviceInfo query_device(int dev) {
   DeviceInfo d;
   d.index = dev;
   int major = 0, minor = 0;
@@ -42,18 +43,40 @@ const DeviceInfo& current_device() {
   check_cuda(cudaDeviceGetAttribute(&d.max_smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev),
              "cudaDeviceGetAttribute");
   d.compute_capability = major * 10 + minor;
-  return cache.emplace(dev, d).first->second;
+  return d;
+}
+
+}  // namespace
+
+const DeviceInfo& current_device() {
+  static std::mutex mu;
+  static std::map<int, DeviceInfo> cache;  // its nodes never move: threads keep pointers to them
+  thread_local int my_index = -1;
+  thread_local const DeviceInfo* mine = nullptr;
+  int dev = 0;
+  check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
+  if (dev == my_index) return *mine;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find(dev);
+  if (it == cache.end()) it = cache.emplace(dev, query_device(dev)).first;
+  my_index = dev;
+  mine = &it->second;
+  return *mine;
 }
 
 void allow_dynamic_smem(const void* kernel, int bytes) {
   static std::mutex mu;
   static std::set<std::tuple<int, const void*, int>> done;
+  thread_local std::set<std::tuple<int, const void*, int>> seen_here;  // no lock once this thread has seen it
   const auto key = std::make_tuple(current_device().index, kernel, bytes);
+  if (seen_here.count(key)) return;
   std::lock_guard<std::mutex> lock(mu);
-  if (done.count(key)) return;
-  check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
-             "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");
-  done.insert(key);
+  if (!done.count(key)) {
+    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
+               "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");
+    done.insert(key);
+  }
+  seen_here.insert(key);
 }
 
 int max_dynamic_smem(const void* kernel) {
