@@ -88,6 +88,13 @@ std::vector<int32_t> random_slots(Rng& rng, int64_t n) {
   for (auto& x : v) x = rng() % 9 == 0 ? -1 : static_cast<int32_t>(rng() % kSlots);
   return v;
 }
+std::vector<int64_t> distinct_slots(Rng& rng, int64_t n) {
+  std::vector<int64_t> v(kSlots);
+  std::iota(v.begin(), v.end(), 0);
+  std::shuffle(v.begin(), v.end(), rng);
+  v.resize(n);
+  return v;
+}
 std::vector<int32_t> shuffled_table(Rng& rng) {
   std::vector<int32_t> t(kBlocks);
   std::iota(t.begin(), t.end(), 0);
@@ -108,8 +115,7 @@ std::vector<std::unique_ptr<OpCase>> all_ops() {
     auto c = std::make_unique<OpCase>();
     c->name = "write_mla_cache";
     const int64_t n = 8;
-    std::vector<int64_t> slots(n);
-    for (auto& s : slots) s = rng() % kSlots;
+    const std::vector<int64_t> slots = distinct_slots(rng, n);  // a slot written twice has no fixed winner
     WriteMlaCacheArgs a;
     a.latent = view(c->input(bf16(rng, n * kMlaLatentDim), bf16(rng, n * kMlaLatentDim)), {n, kMlaLatentDim}, DType::bf16);
     a.k_pe = view(c->input(bf16(rng, n * kMlaRopeDim), bf16(rng, n * kMlaRopeDim)), {n, kMlaRopeDim}, DType::bf16);
@@ -166,8 +172,7 @@ std::vector<std::unique_ptr<OpCase>> all_ops() {
     auto c = std::make_unique<OpCase>();
     c->name = "write_index_cache";
     const int64_t n = 8;
-    std::vector<int64_t> slots(n);
-    for (auto& s : slots) s = rng() % kSlots;
+    const std::vector<int64_t> slots = distinct_slots(rng, n);
     WriteIndexCacheArgs a;
     a.k = view(c->input(bf16(rng, n * kIndexHeadDim), bf16(rng, n * kIndexHeadDim)), {n, kIndexHeadDim}, DType::bf16);
     a.slot_mapping = view(c->same_input(slots), {n}, DType::i64);
