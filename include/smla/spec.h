@@ -55,6 +55,7 @@ struct AttentionSpec {
   int v_head_dim = 0;
   int num_layers = 0;
   // Layers that run this attention; hybrid models (GLM-5.3-Flash: `layer_types`) run linear attention in the rest.
+  // 0: not given, every layer (the config reader and the presets always set it).
   int num_attention_layers = 0;
   double rms_norm_eps = 1e-6;
   RopeSpec rope;
@@ -64,7 +65,7 @@ struct AttentionSpec {
 
   bool is_sparse() const { return indexer.has_value(); }
   int qk_head_dim() const { return qk_nope_head_dim + qk_rope_head_dim; }
-  bool is_hybrid() const { return num_attention_layers != num_layers; }
+  bool is_hybrid() const { return num_attention_layers > 0 && num_attention_layers < num_layers; }
   // The kernels see one latent KV head: [c | k_pe] (576, or 512 with no rope part) and value c (512).
   int absorbed_qk_dim() const { return kv_lora_rank + qk_rope_head_dim; }
   int absorbed_v_dim() const { return kv_lora_rank; }

@@ -67,10 +67,14 @@ void validate(const AttentionSpec& s, std::string_view source) {
   require(!s.rope.yarn || s.rope.factor >= 1.0, src + ": rope_scaling.factor must be >= 1");
   require(s.softmax_scale > 0 && std::isfinite(s.softmax_scale),
           src + ": softmax_scale must be finite and > 0, got " + number_text(s.softmax_scale));
+  require(s.num_attention_layers >= 0 && s.num_attention_layers <= s.num_layers,
+          src + ": the MLA layers (layer_types) must number 0 to num_hidden_layers (" + std::to_string(s.num_layers) +
+              "), got " + std::to_string(s.num_attention_layers));
   if (s.indexer) {
     positive(s.indexer->heads, "index_n_heads");
     positive(s.indexer->head_dim, "index_head_dim");
     positive(s.indexer->topk, "index_topk");
+    positive(s.indexer->kpool, "index_kpool");
     require(s.indexer->head_dim % 2 == 0 && s.indexer->head_dim > s.qk_rope_head_dim,
             src + ": index_head_dim must be even and larger than qk_rope_head_dim, got " +
                 std::to_string(s.indexer->head_dim));

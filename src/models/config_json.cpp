@@ -144,6 +144,8 @@ int read_attention_layers(const Section& config, int num_layers) {
       if (!type.is_string()) config.reject("layer_types", "expected layer type names (strings)", describe(type));
       attention += type.get<std::string>() != kLinearAttentionLayer;
     }
+    if (attention == 0 && num_layers > 0)
+      config.reject("layer_types", "expected at least one MLA layer", "only \"linear_attention\" layers");
     return attention;
   }
   if (const std::optional<Section> linear = config.subsection("linear_attn_config")) {
@@ -152,6 +154,8 @@ int read_attention_layers(const Section& config, int num_layers) {
     if (kda && std::cmp_greater(kda->size(), num_layers))
       linear->reject("kda_layers", "expected at most num_hidden_layers (" + std::to_string(num_layers) + ") entries",
                      "an array of " + std::to_string(kda->size()));
+    if (kda && std::cmp_equal(kda->size(), num_layers) && num_layers > 0)
+      linear->reject("kda_layers", "expected at least one MLA layer", "every layer listed");
     if (kda) return num_layers - static_cast<int>(kda->size());
   }
   return num_layers;

@@ -177,6 +177,16 @@ TEST(ConfigJson, Glm53FlashBadInputNamesTheField) {
   json numbers = json::array();
   for (int i = 0; i < 45; ++i) numbers.push_back(i);
   expect_config_error(with("layer_types", numbers), "layer_types: expected layer type names");
+  expect_config_error(with("layer_types", json(std::vector<std::string>(45, "linear_attention"))),
+                      "layer_types: expected at least one MLA layer");
+  json all_kda = text;
+  all_kda.erase("layer_types");
+  all_kda["linear_attn_config"]["kda_layers"] = numbers;
+  expect_config_error(all_kda.dump(), "linear_attn_config.kda_layers: expected at least one MLA layer");
+  AttentionSpec more_mla_than_layers = *preset("glm-5.3-flash");
+  more_mla_than_layers.num_attention_layers = 46;
+  expect_error([&] { validate(more_mla_than_layers, "spec"); }, ErrorKind::invalid_argument,
+               {"spec: the MLA layers (layer_types) must number 0 to num_hidden_layers (45), got 46"});
   expect_config_error(with("qk_rope_head_dim", -2), "qk_rope_head_dim must not be negative");
   json nested = fixture_json("glm-5.3-flash");
   nested["text_config"]["index_n_heads"] = "32";
