@@ -178,6 +178,9 @@ def _numpy_dtype(name: str) -> Any:
     return np.dtype(name)
 
 
+_torch_allocators: dict = {}  # by CUDA device index: workspace_allocator runs on every call
+
+
 def workspace_allocator(ref: Any) -> Any:
     """A callable giving `n` bytes of scratch on `ref`'s GPU from its framework's allocator (torch's caching
     allocator, which CUDA-graph capture handles; cupy's pool), or None for other arrays. The C++ layer calls it
@@ -185,11 +188,14 @@ def workspace_allocator(ref: Any) -> Any:
     if is_torch(ref):
         if not ref.is_cuda:
             return None
-        import torch
-        from torch.utils.dlpack import to_dlpack
-
-        device = ref.device
-        return lambda n: to_dlpack(torch.empty(n, dtype=torch.uint8, device=device))
+        index = ref.get_device()
+        allocate = _torch_allocators.get(index)
+        if allocate is None:
+            torch = sys.modules["torch"]
+            device = torch.device("cuda", index)
+            allocate = _torch_allocators[index] = lambda n: torch.utils.dlpack.to_dlpack(
+                torch.empty(n, dtype=torch.uint8, device=device))
+        return allocate
     if framework(ref) == "cupy":
         import cupy
 
