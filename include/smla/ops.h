@@ -33,8 +33,9 @@ MlaHead written_head(const WriteMlaCacheArgs& args);
 
 // Sparse MLA: each query token attends to the cache slots in its row of `indices`.
 struct SparseMlaArgs {
-  TensorView q;            // [T, H, 576] bf16 / f16
-  TensorView kv_cache;     // [num_blocks, block_size, 576 | 656] bf16 / f16 / fp8_ds_mla
+  TensorView q;            // [T, H, 576] bf16 / f16; [T, H, 512] for heads with no rope part
+  TensorView kv_cache;     // [num_blocks, block_size, row]: bf16 / f16 rows as wide as q, fp8_ds_mla (656 bytes),
+                           // or fp8_ds_mla_nope (528 bytes, 512-wide q only); see MlaHead::cache_row
   TensorView indices;      // [T, K] i32 physical slots; < 0 or >= num_slots: invalid, never read
   TensorView topk_length;  // optional [T] i32: only the first topk_length[t] entries count
   TensorView attn_sink;    // optional [H] f32
@@ -49,7 +50,7 @@ struct SparseMlaArgs {
 
 // Dense paged decode: s_q new tokens per request, causal among themselves.
 struct PagedMlaDecodeArgs {
-  TensorView q;            // [B, s_q, H, 576] bf16 / f16
+  TensorView q;            // [B, s_q, H, 576 | 512] bf16 / f16
   TensorView kv_cache;     // as in SparseMlaArgs
   TensorView block_table;  // [B, max_blocks] i32
   TensorView seq_lens;     // [B] i32, context length including the s_q new tokens
@@ -104,7 +105,7 @@ struct DsaDecodeStepArgs {
   IndexerTopkArgs indexer;  // its `topk` receives the logical positions; its `stream` null or `stream`,
                             // its `workspace` absent (the step's `workspace` serves all three steps)
   TensorView slots;         // [T, K] i32 out (workspace): the physical slots attended
-  TensorView q;             // [T, H, 576]
+  TensorView q;             // [T, H, 576 | 512]
   TensorView kv_cache;
   TensorView attn_sink;     // optional [H] f32
   float softmax_scale = 0.f;
