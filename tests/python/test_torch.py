@@ -157,6 +157,23 @@ def test_flash_mla_with_torch_cpu_tensors(rng):
     np.testing.assert_array_equal(lse.numpy(), want_lse)
 
 
+@needs_custom_ops
+def test_flash_mla_ops_pass_opcheck(rng):
+    """smla.flash_mla's own ops (FlashMLA's layouts written by the kernels): schema, fake and kernel agree."""
+    q, cache, idx = attention_case(rng, tokens=4, fp8=False)
+    clean = torch.randn(8, 16, QK).to(torch.bfloat16)  # every slot may be read: no NaN
+    tq = to_torch(q).view(2, 2, 16, QK)
+    tidx = to_torch(idx).view(2, 2, -1)
+    opcheck = torch.library.opcheck
+    opcheck(torch.ops.smla.flash_mla_with_kvcache.default,
+            (tq, clean, None, None, tidx, torch.tensor([40, 7], dtype=torch.int32), None, 0.05, False))
+    opcheck(torch.ops.smla.flash_mla_with_kvcache.default,
+            (tq, clean, torch.arange(8, dtype=torch.int32).view(2, 4), torch.tensor([5, 60], dtype=torch.int32),
+             None, None, None, 0.05, True))
+    opcheck(torch.ops.smla.flash_mla_sparse_fwd.default,
+            (to_torch(q), clean.view(-1, 1, QK), to_torch(idx)[:, None, :], None, None, 0.05))
+
+
 # --- CUDA ----------------------------------------------------------------------
 
 
