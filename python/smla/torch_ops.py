@@ -14,7 +14,7 @@ Python wrapper costs several microseconds more per call: these are
 inference ops, with no autograd formula.
 """
 
-from typing import Any, Optional, Tuple
+from typing import Any, Tuple
 
 import torch
 from torch import Tensor

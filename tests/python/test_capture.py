@@ -6,7 +6,6 @@ afterwards. The workspaces come from torch's caching allocator. Skipped without 
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 import smla
