@@ -58,6 +58,9 @@ class Backend {
   virtual void write_index_cache(const WriteIndexCacheArgs& args) const = 0;
   virtual void indexer_topk(const IndexerTopkArgs& args) const = 0;
   virtual void positions_to_slots(const PositionsToSlotsArgs& args) const = 0;
+  // The pooled indexer's ops (Capabilities::pooled_indexer). Default: unsupported, an smla::Error.
+  virtual void write_pooled_index_cache(const WritePooledIndexCacheArgs& args) const;
+  virtual void pools_to_positions(const PoolsToPositionsArgs& args) const;
   // Default: the three ops in sequence on this backend.
   virtual void dsa_decode_step(const DsaDecodeStepArgs& args) const;
 

@@ -98,6 +98,30 @@ struct PositionsToSlotsArgs {
   void* stream = nullptr;
 };
 
+// GLM-5.3-Flash's pooled index cache: the keys of each pool of `kpool` consecutive tokens compressed into one
+// index key, per dimension a softmax over the pool of gate + ape weighting the keys, then (hadamard) rotated by the
+// 128-point Walsh-Hadamard transform. Pool p of a request lives in the shared block table's block p * kpool /
+// block_size at offset p % (block_size / kpool): the cache has block_size / kpool rows per block.
+struct WritePooledIndexCacheArgs {
+  TensorView k;             // [P, kpool, 128] f32 / f16 / bf16: the index keys of each pool's tokens, in order
+  TensorView gate;          // [P, kpool, 128], k's dtype: each token's gate scores (x @ index_kpool_compress_gate^T)
+  TensorView ape;           // [kpool, 128] f32: the learned per-position term (index_kpool_compress_ape)
+  TensorView slot_mapping;  // [P] i64 pool slot (block * rows_per_block + offset); negative = skip
+  TensorView cache;         // as in WriteIndexCacheArgs, block_size / kpool rows per block
+  bool hadamard = true;     // rotate the pooled key (GLM-5.3-Flash does; its queries must then be rotated too)
+  void* stream = nullptr;
+};
+
+// The top pools (indexer_topk over a pooled cache, context_lens counting whole pools) -> the logical positions the
+// attention reads: each pool's kpool tokens, then the tokens of the incomplete last pool (always selected).
+struct PoolsToPositionsArgs {
+  TensorView pools;         // [T, Kp] i32 pool ids; negative, or not a whole pool of the context: none
+  TensorView context_lens;  // [T] i32 tokens: token t sees positions [0, context_lens[t])
+  int kpool = 0;
+  TensorView positions;     // [T, Kp * kpool + kpool - 1] i32 out; -1 padded
+  void* stream = nullptr;
+};
+
 // One DSA decode step: indexer_topk -> positions_to_slots -> sparse_mla, all
 // three on `stream`. The MLA cache and the index cache share the block table
 // and block size.
@@ -130,6 +154,8 @@ void paged_mla_decode(const PagedMlaDecodeArgs& args, const Backend* backend = n
 void write_index_cache(const WriteIndexCacheArgs& args, const Backend* backend = nullptr);
 void indexer_topk(const IndexerTopkArgs& args, const Backend* backend = nullptr);
 void positions_to_slots(const PositionsToSlotsArgs& args, const Backend* backend = nullptr);
+void write_pooled_index_cache(const WritePooledIndexCacheArgs& args, const Backend* backend = nullptr);
+void pools_to_positions(const PoolsToPositionsArgs& args, const Backend* backend = nullptr);
 void dsa_decode_step(const DsaDecodeStepArgs& args, const Backend* backend = nullptr);
 
 // Bytes of `workspace` the op needs for these args on `backend` (null: the
@@ -147,6 +173,8 @@ void check(const PagedMlaDecodeArgs& args);
 void check(const WriteIndexCacheArgs& args);
 void check(const IndexerTopkArgs& args);
 void check(const PositionsToSlotsArgs& args);
+void check(const WritePooledIndexCacheArgs& args);
+void check(const PoolsToPositionsArgs& args);
 void check(const DsaDecodeStepArgs& args);
 
 }  // namespace smla

@@ -13,6 +13,7 @@ using checks::arg;
 
 constexpr int kMaxIndexHeads = 128;
 constexpr int kMaxTopk = 65536;
+constexpr int kMaxKpool = 128;  // tokens per pooled index key
 
 // The index cache: [nb, bs, 128] bf16, or [nb, bs, 132] fp8_e4m3 whose blocks
 // are byte arrays (all tokens' 128 fp8 bytes, then all tokens' fp32 scales),
@@ -109,6 +110,45 @@ void check(const PositionsToSlotsArgs& a) {
   arg(op, "slots", a.slots).dim(1, a.positions.shape[1], "K, as in positions");
   checks::check_no_overlap(
       op, {{"slots", a.slots}}, {{"positions", a.positions}, {"request_ids", a.request_ids}, {"block_table", a.block_table}});
+}
+
+void check(const WritePooledIndexCacheArgs& a) {
+  constexpr std::string_view op = "write_pooled_index_cache";
+  const Device device = a.cache.device;
+  check_index_cache(op, a.cache, device);
+  const auto k = arg(op, "k", a.k);
+  k.defined().rank(3, "[P, kpool, 128]").dtype_in({DType::f32, DType::f16, DType::bf16}).on(device);
+  k.dim_at_least(1, 1, "kpool").dim(2, kIndexHeadDim, "index head dim").inner_contiguous();
+  const int64_t pools = a.k.shape[0], kpool = a.k.shape[1];
+  if (kpool > kMaxKpool) k.fail("dimension 1 (kpool) must be <= " + std::to_string(kMaxKpool) + ", got " + a.k.describe());
+  const auto g = arg(op, "gate", a.gate);
+  g.defined().rank(3, "[P, kpool, 128]").dtype_in({a.k.dtype}).on(device).inner_contiguous();
+  g.dim(0, pools, "P, as k").dim(1, kpool, "kpool, as k").dim(2, kIndexHeadDim, "index head dim");
+  const auto e = arg(op, "ape", a.ape);
+  e.defined().rank(2, "[kpool, 128]").dtype_in({DType::f32}).dim(0, kpool, "kpool, as k").on(device);
+  e.dim(1, kIndexHeadDim, "index head dim").inner_contiguous();
+  arg(op, "slot_mapping", a.slot_mapping).defined().rank(1, "[P]").dtype_in({DType::i64});
+  arg(op, "slot_mapping", a.slot_mapping).dim(0, pools, "P").on(device).inner_contiguous();
+  checks::check_no_overlap(op, {{"cache", a.cache}},
+                           {{"k", a.k}, {"gate", a.gate}, {"ape", a.ape}, {"slot_mapping", a.slot_mapping}});
+}
+
+void check(const PoolsToPositionsArgs& a) {
+  constexpr std::string_view op = "pools_to_positions";
+  const Device device = a.pools.device;
+  check_topk_matrix(op, "pools", a.pools, a.pools.shape[0], device);
+  const int64_t tokens = a.pools.shape[0];
+  check_token_vector(op, "context_lens", a.context_lens, tokens, device);
+  if (a.kpool < 1 || a.kpool > kMaxKpool)
+    fail(std::string(op) + ": kpool: must be in [1, " + std::to_string(kMaxKpool) + "], got " +
+         std::to_string(a.kpool));
+  const int64_t width = a.pools.shape[1] * a.kpool + a.kpool - 1;
+  if (width > kMaxTopk)
+    fail(std::string(op) + ": positions: Kp * kpool + kpool - 1 = " + std::to_string(width) + " must be <= " +
+         std::to_string(kMaxTopk));
+  check_topk_matrix(op, "positions", a.positions, tokens, device);
+  arg(op, "positions", a.positions).dim(1, width, "Kp * kpool + kpool - 1, the pools' tokens and the tail's");
+  checks::check_no_overlap(op, {{"positions", a.positions}}, {{"pools", a.pools}, {"context_lens", a.context_lens}});
 }
 
 void check(const DsaDecodeStepArgs& a) {

@@ -52,6 +52,8 @@ bool empty_batch(const WriteIndexCacheArgs& a) { return a.k.shape[0] == 0; }
 bool empty_batch(const IndexerTopkArgs& a) { return a.q.shape[0] == 0; }
 bool empty_batch(const PositionsToSlotsArgs& a) { return a.positions.shape[0] == 0; }
 bool empty_batch(const DsaDecodeStepArgs& a) { return a.q.shape[0] == 0; }
+bool empty_batch(const WritePooledIndexCacheArgs& a) { return a.k.shape[0] == 0; }
+bool empty_batch(const PoolsToPositionsArgs& a) { return a.pools.shape[0] == 0; }
 
 template <class Args, class Run>
 void dispatch(const char* op, const Args& args, const Device& device, const Backend* backend, Run run) {
@@ -85,6 +87,13 @@ void indexer_topk(const IndexerTopkArgs& a, const Backend* b) {
 }
 void positions_to_slots(const PositionsToSlotsArgs& a, const Backend* b) {
   dispatch("positions_to_slots", a, a.positions.device, b, [&](const Backend& be) { be.positions_to_slots(a); });
+}
+void write_pooled_index_cache(const WritePooledIndexCacheArgs& a, const Backend* b) {
+  dispatch("write_pooled_index_cache", a, a.cache.device, b,
+           [&](const Backend& be) { be.write_pooled_index_cache(a); });
+}
+void pools_to_positions(const PoolsToPositionsArgs& a, const Backend* b) {
+  dispatch("pools_to_positions", a, a.pools.device, b, [&](const Backend& be) { be.pools_to_positions(a); });
 }
 void dsa_decode_step(const DsaDecodeStepArgs& a, const Backend* b) {
   dispatch_with_workspace("dsa_decode_step", a, a.q.device, b, [&](const Backend& be) { be.dsa_decode_step(a); });
@@ -137,6 +146,15 @@ SparseMlaArgs attention_step(const DsaDecodeStepArgs& a) {
 
 size_t Backend::workspace_size(const DsaDecodeStepArgs& a) const {
   return std::max(workspace_size(indexer_step(a)), workspace_size(attention_step(a)));
+}
+
+void Backend::write_pooled_index_cache(const WritePooledIndexCacheArgs&) const {
+  throw Error(ErrorKind::unsupported, "write_pooled_index_cache: backend '" + name() +
+                                          "' does not implement the pooled indexer");
+}
+void Backend::pools_to_positions(const PoolsToPositionsArgs&) const {
+  throw Error(ErrorKind::unsupported, "pools_to_positions: backend '" + name() +
+                                          "' does not implement the pooled indexer");
 }
 
 void Backend::dsa_decode_step(const DsaDecodeStepArgs& a) const {

@@ -10,6 +10,8 @@ void sparse_mla(const SparseMlaArgs& args);
 void paged_mla_decode(const PagedMlaDecodeArgs& args);
 void write_index_cache(const WriteIndexCacheArgs& args);
 void positions_to_slots(const PositionsToSlotsArgs& args);
+void write_pooled_index_cache(const WritePooledIndexCacheArgs& args);
+void pools_to_positions(const PoolsToPositionsArgs& args);
 void indexer_topk(const IndexerTopkArgs& args);
 
 // Bytes of `workspace` each op needs (Backend::workspace_size); the same args on the same device always give the
