@@ -6,7 +6,10 @@
 // bf16 dot-product peak (also measured here), and the top-k selection alone
 // (on random keys, spread over tokens as the op does).
 //
-//   bench_cpu_indexer [portable|avx2|avx512] [quick]   (default: the best kernel; quick: T = 1 only)
+//   bench_cpu_indexer [scalar|avx2|avx512|avx512_bf16] [quick]
+// (pins an instruction set, at most the detected one, whose scoring kernel runs:
+// portable for scalar, AVX2 for avx2 and avx512, AVX-512 BF16 for avx512_bf16;
+// default: the detected set; quick: T = 1 only)
 #include <omp.h>
 
 #if defined(__x86_64__)
@@ -24,6 +27,7 @@
 
 #include "core/numeric.h"
 #include "cpu/indexer.h"
+#include "cpu/isa.h"
 #include "cpu/memory_bandwidth.h"
 #include "smla/ops.h"
 
@@ -112,18 +116,16 @@ double best_seconds(F&& f) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  using cpu::indexer::Isa;
-  const std::string kernel = argc > 1 ? argv[1] : "";
+  const std::string isa = argc > 1 ? argv[1] : "";
   const bool quick = argc > 2 && std::string(argv[2]) == "quick";
-  if (!kernel.empty())
-    cpu::indexer::force_isa(kernel == "portable" ? Isa::portable : kernel == "avx2" ? Isa::avx2 : Isa::avx512);
+  if (!isa.empty()) cpu::force_isa(cpu::isa_from_name(isa));
   double bandwidth = cpu::measure_read_bandwidth_gbs();
   double peak = 0;
 #if defined(__x86_64__)
-  if (cpu::indexer::isa_supported(Isa::avx512)) peak = dpbf16_peak_gflops();
+  if (cpu::isa_supported(cpu::Isa::avx512_bf16)) peak = dpbf16_peak_gflops();
 #endif
-  std::printf("threads %d, kernel %s, read bandwidth %.1f GB/s, bf16 dot peak %.0f GFLOP/s\n", omp_get_max_threads(),
-              cpu::indexer::isa_name(cpu::indexer::active_isa()), bandwidth, peak);
+  std::printf("threads %d, isa %s, read bandwidth %.1f GB/s, bf16 dot peak %.0f GFLOP/s\n", omp_get_max_threads(),
+              std::string(cpu::isa_name(cpu::active_isa())).c_str(), bandwidth, peak);
   std::printf("K = %lld, block size %lld, one request per token\n\n", static_cast<long long>(kTopk),
               static_cast<long long>(kBlockSize));
   std::printf("| cache | H_I | T | context | µs/call | GB/s | %% of bw | GFLOP/s | %% of peak | top-k µs |\n");

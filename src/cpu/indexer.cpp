@@ -7,7 +7,6 @@
 #include "cpu/indexer.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -35,49 +34,6 @@ T* grow(std::vector<T>& v, size_t n) {
 }  // namespace
 
 namespace indexer {
-
-namespace {
-
-Isa detect_isa() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("fma"))
-    return Isa::avx512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::avx2;
-#endif
-  return Isa::portable;
-}
-
-std::atomic<int> forced_isa{-1};
-
-}  // namespace
-
-const char* isa_name(Isa isa) {
-  switch (isa) {
-    case Isa::avx512: return "avx512";
-    case Isa::avx2: return "avx2";
-    default: return "portable";
-  }
-}
-
-Isa best_isa() {
-  static const Isa isa = detect_isa();
-  return isa;
-}
-
-bool isa_supported(Isa isa) { return static_cast<int>(isa) <= static_cast<int>(best_isa()); }
-
-Isa active_isa() {
-  const int f = forced_isa.load(std::memory_order_relaxed);
-  return f < 0 ? best_isa() : static_cast<Isa>(f);
-}
-
-void force_isa(std::optional<Isa> isa) {
-  if (isa && !isa_supported(*isa))
-    throw Error(ErrorKind::unsupported, std::string("indexer: this CPU cannot run the ") + isa_name(*isa) + " kernel");
-  forced_isa.store(isa ? static_cast<int>(*isa) : -1, std::memory_order_relaxed);
-}
 
 namespace {
 
@@ -334,7 +290,7 @@ void indexer_topk(const IndexerTopkArgs& a) {
              ") but is read for context length " + std::to_string(ctx));
   }
 
-  const auto& kernel = indexer::score_kernel(indexer::active_isa());
+  const auto& kernel = indexer::score_kernel(active_isa());
   const indexer::QueryLayout layout = kernel.layout(static_cast<int>(a.q.shape[1]), a.q.dtype);
   struct alignas(64) Line {
     std::byte bytes[64];
