@@ -47,8 +47,8 @@ def install(platform_cls: Any) -> bool:
             invalid[backend] = (rank, reasons)
             return valid, invalid
         logger.warning(
-            "smla: no in-tree sparse MLA backend is valid on %s (compute capability %s), so vLLM uses %s. "
-            "vLLM's reasons: %s", cls.device_name, device_capability, NAME,
+            "smla: no in-tree sparse MLA backend is valid on %s (compute capability %d.%d), so vLLM uses %s. "
+            "vLLM's reasons: %s", cls.device_name, device_capability.major, device_capability.minor, NAME,
             "; ".join(f"{b.name}: {', '.join(r)}" for b, (_, r) in invalid.items()))
         return [_BackendCandidate(backend_class, backend, rank)], invalid
 
