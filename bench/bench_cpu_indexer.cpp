@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "core/numeric.h"
+#include "core/random.h"
 #include "cpu/indexer.h"
 #include "cpu/isa.h"
 #include "cpu/memory_bandwidth.h"
@@ -39,32 +40,25 @@ using Clock = std::chrono::steady_clock;
 constexpr int64_t kBlockSize = 64, kTopk = 2048;
 constexpr int64_t kMaxTokens = 16, kMaxContext = 128 * 1024;
 
-uint64_t next(uint64_t& s) {  // xorshift64: fast enough to fill half a gigabyte
-  s ^= s << 13;
-  s ^= s >> 7;
-  s ^= s << 17;
-  return s;
-}
-
 // A cache of kMaxTokens * kMaxContext keys: random bf16 in (-1, 1), or random
 // non-NaN e4m3 bytes with power-of-two scales.
 std::vector<uint8_t> make_cache(DType dtype) {
   const int64_t blocks = kMaxTokens * kMaxContext / kBlockSize;
   const int64_t row = dtype == DType::bf16 ? 256 : kFp8IndexRowBytes;
   std::vector<uint8_t> bytes(blocks * kBlockSize * row);
-  uint64_t s = 0x9e3779b97f4a7c15ull;
+  Xorshift64 rng(0x9e3779b97f4a7c15ull);
   if (dtype == DType::bf16) {
     for (size_t i = 0; i < bytes.size(); i += 2) {
-      const uint16_t bits = numeric::float_to_bf16(static_cast<float>(next(s) % 2001) / 1000.f - 1.f);
+      const uint16_t bits = numeric::float_to_bf16(static_cast<float>(rng.next() % 2001) / 1000.f - 1.f);
       std::memcpy(&bytes[i], &bits, 2);
     }
     return bytes;
   }
   for (int64_t b = 0; b < blocks; ++b) {
     uint8_t* block = bytes.data() + b * kBlockSize * row;
-    for (int64_t i = 0; i < kBlockSize * 128; ++i) block[i] = static_cast<uint8_t>(next(s) % 0x7e) | (next(s) & 0x80);
+    for (int64_t i = 0; i < kBlockSize * 128; ++i) block[i] = static_cast<uint8_t>(rng.next() % 0x7e) | (rng.next() & 0x80);
     for (int64_t i = 0; i < kBlockSize; ++i) {
-      const float scale = std::ldexp(1.f, -8 - static_cast<int>(next(s) % 3));
+      const float scale = std::ldexp(1.f, -8 - static_cast<int>(rng.next() % 3));
       std::memcpy(block + kBlockSize * 128 + i * 4, &scale, 4);
     }
   }

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "core/numeric.h"
+#include "core/random.h"
 #include "memory.h"
 #include "options.h"
 #include "smla/backend.h"
@@ -30,12 +31,9 @@ struct JobOptions {
 // Fast deterministic random values in [-1, 1), never exactly zero.
 class Random {
  public:
-  explicit Random(uint64_t seed) : s_(seed * 0x9e3779b97f4a7c15ull + 1) {}
+  explicit Random(uint64_t seed) : gen_(Xorshift64::seeded(seed)) {}
   float next() {
-    s_ ^= s_ << 13;
-    s_ ^= s_ >> 7;
-    s_ ^= s_ << 17;
-    const float v = static_cast<float>(static_cast<int64_t>(s_ >> 40) - (int64_t{1} << 23)) * 0x1p-23f;
+    const float v = gen_.symmetric();
     return v == 0.f ? 0x1p-24f : v;
   }
   std::vector<float> floats(size_t n) {
@@ -51,7 +49,7 @@ class Random {
   }
 
  private:
-  uint64_t s_;
+  Xorshift64 gen_;
 };
 
 using Clock = std::chrono::steady_clock;
