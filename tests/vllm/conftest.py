@@ -64,7 +64,7 @@ def capability():
 def model_dirs(tmp_path_factory):
     """A folder per model holding its real config.json (tests/data/configs), as vLLM's --model takes it."""
     dirs = {}
-    for name in ("glm-5", "deepseek-v3.2"):
+    for name in ("glm-5", "deepseek-v3.2", "glm-5.3-flash"):
         d = tmp_path_factory.mktemp(name)
         shutil.copy(ROOT / "tests" / "data" / "configs" / f"{name}.json", d / "config.json")
         dirs[name] = d

@@ -1,7 +1,7 @@
 """smla.vllm inside the pinned vLLM, on the CPU (make test-vllm): the entry point loads through vLLM's plugin
 loader; vLLM's own selector, given GLM-5's and DeepSeek-V3.2's real config.json and a device capability, picks
 SMLA exactly where no in-tree sparse-MLA backend is valid (and says why), the in-tree backend where one is, and
-SMLA anywhere when asked by name; the impl, built with the arguments vLLM's MLA layer passes, matches the float64
+SMLA anywhere when asked by name (GLM-5.3-Flash's rope-free heads too); the impl, built with the arguments vLLM's MLA layer passes, matches the float64
 reference through smla's CPU backend. conftest.py lists what is stubbed."""
 
 from __future__ import annotations
@@ -79,8 +79,19 @@ SELECTIONS = [
 ]
 
 
-@pytest.mark.parametrize("model", ["glm-5", "deepseek-v3.2"])
-@pytest.mark.parametrize("cap,dtype,kv_cache_dtype,expected", SELECTIONS)
+# GLM-5.3-Flash (glm5_next: heads of 512, no rope part): another in-tree backend on SM90.
+GLM53_SELECTIONS = [
+    ((8, 6), "bfloat16", "auto", NAME),
+    ((8, 9), "float16", "fp8_ds_mla", NAME),
+    ((9, 0), "bfloat16", "auto", "FLASHINFER_MLA_SPARSE_SM90"),
+    ((12, 0), "bfloat16", "auto", "FLASHINFER_MLA_SPARSE_SM120"),
+    ((12, 0), "bfloat16", "bfloat16", NAME),
+]
+
+
+@pytest.mark.parametrize("model,cap,dtype,kv_cache_dtype,expected",
+                         [(m, *s) for m in ("glm-5", "deepseek-v3.2") for s in SELECTIONS]
+                         + [("glm-5.3-flash", *s) for s in GLM53_SELECTIONS])
 def test_vllm_picks_smla_exactly_where_nothing_in_tree_is_valid(model_dirs, capability, caplog, model, cap, dtype,
                                                                  kv_cache_dtype, expected):
     capability(*cap)
@@ -115,7 +126,7 @@ def selector_config(config, kv_cache_dtype):
                                             block_size=None, use_mla=True, use_sparse=True)
 
 
-@pytest.mark.parametrize("model", ["glm-5", "deepseek-v3.2"])
+@pytest.mark.parametrize("model", ["glm-5", "deepseek-v3.2", "glm-5.3-flash"])
 @pytest.mark.parametrize("cap", [(8, 0), (8, 6), (8, 9), (9, 0), (12, 0), (7, 5), (10, 0)])
 @pytest.mark.parametrize("dtype,kv_cache_dtype", [("bfloat16", "auto"), ("float16", "fp8_ds_mla"),
                                                   ("bfloat16", "fp8"), ("bfloat16", "fp8_e5m2")])
@@ -199,7 +210,7 @@ def to_torch(a):
     return torch.from_numpy(a)
 
 
-@pytest.mark.parametrize("model", ["glm-5", "deepseek-v3.2"])
+@pytest.mark.parametrize("model", ["glm-5", "deepseek-v3.2", "glm-5.3-flash"])
 @pytest.mark.parametrize("kind", ["bfloat16", "fp8_ds_mla"])
 @pytest.mark.parametrize("batch", ["decode", "mixed"])
 def test_the_impl_called_as_vllm_calls_it_matches_float64(model_dirs, one_rank, rng, model, kind, batch):
@@ -209,7 +220,7 @@ def test_the_impl_called_as_vllm_calls_it_matches_float64(model_dirs, one_rank, 
     requests = [(37, 1), (5, 1), (300, 1)] + ([(20, 6), (90, 9), (3, 3)] if batch == "mixed" else [])
     impl = make_impl(model_dirs, model, kind, heads=16, topk=128)
     case = make_case(rng, kind=kind, heads=16, topk=128, block_size=64, pad_rows=0 if kind == "fp8_ds_mla" else 5,
-                     requests=requests)
+                     requests=requests, rope=impl.qk_rope_head_dim > 0)
     case.scale = impl.scale
     q = to_torch(case.q)
     buffer = to_torch(case.buffer)
