@@ -1,5 +1,5 @@
 // The CPU indexer ops: write_index_cache, indexer_topk, positions_to_slots, and the pooled indexer's
-// write_pooled_index_cache and pools_to_positions.
+// write_pooled_index_cache, pools_to_positions and rotate_index_q.
 // Index values (slots, request ids, context lengths, block ids) are checked
 // here, serially and before any parallel work, so errors are thrown outside
 // OpenMP regions. Scratch buffers are thread_local vectors that only grow:
@@ -263,6 +263,33 @@ void pools_to_positions(const PoolsToPositionsArgs& a) {
         out[i * kpool + m] = pool[i] >= 0 && pool[i] < whole_pools ? static_cast<int32_t>(pool[i] * kpool + m) : -1;
     for (int64_t m = 0; m < kpool - 1; ++m)
       out[kp * kpool + m] = tail_start + m < context_lens[t] ? static_cast<int32_t>(tail_start + m) : -1;
+  }
+}
+
+void rotate_index_q(const RotateIndexQArgs& a) {
+  const int64_t tokens = a.q.shape[0], heads = a.q.shape[1];
+  const bool fp8 = a.q_out.dtype == DType::fp8_e4m3;
+#pragma omp parallel for schedule(static) if (tokens * heads >= 256)
+  for (int64_t row = 0; row < tokens * heads; ++row) {
+    const int64_t t = row / heads, h = row % heads;
+    float x[kIndexHeadDim];
+    for (int d = 0; d < kIndexHeadDim; ++d) x[d] = load_float(a.q, t * a.q.strides[0] + h * a.q.strides[1] + d);
+    numeric::hadamard128(x);
+    float amax = 0.f;
+    for (int d = 0; d < kIndexHeadDim; ++d) {
+      x[d] = round_to_bf16(x[d]);
+      amax = std::fmax(amax, std::fabs(x[d]));
+    }
+    const int64_t out = t * a.q_out.strides[0] + h * a.q_out.strides[1];
+    if (!fp8) {
+      auto* dst = a.q_out.ptr<uint16_t>() + out;
+      for (int d = 0; d < kIndexHeadDim; ++d) dst[d] = numeric::float_to_bf16(x[d]);
+      continue;
+    }
+    const float scale = numeric::index_key_scale(amax);
+    auto* dst = a.q_out.ptr<uint8_t>() + out;
+    for (int d = 0; d < kIndexHeadDim; ++d) dst[d] = numeric::float_to_e4m3(x[d] / scale);
+    a.q_scale.ptr<float>()[t * a.q_scale.strides[0] + h * a.q_scale.strides[1]] = scale;
   }
 }
 
