@@ -11,6 +11,12 @@
 
 namespace smla {
 
+// The dtype of the layer's attention query: the cache's 16-bit type, f16 beside an f16 cache, else bf16 (the fp8
+// cache's rope part is bf16).
+constexpr DType attention_query_dtype(DType kv_cache_dtype) {
+  return kv_cache_dtype == DType::f16 ? DType::f16 : DType::bf16;
+}
+
 struct LayerOptions {
   int num_blocks = 256;                   // paged cache capacity, shared by all requests
   int block_size = 64;

@@ -10,6 +10,13 @@ namespace smla {
 
 class Backend;
 
+// Limits of the ops whatever the backend (docs/ops.md): heads per call of the
+// attention ops, and K, the top-k width of sparse_mla's indices and of
+// indexer_topk. The checks hold args to them; backends declare at most these
+// (Capabilities::heads, ::topk).
+inline constexpr int kMaxHeads = 128;
+inline constexpr int kMaxTopk = 65536;
+
 // Scratch memory. The GPU ops that need it (sparse_mla and paged_mla_decode
 // when they split a token's keys, indexer_topk, dsa_decode_step) take it from
 // `workspace`: a 1-D uint8 tensor on the tensors' device, 16-byte aligned, of

@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 
@@ -26,6 +27,8 @@ size_t dtype_size(DType dtype);
 std::string_view dtype_name(DType dtype);
 // Parses a canonical name or a common alias (bf16, fp16, half, f32, ...); nullopt if unknown.
 std::optional<DType> parse_dtype(std::string_view name);
+// Canonical names for a message: "bfloat16, float16 or fp8_ds_mla".
+std::string dtype_names(std::span<const DType> dtypes);
 
 // The absorbed MLA head the attention kernels compute with: one latent KV head
 // of kv_lora_rank values followed by a rope part of 64 values (DeepSeek, GLM-5,
@@ -74,6 +77,14 @@ constexpr std::optional<MlaHead> mla_head_for_qk_dim(int64_t qk_dim) {
 }
 // True for the MLA cache formats that store the latent as e4m3 with tile scales.
 constexpr bool is_fp8_mla_cache(DType d) { return d == DType::fp8_ds_mla || d == DType::fp8_ds_mla_nope; }
+// Every MLA cache format the ops take (MlaHead::cache_row gives each one's row). The checks and the CLI read it;
+// backends declare theirs (Capabilities::kv_cache_dtypes) from it.
+inline constexpr DType kMlaCacheDTypes[] = {DType::bf16, DType::f16, DType::fp8_ds_mla, DType::fp8_ds_mla_nope};
+constexpr bool is_mla_cache_dtype(DType d) {
+  for (DType c : kMlaCacheDTypes)
+    if (c == d) return true;
+  return false;
+}
 inline constexpr int kIndexHeadDim = 128;
 inline constexpr int kFp8IndexRowBytes = kIndexHeadDim + 4;  // 132: 128 e4m3 + one fp32 scale
 

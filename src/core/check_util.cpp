@@ -5,18 +5,6 @@
 
 namespace smla::checks {
 
-namespace {
-std::string dtypes_text(std::initializer_list<DType> allowed) {
-  std::string s;
-  size_t i = 0;
-  for (DType d : allowed) {
-    if (i++) s += i == allowed.size() ? " or " : ", ";
-    s += dtype_name(d);
-  }
-  return s;
-}
-}  // namespace
-
 void ArgCheck::fail(const std::string& what) const {
   smla::fail(std::string(op_) + ": " + std::string(arg_) + ": " + what);
 }
@@ -34,10 +22,14 @@ const ArgCheck& ArgCheck::rank(int ndim, std::string_view pattern) const {
   return *this;
 }
 
-const ArgCheck& ArgCheck::dtype_in(std::initializer_list<DType> allowed) const {
+const ArgCheck& ArgCheck::dtype_in(std::span<const DType> allowed) const {
   for (DType d : allowed)
     if (t_.dtype == d) return *this;
-  fail("expected dtype " + dtypes_text(allowed) + ", got " + std::string(dtype_name(t_.dtype)));
+  fail("expected dtype " + dtype_names(allowed) + ", got " + std::string(dtype_name(t_.dtype)));
+}
+
+const ArgCheck& ArgCheck::dtype_in(std::initializer_list<DType> allowed) const {
+  return dtype_in(std::span<const DType>(allowed.begin(), allowed.size()));
 }
 
 const ArgCheck& ArgCheck::dim(int d, int64_t expected, std::string_view meaning) const {

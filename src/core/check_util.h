@@ -22,6 +22,7 @@ class ArgCheck {
   // ndim and a readable shape pattern used in the message, e.g. "[T, H, 576]".
   const ArgCheck& rank(int ndim, std::string_view pattern) const;
   const ArgCheck& dtype_in(std::initializer_list<DType> allowed) const;
+  const ArgCheck& dtype_in(std::span<const DType> allowed) const;
   const ArgCheck& dim(int d, int64_t expected, std::string_view meaning) const;
   const ArgCheck& dim_at_least(int d, int64_t min, std::string_view meaning) const;
   const ArgCheck& on(const Device& device) const;

@@ -14,9 +14,6 @@ namespace {
 
 using checks::arg;
 
-constexpr int kMaxHeads = 128;
-constexpr int64_t kMaxTopk = 65536;
-
 // Frameworks hand out null data for empty tensors: only a non-empty tensor must have data.
 void require_data(std::string_view op, std::string_view name, const TensorView& t) {
   if (!t.defined() && !(t.ndim > 0 && t.numel() == 0)) arg(op, name, t).defined();
@@ -46,7 +43,7 @@ void check_cache(std::string_view op, std::string_view name, const TensorView& c
   require_data(op, name, c);
   const auto a = arg(op, name, c);
   a.rank(3, head.rope_dim ? "[num_blocks, block_size, 576 | 656]" : "[num_blocks, block_size, 512 | 656 | 528]")
-      .dtype_in({DType::bf16, DType::f16, DType::fp8_ds_mla, DType::fp8_ds_mla_nope})
+      .dtype_in(kMlaCacheDTypes)
       .on(device)
       .inner_contiguous()
       .dim_at_least(1, 1, "block_size");

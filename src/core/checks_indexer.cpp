@@ -12,7 +12,6 @@ namespace {
 using checks::arg;
 
 constexpr int kMaxIndexHeads = 128;
-constexpr int kMaxTopk = 65536;
 constexpr int kMaxKpool = 128;  // tokens per pooled index key
 
 // The index cache: [nb, bs, 128] bf16, or [nb, bs, 132] fp8_e4m3 whose blocks
@@ -120,7 +119,8 @@ void check(const WritePooledIndexCacheArgs& a) {
   k.defined().rank(3, "[P, kpool, 128]").dtype_in({DType::f32, DType::f16, DType::bf16}).on(device);
   k.dim_at_least(1, 1, "kpool").dim(2, kIndexHeadDim, "index head dim").inner_contiguous();
   const int64_t pools = a.k.shape[0], kpool = a.k.shape[1];
-  if (kpool > kMaxKpool) k.fail("dimension 1 (kpool) must be <= " + std::to_string(kMaxKpool) + ", got " + a.k.describe());
+  if (kpool > kMaxKpool)
+    k.fail("dimension 1 (kpool) must be <= " + std::to_string(kMaxKpool) + ", got " + a.k.describe());
   const auto g = arg(op, "gate", a.gate);
   g.defined().rank(3, "[P, kpool, 128]").dtype_in({a.k.dtype}).on(device).inner_contiguous();
   g.dim(0, pools, "P, as k").dim(1, kpool, "kpool, as k").dim(2, kIndexHeadDim, "index head dim");

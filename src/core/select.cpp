@@ -209,9 +209,8 @@ RunSpec make_run_spec(const AttentionSpec& spec, const RunOptions& o, OptionName
   run.q_dtype = *q;
   if (o.kv_cache_dtype != "auto") {
     const auto kv = parse_dtype(o.kv_cache_dtype);
-    require(kv == DType::bf16 || kv == DType::f16 || kv == DType::fp8_ds_mla || kv == DType::fp8_ds_mla_nope,
-            name("kv_cache_dtype", "--kv-cache-dtype") +
-                "expected auto, bfloat16, float16, fp8_ds_mla or fp8_ds_mla_nope, got '" + o.kv_cache_dtype + "'");
+    require(kv && is_mla_cache_dtype(*kv), name("kv_cache_dtype", "--kv-cache-dtype") + "expected auto, " +
+                                              dtype_names(kMlaCacheDTypes) + ", got '" + o.kv_cache_dtype + "'");
     run.kv_cache_dtype = *kv;
   }
   require(o.block_size >= 1,

@@ -124,9 +124,8 @@ void validate(const AttentionSpec& spec, const RunSpec& run) {
   require(run.q_dtype == DType::bf16 || run.q_dtype == DType::f16,
           "dtype: query dtype must be bfloat16 or float16, got " + std::string(dtype_name(run.q_dtype)));
   const DType kv = run.resolved_kv_cache_dtype();
-  require(kv == DType::bf16 || kv == DType::f16 || kv == DType::fp8_ds_mla || kv == DType::fp8_ds_mla_nope,
-          "kv-cache-dtype: must be bfloat16, float16, fp8_ds_mla or fp8_ds_mla_nope, got " +
-              std::string(dtype_name(kv)));
+  require(is_mla_cache_dtype(kv), "kv-cache-dtype: must be " + dtype_names(kMlaCacheDTypes) + ", got " +
+                                      std::string(dtype_name(kv)));
 }
 
 }  // namespace smla

@@ -61,6 +61,15 @@ std::optional<DType> parse_dtype(std::string_view name) {
   return std::nullopt;
 }
 
+std::string dtype_names(std::span<const DType> dtypes) {
+  std::string s;
+  for (size_t i = 0; i < dtypes.size(); ++i) {
+    if (i) s += i + 1 == dtypes.size() ? " or " : ", ";
+    s += dtype_name(dtypes[i]);
+  }
+  return s;
+}
+
 std::string Device::name() const {
   if (is_cpu()) return "cpu";
   if (compute_capability == 0) return "cuda";

@@ -9,6 +9,7 @@
 #include <string_view>
 
 #include "cpu/isa.h"
+#include "smla/ops.h"  // kMaxHeads: the most heads a call holds
 #include "smla/types.h"
 
 namespace smla::cpu::attn {
@@ -16,7 +17,6 @@ namespace smla::cpu::attn {
 // Heads are processed in register blocks of 4; buffers hold padded_heads rows.
 inline constexpr int kHeadBlock = 4;
 inline constexpr int padded_heads(int heads) { return (heads + kHeadBlock - 1) / kHeadBlock * kHeadBlock; }
-inline constexpr int kMaxHeads = 128;
 // A token's rows are split over at most this many work items.
 inline constexpr int kMaxSplits = 16;
 

@@ -2,6 +2,8 @@
 // reference the GPU backends are tested against.
 #include "cpu/backend.h"
 
+#include <iterator>
+
 #include "cpu/kernels.h"
 
 namespace smla::cpu {
@@ -14,11 +16,11 @@ Capabilities cpu_capabilities() {
   c.description = "portable CPU kernels (OpenMP, AVX-512/AVX2 when present)";
   c.device_kind = DeviceKind::cpu;
   c.q_dtypes = {DType::bf16, DType::f16};
-  c.kv_cache_dtypes = {DType::bf16, DType::f16, DType::fp8_ds_mla, DType::fp8_ds_mla_nope};
-  c.heads = {1, 128};
+  c.kv_cache_dtypes = {std::begin(kMlaCacheDTypes), std::end(kMlaCacheDTypes)};
+  c.heads = {1, kMaxHeads};
   c.qk_head_dims = {kMlaQkDim, kMlaLatentDim};
   c.block_size = {1, 1 << 20};
-  c.topk = {1, 65536};
+  c.topk = {1, kMaxTopk};
   c.ops = {Op::sparse_mla, Op::paged_mla_decode, Op::indexer};
   c.pooled_indexer = true;
   c.attn_sink = true;

@@ -4,6 +4,8 @@
 // code on Hopper). No tcgen05.
 #include "cuda/backend.h"
 
+#include <iterator>
+
 #include "smla/error.h"
 
 #ifdef SMLA_WITH_CUDA
@@ -22,11 +24,11 @@ Capabilities mma_capabilities() {
   c.device_kind = DeviceKind::cuda;
   c.compute_capability = {80, 129};
   c.q_dtypes = {DType::bf16, DType::f16};
-  c.kv_cache_dtypes = {DType::bf16, DType::f16, DType::fp8_ds_mla, DType::fp8_ds_mla_nope};
-  c.heads = {1, 128};
+  c.kv_cache_dtypes = {std::begin(kMlaCacheDTypes), std::end(kMlaCacheDTypes)};
+  c.heads = {1, kMaxHeads};
   c.qk_head_dims = {kMlaQkDim, kMlaLatentDim};
   c.block_size = {1, 1 << 20};
-  c.topk = {1, kMaxIndexerTopk};  // the indexer's top-k; sparse_mla itself takes any K up to 65536
+  c.topk = {1, kMaxIndexerTopk};  // the indexer's top-k; sparse_mla itself takes any K up to kMaxTopk
   c.ops = {Op::sparse_mla, Op::paged_mla_decode, Op::indexer};
   c.pooled_indexer = true;
   c.attn_sink = true;

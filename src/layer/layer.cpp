@@ -210,12 +210,15 @@ MlaLayer::MlaLayer(AttentionWeights weights, const LayerOptions& options) : stat
   require(options.num_blocks > 0 && options.block_size > 0 && options.max_chunk_tokens > 0,
           "MlaLayer: options: num_blocks, block_size and max_chunk_tokens must be positive");
   const DType kv = options.kv_cache_dtype, ix = options.index_cache_dtype;
-  require(kv == DType::bf16 || kv == DType::f16 || kv == DType::fp8_ds_mla,
-          "MlaLayer: options.kv_cache_dtype: expected bfloat16, float16 or fp8_ds_mla, got " +
-              std::string(dtype_name(kv)));
+  // The cache formats that hold the layer's head, which has a rope part (no fp8_ds_mla_nope).
+  std::vector<DType> caches;
+  for (DType d : kMlaCacheDTypes)
+    if (MlaHead{kMlaRopeDim}.cache_row(d) != 0) caches.push_back(d);
+  require(std::ranges::find(caches, kv) != caches.end(),
+          "MlaLayer: options.kv_cache_dtype: expected " + dtype_names(caches) + ", got " + std::string(dtype_name(kv)));
   require(ix == DType::bf16 || ix == DType::fp8_e4m3,
           "MlaLayer: options.index_cache_dtype: expected bfloat16 or fp8_e4m3, got " + std::string(dtype_name(ix)));
-  st.q_dtype = kv == DType::f16 ? DType::f16 : DType::bf16;
+  st.q_dtype = attention_query_dtype(kv);
   const Device device = resolve_device(options);
   st.backend = &resolve_backend(s, options, device, st.q_dtype);
 #ifdef SMLA_WITH_CUDA

@@ -262,7 +262,14 @@ TEST(Layer, OptionsNameTheArgumentAtFault) {
                      ErrorKind::invalid_argument,
                      {"MlaLayer: options.stream: a CUDA stream needs a CUDA options.device, got cpu"});
   test::expect_error([&] { MlaLayer layer(random_weights(spec, 1), {.kv_cache_dtype = DType::f32}); },
-                     ErrorKind::invalid_argument, {"MlaLayer: options.kv_cache_dtype: expected", "got float32"});
+                     ErrorKind::invalid_argument,
+                     {"MlaLayer: options.kv_cache_dtype: expected bfloat16, float16 or fp8_ds_mla, got float32"});
+  // The ops take fp8_ds_mla_nope, but the layer's head has a rope part that it cannot hold.
+  test::expect_error([&] { MlaLayer layer(random_weights(spec, 1), {.kv_cache_dtype = DType::fp8_ds_mla_nope}); },
+                     ErrorKind::invalid_argument,
+                     {"MlaLayer: options.kv_cache_dtype: expected bfloat16, float16 or fp8_ds_mla, got fp8_ds_mla_nope"});
+  EXPECT_EQ(attention_query_dtype(DType::f16), DType::f16);
+  for (DType kv : {DType::bf16, DType::fp8_ds_mla}) EXPECT_EQ(attention_query_dtype(kv), DType::bf16);
   test::expect_error([&] { MlaLayer layer(random_weights(spec, 1), {.index_cache_dtype = DType::f16}); },
                      ErrorKind::invalid_argument, {"MlaLayer: options.index_cache_dtype: expected", "got float16"});
   // More heads than any backend runs: the forced backend, and the selector, say why.

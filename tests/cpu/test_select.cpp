@@ -315,6 +315,26 @@ TEST(Registry, GlobalHoldsTheCpuBackend) {
   EXPECT_THROW(dup.add(std::make_unique<DeclaredBackend>(cpu_like())), Error);
 }
 
+// The ops' limits and cache formats are written once (smla/ops.h, smla/types.h): the built-in backends declare
+// theirs from them (the CPU backend, the reference, takes all of it) and the messages list them.
+TEST(Registry, BackendsDeclareTheOpsLimitsAndCacheFormats) {
+  const std::vector<DType> every_cache(std::begin(kMlaCacheDTypes), std::end(kMlaCacheDTypes));
+  for (const Backend* b : Registry::global().all()) {
+    SCOPED_TRACE(b->name());
+    const Capabilities& c = b->capabilities();
+    EXPECT_EQ(c.kv_cache_dtypes, every_cache);
+    EXPECT_EQ(c.heads.max, kMaxHeads);
+    EXPECT_LE(c.topk.max, kMaxTopk);
+  }
+  EXPECT_EQ(Registry::global().find("cpu")->capabilities().topk.max, kMaxTopk);
+  EXPECT_EQ(dtype_names(kMlaCacheDTypes), "bfloat16, float16, fp8_ds_mla or fp8_ds_mla_nope");
+  RunOptions o;
+  o.device = "cpu";
+  o.kv_cache_dtype = "fp8";
+  test::expect_error([&] { make_run_spec(glm5(), o, OptionNames::cli); }, ErrorKind::invalid_argument,
+                     {"--kv-cache-dtype: expected auto, bfloat16, float16, fp8_ds_mla or fp8_ds_mla_nope, got 'fp8'"});
+}
+
 TEST(Ops, AnExplicitBackendMustRunWhereTheTensorsAre) {
   // GPU-tagged views at bogus addresses: the check must stop before any access.
   const Device gpu = Device::cuda(90);

@@ -231,7 +231,7 @@ Resolved resolve_layer_job(const JobOptions& o) {
                                   " has " + str(layers) + " layers (" + source + ")");
   Resolved res = resolve(o.common, std::move(spec));
   // MlaLayer's attention query takes the cache's 16-bit type: bf16 beside an fp8_ds_mla cache.
-  const DType kv = res.run.resolved_kv_cache_dtype(), query = kv == DType::f16 ? DType::f16 : DType::bf16;
+  const DType kv = res.run.resolved_kv_cache_dtype(), query = attention_query_dtype(kv);
   require(res.run.q_dtype == query, "--dtype " + std::string(dtype_name(res.run.q_dtype)) +
                                         ": the layer's attention query has the cache's 16-bit type, " +
                                         std::string(dtype_name(query)) + " with a " + std::string(dtype_name(kv)) +
