@@ -65,7 +65,7 @@ def smla_reasons(device_capability: Any, dtype: torch.dtype, kv_cache_dtype: Opt
     size; only sparse attention is asked of smla (the indexer is vLLM's)."""
     dtype_name = next((n for n, t in _TORCH_DTYPES.items() if t == dtype), None)
     if dtype_name is None:
-        return [f"smla: query dtype {dtype} not supported (bfloat16, float16)"]
+        return [f"smla: query dtype {dtype} not supported ({', '.join(_DECLARED.q_dtypes)})"]
     kv = _smla_kv_cache_dtype(kv_cache_dtype)
     if kv is None:
         return [f"smla: kv_cache_dtype {kv_cache_dtype} not supported (smla reads auto, "
