@@ -128,7 +128,9 @@ struct Cache {
   }
   ~Cache() { cudaFree(data); }
   // Bytes a row takes in memory, and the bytes of it the kernels read.
-  int row_stride_bytes() const { return static_cast<int>(head.cache_row(dtype) * (dtype == smla::DType::bf16 ? 2 : 1)); }
+  int row_stride_bytes() const {
+    return static_cast<int>(head.cache_row(dtype) * (dtype == smla::DType::bf16 ? 2 : 1));
+  }
   int row_bytes() const { return static_cast<int>(head.row_bytes_read(dtype)); }
   smla::TensorView view() const {
     return smla::TensorView(data, {slots / block_size, block_size, head.cache_row(dtype)}, dtype,

@@ -85,7 +85,8 @@ std::vector<double> hadamard(const std::vector<double>& x) {
   std::vector<double> y(kIndexHeadDim);
   for (int64_t i = 0; i < kIndexHeadDim; ++i) {
     double sum = 0;
-    for (int64_t j = 0; j < kIndexHeadDim; ++j) sum += (std::popcount(static_cast<unsigned>(i & j)) % 2 ? -1 : 1) * x[j];
+    for (int64_t j = 0; j < kIndexHeadDim; ++j)
+      sum += (std::popcount(static_cast<unsigned>(i & j)) % 2 ? -1 : 1) * x[j];
     y[i] = sum / std::sqrt(128.0);
   }
   return y;

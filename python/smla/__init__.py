@@ -3,7 +3,8 @@ NVIDIA GPUs (SM80-SM120), with an explainable backend selector.
 
 Ops (``write_mla_cache``, ``sparse_mla``, ``paged_mla_decode``,
 ``write_index_cache``, ``indexer_topk``, ``positions_to_slots``,
-``dsa_decode_step``) take any DLPack-capable tensors without copying them and
+``dsa_decode_step``, and GLM-5.3-Flash's ``write_pooled_index_cache``,
+``pools_to_positions`` and ``rotate_index_q``) take any DLPack-capable tensors without copying them and
 return outputs of the same kind. ``explain`` tells which backend runs a model
 on a device and why. ``smla.flash_mla`` is a drop-in for FlashMLA's API.
 See docs/python.md.
@@ -28,10 +29,13 @@ from .ops import (
     dsa_decode_step,
     indexer_topk,
     paged_mla_decode,
+    pools_to_positions,
     positions_to_slots,
+    rotate_index_q,
     sparse_mla,
     write_index_cache,
     write_mla_cache,
+    write_pooled_index_cache,
 )
 
 try:
@@ -63,11 +67,14 @@ __all__ = [
     "indexer_topk",
     "load_model_spec",
     "paged_mla_decode",
+    "pools_to_positions",
     "positions_to_slots",
     "preset_names",
+    "rotate_index_q",
     "sparse_mla",
     "support_matrix",
     "with_cuda",
     "write_index_cache",
     "write_mla_cache",
+    "write_pooled_index_cache",
 ]

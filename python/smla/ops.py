@@ -325,6 +325,59 @@ def positions_to_slots(positions: Tensor, request_ids: Tensor, block_table: Tens
     return out
 
 
+def write_pooled_index_cache(k: Tensor, gate: Tensor, ape: Tensor, slot_mapping: Tensor, cache: Tensor, *,
+                             hadamard: bool = True, index_cache_dtype: Optional[str] = "auto", stream: Any = None,
+                             backend: Optional[str] = None) -> Tensor:
+    """GLM-5.3-Flash's pooled index keys: k and gate [P, kpool, 128] (the
+    index keys and gate scores of each pool's tokens), ape [kpool, 128]
+    float32; per dimension a softmax over the pool of gate + ape weights the
+    keys, then (hadamard) the 128-point Walsh-Hadamard rotation. Written at the
+    pool slots slot_mapping [P] int64 (negative: skipped) of an index cache of
+    block_size / kpool rows a block, as write_index_cache writes. Returns
+    ``cache``."""
+    _smla.write_pooled_index_cache(
+        _arrays.export(k), _arrays.export(gate), _arrays.export(ape), _arrays.export(slot_mapping),
+        _arrays.export(cache, _index_dtype(cache, index_cache_dtype)), bool(hadamard),
+        _arrays.resolve_stream(cache, stream), _backend(backend))
+    return cache
+
+
+def pools_to_positions(pools: Tensor, context_lens: Tensor, *, kpool: int, out: Optional[Tensor] = None,
+                       stream: Any = None, backend: Optional[str] = None) -> Tensor:
+    """The top pools [T, Kp] int32 (indexer_topk over a pooled index cache)
+    -> the logical positions [T, Kp * kpool + kpool - 1] int32 attended: each
+    pool's kpool tokens, then those of the incomplete last pool of the
+    context [0, context_lens[t]); -1 padded."""
+    kpool = _int_in(kpool, "kpool", 1, 128)
+    if out is None:
+        shape = _arrays.shape(pools, "pools")
+        if len(shape) != 2:
+            raise _smla.InvalidArgumentError(f"pools_to_positions: pools: expected 2 dimensions [T, Kp], got {shape}")
+        out = _arrays.empty(pools, (shape[0], shape[1] * kpool + kpool - 1), "int32")
+    _smla.pools_to_positions(_arrays.export(pools), _arrays.export(context_lens), kpool, _arrays.export(out),
+                             _arrays.resolve_stream(pools, stream), _backend(backend))
+    return out
+
+
+def rotate_index_q(q: Tensor, *, fp8: bool = True, out: Optional[Tensor] = None, q_scale: Optional[Tensor] = None,
+                   stream: Any = None, backend: Optional[str] = None) -> Tuple[Tensor, Optional[Tensor]]:
+    """GLM-5.3-Flash's indexer queries: q [T, H_I, 128] (float32 / float16 /
+    bfloat16) rotated by 128^-0.5 H_128 per head and rounded to bfloat16;
+    with ``fp8`` then e4m3 codes (uint8, or any 8-bit out=) with one ue8m0
+    scale per head. Returns (q_out, q_scale [T, H_I] float32, None without
+    fp8): indexer_topk's q and q_scale."""
+    if q_scale is not None and not fp8:
+        raise _smla.InvalidArgumentError("rotate_index_q: q_scale: must be absent unless fp8 (bfloat16 out has none)")
+    if out is None:
+        out = _arrays.empty(q, _arrays.shape(q, "q"), "uint8" if fp8 else "bfloat16")
+    if fp8 and q_scale is None:
+        q_scale = _arrays.empty(q, _arrays.shape(q, "q")[:2], "float32")
+    _smla.rotate_index_q(_arrays.export(q), _arrays.export(out, "fp8_e4m3" if fp8 else None),
+                         _arrays.export(q_scale) if fp8 else None, _arrays.resolve_stream(q, stream),
+                         _backend(backend))
+    return out, (q_scale if fp8 else None)
+
+
 def dsa_decode_step(q: Tensor, kv_cache: Tensor, index_q: Tensor, index_weights: Tensor, index_cache: Tensor,
                     request_ids: Tensor, block_table: Tensor, context_lens: Tensor, *, topk: int,
                     softmax_scale: float, index_q_scale: Optional[Tensor] = None,

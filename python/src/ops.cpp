@@ -165,6 +165,53 @@ void bind_ops(nb::module_& m) {
       arg("backend") = "");
 
   m.def(
+      "write_pooled_index_cache",
+      [](nb::handle k, nb::handle gate, nb::handle ape, nb::handle slot_mapping, nb::handle cache, bool hadamard,
+         uintptr_t stream, const std::string& backend) {
+        Importer imp;
+        WritePooledIndexCacheArgs a;
+        a.k = imp.input(k, "k");
+        a.gate = imp.input(gate, "gate");
+        a.ape = imp.input(ape, "ape");
+        a.slot_mapping = imp.input(slot_mapping, "slot_mapping");
+        a.cache = imp.output(cache, "cache");
+        a.hadamard = hadamard;
+        a.stream = as_stream(stream);
+        run(a, backend_by_name(backend, a.cache.device),
+            [](const auto& x, auto b) { write_pooled_index_cache(x, b); });
+      },
+      arg("k"), arg("gate"), arg("ape"), arg("slot_mapping"), arg("cache"), arg("hadamard") = true,
+      arg("stream") = 0, arg("backend") = "");
+
+  m.def(
+      "pools_to_positions",
+      [](nb::handle pools, nb::handle context_lens, int kpool, nb::handle positions, uintptr_t stream,
+         const std::string& backend) {
+        Importer imp;
+        PoolsToPositionsArgs a;
+        a.pools = imp.input(pools, "pools");
+        a.context_lens = imp.input(context_lens, "context_lens");
+        a.kpool = kpool;
+        a.positions = imp.output(positions, "positions");
+        a.stream = as_stream(stream);
+        run(a, backend_by_name(backend, a.pools.device), [](const auto& x, auto b) { pools_to_positions(x, b); });
+      },
+      arg("pools"), arg("context_lens"), arg("kpool"), arg("positions"), arg("stream") = 0, arg("backend") = "");
+
+  m.def(
+      "rotate_index_q",
+      [](nb::handle q, nb::handle q_out, nb::handle q_scale, uintptr_t stream, const std::string& backend) {
+        Importer imp;
+        RotateIndexQArgs a;
+        a.q = imp.input(q, "q");
+        a.q_out = imp.output(q_out, "q_out");
+        a.q_scale = imp.output(q_scale, "q_scale");
+        a.stream = as_stream(stream);
+        run(a, backend_by_name(backend, a.q.device), [](const auto& x, auto b) { rotate_index_q(x, b); });
+      },
+      arg("q"), arg("q_out"), obj("q_scale"), arg("stream") = 0, arg("backend") = "");
+
+  m.def(
       "dsa_decode_step",
       [](nb::handle index_q, nb::handle index_q_scale, nb::handle index_weights, nb::handle index_cache,
          nb::handle request_ids, nb::handle block_table, nb::handle context_lens, nb::handle topk, nb::handle slots,

@@ -49,7 +49,8 @@ TEST(CudaPooledIndexer, WritePooledIndexCacheMatchesCpu) {
           const std::vector<uint8_t> k = stored(kv, src), gate = stored(gv, src);
           std::vector<int64_t> slots(pools);
           for (int i = 0; i < pools; ++i) slots[i] = i % 11 == 3 ? -1 : (i * 37) % (blocks * rows);
-          std::vector<uint8_t> want(blocks * rows * cache_row(c) * dtype_size(c), 0xab);
+          // 0xff: NaN in bf16, in e4m3 and in the fp32 scales.
+          std::vector<uint8_t> want(blocks * rows * cache_row(c) * dtype_size(c), 0xff);
           WritePooledIndexCacheArgs a;
           a.k = TensorView(const_cast<uint8_t*>(k.data()), {pools, kpool, kIndexHeadDim}, {pool_stride, row_stride, 1},
                            src);
@@ -60,7 +61,7 @@ TEST(CudaPooledIndexer, WritePooledIndexCacheMatchesCpu) {
           a.cache = TensorView(want.data(), {blocks, rows, cache_row(c)}, c);
           a.hadamard = hadamard;
           write_pooled_index_cache(a, &cpu());
-          DeviceBuffer dk(k), dg(gate), da(ape), ds(slots), dc(std::vector<uint8_t>(want.size(), 0xab));
+          DeviceBuffer dk(k), dg(gate), da(ape), ds(slots), dc(std::vector<uint8_t>(want.size(), 0xff));
           WritePooledIndexCacheArgs g = a;
           g.k = on_gpu(a.k, dk.ptr);
           g.gate = on_gpu(a.gate, dg.ptr);
@@ -138,7 +139,8 @@ TEST(CudaPooledIndexer, RotateIndexQSameBytesAsCpu) {
       a.q_out = TensorView(want.data(), {tokens, heads, kIndexHeadDim}, out_dtype);
       if (out_dtype == DType::fp8_e4m3) a.q_scale = TensorView(want_scale.data(), {tokens, heads}, DType::f32);
       rotate_index_q(a, &cpu());
-      DeviceBuffer dq(q), dout(std::vector<uint8_t>(want.size(), 0xab)), dscale(std::vector<float>(want_scale.size(), -1.f));
+      DeviceBuffer dq(q), dout(std::vector<uint8_t>(want.size(), 0xab)),
+          dscale(std::vector<float>(want_scale.size(), -1.f));
       RotateIndexQArgs g = a;
       g.q = on_gpu(a.q, dq.ptr);
       g.q_out = on_gpu(a.q_out, dout.ptr);
