@@ -248,6 +248,62 @@ std::vector<std::unique_ptr<OpCase>> all_ops() {
     c->size = [a] { return workspace_size(a, &gpu()); };
     ops.push_back(std::move(c));
   }
+  // GLM-5.3-Flash's pooled indexer: pools of 4 tokens into an fp8 index cache of 16 pools a block (kSlots pools).
+  constexpr int64_t kpool = 4, pool_rows = kBlockSize / kpool;
+  {
+    auto c = std::make_unique<OpCase>();
+    c->name = "write_pooled_index_cache";
+    const int64_t n = 8;
+    const std::vector<int64_t> slots = distinct_slots(rng, n);
+    const int64_t values = n * kpool * kIndexHeadDim;
+    WritePooledIndexCacheArgs a;
+    a.k = view(c->input(bf16(rng, values), bf16(rng, values)), {n, kpool, kIndexHeadDim}, DType::bf16);
+    a.gate = view(c->input(bf16(rng, values), bf16(rng, values)), {n, kpool, kIndexHeadDim}, DType::bf16);
+    a.ape = view(c->same_input(test::random_floats(rng, kpool * kIndexHeadDim)), {kpool, kIndexHeadDim}, DType::f32);
+    a.slot_mapping = view(c->same_input(slots), {n}, DType::i64);
+    a.cache = view(c->output(kSlots * kFp8IndexRowBytes), {kSlots / pool_rows, pool_rows, kFp8IndexRowBytes},
+                   DType::fp8_e4m3);
+    c->run = [a](cudaStream_t s, TensorView) mutable {
+      a.stream = s;
+      write_pooled_index_cache(a, &gpu());
+    };
+    c->size = [] { return size_t{0}; };
+    ops.push_back(std::move(c));
+  }
+  {
+    auto c = std::make_unique<OpCase>();
+    c->name = "rotate_index_q";
+    const int64_t values = kIndexHeads * kIndexHeadDim;
+    RotateIndexQArgs a;
+    a.q = view(c->input(bf16(rng, values), bf16(rng, values)), {1, kIndexHeads, kIndexHeadDim}, DType::bf16);
+    a.q_out = view(c->output(values), {1, kIndexHeads, kIndexHeadDim}, DType::fp8_e4m3);
+    a.q_scale = view(c->output(kIndexHeads * 4), {1, kIndexHeads}, DType::f32);
+    c->run = [a](cudaStream_t s, TensorView) mutable {
+      a.stream = s;
+      rotate_index_q(a, &gpu());
+    };
+    c->size = [] { return size_t{0}; };
+    ops.push_back(std::move(c));
+  }
+  {
+    auto c = std::make_unique<OpCase>();
+    c->name = "pools_to_positions";
+    const int64_t kp = kTopk / kpool;
+    std::vector<int32_t> pools_a(kp), pools_b(kp);
+    for (auto& p : pools_a) p = static_cast<int32_t>(rng() % 1000);
+    for (auto& p : pools_b) p = static_cast<int32_t>(rng() % 1000);
+    PoolsToPositionsArgs a;
+    a.pools = view(c->input(pools_a, pools_b), {1, kp}, DType::i32);
+    a.context_lens = view(c->input(std::vector<int32_t>{4001}, std::vector<int32_t>{3902}), {1}, DType::i32);
+    a.kpool = kpool;
+    a.positions = view(c->output((kTopk + kpool - 1) * 4), {1, kTopk + kpool - 1}, DType::i32);
+    c->run = [a](cudaStream_t s, TensorView) mutable {
+      a.stream = s;
+      pools_to_positions(a, &gpu());
+    };
+    c->size = [] { return size_t{0}; };
+    ops.push_back(std::move(c));
+  }
   return ops;
 }
 
