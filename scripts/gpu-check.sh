@@ -41,7 +41,8 @@ if [[ " $parts " == *" tests "* ]]; then
   fi
 fi
 if [[ " $parts " == *" run "* ]]; then
-  for args in "" "--kv-cache-dtype fp8_ds_mla --tp 8" "--model deepseek-v3.2 --tp 8 --batch 128" "--model kimi-k2 --tp 8"; do
+  for args in "" "--kv-cache-dtype fp8_ds_mla --tp 8" "--model deepseek-v3.2 --tp 8 --batch 128" "--model kimi-k2 --tp 8" \
+      "--model glm-5.3-flash --tp 8 --kv-cache-dtype fp8_ds_mla_nope --context 32768"; do
     echo "== smla run $args"
     ./build-gpu/tools/smla/smla run $args 2>&1 | tee -a "$out/run.log" | grep -E "^(result|job|per step|throughput|  *indexer|check)"
   done
