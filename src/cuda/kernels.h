@@ -6,8 +6,16 @@
 namespace smla::cuda {
 
 void write_mla_cache(const WriteMlaCacheArgs& args);
-void sparse_mla(const SparseMlaArgs& args);
-void paged_mla_decode(const PagedMlaDecodeArgs& args);
+// Which kernel the attention ops run: as they see fit (the small-heads kernel up to 32 heads, the 16-head-tile
+// kernel above), or forced (tests, benchmarks); `stages` > 0 forces the small-heads kernel's pipeline depth
+// (2-4; an error where the device's shared memory cannot hold it).
+enum class AttentionKernel { automatic, head_tile, small_heads };
+struct AttentionChoice {
+  AttentionKernel kernel = AttentionKernel::automatic;
+  int stages = 0;
+};
+void sparse_mla(const SparseMlaArgs& args, AttentionChoice choice = {});
+void paged_mla_decode(const PagedMlaDecodeArgs& args, AttentionChoice choice = {});
 void write_index_cache(const WriteIndexCacheArgs& args);
 void positions_to_slots(const PositionsToSlotsArgs& args);
 void indexer_topk(const IndexerTopkArgs& args);

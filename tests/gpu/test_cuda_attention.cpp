@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -12,6 +13,7 @@
 #include <vector>
 
 #include "core/numeric.h"
+#include "cuda/kernels.h"
 #include "smla/error.h"
 #include "smla/select.h"
 #include "gpu/gpu_util.h"
@@ -25,6 +27,7 @@ struct Problem {
   DType kv_dtype = DType::bf16;
   int tokens = 3, heads = 16, topk = 128, block_size = 16, num_blocks = 0, block_pad = 0;
   bool topk_length = false, sink = false, q_padded = false;
+  cuda::AttentionChoice kernel;  // forced: the op's CUDA function is called directly
 };
 
 int row_elems(DType kv) { return kv == DType::fp8_ds_mla ? kFp8DsMlaRowBytes : kMlaQkDim; }
@@ -81,7 +84,9 @@ void expect_close(const std::vector<uint16_t>& ref, const std::vector<uint16_t>&
 void run_sparse(const Problem& pr, uint64_t seed) {
   const std::string what = std::string("sparse q=") + std::string(dtype_name(pr.q_dtype)) + " kv=" +
                            std::string(dtype_name(pr.kv_dtype)) + " H=" + std::to_string(pr.heads) +
-                           " K=" + std::to_string(pr.topk) + " bs=" + std::to_string(pr.block_size);
+                           " K=" + std::to_string(pr.topk) + " bs=" + std::to_string(pr.block_size) +
+                           " kernel=" + std::to_string(static_cast<int>(pr.kernel.kernel)) +
+                           " stages=" + std::to_string(pr.kernel.stages);
   SCOPED_TRACE(what);
   test::Rng rng(seed);
   Problem p = pr;
@@ -140,7 +145,8 @@ void run_sparse(const Problem& pr, uint64_t seed) {
   if (p.sink) g.attn_sink = on_gpu(a.attn_sink, dsink.ptr);
   g.out = on_gpu(a.out, dout.ptr);
   g.lse = on_gpu(a.lse, dlse.ptr);
-  sparse_mla(g, &gpu());
+  if (p.kernel.kernel == cuda::AttentionKernel::automatic) sparse_mla(g, &gpu());
+  else cuda::sparse_mla(g, p.kernel);
   CUDA_OK(cudaDeviceSynchronize());
   expect_close(ref, dout.download<uint16_t>(), p.q_dtype, ref_lse, dlse.download<float>(), what);
 }
@@ -202,9 +208,11 @@ TEST(CudaSparseMla, DecodeBatchUsesSplits) {
   run_sparse(p, 300);
 }
 
-void run_paged(DType q_dtype, DType kv, int batch, int s_q, int heads, int block_size, bool causal, uint64_t seed) {
+void run_paged(DType q_dtype, DType kv, int batch, int s_q, int heads, int block_size, bool causal, uint64_t seed,
+               cuda::AttentionChoice kernel = {}) {
   SCOPED_TRACE("paged kv=" + std::string(dtype_name(kv)) + " B=" + std::to_string(batch) + " s_q=" +
-               std::to_string(s_q) + " H=" + std::to_string(heads) + " bs=" + std::to_string(block_size));
+               std::to_string(s_q) + " H=" + std::to_string(heads) + " bs=" + std::to_string(block_size) +
+               " kernel=" + std::to_string(static_cast<int>(kernel.kernel)) + " stages=" + std::to_string(kernel.stages));
   test::Rng rng(seed);
   const int max_blocks = (700 + block_size - 1) / block_size;
   Problem p;
@@ -248,7 +256,8 @@ void run_paged(DType q_dtype, DType kv, int batch, int s_q, int heads, int block
   g.seq_lens = on_gpu(a.seq_lens, dseq.ptr);
   g.out = on_gpu(a.out, dout.ptr);
   g.lse = on_gpu(a.lse, dlse.ptr);
-  paged_mla_decode(g, &gpu());
+  if (kernel.kernel == cuda::AttentionKernel::automatic) paged_mla_decode(g, &gpu());
+  else cuda::paged_mla_decode(g, kernel);
   CUDA_OK(cudaDeviceSynchronize());
   expect_close(ref, dout.download<uint16_t>(), q_dtype, ref_lse, dlse.download<float>(), "paged");
 }
@@ -259,6 +268,99 @@ TEST(CudaPagedDecode, MatchesCpu) {
     for (int bs : {1, 16, 64}) run_paged(DType::bf16, kv, 3, 2, 16, bs, true, seed++);
   run_paged(DType::f16, DType::bf16, 4, 1, 128, 64, true, seed++);
   run_paged(DType::bf16, DType::bf16, 2, 4, 8, 16, false, seed++);
+}
+
+// The small-heads kernel forced (keys on the mma's M side, heads on N, per-warp
+// online softmax): every head count it serves, both cache formats and f16,
+// top-k 1 to 4096, block sizes 1/16/64, each pipeline depth, invalid indices,
+// NaN-poisoned unused slots, topk_length, sinks and strided queries.
+TEST(CudaSparseMlaSmallHeads, HeadsFormatsTopkBlockSizes) {
+  uint64_t seed = 600;
+  int n = 0;
+  for (int heads : {1, 4, 8, 16, 20, 32})
+    for (DType kv : {DType::bf16, DType::fp8_ds_mla})
+      for (int topk : {1, 100, 2048, 4096}) {
+        Problem p;
+        p.kv_dtype = kv;
+        p.heads = heads;
+        p.topk = topk;
+        p.tokens = topk == 4096 ? 2 : 3;
+        p.block_size = std::array<int, 3>{1, 16, 64}[n % 3];
+        p.topk_length = n % 4 == 1;
+        p.sink = n % 5 == 2;
+        p.q_padded = n % 3 == 2;
+        // fp8 stages are small enough for every depth on an H200; bf16 ones as picked, or 2.
+        p.kernel = {cuda::AttentionKernel::small_heads, kv == DType::fp8_ds_mla ? 2 + n % 3 : 2 * (n % 2)};
+        ++n;
+        run_sparse(p, seed++);
+      }
+}
+
+TEST(CudaSparseMlaSmallHeads, F16AndQueryDtypes) {
+  uint64_t seed = 700;
+  for (DType q : {DType::bf16, DType::f16})
+    for (DType kv : {DType::bf16, DType::f16, DType::fp8_ds_mla}) {
+      Problem p;
+      p.q_dtype = q;
+      p.kv_dtype = kv;
+      p.heads = 8;
+      p.topk = 300;
+      p.block_size = 16;
+      p.block_pad = 8 * 16;
+      p.kernel = {cuda::AttentionKernel::small_heads, 0};
+      run_sparse(p, seed++);
+    }
+}
+
+TEST(CudaSparseMlaSmallHeads, DecodeBatchUsesSplits) {
+  for (DType kv : {DType::bf16, DType::fp8_ds_mla})
+    for (int heads : {8, 16}) {
+      Problem p;
+      p.kv_dtype = kv;
+      p.tokens = 64;
+      p.heads = heads;
+      p.topk = 2048;
+      p.block_size = 64;
+      p.kernel = {cuda::AttentionKernel::small_heads, 0};
+      run_sparse(p, 800 + heads);
+    }
+}
+
+TEST(CudaSparseMlaSmallHeads, DepthBeyondSharedMemoryIsAnError) {
+  Problem p;  // 4 stages of 64 bf16 rows (296 KB) fit no GPU's shared memory
+  p.heads = 16;
+  p.kernel = {cuda::AttentionKernel::small_heads, 4};
+  try {
+    run_sparse(p, 1);
+    FAIL() << "4 bf16 stages accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("shared memory"), std::string::npos) << e.what();
+  }
+}
+
+// Heads that go to the small-heads kernel automatically, forced onto the 16-head-tile kernel: it stays tested.
+TEST(CudaSparseMla, HeadTileKernelForSmallHeadCounts) {
+  uint64_t seed = 900;
+  for (DType kv : {DType::bf16, DType::fp8_ds_mla})
+    for (int heads : {8, 20}) {
+      Problem p;
+      p.kv_dtype = kv;
+      p.heads = heads;
+      p.topk = 1000;
+      p.topk_length = true;
+      p.sink = true;
+      p.kernel = {cuda::AttentionKernel::head_tile, 0};
+      run_sparse(p, seed++);
+    }
+}
+
+TEST(CudaPagedDecode, SmallHeadsKernel) {
+  uint64_t seed = 1000;
+  for (DType kv : {DType::bf16, DType::fp8_ds_mla})
+    for (int bs : {1, 16, 64}) run_paged(DType::bf16, kv, 3, 2, 16, bs, true, seed++, {cuda::AttentionKernel::small_heads, 0});
+  run_paged(DType::bf16, DType::fp8_ds_mla, 2, 4, 8, 16, false, seed++, {cuda::AttentionKernel::small_heads, 3});
+  run_paged(DType::f16, DType::bf16, 4, 1, 4, 64, true, seed++, {cuda::AttentionKernel::small_heads, 3});
+  run_paged(DType::bf16, DType::bf16, 2, 2, 16, 16, true, seed++, {cuda::AttentionKernel::head_tile, 0});
 }
 
 TEST(CudaWriteMlaCache, SameBytesAsCpu) {

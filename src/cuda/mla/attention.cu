@@ -10,6 +10,7 @@
 #include "cuda/common/runtime.h"
 #include "cuda/kernels.h"
 #include "cuda/mla/attention_kernel.cuh"
+#include "cuda/mla/attention_small_heads.h"
 
 namespace smla::cuda {
 
@@ -135,9 +136,9 @@ const LaunchConfig& launch_config(CacheFormat f, bool paged) {
 // fill the GPU's resident slots in whole waves best (a last wave half full
 // leaves half the GPU idle: 384 CTAs on 264 slots ran at ~70%), the smallest
 // such count on ties (each split costs a partial row and a combine). Each
-// split keeps at least two chunks.
-int choose_splits(int64_t ctas, int chunks, int64_t slots) {
-  const int most = std::max(1, std::min(chunks / 2, mla::kMaxSplits));
+// split keeps at least `min_chunks` chunks.
+int choose_splits(int64_t ctas, int chunks, int64_t slots, int min_chunks) {
+  const int most = std::max(1, std::min(chunks / min_chunks, mla::kMaxSplits));
   int best = 1;
   double best_fill = 0;
   for (int s = 1; s <= most && ctas * s <= 8 * slots + ctas; ++s) {
@@ -151,15 +152,24 @@ int choose_splits(int64_t ctas, int chunks, int64_t slots) {
   return best;
 }
 
-void launch(AttentionParams& p, CacheFormat f, bool paged, int num_keys, cudaStream_t stream) {
+// The small-heads kernel serves up to 32 heads (memory-bound decode); more
+// heads go to the 16-head-tile kernel, whose CTAs feed 16 heads per row.
+void launch(AttentionParams& p, CacheFormat f, bool paged, int num_keys, cudaStream_t stream, AttentionChoice choice) {
   if (p.num_tokens == 0) return;
   const DeviceInfo& dev = current_device();
-  const LaunchConfig& cfg = launch_config(f, paged);
+  const bool small = choice.kernel == AttentionKernel::small_heads ||
+                     (choice.kernel == AttentionKernel::automatic && p.num_heads <= mla::small::kMaxHeadsAutomatic);
+  const mla::small::SmallHeadsConfig* small_cfg =
+      small ? &mla::small::small_heads_config(f, paged, p.num_heads, choice.stages) : nullptr;
+  const LaunchConfig* cfg = small ? nullptr : &launch_config(f, paged);
 
-  const int head_groups = (p.num_heads + mla::kHeadsPerCta - 1) / mla::kHeadsPerCta;
-  const int64_t ctas = static_cast<int64_t>(p.num_tokens) * head_groups;
-  const int chunks = std::max(1, (num_keys + mla::kKeysPerChunk - 1) / mla::kKeysPerChunk);
-  const int splits = choose_splits(ctas, chunks, static_cast<int64_t>(dev.num_sms) * cfg.ctas_per_sm);
+  const int heads_per_cta = small ? small_cfg->heads_per_cta : mla::kHeadsPerCta;
+  const int chunk_keys = small ? mla::small::kSmallChunkKeys : mla::kKeysPerChunk;
+  const int ctas_per_sm = small ? small_cfg->ctas_per_sm : cfg->ctas_per_sm;
+  const int64_t ctas = static_cast<int64_t>(p.num_tokens) * ((p.num_heads + heads_per_cta - 1) / heads_per_cta);
+  const int chunks = std::max(1, (num_keys + chunk_keys - 1) / chunk_keys);
+  // The small-heads kernel's 64-key chunks are worth a CTA each.
+  const int splits = choose_splits(ctas, chunks, static_cast<int64_t>(dev.num_sms) * ctas_per_sm, small ? 1 : 2);
   p.chunks_per_split = (chunks + splits - 1) / splits;
   p.num_splits = (chunks + p.chunks_per_split - 1) / p.chunks_per_split;
   if (p.num_splits > 1) {
@@ -168,8 +178,12 @@ void launch(AttentionParams& p, CacheFormat f, bool paged, int num_keys, cudaStr
     p.partial_out = ws;
     p.partial_lse = ws + rows * mla::kVDim;
   }
-  cfg.fn<<<dim3(static_cast<unsigned>(ctas), p.num_splits), mla::kThreads, cfg.smem, stream>>>(p);
-  check_launch("smla MLA attention kernel");
+  if (small) {
+    mla::small::launch_small_heads(p, *small_cfg, stream);
+  } else {
+    cfg->fn<<<dim3(static_cast<unsigned>(ctas), p.num_splits), mla::kThreads, cfg->smem, stream>>>(p);
+    check_launch("smla MLA attention kernel");
+  }
   if (p.num_splits > 1) {
     mla::combine_kernel<<<static_cast<unsigned>(p.num_tokens) * p.num_heads, mla::kThreads, 0, stream>>>(p);
     check_launch("smla MLA combine kernel");
@@ -178,7 +192,7 @@ void launch(AttentionParams& p, CacheFormat f, bool paged, int num_keys, cudaStr
 
 }  // namespace
 
-void sparse_mla(const SparseMlaArgs& a) {
+void sparse_mla(const SparseMlaArgs& a, AttentionChoice choice) {
   AttentionParams p{};
   fill_common(p, "sparse_mla", a.q, a.q.stride(0), 0, a.kv_cache, a.out, a.out.stride(0), 0, a.lse, a.lse.stride(0), 0,
               a.attn_sink, a.softmax_scale);
@@ -190,10 +204,10 @@ void sparse_mla(const SparseMlaArgs& a) {
   p.topk_length = a.topk_length.defined() ? a.topk_length.ptr<int32_t>() : nullptr;
   if (a.topk_length.defined())
     require(a.topk_length.stride(0) == 1, "sparse_mla: topk_length: the CUDA backend needs it contiguous");
-  launch(p, format_of(a.kv_cache.dtype), false, p.topk, static_cast<cudaStream_t>(a.stream));
+  launch(p, format_of(a.kv_cache.dtype), false, p.topk, static_cast<cudaStream_t>(a.stream), choice);
 }
 
-void paged_mla_decode(const PagedMlaDecodeArgs& a) {
+void paged_mla_decode(const PagedMlaDecodeArgs& a, AttentionChoice choice) {
   AttentionParams p{};
   fill_common(p, "paged_mla_decode", a.q, a.q.stride(0), a.q.stride(1), a.kv_cache, a.out, a.out.stride(0),
               a.out.stride(1), a.lse, a.lse.stride(0), a.lse.stride(1), a.attn_sink, a.softmax_scale);
@@ -205,7 +219,7 @@ void paged_mla_decode(const PagedMlaDecodeArgs& a) {
   p.seq_lens = a.seq_lens.ptr<int32_t>();
   require(a.seq_lens.stride(0) == 1, "paged_mla_decode: seq_lens: the CUDA backend needs it contiguous");
   p.causal = a.causal;
-  launch(p, format_of(a.kv_cache.dtype), true, p.max_blocks * p.block_size, static_cast<cudaStream_t>(a.stream));
+  launch(p, format_of(a.kv_cache.dtype), true, p.max_blocks * p.block_size, static_cast<cudaStream_t>(a.stream), choice);
 }
 
 }  // namespace smla::cuda
