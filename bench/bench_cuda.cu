@@ -152,9 +152,13 @@ std::vector<AttentionRow> attention_rows;
 using smla::cuda::AttentionChoice;
 using smla::cuda::AttentionKernel;
 
+// "small/s3/h8/d2": the small-heads kernel forced to 3 stages, 8 heads per CTA, output dims split in 2.
 std::string kernel_name(AttentionChoice k) {
   std::string n = k.kernel == AttentionKernel::automatic ? "auto" : k.kernel == AttentionKernel::head_tile ? "head-tile" : "small";
-  return k.stages > 0 ? n + "/" + std::to_string(k.stages) : n;
+  if (k.stages > 0) n += "/s" + std::to_string(k.stages);
+  if (k.heads_per_cta > 0) n += "/h" + std::to_string(k.heads_per_cta);
+  if (k.split_dims > 0) n += "/d" + std::to_string(k.split_dims);
+  return n;
 }
 
 void report(const char* name, const char* kv, AttentionChoice kernel, int tokens, int heads, int keys, double ms,
@@ -436,11 +440,13 @@ int main(int argc, char** argv) {
   std::printf("ceilings measured now: copy %.0f GB/s (read+write), cuBLAS bf16 GEMM %.0f TFLOP/s\n\n", c.copy_gbs,
               c.gemm_tflops);
   if (part == "sparse" && argc >= 6) {
-    // `bench_cuda sparse TOKENS HEADS TOPK bf16|fp8 [auto|small|head-tile] [STAGES]`: one sparse config.
+    // `bench_cuda sparse TOKENS HEADS TOPK bf16|fp8 [auto|small|head-tile] [STAGES [HEADS_PER_CTA [SPLIT]]]`:
+    // one sparse config.
     const std::string k = argc > 6 ? argv[6] : "auto";
     const AttentionChoice kernel{k == "small" ? AttentionKernel::small_heads
                                  : k == "head-tile" ? AttentionKernel::head_tile : AttentionKernel::automatic,
-                                 argc > 7 ? std::atoi(argv[7]) : 0};
+                                 argc > 7 ? std::atoi(argv[7]) : 0, argc > 8 ? std::atoi(argv[8]) : 0,
+                                 argc > 9 ? std::atoi(argv[9]) : 0};
     Cache cache(std::string(argv[5]) == "fp8" ? smla::DType::fp8_ds_mla : smla::DType::bf16, int64_t{1} << 20);
     bench_sparse("sparse", cache, std::atoi(argv[2]), std::atoi(argv[3]), std::atoi(argv[4]), c, kernel);
     return 0;
@@ -455,12 +461,20 @@ int main(int argc, char** argv) {
       for (int t : {1, 8, 32, 64, 128}) bench_sparse("glm5-tp8 decode", cache, t, 8, 2048, c);
       for (int t : {1, 32, 128}) bench_sparse("dsv32-tp8 decode", cache, t, 16, 2048, c);
       for (int h : {1, 4, 20, 32}) bench_sparse("decode (heads)", cache, 128, h, 2048, c);
-      // The same goal shapes on the 16-head-tile kernel, and each pipeline depth of the small-heads one.
+      // The same goal shapes on each kernel forced, and each pipeline depth of the small-heads one.
       for (int h : {8, 16})
-        for (int t : {1, 128}) bench_sparse("decode (head tile)", cache, t, h, 2048, c, head_tile);
+        for (int t : {1, 8, 128}) {
+          bench_sparse("decode (head tile)", cache, t, h, 2048, c, head_tile);
+          bench_sparse("decode (small heads)", cache, t, h, 2048, c, {AttentionKernel::small_heads});
+        }
       for (int h : {8, 16})
         for (int stages : {2, 3, 4})
           bench_sparse("decode (depth)", cache, 128, h, 2048, c, {AttentionKernel::small_heads, stages});
+      for (int t : {32, 128}) {
+        bench_sparse("decode (dims unsplit)", cache, t, 8, 2048, c, {AttentionKernel::small_heads, 0, 8, 1});
+        bench_sparse("decode (8 heads/CTA)", cache, t, 16, 2048, c, {AttentionKernel::small_heads, 0, 8, 0});
+        bench_sparse("decode (16 heads/CTA)", cache, t, 16, 2048, c, {AttentionKernel::small_heads, 0, 16, 0});
+      }
       for (int h : {64, 128}) bench_sparse("decode (compute)", cache, 64, h, 2048, c);
       for (int h : {8, 16}) bench_sparse("prefill 32K", cache, 4096, h, 2048, c, {}, 32768);
       if (kv == smla::DType::bf16)

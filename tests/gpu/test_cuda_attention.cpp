@@ -270,6 +270,21 @@ TEST(CudaPagedDecode, MatchesCpu) {
   run_paged(DType::bf16, DType::bf16, 2, 4, 8, 16, false, seed++);
 }
 
+// Launch configurations of one kernel made in any order: a deep pipeline forced, then the one it picks (shallower),
+// then the deep one again must still launch (the kernel's shared-memory opt-in covers every depth). First of its
+// suite, so it meets the kernel before the other tests configure it.
+TEST(CudaSparseMlaSmallHeads, DepthsInAnyOrder) {
+  uint64_t seed = 550;
+  for (int stages : {4, 0, 4, 3, 2, 4}) {
+    Problem p;
+    p.kv_dtype = DType::fp8_ds_mla;
+    p.heads = 8;
+    p.topk = 200;
+    p.kernel = {cuda::AttentionKernel::small_heads, stages};
+    run_sparse(p, seed++);
+  }
+}
+
 // The small-heads kernel forced (keys on the mma's M side, heads on N, per-warp
 // online softmax): every head count it serves, both cache formats and f16,
 // top-k 1 to 4096, block sizes 1/16/64, each pipeline depth, invalid indices,
@@ -289,8 +304,10 @@ TEST(CudaSparseMlaSmallHeads, HeadsFormatsTopkBlockSizes) {
         p.topk_length = n % 4 == 1;
         p.sink = n % 5 == 2;
         p.q_padded = n % 3 == 2;
-        // fp8 stages are small enough for every depth on an H200; bf16 ones as picked, or 2.
-        p.kernel = {cuda::AttentionKernel::small_heads, kv == DType::fp8_ds_mla ? 2 + n % 3 : 2 * (n % 2)};
+        // fp8 stages are small enough for every depth on an H200; bf16 ones as picked, or 2. Heads per CTA as
+        // picked or 8 (16 heads and more: several CTAs per token), output dims split or not.
+        p.kernel = {cuda::AttentionKernel::small_heads, kv == DType::fp8_ds_mla ? 2 + n % 3 : 2 * (n % 2),
+                    n % 4 >= 2 ? 8 : 0, n % 3 == 0 ? 1 : 0};
         ++n;
         run_sparse(p, seed++);
       }
@@ -338,6 +355,21 @@ TEST(CudaSparseMlaSmallHeads, DepthBeyondSharedMemoryIsAnError) {
   }
 }
 
+TEST(CudaSparseMlaSmallHeads, InvalidShapeIsAnError) {
+  for (cuda::AttentionChoice bad : {cuda::AttentionChoice{cuda::AttentionKernel::small_heads, 5},
+                                    cuda::AttentionChoice{cuda::AttentionKernel::small_heads, 0, 12},
+                                    cuda::AttentionChoice{cuda::AttentionKernel::small_heads, 0, 8, 3}}) {
+    Problem p;
+    p.kernel = bad;
+    try {
+      run_sparse(p, 2);
+      FAIL() << "shape accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::invalid_argument) << e.what();
+    }
+  }
+}
+
 // Heads that go to the small-heads kernel automatically, forced onto the 16-head-tile kernel: it stays tested.
 TEST(CudaSparseMla, HeadTileKernelForSmallHeadCounts) {
   uint64_t seed = 900;
@@ -359,6 +391,8 @@ TEST(CudaPagedDecode, SmallHeadsKernel) {
   for (DType kv : {DType::bf16, DType::fp8_ds_mla})
     for (int bs : {1, 16, 64}) run_paged(DType::bf16, kv, 3, 2, 16, bs, true, seed++, {cuda::AttentionKernel::small_heads, 0});
   run_paged(DType::bf16, DType::fp8_ds_mla, 2, 4, 8, 16, false, seed++, {cuda::AttentionKernel::small_heads, 3});
+  run_paged(DType::bf16, DType::fp8_ds_mla, 2, 2, 16, 64, true, seed++, {cuda::AttentionKernel::small_heads, 0, 8, 1});
+  run_paged(DType::bf16, DType::bf16, 2, 2, 20, 64, true, seed++, {cuda::AttentionKernel::small_heads, 0, 8, 2});
   run_paged(DType::f16, DType::bf16, 4, 1, 4, 64, true, seed++, {cuda::AttentionKernel::small_heads, 3});
   run_paged(DType::bf16, DType::bf16, 2, 2, 16, 16, true, seed++, {cuda::AttentionKernel::head_tile, 0});
 }

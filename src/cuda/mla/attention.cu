@@ -152,15 +152,21 @@ int choose_splits(int64_t ctas, int chunks, int64_t slots, int min_chunks) {
   return best;
 }
 
-// The small-heads kernel serves up to 32 heads (memory-bound decode); more
-// heads go to the 16-head-tile kernel, whose CTAs feed 16 heads per row.
+// The small-heads kernel serves fp8_ds_mla caches up to 32 heads from 16 query
+// tokens on (memory-bound decode) where the device fits it; the rest goes to
+// the 16-head-tile kernel, which on an H200 ran bf16 decode and fp8 decode of
+// 1-8 tokens faster (docs/performance.md).
 void launch(AttentionParams& p, CacheFormat f, bool paged, int num_keys, cudaStream_t stream, AttentionChoice choice) {
   if (p.num_tokens == 0) return;
   const DeviceInfo& dev = current_device();
-  const bool small = choice.kernel == AttentionKernel::small_heads ||
-                     (choice.kernel == AttentionKernel::automatic && p.num_heads <= mla::small::kMaxHeadsAutomatic);
-  const mla::small::SmallHeadsConfig* small_cfg =
-      small ? &mla::small::small_heads_config(f, paged, p.num_heads, choice.stages) : nullptr;
+  const mla::small::SmallHeadsShape shape{choice.stages, choice.heads_per_cta, choice.split_dims};
+  const mla::small::SmallHeadsConfig* small_cfg = nullptr;
+  if (choice.kernel == AttentionKernel::small_heads)
+    small_cfg = &mla::small::small_heads_config(f, paged, p.num_heads, shape);
+  else if (choice.kernel == AttentionKernel::automatic && f == CacheFormat::fp8_ds_mla &&
+           p.num_heads <= mla::small::kMaxHeadsAutomatic && p.num_tokens >= mla::small::kMinTokensAutomatic)
+    small_cfg = mla::small::find_small_heads_config(f, paged, p.num_heads, shape);
+  const bool small = small_cfg != nullptr;
   const LaunchConfig* cfg = small ? nullptr : &launch_config(f, paged);
 
   const int heads_per_cta = small ? small_cfg->heads_per_cta : mla::kHeadsPerCta;
