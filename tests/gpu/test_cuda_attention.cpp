@@ -305,9 +305,9 @@ TEST(CudaSparseMlaSmallHeads, HeadsFormatsTopkBlockSizes) {
         p.sink = n % 5 == 2;
         p.q_padded = n % 3 == 2;
         // fp8 stages are small enough for every depth on an H200; bf16 ones as picked, or 2. Heads per CTA as
-        // picked or 8 (16 heads and more: several CTAs per token), output dims split or not.
+        // picked or 8 (16 heads and more: several CTAs per token); output dims as picked, unsplit or split in 2.
         p.kernel = {cuda::AttentionKernel::small_heads, kv == DType::fp8_ds_mla ? 2 + n % 3 : 2 * (n % 2),
-                    n % 4 >= 2 ? 8 : 0, n % 3 == 0 ? 1 : 0};
+                    n % 4 >= 2 ? 8 : 0, n % 3};
         ++n;
         run_sparse(p, seed++);
       }
