@@ -154,7 +154,9 @@ using smla::cuda::AttentionKernel;
 
 // "small/s3/h8/d2": the small-heads kernel forced to 3 stages, 8 heads per CTA, output dims split in 2.
 std::string kernel_name(AttentionChoice k) {
-  std::string n = k.kernel == AttentionKernel::automatic ? "auto" : k.kernel == AttentionKernel::head_tile ? "head-tile" : "small";
+  std::string n = k.kernel == AttentionKernel::automatic   ? "auto"
+                  : k.kernel == AttentionKernel::head_tile ? "head-tile"
+                                                           : "small";
   if (k.stages > 0) n += "/s" + std::to_string(k.stages);
   if (k.heads_per_cta > 0) n += "/h" + std::to_string(k.heads_per_cta);
   if (k.split_dims > 0) n += "/d" + std::to_string(k.split_dims);
@@ -169,7 +171,8 @@ void report(const char* name, const char* kv, AttentionChoice kernel, int tokens
   std::printf("%-22s %-10s %-10s %6d %5d %6d %10.1f %9.1f %8.1f %6.0f%% %s\n", name, kv, kernel_name(kernel).c_str(),
               tokens, heads, keys, ms * 1e3, tflops, gbs, 100 * std::max(mem_frac, compute_frac),
               mem_frac >= compute_frac ? "memory" : "compute");
-  attention_rows.push_back({name, kv, kernel_name(kernel), tokens, heads, keys, ms * 1e3, tflops, gbs, mem_frac, compute_frac});
+  attention_rows.push_back(
+      {name, kv, kernel_name(kernel), tokens, heads, keys, ms * 1e3, tflops, gbs, mem_frac, compute_frac});
 }
 
 // Times `call` (the op as the backend runs it, or its CUDA function with a forced kernel); a forced kernel
@@ -418,7 +421,8 @@ void bench_topk(int tokens, int context) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  // `bench_cuda attention|indexer|topk` runs one part; no argument: all. `bench_cuda sparse ...` one sparse config (below).
+  // `bench_cuda attention|indexer|topk` runs one part; no argument: all. `bench_cuda sparse ...` one sparse
+  // config (below).
   // `bench_cuda indexer TOKENS HEADS CONTEXT [OPTION...]` runs one indexer decode config; options: bf16 (keys),
   // fp8q (fp8 queries), and to force how fp8 keys are multiplied: mma.sync or wgmma (as bf16), e4m3 or e4m3-wgmma
   // (fp8q only). `bench_cuda topk TOKENS
@@ -489,7 +493,8 @@ int main(int argc, char** argv) {
     std::fprintf(f, "{\n  \"device\": \"%s\", \"sm\": %d, \"sms\": %d,\n", prop.name, prop.major * 10 + prop.minor,
                  prop.multiProcessorCount);
     std::fprintf(f, "  \"ceilings\": {\"copy_gbs\": %.1f, \"gemm_tflops\": %.1f},\n", c.copy_gbs, c.gemm_tflops);
-    std::fprintf(f, "  \"units\": {\"us\": \"median microseconds per call\", \"gbs\": \"cache rows gathered (tokens * keys * row "
+    std::fprintf(f, "  \"units\": {\"us\": \"median microseconds per call\", "
+                    "\"gbs\": \"cache rows gathered (tokens * keys * row "
                     "bytes) per second\", \"tflops\": \"2 * heads * keys * (576 + 512) * tokens per second\"},\n");
     std::fprintf(f, "  \"attention\": [\n");
     for (size_t i = 0; i < attention_rows.size(); ++i) {
@@ -498,8 +503,8 @@ int main(int argc, char** argv) {
                    "    {\"config\": \"%s\", \"cache\": \"%s\", \"kernel\": \"%s\", \"tokens\": %d, \"heads\": %d, "
                    "\"keys\": %d, \"us\": %.2f, \"tflops\": %.2f, \"gbs\": %.1f, \"copy_fraction\": %.4f, "
                    "\"gemm_fraction\": %.4f}%s\n",
-                   r.config.c_str(), r.cache.c_str(), r.kernel.c_str(), r.tokens, r.heads, r.keys, r.us, r.tflops, r.gbs,
-                   r.copy_frac, r.gemm_frac, i + 1 < attention_rows.size() ? "," : "");
+                   r.config.c_str(), r.cache.c_str(), r.kernel.c_str(), r.tokens, r.heads, r.keys, r.us, r.tflops,
+                   r.gbs, r.copy_frac, r.gemm_frac, i + 1 < attention_rows.size() ? "," : "");
     }
     std::fprintf(f, "  ]\n}\n");
     std::fclose(f);

@@ -1,6 +1,7 @@
 #include "reference/indexer_reference.h"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -43,26 +44,87 @@ double element(const TensorView& t, std::initializer_list<int64_t> index) {
   }
 }
 
+namespace {
+
+// Stores one index key at `slot` of an index cache: bf16, or fp8 e4m3 with its ue8m0 scale.
+void store_index_key(const TensorView& cache, int64_t slot, const std::vector<double>& key) {
+  const int64_t block_size = cache.shape[1];
+  const int64_t block = slot / block_size, offset = slot % block_size;
+  uint8_t* base = const_cast<uint8_t*>(address(cache, {block, 0, 0}));
+  if (cache.dtype == DType::bf16) {
+    for (int64_t d = 0; d < kIndexHeadDim; ++d) {
+      const uint16_t bits = numeric::float_to_bf16(static_cast<float>(key[d]));
+      std::memcpy(const_cast<uint8_t*>(address(cache, {block, offset, d})), &bits, sizeof bits);
+    }
+    return;
+  }
+  double amax = 0;
+  for (int64_t d = 0; d < kIndexHeadDim; ++d) amax = std::max(amax, std::fabs(key[d]));
+  const float scale = numeric::index_key_scale(static_cast<float>(amax));
+  for (int64_t d = 0; d < kIndexHeadDim; ++d)
+    base[offset * kIndexHeadDim + d] = numeric::float_to_e4m3(static_cast<float>(key[d] / scale));
+  std::memcpy(base + block_size * kIndexHeadDim + offset * 4, &scale, sizeof scale);
+}
+
+}  // namespace
+
 void ref_write_index_cache(const WriteIndexCacheArgs& a) {
-  const int64_t block_size = a.cache.shape[1];
   for (int64_t i = 0; i < a.k.shape[0]; ++i) {
     const int64_t slot = static_cast<int64_t>(element(a.slot_mapping, {i}));
     if (slot < 0) continue;
-    const int64_t block = slot / block_size, offset = slot % block_size;
-    uint8_t* base = const_cast<uint8_t*>(address(a.cache, {block, 0, 0}));
-    if (a.cache.dtype == DType::bf16) {
-      for (int64_t d = 0; d < kIndexHeadDim; ++d) {
-        const uint16_t bits = numeric::float_to_bf16(static_cast<float>(element(a.k, {i, d})));
-        std::memcpy(const_cast<uint8_t*>(address(a.cache, {block, offset, d})), &bits, sizeof bits);
-      }
-      continue;
+    std::vector<double> key(kIndexHeadDim);
+    for (int64_t d = 0; d < kIndexHeadDim; ++d) key[d] = element(a.k, {i, d});
+    store_index_key(a.cache, slot, key);
+  }
+}
+
+std::vector<double> ref_pooled_index_key(const WritePooledIndexCacheArgs& a, int64_t p) {
+  const int64_t kpool = a.k.shape[1];
+  std::vector<double> pooled(kIndexHeadDim);
+  for (int64_t d = 0; d < kIndexHeadDim; ++d) {
+    double max_score = -std::numeric_limits<double>::infinity();
+    for (int64_t m = 0; m < kpool; ++m)
+      max_score = std::max(max_score, element(a.gate, {p, m, d}) + element(a.ape, {m, d}));
+    double denom = 0, sum = 0;
+    for (int64_t m = 0; m < kpool; ++m) {
+      const double w = std::exp(element(a.gate, {p, m, d}) + element(a.ape, {m, d}) - max_score);
+      denom += w;
+      sum += w * element(a.k, {p, m, d});
     }
-    double amax = 0;
-    for (int64_t d = 0; d < kIndexHeadDim; ++d) amax = std::max(amax, std::fabs(element(a.k, {i, d})));
-    const float scale = numeric::index_key_scale(static_cast<float>(amax));
-    for (int64_t d = 0; d < kIndexHeadDim; ++d)
-      base[offset * kIndexHeadDim + d] = numeric::float_to_e4m3(static_cast<float>(element(a.k, {i, d}) / scale));
-    std::memcpy(base + block_size * kIndexHeadDim + offset * 4, &scale, sizeof scale);
+    pooled[d] = sum / denom;
+  }
+  if (!a.hadamard) return pooled;
+  std::vector<double> rotated(kIndexHeadDim);
+  for (int64_t i = 0; i < kIndexHeadDim; ++i) {
+    double sum = 0;
+    for (int64_t j = 0; j < kIndexHeadDim; ++j) sum += (std::popcount(static_cast<unsigned>(i & j)) % 2 ? -1 : 1) * pooled[j];
+    rotated[i] = sum / std::sqrt(128.0);
+  }
+  return rotated;
+}
+
+void ref_write_pooled_index_cache(const WritePooledIndexCacheArgs& a) {
+  for (int64_t p = 0; p < a.k.shape[0]; ++p) {
+    const int64_t slot = static_cast<int64_t>(element(a.slot_mapping, {p}));
+    if (slot >= 0) store_index_key(a.cache, slot, ref_pooled_index_key(a, p));
+  }
+}
+
+void ref_pools_to_positions(const PoolsToPositionsArgs& a) {
+  const int64_t kp = a.pools.shape[1], kpool = a.kpool;
+  for (int64_t t = 0; t < a.pools.shape[0]; ++t) {
+    const int64_t context = static_cast<int64_t>(element(a.context_lens, {t}));
+    const int64_t whole_pools = context / kpool;
+    auto put = [&](int64_t column, int64_t value) {
+      const int32_t v = static_cast<int32_t>(value);
+      std::memcpy(const_cast<uint8_t*>(address(a.positions, {t, column})), &v, sizeof v);
+    };
+    for (int64_t i = 0; i < kp; ++i) {
+      const int64_t pool = static_cast<int64_t>(element(a.pools, {t, i}));
+      for (int64_t m = 0; m < kpool; ++m) put(i * kpool + m, pool >= 0 && pool < whole_pools ? pool * kpool + m : -1);
+    }
+    for (int64_t m = 0; m < kpool - 1; ++m)
+      put(kp * kpool + m, whole_pools * kpool + m < context ? whole_pools * kpool + m : -1);
   }
 }
 

@@ -29,4 +29,11 @@ std::vector<int32_t> ref_topk_of_scores(const std::vector<double>& scores, int64
 void ref_indexer_topk(const IndexerTopkArgs& args);
 void ref_positions_to_slots(const PositionsToSlotsArgs& args);
 
+// Pool p's index key as the model defines it, in float64 with no rounding: per dimension d, the keys of the pool's
+// tokens weighted by softmax_m(gate[p, m, d] + ape[m, d]), then (args.hadamard) 128^-0.5 * H_128 times that.
+std::vector<double> ref_pooled_index_key(const WritePooledIndexCacheArgs& args, int64_t p);
+// Stores ref_pooled_index_key of every pool with slot_mapping >= 0 as write_index_cache stores a key.
+void ref_write_pooled_index_cache(const WritePooledIndexCacheArgs& args);
+void ref_pools_to_positions(const PoolsToPositionsArgs& args);
+
 }  // namespace smla::reference

@@ -26,23 +26,26 @@ const uint8_t* cache_row_bytes(const TensorView& cache, int64_t slot) {
   return cache.ptr<uint8_t>() + element * static_cast<int64_t>(dtype_size(cache.dtype));
 }
 
-// One query token: q[h] (576 values per head) against `rows`, natural-log lse.
+// One query token: q[h] (576 or 512 values per head) against `rows` (as wide), natural-log lse (`empty_lse`
+// without rows).
 void attend(const std::vector<std::vector<double>>& q, const std::vector<std::vector<double>>& rows, double scale,
-            const TensorView& sink, double* out, double* lse) {
+            const TensorView& sink, double empty_lse, double* out, double* lse, double* max_logits) {
   for (size_t h = 0; h < q.size(); ++h) {
     double* o = out + h * kMlaVDim;
     std::fill(o, o + kMlaVDim, 0.0);
     if (rows.empty()) {
-      lse[h] = -std::numeric_limits<double>::infinity();
+      lse[h] = empty_lse;
+      max_logits[h] = -std::numeric_limits<double>::infinity();
       continue;
     }
     std::vector<double> s(rows.size());
     for (size_t i = 0; i < rows.size(); ++i) {
       double dot = 0;
-      for (int d = 0; d < kMlaQkDim; ++d) dot += q[h][d] * rows[i][d];
+      for (size_t d = 0; d < q[h].size(); ++d) dot += q[h][d] * rows[i][d];
       s[i] = dot * scale;
     }
     const double m = *std::max_element(s.begin(), s.end());
+    max_logits[h] = m;
     double sum = 0;
     for (double x : s) sum += std::exp(x - m);
     lse[h] = m + std::log(sum);
@@ -55,30 +58,37 @@ void attend(const std::vector<std::vector<double>>& q, const std::vector<std::ve
   }
 }
 
-// q heads of a token whose first element is at `offset`.
+double empty_lse(bool plus_inf) {
+  return plus_inf ? std::numeric_limits<double>::infinity() : -std::numeric_limits<double>::infinity();
+}
+
+// q heads of a token whose first element is at `offset`, each q's last dimension wide.
 std::vector<std::vector<double>> query(const TensorView& q, int64_t offset, int64_t heads, int64_t head_stride) {
-  std::vector<std::vector<double>> heads_q(heads, std::vector<double>(kMlaQkDim));
+  const int64_t qk_dim = q.shape[q.ndim - 1];
+  std::vector<std::vector<double>> heads_q(heads, std::vector<double>(qk_dim));
   for (int64_t h = 0; h < heads; ++h)
-    for (int d = 0; d < kMlaQkDim; ++d) heads_q[h][d] = read_value(q, offset + h * head_stride + d);
+    for (int64_t d = 0; d < qk_dim; ++d) heads_q[h][d] = read_value(q, offset + h * head_stride + d);
   return heads_q;
 }
 
+MlaHead head_of(const TensorView& q) { return MlaHead{static_cast<int>(q.shape[q.ndim - 1]) - kMlaLatentDim}; }
+
 }  // namespace
 
-std::vector<double> ref_cache_row(const TensorView& cache, int64_t slot) {
+std::vector<double> ref_cache_row(const TensorView& cache, int64_t slot, MlaHead head) {
   const uint8_t* row = cache_row_bytes(cache, slot);
-  std::vector<double> v(kMlaQkDim);
-  if (cache.dtype == DType::fp8_ds_mla) {
+  std::vector<double> v(head.qk_dim());
+  if (cache.dtype == DType::fp8_ds_mla || cache.dtype == DType::fp8_ds_mla_nope) {
     float scales[4];
     std::memcpy(scales, row + kMlaLatentDim, sizeof scales);
     for (int d = 0; d < kMlaLatentDim; ++d) v[d] = double(numeric::e4m3_to_float(row[d])) * scales[d / 128];
-    for (int d = 0; d < kMlaRopeDim; ++d) {
+    for (int d = 0; d < head.rope_dim; ++d) {
       uint16_t bits;
       std::memcpy(&bits, row + kMlaLatentDim + sizeof scales + 2 * d, 2);
       v[kMlaLatentDim + d] = numeric::bf16_to_float(bits);
     }
   } else {
-    for (int d = 0; d < kMlaQkDim; ++d) {
+    for (int d = 0; d < head.qk_dim(); ++d) {
       uint16_t bits;
       std::memcpy(&bits, row + 2 * d, 2);
       v[d] = cache.dtype == DType::bf16 ? numeric::bf16_to_float(bits) : numeric::f16_to_float(bits);
@@ -91,12 +101,14 @@ void ref_write_mla_cache(const WriteMlaCacheArgs& a) {
   for (int64_t i = 0; i < a.latent.shape[0]; ++i) {
     const int64_t slot = a.slot_mapping.ptr<int64_t>()[i * a.slot_mapping.strides[0]];
     if (slot < 0) continue;
+    const MlaHead head{a.k_pe.defined() && a.k_pe.numel() > 0 ? kMlaRopeDim : 0};
     float x[kMlaQkDim];
     for (int d = 0; d < kMlaLatentDim; ++d) x[d] = float(read_value(a.latent, i * a.latent.strides[0] + d));
-    for (int d = 0; d < kMlaRopeDim; ++d) x[kMlaLatentDim + d] = float(read_value(a.k_pe, i * a.k_pe.strides[0] + d));
+    for (int d = 0; d < head.rope_dim; ++d)
+      x[kMlaLatentDim + d] = float(read_value(a.k_pe, i * a.k_pe.strides[0] + d));
     auto* row = const_cast<uint8_t*>(cache_row_bytes(a.cache, slot));
-    if (a.cache.dtype != DType::fp8_ds_mla) {
-      for (int d = 0; d < kMlaQkDim; ++d) {
+    if (a.cache.dtype != DType::fp8_ds_mla && a.cache.dtype != DType::fp8_ds_mla_nope) {
+      for (int d = 0; d < head.qk_dim(); ++d) {
         const uint16_t bits = a.cache.dtype == DType::bf16 ? numeric::float_to_bf16(x[d]) : numeric::float_to_f16(x[d]);
         std::memcpy(row + 2 * d, &bits, 2);
       }
@@ -109,7 +121,7 @@ void ref_write_mla_cache(const WriteMlaCacheArgs& a) {
       for (int d = tile * 128; d < (tile + 1) * 128; ++d) row[d] = numeric::float_to_e4m3(x[d] / scale);
       std::memcpy(row + kMlaLatentDim + 4 * tile, &scale, 4);
     }
-    for (int d = 0; d < kMlaRopeDim; ++d) {
+    for (int d = 0; d < head.rope_dim; ++d) {
       const uint16_t bits = numeric::float_to_bf16(x[kMlaLatentDim + d]);
       std::memcpy(row + kMlaLatentDim + 16 + 2 * d, &bits, 2);
     }
@@ -119,17 +131,18 @@ void ref_write_mla_cache(const WriteMlaCacheArgs& a) {
 RefAttention ref_sparse_mla(const SparseMlaArgs& a) {
   const int64_t tokens = a.q.shape[0], heads = a.q.shape[1], topk = a.indices.shape[1];
   const int64_t num_slots = a.kv_cache.shape[0] * a.kv_cache.shape[1];
-  RefAttention r{std::vector<double>(tokens * heads * kMlaVDim), std::vector<double>(tokens * heads)};
+  RefAttention r{std::vector<double>(tokens * heads * kMlaVDim), std::vector<double>(tokens * heads),
+                 std::vector<double>(tokens * heads)};
   for (int64_t t = 0; t < tokens; ++t) {
     int64_t len = topk;
     if (a.topk_length.defined()) len = a.topk_length.ptr<int32_t>()[t * a.topk_length.strides[0]];
     std::vector<std::vector<double>> rows;
     for (int64_t k = 0; k < len; ++k) {
       const int64_t slot = a.indices.ptr<int32_t>()[t * a.indices.strides[0] + k];
-      if (slot >= 0 && slot < num_slots) rows.push_back(ref_cache_row(a.kv_cache, slot));
+      if (slot >= 0 && slot < num_slots) rows.push_back(ref_cache_row(a.kv_cache, slot, head_of(a.q)));
     }
     attend(query(a.q, t * a.q.strides[0], heads, a.q.strides[1]), rows, a.softmax_scale, a.attn_sink,
-           &r.out[t * heads * kMlaVDim], &r.lse[t * heads]);
+           empty_lse(a.empty_lse_plus_inf), &r.out[t * heads * kMlaVDim], &r.lse[t * heads], &r.max_logits[t * heads]);
   }
   return r;
 }
@@ -137,7 +150,8 @@ RefAttention ref_sparse_mla(const SparseMlaArgs& a) {
 RefAttention ref_paged_mla_decode(const PagedMlaDecodeArgs& a) {
   const int64_t batch = a.q.shape[0], s_q = a.q.shape[1], heads = a.q.shape[2];
   const int64_t block_size = a.kv_cache.shape[1];
-  RefAttention r{std::vector<double>(batch * s_q * heads * kMlaVDim), std::vector<double>(batch * s_q * heads)};
+  RefAttention r{std::vector<double>(batch * s_q * heads * kMlaVDim), std::vector<double>(batch * s_q * heads),
+                 std::vector<double>(batch * s_q * heads)};
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t seq_len = a.seq_lens.ptr<int32_t>()[b * a.seq_lens.strides[0]];
     for (int64_t j = 0; j < s_q; ++j) {
@@ -145,11 +159,12 @@ RefAttention ref_paged_mla_decode(const PagedMlaDecodeArgs& a) {
       std::vector<std::vector<double>> rows;
       for (int64_t pos = 0; pos < visible; ++pos) {
         const int64_t block = a.block_table.ptr<int32_t>()[b * a.block_table.strides[0] + pos / block_size];
-        rows.push_back(ref_cache_row(a.kv_cache, block * block_size + pos % block_size));
+        rows.push_back(ref_cache_row(a.kv_cache, block * block_size + pos % block_size, head_of(a.q)));
       }
       const int64_t t = b * s_q + j;
       attend(query(a.q, b * a.q.strides[0] + j * a.q.strides[1], heads, a.q.strides[2]), rows, a.softmax_scale,
-             a.attn_sink, &r.out[t * heads * kMlaVDim], &r.lse[t * heads]);
+             a.attn_sink, empty_lse(a.empty_lse_plus_inf), &r.out[t * heads * kMlaVDim], &r.lse[t * heads],
+             &r.max_logits[t * heads]);
     }
   }
   return r;

@@ -30,7 +30,7 @@ cmake --build build-gpu -j "$(nproc)" --target "${targets[@]}" >"$out/build.log"
 if [[ " $parts " == *" tests "* ]]; then
   echo "== GPU tests"
   ./build-gpu/tests/gpu/test_gpu 2>&1 | tee "$out/test.log" | grep -E "^\[  (PASSED|FAILED)|Failure|error|Expected|Which is|which is" | head -40
-  small="CudaSparseMla.TopkLengthSinksAndStridedQ:CudaPagedDecode.*:CudaWriteMlaCache.*:CudaIndexer.TiesGoToTheLowerPosition:CudaIndexer.StridedQueriesScoreAsDenseOnes:CudaIndexer.PositionsToSlotsMatchesCpu:CudaIndexer.DsaDecodeStepMatchesCpu"
+  small="CudaSparseMla.TopkLengthSinksAndStridedQ:CudaSparseMla.NoRopePartDtypesFormatsBlockSizes:CudaPagedDecode.*:CudaWriteMlaCache.*:CudaIndexer.TiesGoToTheLowerPosition:CudaIndexer.StridedQueriesScoreAsDenseOnes:CudaIndexer.PositionsToSlotsMatchesCpu:CudaIndexer.DsaDecodeStepMatchesCpu"
   if command -v compute-sanitizer >/dev/null; then
     for tool in memcheck racecheck; do
       echo "== compute-sanitizer $tool"

@@ -28,13 +28,14 @@ struct Capabilities {
   std::vector<DType> kv_cache_dtypes;
   IntRange heads{1, 1};          // heads per rank
   std::vector<int> head_counts;  // when non-empty, only these head counts
-  std::vector<int> qk_head_dims{kMlaQkDim};  // absorbed head size
+  std::vector<int> qk_head_dims{kMlaQkDim};  // absorbed head size: 576 (rope 64), 512 (no rope part)
   std::vector<int> v_head_dims{kMlaVDim};
   IntRange block_size{1, 1};
   int block_size_multiple = 1;
   IntRange topk{1, 1};
   int topk_multiple = 1;
   OpSet ops;
+  bool pooled_indexer = false;  // the indexer also for index_kpool > 1 (GLM-5.3-Flash)
   bool attn_sink = false;
   // Anything the fields above cannot express; returns reasons (empty: fine).
   std::function<std::vector<std::string>(const AttentionSpec&, const RunSpec&)> combination_rule;
@@ -57,8 +58,20 @@ class Backend {
   virtual void write_index_cache(const WriteIndexCacheArgs& args) const = 0;
   virtual void indexer_topk(const IndexerTopkArgs& args) const = 0;
   virtual void positions_to_slots(const PositionsToSlotsArgs& args) const = 0;
+  // The pooled indexer's ops (Capabilities::pooled_indexer). Default: unsupported, an smla::Error.
+  virtual void write_pooled_index_cache(const WritePooledIndexCacheArgs& args) const;
+  virtual void pools_to_positions(const PoolsToPositionsArgs& args) const;
   // Default: the three ops in sequence on this backend.
   virtual void dsa_decode_step(const DsaDecodeStepArgs& args) const;
+
+  // Bytes of scratch each op needs for these (checked) args; the ops get at
+  // least that much in `workspace`, or, when absent, find their own.
+  // Default: none. dsa_decode_step's steps run one after another, so they
+  // share one workspace: the default is the largest of theirs.
+  virtual size_t workspace_size(const SparseMlaArgs&) const { return 0; }
+  virtual size_t workspace_size(const PagedMlaDecodeArgs&) const { return 0; }
+  virtual size_t workspace_size(const IndexerTopkArgs&) const { return 0; }
+  virtual size_t workspace_size(const DsaDecodeStepArgs& args) const;
 };
 
 }  // namespace smla

@@ -34,6 +34,11 @@ struct IndexerSpec {
   int head_dim = 0;   // index_head_dim (128)
   int topk = 0;       // index_topk
   RopeStyle rope_style = RopeStyle::half_split;
+  // GLM-5.3-Flash's pooled indexer: the keys of each pool of `kpool` consecutive tokens are compressed into one
+  // cached key and top-k selects pools (index_kpool; 1: one key per token, DeepSeek-V3.2 and GLM-5). With
+  // always_select_tail the incomplete last pool is always attended (index_kpool_always_select_tail).
+  int kpool = 1;
+  bool always_select_tail = false;
   friend bool operator==(const IndexerSpec&, const IndexerSpec&) = default;
 };
 
@@ -49,6 +54,9 @@ struct AttentionSpec {
   int qk_rope_head_dim = 0;
   int v_head_dim = 0;
   int num_layers = 0;
+  // Layers that run this attention; hybrid models (GLM-5.3-Flash: `layer_types`) run linear attention in the rest.
+  // 0: not given, every layer (the config reader and the presets always set it).
+  int num_attention_layers = 0;
   double rms_norm_eps = 1e-6;
   RopeSpec rope;
   RopeStyle rope_style = RopeStyle::interleaved;  // MLA's RoPE
@@ -57,7 +65,8 @@ struct AttentionSpec {
 
   bool is_sparse() const { return indexer.has_value(); }
   int qk_head_dim() const { return qk_nope_head_dim + qk_rope_head_dim; }
-  // The kernels see one latent KV head: [c | k_pe] (576) and value c (512).
+  bool is_hybrid() const { return num_attention_layers > 0 && num_attention_layers < num_layers; }
+  // The kernels see one latent KV head: [c | k_pe] (576, or 512 with no rope part) and value c (512).
   int absorbed_qk_dim() const { return kv_lora_rank + qk_rope_head_dim; }
   int absorbed_v_dim() const { return kv_lora_rank; }
 };
@@ -66,11 +75,19 @@ struct AttentionSpec {
 // mscale^2 with YaRN, mscale = 0.1 * mscale_all_dim * ln(factor) + 1.
 double reference_softmax_scale(int qk_head_dim, const RopeSpec& rope);
 
-// Checks the geometry (positive sizes, even RoPE dims, ...). Throws smla::Error
+// The largest sizes validate() accepts, far above any real model: a width (hidden_size, the LoRA ranks), heads
+// (attention or indexer), a head dimension, layers and the indexer's top-k (and pool size).
+inline constexpr int kMaxSpecWidth = 1 << 17;
+inline constexpr int kMaxSpecHeads = 1024;
+inline constexpr int kMaxSpecHeadDim = 4096;
+inline constexpr int kMaxSpecLayers = 10000;
+inline constexpr int kMaxSpecTopk = 1 << 20;
+
+// Checks the geometry (positive sizes within the bounds above, even RoPE dims, finite scales, ...). Throws smla::Error
 // naming the field; `source` prefixes the message (e.g. the config path).
 void validate(const AttentionSpec& spec, std::string_view source);
 
-// Built-in presets: "glm-5", "deepseek-v3.2", "deepseek-v3", "kimi-k2", "glm-4.7-flash".
+// Built-in presets: "glm-5", "deepseek-v3.2", "deepseek-v3", "kimi-k2", "glm-4.7-flash", "glm-5.3-flash".
 std::vector<std::string> preset_names();
 std::optional<AttentionSpec> preset(std::string_view name);
 

@@ -14,9 +14,11 @@
 namespace smla {
 
 // Element types. fp8_ds_mla is the packed MLA cache format (656 bytes per
-// token: 512 e4m3 latents, 4 fp32 tile scales, 64 bf16 rope values); tensors
-// of it are viewed as bytes, so its element size is 1.
-enum class DType : uint8_t { f32, f16, bf16, fp8_e4m3, fp8_ds_mla, i32, i64, u8 };
+// token: 512 e4m3 latents, 4 fp32 tile scales, 64 bf16 rope values);
+// fp8_ds_mla_nope is the same without the rope part (528 bytes per token), for
+// heads with no rope part. Tensors of either are viewed as bytes, so their
+// element size is 1.
+enum class DType : uint8_t { f32, f16, bf16, fp8_e4m3, fp8_ds_mla, i32, i64, u8, fp8_ds_mla_nope };
 
 // Bytes per element of a tensor of this dtype.
 size_t dtype_size(DType dtype);
@@ -25,12 +27,53 @@ std::string_view dtype_name(DType dtype);
 // Parses a canonical name or a common alias (bf16, fp16, half, f32, ...); nullopt if unknown.
 std::optional<DType> parse_dtype(std::string_view name);
 
-// Bytes per token of one row of the MLA latent cache in the given format.
+// The absorbed MLA head the attention kernels compute with: one latent KV head
+// of kv_lora_rank values followed by a rope part of 64 values (DeepSeek, GLM-5,
+// Kimi) or none (GLM-5.3-Flash); the value is the latent.
 inline constexpr int kMlaLatentDim = 512;  // kv_lora_rank the kernels are built for
-inline constexpr int kMlaRopeDim = 64;     // qk_rope_head_dim
-inline constexpr int kMlaQkDim = kMlaLatentDim + kMlaRopeDim;  // 576, absorbed head size
+inline constexpr int kMlaRopeDim = 64;     // qk_rope_head_dim, when there is a rope part
+inline constexpr int kMlaQkDim = kMlaLatentDim + kMlaRopeDim;  // 576, absorbed head size with rope
 inline constexpr int kMlaVDim = kMlaLatentDim;                 // 512, absorbed value size
-inline constexpr int kFp8DsMlaRowBytes = kMlaLatentDim + 4 * 4 + kMlaRopeDim * 2;  // 656
+inline constexpr int kFp8MlaScalesBytes = 4 * 4;               // one fp32 scale per 128 latents
+inline constexpr int kFp8DsMlaRowBytes = kMlaLatentDim + kFp8MlaScalesBytes + kMlaRopeDim * 2;  // 656
+inline constexpr int kFp8DsMlaNopeRowBytes = kMlaLatentDim + kFp8MlaScalesBytes;                 // 528
+
+// One absorbed-head geometry: the rope width (64 or 0) fixes the rest. The
+// checks, the CPU kernels, the reference and the CUDA launch code all read it.
+struct MlaHead {
+  int rope_dim = kMlaRopeDim;
+
+  constexpr int latent_dim() const { return kMlaLatentDim; }
+  constexpr int qk_dim() const { return kMlaLatentDim + rope_dim; }  // q's last dimension
+  constexpr int v_dim() const { return kMlaVDim; }                   // out's last dimension
+  // The last dimension of a latent cache of `cache_dtype` that holds this head:
+  // elements for bf16/f16 rows [c | k_pe], bytes for the fp8 forms; 0 when the
+  // dtype cannot hold it (not a cache dtype, or fp8_ds_mla_nope with a rope part).
+  constexpr int64_t cache_row(DType cache_dtype) const {
+    switch (cache_dtype) {
+      case DType::bf16: case DType::f16: return qk_dim();
+      // The envelope engines allocate whatever the head: with rope 0 its rope part is never read.
+      case DType::fp8_ds_mla: return kFp8DsMlaRowBytes;
+      case DType::fp8_ds_mla_nope: return rope_dim == 0 ? kFp8DsMlaNopeRowBytes : 0;
+      default: return 0;
+    }
+  }
+  // Bytes of one cache row of `cache_dtype` the kernels read (the envelope's rope part is skipped at rope 0).
+  constexpr int64_t row_bytes_read(DType cache_dtype) const {
+    return cache_dtype == DType::bf16 || cache_dtype == DType::f16 ? 2 * qk_dim()
+                                                                    : kFp8DsMlaNopeRowBytes + 2 * rope_dim;
+  }
+  friend constexpr bool operator==(MlaHead, MlaHead) = default;
+};
+inline constexpr MlaHead kMlaHeads[] = {MlaHead{kMlaRopeDim}, MlaHead{0}};  // every geometry the kernels take
+// The geometry whose q is `qk_dim` wide (576 or 512); nullopt for any other width.
+constexpr std::optional<MlaHead> mla_head_for_qk_dim(int64_t qk_dim) {
+  for (MlaHead h : kMlaHeads)
+    if (h.qk_dim() == qk_dim) return h;
+  return std::nullopt;
+}
+// True for the MLA cache formats that store the latent as e4m3 with tile scales.
+constexpr bool is_fp8_mla_cache(DType d) { return d == DType::fp8_ds_mla || d == DType::fp8_ds_mla_nope; }
 inline constexpr int kIndexHeadDim = 128;
 inline constexpr int kFp8IndexRowBytes = kIndexHeadDim + 4;  // 132: 128 e4m3 + one fp32 scale
 

@@ -21,10 +21,18 @@ def framework(x: Any) -> str:
     return root if root in ("numpy", "torch", "cupy") else "other"
 
 
+_torch_tensor: Any = None  # torch.Tensor once torch is imported (by anyone): is_torch runs on every argument
+
+
 def is_torch(x: Any) -> bool:
     """True for a torch.Tensor (without importing torch)."""
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(x, torch.Tensor)
+    global _torch_tensor
+    if _torch_tensor is None:
+        torch = sys.modules.get("torch")
+        if torch is None:
+            return False
+        _torch_tensor = torch.Tensor
+    return isinstance(x, _torch_tensor)
 
 
 def dtype_name(x: Any) -> str:
@@ -35,6 +43,9 @@ def dtype_name(x: Any) -> str:
 
 def is_8bit(x: Any) -> bool:
     """True for byte-sized elements (uint8, int8, float8_*): how fp8 data arrives."""
+    if is_torch(x):
+        torch = sys.modules["torch"]
+        return x.dtype in (torch.uint8, torch.int8) or (x.dtype.itemsize == 1 and x.dtype.is_floating_point)
     name = dtype_name(x)
     return name in ("uint8", "int8") or name.startswith("float8")
 
@@ -54,6 +65,8 @@ def export(x: Any, as_dtype: Optional[str] = None) -> Exported:
     as an fp8 format ('fp8_ds_mla', 'fp8_e4m3') or checks a float tensor's dtype."""
     if x is None:
         return None
+    if is_torch(x):
+        return _export_torch(x, as_dtype)
     kind = framework(x)
     name = dtype_name(x)
     if kind == "numpy":
@@ -68,29 +81,36 @@ def export(x: Any, as_dtype: Optional[str] = None) -> Exported:
             import numpy as np
 
             return (x.view(np.uint8), as_dtype or "fp8_e4m3")
-    elif kind == "torch":
-        import torch
-
-        if name.startswith("float8"):
-            # Older torch cannot export fp8 through DLPack; bytes always work.
-            x = x.view(torch.uint8)
-            as_dtype = as_dtype or "fp8_e4m3"
-        x = x.detach()
-        if x.is_cuda:
-            # torch's __dlpack__() would make the legacy default stream wait on the
-            # current one (breaking CUDA-graph capture); the op runs on torch's
-            # current stream, so the legacy exporter, which never synchronises, is right.
-            from torch.utils.dlpack import to_dlpack
-
-            x = to_dlpack(x)
     return (x, as_dtype) if as_dtype else x
 
 
+def _export_torch(x: Any, as_dtype: Optional[str]) -> Exported:
+    """A torch tensor as a DLPack capsule of the legacy exporter: torch's __dlpack__() would make the legacy
+    default stream wait on the current one (breaking CUDA-graph capture; the op runs on torch's current stream,
+    so an exporter that never synchronises is right), and costs several times more host time."""
+    torch = sys.modules["torch"]  # imported: x is a torch tensor
+    dtype = x.dtype
+    if dtype.itemsize == 1 and dtype.is_floating_point:
+        # Older torch cannot export fp8 through DLPack; bytes always work.
+        x = x.view(torch.uint8)
+        as_dtype = as_dtype or "fp8_e4m3"
+    if x.requires_grad:
+        x = x.detach()
+    capsule = torch.utils.dlpack.to_dlpack(x)
+    return (capsule, as_dtype) if as_dtype else capsule
+
+
+class NotATensorError(_smla.InvalidArgumentError, TypeError):
+    """An argument that is no tensor at all (a list, None, a memoryview): bad input of the wrong type, so both an
+    InvalidArgumentError and a TypeError."""
+
+
 def shape(x: Any, name: str) -> tuple:
-    """x.shape as a tuple of ints; a non-tensor is reported as the C++ layer would."""
+    """x.shape as a tuple of ints; anything without a shape and a dtype (a list, None, a memoryview) is
+    NotATensorError naming the argument, as the C++ layer would name it."""
     s = getattr(x, "shape", None)
-    if s is None:
-        raise _smla.InvalidArgumentError(
+    if s is None or not hasattr(x, "dtype"):
+        raise NotATensorError(
             f"{name}: expected a DLPack-capable tensor (numpy, torch, cupy, ...), got {type(x).__name__}")
     return tuple(int(d) for d in s)
 
@@ -104,14 +124,18 @@ def resolve_stream(ref: Any, stream: Any = None) -> int:
             if hasattr(stream, attr):
                 return int(getattr(stream, attr))
         return int(stream)
-    if not is_cuda(ref):
-        return 0
-    kind = framework(ref)
-    if kind == "torch":
+    if is_torch(ref):
+        if not ref.is_cuda:
+            return 0
         import torch
 
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what torch's own compiled code calls
+        if raw is not None:
+            return raw(ref.get_device())
         return torch.cuda.current_stream(ref.device).cuda_stream
-    if kind == "cupy":
+    if not is_cuda(ref):
+        return 0
+    if framework(ref) == "cupy":
         import cupy
 
         with cupy.cuda.Device(ref.device.id):
@@ -152,3 +176,34 @@ def _numpy_dtype(name: str) -> Any:
     import numpy as np
 
     return np.dtype(name)
+
+
+_torch_allocators: dict = {}  # by CUDA device index: workspace_allocator runs on every call
+
+
+def workspace_allocator(ref: Any) -> Any:
+    """A callable giving `n` bytes of scratch on `ref`'s GPU from its framework's allocator (torch's caching
+    allocator, which CUDA-graph capture handles; cupy's pool), or None for other arrays. The C++ layer calls it
+    only when an op needs scratch (see workspace_size in include/smla/ops.h)."""
+    if is_torch(ref):
+        if not ref.is_cuda:
+            return None
+        index = ref.get_device()
+        allocate = _torch_allocators.get(index)
+        if allocate is None:
+            torch = sys.modules["torch"]
+            device = torch.device("cuda", index)
+            allocate = _torch_allocators[index] = lambda n: torch.utils.dlpack.to_dlpack(
+                torch.empty(n, dtype=torch.uint8, device=device))
+        return allocate
+    if framework(ref) == "cupy":
+        import cupy
+
+        device = ref.device.id
+
+        def allocate(n: int) -> Any:
+            with cupy.cuda.Device(device):
+                return cupy.empty(n, dtype=cupy.uint8)
+
+        return allocate
+    return None

@@ -44,6 +44,8 @@ class Indexer:
     head_dim: int
     topk: int
     rope_style: str
+    kpool: int = 1  # tokens per pooled index key (GLM-5.3-Flash: 4)
+    always_select_tail: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +61,8 @@ class ModelInfo:
     qk_nope_head_dim: int
     qk_rope_head_dim: int
     v_head_dim: int
+    num_layers: int
+    num_attention_layers: int  # layers that run MLA; hybrid models run linear attention in the rest
     absorbed_qk_dim: int
     absorbed_v_dim: int
     softmax_scale: float
@@ -212,8 +216,8 @@ def explain(model: Model, device: Any = "auto", dtype: str = "bfloat16", kv_cach
 
     device: 'auto' (the first CUDA GPU, else the CPU), 'cpu', 'sm_80' ...
     'sm_120', 'cuda:N', or a torch.device. dtype: the query dtype (bfloat16
-    or float16). kv_cache_dtype: 'auto' (= dtype), bfloat16, float16 or
-    fp8_ds_mla. tp: tensor-parallel size. backend: force one by name (else
+    or float16). kv_cache_dtype: 'auto' (= dtype), bfloat16, float16,
+    fp8_ds_mla or fp8_ds_mla_nope (heads with no rope part only). tp: tensor-parallel size. backend: force one by name (else
     $SMLA_BACKEND, else choose); forcing one that cannot run raises
     UnsupportedError listing its reasons. No valid backend is not an error:
     the Explanation's ``chosen`` is None and ``suggestion`` names a change."""

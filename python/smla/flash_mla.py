@@ -14,7 +14,6 @@ the mapping and every difference.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Optional, Tuple
 
 from . import _arrays, _smla
@@ -108,12 +107,15 @@ def flash_mla_with_kvcache(
     q (b, s_q, h_q, 576) bf16/fp16; k_cache (num_blocks, page_block_size,
     1, 576) in q's dtype, or (..., 1, 656) fp8_ds_mla bytes with
     ``is_fp8_kvcache=True`` (a 3-D cache without the head axis works too).
+    Heads with no rope part (GLM-5.3-Flash, smla only): q (..., 512) with a
+    512-wide cache in q's dtype, the 656-byte fp8_ds_mla envelope (its rope
+    part unused) or the 528-byte fp8_ds_mla_nope rows.
     Dense (``indices`` None): block_table (b, max_blocks) and cache_seqlens
     (b,) int32, ``causal`` masks the s_q new tokens among themselves.
     Sparse: indices (b, s_q, topk) int32 physical slots (block * block_size +
     offset; -1, any negative or >= num_slots is skipped), optional
     topk_length (b,) (or (b, s_q)) and attn_sink (h_q,) float32.
-    softmax_scale defaults to 576^-0.5, as FlashMLA's does.
+    softmax_scale defaults to d_qk^-0.5 (576^-0.5), as FlashMLA's does.
 
     Returns (out (b, s_q, h_q, 512) in q's dtype, lse (b, h_q, s_q)
     float32): natural log, without the sink, +inf where a query has nothing
@@ -123,15 +125,17 @@ def flash_mla_with_kvcache(
     if extra_k_cache is not None or extra_indices_in_kvcache is not None or extra_topk_length is not None:
         raise _smla.UnsupportedError("extra_k_cache / extra_indices_in_kvcache / extra_topk_length (FlashMLA's "
                                      "512-dim MODEL1 layout) are not supported by smla")
-    if len(q.shape) != 4:
-        raise _smla.InvalidArgumentError(f"q: expected (batch_size, seq_len_q, num_heads_q, 576), got {tuple(q.shape)}")
-    b, s_q, h_q, d = (int(x) for x in q.shape)
+    q_shape = _arrays.shape(q, "q")
+    if len(q_shape) != 4:
+        raise _smla.InvalidArgumentError(f"q: expected (batch_size, seq_len_q, num_heads_q, 576 | 512), got {q_shape}")
+    b, s_q, h_q, d = q_shape
+    _arrays.shape(k_cache, "k_cache")
     cache = _cache_3d(k_cache)
-    topk = int(indices.shape[-1]) if indices is not None else None
+    topk = _sparse_shapes(b, s_q, indices, topk_length) if indices is not None else None
     if isinstance(tile_scheduler_metadata, FlashMLASchedMeta):
         if num_splits is not None:
             raise _smla.InvalidArgumentError("num_splits: must be None with a FlashMLASchedMeta")
-        _check_sched_meta(tile_scheduler_metadata, FlashMLASchedMeta.Config(
+        _check_sched_meta(tile_scheduler_metadata, (
             b, s_q, h_q, int(k_cache.shape[1]), int(k_cache.shape[2]) if len(k_cache.shape) == 4 else 1,
             bool(causal), bool(is_fp8_kvcache), topk, None, None))
     if softmax_scale is None:
@@ -141,24 +145,21 @@ def flash_mla_with_kvcache(
     if indices is not None:
         if causal:
             raise _smla.InvalidArgumentError("causal: must be False when indices is given (sparse attention)")
-        tokens = b * s_q
-        if topk_length is not None and len(topk_length.shape) == 1 and s_q > 1:
-            topk_length = _repeat(topk_length, s_q)  # FlashMLA's is per request; smla's per query token
-        out, lse = _ops.sparse_mla(
-            q.reshape(tokens, h_q, d), cache, indices.reshape(tokens, topk), softmax_scale=softmax_scale,
-            topk_length=None if topk_length is None else topk_length.reshape(tokens), attn_sink=attn_sink,
-            kv_cache_dtype=kv_cache_dtype, backend=backend)
-        out = out.reshape(b, s_q, h_q, _HEAD_DIM_V)
-        lse = lse.reshape(b, s_q, h_q)
     else:
         if topk_length is not None:
             raise _smla.InvalidArgumentError("topk_length: only valid with indices (sparse attention)")
         if block_table is None or cache_seqlens is None:
             raise _smla.InvalidArgumentError("block_table and cache_seqlens must be given for dense attention")
-        out, lse = _ops.paged_mla_decode(
-            q, cache, block_table, cache_seqlens, softmax_scale=softmax_scale, causal=causal, attn_sink=attn_sink,
-            kv_cache_dtype=kv_cache_dtype, backend=backend)
-    return out, _flashmla_lse(_transpose_last_two(lse))
+    torch_ops = _ops._torch_ops(q)
+    if torch_ops is not None:
+        return torch_ops.flash_mla_with_kvcache(q, cache, block_table, cache_seqlens, indices, topk_length, attn_sink,
+                                                _ops._softmax_scale(softmax_scale), bool(causal), kv_cache_dtype,
+                                                backend or "")
+    out = _arrays.empty(q, (b, s_q, h_q, _HEAD_DIM_V))
+    lse = _arrays.empty(q, (b, h_q, s_q), "float32")
+    _with_kvcache_into(q, cache, block_table, cache_seqlens, indices, topk_length, attn_sink, softmax_scale, causal,
+                       kv_cache_dtype, out, lse, backend)
+    return out, lse
 
 
 def flash_mla_sparse_fwd(
@@ -175,50 +176,70 @@ def flash_mla_sparse_fwd(
 ) -> Tuple[Tensor, Optional[Tensor], Tensor]:
     """FlashMLA's ``flash_mla_sparse_fwd``: sparse MLA prefill.
 
-    q (s_q, h_q, 576), kv (s_kv, 1, 576) bf16 (fp16 works too), indices
+    q (s_q, h_q, d_qk), kv (s_kv, 1, d_qk) bf16 (fp16 works too), d_qk 576
+    (or 512 for heads with no rope part, smla only), indices
     (s_q, 1, topk) int32 rows of kv (negative or >= s_kv: skipped), optional
     attn_sink (h_q,) float32 and topk_length (s_q,) int32.
 
     Returns (out (s_q, h_q, 512), max_logits (s_q, h_q), lse (s_q, h_q)):
     max_logits is the largest ``sm_scale * q.k`` over the valid indices
     (-inf if none), lse the natural-log sum of exp of those (+inf if none);
-    neither includes the sink. smla's kernels do not produce max_logits: it
-    is computed here from the gathered rows (in float64, chunked), which costs
-    about as much as the attention; ``return_max_logits=False`` (smla only)
-    skips it and returns None in its place."""
+    neither includes the sink. Both come from the attention kernel itself;
+    ``return_max_logits=False`` (smla only) returns None in max_logits' place."""
     if d_v != _HEAD_DIM_V:
         raise _smla.InvalidArgumentError(f"d_v: must be {_HEAD_DIM_V}, got {d_v}")
-    if len(kv.shape) != 3 or int(kv.shape[1]) != 1:
+    _arrays.shape(q, "q")
+    sm_scale = _ops._softmax_scale(sm_scale, "sm_scale")
+    if len(_arrays.shape(kv, "kv")) != 3 or int(kv.shape[1]) != 1:
         raise _smla.InvalidArgumentError(f"kv: expected (s_kv, 1, d_qk) (h_kv must be 1), got {tuple(kv.shape)}")
-    if len(indices.shape) != 3 or int(indices.shape[1]) != 1:
+    if len(_arrays.shape(indices, "indices")) != 3 or int(indices.shape[1]) != 1:
         raise _smla.InvalidArgumentError(f"indices: expected (s_q, 1, topk) (h_kv must be 1), got "
                                          f"{tuple(indices.shape)}")
-    idx = indices[:, 0, :]
     # kv is a paged cache of s_kv blocks of one token, so indices are its slots.
-    out, lse = _ops.sparse_mla(q, kv, idx, softmax_scale=sm_scale, topk_length=topk_length, attn_sink=attn_sink,
-                               backend=backend)
-    max_logits = None
-    if return_max_logits:
-        if _arrays.is_8bit(kv):
-            raise _smla.UnsupportedError("max_logits of an fp8 kv: pass return_max_logits=False")
-        max_logits = _max_logits(q, kv[:, 0, :], idx, topk_length, float(sm_scale))
-    return out, max_logits, _flashmla_lse(lse)
+    torch_ops = _ops._torch_ops(q)
+    if torch_ops is not None:
+        out, max_logits, lse = torch_ops.flash_mla_sparse_fwd(q, kv, indices, topk_length, attn_sink, sm_scale,
+                                                              backend or "")
+    else:
+        s_q, h_q = (int(x) for x in q.shape[:2])
+        out = _arrays.empty(q, (s_q, h_q, _HEAD_DIM_V))
+        max_logits = _arrays.empty(q, (s_q, h_q), "float32")
+        lse = _arrays.empty(q, (s_q, h_q), "float32")
+        _sparse_fwd_into(q, kv, indices, topk_length, attn_sink, sm_scale, out, max_logits, lse, backend)
+    return out, max_logits if return_max_logits else None, lse
 
 
 # --- helpers -------------------------------------------------------------------
 
 
-def _check_sched_meta(meta: FlashMLASchedMeta, config: FlashMLASchedMeta.Config) -> None:
+def _check_sched_meta(meta: FlashMLASchedMeta, config: tuple) -> None:
+    """`config`: this call's FlashMLASchedMeta.Config fields, in order (a tuple: cheap to compare per call)."""
     if not meta.have_initialized:
         meta.have_initialized = True
-        meta.config = config
+        meta.config = FlashMLASchedMeta.Config(*config)
         return
-    for field in dataclasses.fields(config):
-        want, got = getattr(meta.config, field.name), getattr(config, field.name)
+    if tuple(vars(meta.config).values()) == config:
+        return
+    for field, got in zip(dataclasses.fields(meta.config), config):
+        want = getattr(meta.config, field.name)
         if want != got:
             raise _smla.InvalidArgumentError(
                 f"tile_scheduler_metadata: {field.name} is {got} but was {want} when this FlashMLASchedMeta was "
                 "first used; use one get_mla_metadata() object per configuration")
+
+
+def _sparse_shapes(b: int, s_q: int, indices: Tensor, topk_length: Optional[Tensor]) -> int:
+    """topk, after checking indices (b, s_q, topk) and topk_length (b,) or (b, s_q) against q's b and s_q."""
+    shape = _arrays.shape(indices, "indices")
+    if len(shape) != 3 or shape[:2] != (b, s_q):
+        raise _smla.InvalidArgumentError(
+            f"indices: expected (batch_size, seq_len_q, topk) with q's batch_size {b} and seq_len_q {s_q}, got {shape}")
+    if topk_length is not None:
+        lengths = _arrays.shape(topk_length, "topk_length")
+        if lengths != (b,) and lengths != (b, s_q):
+            raise _smla.InvalidArgumentError(
+                f"topk_length: expected ({b},) (per request) or ({b}, {s_q}) (per query token), got {lengths}")
+    return shape[2]
 
 
 def _cache_3d(k_cache: Tensor) -> Tensor:
@@ -226,13 +247,24 @@ def _cache_3d(k_cache: Tensor) -> Tensor:
     if len(k_cache.shape) == 4:
         if int(k_cache.shape[2]) != 1:
             raise _smla.InvalidArgumentError(f"k_cache: num_heads_k must be 1 (MLA), got {tuple(k_cache.shape)}")
-        return k_cache[:, :, 0, :]
+        return _select(k_cache, 2, 0)
     return k_cache
+
+
+def _select(x: Tensor, dim: int, index: int) -> Tensor:
+    """x with dimension `dim` fixed at `index` (a view): torch's select is several times cheaper than indexing."""
+    if _arrays.is_torch(x):
+        return x.select(dim, index)
+    return x[(slice(None),) * dim + (index,)]
 
 
 def _kv_cache_dtype(k_cache: Tensor, is_fp8_kvcache: bool) -> str:
     if is_fp8_kvcache:
-        return "fp8_ds_mla"
+        if not _arrays.is_8bit(k_cache):
+            raise _smla.InvalidArgumentError(
+                f"k_cache: is_fp8_kvcache=True needs 8-bit data (uint8, int8 or float8_e4m3fn rows of 656 bytes), "
+                f"got {_arrays.dtype_name(k_cache)}")
+        return _ops._fp8_mla_cache_dtype(k_cache)
     if _arrays.is_8bit(k_cache):
         raise _smla.InvalidArgumentError("k_cache: 8-bit (FP8) data needs is_fp8_kvcache=True")
     return "auto"
@@ -248,64 +280,30 @@ def _array_module(x: Tensor) -> Any:
     return numpy
 
 
-def _repeat(x: Tensor, times: int) -> Tensor:
-    if _arrays.framework(x) == "torch":
-        return x.repeat_interleave(times)
-    return _array_module(x).repeat(x, times)
+def _with_kvcache_into(q: Tensor, cache: Tensor, block_table: Optional[Tensor], cache_seqlens: Optional[Tensor],
+                       indices: Optional[Tensor], topk_length: Optional[Tensor], attn_sink: Optional[Tensor],
+                       softmax_scale: float, causal: bool, kv_cache_dtype: str, out: Tensor, lse: Tensor,
+                       backend: Optional[str]) -> None:
+    """flash_mla_with_kvcache into out (b, s_q, h_q, 512) and lse (b, h_q, s_q): the kernels write lse through a
+    (b, s_q, h_q) view of it, +inf where a query has nothing to attend; no other kernel runs."""
+    lse_view = lse.swapaxes(-1, -2)
+    if indices is None:
+        _ops._paged_mla_decode(q, cache, block_table, cache_seqlens, attn_sink, softmax_scale, causal, out, lse_view,
+                               kv_cache_dtype, None, backend, empty_lse_plus_inf=True)
+        return
+    # One sparse_mla call per new token j: its tokens are the requests, whose lse rows (b, h_q) are a strided view;
+    # FlashMLA's per-request topk_length (b,) serves every j as it is.
+    per_token_lengths = topk_length is not None and len(topk_length.shape) == 2
+    for j in range(int(q.shape[1])):
+        lengths = _select(topk_length, 1, j) if per_token_lengths else topk_length
+        _ops._sparse_mla(_select(q, 1, j), cache, _select(indices, 1, j), lengths, attn_sink, softmax_scale,
+                         _select(out, 1, j), _select(lse_view, 1, j), kv_cache_dtype, None, backend,
+                         empty_lse_plus_inf=True)
 
 
-def _transpose_last_two(x: Tensor) -> Tensor:
-    """(b, s_q, h_q) -> (b, h_q, s_q), contiguous as FlashMLA returns it."""
-    if _arrays.framework(x) == "torch":
-        return x.transpose(1, 2).contiguous()
-    return _array_module(x).ascontiguousarray(x.transpose(0, 2, 1))
-
-
-def _flashmla_lse(lse: Tensor) -> Tensor:
-    """smla's lse of an empty row is -inf (the log of an empty sum); FlashMLA reports +inf."""
-    if _arrays.framework(lse) == "torch":
-        import torch
-
-        return lse.masked_fill_(torch.isneginf(lse), math.inf)
-    xp = _array_module(lse)
-    lse[xp.isneginf(lse)] = math.inf
-    return lse
-
-
-_MAX_LOGITS_CHUNK_BYTES = 256 << 20
-
-
-def _max_logits(q: Tensor, kv: Tensor, idx: Tensor, topk_length: Optional[Tensor], scale: float) -> Tensor:
-    """max over valid k of scale * q[t, h] . kv[idx[t, k]], -inf where none is valid."""
-    s_q, h_q, d = (int(x) for x in q.shape)
-    topk, s_kv = int(idx.shape[-1]), int(kv.shape[0])
-    chunk = max(1, _MAX_LOGITS_CHUNK_BYTES // (8 * topk * (d + h_q)))
-    if _arrays.framework(q) == "torch":
-        import torch
-
-        valid = (idx >= 0) & (idx < s_kv)
-        if topk_length is not None:
-            valid &= torch.arange(topk, device=idx.device)[None, :] < topk_length[:, None]
-        safe = torch.where(valid, idx, torch.zeros_like(idx)).long()
-        result = torch.empty((s_q, h_q), dtype=torch.float32, device=q.device)
-        for start in range(0, s_q, chunk):
-            end = min(start + chunk, s_q)
-            rows = kv[safe[start:end]].double()  # (c, topk, d); float64: exact products, no TF32
-            logits = torch.einsum("chd,ckd->chk", q[start:end].double(), rows) * scale
-            logits.masked_fill_(~valid[start:end, None, :], -math.inf)
-            result[start:end] = logits.amax(dim=-1).float()
-        return result
-    xp = _array_module(q)
-    idx = xp.asarray(idx)
-    valid = (idx >= 0) & (idx < s_kv)
-    if topk_length is not None:
-        valid &= xp.arange(topk)[None, :] < xp.asarray(topk_length)[:, None]
-    safe = xp.where(valid, idx, 0)
-    result = xp.empty((s_q, h_q), dtype=xp.float32)
-    for start in range(0, s_q, chunk):
-        end = min(start + chunk, s_q)
-        rows = xp.take(kv, safe[start:end], axis=0).astype(xp.float64)
-        logits = xp.einsum("chd,ckd->chk", q[start:end].astype(xp.float64), rows) * scale
-        logits = xp.where(valid[start:end, None, :], logits, -math.inf)
-        result[start:end] = logits.max(axis=-1)
-    return result
+def _sparse_fwd_into(q: Tensor, kv: Tensor, indices: Tensor, topk_length: Optional[Tensor],
+                     attn_sink: Optional[Tensor], sm_scale: float, out: Tensor, max_logits: Tensor, lse: Tensor,
+                     backend: Optional[str]) -> None:
+    """flash_mla_sparse_fwd into out, max_logits and lse, all three from the kernel (+inf lse for empty rows)."""
+    _ops._sparse_mla(q, kv, _select(indices, 1, 0), topk_length, attn_sink, sm_scale, out, lse, "auto", None, backend,
+                     max_logits=max_logits, empty_lse_plus_inf=True)

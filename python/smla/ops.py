@@ -11,6 +11,7 @@ by default the current stream of the tensors' framework.
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, Optional, Tuple
 
 from . import _arrays, _smla
@@ -19,37 +20,115 @@ Tensor = Any  # numpy.ndarray, torch.Tensor, cupy.ndarray or any DLPack producer
 
 _MLA_FP8_ALIASES = ("fp8", "fp8_e4m3", "float8_e4m3fn", "e4m3", "fp8_ds_mla")
 _LATENT_DIM = 512
+_FP8_NOPE_ROW_BYTES = 528  # fp8_ds_mla_nope: 512 e4m3 + 4 fp32 scales
 
 
-def _mla_cache_dtype(cache: Tensor, kv_cache_dtype: Optional[str]) -> Optional[str]:
-    """The smla dtype to read an MLA cache as: 8-bit data is fp8_ds_mla (the
-    one fp8 MLA cache format, 656 bytes a token); else the tensor's own dtype.
-    An explicit bfloat16 / float16 is checked against the tensor."""
+def _fp8_mla_cache_dtype(cache: Tensor) -> str:
+    """The fp8 MLA cache format of 8-bit rows, told by their width: 528 bytes a token is fp8_ds_mla_nope (no rope
+    part), anything else fp8_ds_mla (656 bytes; the checks name a wrong width)."""
+    return "fp8_ds_mla_nope" if int(cache.shape[-1]) == _FP8_NOPE_ROW_BYTES else "fp8_ds_mla"
+
+
+def _mla_cache_dtype(cache: Tensor, kv_cache_dtype: Optional[str], name: str = "kv_cache") -> Optional[str]:
+    """The smla dtype to read an MLA cache as: 8-bit data is fp8_ds_mla (656
+    bytes a token) or, 528 bytes wide, fp8_ds_mla_nope; else the tensor's own
+    dtype. An explicit bfloat16 / float16 is checked against the tensor."""
+    if cache is None:
+        _arrays.shape(cache, name)  # NotATensorError naming it
+    _checked_name(kv_cache_dtype, "kv_cache_dtype", _MLA_CACHE_DTYPES)
     if kv_cache_dtype is None or kv_cache_dtype == "auto":
-        return "fp8_ds_mla" if _arrays.is_8bit(cache) else None
+        return _fp8_mla_cache_dtype(cache) if _arrays.is_8bit(cache) else None
     name = str(kv_cache_dtype).lower()
-    return "fp8_ds_mla" if name in _MLA_FP8_ALIASES else name
+    return _fp8_mla_cache_dtype(cache) if name in _MLA_FP8_ALIASES and name != "fp8_ds_mla" else name
 
 
 def _index_dtype(x: Tensor, dtype: Optional[str]) -> Optional[str]:
     """The smla dtype of an indexer tensor (q or cache): 8-bit data is fp8_e4m3."""
+    _checked_name(dtype, "index_cache_dtype", _INDEX_CACHE_DTYPES)
     if dtype is None or dtype == "auto":
         return "fp8_e4m3" if _arrays.is_8bit(x) else None
     name = str(dtype).lower()
     return "fp8_e4m3" if name in ("fp8", "float8_e4m3fn", "e4m3") else name
 
 
+_MAX_TOPK = 65536  # the ops' K limit (a backend may have a lower one: cuda_mma's indexer 8192)
+_FLOAT32_MAX = 3.4028234663852886e38
+_MLA_CACHE_DTYPES = ("auto", "bfloat16", "bf16", "float16", "fp16", "half", "fp8_ds_mla_nope") + _MLA_FP8_ALIASES
+_INDEX_CACHE_DTYPES = ("auto", "bfloat16", "bf16", "fp8", "fp8_e4m3", "float8_e4m3fn", "e4m3")
+
+
+def _softmax_scale(value: Any, name: str = "softmax_scale") -> float:
+    """softmax_scale as the float32 the kernels take, checked first, so that a value float32 cannot hold
+    (1e300) is reported as given rather than as the inf it would round to."""
+    try:
+        if isinstance(value, (str, bytes)):
+            raise TypeError
+        scale = float(value)
+    except (TypeError, ValueError):
+        raise _smla.InvalidArgumentError(f"{name}: expected a number, got {type(value).__name__}") from None
+    if not 0.0 < scale <= _FLOAT32_MAX:
+        raise _smla.InvalidArgumentError(
+            f"{name}: must be finite, > 0 and at most {_FLOAT32_MAX:.7g} (float32), got {value!r}")
+    return scale
+
+
+def _int_in(value: Any, name: str, low: int, high: int) -> int:
+    """An int argument within [low, high], checked before anything is allocated with it."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise _smla.InvalidArgumentError(f"{name}: expected an int from {low} to {high}, got {type(value).__name__}")
+    if not low <= value <= high:
+        raise _smla.InvalidArgumentError(f"{name}: expected an int from {low} to {high}, got {value}")
+    return int(value)
+
+
+def _topk_columns(topk: Optional[int], out: Optional[Tensor] = None) -> int:
+    """K of a top-k output, checked before the output is allocated. With ``out=``, ``topk`` may be left out (it
+    is out's column count) and, when given, must equal it: a wider out would otherwise be filled silently."""
+    if topk is None:
+        if out is None:
+            raise _smla.InvalidArgumentError(f"topk: required (an int from 1 to {_MAX_TOPK}) unless out= is given")
+        shape = _arrays.shape(out, "out")
+        return shape[-1] if shape else 0  # a wrong rank is reported by the op's checks
+    topk = _int_in(topk, "topk", 1, _MAX_TOPK)
+    if out is not None:
+        shape = _arrays.shape(out, "out")
+        if len(shape) == 2 and shape[1] != topk:
+            raise _smla.InvalidArgumentError(
+                f"out: has {shape[1]} columns but topk is {topk}; pass an out of topk columns, or leave topk out "
+                "to take out's")
+    return topk
+
+
+def _checked_name(value: Optional[str], name: str, allowed: Tuple[str, ...]) -> Optional[str]:
+    if value is not None and str(value).lower() not in allowed:
+        raise _smla.InvalidArgumentError(f"{name}: expected one of {', '.join(allowed)}, got {value!r}")
+    return value
+
+
+_torch_ops_namespace: Any = None  # resolved on first use: the lookup runs on every call
+
+
 def _torch_ops(x: Tensor) -> Any:
     """torch.ops.smla when `x` is a torch tensor and the custom ops are registered."""
+    global _torch_ops_namespace
     if not _arrays.is_torch(x):
         return None
-    from . import torch_ops
+    if _torch_ops_namespace is None:
+        from . import torch_ops
 
-    return torch_ops.ops() if torch_ops.available() else None
+        _torch_ops_namespace = torch_ops.ops() if torch_ops.available() else False
+    return _torch_ops_namespace or None
 
 
 def _backend(backend: Optional[str]) -> str:
     return backend or ""
+
+
+def _workspace(ref: Tensor, workspace: Any) -> Any:
+    """The op's scratch: the caller's `workspace` (a uint8 tensor, or a callable taking a byte count), else one
+    allocated by `ref`'s framework when the op needs it (torch's caching allocator, cupy's pool), else None
+    (numpy: the CPU backend needs none; other GPU arrays: the library's own)."""
+    return workspace if workspace is not None else _arrays.workspace_allocator(ref)
 
 
 # --- eager implementations (also the bodies of the torch custom ops) ---------
@@ -58,25 +137,26 @@ def _backend(backend: Optional[str]) -> str:
 def _write_mla_cache(latent, k_pe, slot_mapping, cache, kv_cache_dtype, stream, backend) -> None:
     _smla.write_mla_cache(
         _arrays.export(latent), _arrays.export(k_pe), _arrays.export(slot_mapping),
-        _arrays.export(cache, _mla_cache_dtype(cache, kv_cache_dtype)),
+        _arrays.export(cache, _mla_cache_dtype(cache, kv_cache_dtype, "cache")),
         _arrays.resolve_stream(cache, stream), _backend(backend))
 
 
 def _sparse_mla(q, kv_cache, indices, topk_length, attn_sink, softmax_scale, out, lse, kv_cache_dtype, stream,
-                backend) -> None:
+                backend, max_logits=None, empty_lse_plus_inf=False, workspace=None) -> None:
     _smla.sparse_mla(
         _arrays.export(q), _arrays.export(kv_cache, _mla_cache_dtype(kv_cache, kv_cache_dtype)),
-        _arrays.export(indices), _arrays.export(topk_length), _arrays.export(attn_sink), float(softmax_scale),
-        _arrays.export(out), _arrays.export(lse), _arrays.resolve_stream(q, stream), _backend(backend))
+        _arrays.export(indices), _arrays.export(topk_length), _arrays.export(attn_sink), _softmax_scale(softmax_scale),
+        _arrays.export(out), _arrays.export(lse), _arrays.resolve_stream(q, stream), _backend(backend),
+        _arrays.export(max_logits), empty_lse_plus_inf, _workspace(q, workspace))
 
 
 def _paged_mla_decode(q, kv_cache, block_table, seq_lens, attn_sink, softmax_scale, causal, out, lse,
-                      kv_cache_dtype, stream, backend) -> None:
+                      kv_cache_dtype, stream, backend, empty_lse_plus_inf=False, workspace=None) -> None:
     _smla.paged_mla_decode(
         _arrays.export(q), _arrays.export(kv_cache, _mla_cache_dtype(kv_cache, kv_cache_dtype)),
-        _arrays.export(block_table), _arrays.export(seq_lens), _arrays.export(attn_sink), float(softmax_scale),
+        _arrays.export(block_table), _arrays.export(seq_lens), _arrays.export(attn_sink), _softmax_scale(softmax_scale),
         bool(causal), _arrays.export(out), _arrays.export(lse), _arrays.resolve_stream(q, stream),
-        _backend(backend))
+        _backend(backend), empty_lse_plus_inf, _workspace(q, workspace))
 
 
 def _write_index_cache(k, slot_mapping, cache, index_cache_dtype, stream, backend) -> None:
@@ -87,31 +167,32 @@ def _write_index_cache(k, slot_mapping, cache, index_cache_dtype, stream, backen
 
 
 def _indexer_topk(q, q_scale, weights, index_cache, request_ids, block_table, context_lens, topk_out,
-                  index_cache_dtype, stream, backend) -> None:
+                  index_cache_dtype, stream, backend, workspace=None) -> None:
     _smla.indexer_topk(
         _arrays.export(q, _index_dtype(q, None)), _arrays.export(q_scale), _arrays.export(weights),
         _arrays.export(index_cache, _index_dtype(index_cache, index_cache_dtype)), _arrays.export(request_ids),
         _arrays.export(block_table), _arrays.export(context_lens), _arrays.export(topk_out),
-        _arrays.resolve_stream(q, stream), _backend(backend))
+        _arrays.resolve_stream(q, stream), _backend(backend), _workspace(q, workspace))
 
 
 def _positions_to_slots(positions, request_ids, block_table, block_size, slots, stream, backend) -> None:
     _smla.positions_to_slots(
-        _arrays.export(positions), _arrays.export(request_ids), _arrays.export(block_table), int(block_size),
+        _arrays.export(positions), _arrays.export(request_ids), _arrays.export(block_table),
+        _int_in(block_size, "block_size", 1, 2**31 - 1),
         _arrays.export(slots), _arrays.resolve_stream(positions, stream), _backend(backend))
 
 
 def _dsa_decode_step(q, kv_cache, index_q, index_weights, index_cache, request_ids, block_table, context_lens,
                      index_q_scale, attn_sink, softmax_scale, out, lse, topk_out, slots, kv_cache_dtype,
-                     index_cache_dtype, stream, backend) -> None:
+                     index_cache_dtype, stream, backend, workspace=None) -> None:
     _smla.dsa_decode_step(
         _arrays.export(index_q, _index_dtype(index_q, None)), _arrays.export(index_q_scale),
         _arrays.export(index_weights), _arrays.export(index_cache, _index_dtype(index_cache, index_cache_dtype)),
         _arrays.export(request_ids), _arrays.export(block_table), _arrays.export(context_lens),
         _arrays.export(topk_out), _arrays.export(slots), _arrays.export(q),
         _arrays.export(kv_cache, _mla_cache_dtype(kv_cache, kv_cache_dtype)), _arrays.export(attn_sink),
-        float(softmax_scale), _arrays.export(out), _arrays.export(lse), _arrays.resolve_stream(q, stream),
-        _backend(backend))
+        _softmax_scale(softmax_scale), _arrays.export(out), _arrays.export(lse), _arrays.resolve_stream(q, stream),
+        _backend(backend), _workspace(q, workspace))
 
 
 def _attention_outputs(q: Tensor, out: Optional[Tensor], lse: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
@@ -134,13 +215,18 @@ def _tokens(q: Tensor) -> int:
 # --- public API ----------------------------------------------------------------
 
 
-def write_mla_cache(latent: Tensor, k_pe: Tensor, slot_mapping: Tensor, cache: Tensor, *,
+def write_mla_cache(latent: Tensor, k_pe: Optional[Tensor], slot_mapping: Tensor, cache: Tensor, *,
                     kv_cache_dtype: Optional[str] = "auto", stream: Any = None,
                     backend: Optional[str] = None) -> Tensor:
     """Writes latents [N, 512] and rope keys [N, 64] into the paged MLA cache
     [num_blocks, block_size, 576 | 656] in place, at the physical slots
     ``slot_mapping`` [N] (int64, negative = skip). An 8-bit cache (uint8,
-    int8, float8_e4m3fn) is fp8_ds_mla. Returns ``cache``."""
+    int8, float8_e4m3fn) is fp8_ds_mla, or fp8_ds_mla_nope when 528 bytes
+    wide. Heads with no rope part: ``k_pe`` None (or [N, 0]) and a cache of
+    [..., 512] in a 16-bit type, [..., 528] fp8_ds_mla_nope or [..., 656]
+    fp8_ds_mla (whose rope bytes are left alone). Returns ``cache``."""
+    if k_pe is None:
+        k_pe = _arrays.empty(latent, (int(latent.shape[0]), 0))  # width 0: no rope part
     ops = _torch_ops(cache) if stream is None else None
     if ops is not None:
         ops.write_mla_cache(latent, k_pe, slot_mapping, cache, kv_cache_dtype or "auto", _backend(backend))
@@ -162,7 +248,7 @@ def sparse_mla(q: Tensor, kv_cache: Tensor, indices: Tensor, *, softmax_scale: f
     the sink; -inf for a row with no valid index)."""
     ops = _torch_ops(q) if out is None and lse is None and stream is None else None
     if ops is not None:
-        return ops.sparse_mla(q, kv_cache, indices, topk_length, attn_sink, float(softmax_scale),
+        return ops.sparse_mla(q, kv_cache, indices, topk_length, attn_sink, _softmax_scale(softmax_scale),
                               kv_cache_dtype or "auto", _backend(backend))
     out, lse = _attention_outputs(q, out, lse)
     _sparse_mla(q, kv_cache, indices, topk_length, attn_sink, softmax_scale, out, lse, kv_cache_dtype, stream,
@@ -181,7 +267,7 @@ def paged_mla_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens:
     Returns (out [B, s_q, H, 512], lse [B, s_q, H] float32)."""
     ops = _torch_ops(q) if out is None and lse is None and stream is None else None
     if ops is not None:
-        return ops.paged_mla_decode(q, kv_cache, block_table, seq_lens, attn_sink, float(softmax_scale),
+        return ops.paged_mla_decode(q, kv_cache, block_table, seq_lens, attn_sink, _softmax_scale(softmax_scale),
                                     bool(causal), kv_cache_dtype or "auto", _backend(backend))
     out, lse = _attention_outputs(q, out, lse)
     _paged_mla_decode(q, kv_cache, block_table, seq_lens, attn_sink, softmax_scale, causal, out, lse,
@@ -203,17 +289,20 @@ def write_index_cache(k: Tensor, slot_mapping: Tensor, cache: Tensor, *, index_c
 
 
 def indexer_topk(q: Tensor, weights: Tensor, index_cache: Tensor, request_ids: Tensor, block_table: Tensor,
-                 context_lens: Tensor, *, topk: int, q_scale: Optional[Tensor] = None,
+                 context_lens: Tensor, *, topk: Optional[int] = None, q_scale: Optional[Tensor] = None,
                  index_cache_dtype: Optional[str] = "auto", out: Optional[Tensor] = None, stream: Any = None,
                  backend: Optional[str] = None) -> Tensor:
     """Lightning-indexer scores and exact top-k over each token's visible
     context [0, context_lens[t]). q [T, H_I, 128] bf16/f16 or 8-bit (fp8_e4m3,
     then q_scale [T, H_I] float32), weights [T, H_I] float32. Returns the
-    logical positions [T, topk] int32, best first, -1 padded."""
+    logical positions [T, topk] int32, best first, -1 padded. ``topk`` (1 to
+    65536) is required unless ``out=`` [T, K] is given: then it defaults to K
+    and, when given, must equal it."""
+    topk = _topk_columns(topk, out)
     ops = _torch_ops(q) if out is None and stream is None else None
     if ops is not None:
         return ops.indexer_topk(q, q_scale, weights, index_cache, request_ids, block_table, context_lens,
-                                int(topk), index_cache_dtype or "auto", _backend(backend))
+                                topk, index_cache_dtype or "auto", _backend(backend))
     if out is None:
         out = _arrays.empty(q, (_tokens(q), topk), "int32")
     _indexer_topk(q, q_scale, weights, index_cache, request_ids, block_table, context_lens, out,
@@ -228,7 +317,8 @@ def positions_to_slots(positions: Tensor, request_ids: Tensor, block_table: Tens
     through each token's block-table row; -1 where invalid."""
     ops = _torch_ops(positions) if out is None and stream is None else None
     if ops is not None:
-        return ops.positions_to_slots(positions, request_ids, block_table, int(block_size), _backend(backend))
+        return ops.positions_to_slots(positions, request_ids, block_table,
+                                      _int_in(block_size, "block_size", 1, 2**31 - 1), _backend(backend))
     if out is None:
         out = _arrays.empty(positions, _arrays.shape(positions, "positions"), "int32")
     _positions_to_slots(positions, request_ids, block_table, block_size, out, stream, backend)
@@ -245,10 +335,11 @@ def dsa_decode_step(q: Tensor, kv_cache: Tensor, index_q: Tensor, index_weights:
     The MLA cache and the index cache share ``block_table`` and the block
     size. Returns (out [T, H, 512], lse [T, H], positions [T, topk] (logical,
     what the indexer chose), slots [T, topk] (physical, what was attended))."""
+    topk = _topk_columns(topk)
     ops = _torch_ops(q) if stream is None else None
     if ops is not None:
         return ops.dsa_decode_step(q, kv_cache, index_q, index_weights, index_cache, request_ids, block_table,
-                                   context_lens, index_q_scale, attn_sink, int(topk), float(softmax_scale),
+                                   context_lens, index_q_scale, attn_sink, topk, _softmax_scale(softmax_scale),
                                    kv_cache_dtype or "auto", index_cache_dtype or "auto", _backend(backend))
     out, lse = _attention_outputs(q, None, None)
     tokens = _tokens(q)

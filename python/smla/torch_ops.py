@@ -1,27 +1,33 @@
-"""PyTorch integration: the ops registered as ``torch.ops.smla.*`` custom ops
+"""PyTorch integration: the ops registered as ``torch.ops.smla.*`` operators
 (torch >= 2.4) with fake (meta) implementations, so torch.compile traces them
 and CUDA graphs capture them. Importing this module registers them; the
 ``smla`` functions route torch tensors here on their own.
 
-The ops allocate their outputs with torch (on the inputs' device, through
-torch's caching allocator) and run on torch's current stream. fp8 tensors
+The ops allocate their outputs, and the scratch the GPU ops need, with torch
+(on the inputs' device, through torch's caching allocator, which CUDA-graph
+capture handles) and run on torch's current stream. fp8 tensors
 (float8_e4m3fn, int8 or uint8) are read as bytes.
+
+They are defined with ``torch.library.Library`` (a schema, one
+CompositeExplicitAutograd kernel, a fake) rather than ``custom_op``, whose
+Python wrapper costs several microseconds more per call: these are
+inference ops, with no autograd formula.
 """
 
-# No `from __future__ import annotations`: torch.library reads the real
-# annotations to infer each op's schema.
-from typing import Any, Optional, Tuple
+from typing import Any, Tuple
 
 import torch
 from torch import Tensor
 
+from . import flash_mla as _flash_mla
 from . import ops as _ops
 
 _LATENT_DIM = 512
+_LIBRARY = None  # the torch.library.Library that holds the definitions (kept alive)
 
 
 def available() -> bool:
-    """True when this torch can register custom ops (torch >= 2.4)."""
+    """True when this torch can register the ops (torch >= 2.4)."""
     return _REGISTERED
 
 
@@ -35,103 +41,157 @@ def _attention_out(q: Tensor) -> Tuple[Tensor, Tensor]:
     return q.new_empty(lead + (_LATENT_DIM,)), q.new_empty(lead, dtype=torch.float32)
 
 
+def _kvcache_out(q: Tensor) -> Tuple[Tensor, Tensor]:
+    """flash_mla_with_kvcache's out (b, s_q, h_q, 512) and lse (b, h_q, s_q)."""
+    b, s_q, h_q = q.shape[:3]
+    return q.new_empty((b, s_q, h_q, _LATENT_DIM)), q.new_empty((b, h_q, s_q), dtype=torch.float32)
+
+
+def _topk_out(q: Tensor, topk: int) -> Tensor:
+    return q.new_empty((q.shape[0], _ops._topk_columns(topk)), dtype=torch.int32)  # topk checked first
+
+
+# --- kernels (eager bodies) and fakes, by op ------------------------------------
+
+
+def _write_mla_cache(latent, k_pe, slot_mapping, cache, kv_cache_dtype="auto", backend=""):
+    _ops._write_mla_cache(latent, k_pe, slot_mapping, cache, kv_cache_dtype, None, backend)
+
+
+def _sparse_mla(q, kv_cache, indices, topk_length, attn_sink, softmax_scale, kv_cache_dtype="auto", backend=""):
+    out, lse = _attention_out(q)
+    _ops._sparse_mla(q, kv_cache, indices, topk_length, attn_sink, softmax_scale, out, lse, kv_cache_dtype, None,
+                     backend)
+    return out, lse
+
+
+def _paged_mla_decode(q, kv_cache, block_table, seq_lens, attn_sink, softmax_scale, causal=True,
+                      kv_cache_dtype="auto", backend=""):
+    out, lse = _attention_out(q)
+    _ops._paged_mla_decode(q, kv_cache, block_table, seq_lens, attn_sink, softmax_scale, causal, out, lse,
+                           kv_cache_dtype, None, backend)
+    return out, lse
+
+
+def _write_index_cache(k, slot_mapping, cache, index_cache_dtype="auto", backend=""):
+    _ops._write_index_cache(k, slot_mapping, cache, index_cache_dtype, None, backend)
+
+
+def _indexer_topk(q, q_scale, weights, index_cache, request_ids, block_table, context_lens, topk,
+                  index_cache_dtype="auto", backend=""):
+    out = _topk_out(q, topk)
+    _ops._indexer_topk(q, q_scale, weights, index_cache, request_ids, block_table, context_lens, out,
+                       index_cache_dtype, None, backend)
+    return out
+
+
+def _positions_to_slots(positions, request_ids, block_table, block_size, backend=""):
+    slots = positions.new_empty(positions.shape, dtype=torch.int32)
+    _ops._positions_to_slots(positions, request_ids, block_table, block_size, slots, None, backend)
+    return slots
+
+
+def _dsa_decode_step(q, kv_cache, index_q, index_weights, index_cache, request_ids, block_table, context_lens,
+                     index_q_scale, attn_sink, topk, softmax_scale, kv_cache_dtype="auto", index_cache_dtype="auto",
+                     backend=""):
+    out, lse = _attention_out(q)
+    positions, slots = _topk_out(q, topk), _topk_out(q, topk)
+    _ops._dsa_decode_step(q, kv_cache, index_q, index_weights, index_cache, request_ids, block_table, context_lens,
+                          index_q_scale, attn_sink, softmax_scale, out, lse, positions, slots, kv_cache_dtype,
+                          index_cache_dtype, None, backend)
+    return out, lse, positions, slots
+
+
+# smla.flash_mla's two attention functions, with FlashMLA's output layouts written by the kernels.
+def _flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, indices, topk_length, attn_sink, softmax_scale,
+                            causal, kv_cache_dtype="auto", backend=""):
+    out, lse = _kvcache_out(q)
+    _flash_mla._with_kvcache_into(q, k_cache, block_table, cache_seqlens, indices, topk_length, attn_sink,
+                                  softmax_scale, causal, kv_cache_dtype, out, lse, backend)
+    return out, lse
+
+
+def _flash_mla_sparse_fwd(q, kv, indices, topk_length, attn_sink, sm_scale, backend=""):
+    out, lse = _attention_out(q)
+    max_logits = torch.empty_like(lse)
+    _flash_mla._sparse_fwd_into(q, kv, indices, topk_length, attn_sink, sm_scale, out, max_logits, lse, backend)
+    return out, max_logits, lse
+
+
+# Fakes: the outputs' shapes and dtypes, for tracing.
+def _no_output_fake(*args, **kwargs):
+    return None
+
+
+def _attention_fake(q, *args, **kwargs):
+    return _attention_out(q)
+
+
+def _indexer_topk_fake(q, q_scale, weights, index_cache, request_ids, block_table, context_lens, topk, *args,
+                       **kwargs):
+    return _topk_out(q, topk)
+
+
+def _positions_to_slots_fake(positions, *args, **kwargs):
+    return positions.new_empty(positions.shape, dtype=torch.int32)
+
+
+def _dsa_decode_step_fake(q, kv_cache, index_q, index_weights, index_cache, request_ids, block_table, context_lens,
+                          index_q_scale, attn_sink, topk, *args, **kwargs):
+    out, lse = _attention_out(q)
+    return out, lse, _topk_out(q, topk), _topk_out(q, topk)
+
+
+def _flash_mla_with_kvcache_fake(q, *args, **kwargs):
+    return _kvcache_out(q)
+
+
+def _flash_mla_sparse_fwd_fake(q, *args, **kwargs):
+    out, lse = _attention_out(q)
+    return out, torch.empty_like(lse), lse
+
+
+# (schema, kernel, fake). Tensor(a!) marks what an op writes in place.
+_OPS = [
+    ("write_mla_cache(Tensor latent, Tensor k_pe, Tensor slot_mapping, Tensor(a!) cache, "
+     "str kv_cache_dtype='auto', str backend='') -> ()", _write_mla_cache, _no_output_fake),
+    ("sparse_mla(Tensor q, Tensor kv_cache, Tensor indices, Tensor? topk_length, Tensor? attn_sink, "
+     "float softmax_scale, str kv_cache_dtype='auto', str backend='') -> (Tensor, Tensor)",
+     _sparse_mla, _attention_fake),
+    ("paged_mla_decode(Tensor q, Tensor kv_cache, Tensor block_table, Tensor seq_lens, Tensor? attn_sink, "
+     "float softmax_scale, bool causal=True, str kv_cache_dtype='auto', str backend='') -> (Tensor, Tensor)",
+     _paged_mla_decode, _attention_fake),
+    ("write_index_cache(Tensor k, Tensor slot_mapping, Tensor(a!) cache, str index_cache_dtype='auto', "
+     "str backend='') -> ()", _write_index_cache, _no_output_fake),
+    ("indexer_topk(Tensor q, Tensor? q_scale, Tensor weights, Tensor index_cache, Tensor request_ids, "
+     "Tensor block_table, Tensor context_lens, int topk, str index_cache_dtype='auto', str backend='') -> Tensor",
+     _indexer_topk, _indexer_topk_fake),
+    ("positions_to_slots(Tensor positions, Tensor request_ids, Tensor block_table, int block_size, "
+     "str backend='') -> Tensor", _positions_to_slots, _positions_to_slots_fake),
+    ("dsa_decode_step(Tensor q, Tensor kv_cache, Tensor index_q, Tensor index_weights, Tensor index_cache, "
+     "Tensor request_ids, Tensor block_table, Tensor context_lens, Tensor? index_q_scale, Tensor? attn_sink, "
+     "int topk, float softmax_scale, str kv_cache_dtype='auto', str index_cache_dtype='auto', str backend='') "
+     "-> (Tensor, Tensor, Tensor, Tensor)", _dsa_decode_step, _dsa_decode_step_fake),
+    ("flash_mla_with_kvcache(Tensor q, Tensor k_cache, Tensor? block_table, Tensor? cache_seqlens, "
+     "Tensor? indices, Tensor? topk_length, Tensor? attn_sink, float softmax_scale, bool causal, "
+     "str kv_cache_dtype='auto', str backend='') -> (Tensor, Tensor)",
+     _flash_mla_with_kvcache, _flash_mla_with_kvcache_fake),
+    ("flash_mla_sparse_fwd(Tensor q, Tensor kv, Tensor indices, Tensor? topk_length, Tensor? attn_sink, "
+     "float sm_scale, str backend='') -> (Tensor, Tensor, Tensor)", _flash_mla_sparse_fwd, _flash_mla_sparse_fwd_fake),
+]
+
+
 def _register() -> bool:
+    global _LIBRARY
     library = torch.library
-    if not (hasattr(library, "custom_op") and hasattr(library, "register_fake")):
+    if not hasattr(library, "register_fake"):
         return False
-    custom_op = library.custom_op
-
-    @custom_op("smla::write_mla_cache", mutates_args=("cache",))
-    def write_mla_cache(latent: Tensor, k_pe: Tensor, slot_mapping: Tensor, cache: Tensor,
-                        kv_cache_dtype: str = "auto", backend: str = "") -> None:
-        _ops._write_mla_cache(latent, k_pe, slot_mapping, cache, kv_cache_dtype, None, backend)
-
-    @write_mla_cache.register_fake
-    def _(latent, k_pe, slot_mapping, cache, kv_cache_dtype="auto", backend=""):
-        return None
-
-    @custom_op("smla::sparse_mla", mutates_args=())
-    def sparse_mla(q: Tensor, kv_cache: Tensor, indices: Tensor, topk_length: Optional[Tensor],
-                   attn_sink: Optional[Tensor], softmax_scale: float, kv_cache_dtype: str = "auto",
-                   backend: str = "") -> Tuple[Tensor, Tensor]:
-        out, lse = _attention_out(q)
-        _ops._sparse_mla(q, kv_cache, indices, topk_length, attn_sink, softmax_scale, out, lse, kv_cache_dtype,
-                         None, backend)
-        return out, lse
-
-    @sparse_mla.register_fake
-    def _(q, kv_cache, indices, topk_length, attn_sink, softmax_scale, kv_cache_dtype="auto", backend=""):
-        return _attention_out(q)
-
-    @custom_op("smla::paged_mla_decode", mutates_args=())
-    def paged_mla_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor,
-                         attn_sink: Optional[Tensor], softmax_scale: float, causal: bool = True,
-                         kv_cache_dtype: str = "auto", backend: str = "") -> Tuple[Tensor, Tensor]:
-        out, lse = _attention_out(q)
-        _ops._paged_mla_decode(q, kv_cache, block_table, seq_lens, attn_sink, softmax_scale, causal, out, lse,
-                               kv_cache_dtype, None, backend)
-        return out, lse
-
-    @paged_mla_decode.register_fake
-    def _(q, kv_cache, block_table, seq_lens, attn_sink, softmax_scale, causal=True, kv_cache_dtype="auto",
-          backend=""):
-        return _attention_out(q)
-
-    @custom_op("smla::write_index_cache", mutates_args=("cache",))
-    def write_index_cache(k: Tensor, slot_mapping: Tensor, cache: Tensor, index_cache_dtype: str = "auto",
-                          backend: str = "") -> None:
-        _ops._write_index_cache(k, slot_mapping, cache, index_cache_dtype, None, backend)
-
-    @write_index_cache.register_fake
-    def _(k, slot_mapping, cache, index_cache_dtype="auto", backend=""):
-        return None
-
-    @custom_op("smla::indexer_topk", mutates_args=())
-    def indexer_topk(q: Tensor, q_scale: Optional[Tensor], weights: Tensor, index_cache: Tensor,
-                     request_ids: Tensor, block_table: Tensor, context_lens: Tensor, topk: int,
-                     index_cache_dtype: str = "auto", backend: str = "") -> Tensor:
-        out = q.new_empty((q.shape[0], topk), dtype=torch.int32)
-        _ops._indexer_topk(q, q_scale, weights, index_cache, request_ids, block_table, context_lens, out,
-                           index_cache_dtype, None, backend)
-        return out
-
-    @indexer_topk.register_fake
-    def _(q, q_scale, weights, index_cache, request_ids, block_table, context_lens, topk,
-          index_cache_dtype="auto", backend=""):
-        return q.new_empty((q.shape[0], topk), dtype=torch.int32)
-
-    @custom_op("smla::positions_to_slots", mutates_args=())
-    def positions_to_slots(positions: Tensor, request_ids: Tensor, block_table: Tensor, block_size: int,
-                           backend: str = "") -> Tensor:
-        slots = positions.new_empty(positions.shape, dtype=torch.int32)
-        _ops._positions_to_slots(positions, request_ids, block_table, block_size, slots, None, backend)
-        return slots
-
-    @positions_to_slots.register_fake
-    def _(positions, request_ids, block_table, block_size, backend=""):
-        return positions.new_empty(positions.shape, dtype=torch.int32)
-
-    @custom_op("smla::dsa_decode_step", mutates_args=())
-    def dsa_decode_step(q: Tensor, kv_cache: Tensor, index_q: Tensor, index_weights: Tensor, index_cache: Tensor,
-                        request_ids: Tensor, block_table: Tensor, context_lens: Tensor,
-                        index_q_scale: Optional[Tensor], attn_sink: Optional[Tensor], topk: int,
-                        softmax_scale: float, kv_cache_dtype: str = "auto", index_cache_dtype: str = "auto",
-                        backend: str = "") -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-        out, lse = _attention_out(q)
-        positions = q.new_empty((q.shape[0], topk), dtype=torch.int32)
-        slots = q.new_empty((q.shape[0], topk), dtype=torch.int32)
-        _ops._dsa_decode_step(q, kv_cache, index_q, index_weights, index_cache, request_ids, block_table,
-                              context_lens, index_q_scale, attn_sink, softmax_scale, out, lse, positions, slots,
-                              kv_cache_dtype, index_cache_dtype, None, backend)
-        return out, lse, positions, slots
-
-    @dsa_decode_step.register_fake
-    def _(q, kv_cache, index_q, index_weights, index_cache, request_ids, block_table, context_lens, index_q_scale,
-          attn_sink, topk, softmax_scale, kv_cache_dtype="auto", index_cache_dtype="auto", backend=""):
-        out, lse = _attention_out(q)
-        return (out, lse, q.new_empty((q.shape[0], topk), dtype=torch.int32),
-                q.new_empty((q.shape[0], topk), dtype=torch.int32))
-
+    _LIBRARY = library.Library("smla", "DEF")
+    for schema, kernel, fake in _OPS:
+        name = schema.split("(", 1)[0]
+        _LIBRARY.define(schema)
+        _LIBRARY.impl(name, kernel, "CompositeExplicitAutograd")
+        library.register_fake(f"smla::{name}", fake, lib=_LIBRARY)
     return True
 
 

@@ -23,6 +23,21 @@ void run(const Args& args, const Backend* backend, Op op) {
   op(args, backend);
 }
 
+// `workspace` as the Python caller gave it: None (the library's own), a uint8 tensor, or a callable that takes a
+// byte count and returns one (a DLPack capsule too), called only when the op needs scratch for these args. That is
+// how the torch ops take it from torch's caching allocator, which is safe in CUDA-graph capture.
+template <class Args>
+void attach_workspace(Importer& imp, nb::handle workspace, Args& a, const Backend* backend, const Device& device) {
+  if (workspace.is_none()) return;
+  if (!PyCallable_Check(workspace.ptr())) {
+    a.workspace = imp.output(workspace, "workspace");
+    return;
+  }
+  if (device.is_cpu()) return;  // the CPU backend needs none
+  const size_t bytes = workspace_size(a, backend);
+  if (bytes > 0) a.workspace = imp.output(workspace(bytes), "workspace");
+}
+
 }  // namespace
 
 void bind_ops(nb::module_& m) {
@@ -47,7 +62,8 @@ void bind_ops(nb::module_& m) {
   m.def(
       "sparse_mla",
       [](nb::handle q, nb::handle kv_cache, nb::handle indices, nb::handle topk_length, nb::handle attn_sink,
-         float softmax_scale, nb::handle out, nb::handle lse, uintptr_t stream, const std::string& backend) {
+         float softmax_scale, nb::handle out, nb::handle lse, uintptr_t stream, const std::string& backend,
+         nb::handle max_logits, bool empty_lse_plus_inf, nb::handle workspace) {
         Importer imp;
         SparseMlaArgs a;
         a.q = imp.input(q, "q");
@@ -58,17 +74,22 @@ void bind_ops(nb::module_& m) {
         a.softmax_scale = softmax_scale;
         a.out = imp.output(out, "out");
         a.lse = imp.output(lse, "lse");
+        a.max_logits = imp.output(max_logits, "max_logits");
+        a.empty_lse_plus_inf = empty_lse_plus_inf;
         a.stream = as_stream(stream);
-        run(a, backend_by_name(backend, a.q.device), [](const auto& x, auto b) { sparse_mla(x, b); });
+        const Backend* be = backend_by_name(backend, a.q.device);
+        attach_workspace(imp, workspace, a, be, a.q.device);
+        run(a, be, [](const auto& x, auto b) { sparse_mla(x, b); });
       },
       arg("q"), arg("kv_cache"), arg("indices"), obj("topk_length"), obj("attn_sink"), arg("softmax_scale"),
-      arg("out"), arg("lse"), arg("stream") = 0, arg("backend") = "");
+      arg("out"), arg("lse"), arg("stream") = 0, arg("backend") = "", obj("max_logits") = nb::none(),
+      arg("empty_lse_plus_inf") = false, obj("workspace") = nb::none());
 
   m.def(
       "paged_mla_decode",
       [](nb::handle q, nb::handle kv_cache, nb::handle block_table, nb::handle seq_lens, nb::handle attn_sink,
          float softmax_scale, bool causal, nb::handle out, nb::handle lse, uintptr_t stream,
-         const std::string& backend) {
+         const std::string& backend, bool empty_lse_plus_inf, nb::handle workspace) {
         Importer imp;
         PagedMlaDecodeArgs a;
         a.q = imp.input(q, "q");
@@ -80,11 +101,15 @@ void bind_ops(nb::module_& m) {
         a.causal = causal;
         a.out = imp.output(out, "out");
         a.lse = imp.output(lse, "lse");
+        a.empty_lse_plus_inf = empty_lse_plus_inf;
         a.stream = as_stream(stream);
-        run(a, backend_by_name(backend, a.q.device), [](const auto& x, auto b) { paged_mla_decode(x, b); });
+        const Backend* be = backend_by_name(backend, a.q.device);
+        attach_workspace(imp, workspace, a, be, a.q.device);
+        run(a, be, [](const auto& x, auto b) { paged_mla_decode(x, b); });
       },
       arg("q"), arg("kv_cache"), arg("block_table"), arg("seq_lens"), obj("attn_sink"), arg("softmax_scale"),
-      arg("causal"), arg("out"), arg("lse"), arg("stream") = 0, arg("backend") = "");
+      arg("causal"), arg("out"), arg("lse"), arg("stream") = 0, arg("backend") = "",
+      arg("empty_lse_plus_inf") = false, obj("workspace") = nb::none());
 
   m.def(
       "write_index_cache",
@@ -103,7 +128,7 @@ void bind_ops(nb::module_& m) {
       "indexer_topk",
       [](nb::handle q, nb::handle q_scale, nb::handle weights, nb::handle index_cache, nb::handle request_ids,
          nb::handle block_table, nb::handle context_lens, nb::handle topk, uintptr_t stream,
-         const std::string& backend) {
+         const std::string& backend, nb::handle workspace) {
         Importer imp;
         IndexerTopkArgs a;
         a.q = imp.input(q, "q");
@@ -115,10 +140,12 @@ void bind_ops(nb::module_& m) {
         a.context_lens = imp.input(context_lens, "context_lens");
         a.topk = imp.output(topk, "topk");
         a.stream = as_stream(stream);
-        run(a, backend_by_name(backend, a.q.device), [](const auto& x, auto b) { indexer_topk(x, b); });
+        const Backend* be = backend_by_name(backend, a.q.device);
+        attach_workspace(imp, workspace, a, be, a.q.device);
+        run(a, be, [](const auto& x, auto b) { indexer_topk(x, b); });
       },
       arg("q"), obj("q_scale"), arg("weights"), arg("index_cache"), arg("request_ids"), arg("block_table"),
-      arg("context_lens"), arg("topk"), arg("stream") = 0, arg("backend") = "");
+      arg("context_lens"), arg("topk"), arg("stream") = 0, arg("backend") = "", obj("workspace") = nb::none());
 
   m.def(
       "positions_to_slots",
@@ -142,7 +169,7 @@ void bind_ops(nb::module_& m) {
       [](nb::handle index_q, nb::handle index_q_scale, nb::handle index_weights, nb::handle index_cache,
          nb::handle request_ids, nb::handle block_table, nb::handle context_lens, nb::handle topk, nb::handle slots,
          nb::handle q, nb::handle kv_cache, nb::handle attn_sink, float softmax_scale, nb::handle out, nb::handle lse,
-         uintptr_t stream, const std::string& backend) {
+         uintptr_t stream, const std::string& backend, nb::handle workspace) {
         Importer imp;
         DsaDecodeStepArgs a;
         a.indexer.q = imp.input(index_q, "index_q");
@@ -162,11 +189,14 @@ void bind_ops(nb::module_& m) {
         a.out = imp.output(out, "out");
         a.lse = imp.output(lse, "lse");
         a.stream = as_stream(stream);
-        run(a, backend_by_name(backend, a.q.device), [](const auto& x, auto b) { dsa_decode_step(x, b); });
+        const Backend* be = backend_by_name(backend, a.q.device);
+        attach_workspace(imp, workspace, a, be, a.q.device);
+        run(a, be, [](const auto& x, auto b) { dsa_decode_step(x, b); });
       },
       arg("index_q"), obj("index_q_scale"), arg("index_weights"), arg("index_cache"), arg("request_ids"),
       arg("block_table"), arg("context_lens"), arg("topk"), arg("slots"), arg("q"), arg("kv_cache"),
-      obj("attn_sink"), arg("softmax_scale"), arg("out"), arg("lse"), arg("stream") = 0, arg("backend") = "");
+      obj("attn_sink"), arg("softmax_scale"), arg("out"), arg("lse"), arg("stream") = 0, arg("backend") = "",
+      obj("workspace") = nb::none());
 
   m.def("tensor_info", &tensor_info, arg("tensor"),
         "What C++ sees of a tensor: data pointer, shape, strides (elements), dtype, device.");

@@ -56,13 +56,15 @@ void bind_specs(nb::module_& m) {
       .def_rw("heads", &IndexerSpec::heads)
       .def_rw("head_dim", &IndexerSpec::head_dim)
       .def_rw("topk", &IndexerSpec::topk)
+      .def_rw("kpool", &IndexerSpec::kpool, "tokens per pooled index key (index_kpool; 1: one per token)")
+      .def_rw("always_select_tail", &IndexerSpec::always_select_tail)
       .def_prop_rw(
           "rope_style", [](const IndexerSpec& s) { return std::string(rope_style_name(s.rope_style)); },
           [](IndexerSpec& s, const std::string& v) { s.rope_style = parse_rope_style(v); })
       .def("__repr__", [](const IndexerSpec& s) {
         return "IndexerSpec(heads=" + std::to_string(s.heads) + ", head_dim=" + std::to_string(s.head_dim) +
                ", topk=" + std::to_string(s.topk) + ", rope_style='" + std::string(rope_style_name(s.rope_style)) +
-               "')";
+               "', kpool=" + std::to_string(s.kpool) + ")";
       });
 
   nb::class_<AttentionSpec>(m, "AttentionSpec",
@@ -79,6 +81,8 @@ void bind_specs(nb::module_& m) {
       .def_rw("qk_rope_head_dim", &AttentionSpec::qk_rope_head_dim)
       .def_rw("v_head_dim", &AttentionSpec::v_head_dim)
       .def_rw("num_layers", &AttentionSpec::num_layers)
+      .def_rw("num_attention_layers", &AttentionSpec::num_attention_layers,
+              "layers that run MLA (hybrid models run linear attention in the rest)")
       .def_rw("rms_norm_eps", &AttentionSpec::rms_norm_eps)
       .def_rw("rope", &AttentionSpec::rope)
       .def_prop_rw(

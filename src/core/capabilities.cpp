@@ -38,8 +38,13 @@ std::string describe_heads(const Capabilities& c) {
   return range_text(c.heads);
 }
 
+std::string describe_head_sizes(const Capabilities& c) {
+  const auto number = [](int d) { return std::to_string(d); };
+  return join(c.qk_head_dims, number) + " / " + join(c.v_head_dims, number);
+}
+
 std::string describe_block_sizes(const Capabilities& c) {
-  std::string s = c.block_size.max >= (1 << 20) ? "any" : range_text(c.block_size);
+  std::string s = range_text(c.block_size);
   if (c.block_size_multiple > 1) s += " (multiple of " + std::to_string(c.block_size_multiple) + ")";
   return s;
 }
@@ -88,9 +93,13 @@ std::vector<std::string> validate(const Capabilities& c, const AttentionSpec& sp
   const int qk = spec.absorbed_qk_dim(), v = spec.absorbed_v_dim();
   if (std::find(c.qk_head_dims.begin(), c.qk_head_dims.end(), qk) == c.qk_head_dims.end() ||
       std::find(c.v_head_dims.begin(), c.v_head_dims.end(), v) == c.v_head_dims.end())
-    add("absorbed head size " + std::to_string(qk) + "/" + std::to_string(v) + " not supported (supports " +
-        join(c.qk_head_dims, [](int d) { return std::to_string(d); }) + "/" +
-        join(c.v_head_dims, [](int d) { return std::to_string(d); }) + ")");
+    add("absorbed head size " + std::to_string(qk) + " / " + std::to_string(v) + " not supported (supports " +
+        describe_head_sizes(c) + ")");
+
+  // A geometry rule, not a backend's: the compact fp8 form has no room for a rope part.
+  if (MlaHead{spec.qk_rope_head_dim}.cache_row(kv) == 0 && is_fp8_mla_cache(kv))
+    add("kv-cache dtype " + std::string(dtype_name(kv)) + " has no rope part, the model's head has rope " +
+        std::to_string(spec.qk_rope_head_dim) + " (use fp8_ds_mla)");
 
   if (!c.block_size.contains(run.block_size) || run.block_size % std::max(c.block_size_multiple, 1) != 0)
     add("block size " + std::to_string(run.block_size) + " not supported (supports " + describe_block_sizes(c) + ")");
@@ -99,6 +108,8 @@ std::vector<std::string> validate(const Capabilities& c, const AttentionSpec& sp
   for (Op op : ops.list())
     if (!c.ops.contains(op)) add("does not implement " + std::string(op_name(op)));
 
+  if (ops.contains(Op::indexer) && spec.indexer && spec.indexer->kpool > 1 && !c.pooled_indexer)
+    add("does not implement the pooled indexer (index_kpool " + std::to_string(spec.indexer->kpool) + ")");
   if (ops.contains(Op::sparse_mla) && spec.indexer) {
     const int k = spec.indexer->topk;
     if (!c.topk.contains(k) || k % std::max(c.topk_multiple, 1) != 0)

@@ -22,17 +22,39 @@ void require_data(std::string_view op, std::string_view name, const TensorView& 
   if (!t.defined() && !(t.ndim > 0 && t.numel() == 0)) arg(op, name, t).defined();
 }
 
-// [num_blocks, block_size, 576] bf16/f16 or [num_blocks, block_size, 656] fp8_ds_mla; rows and blocks may be padded.
-void check_cache(std::string_view op, std::string_view name, const TensorView& c, const Device& device) {
+// The head geometry q's last dimension `dim` implies (576: rope 64, 512: no rope part).
+MlaHead head_of_q(std::string_view op, const TensorView& q, int dim) {
+  const std::optional<MlaHead> head = mla_head_for_qk_dim(q.shape[dim]);
+  if (!head)
+    arg(op, "q", q).fail("dimension " + std::to_string(dim) +
+                         " (absorbed head size) must be 576 (512 latent + 64 rope) or 512 (latent only, no rope " +
+                         "part), got " + q.describe());
+  return *head;
+}
+
+std::string row_meaning(DType dtype, MlaHead head) {
+  if (dtype == DType::fp8_ds_mla)
+    return head.rope_dim ? "fp8_ds_mla row: 512 e4m3 + 4 fp32 scales + 64 bf16 rope"
+                         : "fp8_ds_mla row: 512 e4m3 + 4 fp32 scales + 64 bf16 rope (unused: no rope part)";
+  if (dtype == DType::fp8_ds_mla_nope) return "fp8_ds_mla_nope row: 512 e4m3 + 4 fp32 scales";
+  return head.rope_dim ? "row: c (512) + k_pe (64)" : "row: c (512), no rope part";
+}
+
+// [num_blocks, block_size, row] with the row `head` implies for the cache's dtype (MlaHead::cache_row): bf16/f16
+// 576 or 512, fp8_ds_mla 656, fp8_ds_mla_nope 528 (rope-free heads only); rows and blocks may be padded.
+void check_cache(std::string_view op, std::string_view name, const TensorView& c, const Device& device, MlaHead head) {
   require_data(op, name, c);
   const auto a = arg(op, name, c);
-  a.rank(3, "[num_blocks, block_size, 576 | 656]")
-      .dtype_in({DType::bf16, DType::f16, DType::fp8_ds_mla})
+  a.rank(3, head.rope_dim ? "[num_blocks, block_size, 576 | 656]" : "[num_blocks, block_size, 512 | 656 | 528]")
+      .dtype_in({DType::bf16, DType::f16, DType::fp8_ds_mla, DType::fp8_ds_mla_nope})
       .on(device)
       .inner_contiguous()
       .dim_at_least(1, 1, "block_size");
-  if (c.dtype == DType::fp8_ds_mla) a.dim(2, kFp8DsMlaRowBytes, "fp8_ds_mla row: 512 e4m3 + 4 fp32 scales + 64 bf16");
-  else a.dim(2, kMlaQkDim, "row: c (512) + k_pe (64)");
+  if (head.cache_row(c.dtype) == 0)
+    a.fail("fp8_ds_mla_nope has no rope part, but the head is " + std::to_string(head.qk_dim()) +
+           " wide (rope " + std::to_string(head.rope_dim) + "); use fp8_ds_mla, got " + c.describe());
+  a.dim(2, head.cache_row(c.dtype), row_meaning(c.dtype, head));
+  if (c.numel() == 0) return;  // no blocks: no layout to check (numpy gives zero strides), every index invalid
   const int64_t row = c.shape[2];
   const int64_t row_stride = c.shape[1] > 1 ? c.strides[1] : row;
   if (row_stride < row)
@@ -62,10 +84,19 @@ void check_sink(std::string_view op, const TensorView& sink, int64_t heads, cons
 
 }  // namespace
 
+// The rope width is k_pe's: an absent k_pe, or one of width 0, writes a head with no rope part (an empty batch's
+// [0, 64] k_pe, null data from torch, has one).
+MlaHead written_head(const WriteMlaCacheArgs& a) {
+  const bool has_rope = (a.k_pe.defined() || a.k_pe.ndim > 0) && !(a.k_pe.ndim == 2 && a.k_pe.shape[1] == 0);
+  return MlaHead{has_rope ? kMlaRopeDim : 0};
+}
+
 void check(const WriteMlaCacheArgs& a) {
   constexpr std::string_view op = "write_mla_cache";
   const Device& device = a.cache.device;
-  check_cache(op, "cache", a.cache, device);
+  const MlaHead head = written_head(a);
+  const bool has_rope = head.rope_dim > 0;
+  check_cache(op, "cache", a.cache, device, head);
   require_data(op, "latent", a.latent);
   arg(op, "latent", a.latent)
       .rank(2, "[N, 512]")
@@ -74,14 +105,15 @@ void check(const WriteMlaCacheArgs& a) {
       .on(device)
       .inner_contiguous();
   const int64_t n = a.latent.shape[0];
-  require_data(op, "k_pe", a.k_pe);
-  arg(op, "k_pe", a.k_pe)
-      .rank(2, "[N, 64]")
-      .dtype_in({a.latent.dtype})
-      .dim(0, n, "N, as latent")
-      .dim(1, kMlaRopeDim, "rope dim")
-      .on(device)
-      .inner_contiguous();
+  if (has_rope) require_data(op, "k_pe", a.k_pe);
+  if (has_rope)
+    arg(op, "k_pe", a.k_pe)
+        .rank(2, "[N, 64]")
+        .dtype_in({a.latent.dtype})
+        .dim(0, n, "N, as latent")
+        .dim(1, kMlaRopeDim, "rope dim")
+        .on(device)
+        .inner_contiguous();
   require_data(op, "slot_mapping", a.slot_mapping);
   arg(op, "slot_mapping", a.slot_mapping)
       .rank(1, "[N]")
@@ -89,20 +121,19 @@ void check(const WriteMlaCacheArgs& a) {
       .dim(0, n, "N, as latent")
       .on(device)
       .inner_contiguous();
+  checks::check_no_overlap(op, {{"cache", a.cache}},
+                           {{"latent", a.latent}, {"k_pe", a.k_pe}, {"slot_mapping", a.slot_mapping}});
 }
 
 void check(const SparseMlaArgs& a) {
   constexpr std::string_view op = "sparse_mla";
   const Device& device = a.q.device;
   require_data(op, "q", a.q);
-  arg(op, "q", a.q)
-      .rank(3, "[T, H, 576]")
-      .dtype_in({DType::bf16, DType::f16})
-      .dim(2, kMlaQkDim, "absorbed head size: 512 + 64")
-      .inner_contiguous();
+  arg(op, "q", a.q).rank(3, "[T, H, 576 | 512]").dtype_in({DType::bf16, DType::f16}).inner_contiguous();
+  const MlaHead head = head_of_q(op, a.q, 2);
   check_heads(op, "q", a.q, 1);
   const int64_t tokens = a.q.shape[0], heads = a.q.shape[1];
-  check_cache(op, "kv_cache", a.kv_cache, device);
+  check_cache(op, "kv_cache", a.kv_cache, device, head);
   require_data(op, "indices", a.indices);
   const auto indices = arg(op, "indices", a.indices);
   indices.rank(2, "[T, K]").dtype_in({DType::i32}).dim(0, tokens, "T, as q").on(device).inner_contiguous();
@@ -114,7 +145,7 @@ void check(const SparseMlaArgs& a) {
         .dtype_in({DType::i32})
         .dim(0, tokens, "T, as q")
         .on(device)
-        .inner_contiguous();
+        .no_negative_strides();
   check_sink(op, a.attn_sink, heads, device);
   check_scale(op, a.softmax_scale);
   require_data(op, "out", a.out);
@@ -126,6 +157,7 @@ void check(const SparseMlaArgs& a) {
       .dim(2, kMlaVDim, "value size")
       .on(device)
       .inner_contiguous();
+  // lse and max_logits may have any strides (FlashMLA's layouts are views of ours).
   require_data(op, "lse", a.lse);
   arg(op, "lse", a.lse)
       .rank(2, "[T, H]")
@@ -133,21 +165,32 @@ void check(const SparseMlaArgs& a) {
       .dim(0, tokens, "T, as q")
       .dim(1, heads, "H, as q")
       .on(device)
-      .inner_contiguous();
+      .no_negative_strides();
+  if (a.max_logits.defined() || a.max_logits.ndim > 0) {
+    require_data(op, "max_logits", a.max_logits);
+    arg(op, "max_logits", a.max_logits)
+        .rank(2, "[T, H]")
+        .dtype_in({DType::f32})
+        .dim(0, tokens, "T, as q")
+        .dim(1, heads, "H, as q")
+        .on(device)
+        .no_negative_strides();
+  }
+  checks::check_no_overlap(
+      op, {{"out", a.out}, {"lse", a.lse}, {"max_logits", a.max_logits}, {"workspace", a.workspace}},
+      {{"q", a.q}, {"kv_cache", a.kv_cache}, {"indices", a.indices}, {"topk_length", a.topk_length},
+       {"attn_sink", a.attn_sink}});
 }
 
 void check(const PagedMlaDecodeArgs& a) {
   constexpr std::string_view op = "paged_mla_decode";
   const Device& device = a.q.device;
   require_data(op, "q", a.q);
-  arg(op, "q", a.q)
-      .rank(4, "[B, s_q, H, 576]")
-      .dtype_in({DType::bf16, DType::f16})
-      .dim(3, kMlaQkDim, "absorbed head size: 512 + 64")
-      .inner_contiguous();
+  arg(op, "q", a.q).rank(4, "[B, s_q, H, 576 | 512]").dtype_in({DType::bf16, DType::f16}).inner_contiguous();
+  const MlaHead head = head_of_q(op, a.q, 3);
   check_heads(op, "q", a.q, 2);
   const int64_t batch = a.q.shape[0], s_q = a.q.shape[1], heads = a.q.shape[2];
-  check_cache(op, "kv_cache", a.kv_cache, device);
+  check_cache(op, "kv_cache", a.kv_cache, device, head);
   require_data(op, "block_table", a.block_table);
   arg(op, "block_table", a.block_table)
       .rank(2, "[B, max_blocks]")
@@ -178,7 +221,10 @@ void check(const PagedMlaDecodeArgs& a) {
       .dim(1, s_q, "s_q, as q")
       .dim(2, heads, "H, as q")
       .on(device)
-      .inner_contiguous();
+      .no_negative_strides();
+  checks::check_no_overlap(op, {{"out", a.out}, {"lse", a.lse}, {"workspace", a.workspace}},
+                           {{"q", a.q}, {"kv_cache", a.kv_cache}, {"block_table", a.block_table},
+                            {"seq_lens", a.seq_lens}, {"attn_sink", a.attn_sink}});
 }
 
 }  // namespace smla

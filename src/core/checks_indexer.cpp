@@ -13,6 +13,7 @@ using checks::arg;
 
 constexpr int kMaxIndexHeads = 128;
 constexpr int kMaxTopk = 65536;
+constexpr int kMaxKpool = 128;  // tokens per pooled index key
 
 // The index cache: [nb, bs, 128] bf16, or [nb, bs, 132] fp8_e4m3 whose blocks
 // are byte arrays (all tokens' 128 fp8 bytes, then all tokens' fp32 scales),
@@ -26,6 +27,7 @@ void check_index_cache(std::string_view op, const TensorView& cache, const Devic
     return;
   }
   c.dim(2, kFp8IndexRowBytes, "bytes per token for fp8_e4m3: 128 values + fp32 scale").inner_contiguous();
+  if (cache.numel() == 0) return;  // no blocks: no layout to check
   const int64_t block_bytes = cache.shape[1] * kFp8IndexRowBytes;
   if (cache.strides[1] != kFp8IndexRowBytes || (cache.shape[0] > 1 && cache.strides[0] < block_bytes))
     c.fail("fp8_e4m3 blocks must be contiguous (stride of dimension 1 = 132, block stride >= block_size * 132), got " +
@@ -63,6 +65,7 @@ void check(const WriteIndexCacheArgs& a) {
   arg(op, "k", a.k).dim(1, kIndexHeadDim, "index head dim").inner_contiguous();
   arg(op, "slot_mapping", a.slot_mapping).defined().rank(1, "[N]").dtype_in({DType::i64});
   arg(op, "slot_mapping", a.slot_mapping).dim(0, a.k.shape[0], "N").on(device).inner_contiguous();
+  checks::check_no_overlap(op, {{"cache", a.cache}}, {{"k", a.k}, {"slot_mapping", a.slot_mapping}});
 }
 
 void check(const IndexerTopkArgs& a) {
@@ -89,6 +92,10 @@ void check(const IndexerTopkArgs& a) {
   check_block_table(op, a.block_table, device);
   check_token_vector(op, "context_lens", a.context_lens, tokens, device);
   check_topk_matrix(op, "topk", a.topk, tokens, device);
+  checks::check_no_overlap(op, {{"topk", a.topk}, {"workspace", a.workspace}},
+                           {{"q", a.q}, {"q_scale", a.q_scale}, {"weights", a.weights}, {"index_cache", a.index_cache},
+                            {"request_ids", a.request_ids}, {"block_table", a.block_table},
+                            {"context_lens", a.context_lens}});
 }
 
 void check(const PositionsToSlotsArgs& a) {
@@ -101,6 +108,47 @@ void check(const PositionsToSlotsArgs& a) {
   if (a.block_size <= 0) fail(std::string(op) + ": block_size: must be > 0, got " + std::to_string(a.block_size));
   check_topk_matrix(op, "slots", a.slots, tokens, device);
   arg(op, "slots", a.slots).dim(1, a.positions.shape[1], "K, as in positions");
+  checks::check_no_overlap(
+      op, {{"slots", a.slots}}, {{"positions", a.positions}, {"request_ids", a.request_ids}, {"block_table", a.block_table}});
+}
+
+void check(const WritePooledIndexCacheArgs& a) {
+  constexpr std::string_view op = "write_pooled_index_cache";
+  const Device device = a.cache.device;
+  check_index_cache(op, a.cache, device);
+  const auto k = arg(op, "k", a.k);
+  k.defined().rank(3, "[P, kpool, 128]").dtype_in({DType::f32, DType::f16, DType::bf16}).on(device);
+  k.dim_at_least(1, 1, "kpool").dim(2, kIndexHeadDim, "index head dim").inner_contiguous();
+  const int64_t pools = a.k.shape[0], kpool = a.k.shape[1];
+  if (kpool > kMaxKpool) k.fail("dimension 1 (kpool) must be <= " + std::to_string(kMaxKpool) + ", got " + a.k.describe());
+  const auto g = arg(op, "gate", a.gate);
+  g.defined().rank(3, "[P, kpool, 128]").dtype_in({a.k.dtype}).on(device).inner_contiguous();
+  g.dim(0, pools, "P, as k").dim(1, kpool, "kpool, as k").dim(2, kIndexHeadDim, "index head dim");
+  const auto e = arg(op, "ape", a.ape);
+  e.defined().rank(2, "[kpool, 128]").dtype_in({DType::f32}).dim(0, kpool, "kpool, as k").on(device);
+  e.dim(1, kIndexHeadDim, "index head dim").inner_contiguous();
+  arg(op, "slot_mapping", a.slot_mapping).defined().rank(1, "[P]").dtype_in({DType::i64});
+  arg(op, "slot_mapping", a.slot_mapping).dim(0, pools, "P").on(device).inner_contiguous();
+  checks::check_no_overlap(op, {{"cache", a.cache}},
+                           {{"k", a.k}, {"gate", a.gate}, {"ape", a.ape}, {"slot_mapping", a.slot_mapping}});
+}
+
+void check(const PoolsToPositionsArgs& a) {
+  constexpr std::string_view op = "pools_to_positions";
+  const Device device = a.pools.device;
+  check_topk_matrix(op, "pools", a.pools, a.pools.shape[0], device);
+  const int64_t tokens = a.pools.shape[0];
+  check_token_vector(op, "context_lens", a.context_lens, tokens, device);
+  if (a.kpool < 1 || a.kpool > kMaxKpool)
+    fail(std::string(op) + ": kpool: must be in [1, " + std::to_string(kMaxKpool) + "], got " +
+         std::to_string(a.kpool));
+  const int64_t width = a.pools.shape[1] * a.kpool + a.kpool - 1;
+  if (width > kMaxTopk)
+    fail(std::string(op) + ": positions: Kp * kpool + kpool - 1 = " + std::to_string(width) + " must be <= " +
+         std::to_string(kMaxTopk));
+  check_topk_matrix(op, "positions", a.positions, tokens, device);
+  arg(op, "positions", a.positions).dim(1, width, "Kp * kpool + kpool - 1, the pools' tokens and the tail's");
+  checks::check_no_overlap(op, {{"positions", a.positions}}, {{"pools", a.pools}, {"context_lens", a.context_lens}});
 }
 
 void check(const DsaDecodeStepArgs& a) {
@@ -118,6 +166,9 @@ void check(const DsaDecodeStepArgs& a) {
   if (a.indexer.stream != nullptr && a.indexer.stream != a.stream)
     fail(std::string(op) + ": indexer.stream: the step runs on `stream`; leave indexer.stream null or set it to "
          "the same stream, got two different streams");
+  if (a.indexer.workspace.ndim > 0 || a.indexer.workspace.defined())
+    fail(std::string(op) + ": indexer.workspace: the step's `workspace` serves all three steps; leave "
+         "indexer.workspace absent");
   const TensorView& topk = a.indexer.topk;
   check_topk_matrix(op, "slots", a.slots, topk.shape[0], a.indexer.q.device);
   arg(op, "slots", a.slots).dim(1, topk.shape[1], "K, as in indexer.topk");
@@ -130,6 +181,15 @@ void check(const DsaDecodeStepArgs& a) {
     arg(op, "kv_cache", a.kv_cache)
         .fail("must have the index cache's num_blocks and block_size (they share the block table), got " +
               a.kv_cache.describe() + " and index cache " + ic.describe());
+  // What the steps' own checks cannot see: one step's output against another step's tensors.
+  const IndexerTopkArgs& ix = a.indexer;
+  checks::check_no_overlap(op,
+                           {{"indexer.topk", ix.topk}, {"slots", a.slots}, {"out", a.out}, {"lse", a.lse},
+                            {"workspace", a.workspace}},
+                           {{"indexer.q", ix.q}, {"indexer.q_scale", ix.q_scale}, {"indexer.weights", ix.weights},
+                            {"indexer.index_cache", ix.index_cache}, {"indexer.request_ids", ix.request_ids},
+                            {"indexer.block_table", ix.block_table}, {"indexer.context_lens", ix.context_lens},
+                            {"q", a.q}, {"kv_cache", a.kv_cache}, {"attn_sink", a.attn_sink}});
 }
 
 }  // namespace smla

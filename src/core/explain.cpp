@@ -48,18 +48,31 @@ std::string explain_text(const AttentionSpec& s, const RunSpec& run, const Selec
   const int hpr = s.num_heads / std::max(run.tp, 1);
   o << "model      " << s.name << " (" << s.model_type << "): " << s.num_heads << " heads, q_lora " << s.q_lora_rank
     << ", kv_lora " << s.kv_lora_rank << ", qk_nope " << s.qk_nope_head_dim << ", qk_rope " << s.qk_rope_head_dim
-    << ", v " << s.v_head_dim << "\n";
-  o << "kernel     absorbed head size " << s.absorbed_qk_dim() << " (kv_lora " << s.kv_lora_rank << " + rope "
-    << s.qk_rope_head_dim << "), value " << s.absorbed_v_dim() << "; softmax scale " << scale_text(s) << "\n";
-  o << "rope       theta " << fmt(s.rope.theta, "%.10g") << ", " << rope_style_name(s.rope_style)
-    << (s.rope.yarn ? ", YaRN factor " + fmt(s.rope.factor) + " over " +
-                          std::to_string(s.rope.original_max_position_embeddings)
-                    : std::string())
-    << "\n";
-  if (s.indexer)
-    o << "indexer    " << s.indexer->heads << " heads x " << s.indexer->head_dim << ", top-k " << s.indexer->topk
-      << ", RoPE " << rope_style_name(s.indexer->rope_style) << "\n";
+    << ", v " << s.v_head_dim;
+  if (s.is_hybrid())
+    o << ", layers " << s.num_layers << " (" << s.num_attention_layers << " MLA, "
+      << s.num_layers - s.num_attention_layers << " linear attention)";
+  o << "\n";
+  const bool rope = s.qk_rope_head_dim > 0;
+  o << "kernel     absorbed head size " << s.absorbed_qk_dim() << " (kv_lora " << s.kv_lora_rank
+    << (rope ? " + rope " + std::to_string(s.qk_rope_head_dim) : std::string(", no rope part")) << "), value "
+    << s.absorbed_v_dim() << "; softmax scale " << scale_text(s) << "\n";
+  if (rope)
+    o << "rope       theta " << fmt(s.rope.theta, "%.10g") << ", " << rope_style_name(s.rope_style)
+      << (s.rope.yarn ? ", YaRN factor " + fmt(s.rope.factor) + " over " +
+                            std::to_string(s.rope.original_max_position_embeddings)
+                      : std::string())
+      << "\n";
   else
+    o << "rope       none (no rope part)\n";
+  if (s.indexer) {
+    o << "indexer    " << s.indexer->heads << " heads x " << s.indexer->head_dim << ", top-k " << s.indexer->topk
+      << (rope ? ", RoPE " + std::string(rope_style_name(s.indexer->rope_style)) : std::string(", no RoPE"));
+    if (s.indexer->kpool > 1)
+      o << ", one key per pool of " << s.indexer->kpool << " tokens (top-k picks pools"
+        << (s.indexer->always_select_tail ? "; the incomplete last pool always attended)" : ")");
+    o << "\n";
+  } else
     o << "indexer    none (dense attention)\n";
   o << "run        device " << device_text(run.device) << ", dtype " << dtype_name(run.q_dtype) << ", kv cache "
     << kv_text(run) << ", block size " << run.block_size << ", tp " << run.tp << " -> " << hpr
@@ -108,7 +121,9 @@ std::string explain_json(const AttentionSpec& s, const RunSpec& run, const Selec
     indexer = {{"heads", s.indexer->heads},
                {"head_dim", s.indexer->head_dim},
                {"topk", s.indexer->topk},
-               {"rope_style", rope_style_name(s.indexer->rope_style)}};
+               {"rope_style", rope_style_name(s.indexer->rope_style)},
+               {"kpool", s.indexer->kpool},
+               {"always_select_tail", s.indexer->always_select_tail}};
   json model = {{"name", s.name},
                 {"model_type", s.model_type},
                 {"hidden_size", s.hidden_size},
@@ -118,6 +133,8 @@ std::string explain_json(const AttentionSpec& s, const RunSpec& run, const Selec
                 {"qk_nope_head_dim", s.qk_nope_head_dim},
                 {"qk_rope_head_dim", s.qk_rope_head_dim},
                 {"v_head_dim", s.v_head_dim},
+                {"num_layers", s.num_layers},
+                {"num_attention_layers", s.num_attention_layers},
                 {"absorbed_qk_dim", s.absorbed_qk_dim()},
                 {"absorbed_v_dim", s.absorbed_v_dim()},
                 {"softmax_scale", s.softmax_scale},
@@ -154,15 +171,18 @@ std::string explain_json(const AttentionSpec& s, const RunSpec& run, const Selec
 
 std::string support_matrix_markdown(const Registry& registry) {
   std::ostringstream o;
-  o << "| backend | device | query dtypes | KV-cache dtypes | heads per rank | block sizes | top-k | ops | sinks |\n"
-    << "|---|---|---|---|---|---|---|---|---|\n";
+  o << "| backend | device | query dtypes | KV-cache dtypes | head sizes | heads per rank | block sizes | top-k | ops "
+       "| sinks |\n"
+    << "|---|---|---|---|---|---|---|---|---|---|\n";
   for (const Backend* b : registry.all()) {
     const Capabilities& c = b->capabilities();
     o << "| " << c.name << " | "
       << (c.device_kind == DeviceKind::cpu ? std::string("CPU") : describe_compute_capabilities(c.compute_capability))
       << " | " << describe_dtypes(c.q_dtypes) << " | " << describe_dtypes(c.kv_cache_dtypes) << " | "
-      << describe_heads(c) << " | " << describe_block_sizes(c) << " | " << describe_topk(c) << " | "
-      << ops_text(c.ops) << " | " << (c.attn_sink ? "yes" : "no") << " |\n";
+      << describe_head_sizes(c) << " | " << describe_heads(c) << " | " << describe_block_sizes(c) << " | "
+      << describe_topk(c) << " | " << ops_text(c.ops)
+      << (c.ops.contains(Op::indexer) && !c.pooled_indexer ? " (not pooled)" : "") << " | "
+      << (c.attn_sink ? "yes" : "no") << " |\n";
   }
   return o.str();
 }

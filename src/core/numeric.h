@@ -101,4 +101,17 @@ inline float ds_mla_tile_scale(float amax) { return pow2_ceil(std::fmax(amax / 4
 // Per-token scale of the FP8 index cache (ue8m0: power of two).
 inline float index_key_scale(float amax) { return pow2_ceil(std::fmax(amax, 1e-4f) / 448.f); }
 
+// The 128-point Walsh-Hadamard transform scaled by 128^-0.5 (orthogonal, its own inverse), in place, in fp32:
+// out[i] = 128^-0.5 * sum_j (-1)^popcount(i & j) x[j], by butterflies of width 1, 2, ..., 64 (Sylvester order).
+inline void hadamard128(float* x) {
+  for (int width = 1; width < 128; width *= 2)
+    for (int i = 0; i < 128; i += 2 * width)
+      for (int j = i; j < i + width; ++j) {
+        const float a = x[j], b = x[j + width];
+        x[j] = a + b;
+        x[j + width] = a - b;
+      }
+  for (int i = 0; i < 128; ++i) x[i] *= 0.08838834764831845f;  // 128^-0.5, as the model's kernels multiply
+}
+
 }  // namespace smla::numeric

@@ -1,6 +1,11 @@
 // The public op entry points: check once, then hand the args to a backend.
 #include "smla/ops.h"
 
+#include <algorithm>
+#include <cstdint>
+#include <string>
+
+#include "core/check_util.h"
 #include "smla/backend.h"
 #include "smla/error.h"
 #include "smla/select.h"
@@ -8,8 +13,10 @@
 namespace smla {
 
 namespace {
-template <class Args, class Run>
-void dispatch(const char* op, const Args& args, const Device& device, const Backend* backend, Run run) {
+
+// Checks `args` and picks the backend that runs them.
+template <class Args>
+const Backend& checked_backend(const char* op, const Args& args, const Device& device, const Backend* backend) {
   check(args);
   const Backend& be = backend ? *backend : backend_for(device);
   // A backend given explicitly must run where the tensors are: the CPU one
@@ -17,34 +24,97 @@ void dispatch(const char* op, const Args& args, const Device& device, const Back
   if (be.capabilities().device_kind != device.kind)
     fail(std::string(op) + ": backend '" + be.name() + "' does not run on " + device.name() +
          ", where the tensors are");
-  run(be);
+  return be;
 }
+
+// A caller's workspace: 1-D uint8 on the op's device, 16-byte aligned, at
+// least what `be` needs for `args`. A zero-sized one may have null data.
+template <class Args>
+void check_workspace(const char* op, const Args& args, const Device& device, const Backend& be) {
+  const TensorView& ws = args.workspace;
+  if (ws.ndim == 0 && !ws.defined()) return;  // absent: the backend finds its own
+  const auto a = checks::arg(op, "workspace", ws);
+  a.rank(1, "[bytes]").dtype_in({DType::u8}).on(device).inner_contiguous();
+  if (!ws.defined() && ws.shape[0] > 0) a.defined();
+  if (reinterpret_cast<uintptr_t>(ws.data) % 16 != 0) a.fail("must be 16-byte aligned");
+  const size_t need = be.workspace_size(args);
+  if (static_cast<size_t>(ws.shape[0]) < need)
+    a.fail("too small: these args need " + std::to_string(need) + " bytes (workspace_size), got " +
+           std::to_string(ws.shape[0]));
+}
+
+// An empty batch (no tokens, no rows to write) is checked like any other, then has nothing to do: the backend is
+// not called (on a GPU a grid of zero blocks would be a launch error).
+bool empty_batch(const WriteMlaCacheArgs& a) { return a.latent.shape[0] == 0; }
+bool empty_batch(const SparseMlaArgs& a) { return a.q.shape[0] == 0; }
+bool empty_batch(const PagedMlaDecodeArgs& a) { return a.q.shape[0] == 0 || a.q.shape[1] == 0; }
+bool empty_batch(const WriteIndexCacheArgs& a) { return a.k.shape[0] == 0; }
+bool empty_batch(const IndexerTopkArgs& a) { return a.q.shape[0] == 0; }
+bool empty_batch(const PositionsToSlotsArgs& a) { return a.positions.shape[0] == 0; }
+bool empty_batch(const DsaDecodeStepArgs& a) { return a.q.shape[0] == 0; }
+bool empty_batch(const WritePooledIndexCacheArgs& a) { return a.k.shape[0] == 0; }
+bool empty_batch(const PoolsToPositionsArgs& a) { return a.pools.shape[0] == 0; }
+
+template <class Args, class Run>
+void dispatch(const char* op, const Args& args, const Device& device, const Backend* backend, Run run) {
+  const Backend& be = checked_backend(op, args, device, backend);
+  if (!empty_batch(args)) run(be);
+}
+
+template <class Args, class Run>
+void dispatch_with_workspace(const char* op, const Args& args, const Device& device, const Backend* backend, Run run) {
+  const Backend& be = checked_backend(op, args, device, backend);
+  check_workspace(op, args, device, be);
+  if (!empty_batch(args)) run(be);
+}
+
 }  // namespace
 
 void write_mla_cache(const WriteMlaCacheArgs& a, const Backend* b) {
   dispatch("write_mla_cache", a, a.cache.device, b, [&](const Backend& be) { be.write_mla_cache(a); });
 }
 void sparse_mla(const SparseMlaArgs& a, const Backend* b) {
-  dispatch("sparse_mla", a, a.q.device, b, [&](const Backend& be) { be.sparse_mla(a); });
+  dispatch_with_workspace("sparse_mla", a, a.q.device, b, [&](const Backend& be) { be.sparse_mla(a); });
 }
 void paged_mla_decode(const PagedMlaDecodeArgs& a, const Backend* b) {
-  dispatch("paged_mla_decode", a, a.q.device, b, [&](const Backend& be) { be.paged_mla_decode(a); });
+  dispatch_with_workspace("paged_mla_decode", a, a.q.device, b, [&](const Backend& be) { be.paged_mla_decode(a); });
 }
 void write_index_cache(const WriteIndexCacheArgs& a, const Backend* b) {
   dispatch("write_index_cache", a, a.cache.device, b, [&](const Backend& be) { be.write_index_cache(a); });
 }
 void indexer_topk(const IndexerTopkArgs& a, const Backend* b) {
-  dispatch("indexer_topk", a, a.q.device, b, [&](const Backend& be) { be.indexer_topk(a); });
+  dispatch_with_workspace("indexer_topk", a, a.q.device, b, [&](const Backend& be) { be.indexer_topk(a); });
 }
 void positions_to_slots(const PositionsToSlotsArgs& a, const Backend* b) {
   dispatch("positions_to_slots", a, a.positions.device, b, [&](const Backend& be) { be.positions_to_slots(a); });
 }
+void write_pooled_index_cache(const WritePooledIndexCacheArgs& a, const Backend* b) {
+  dispatch("write_pooled_index_cache", a, a.cache.device, b,
+           [&](const Backend& be) { be.write_pooled_index_cache(a); });
+}
+void pools_to_positions(const PoolsToPositionsArgs& a, const Backend* b) {
+  dispatch("pools_to_positions", a, a.pools.device, b, [&](const Backend& be) { be.pools_to_positions(a); });
+}
 void dsa_decode_step(const DsaDecodeStepArgs& a, const Backend* b) {
-  dispatch("dsa_decode_step", a, a.q.device, b, [&](const Backend& be) { be.dsa_decode_step(a); });
+  dispatch_with_workspace("dsa_decode_step", a, a.q.device, b, [&](const Backend& be) { be.dsa_decode_step(a); });
+}
+
+size_t workspace_size(const SparseMlaArgs& a, const Backend* b) {
+  return checked_backend("sparse_mla", a, a.q.device, b).workspace_size(a);
+}
+size_t workspace_size(const PagedMlaDecodeArgs& a, const Backend* b) {
+  return checked_backend("paged_mla_decode", a, a.q.device, b).workspace_size(a);
+}
+size_t workspace_size(const IndexerTopkArgs& a, const Backend* b) {
+  return checked_backend("indexer_topk", a, a.q.device, b).workspace_size(a);
+}
+size_t workspace_size(const DsaDecodeStepArgs& a, const Backend* b) {
+  return checked_backend("dsa_decode_step", a, a.q.device, b).workspace_size(a);
 }
 
 IndexerTopkArgs indexer_step(const DsaDecodeStepArgs& a) {
   IndexerTopkArgs ix = a.indexer;
+  ix.workspace = a.workspace;
   ix.stream = a.stream;
   return ix;
 }
@@ -69,8 +139,22 @@ SparseMlaArgs attention_step(const DsaDecodeStepArgs& a) {
   s.softmax_scale = a.softmax_scale;
   s.out = a.out;
   s.lse = a.lse;
+  s.workspace = a.workspace;
   s.stream = a.stream;
   return s;
+}
+
+size_t Backend::workspace_size(const DsaDecodeStepArgs& a) const {
+  return std::max(workspace_size(indexer_step(a)), workspace_size(attention_step(a)));
+}
+
+void Backend::write_pooled_index_cache(const WritePooledIndexCacheArgs&) const {
+  throw Error(ErrorKind::unsupported, "write_pooled_index_cache: backend '" + name() +
+                                          "' does not implement the pooled indexer");
+}
+void Backend::pools_to_positions(const PoolsToPositionsArgs&) const {
+  throw Error(ErrorKind::unsupported, "pools_to_positions: backend '" + name() +
+                                          "' does not implement the pooled indexer");
 }
 
 void Backend::dsa_decode_step(const DsaDecodeStepArgs& a) const {

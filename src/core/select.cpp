@@ -191,20 +191,41 @@ const Backend& backend_for(const Device& device, const Registry& registry) {
                                           (device.is_cuda() ? " (was smla built without CUDA?)" : ""));
 }
 
+namespace {
+// "cuda" / "cuda:N" name a GPU of this machine: its compute capability, or an error saying there is none.
+Device this_machines_gpu(const Device& wanted, std::string_view text, bool cli) {
+  const std::string flag = std::string(cli ? "--device " : "device='") + std::string(text) + (cli ? "" : "'");
+  const std::string instead = "; use " + std::string(cli ? "--device cpu" : "device='cpu'") +
+                              " to run on the CPU, or an architecture (" + (cli ? "--device sm_90" : "device='sm_90'") +
+                              ", ...) to explain a run on another machine's GPU";
+#ifdef SMLA_WITH_CUDA
+  if (auto d = cuda::device_at(wanted.index)) return *d;
+  if (cuda::first_device()) fail(flag + ": this machine has no CUDA GPU " + std::to_string(wanted.index) + instead);
+  fail(flag + ": this machine has no CUDA GPU (or no driver for one)" + instead);
+#else
+  fail(flag + ": this build of smla has no CUDA support (built without nvcc)" + instead);
+#endif
+}
+}  // namespace
+
 RunSpec make_run_spec(const AttentionSpec& spec, const RunOptions& o, OptionNames names) {
   const bool cli = names == OptionNames::cli;
   auto name = [&](const char* python, const char* flag) { return std::string(cli ? flag : python) + ": "; };
+  // A spec edited after loading (from Python, say) is checked as a loaded one is.
+  validate(spec, spec.name.empty() ? "spec" : spec.name);
   RunSpec run;
   run.device = o.device == "auto" ? detect_device() : parse_device(o.device, cli ? "--device" : "device");
+  if (run.device.is_cuda() && run.device.compute_capability == 0)
+    run.device = this_machines_gpu(run.device, o.device, cli);
   const auto q = parse_dtype(o.dtype);
   require(q == DType::bf16 || q == DType::f16,
           name("dtype", "--dtype") + "expected bfloat16 or float16, got '" + o.dtype + "'");
   run.q_dtype = *q;
   if (o.kv_cache_dtype != "auto") {
     const auto kv = parse_dtype(o.kv_cache_dtype);
-    require(kv == DType::bf16 || kv == DType::f16 || kv == DType::fp8_ds_mla,
-            name("kv_cache_dtype", "--kv-cache-dtype") + "expected auto, bfloat16, float16 or fp8_ds_mla, got '" +
-                o.kv_cache_dtype + "'");
+    require(kv == DType::bf16 || kv == DType::f16 || kv == DType::fp8_ds_mla || kv == DType::fp8_ds_mla_nope,
+            name("kv_cache_dtype", "--kv-cache-dtype") +
+                "expected auto, bfloat16, float16, fp8_ds_mla or fp8_ds_mla_nope, got '" + o.kv_cache_dtype + "'");
     run.kv_cache_dtype = *kv;
   }
   require(o.block_size >= 1,

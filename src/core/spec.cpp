@@ -1,6 +1,7 @@
 #include "smla/spec.h"
 
 #include <cmath>
+#include <sstream>
 
 #include "smla/error.h"
 
@@ -37,6 +38,15 @@ double reference_softmax_scale(int qk_head_dim, const RopeSpec& rope) {
   return scale;
 }
 
+namespace {
+// A double as a message shows it: "nan", "inf", "1e+300", "0.0625".
+std::string number_text(double v) {
+  std::ostringstream o;
+  o << v;
+  return o.str();
+}
+}  // namespace
+
 void validate(const AttentionSpec& s, std::string_view source) {
   const std::string src(source);
   auto positive = [&](int v, const char* field) {
@@ -45,23 +55,54 @@ void validate(const AttentionSpec& s, std::string_view source) {
   positive(s.num_heads, "num_attention_heads");
   positive(s.kv_lora_rank, "kv_lora_rank");
   positive(s.qk_nope_head_dim, "qk_nope_head_dim");
-  positive(s.qk_rope_head_dim, "qk_rope_head_dim");
   positive(s.v_head_dim, "v_head_dim");
+  // 0: a head with no rope part (GLM-5.3-Flash).
+  require(s.qk_rope_head_dim >= 0,
+          src + ": qk_rope_head_dim must not be negative, got " + std::to_string(s.qk_rope_head_dim));
   require(s.hidden_size >= 0, src + ": hidden_size must not be negative");
   require(s.q_lora_rank >= 0, src + ": q_lora_rank must not be negative");
   require(s.qk_rope_head_dim % 2 == 0,
           src + ": qk_rope_head_dim must be even (RoPE rotates pairs), got " + std::to_string(s.qk_rope_head_dim));
   require(s.rope.theta > 0, src + ": rope_theta must be positive");
   require(!s.rope.yarn || s.rope.factor >= 1.0, src + ": rope_scaling.factor must be >= 1");
-  require(s.softmax_scale > 0 && std::isfinite(s.softmax_scale), src + ": softmax scale must be positive");
+  require(s.softmax_scale > 0 && std::isfinite(s.softmax_scale),
+          src + ": softmax_scale must be finite and > 0, got " + number_text(s.softmax_scale));
+  require(s.num_attention_layers >= 0 && s.num_attention_layers <= s.num_layers,
+          src + ": the MLA layers (layer_types) must number 0 to num_hidden_layers (" + std::to_string(s.num_layers) +
+              "), got " + std::to_string(s.num_attention_layers));
   if (s.indexer) {
     positive(s.indexer->heads, "index_n_heads");
     positive(s.indexer->head_dim, "index_head_dim");
     positive(s.indexer->topk, "index_topk");
+    positive(s.indexer->kpool, "index_kpool");
     require(s.indexer->head_dim % 2 == 0 && s.indexer->head_dim > s.qk_rope_head_dim,
             src + ": index_head_dim must be even and larger than qk_rope_head_dim, got " +
                 std::to_string(s.indexer->head_dim));
   }
+  // Upper bounds, far above any real model: past them a config is damaged or hostile, and would fail only later,
+  // in an allocation (a weight matrix of 2^31 rows).
+  auto at_most = [&](int64_t v, int64_t max, const char* field) {
+    require(v <= max, src + ": " + field + " must be at most " + std::to_string(max) + ", got " + std::to_string(v));
+  };
+  at_most(s.hidden_size, kMaxSpecWidth, "hidden_size");
+  at_most(s.num_heads, kMaxSpecHeads, "num_attention_heads");
+  at_most(s.q_lora_rank, kMaxSpecWidth, "q_lora_rank");
+  at_most(s.kv_lora_rank, kMaxSpecWidth, "kv_lora_rank");
+  at_most(s.qk_nope_head_dim, kMaxSpecHeadDim, "qk_nope_head_dim");
+  at_most(s.qk_rope_head_dim, kMaxSpecHeadDim, "qk_rope_head_dim");
+  at_most(s.v_head_dim, kMaxSpecHeadDim, "v_head_dim");
+  at_most(s.num_layers, kMaxSpecLayers, "num_hidden_layers");
+  if (s.indexer) {
+    at_most(s.indexer->heads, kMaxSpecHeads, "index_n_heads");
+    at_most(s.indexer->head_dim, kMaxSpecHeadDim, "index_head_dim");
+    at_most(s.indexer->topk, kMaxSpecTopk, "index_topk");
+    at_most(s.indexer->kpool, kMaxSpecTopk, "index_kpool");
+  }
+  require(std::isfinite(s.rope.theta), src + ": rope_theta must be finite, got " + number_text(s.rope.theta));
+  require(!s.rope.yarn || std::isfinite(s.rope.factor),
+          src + ": rope_scaling.factor must be finite, got " + number_text(s.rope.factor));
+  require(s.rms_norm_eps > 0 && std::isfinite(s.rms_norm_eps),
+          src + ": rms_norm_eps must be finite and > 0, got " + number_text(s.rms_norm_eps));
 }
 
 OpSet needed_ops(const AttentionSpec& spec, const RunSpec& run) {
@@ -83,8 +124,9 @@ void validate(const AttentionSpec& spec, const RunSpec& run) {
   require(run.q_dtype == DType::bf16 || run.q_dtype == DType::f16,
           "dtype: query dtype must be bfloat16 or float16, got " + std::string(dtype_name(run.q_dtype)));
   const DType kv = run.resolved_kv_cache_dtype();
-  require(kv == DType::bf16 || kv == DType::f16 || kv == DType::fp8_ds_mla,
-          "kv-cache-dtype: must be bfloat16, float16 or fp8_ds_mla, got " + std::string(dtype_name(kv)));
+  require(kv == DType::bf16 || kv == DType::f16 || kv == DType::fp8_ds_mla || kv == DType::fp8_ds_mla_nope,
+          "kv-cache-dtype: must be bfloat16, float16, fp8_ds_mla or fp8_ds_mla_nope, got " +
+              std::string(dtype_name(kv)));
 }
 
 }  // namespace smla

@@ -21,6 +21,7 @@ constexpr DTypeInfo kDTypes[] = {
     {DType::f32, 4, "float32"},        {DType::f16, 2, "float16"}, {DType::bf16, 2, "bfloat16"},
     {DType::fp8_e4m3, 1, "fp8_e4m3"},  {DType::fp8_ds_mla, 1, "fp8_ds_mla"},
     {DType::i32, 4, "int32"},          {DType::i64, 8, "int64"},   {DType::u8, 1, "uint8"},
+    {DType::fp8_ds_mla_nope, 1, "fp8_ds_mla_nope"},
 };
 
 struct Alias {
@@ -187,7 +188,9 @@ DLTensor TensorView::to_dlpack() {
     case DType::i32: t.dtype = {kDLInt, 32, 1}; break;
     case DType::i64: t.dtype = {kDLInt, 64, 1}; break;
     // DLPack 0.6 has no fp8 code: fp8 tensors travel as bytes.
-    case DType::fp8_e4m3: case DType::fp8_ds_mla: case DType::u8: t.dtype = {kDLUInt, 8, 1}; break;
+    case DType::fp8_e4m3: case DType::fp8_ds_mla: case DType::fp8_ds_mla_nope: case DType::u8:
+      t.dtype = {kDLUInt, 8, 1};
+      break;
   }
   t.shape = shape.data();
   t.strides = strides.data();

@@ -319,9 +319,9 @@ inline __m512i e4m3_to_bf16_pow2(const uint8_t* p, int k) {
   return _mm512_or_si512(v, _mm512_slli_epi16(_mm512_and_si512(w, _mm512_set1_epi16(0x80)), 8));
 }
 
-// An fp8_ds_mla row as bf16, exactly; false (row unfinished) when a tile scale is not a power of two in
-// range, which bf16 could not hold exactly. The quantiser only writes powers of two.
-inline bool dequant_row_bf16(const uint8_t* row, uint16_t* dst) {
+// An fp8 row (fp8_ds_mla, fp8_ds_mla_nope) as bf16, exactly; false (row unfinished) when a tile scale is not a
+// power of two in range, which bf16 could not hold exactly. The quantiser only writes powers of two.
+inline bool dequant_row_bf16(const uint8_t* row, uint16_t* dst, MlaHead head) {
   float scales[4];
   std::memcpy(scales, row + kMlaLatentDim, sizeof scales);
   for (int tile = 0; tile < 4; ++tile) {
@@ -331,7 +331,7 @@ inline bool dequant_row_bf16(const uint8_t* row, uint16_t* dst) {
     for (int d = tile * 128; d < (tile + 1) * 128; d += 32)
       _mm512_storeu_si512(dst + d, e4m3_to_bf16_pow2(row + d, k));
   }
-  std::memcpy(dst + kMlaLatentDim, row + kMlaLatentDim + sizeof scales, kMlaRopeDim * 2);
+  std::memcpy(dst + kMlaLatentDim, row + kMlaLatentDim + sizeof scales, size_t(head.rope_dim) * 2);
   return true;
 }
 
@@ -346,6 +346,7 @@ class Bf16Kernel {
 
   Bf16Kernel(const AttendJob& j, float* ws)
       : hp_(padded_heads(j.heads)),
+        head_(j.head),
         rows_(reinterpret_cast<const uint16_t**>(ws)),
         kb_(reinterpret_cast<uint16_t*>(ws + kRowsFloats)),
         vi_(reinterpret_cast<uint32_t*>(ws + kRowsFloats + kKbFloats)),
@@ -357,7 +358,7 @@ class Bf16Kernel {
   bool load(const uint8_t* const* rows, int n, int n_pad) {
     for (int r = 0; r < n; ++r) {
       if constexpr (kCache == DType::fp8_ds_mla) {
-        if (!dequant_row_bf16(rows[r], kb_ + r * kMlaQkDim)) return false;
+        if (!dequant_row_bf16(rows[r], kb_ + r * kMlaQkDim, head_)) return false;
         rows_[r] = kb_ + r * kMlaQkDim;
       } else {
         rows_[r] = reinterpret_cast<const uint16_t*>(rows[r]);
@@ -373,7 +374,7 @@ class Bf16Kernel {
       for (int hb = 0; hb < hp_; hb += kHeadBlock) {
         __m512 acc[16];
         SMLA_UNROLL for (auto& a : acc) a = _mm512_setzero_ps();
-        for (int d = 0; d < kMlaQkDim; d += 32) {
+        for (int d = 0; d < head_.qk_dim(); d += 32) {
           __m512i k[4];
           SMLA_UNROLL for (int r = 0; r < 4; ++r) k[r] = _mm512_loadu_si512(rows_[rb + r] + d);
           SMLA_UNROLL for (int h = 0; h < 4; ++h) {
@@ -421,6 +422,7 @@ class Bf16Kernel {
   static constexpr size_t kViFloats = kChunk / 2 * kMlaVDim;
 
   int hp_;
+  MlaHead head_;
   const uint16_t* q_[padded_heads(kMaxHeads)];
   const uint16_t** rows_;  // [kChunk] the chunk's rows (in the cache, in kb_, or the zero row)
   uint16_t* kb_;           // [kChunk][576] dequantised fp8 rows
@@ -439,7 +441,7 @@ size_t workspace_bytes(int heads) {
 void attend(const AttendJob& j) {
   const bool exact = j.q_dtype == DType::bf16 &&
                      (j.cache_dtype == DType::bf16 ? avx512::attend_rows<Bf16Kernel<DType::bf16>>(j)
-                      : j.cache_dtype == DType::fp8_ds_mla ? avx512::attend_rows<Bf16Kernel<DType::fp8_ds_mla>>(j)
+                      : is_fp8_mla_cache(j.cache_dtype) ? avx512::attend_rows<Bf16Kernel<DType::fp8_ds_mla>>(j)
                                                            : false);
   if (!exact) avx512::attend(j);
 }

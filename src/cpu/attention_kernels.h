@@ -29,6 +29,7 @@ struct AttendJob {
   int64_t q_head_stride = 0;
   DType q_dtype = DType::bf16;
   int heads = 0;
+  MlaHead head;  // q and the rows are head.qk_dim() wide (in the fp8 forms: the latent, then the rope part if any)
   DType cache_dtype = DType::bf16;
   const uint8_t* const* rows = nullptr;  // n_rows pointers to valid cache rows
   int64_t n_rows = 0;
@@ -41,7 +42,8 @@ struct AttendJob {
 
 // Combines the n_parts partial results (AttendJob outputs over disjoint row
 // sets) of heads [h_begin, h_end) of one token, applies the sink and writes
-// out and lse. A head with no rows gets out = 0 and lse = -inf.
+// out, lse and (when given) max_logits. A head with no rows gets out = 0,
+// lse = empty_lse and max_logits = -inf.
 struct FinalizeJob {
   const float* acc = nullptr;  // part p, head h: acc + p * part_stride + h * 512
   const float* m = nullptr;    // m[p * part_stride + h]
@@ -55,6 +57,9 @@ struct FinalizeJob {
   DType out_dtype = DType::bf16;
   float* lse = nullptr;  // head h at lse[h * lse_head_stride]
   int64_t lse_head_stride = 0;
+  float empty_lse = 0.f;        // -inf, or +inf (FlashMLA's convention)
+  float* max_logits = nullptr;  // optional, head h at max_logits[h * max_logits_head_stride]
+  int64_t max_logits_head_stride = 0;
 };
 
 struct Kernels {

@@ -14,11 +14,13 @@ Capabilities cpu_capabilities() {
   c.description = "portable CPU kernels (OpenMP, AVX-512/AVX2 when present)";
   c.device_kind = DeviceKind::cpu;
   c.q_dtypes = {DType::bf16, DType::f16};
-  c.kv_cache_dtypes = {DType::bf16, DType::f16, DType::fp8_ds_mla};
+  c.kv_cache_dtypes = {DType::bf16, DType::f16, DType::fp8_ds_mla, DType::fp8_ds_mla_nope};
   c.heads = {1, 128};
+  c.qk_head_dims = {kMlaQkDim, kMlaLatentDim};
   c.block_size = {1, 1 << 20};
   c.topk = {1, 65536};
   c.ops = {Op::sparse_mla, Op::paged_mla_decode, Op::indexer};
+  c.pooled_indexer = true;
   c.attn_sink = true;
   return c;
 }
@@ -32,6 +34,10 @@ class CpuBackend final : public Backend {
   void write_index_cache(const WriteIndexCacheArgs& a) const override { cpu::write_index_cache(a); }
   void indexer_topk(const IndexerTopkArgs& a) const override { cpu::indexer_topk(a); }
   void positions_to_slots(const PositionsToSlotsArgs& a) const override { cpu::positions_to_slots(a); }
+  void write_pooled_index_cache(const WritePooledIndexCacheArgs& a) const override {
+    cpu::write_pooled_index_cache(a);
+  }
+  void pools_to_positions(const PoolsToPositionsArgs& a) const override { cpu::pools_to_positions(a); }
 
  private:
   Capabilities caps_ = cpu_capabilities();

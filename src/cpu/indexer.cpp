@@ -1,4 +1,5 @@
-// The CPU indexer ops: write_index_cache, indexer_topk, positions_to_slots.
+// The CPU indexer ops: write_index_cache, indexer_topk, positions_to_slots, and the pooled indexer's
+// write_pooled_index_cache and pools_to_positions.
 // Index values (slots, request ids, context lengths, block ids) are checked
 // here, serially and before any parallel work, so errors are thrown outside
 // OpenMP regions. Scratch buffers are thread_local vectors that only grow:
@@ -7,6 +8,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <functional>
@@ -209,39 +211,102 @@ float load_float(const TensorView& t, int64_t i) {
   }
 }
 
+// Throws, naming the row, unless every slot of slot_mapping[0, n) is below the cache's slots (negative: skipped).
+void check_slots(std::string_view op, const int64_t* slot_mapping, int64_t n, const TensorView& cache) {
+  const int64_t slots = num_slots(cache);
+  for (int64_t i = 0; i < n; ++i)
+    if (slot_mapping[i] >= slots)
+      fail(std::string(op) + ": slot_mapping: row " + std::to_string(i) + " holds slot " +
+           std::to_string(slot_mapping[i]) + ", but the cache has " + std::to_string(slots) +
+           " slots (num_blocks * block_size)");
+}
+
+// Stores one index key at `slot`: rounded to bf16, or fp8 e4m3 with its ue8m0 scale.
+void store_index_key(const IndexCacheView& c, int64_t slot, const float* x) {
+  uint8_t* block = const_cast<uint8_t*>(c.base) + slot / c.block_size * c.block_stride;
+  const int64_t off = slot % c.block_size;
+  if (!c.fp8) {
+    auto* dst = reinterpret_cast<uint16_t*>(block + off * c.row_stride);
+    for (int d = 0; d < kIndexHeadDim; ++d) dst[d] = numeric::float_to_bf16(x[d]);
+    return;
+  }
+  float amax = 0.f;
+  for (int d = 0; d < kIndexHeadDim; ++d) amax = std::fmax(amax, std::fabs(x[d]));
+  const float scale = numeric::index_key_scale(amax);
+  uint8_t* dst = block + off * kIndexHeadDim;
+  for (int d = 0; d < kIndexHeadDim; ++d) dst[d] = numeric::float_to_e4m3(x[d] / scale);
+  std::memcpy(block + c.block_size * kIndexHeadDim + off * sizeof(float), &scale, sizeof scale);
+}
+
+float round_to_bf16(float x) { return numeric::bf16_to_float(numeric::float_to_bf16(x)); }
+
 }  // namespace
 
 void write_index_cache(const WriteIndexCacheArgs& a) {
-  const int64_t n = a.k.shape[0], slots = num_slots(a.cache);
+  const int64_t n = a.k.shape[0];
   const int64_t* slot_mapping = a.slot_mapping.ptr<const int64_t>();
-  for (int64_t i = 0; i < n; ++i)
-    if (slot_mapping[i] >= slots)
-      fail("write_index_cache: slot_mapping: row " + std::to_string(i) + " holds slot " +
-           std::to_string(slot_mapping[i]) + ", but the cache has " + std::to_string(slots) +
-           " slots (num_blocks * block_size)");
+  check_slots("write_index_cache", slot_mapping, n, a.cache);
   const IndexCacheView c = cache_view(a.cache);
   // Rows with the same slot race; one of them wins.
 #pragma omp parallel for schedule(static) if (n >= 64)
   for (int64_t i = 0; i < n; ++i) {
-    const int64_t slot = slot_mapping[i];
-    if (slot < 0) continue;
-    uint8_t* block = const_cast<uint8_t*>(c.base) + slot / c.block_size * c.block_stride;
-    const int64_t off = slot % c.block_size;
+    if (slot_mapping[i] < 0) continue;
     float x[kIndexHeadDim];
-    float amax = 0.f;
-    for (int d = 0; d < kIndexHeadDim; ++d) {
-      x[d] = load_float(a.k, i * a.k.strides[0] + d);
-      amax = std::fmax(amax, std::fabs(x[d]));
+    for (int d = 0; d < kIndexHeadDim; ++d) x[d] = load_float(a.k, i * a.k.strides[0] + d);
+    store_index_key(c, slot_mapping[i], x);
+  }
+}
+
+void write_pooled_index_cache(const WritePooledIndexCacheArgs& a) {
+  const int64_t pools = a.k.shape[0], kpool = a.k.shape[1];
+  const int64_t* slot_mapping = a.slot_mapping.ptr<const int64_t>();
+  check_slots("write_pooled_index_cache", slot_mapping, pools, a.cache);
+  const IndexCacheView c = cache_view(a.cache);
+  const float* ape = a.ape.ptr<const float>();
+#pragma omp parallel for schedule(static) if (pools >= 64)
+  for (int64_t p = 0; p < pools; ++p) {
+    if (slot_mapping[p] < 0) continue;
+    // Per dimension, softmax over the pool's tokens of gate + ape, weighting their keys (vLLM's kpool compress).
+    float max_score[kIndexHeadDim], denom[kIndexHeadDim] = {}, x[kIndexHeadDim] = {};
+    std::fill(max_score, max_score + kIndexHeadDim, -INFINITY);
+    auto score = [&](int64_t m, int d) {
+      return load_float(a.gate, p * a.gate.strides[0] + m * a.gate.strides[1] + d) + ape[m * a.ape.strides[0] + d];
+    };
+    for (int64_t m = 0; m < kpool; ++m)
+      for (int d = 0; d < kIndexHeadDim; ++d) max_score[d] = std::fmax(max_score[d], score(m, d));
+    for (int64_t m = 0; m < kpool; ++m)
+      for (int d = 0; d < kIndexHeadDim; ++d) {
+        const float w = std::exp(score(m, d) - max_score[d]);
+        denom[d] += w;
+        x[d] += w * load_float(a.k, p * a.k.strides[0] + m * a.k.strides[1] + d);
+      }
+    // bf16 before and after the rotation, as the model's kernel rounds them.
+    for (int d = 0; d < kIndexHeadDim; ++d) x[d] = round_to_bf16(x[d] / denom[d]);
+    if (a.hadamard) {
+      numeric::hadamard128(x);
+      for (int d = 0; d < kIndexHeadDim; ++d) x[d] = round_to_bf16(x[d]);
     }
-    if (!c.fp8) {
-      auto* dst = reinterpret_cast<uint16_t*>(block + off * c.row_stride);
-      for (int d = 0; d < kIndexHeadDim; ++d) dst[d] = numeric::float_to_bf16(x[d]);
-      continue;
-    }
-    const float scale = numeric::index_key_scale(amax);
-    uint8_t* dst = block + off * kIndexHeadDim;
-    for (int d = 0; d < kIndexHeadDim; ++d) dst[d] = numeric::float_to_e4m3(x[d] / scale);
-    std::memcpy(block + c.block_size * kIndexHeadDim + off * sizeof(float), &scale, sizeof scale);
+    store_index_key(c, slot_mapping[p], x);
+  }
+}
+
+void pools_to_positions(const PoolsToPositionsArgs& a) {
+  const int64_t tokens = a.pools.shape[0], kp = a.pools.shape[1], kpool = a.kpool;
+  const int32_t* context_lens = a.context_lens.ptr<const int32_t>();
+  for (int64_t t = 0; t < tokens; ++t)
+    if (context_lens[t] < 0)
+      fail("pools_to_positions: context_lens: row " + std::to_string(t) + " holds " +
+           std::to_string(context_lens[t]) + ", a negative length");
+#pragma omp parallel for schedule(static) if (tokens * kp >= 4096)
+  for (int64_t t = 0; t < tokens; ++t) {
+    const int64_t whole_pools = context_lens[t] / kpool, tail_start = whole_pools * kpool;
+    const int32_t* pool = a.pools.ptr<const int32_t>() + t * a.pools.strides[0];
+    int32_t* out = a.positions.ptr<int32_t>() + t * a.positions.strides[0];
+    for (int64_t i = 0; i < kp; ++i)
+      for (int64_t m = 0; m < kpool; ++m)
+        out[i * kpool + m] = pool[i] >= 0 && pool[i] < whole_pools ? static_cast<int32_t>(pool[i] * kpool + m) : -1;
+    for (int64_t m = 0; m < kpool - 1; ++m)
+      out[kp * kpool + m] = tail_start + m < context_lens[t] ? static_cast<int32_t>(tail_start + m) : -1;
   }
 }
 

@@ -12,5 +12,7 @@ void paged_mla_decode(const PagedMlaDecodeArgs& args);
 void write_index_cache(const WriteIndexCacheArgs& args);
 void indexer_topk(const IndexerTopkArgs& args);
 void positions_to_slots(const PositionsToSlotsArgs& args);
+void write_pooled_index_cache(const WritePooledIndexCacheArgs& args);
+void pools_to_positions(const PoolsToPositionsArgs& args);
 
 }  // namespace smla::cpu

@@ -91,9 +91,14 @@ struct Problem {
   const TensorView* lse;
   TokenIndex q_at, out_at, lse_at;
   int64_t q_head_stride, out_head_stride, lse_head_stride;
+  float empty_lse = -INFINITY;
+  float* max_logits = nullptr;  // optional
+  TokenIndex max_logits_at{1, 0, 0};
+  int64_t max_logits_head_stride = 0;
   const float* sink;
   float scale;
   DType cache_dtype;
+  MlaHead head;
 };
 
 // Work items per token: the fewest splits whose makespan, ceil(tokens * s / threads) / s,
@@ -145,6 +150,9 @@ void run_attention(const Problem& p, const Rows& rows) {
     f.out_dtype = p.out->dtype;
     f.lse = p.lse->ptr<float>() + p.lse_at(t);
     f.lse_head_stride = p.lse_head_stride;
+    f.empty_lse = p.empty_lse;
+    f.max_logits = p.max_logits ? p.max_logits + p.max_logits_at(t) : nullptr;
+    f.max_logits_head_stride = p.max_logits_head_stride;
     kernels.finalize(f);
   };
 
@@ -163,6 +171,7 @@ void run_attention(const Problem& p, const Rows& rows) {
       j.q_head_stride = p.q_head_stride;
       j.q_dtype = p.q->dtype;
       j.heads = p.heads;
+      j.head = p.head;
       j.cache_dtype = p.cache_dtype;
       j.rows = list;
       j.n_rows = rows.fill(t, n_pos * split / splits, n_pos * (split + 1) / splits, list);
@@ -229,11 +238,12 @@ struct PagedRows {
 };
 
 // One row of write_mla_cache: `get(i)` reads value i of the latent (i < 512) or k_pe (i >= 512) as float.
+// With no rope part, an fp8_ds_mla envelope's rope bytes are left as they are (nothing reads them).
 template <class Get>
-void write_row(DType cache_dtype, const Get& get, uint8_t* dst) {
-  if (cache_dtype != DType::fp8_ds_mla) {
+void write_row(DType cache_dtype, MlaHead head, const Get& get, uint8_t* dst) {
+  if (!is_fp8_mla_cache(cache_dtype)) {
     auto* out = reinterpret_cast<uint16_t*>(dst);
-    for (int i = 0; i < kMlaQkDim; ++i)
+    for (int i = 0; i < head.qk_dim(); ++i)
       out[i] = cache_dtype == DType::bf16 ? numeric::float_to_bf16(get(i)) : numeric::float_to_f16(get(i));
     return;
   }
@@ -248,7 +258,7 @@ void write_row(DType cache_dtype, const Get& get, uint8_t* dst) {
     for (int i = 0; i < 128; ++i) dst[tile * 128 + i] = numeric::float_to_e4m3(x[i] / scales[tile]);
   }
   std::memcpy(dst + kMlaLatentDim, scales, sizeof scales);
-  for (int i = 0; i < kMlaRopeDim; ++i) {
+  for (int i = 0; i < head.rope_dim; ++i) {
     const uint16_t h = numeric::float_to_bf16(get(kMlaLatentDim + i));
     std::memcpy(dst + kMlaLatentDim + sizeof scales + 2 * i, &h, 2);
   }
@@ -269,6 +279,7 @@ void write_mla_cache(const WriteMlaCacheArgs& a) {
   const CacheLayout cache(a.cache);
   const auto* slots = a.slot_mapping.ptr<const int64_t>();
   const int64_t slot_stride = a.slot_mapping.strides[0];
+  const MlaHead head = written_head(a);
   for (int64_t i = 0; i < n; ++i)
     if (slots[i * slot_stride] >= cache.num_slots())
       fail("write_mla_cache: slot_mapping: row " + std::to_string(i) + " holds slot " +
@@ -278,11 +289,11 @@ void write_mla_cache(const WriteMlaCacheArgs& a) {
   for (int64_t i = 0; i < n; ++i) {
     const int64_t slot = slots[i * slot_stride];
     if (slot < 0) continue;
-    const int64_t lat = i * a.latent.strides[0], rope = i * a.k_pe.strides[0];
+    const int64_t lat = i * a.latent.strides[0], rope = head.rope_dim ? i * a.k_pe.strides[0] : 0;
     const auto get = [&](int d) {
       return d < kMlaLatentDim ? value_at(a.latent, lat + d) : value_at(a.k_pe, rope + d - kMlaLatentDim);
     };
-    write_row(a.cache.dtype, get, cache.slot(slot));
+    write_row(a.cache.dtype, head, get, cache.slot(slot));
   }
 }
 
@@ -310,9 +321,16 @@ void sparse_mla(const SparseMlaArgs& a) {
   p.q_head_stride = a.q.strides[1];
   p.out_head_stride = a.out.strides[1];
   p.lse_head_stride = a.lse.strides[1];
+  p.empty_lse = a.empty_lse_plus_inf ? INFINITY : -INFINITY;
+  if (a.max_logits.defined()) {
+    p.max_logits = a.max_logits.ptr<float>();
+    p.max_logits_at = {1, a.max_logits.strides[0], 0};
+    p.max_logits_head_stride = a.max_logits.strides[1];
+  }
   p.sink = a.attn_sink.defined() ? a.attn_sink.ptr<const float>() : nullptr;
   p.scale = a.softmax_scale;
   p.cache_dtype = a.kv_cache.dtype;
+  p.head = *mla_head_for_qk_dim(a.q.shape[2]);
   run_attention(p, SparseRows{a.indices.ptr<const int32_t>(), a.indices.strides[0], lengths, length_stride, topk,
                               CacheLayout(a.kv_cache)});
 }
@@ -356,9 +374,11 @@ void paged_mla_decode(const PagedMlaDecodeArgs& a) {
   p.q_head_stride = a.q.strides[2];
   p.out_head_stride = a.out.strides[2];
   p.lse_head_stride = a.lse.strides[2];
+  p.empty_lse = a.empty_lse_plus_inf ? INFINITY : -INFINITY;
   p.sink = a.attn_sink.defined() ? a.attn_sink.ptr<const float>() : nullptr;
   p.scale = a.softmax_scale;
   p.cache_dtype = a.kv_cache.dtype;
+  p.head = *mla_head_for_qk_dim(a.q.shape[3]);
   run_attention(p, PagedRows{table, table_stride, seq_lens, len_stride, s_q, a.causal, cache});
 }
 

@@ -22,11 +22,13 @@ Capabilities mma_capabilities() {
   c.device_kind = DeviceKind::cuda;
   c.compute_capability = {80, 129};
   c.q_dtypes = {DType::bf16, DType::f16};
-  c.kv_cache_dtypes = {DType::bf16, DType::f16, DType::fp8_ds_mla};
+  c.kv_cache_dtypes = {DType::bf16, DType::f16, DType::fp8_ds_mla, DType::fp8_ds_mla_nope};
   c.heads = {1, 128};
+  c.qk_head_dims = {kMlaQkDim, kMlaLatentDim};
   c.block_size = {1, 1 << 20};
   c.topk = {1, kMaxIndexerTopk};  // the indexer's top-k; sparse_mla itself takes any K up to 65536
   c.ops = {Op::sparse_mla, Op::paged_mla_decode, Op::indexer};
+  c.pooled_indexer = true;
   c.attn_sink = true;
 #ifndef SMLA_WITH_CUDA
   c.combination_rule = [](const AttentionSpec&, const RunSpec&) {
@@ -64,6 +66,27 @@ class MmaBackend final : public Backend {
     DeviceGuard g(a.positions.device);
     cuda::positions_to_slots(a);
   }
+  void write_pooled_index_cache(const WritePooledIndexCacheArgs& a) const override {
+    DeviceGuard g(a.cache.device);
+    cuda::write_pooled_index_cache(a);
+  }
+  void pools_to_positions(const PoolsToPositionsArgs& a) const override {
+    DeviceGuard g(a.pools.device);
+    cuda::pools_to_positions(a);
+  }
+  size_t workspace_size(const SparseMlaArgs& a) const override {
+    DeviceGuard g(a.q.device);
+    return cuda::sparse_mla_workspace_size(a);
+  }
+  size_t workspace_size(const PagedMlaDecodeArgs& a) const override {
+    DeviceGuard g(a.q.device);
+    return cuda::paged_mla_decode_workspace_size(a);
+  }
+  size_t workspace_size(const IndexerTopkArgs& a) const override {
+    DeviceGuard g(a.q.device);
+    return cuda::indexer_workspace_size(a);
+  }
+  using Backend::workspace_size;  // dsa_decode_step: the default, the largest of its steps'
 #else
   void write_mla_cache(const WriteMlaCacheArgs&) const override { not_built(); }
   void sparse_mla(const SparseMlaArgs&) const override { not_built(); }
@@ -71,6 +94,8 @@ class MmaBackend final : public Backend {
   void write_index_cache(const WriteIndexCacheArgs&) const override { not_built(); }
   void indexer_topk(const IndexerTopkArgs&) const override { not_built(); }
   void positions_to_slots(const PositionsToSlotsArgs&) const override { not_built(); }
+  void write_pooled_index_cache(const WritePooledIndexCacheArgs&) const override { not_built(); }
+  void pools_to_positions(const PoolsToPositionsArgs&) const override { not_built(); }
 #endif
 
  private:

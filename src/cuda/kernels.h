@@ -19,7 +19,15 @@ void sparse_mla(const SparseMlaArgs& args, AttentionChoice choice = {});
 void paged_mla_decode(const PagedMlaDecodeArgs& args, AttentionChoice choice = {});
 void write_index_cache(const WriteIndexCacheArgs& args);
 void positions_to_slots(const PositionsToSlotsArgs& args);
+void write_pooled_index_cache(const WritePooledIndexCacheArgs& args);
+void pools_to_positions(const PoolsToPositionsArgs& args);
 void indexer_topk(const IndexerTopkArgs& args);
+
+// Bytes of `workspace` each op needs (Backend::workspace_size); the same args on the same device always give the
+// same size. The ops use the args' workspace when given, else the library's (default_workspace).
+size_t sparse_mla_workspace_size(const SparseMlaArgs& args);
+size_t paged_mla_decode_workspace_size(const PagedMlaDecodeArgs& args);
+size_t indexer_workspace_size(const IndexerTopkArgs& args);
 
 // indexer_topk's two stages, for benchmarks: scores of every visible position
 // into `scores` (fp32 device memory, 16-byte aligned, T rows
@@ -40,6 +48,10 @@ void indexer_scores(const IndexerTopkArgs& args, float* scores, ScoreMma mma = S
 // How select_topk shares a row among CTAs: as it sees fit, or forced (tests, benchmarks): one CTA per row,
 // slices of the row in more kernels passing through global memory, or the CTAs of a thread block cluster (SM90+).
 enum class TopkSplit { automatic, one_cta, slices, cluster };
-void select_topk(const IndexerTopkArgs& args, const float* scores, TopkSplit split = TopkSplit::automatic);
+// Scratch select_topk needs for `split` (the slices' candidate lists; 0 for the other splits). `scratch` holds that
+// many bytes, 16-byte aligned; null: the library's own for the args' stream.
+size_t topk_scratch_bytes(const IndexerTopkArgs& args, TopkSplit split = TopkSplit::automatic);
+void select_topk(const IndexerTopkArgs& args, const float* scores, TopkSplit split = TopkSplit::automatic,
+                 void* scratch = nullptr);
 
 }  // namespace smla::cuda

@@ -42,7 +42,8 @@ void check_weights(const AttentionWeights& w) {
   const AttentionSpec& s = w.spec;
   validate(s, "MlaLayer: spec");
   require(s.kv_lora_rank == kMlaLatentDim && s.qk_rope_head_dim == kMlaRopeDim,
-          "MlaLayer: spec: the kernels need kv_lora_rank 512 and qk_rope_head_dim 64, got " +
+          "MlaLayer: spec: the layer needs kv_lora_rank 512 and qk_rope_head_dim 64 (heads with no rope part and "
+          "pooled indexers, GLM-5.3-Flash's, are not in MlaLayer yet), got " +
               std::to_string(s.kv_lora_rank) + " and " + std::to_string(s.qk_rope_head_dim));
   const int64_t h = s.num_heads, hidden = s.hidden_size, qk = s.qk_head_dim();
   if (s.q_lora_rank > 0) {

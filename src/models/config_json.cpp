@@ -13,6 +13,7 @@
 #include <optional>
 #include <string>
 #include <system_error>
+#include <utility>
 
 #include "models/gguf.h"
 #include "smla/error.h"
@@ -23,9 +24,15 @@ namespace {
 
 using nlohmann::json;
 
-constexpr std::string_view kModelTypes[] = {"deepseek_v3", "deepseek_v32", "glm_moe_dsa", "kimi_k2", "glm4_moe_lite"};
+constexpr std::string_view kModelTypes[] = {"deepseek_v3",   "deepseek_v32", "glm_moe_dsa",   "kimi_k2",
+                                            "glm4_moe_lite", "glm5_next",    "glm5_next_text"};
 // The model types whose checkpoints carry the DSA lightning indexer.
-constexpr std::string_view kSparseModelTypes[] = {"deepseek_v32", "glm_moe_dsa"};
+constexpr std::string_view kSparseModelTypes[] = {"deepseek_v32", "glm_moe_dsa", "glm5_next", "glm5_next_text"};
+// GLM-5.3-Flash (vLLM's Glm5NextTextConfig): a pooled indexer and hybrid layers. "glm5_next" is the multimodal
+// wrapper; a flat config of that type carries the text fields at the top level.
+constexpr std::string_view kPooledIndexerModelTypes[] = {"glm5_next", "glm5_next_text"};
+// The `layer_types` entry of a layer that does not run MLA (GLM-5.3-Flash's Kimi delta attention layers).
+constexpr std::string_view kLinearAttentionLayer = "linear_attention";
 
 template <typename Range>
 std::string join(const Range& items) {
@@ -123,6 +130,37 @@ std::string read_model_type(const Section& config) {
   config.reject("model_type", expected, describe(*value));
 }
 
+// Layers that run MLA: those `layer_types` does not mark linear attention, else those linear_attn_config's
+// kda_layers leaves, else all.
+int read_attention_layers(const Section& config, int num_layers) {
+  if (const json* types = config.find_set("layer_types")) {
+    if (!types->is_array()) config.reject("layer_types", "expected an array of layer type names", describe(*types));
+    if (std::cmp_not_equal(types->size(), num_layers))
+      config.reject("layer_types",
+                    "expected one entry per layer (num_hidden_layers " + std::to_string(num_layers) + ")",
+                    "an array of " + std::to_string(types->size()));
+    int attention = 0;
+    for (const json& type : *types) {
+      if (!type.is_string()) config.reject("layer_types", "expected layer type names (strings)", describe(type));
+      attention += type.get<std::string>() != kLinearAttentionLayer;
+    }
+    if (attention == 0 && num_layers > 0)
+      config.reject("layer_types", "expected at least one MLA layer", "only \"linear_attention\" layers");
+    return attention;
+  }
+  if (const std::optional<Section> linear = config.subsection("linear_attn_config")) {
+    const json* kda = linear->find_set("kda_layers");
+    if (kda && !kda->is_array()) linear->reject("kda_layers", "expected an array of layer numbers", describe(*kda));
+    if (kda && std::cmp_greater(kda->size(), num_layers))
+      linear->reject("kda_layers", "expected at most num_hidden_layers (" + std::to_string(num_layers) + ") entries",
+                     "an array of " + std::to_string(kda->size()));
+    if (kda && std::cmp_equal(kda->size(), num_layers) && num_layers > 0)
+      linear->reject("kda_layers", "expected at least one MLA layer", "every layer listed");
+    if (kda) return num_layers - static_cast<int>(kda->size());
+  }
+  return num_layers;
+}
+
 // "rope_type" (newer transformers) or "type" (older); absent means plain RoPE.
 bool is_yarn(const Section& scaling) {
   for (const char* key : {"rope_type", "type"}) {
@@ -177,6 +215,7 @@ AttentionSpec spec_from_json(const json& root, const std::string& source) {
   spec.num_layers = config.optional_int("num_hidden_layers", spec.num_layers);
   if (spec.num_layers < 0)
     config.reject("num_hidden_layers", "expected a non-negative integer", describe(spec.num_layers));
+  spec.num_attention_layers = read_attention_layers(config, spec.num_layers);
   spec.rms_norm_eps = config.optional_number("rms_norm_eps", spec.rms_norm_eps);
   if (!(spec.rms_norm_eps > 0))
     config.reject("rms_norm_eps", "expected a positive number", describe(spec.rms_norm_eps));
@@ -185,7 +224,7 @@ AttentionSpec spec_from_json(const json& root, const std::string& source) {
   if (std::ranges::find(kSparseModelTypes, spec.model_type) != std::end(kSparseModelTypes)) {
     // DeepSeek's indexer rotates half-split; GLM's interleaved (transformers'
     // glm_moe_dsa always does; GLM-5's config also says so explicitly).
-    const bool glm = spec.model_type == "glm_moe_dsa";
+    const bool glm = spec.model_type.starts_with("glm");
     spec.indexer = IndexerSpec{
         .heads = config.required_int("index_n_heads"),
         .head_dim = config.required_int("index_head_dim"),
@@ -193,6 +232,13 @@ AttentionSpec spec_from_json(const json& root, const std::string& source) {
         .rope_style = config.optional_bool("indexer_rope_interleave", glm) ? RopeStyle::interleaved
                                                                              : RopeStyle::half_split,
     };
+    if (std::ranges::find(kPooledIndexerModelTypes, spec.model_type) != std::end(kPooledIndexerModelTypes)) {
+      // Required: vLLM's config class would default a missing one to 16, not to the checkpoint's value.
+      spec.indexer->kpool = config.required_int("index_kpool");
+      if (spec.indexer->kpool < 1)
+        config.reject("index_kpool", "expected a positive integer", describe(spec.indexer->kpool));
+      spec.indexer->always_select_tail = config.optional_bool("index_kpool_always_select_tail", true);
+    }
   }
   spec.softmax_scale = reference_softmax_scale(spec.qk_head_dim(), spec.rope);
   validate(spec, source);

@@ -777,6 +777,7 @@ AttentionSpec spec_from_gguf(const File& file) {
   const int nextn = meta.optional_int(nextn_key, 0, 0);
   if (nextn > blocks) meta.reject(nextn_key, "expected at most block_count (" + num(blocks) + ")", num(nextn));
   spec.num_layers = blocks - nextn;
+  spec.num_attention_layers = spec.num_layers;  // the architectures read here have no linear-attention layers
   const std::string eps_key = a + ".attention.layer_norm_rms_epsilon";
   spec.rms_norm_eps = meta.optional_real(eps_key, spec.rms_norm_eps);
   if (!(spec.rms_norm_eps > 0)) meta.reject(eps_key, "expected a positive number", describe(*meta.find(eps_key)));

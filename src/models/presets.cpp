@@ -41,8 +41,10 @@ AttentionSpec deepseek_v3_geometry(std::string name, std::string model_type, int
           .indexer = std::nullopt};
 }
 
-AttentionSpec with_reference_scale(AttentionSpec spec) {
+// The derived fields: the reference scale, and every layer an attention layer unless the preset says otherwise.
+AttentionSpec completed(AttentionSpec spec) {
   spec.softmax_scale = reference_softmax_scale(spec.qk_head_dim(), spec.rope);
+  if (spec.num_attention_layers == 0) spec.num_attention_layers = spec.num_layers;
   return spec;
 }
 
@@ -79,14 +81,33 @@ std::vector<AttentionSpec> make_presets() {
                             .rope = {.theta = 1e6},
                             .indexer = std::nullopt};
 
+  // GLM-5.3-Flash: no rope part (absorbed head 512), a pooled indexer, 11 MLA layers among 45 (the rest Kimi
+  // delta attention). Its config (tests/data/configs/glm-5.3-flash.json) sets no rope_theta: the default stays.
+  AttentionSpec glm53_flash{.name = "glm-5.3-flash",
+                            .model_type = "glm5_next_text",
+                            .hidden_size = 4096,
+                            .num_heads = 64,
+                            .q_lora_rank = 1536,
+                            .kv_lora_rank = 512,
+                            .qk_nope_head_dim = 256,
+                            .qk_rope_head_dim = 0,
+                            .v_head_dim = 256,
+                            .num_layers = 45,
+                            .num_attention_layers = 11,
+                            .rms_norm_eps = 1e-5,
+                            .indexer = IndexerSpec{.heads = 32, .head_dim = 128, .topk = 2048,
+                                                   .rope_style = RopeStyle::interleaved, .kpool = 4,
+                                                   .always_select_tail = true}};
+
   std::vector<AttentionSpec> presets = {
       glm5,
       deepseek_v32,
       deepseek_v3_geometry("deepseek-v3", "deepseek_v3", 128, yarn_rope(1e4, 40, 32)),
       deepseek_v3_geometry("kimi-k2", "kimi_k2", 64, yarn_rope(5e4, 64, 1)),
       glm47_flash,
+      glm53_flash,
   };
-  std::ranges::transform(presets, presets.begin(), with_reference_scale);
+  std::ranges::transform(presets, presets.begin(), completed);
   return presets;
 }
 

@@ -63,8 +63,9 @@ TEST_P(Explain, MatchesGoldenTextAndJson) {
   // The JSON says what the text says.
   const auto j = nlohmann::json::parse(json);
   EXPECT_EQ(j["schema"], "smla.explain/1");
-  EXPECT_EQ(j["model"]["absorbed_qk_dim"], 576);
+  EXPECT_EQ(j["model"]["absorbed_qk_dim"], spec.qk_rope_head_dim == 0 ? 512 : 576);
   EXPECT_EQ(j["model"]["absorbed_v_dim"], 512);
+  EXPECT_EQ(j["model"]["num_attention_layers"], spec.num_attention_layers);
   EXPECT_EQ(j["run"]["heads_per_rank"], spec.num_heads / c.tp);
   EXPECT_EQ(j["chosen"].is_null(), sel.chosen == nullptr);
   EXPECT_EQ(j["candidates"].size(), sel.candidates.size());
@@ -76,7 +77,10 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"glm5_cpu_tp8", "glm-5", "cpu", DType::bf16, std::nullopt, 8},
                       Case{"deepseek_v32_cpu_fp8", "deepseek-v3.2", "cpu", DType::bf16, DType::fp8_ds_mla, 8},
                       Case{"deepseek_v3_sm80", "deepseek-v3", "sm_80", DType::bf16, std::nullopt, 1},
-                      Case{"kimi_k2_cpu", "kimi-k2", "cpu", DType::f16, DType::f16, 1}),
+                      Case{"kimi_k2_cpu", "kimi-k2", "cpu", DType::f16, DType::f16, 1},
+                      Case{"glm53_flash_cpu_tp8", "glm-5.3-flash", "cpu", DType::bf16, std::nullopt, 8},
+                      Case{"glm53_flash_sm120_fp8_nope_tp4", "glm-5.3-flash", "sm_120", DType::bf16,
+                           DType::fp8_ds_mla_nope, 4}),
     [](const auto& info) { return std::string(info.param.golden); });
 
 TEST(SupportMatrix, ReadmeMatchesTheDeclarations) {

@@ -67,7 +67,7 @@ std::string fields(const AttentionSpec& s) {
   std::ostringstream out;
   out << std::setprecision(17) << s.model_type << " hidden " << s.hidden_size << " heads " << s.num_heads << " q_lora "
       << s.q_lora_rank << " kv_lora " << s.kv_lora_rank << " nope " << s.qk_nope_head_dim << " rope "
-      << s.qk_rope_head_dim << " v " << s.v_head_dim << " layers " << s.num_layers << " eps " << s.rms_norm_eps
+      << s.qk_rope_head_dim << " v " << s.v_head_dim << " layers " << s.num_layers << " mla_layers " << s.num_attention_layers << " eps " << s.rms_norm_eps
       << " theta " << s.rope.theta << " yarn " << s.rope.yarn << " factor " << s.rope.factor << " orig "
       << s.rope.original_max_position_embeddings << " beta " << s.rope.beta_fast << "/" << s.rope.beta_slow
       << " mscale " << s.rope.mscale << "/" << s.rope.mscale_all_dim << " style " << rope_style_name(s.rope_style)
@@ -120,8 +120,10 @@ void expect_layer(const std::string& model, const std::string& format, const Att
 TEST(GgufSpec, EqualsTheConfigJsonOfEachRealModel) {
   int compared = 0;
   for (const auto& entry : fs::directory_iterator(kConfigs)) {
+    if (entry.path().extension() != ".json") continue;
     const std::string name = entry.path().stem().string();
     const AttentionSpec from_config = spec_from_config_file(entry.path().string());
+    if (from_config.model_type.starts_with("glm5_next")) continue;  // GLM-5.3-Flash: no GGUF architecture for it
     const AttentionSpec from_gguf = gguf::spec_from_gguf_file(fixture("specs/" + name + ".gguf"));
     EXPECT_EQ(fields(from_config), fields(from_gguf)) << name;
     ++compared;

@@ -114,7 +114,9 @@ TEST_P(LayerPaths, BatchOfRequestsEqualsEachAlone) {
   for (size_t r = 0; r < prompt.size(); ++r) {
     SCOPED_TRACE("request " + std::to_string(r));
     EXPECT_EQ(batched.context_length(int(r)), prompt[r] + 2);
-    expect_close(alone[r], out[r], 1e-3, 1 - 1e-7);
+    // Chunks of other shapes reach OpenBLAS's GEMMs than the lone prefill, and which kernel a shape gets depends on
+    // the CPU: a bf16 rounding of an intermediate can land the other way (cosine 1 - 4e-7 seen on a Zen 4 VM).
+    expect_close(alone[r], out[r], 1e-3, 1 - 1e-6);
   }
 }
 

@@ -144,10 +144,25 @@ struct CacheGeometry {
   DType dtype = DType::bf16;
   int64_t num_blocks = 8, block_size = 16;
   int64_t row_pad = 0, block_pad = 0;  // elements of padding after each row / block
+  int rope_dim = kMlaRopeDim;          // 0: rows of a head with no rope part
 };
 
+// bf16 NaN in every row's rope part of an fp8_ds_mla cache that holds a head with no rope part: never read.
+void poison_envelope_rope(Tensor& cache) {
+  const int64_t blocks = cache.view.shape[0], block_size = cache.view.shape[1];
+  for (int64_t b = 0; b < blocks; ++b)
+    for (int64_t o = 0; o < block_size; ++o) {
+      uint8_t* rope = cache.view.ptr<uint8_t>() + b * cache.view.strides[0] + o * cache.view.strides[1] +
+                      kFp8DsMlaNopeRowBytes;
+      for (int i = 0; i < kMlaRopeDim; ++i) {
+        rope[2 * i] = 0xc0;
+        rope[2 * i + 1] = 0x7f;
+      }
+    }
+}
+
 Tensor make_cache(Rng& rng, const CacheGeometry& g, const std::vector<int64_t>& slots) {
-  const int64_t row = g.dtype == DType::fp8_ds_mla ? kFp8DsMlaRowBytes : kMlaQkDim;
+  const int64_t row = MlaHead{g.rope_dim}.cache_row(g.dtype);
   const int64_t row_stride = row + g.row_pad;
   Tensor cache = alloc({g.num_blocks, g.block_size, row}, g.dtype,
                        {g.block_size * row_stride + g.block_pad, row_stride, 1});
@@ -162,7 +177,8 @@ Tensor make_cache(Rng& rng, const CacheGeometry& g, const std::vector<int64_t>& 
     for (int d = 0; d < kMlaRopeDim; ++d) k_pe.view.ptr<float>()[i * kMlaRopeDim + d] = r[d];
     mapping.view.ptr<int64_t>()[i] = slots[i];
   }
-  reference::ref_write_mla_cache({latent.view, k_pe.view, mapping.view, cache.view});
+  reference::ref_write_mla_cache({latent.view, g.rope_dim ? k_pe.view : TensorView(), mapping.view, cache.view});
+  if (g.rope_dim == 0 && g.dtype == DType::fp8_ds_mla) poison_envelope_rope(cache);
   return cache;
 }
 
@@ -209,14 +225,15 @@ Outputs make_outputs(const std::vector<int64_t>& lead, int64_t heads, DType dtyp
   return {alloc(out_shape, dtype, out_strides), alloc(lse_shape, DType::f32, lse_strides)};
 }
 
-// q [lead..., H, 576], strided with padding between heads and tokens when asked.
-Tensor make_q(Rng& rng, const std::vector<int64_t>& lead, int64_t heads, DType dtype, bool strided) {
+// q [lead..., H, 576 | 512], strided with padding between heads and tokens when asked.
+Tensor make_q(Rng& rng, const std::vector<int64_t>& lead, int64_t heads, DType dtype, bool strided,
+              MlaHead head = {}) {
   std::vector<int64_t> shape = lead, strides;
   shape.push_back(heads);
-  shape.push_back(kMlaQkDim);
+  shape.push_back(head.qk_dim());
   if (strided) {
     strides.assign(shape.size(), 1);
-    strides[shape.size() - 2] = kMlaQkDim + 64;
+    strides[shape.size() - 2] = head.qk_dim() + 64;
     for (int d = static_cast<int>(lead.size()) - 1; d >= 0; --d) strides[d] = strides[d + 1] * shape[d + 1] + 32;
   }
   Tensor q = alloc(shape, dtype, strides);
@@ -264,7 +281,7 @@ SparseProblem make_sparse(const SparseCase& c) {
   const int64_t num_slots = c.cache.num_blocks * c.cache.block_size;
   const auto slots = some_slots(rng, num_slots);
   p.cache = make_cache(rng, c.cache, slots);
-  p.q = make_q(rng, {c.tokens}, c.heads, c.q_dtype, c.strided);
+  p.q = make_q(rng, {c.tokens}, c.heads, c.q_dtype, c.strided, MlaHead{c.cache.rope_dim});
   p.indices = alloc({c.tokens, c.topk}, DType::i32,
                     c.strided ? std::vector<int64_t>{c.topk + 5, 1} : std::vector<int64_t>{});
   for (int64_t t = 0; t < c.tokens; ++t)
@@ -311,7 +328,7 @@ TEST_P(SparseMla, MatchesReference) {
 }
 
 std::string dtype_tag(DType d) {
-  return d == DType::bf16 ? "bf16" : d == DType::f16 ? "f16" : "fp8";
+  return d == DType::bf16 ? "bf16" : d == DType::f16 ? "f16" : d == DType::fp8_ds_mla ? "fp8" : "fp8nope";
 }
 
 std::vector<SparseCase> sparse_cases() {
@@ -371,6 +388,49 @@ std::vector<SparseCase> sparse_cases() {
   decode.topk = 2048;
   decode.topk_length = true;
   cases.push_back(decode);
+
+  // Heads with no rope part (GLM-5.3-Flash, 512 wide), in every cache form (the fp8_ds_mla envelope's unused
+  // rope part NaN): every instruction set x q dtype x cache form ...
+  const DType nope_caches[] = {DType::bf16, DType::f16, DType::fp8_ds_mla, DType::fp8_ds_mla_nope};
+  for (Isa isa : available_isas())
+    for (DType q : {DType::bf16, DType::f16})
+      for (DType cache : nope_caches) {
+        SparseCase c;
+        c.name = "nope_" + std::string(cpu::attn::isa_name(isa)) + "_q" + dtype_tag(q) + "_cache" + dtype_tag(cache);
+        c.q_dtype = q;
+        c.cache.dtype = cache;
+        c.cache.rope_dim = 0;
+        c.heads = 20;
+        c.tokens = 4;
+        c.topk = 70;
+        c.cache.row_pad = cache == DType::bf16 ? 0 : 8;
+        c.cache.block_pad = cache == DType::bf16 ? 0 : 40;
+        c.topk_length = q == DType::bf16;
+        c.sink = cache != DType::f16;
+        c.strided = cache == DType::bf16 || cache == DType::fp8_ds_mla_nope;
+        c.isa = isa;
+        cases.push_back(c);
+      }
+  // ... and heads {1, 8, 16, 64, 128} x top-k {1, 100, 2048}, block sizes and cache forms taking turns.
+  int turn = 0;
+  for (int heads : {1, 8, 16, 64, 128})
+    for (int64_t topk : {1, 100, 2048}) {
+      SparseCase c;
+      const int64_t block_size = std::array<int64_t, 3>{1, 16, 64}[turn % 3];
+      c.cache.dtype = nope_caches[turn % 4];
+      c.name = "nope_heads" + std::to_string(heads) + "_topk" + std::to_string(topk) + "_block" +
+               std::to_string(block_size) + "_" + dtype_tag(c.cache.dtype);
+      c.cache.rope_dim = 0;
+      c.cache.block_size = block_size;
+      c.cache.num_blocks = 1024 / block_size;
+      c.heads = heads;
+      c.tokens = 3;
+      c.topk = topk;
+      c.sink = turn % 2 == 0;
+      c.topk_length = turn % 3 == 1;
+      ++turn;
+      cases.push_back(c);
+    }
   return cases;
 }
 
@@ -510,6 +570,7 @@ struct PagedCase {
   int64_t batch = 3, s_q = 1, max_blocks = 4;
   int64_t block_size = 16;
   bool causal = true, sink = false, strided = false, padded = false;
+  int rope_dim = kMlaRopeDim;
   std::optional<Isa> isa;
 };
 
@@ -548,8 +609,9 @@ PagedProblem make_paged(const PagedCase& c) {
     }
   }
   if (slots.empty()) slots.push_back(0);
-  p.cache = make_cache(rng, {c.cache_dtype, num_blocks, c.block_size, c.padded ? 4 : 0, c.padded ? 100 : 0}, slots);
-  p.q = make_q(rng, {c.batch, c.s_q}, c.heads, c.q_dtype, c.strided);
+  p.cache = make_cache(
+      rng, {c.cache_dtype, num_blocks, c.block_size, c.padded ? 4 : 0, c.padded ? 100 : 0, c.rope_dim}, slots);
+  p.q = make_q(rng, {c.batch, c.s_q}, c.heads, c.q_dtype, c.strided, MlaHead{c.rope_dim});
   p.args.q = p.q.view;
   p.args.kv_cache = p.cache.view;
   p.args.block_table = p.table.view;
@@ -602,7 +664,7 @@ TEST_P(PagedMlaDecode, EqualsSparseWithAllPositions) {
             pos < visible ? static_cast<int32_t>(block * c.block_size + pos % c.block_size) : -1;
       }
     }
-  Tensor q = alloc({tokens, c.heads, kMlaQkDim}, c.q_dtype);  // q as [B * s_q, H, 576]
+  Tensor q = alloc({tokens, c.heads, p.q.view.shape[3]}, c.q_dtype);  // q as [B * s_q, H, 576 | 512]
   const auto q_offsets = offsets(p.q.view);
   for (size_t i = 0; i < q_offsets.size(); ++i) q.view.ptr<uint16_t>()[i] = p.q.view.ptr<uint16_t>()[q_offsets[i]];
   SparseMlaArgs s;
@@ -638,6 +700,23 @@ std::vector<PagedCase> paged_cases() {
         c.strided = block_size == 1 && causal;
         cases.push_back(c);
       }
+  // Heads with no rope part, every cache form and block size.
+  for (DType cache : {DType::bf16, DType::f16, DType::fp8_ds_mla, DType::fp8_ds_mla_nope})
+    for (int64_t block_size : {1, 16, 64}) {
+      PagedCase c;
+      c.name = "nope_" + dtype_tag(cache) + "_block" + std::to_string(block_size);
+      c.rope_dim = 0;
+      c.cache_dtype = cache;
+      c.block_size = block_size;
+      c.max_blocks = 192 / block_size;
+      c.s_q = block_size == 16 ? 2 : 1;
+      c.heads = block_size == 64 ? 128 : 16;
+      c.q_dtype = cache == DType::f16 ? DType::f16 : DType::bf16;
+      c.sink = block_size != 1;
+      c.padded = cache != DType::bf16;
+      c.strided = block_size == 1;
+      cases.push_back(c);
+    }
   for (Isa isa : available_isas()) {
     PagedCase c;
     c.name = std::string(cpu::attn::isa_name(isa)) + "_f16cache";
@@ -695,6 +774,65 @@ TEST(WriteMlaCache, BitExactAgainstReference) {
     }
 }
 
+// A head with no rope part: no k_pe; rows are the latent only (bf16/f16: 512 values; fp8: the first 528 bytes),
+// bit-exact against the reference; an fp8_ds_mla envelope's rope bytes (and every other byte) stay as they were.
+TEST(WriteMlaCache, NoRopePartBitExact) {
+  for (DType cache_dtype : {DType::bf16, DType::f16, DType::fp8_ds_mla, DType::fp8_ds_mla_nope})
+    for (DType in_dtype : {DType::f32, DType::bf16}) {
+      SCOPED_TRACE(std::string(dtype_name(cache_dtype)) + " from " + std::string(dtype_name(in_dtype)));
+      Rng rng(seed_of("nope" + std::string(dtype_name(cache_dtype)) + std::string(dtype_name(in_dtype))));
+      const int64_t n = 40;
+      const CacheGeometry g{cache_dtype, 5, 16, 16, 32, 0};
+      Tensor latent = alloc({n, kMlaLatentDim}, in_dtype);
+      for (int64_t i = 0; i < n; ++i) {
+        const float m = std::array<float, 4>{1e-6f, 1e-2f, 1.f, 300.f}[i % 4];
+        const auto c = test::random_floats(rng, kMlaLatentDim);
+        for (int d = 0; d < kMlaLatentDim; ++d) {
+          if (in_dtype == DType::f32) latent.view.ptr<float>()[i * kMlaLatentDim + d] = m * c[d];
+          else latent.view.ptr<uint16_t>()[i * kMlaLatentDim + d] = test::to_half_bits({m * c[d]}, in_dtype)[0];
+        }
+      }
+      Tensor mapping = alloc({n}, DType::i64);
+      std::vector<int64_t> slots(g.num_blocks * g.block_size);
+      std::iota(slots.begin(), slots.end(), 0);
+      std::shuffle(slots.begin(), slots.end(), rng);
+      for (int64_t i = 0; i < n; ++i) mapping.view.ptr<int64_t>()[i] = i % 5 == 2 ? -1 : slots[i];
+      Tensor before = make_cache(rng, g, {});  // all NaN; an envelope's rope parts bf16 NaN
+      Tensor expected = before, actual = before;
+      expected.view.data = expected.mem.data();
+      actual.view.data = actual.mem.data();
+      reference::ref_write_mla_cache({latent.view, TensorView(), mapping.view, expected.view});
+      Tensor empty_k_pe = alloc({n, 0}, in_dtype);  // a k_pe of width 0 means the same as none
+      write_mla_cache({latent.view, cache_dtype == DType::bf16 ? empty_k_pe.view : TensorView(), mapping.view,
+                       actual.view});
+      EXPECT_EQ(expected.mem, actual.mem);
+      // Exactly the latent part of each written row changed.
+      const int64_t latent_bytes = is_fp8_mla_cache(cache_dtype) ? kFp8DsMlaNopeRowBytes : 2 * kMlaLatentDim;
+      const int64_t elem = static_cast<int64_t>(dtype_size(cache_dtype));
+      std::vector<bool> written(before.mem.size() * 8, false);
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t slot = mapping.view.ptr<int64_t>()[i];
+        if (slot < 0) continue;
+        const int64_t start = ((slot / g.block_size) * before.view.strides[0] + (slot % g.block_size) *
+                               before.view.strides[1]) * elem;
+        for (int64_t b = 0; b < latent_bytes; ++b) written[start + b] = true;
+      }
+      const auto* old_bytes = reinterpret_cast<const uint8_t*>(before.mem.data());
+      const auto* new_bytes = reinterpret_cast<const uint8_t*>(actual.mem.data());
+      int64_t changed_outside = 0, latent_unchanged_rows = 0;
+      for (size_t b = 0; b < written.size(); ++b) changed_outside += !written[b] && old_bytes[b] != new_bytes[b];
+      EXPECT_EQ(changed_outside, 0) << "bytes outside the written latents changed";
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t slot = mapping.view.ptr<int64_t>()[i];
+        if (slot < 0) continue;
+        const int64_t start = ((slot / g.block_size) * before.view.strides[0] + (slot % g.block_size) *
+                               before.view.strides[1]) * elem;
+        latent_unchanged_rows += std::memcmp(old_bytes + start, new_bytes + start, latent_bytes) == 0;
+      }
+      EXPECT_EQ(latent_unchanged_rows, 0);
+    }
+}
+
 // ---------------------------------------------------------------------------
 // Bad inputs: smla::Error whose message names the op and the argument.
 
@@ -719,7 +857,10 @@ TEST(SparseMlaErrors, NameTheArgument) {
   Tensor i64_indices = alloc({c.tokens, c.topk}, DType::i64);
   bad([](auto& a) { a.q.ndim = 2; }, "sparse_mla: q: expected 3 dimensions");
   bad([](auto& a) { a.q.dtype = DType::f32; }, "sparse_mla: q: expected dtype");
-  bad([](auto& a) { a.q.shape[2] = 512; }, "sparse_mla: q: dimension 2");
+  bad([](auto& a) { a.q.shape[2] = 520; }, "sparse_mla: q: dimension 2 (absorbed head size) must be 576");
+  // A 512-wide q (no rope part) needs a 512-wide 16-bit cache.
+  bad([](auto& a) { a.q.shape[2] = 512; }, "sparse_mla: kv_cache: dimension 2 (row: c (512), no rope part)");
+  bad([](auto& a) { a.kv_cache.dtype = DType::fp8_ds_mla_nope; }, "sparse_mla: kv_cache: fp8_ds_mla_nope has no rope part");
   bad([](auto& a) { a.q.shape[1] = 129; }, "sparse_mla: q: dimension 1 (heads)");
   bad([](auto& a) { a.q.data = nullptr; }, "sparse_mla: q: is required");
   bad([](auto& a) { a.q.strides[2] = 2; }, "sparse_mla: q: the last dimension must be contiguous");
@@ -785,7 +926,8 @@ TEST(PagedMlaDecodeErrors, NameTheArgument) {
   bad([](auto& a) { a.softmax_scale = -1.f; }, "paged_mla_decode: softmax_scale");
   bad([](auto& a) { a.kv_cache.device = Device::cuda(80); }, "paged_mla_decode: kv_cache: is on sm_80");
   bad([](auto& a) { a.q.dtype = DType::f32; }, "paged_mla_decode: q: expected dtype");
-  bad([](auto& a) { a.q.shape[3] = 512; }, "paged_mla_decode: q: dimension 3");
+  bad([](auto& a) { a.q.shape[3] = 640; }, "paged_mla_decode: q: dimension 3 (absorbed head size)");
+  bad([](auto& a) { a.q.shape[3] = 512; }, "paged_mla_decode: kv_cache: dimension 2 (row: c (512), no rope part)");
   bad([](auto& a) { a.seq_lens.dtype = DType::i64; }, "paged_mla_decode: seq_lens: expected dtype");
   bad([](auto& a) { a.out.dtype = DType::f32; }, "paged_mla_decode: out: expected dtype");
   bad([](auto& a) { a.lse.dtype = DType::bf16; }, "paged_mla_decode: lse: expected dtype");
@@ -841,6 +983,40 @@ TEST(WriteMlaCacheErrors, NameTheArgument) {
   bad([](auto& a) { a.latent.device = Device::cuda(120); }, "write_mla_cache: latent: is on sm_120");
   mapping.view.ptr<int64_t>()[2] = 8;
   expect_error([&] { write_mla_cache(good); }, "write_mla_cache: slot_mapping: row 2 holds slot 8");
+}
+
+// A head with no rope part: q 512 wide; a mismatched cache names the cache and the width it must have.
+TEST(SparseMlaErrors, NoRopePartGeometry) {
+  SparseCase c;
+  c.name = "nope_errors";
+  c.cache.rope_dim = 0;
+  c.cache.dtype = DType::fp8_ds_mla_nope;
+  SparseProblem p = make_sparse(c);
+  ASSERT_NO_THROW(sparse_mla(p.args));
+  Rng rng(3);
+  Tensor wide = make_cache(rng, {DType::bf16, 8, 16, 0, 0, kMlaRopeDim}, {});
+  Tensor wide_q = make_q(rng, {c.tokens}, c.heads, DType::bf16, false);
+  SparseMlaArgs a = p.args;
+  a.kv_cache = wide.view;  // 576-wide bf16 rows under a 512-wide q
+  expect_error([&] { sparse_mla(a); }, "sparse_mla: kv_cache: dimension 2 (row: c (512), no rope part) must be 512");
+  a = p.args;
+  a.q = wide_q.view;  // the compact rope-free cache under a 576-wide q
+  expect_error([&] { sparse_mla(a); }, "sparse_mla: kv_cache: fp8_ds_mla_nope has no rope part, but the head is 576");
+  a = p.args;
+  a.kv_cache.shape[2] = kFp8DsMlaRowBytes;  // a 656-byte row declared fp8_ds_mla_nope
+  expect_error([&] { sparse_mla(a); }, "sparse_mla: kv_cache: dimension 2 (fp8_ds_mla_nope row");
+  a = p.args;
+  a.out.shape[2] = 576;
+  expect_error([&] { sparse_mla(a); }, "sparse_mla: out: dimension 2");
+  // write_mla_cache: no k_pe writes the rope-free forms; a k_pe with them, or none with a 576-wide cache, is wrong.
+  Tensor latent = alloc({2, kMlaLatentDim}, DType::f32), k_pe = alloc({2, kMlaRopeDim}, DType::f32);
+  Tensor mapping = alloc({2}, DType::i64);
+  mapping.view.ptr<int64_t>()[0] = 0;
+  mapping.view.ptr<int64_t>()[1] = 1;
+  expect_error([&] { write_mla_cache({latent.view, k_pe.view, mapping.view, p.cache.view}); },
+               "write_mla_cache: cache: fp8_ds_mla_nope has no rope part");
+  expect_error([&] { write_mla_cache({latent.view, TensorView(), mapping.view, wide.view}); },
+               "write_mla_cache: cache: dimension 2 (row: c (512), no rope part) must be 512");
 }
 
 // Empty batches are valid: nothing is read or written.

@@ -41,6 +41,7 @@ void expect_same_spec(const AttentionSpec& expected, const AttentionSpec& actual
   EXPECT_EQ(expected.qk_rope_head_dim, actual.qk_rope_head_dim);
   EXPECT_EQ(expected.v_head_dim, actual.v_head_dim);
   EXPECT_EQ(expected.num_layers, actual.num_layers);
+  EXPECT_EQ(expected.num_attention_layers, actual.num_attention_layers);
   EXPECT_EQ(expected.rms_norm_eps, actual.rms_norm_eps);
   EXPECT_EQ(expected.rope.theta, actual.rope.theta);
   EXPECT_EQ(expected.rope.yarn, actual.rope.yarn);
@@ -57,6 +58,8 @@ void expect_same_spec(const AttentionSpec& expected, const AttentionSpec& actual
     EXPECT_EQ(expected.indexer->head_dim, actual.indexer->head_dim);
     EXPECT_EQ(expected.indexer->topk, actual.indexer->topk);
     EXPECT_EQ(expected.indexer->rope_style, actual.indexer->rope_style);
+    EXPECT_EQ(expected.indexer->kpool, actual.indexer->kpool);
+    EXPECT_EQ(expected.indexer->always_select_tail, actual.indexer->always_select_tail);
   }
   EXPECT_EQ(expected.softmax_scale, actual.softmax_scale);
 }
@@ -74,9 +77,9 @@ double yarn_scale(int qk_head_dim, double factor) {
   return mscale * mscale / std::sqrt(qk_head_dim);
 }
 
-TEST(Presets, NamesAreTheFiveSupportedModels) {
-  EXPECT_EQ(preset_names(),
-            (std::vector<std::string>{"glm-5", "deepseek-v3.2", "deepseek-v3", "kimi-k2", "glm-4.7-flash"}));
+TEST(Presets, NamesAreTheSixSupportedModels) {
+  EXPECT_EQ(preset_names(), (std::vector<std::string>{"glm-5", "deepseek-v3.2", "deepseek-v3", "kimi-k2",
+                                                      "glm-4.7-flash", "glm-5.3-flash"}));
 }
 
 TEST(Presets, EachEqualsItsFixtureConfig) {
@@ -115,6 +118,79 @@ TEST(ConfigJson, KimiK25ReadsTheNestedTextConfig) {
   const AttentionSpec nested = spec_from_config_file(fixture_path("kimi-k2.5-nested"));
   EXPECT_EQ(nested.model_type, "kimi_k2");
   expect_same_spec(*preset("kimi-k2"), nested);
+}
+
+// GLM-5.3-Flash: the multimodal wrapper (text under text_config), the flat text config, and a flat config under
+// the wrapper's type all read the same; 512-wide heads, a pooled indexer, 11 MLA layers among 45.
+TEST(ConfigJson, Glm53FlashNestedAndFlat) {
+  const AttentionSpec nested = spec_from_config_file(fixture_path("glm-5.3-flash"));
+  const AttentionSpec flat = spec_from_config_file(fixture_path("glm-5.3-flash-text"));
+  expect_same_spec(*preset("glm-5.3-flash"), nested);
+  expect_same_spec(nested, flat);
+  json flat_wrapper_type = fixture_json("glm-5.3-flash-text");
+  flat_wrapper_type["model_type"] = "glm5_next";
+  EXPECT_EQ(parse(flat_wrapper_type).model_type, "glm5_next");
+  EXPECT_EQ(nested.model_type, "glm5_next_text");
+  EXPECT_EQ(nested.qk_rope_head_dim, 0);
+  EXPECT_EQ(nested.absorbed_qk_dim(), 512);
+  EXPECT_EQ(nested.absorbed_v_dim(), 512);
+  EXPECT_EQ(nested.softmax_scale, 0.0625);  // (256 + 0)^-0.5
+  EXPECT_EQ(nested.num_layers, 45);
+  EXPECT_EQ(nested.num_attention_layers, 11);
+  EXPECT_TRUE(nested.is_hybrid());
+  ASSERT_TRUE(nested.indexer.has_value());
+  EXPECT_EQ(nested.indexer->heads, 32);
+  EXPECT_EQ(nested.indexer->topk, 2048);
+  EXPECT_EQ(nested.indexer->kpool, 4);
+  EXPECT_TRUE(nested.indexer->always_select_tail);
+  // The other models: one key per token, every layer an MLA layer.
+  for (const char* name : {"glm-5", "deepseek-v3.2", "deepseek-v3"}) {
+    const AttentionSpec other = spec_from_config_file(fixture_path(name));
+    EXPECT_FALSE(other.is_hybrid()) << name;
+    if (other.indexer) EXPECT_EQ(other.indexer->kpool, 1) << name;
+  }
+}
+
+// Without layer_types the MLA layers are those linear_attn_config.kda_layers leaves.
+TEST(ConfigJson, Glm53FlashLayerCountFromKdaLayers) {
+  json config = fixture_json("glm-5.3-flash-text");
+  config.erase("layer_types");
+  EXPECT_EQ(parse(config).num_attention_layers, 11);
+  config.erase("linear_attn_config");
+  EXPECT_EQ(parse(config).num_attention_layers, 45);
+}
+
+TEST(ConfigJson, Glm53FlashBadInputNamesTheField) {
+  const json text = fixture_json("glm-5.3-flash-text");
+  auto with = [&](const char* field, const json& value) {
+    json config = text;
+    config[field] = value;
+    return config.dump();
+  };
+  json without_kpool = text;
+  without_kpool.erase("index_kpool");
+  expect_config_error(without_kpool.dump(), "index_kpool: expected an integer, got no such field");
+  expect_config_error(with("index_kpool", 0), "index_kpool: expected a positive integer");
+  expect_config_error(with("index_kpool_always_select_tail", 1), "index_kpool_always_select_tail");
+  expect_config_error(with("layer_types", json::array({"linear_attention"})), "layer_types: expected one entry per layer");
+  expect_config_error(with("layer_types", "linear_attention"), "layer_types: expected an array");
+  json numbers = json::array();
+  for (int i = 0; i < 45; ++i) numbers.push_back(i);
+  expect_config_error(with("layer_types", numbers), "layer_types: expected layer type names");
+  expect_config_error(with("layer_types", json(std::vector<std::string>(45, "linear_attention"))),
+                      "layer_types: expected at least one MLA layer");
+  json all_kda = text;
+  all_kda.erase("layer_types");
+  all_kda["linear_attn_config"]["kda_layers"] = numbers;
+  expect_config_error(all_kda.dump(), "linear_attn_config.kda_layers: expected at least one MLA layer");
+  AttentionSpec more_mla_than_layers = *preset("glm-5.3-flash");
+  more_mla_than_layers.num_attention_layers = 46;
+  expect_error([&] { validate(more_mla_than_layers, "spec"); }, ErrorKind::invalid_argument,
+               {"spec: the MLA layers (layer_types) must number 0 to num_hidden_layers (45), got 46"});
+  expect_config_error(with("qk_rope_head_dim", -2), "qk_rope_head_dim must not be negative");
+  json nested = fixture_json("glm-5.3-flash");
+  nested["text_config"]["index_n_heads"] = "32";
+  expect_config_error(nested.dump(), "text_config.index_n_heads");
 }
 
 TEST(ConfigJson, RopeParametersAndRopeScalingAgree) {

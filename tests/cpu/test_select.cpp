@@ -154,12 +154,36 @@ TEST(Validate, BlockSizeTopkOpsSinksHeadDimsAndRule) {
 
   AttentionSpec wide = glm5();
   wide.kv_lora_rank = 1024;
-  EXPECT_TRUE(has_reason(validate(everywhere_gpu(), wide, on("sm_90")), "absorbed head size 1088/1024 not supported"));
+  EXPECT_TRUE(has_reason(validate(everywhere_gpu(), wide, on("sm_90")), "absorbed head size 1088 / 1024 not supported (supports 576 / 512)"));
 
   c.combination_rule = [](const AttentionSpec&, const RunSpec& r) {
     return r.tp > 1 ? std::vector<std::string>{"no tensor parallelism"} : std::vector<std::string>{};
   };
   EXPECT_TRUE(has_reason(validate(c, glm5(), on("sm_90", DType::bf16, DType::fp8_ds_mla, 2)), "no tensor parallelism"));
+}
+
+// GLM-5.3-Flash's geometry: 512-wide heads need a declaration that lists them, its indexer one that pools, and
+// the compact rope-free fp8 cache fits only heads without a rope part.
+TEST(Validate, HeadsWithoutRopePart) {
+  AttentionSpec glm53 = glm5();
+  glm53.qk_nope_head_dim = 256;
+  glm53.qk_rope_head_dim = 0;
+  glm53.indexer->kpool = 4;
+  Capabilities c = everywhere_gpu();
+  EXPECT_TRUE(has_reason(validate(c, glm53, on("sm_120")), "absorbed head size 512 / 512 not supported"));
+  EXPECT_TRUE(has_reason(validate(c, glm53, on("sm_120")), "does not implement the pooled indexer (index_kpool 4)"));
+  c.qk_head_dims = {kMlaQkDim, kMlaLatentDim};
+  c.kv_cache_dtypes.push_back(DType::fp8_ds_mla_nope);
+  c.pooled_indexer = true;
+  EXPECT_EQ(validate(c, glm53, on("sm_120")), std::vector<std::string>{});
+  EXPECT_EQ(validate(c, glm53, on("sm_120", DType::bf16, DType::fp8_ds_mla_nope)), std::vector<std::string>{});
+  EXPECT_EQ(validate(c, glm53, on("sm_120", DType::bf16, DType::fp8_ds_mla)), std::vector<std::string>{});
+  EXPECT_TRUE(has_reason(validate(c, glm5(), on("sm_120", DType::bf16, DType::fp8_ds_mla_nope)),
+                         "kv-cache dtype fp8_ds_mla_nope has no rope part, the model's head has rope 64"));
+  RunSpec sparse_only = on("sm_120");
+  sparse_only.ops = {Op::sparse_mla};  // without the indexer the pooling does not matter
+  c.pooled_indexer = false;
+  EXPECT_EQ(validate(c, glm53, sparse_only), std::vector<std::string>{});
 }
 
 TEST_F(Select, WalksThePriorityListAndReportsEveryCandidate) {
@@ -300,7 +324,7 @@ TEST(Ops, AnExplicitBackendMustRunWhereTheTensorsAre) {
   a.request_ids = TensorView(bogus, {1}, DType::i32, gpu);
   a.block_table = TensorView(bogus, {1, 2}, DType::i32, gpu);
   a.block_size = 16;
-  a.slots = TensorView(bogus, {1, 4}, DType::i32, gpu);
+  a.slots = TensorView(static_cast<char*>(bogus) + 64, {1, 4}, DType::i32, gpu);  // an output apart from the inputs
   try {
     positions_to_slots(a, Registry::global().find("cpu"));
     FAIL();

@@ -1,7 +1,9 @@
 // The CUDA attention ops against the CPU backend (itself tested against the
 // float64 reference): every dtype and cache format, head counts, top-k, block
 // sizes, padded strides, invalid indices, NaN-poisoned unused slots, outputs
-// pre-filled with NaN and checked fully written, topk_length and sinks.
+// pre-filled with NaN and checked fully written, topk_length and sinks; heads
+// of 576 (rope 64) and of 512 (no rope part: the fp8_ds_mla envelope's rope
+// bytes NaN, never read).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -27,15 +29,20 @@ struct Problem {
   DType kv_dtype = DType::bf16;
   int tokens = 3, heads = 16, topk = 128, block_size = 16, num_blocks = 0, block_pad = 0;
   bool topk_length = false, sink = false, q_padded = false;
+  bool max_logits = false, empty_lse_plus_inf = false;
+  int rope = kMlaRopeDim;  // 0: 512-wide heads (GLM-5.3-Flash)
   cuda::AttentionChoice kernel;  // forced: the op's CUDA function is called directly
+  int qk() const { return MlaHead{rope}.qk_dim(); }
 };
 
-int row_elems(DType kv) { return kv == DType::fp8_ds_mla ? kFp8DsMlaRowBytes : kMlaQkDim; }
+int row_elems(DType kv, int rope) { return static_cast<int>(MlaHead{rope}.cache_row(kv)); }
+
+std::string nope_tag(const Problem& p) { return p.rope ? "" : " no-rope"; }
 
 // A paged cache: written through the CPU backend from random latents where
 // `used`, NaN (0xff bytes) everywhere else, including the block padding.
 std::vector<uint8_t> make_cache(test::Rng& rng, const Problem& pr, const std::vector<bool>& used, TensorView& view) {
-  const int row = row_elems(pr.kv_dtype);
+  const int row = row_elems(pr.kv_dtype, pr.rope);
   const int64_t esz = dtype_size(pr.kv_dtype);
   const int64_t block_stride = static_cast<int64_t>(pr.block_size) * row + pr.block_pad;
   std::vector<uint8_t> cache(pr.num_blocks * block_stride * esz, 0xff);
@@ -48,7 +55,7 @@ std::vector<uint8_t> make_cache(test::Rng& rng, const Problem& pr, const std::ve
   auto kpe = test::to_half_bits(test::random_floats(rng, n * kMlaRopeDim, -2.f, 2.f), DType::bf16);
   WriteMlaCacheArgs w;
   w.latent = TensorView(latent.data(), {n, kMlaLatentDim}, DType::bf16);
-  w.k_pe = TensorView(kpe.data(), {n, kMlaRopeDim}, DType::bf16);
+  if (pr.rope) w.k_pe = TensorView(kpe.data(), {n, kMlaRopeDim}, DType::bf16);  // none: the rope part stays NaN
   w.slot_mapping = TensorView(slots.data(), {n}, DType::i64);
   w.cache = view;
   write_mla_cache(w, &cpu());
@@ -84,7 +91,7 @@ void expect_close(const std::vector<uint16_t>& ref, const std::vector<uint16_t>&
 void run_sparse(const Problem& pr, uint64_t seed) {
   const std::string what = std::string("sparse q=") + std::string(dtype_name(pr.q_dtype)) + " kv=" +
                            std::string(dtype_name(pr.kv_dtype)) + " H=" + std::to_string(pr.heads) +
-                           " K=" + std::to_string(pr.topk) + " bs=" + std::to_string(pr.block_size) +
+                           " K=" + std::to_string(pr.topk) + " bs=" + std::to_string(pr.block_size) + nope_tag(pr) +
                            " kernel=" + std::to_string(static_cast<int>(pr.kernel.kernel)) +
                            " stages=" + std::to_string(pr.kernel.stages);
   SCOPED_TRACE(what);
@@ -117,12 +124,12 @@ void run_sparse(const Problem& pr, uint64_t seed) {
   TensorView cache_view;
   auto cache = make_cache(rng, p, used, cache_view);
 
-  const int64_t q_row = p.q_padded ? kMlaQkDim + 64 : kMlaQkDim;
+  const int64_t q_row = p.q_padded ? p.qk() + 64 : p.qk();
   auto qbits = queries(rng, p.tokens * p.heads * q_row, p.q_dtype, p.kv_dtype);
   std::vector<float> sink = test::random_floats(rng, p.heads, -2.f, 2.f);
 
   SparseMlaArgs a;
-  a.q = TensorView(qbits.data(), {p.tokens, p.heads, kMlaQkDim}, {p.heads * q_row, q_row, 1}, p.q_dtype);
+  a.q = TensorView(qbits.data(), {p.tokens, p.heads, p.qk()}, {p.heads * q_row, q_row, 1}, p.q_dtype);
   a.kv_cache = cache_view;
   a.indices = TensorView(idx.data(), {p.tokens, p.topk}, DType::i32);
   if (p.topk_length) a.topk_length = TensorView(lens.data(), {p.tokens}, DType::i32);
@@ -132,9 +139,13 @@ void run_sparse(const Problem& pr, uint64_t seed) {
   std::vector<float> ref_lse(p.tokens * p.heads);
   a.out = TensorView(ref.data(), {p.tokens, p.heads, kMlaVDim}, p.q_dtype);
   a.lse = TensorView(ref_lse.data(), {p.tokens, p.heads}, DType::f32);
+  std::vector<float> ref_max(p.tokens * p.heads);
+  if (p.max_logits) a.max_logits = TensorView(ref_max.data(), {p.tokens, p.heads}, DType::f32);
+  a.empty_lse_plus_inf = p.empty_lse_plus_inf;
   sparse_mla(a, &cpu());
 
   DeviceBuffer dq(qbits), dcache(cache), didx(idx), dlens(lens), dsink(sink);
+  DeviceBuffer dmax(std::vector<float>(ref_max.size(), std::nanf("")));
   DeviceBuffer dout(std::vector<uint16_t>(ref.size(), 0x7fc1));  // NaN sentinel in both 16-bit types
   DeviceBuffer dlse(std::vector<float>(ref_lse.size(), std::nanf("")));
   SparseMlaArgs g = a;
@@ -145,10 +156,16 @@ void run_sparse(const Problem& pr, uint64_t seed) {
   if (p.sink) g.attn_sink = on_gpu(a.attn_sink, dsink.ptr);
   g.out = on_gpu(a.out, dout.ptr);
   g.lse = on_gpu(a.lse, dlse.ptr);
+  if (p.max_logits) g.max_logits = on_gpu(a.max_logits, dmax.ptr);
   if (p.kernel.kernel == cuda::AttentionKernel::automatic) sparse_mla(g, &gpu());
   else cuda::sparse_mla(g, p.kernel);
   CUDA_OK(cudaDeviceSynchronize());
   expect_close(ref, dout.download<uint16_t>(), p.q_dtype, ref_lse, dlse.download<float>(), what);
+  if (p.max_logits) {
+    const auto got = dmax.download<float>();
+    std::vector<double> r(ref_max.begin(), ref_max.end()), gm(got.begin(), got.end());
+    EXPECT_EQ(test::compare(r, gm, 1e-3, 1e-4, 0.9999), "") << what << " (max_logits)";
+  }
 }
 
 TEST(CudaSparseMla, HeadsAndTopk) {
@@ -209,13 +226,15 @@ TEST(CudaSparseMla, DecodeBatchUsesSplits) {
 }
 
 void run_paged(DType q_dtype, DType kv, int batch, int s_q, int heads, int block_size, bool causal, uint64_t seed,
-               cuda::AttentionChoice kernel = {}) {
+               int rope = kMlaRopeDim, cuda::AttentionChoice kernel = {}) {
   SCOPED_TRACE("paged kv=" + std::string(dtype_name(kv)) + " B=" + std::to_string(batch) + " s_q=" +
                std::to_string(s_q) + " H=" + std::to_string(heads) + " bs=" + std::to_string(block_size) +
-               " kernel=" + std::to_string(static_cast<int>(kernel.kernel)) + " stages=" + std::to_string(kernel.stages));
+               " rope=" + std::to_string(rope) + " kernel=" + std::to_string(static_cast<int>(kernel.kernel)) +
+               " stages=" + std::to_string(kernel.stages));
   test::Rng rng(seed);
   const int max_blocks = (700 + block_size - 1) / block_size;
   Problem p;
+  p.rope = rope;
   p.kv_dtype = kv;
   p.block_size = block_size;
   p.num_blocks = batch * max_blocks + 3;
@@ -231,10 +250,10 @@ void run_paged(DType q_dtype, DType kv, int batch, int s_q, int heads, int block
   }
   TensorView cache_view;
   auto cache = make_cache(rng, p, used, cache_view);
-  auto qbits = queries(rng, batch * s_q * heads * kMlaQkDim, q_dtype, kv);
+  auto qbits = queries(rng, batch * s_q * heads * p.qk(), q_dtype, kv);
 
   PagedMlaDecodeArgs a;
-  a.q = TensorView(qbits.data(), {batch, s_q, heads, kMlaQkDim}, q_dtype);
+  a.q = TensorView(qbits.data(), {batch, s_q, heads, p.qk()}, q_dtype);
   a.kv_cache = cache_view;
   a.block_table = TensorView(table.data(), {batch, max_blocks}, DType::i32);
   a.seq_lens = TensorView(seq.data(), {batch}, DType::i32);
@@ -308,7 +327,51 @@ TEST(CudaSparseMlaSmallHeads, HeadsFormatsTopkBlockSizes) {
         // picked or 8 (16 heads and more: several CTAs per token); output dims as picked, unsplit or split in 2.
         p.kernel = {cuda::AttentionKernel::small_heads, kv == DType::fp8_ds_mla ? 2 + n % 3 : 2 * (n % 2),
                     n % 4 >= 2 ? 8 : 0, n % 3};
+        p.max_logits = n % 2 == 0;  // the exact max score, whatever the softmax's lazily moved base
+        p.empty_lse_plus_inf = n % 7 == 3;
         ++n;
+        run_sparse(p, seed++);
+      }
+}
+
+// Heads with no rope part: 512-wide bf16/f16 caches, the fp8_ds_mla envelope (rope part NaN) and the compact
+// fp8_ds_mla_nope rows, against the CPU backend.
+TEST(CudaSparseMla, NoRopePartHeadsAndTopk) {
+  uint64_t seed = 600;
+  const DType forms[] = {DType::bf16, DType::fp8_ds_mla, DType::fp8_ds_mla_nope, DType::f16};
+  int turn = 0;
+  for (int heads : {1, 8, 16, 64, 128})
+    for (int topk : {1, 100, 2048}) {
+      Problem p;
+      p.rope = 0;
+      p.kv_dtype = forms[turn % 4];
+      p.block_size = std::array<int, 3>{1, 16, 64}[turn % 3];
+      p.heads = heads;
+      p.topk = topk;
+      p.tokens = heads >= 64 ? 2 : 3;
+      p.sink = turn % 2 == 1;
+      p.topk_length = turn % 3 == 2;
+      ++turn;
+      run_sparse(p, seed++);
+    }
+}
+
+TEST(CudaSparseMla, NoRopePartDtypesFormatsBlockSizes) {
+  uint64_t seed = 700;
+  for (DType q : {DType::bf16, DType::f16})
+    for (DType kv : {DType::bf16, DType::f16, DType::fp8_ds_mla, DType::fp8_ds_mla_nope})
+      for (int bs : {1, 16, 64}) {
+        Problem p;
+        p.rope = 0;
+        p.q_dtype = q;
+        p.kv_dtype = kv;
+        p.block_size = bs;
+        p.heads = 20;
+        p.topk = 300;
+        p.block_pad = bs == 16 ? 8 * 16 : 0;
+        p.topk_length = bs == 64;
+        p.sink = bs == 1;
+        p.q_padded = q == DType::f16;
         run_sparse(p, seed++);
       }
 }
@@ -338,6 +401,7 @@ TEST(CudaSparseMlaSmallHeads, DecodeBatchUsesSplits) {
       p.heads = heads;
       p.topk = 2048;
       p.block_size = 64;
+      p.max_logits = true;  // through the splits' partial maxima
       p.kernel = {cuda::AttentionKernel::small_heads, 0};
       run_sparse(p, 800 + heads);
     }
@@ -381,6 +445,7 @@ TEST(CudaSparseMla, HeadTileKernelForSmallHeadCounts) {
       p.topk = 1000;
       p.topk_length = true;
       p.sink = true;
+      p.max_logits = true;
       p.kernel = {cuda::AttentionKernel::head_tile, 0};
       run_sparse(p, seed++);
     }
@@ -389,55 +454,83 @@ TEST(CudaSparseMla, HeadTileKernelForSmallHeadCounts) {
 TEST(CudaPagedDecode, SmallHeadsKernel) {
   uint64_t seed = 1000;
   for (DType kv : {DType::bf16, DType::fp8_ds_mla})
-    for (int bs : {1, 16, 64}) run_paged(DType::bf16, kv, 3, 2, 16, bs, true, seed++, {cuda::AttentionKernel::small_heads, 0});
-  run_paged(DType::bf16, DType::fp8_ds_mla, 2, 4, 8, 16, false, seed++, {cuda::AttentionKernel::small_heads, 3});
-  run_paged(DType::bf16, DType::fp8_ds_mla, 2, 2, 16, 64, true, seed++, {cuda::AttentionKernel::small_heads, 0, 8, 1});
-  run_paged(DType::bf16, DType::bf16, 2, 2, 20, 64, true, seed++, {cuda::AttentionKernel::small_heads, 0, 8, 2});
-  run_paged(DType::f16, DType::bf16, 4, 1, 4, 64, true, seed++, {cuda::AttentionKernel::small_heads, 3});
-  run_paged(DType::bf16, DType::bf16, 2, 2, 16, 16, true, seed++, {cuda::AttentionKernel::head_tile, 0});
+    for (int bs : {1, 16, 64})
+      run_paged(DType::bf16, kv, 3, 2, 16, bs, true, seed++, kMlaRopeDim, {cuda::AttentionKernel::small_heads, 0});
+  run_paged(DType::bf16, DType::fp8_ds_mla, 2, 4, 8, 16, false, seed++, kMlaRopeDim, {cuda::AttentionKernel::small_heads, 3});
+  run_paged(DType::bf16, DType::fp8_ds_mla, 2, 2, 16, 64, true, seed++, kMlaRopeDim, {cuda::AttentionKernel::small_heads, 0, 8, 1});
+  run_paged(DType::bf16, DType::bf16, 2, 2, 20, 64, true, seed++, kMlaRopeDim, {cuda::AttentionKernel::small_heads, 0, 8, 2});
+  run_paged(DType::f16, DType::bf16, 4, 1, 4, 64, true, seed++, kMlaRopeDim, {cuda::AttentionKernel::small_heads, 3});
+  run_paged(DType::bf16, DType::bf16, 2, 2, 16, 16, true, seed++, kMlaRopeDim, {cuda::AttentionKernel::head_tile, 0});
+}
+
+TEST(CudaSparseMla, NoRopePartDecodeBatchUsesSplits) {
+  // 64 tokens x 8 heads x top-k 2048: GLM-5.3-Flash's TP8 decode shape, in the three forms engines would use.
+  uint64_t seed = 800;
+  for (DType kv : {DType::bf16, DType::fp8_ds_mla, DType::fp8_ds_mla_nope}) {
+    Problem p;
+    p.rope = 0;
+    p.kv_dtype = kv;
+    p.tokens = 64;
+    p.heads = 8;
+    p.topk = 2048;
+    p.block_size = 64;
+    p.sink = true;
+    run_sparse(p, seed++);
+  }
+}
+
+TEST(CudaPagedDecode, NoRopePartMatchesCpu) {
+  uint64_t seed = 900;
+  for (DType kv : {DType::bf16, DType::f16, DType::fp8_ds_mla, DType::fp8_ds_mla_nope})
+    for (int bs : {1, 16, 64}) run_paged(DType::bf16, kv, 3, 2, 16, bs, true, seed++, 0);
+  run_paged(DType::f16, DType::f16, 4, 1, 128, 64, true, seed++, 0);
+  run_paged(DType::bf16, DType::fp8_ds_mla_nope, 2, 4, 8, 16, false, seed++, 0);
 }
 
 TEST(CudaWriteMlaCache, SameBytesAsCpu) {
   test::Rng rng(500);
-  for (DType src : {DType::f32, DType::bf16, DType::f16})
-    for (DType kv : {DType::bf16, DType::f16, DType::fp8_ds_mla}) {
-      SCOPED_TRACE(std::string(dtype_name(src)) + " -> " + std::string(dtype_name(kv)));
-      const int n = 77, num_blocks = 10, bs = 16;
-      const int row = row_elems(kv);
-      const int64_t esz = dtype_size(src);
-      std::vector<uint8_t> latent(n * kMlaLatentDim * esz), kpe(n * kMlaRopeDim * esz);
-      auto fill = [&](std::vector<uint8_t>& buf, int count) {
-        auto vals = test::random_floats(rng, count, -40.f, 40.f);
-        if (src == DType::f32) std::memcpy(buf.data(), vals.data(), buf.size());
-        else {
-          auto bits = test::to_half_bits(vals, src);
-          std::memcpy(buf.data(), bits.data(), buf.size());
-        }
-      };
-      fill(latent, n * kMlaLatentDim);
-      fill(kpe, n * kMlaRopeDim);
-      std::vector<int64_t> slots(n);
-      std::vector<int64_t> perm(num_blocks * bs);
-      for (size_t i = 0; i < perm.size(); ++i) perm[i] = static_cast<int64_t>(i);
-      std::shuffle(perm.begin(), perm.end(), rng);
-      for (int i = 0; i < n; ++i) slots[i] = i % 11 == 5 ? -1 : perm[i];
-      std::vector<uint8_t> ref(num_blocks * bs * row * dtype_size(kv), 0xab);
-      WriteMlaCacheArgs a;
-      a.latent = TensorView(latent.data(), {n, kMlaLatentDim}, src);
-      a.k_pe = TensorView(kpe.data(), {n, kMlaRopeDim}, src);
-      a.slot_mapping = TensorView(slots.data(), {n}, DType::i64);
-      a.cache = TensorView(ref.data(), {num_blocks, bs, row}, kv);
-      write_mla_cache(a, &cpu());
-      DeviceBuffer dl(latent), dk(kpe), ds(slots), dc(std::vector<uint8_t>(ref.size(), 0xab));
-      WriteMlaCacheArgs g = a;
-      g.latent = on_gpu(a.latent, dl.ptr);
-      g.k_pe = on_gpu(a.k_pe, dk.ptr);
-      g.slot_mapping = on_gpu(a.slot_mapping, ds.ptr);
-      g.cache = on_gpu(a.cache, dc.ptr);
-      write_mla_cache(g, &gpu());
-      CUDA_OK(cudaDeviceSynchronize());
-      EXPECT_EQ(dc.download<uint8_t>(), ref);
-    }
+  for (int rope : {kMlaRopeDim, 0})
+    for (DType src : {DType::f32, DType::bf16, DType::f16})
+      for (DType kv : {DType::bf16, DType::f16, DType::fp8_ds_mla, DType::fp8_ds_mla_nope}) {
+        if (MlaHead{rope}.cache_row(kv) == 0) continue;  // fp8_ds_mla_nope holds no rope part
+        SCOPED_TRACE(std::string(dtype_name(src)) + " -> " + std::string(dtype_name(kv)) + " rope " +
+                     std::to_string(rope));
+        const int n = 77, num_blocks = 10, bs = 16;
+        const int row = row_elems(kv, rope);
+        const int64_t esz = dtype_size(src);
+        std::vector<uint8_t> latent(n * kMlaLatentDim * esz), kpe(n * kMlaRopeDim * esz);
+        auto fill = [&](std::vector<uint8_t>& buf, int count) {
+          auto vals = test::random_floats(rng, count, -40.f, 40.f);
+          if (src == DType::f32) std::memcpy(buf.data(), vals.data(), buf.size());
+          else {
+            auto bits = test::to_half_bits(vals, src);
+            std::memcpy(buf.data(), bits.data(), buf.size());
+          }
+        };
+        fill(latent, n * kMlaLatentDim);
+        fill(kpe, n * kMlaRopeDim);
+        std::vector<int64_t> slots(n);
+        std::vector<int64_t> perm(num_blocks * bs);
+        for (size_t i = 0; i < perm.size(); ++i) perm[i] = static_cast<int64_t>(i);
+        std::shuffle(perm.begin(), perm.end(), rng);
+        for (int i = 0; i < n; ++i) slots[i] = i % 11 == 5 ? -1 : perm[i];
+        std::vector<uint8_t> ref(num_blocks * bs * row * dtype_size(kv), 0xab);
+        WriteMlaCacheArgs a;
+        a.latent = TensorView(latent.data(), {n, kMlaLatentDim}, src);
+        if (rope) a.k_pe = TensorView(kpe.data(), {n, kMlaRopeDim}, src);  // none: the envelope's rope bytes stay
+        a.slot_mapping = TensorView(slots.data(), {n}, DType::i64);
+        a.cache = TensorView(ref.data(), {num_blocks, bs, row}, kv);
+        write_mla_cache(a, &cpu());
+        DeviceBuffer dl(latent), dk(kpe), ds(slots), dc(std::vector<uint8_t>(ref.size(), 0xab));
+        WriteMlaCacheArgs g = a;
+        g.latent = on_gpu(a.latent, dl.ptr);
+        if (rope) g.k_pe = on_gpu(a.k_pe, dk.ptr);
+        g.slot_mapping = on_gpu(a.slot_mapping, ds.ptr);
+        g.cache = on_gpu(a.cache, dc.ptr);
+        write_mla_cache(g, &gpu());
+        CUDA_OK(cudaDeviceSynchronize());
+        EXPECT_EQ(dc.download<uint8_t>(), ref);
+      }
 }
 
 TEST(CudaBackend, RejectsMisalignedQueries) {

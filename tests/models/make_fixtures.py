@@ -105,6 +105,8 @@ def write_specs(configs, out):
     for path in sorted(configs.glob("*.json")):
         config = json.loads(path.read_text())
         cfg = config.get("text_config", config)
+        if cfg["model_type"] not in ARCH:  # no GGUF architecture for it (glm5_next_text): no spec fixture
+            continue
         writer = gguf.GGUFWriter(out / f"{path.stem}.gguf", ARCH[cfg["model_type"]])
         write_metadata(writer, cfg)
         finish(writer)

@@ -90,7 +90,8 @@ def test_explain_bad_input_raises_value_errors(kwargs, pattern):
 
 
 def test_models():
-    assert smla.preset_names() == ["glm-5", "deepseek-v3.2", "deepseek-v3", "kimi-k2", "glm-4.7-flash"]
+    assert smla.preset_names() == ["glm-5", "deepseek-v3.2", "deepseek-v3", "kimi-k2", "glm-4.7-flash",
+                                   "glm-5.3-flash"]
     spec = smla.load_model_spec("glm-5")
     assert (spec.num_heads, spec.qk_nope_head_dim, spec.v_head_dim, spec.softmax_scale) == (64, 192, 256, 0.0625)
     assert spec.is_sparse and spec.indexer.heads == 32 and spec.rope_style == "interleaved"
@@ -110,6 +111,23 @@ def test_models():
         bad.validate()
     with pytest.raises(smla.InvalidArgumentError, match="rope_style"):
         spec.rope_style = "sideways"
+
+
+def test_glm53_flash():
+    """GLM-5.3-Flash: 512-wide heads, a pooled indexer, 11 MLA layers of 45; both backends pool."""
+    spec = smla.load_model_spec("glm-5.3-flash")
+    assert (spec.qk_rope_head_dim, spec.absorbed_qk_dim, spec.absorbed_v_dim) == (0, 512, 512)
+    assert (spec.num_layers, spec.num_attention_layers, spec.indexer.kpool) == (45, 11, 4)
+    nested = smla.load_model_spec(CONFIGS / "glm-5.3-flash.json")
+    assert nested.model_type == "glm5_next_text" and nested.indexer.kpool == 4
+    for tp in (2, 4, 8):
+        e = smla.explain("glm-5.3-flash", device="cpu", tp=tp, kv_cache_dtype="fp8_ds_mla_nope")
+        assert e.run.heads_per_rank == 64 // tp and e.model.absorbed_qk_dim == 512
+        assert e.model.num_attention_layers == 11 and e.model.indexer.kpool == 4
+        assert e.chosen == "cpu"
+        assert not any("pooled indexer" in r for c in e.candidates for r in c.reasons)
+    e = smla.explain("glm-5", device="cpu", kv_cache_dtype="fp8_ds_mla_nope")
+    assert any("fp8_ds_mla_nope has no rope part" in r for c in e.candidates for r in c.reasons)
 
 
 def test_backends_match_the_readme_support_matrix():

@@ -202,3 +202,122 @@ def test_flash_mla_argument_errors(rng):
         flash_mla_with_kvcache(q, k_cache, None, None, 512, get_mla_metadata()[0], is_fp8_kvcache=True)
     with pytest.raises(smla.InvalidArgumentError, match="h_kv"):
         flash_mla_sparse_fwd(q[0], np.zeros((8, 2, QK), bf16), np.zeros((1, 2, 64), np.int32), 0.1)
+
+
+# --- d_qk 512: heads with no rope part (GLM-5.3-Flash) ---------------------------------------------------------
+
+FP8_NOPE_ROW = LATENT + 16  # fp8_ds_mla_nope: 512 e4m3 + 4 fp32 scales
+
+
+def no_rope_fp8_cache(rng, num_blocks, block_size, form):
+    """An FP8 cache of random latents for 512-wide heads, (num_blocks, block_size, 1, 656 | 528): the envelope's rope
+    part is bf16 NaN (never read). Returns (cache, rows [num_slots, 512] float64 as the kernels see them)."""
+    num_slots = num_blocks * block_size
+    lat = np.clip(rng.standard_normal((num_slots, LATENT)) * 0.1, -1, 1).astype(np.float32)
+    rows = quantize_ds_mla(lat, np.full((num_slots, ROPE), np.nan, np.float32))
+    values = dequantize_ds_mla(rows)[:, :LATENT]
+    if form == "fp8_ds_mla_nope":
+        rows = rows[:, :FP8_NOPE_ROW]
+    return rows.reshape(num_blocks, block_size, 1, -1), values
+
+
+@pytest.mark.parametrize("form", ["fp8_ds_mla", "fp8_ds_mla_nope"])
+@pytest.mark.parametrize("h_q,topk,block_size", [(8, 64, 64), (16, 100, 1), (128, 2048, 16)])
+def test_sparse_decode_without_rope_part(rng, form, h_q, topk, block_size):
+    b, s_q = 2, 2
+    num_blocks = -(-max(2 * topk, 256) // block_size)
+    k_cache, rows = no_rope_fp8_cache(rng, num_blocks, block_size, form)
+    assert k_cache.shape[-1] == (FP8_ROW if form == "fp8_ds_mla" else FP8_NOPE_ROW)
+    num_slots = num_blocks * block_size
+    q = np.clip(rng.standard_normal((b, s_q, h_q, LATENT)), -1, 1).astype(bf16)
+    indices = np.stack([rng.choice(num_slots, size=topk, replace=False) for _ in range(b * s_q)])
+    indices = indices.reshape(b, s_q, topk).astype(np.int32)
+    indices[rng.random(indices.shape) < 0.2] = rng.choice(INVALID_INDICES)
+    topk_length = rng.integers(0, topk + 1, size=b).astype(np.int32)
+    sink = rng.standard_normal(h_q).astype(np.float32)
+    out, lse = flash_mla_with_kvcache(q, k_cache, None, None, 512, get_mla_metadata()[0], is_fp8_kvcache=True,
+                                      indices=indices, attn_sink=sink, topk_length=topk_length)
+    assert out.shape == (b, s_q, h_q, V) and lse.shape == (b, h_q, s_q)
+    ref_out, ref_lse = attention(np.asarray(q, np.float64).reshape(b * s_q, h_q, LATENT), rows,
+                                 indices.reshape(b * s_q, topk), LATENT**-0.5, np.repeat(topk_length, s_q), sink)
+    check("out", out.reshape(b * s_q, h_q, V), ref_out, 1e-3 + 2**-8, 2.01 / 128)
+    check("lse", lse, flashmla_lse(ref_lse).reshape(b, s_q, h_q).transpose(0, 2, 1), 1e-6, 8.01 / 65536)
+
+
+@pytest.mark.parametrize("dtype", [bf16, np.float16])
+def test_dense_decode_without_rope_part(rng, dtype):
+    b, s_q, h_q, block_size = 3, 2, 16, 16
+    seqlens = np.array([2, 70, 45], np.int32)
+    max_blocks = -(-int(seqlens.max()) // block_size)
+    block_table = rng.permutation(b * max_blocks).reshape(b, max_blocks).astype(np.int32)
+    k_cache = np.full((b * max_blocks, block_size, 1, LATENT), np.nan, dtype)
+    for i in range(b):
+        for p in range(seqlens[i]):
+            k_cache[block_table[i, p // block_size], p % block_size, 0] = rng.standard_normal(LATENT) * 0.1
+    q = rng.standard_normal((b, s_q, h_q, LATENT)).astype(dtype)
+    out, lse = flash_mla_with_kvcache(q, k_cache, block_table, seqlens, 512, get_mla_metadata()[0], causal=True)
+    rows = np.asarray(k_cache[:, :, 0, :], np.float64).reshape(-1, LATENT)
+    slots = np.full((b, s_q, max_blocks * block_size), -1, np.int64)
+    for i in range(b):
+        for j in range(s_q):
+            p = np.arange(seqlens[i] - s_q + j + 1)
+            slots[i, j, :len(p)] = block_table[i, p // block_size] * block_size + p % block_size
+    ref_out, ref_lse = attention(np.asarray(q, np.float64).reshape(b * s_q, h_q, LATENT), rows,
+                                 slots.reshape(b * s_q, -1), LATENT**-0.5)  # the default scale is d_qk^-0.5
+    check("out", out.reshape(b * s_q, h_q, V), ref_out, 1e-3 + 2**-8, 2.01 / 128)
+    check("lse", lse, ref_lse.reshape(b, s_q, h_q).transpose(0, 2, 1), 1e-6, 8.01 / 65536)
+
+
+def test_sparse_prefill_without_rope_part(rng):
+    s_q, s_kv, topk, h_q = 4, 300, 128, 64
+    q = (rng.standard_normal((s_q, h_q, LATENT)) / 10).astype(bf16)
+    kv = (rng.standard_normal((s_kv, 1, LATENT)) / 10).astype(bf16)
+    indices = np.stack([rng.permutation(s_kv)[:topk] for _ in range(s_q)]).astype(np.int32)[:, None, :]
+    indices[0, 0, :5] = list(INVALID_INDICES)
+    out, max_logits, lse = flash_mla_sparse_fwd(q, kv, indices, 0.3)
+    rows = np.asarray(kv[:, 0, :], np.float64)
+    ref_out, ref_lse = attention(np.asarray(q, np.float64), rows, indices[:, 0, :], 0.3)
+    check("out", out, ref_out, 8e-4 + 2**-8 * 0.5, 3.01 / 128)
+    check("lse", lse, flashmla_lse(ref_lse), 1e-6, 2.01 / 65536)
+    valid = (indices[:, 0, :] >= 0) & (indices[:, 0, :] < s_kv)
+    scores = 0.3 * np.einsum("thd,tkd->thk", np.asarray(q, np.float64), rows[np.where(valid, indices[:, 0, :], 0)])
+    check("max_logits", max_logits, np.where(valid[:, None, :], scores, -np.inf).max(axis=-1), 1e-6, 2.01 / 65536)
+
+
+@pytest.mark.parametrize("form", ["bfloat16", "fp8_ds_mla", "fp8_ds_mla_nope"])
+def test_write_mla_cache_without_rope_part(rng, form):
+    """k_pe=None writes the latent only; the envelope's rope bytes (and every unwritten slot) stay as they were."""
+    n, num_blocks, block_size = 20, 4, 8
+    latent = (rng.standard_normal((n, LATENT)) * 0.3).astype(np.float32)
+    slots = rng.permutation(num_blocks * block_size)[:n].astype(np.int64)
+    slots[3] = -1
+    width = {"bfloat16": LATENT, "fp8_ds_mla": FP8_ROW, "fp8_ds_mla_nope": FP8_NOPE_ROW}[form]
+    if form == "bfloat16":
+        cache = np.full((num_blocks, block_size, width), np.nan, bf16)
+    else:
+        cache = np.full((num_blocks, block_size, width), 0x7F, np.uint8)
+    before = cache.copy()
+    smla.write_mla_cache(latent, None, slots, cache)
+    flat, old = cache.reshape(-1, width), before.reshape(-1, width)
+    written = slots[slots >= 0]
+    if form == "bfloat16":
+        want = latent[slots >= 0].astype(bf16).astype(np.float32)
+        np.testing.assert_array_equal(np.asarray(flat[written], np.float32), want)
+    else:
+        want = quantize_ds_mla(latent[slots >= 0], np.zeros((len(written), ROPE), np.float32))[:, :FP8_NOPE_ROW]
+        np.testing.assert_array_equal(flat[written, :FP8_NOPE_ROW], want)
+        np.testing.assert_array_equal(flat[written, FP8_NOPE_ROW:], old[written, FP8_NOPE_ROW:])  # rope bytes kept
+    untouched = np.setdiff1d(np.arange(num_blocks * block_size), written)
+    np.testing.assert_array_equal(flat[untouched].view(np.uint8), old[untouched].view(np.uint8))
+
+
+def test_without_rope_part_mismatched_cache_names_it(rng):
+    q = np.zeros((2, 1, 8, LATENT), bf16)
+    indices = np.zeros((2, 1, 4), np.int32)
+    wide = np.zeros((4, 16, 1, QK), bf16)  # a 576-wide cache under 512-wide queries
+    with pytest.raises(smla.InvalidArgumentError, match="kv_cache: dimension 2 .* must be 512"):
+        flash_mla_with_kvcache(q, wide, None, None, 512, get_mla_metadata()[0], indices=indices)
+    compact = np.zeros((4, 16, 1, FP8_NOPE_ROW), np.uint8)  # the rope-free fp8 form under 576-wide queries
+    with pytest.raises(smla.InvalidArgumentError, match="fp8_ds_mla_nope has no rope part"):
+        flash_mla_with_kvcache(np.zeros((2, 1, 8, QK), bf16), compact, None, None, 512, get_mla_metadata()[0],
+                               is_fp8_kvcache=True, indices=indices)

@@ -157,6 +157,23 @@ def test_flash_mla_with_torch_cpu_tensors(rng):
     np.testing.assert_array_equal(lse.numpy(), want_lse)
 
 
+@needs_custom_ops
+def test_flash_mla_ops_pass_opcheck(rng):
+    """smla.flash_mla's own ops (FlashMLA's layouts written by the kernels): schema, fake and kernel agree."""
+    q, cache, idx = attention_case(rng, tokens=4, fp8=False)
+    clean = torch.randn(8, 16, QK).to(torch.bfloat16)  # every slot may be read: no NaN
+    tq = to_torch(q).view(2, 2, 16, QK)
+    tidx = to_torch(idx).view(2, 2, -1)
+    opcheck = torch.library.opcheck
+    opcheck(torch.ops.smla.flash_mla_with_kvcache.default,
+            (tq, clean, None, None, tidx, torch.tensor([40, 7], dtype=torch.int32), None, 0.05, False))
+    opcheck(torch.ops.smla.flash_mla_with_kvcache.default,
+            (tq, clean, torch.arange(8, dtype=torch.int32).view(2, 4), torch.tensor([5, 60], dtype=torch.int32),
+             None, None, None, 0.05, True))
+    opcheck(torch.ops.smla.flash_mla_sparse_fwd.default,
+            (to_torch(q), clean.view(-1, 1, QK), to_torch(idx)[:, None, :], None, None, 0.05))
+
+
 # --- CUDA ----------------------------------------------------------------------
 
 
@@ -212,7 +229,7 @@ def test_cuda_runs_on_the_current_stream_and_in_cuda_graphs(rng):
     static_q = tq.clone()
     capture = torch.cuda.Stream()
     capture.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(capture):  # warm up on the capture stream: it sizes the backend's workspace
+    with torch.cuda.stream(capture):  # an eager call on the capture stream first (test_capture.py covers the others)
         smla.sparse_mla(static_q, tc, ti, softmax_scale=0.05)
     torch.cuda.current_stream().wait_stream(capture)
     graph = torch.cuda.CUDAGraph()

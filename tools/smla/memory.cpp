@@ -1,8 +1,11 @@
 #include "memory.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
+
+#include <unistd.h>
 
 #include "cpu/memory_bandwidth.h"
 #include "smla/error.h"
@@ -25,6 +28,10 @@ using cuda::check_cuda;
 }  // namespace
 
 Memory::~Memory() {
+#ifdef SMLA_WITH_CUDA
+  if (start_) cudaEventDestroy(static_cast<cudaEvent_t>(start_));
+  if (stop_) cudaEventDestroy(static_cast<cudaEvent_t>(stop_));
+#endif
   for (void* p : blocks_) {
     if (device_.is_cpu()) std::free(p);
 #ifdef SMLA_WITH_CUDA
@@ -82,6 +89,45 @@ TensorView Memory::on_host(const TensorView& v, std::vector<uint8_t>& storage) {
 void Memory::sync() {
 #ifdef SMLA_WITH_CUDA
   if (device_.is_cuda()) check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+#endif
+}
+
+double Memory::time(const std::function<void()>& fn) {
+  if (device_.is_cpu()) {
+    const auto t0 = std::chrono::steady_clock::now();
+    fn();
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+#ifdef SMLA_WITH_CUDA
+  if (!start_) {
+    cudaEvent_t start, stop;
+    check_cuda(cudaEventCreate(&start), "cudaEventCreate");
+    check_cuda(cudaEventCreate(&stop), "cudaEventCreate");
+    start_ = start;
+    stop_ = stop;
+  }
+  const auto start = static_cast<cudaEvent_t>(start_), stop = static_cast<cudaEvent_t>(stop_);
+  check_cuda(cudaEventRecord(start, nullptr), "cudaEventRecord");
+  fn();
+  check_cuda(cudaEventRecord(stop, nullptr), "cudaEventRecord");
+  check_cuda(cudaEventSynchronize(stop), "cudaEventSynchronize");
+  float ms = 0;
+  check_cuda(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
+  return ms * 1e-3;
+#else
+  no_cuda();
+#endif
+}
+
+double Memory::capacity_bytes() const {
+  if (device_.is_cpu()) return double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGESIZE));
+#ifdef SMLA_WITH_CUDA
+  check_cuda(cudaSetDevice(device_.index), "cudaSetDevice");
+  size_t free = 0, total = 0;
+  check_cuda(cudaMemGetInfo(&free, &total), "cudaMemGetInfo");
+  return double(total);
+#else
+  no_cuda();
 #endif
 }
 

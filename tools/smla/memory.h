@@ -3,6 +3,7 @@
 // downloaded for the spot checks.
 #pragma once
 
+#include <functional>
 #include <initializer_list>
 #include <vector>
 
@@ -26,6 +27,13 @@ class Memory {
   TensorView on_host(const TensorView& v, std::vector<uint8_t>& storage);
   // Waits for the work queued on the device, so host timers measure it.
   void sync();
+  // Seconds `fn` takes, the device's work included: the host clock on the
+  // CPU; on a GPU, events on the default stream around it, from the end of the
+  // work queued before to the end of fn's (no host synchronisation latency).
+  double time(const std::function<void()>& fn);
+  // Bytes of memory the device has in all: the machine's physical memory on
+  // the CPU, the GPU's memory on a GPU.
+  double capacity_bytes() const;
   // The device's memory bandwidth measured now, GB/s: all cores reading on
   // the CPU; a device-to-device copy (bytes read + written) on a GPU.
   double bandwidth_gbs();
@@ -33,6 +41,7 @@ class Memory {
  private:
   Device device_;
   std::vector<void*> blocks_;
+  void *start_ = nullptr, *stop_ = nullptr;  // cudaEvent_t, created on first use
 };
 
 }  // namespace smla::cli

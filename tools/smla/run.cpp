@@ -1,7 +1,10 @@
 // `smla run`: its options, the model and backend, then one of its two jobs: the attention ops alone (run_ops.cpp,
 // the default) or the whole attention layer (run_layer.cpp, with --layer).
+#include <charconv>
+#include <cstdint>
 #include <iostream>
 #include <memory>
+#include <new>
 #include <string>
 
 #include "commands.h"
@@ -20,7 +23,17 @@ Action add_run(CLI::App& app) {
   sub->add_option("--batch", o->batch, "requests decoded together (one new token each per step)")->capture_default_str();
   sub->add_option("--context", o->context, "tokens already in each request's cache")->capture_default_str();
   sub->add_option("--steps", o->steps, "decode steps")->capture_default_str();
-  sub->add_option("--seed", o->seed, "random seed (of the data, and of --layer's random weights)")->capture_default_str();
+  sub->add_option("--seed", o->seed, "random seed (of the data, and of --layer's random weights)")
+      ->capture_default_str()
+      ->check(CLI::Validator(  // CLI11 would take -1 as 2^64 - 1 and saturate 2^64
+          [](const std::string& text) {
+            uint64_t value = 0;
+            const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+            return ec == std::errc() && end == text.data() + text.size()
+                       ? std::string()
+                       : "expected an integer from 0 to 2^64 - 1, got " + text;
+          },
+          "UINT64"));
   auto* layer = sub->add_option("--layer", o->layer,
                                 "run the whole attention layer N (projections, RoPE, caches, indexer, attention, "
                                 "o_proj; with --tp, one rank's heads): random context rows, a prefill of --prompt "
@@ -53,7 +66,14 @@ Action add_run(CLI::App& app) {
                                                 here.name() + "; smla run runs on the device it is on (use --device auto)");
     }
     Memory mem(res.run.device);
-    return o->layer_job ? run_layer(*o, res, *sel.chosen, mem) : run_ops(*o, res, *sel.chosen, mem);
+    check_job_fits(*o, res, mem);
+    try {
+      return o->layer_job ? run_layer(*o, res, *sel.chosen, mem) : run_ops(*o, res, *sel.chosen, mem);
+    } catch (const std::bad_alloc&) {  // what check_job_fits cannot foresee: the layer's own buffers
+      throw Error(ErrorKind::internal, "out of host memory: the job's buffers do not fit this machine; lower " +
+                                           std::string(o->layer_job ? "--batch, --context or --prompt"
+                                                                    : "--batch or --context"));
+    }
   };
 }
 

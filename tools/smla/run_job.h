@@ -59,15 +59,8 @@ inline double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
-// Times `fn` on the host clock, the device's queued work included.
-template <class F>
-double timed(Memory& mem, F&& fn) {
-  mem.sync();
-  const auto t0 = Clock::now();
-  fn();
-  mem.sync();
-  return seconds_since(t0);
-}
+// Seconds `fn` takes, the device's queued work included (Memory::time).
+inline double timed(Memory& mem, const std::function<void()>& fn) { return mem.time(fn); }
 
 // Progress on a terminal (one updating bar), plain lines otherwise; nothing when quiet.
 class Progress {
@@ -91,6 +84,13 @@ DType index_cache_dtype(DType kv_cache);
 // Bytes one token's row takes in the index cache and in the latent cache.
 int index_row_bytes(DType index_cache);
 int mla_row_bytes(DType kv_cache);
+
+// The layer job's self-check prompt, tokens (at most top-k for DSA models).
+inline constexpr int kLayerCheckTokens = 16;
+
+// Throws smla::Error naming the options unless the job's caches fit the library's int32 slot numbers and, with the
+// layer job's prompt, the device's memory: a clear message instead of an allocation failure deep inside the job.
+void check_job_fits(const JobOptions& o, const Resolved& res, const Memory& mem);
 
 // The jobs, after the backend is chosen; each prints its report and returns the exit status (3: the check failed).
 int run_ops(const JobOptions& o, const Resolved& res, const Backend& be, Memory& mem);

@@ -25,8 +25,6 @@ namespace smla::cli {
 
 namespace {
 
-// The self-check's prompt: new, and within top-k, where the unabsorbed (dense) path is exact for DSA too.
-constexpr int kCheckTokens = 16;
 // Context rows imported per append_context call.
 constexpr int kContextChunk = 4096;
 
@@ -249,7 +247,7 @@ int run_layer(const JobOptions& o, const Resolved& res, const Backend& be, Memor
 
   AttentionWeights weights = rank_weights(o, spec, tp);
   const DType kv = res.run.resolved_kv_cache_dtype();
-  const int check_tokens = sparse ? std::min(kCheckTokens, spec.indexer->topk) : kCheckTokens;
+  const int check_tokens = sparse ? std::min(kLayerCheckTokens, spec.indexer->topk) : kLayerCheckTokens;
   const auto blocks = [bs](int64_t tokens) { return int((tokens + bs - 1) / bs); };
   LayerOptions options;
   options.num_blocks = o.batch * blocks(int64_t(o.context) + o.steps) + blocks(o.prompt) + blocks(check_tokens);
@@ -268,7 +266,7 @@ int run_layer(const JobOptions& o, const Resolved& res, const Backend& be, Memor
   const bool gpu = layer.device().is_cuda();
   const double w_bytes = double(weight_values(weights)) * (gpu ? 2 : 4);  // the layer holds bf16 on a GPU
   if (!quiet) {
-    const std::string source = o.weights.empty() ? "with random weights (seed " + str(int64_t(o.seed)) + ")"
+    const std::string source = o.weights.empty() ? "with random weights (seed " + std::to_string(o.seed) + ")"
                                                  : "from " + o.weights;
     std::printf("job        layer %d %s: %d of %d heads (tp %d), %.1f MB of %s weights; %d requests x %d tokens of "
                 "context, a %d-token prompt, %d decode steps on %s (memory bandwidth measured now: %.1f GB/s)\n",

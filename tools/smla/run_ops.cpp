@@ -33,8 +33,8 @@ constexpr bool kWithCuda = false;
 #endif
 
 struct Timings {
-  // Seconds, summed over steps. `indexer` is the whole indexer_topk op, or its scores alone when `topk` (the
-  // selection) is timed apart.
+  // Seconds, summed over steps, each op timed alone. `write` is the cache writers (latent and, for DSA, index
+  // keys); `indexer` the whole indexer_topk op, or its scores alone when `topk` (the selection) is timed apart.
   double write = 0, indexer = 0, topk = 0, slots = 0, attention = 0;
   double total() const { return write + indexer + topk + slots + attention; }
   bool split() const { return topk > 0; }
@@ -42,6 +42,7 @@ struct Timings {
 
 struct Report {
   Timings t;
+  double step_data_s = 0;  // host time generating and uploading the steps' inputs, before the timed loop
   double bytes_indexer = 0, bytes_attention = 0;  // per run
   int checked_tokens = 0;
   double max_abs_err = 0;
@@ -113,6 +114,68 @@ struct PagedCaches {
   }
 };
 
+// Rows [start, start + n) of a contiguous [N, ...] view.
+TensorView rows_of(TensorView v, int64_t start, int64_t n) {
+  v.data = static_cast<char*>(v.data) + start * v.strides[0] * static_cast<int64_t>(dtype_size(v.dtype));
+  v.shape[0] = n;
+  return v;
+}
+
+// Every step's new data, generated on the host and uploaded before the timed loop, so that the loop runs the ops
+// alone: kVariants sets of the per-token inputs (new cache rows, queries, indexer weights), used in turn (the
+// values do not change an op's time), and each step's own slots and context lengths.
+struct StepData {
+  static constexpr int64_t kVariants = 4;
+  int64_t batch, variants;
+  TensorView latent, k_pe, keys, slot_mapping;  // [variants * B, ...] rows; slot_mapping [steps * B]
+  TensorView q, index_q, weights, context_lens;  // [variants * B, ...]; context_lens [steps * B]
+
+  StepData(Memory& mem, Random& rng, const JobOptions& o, const PagedCaches& caches, int heads, DType q_dtype,
+           int index_heads)
+      : batch(o.batch), variants(std::min<int64_t>(kVariants, o.steps)) {
+    const int64_t rows = variants * batch, steps = int64_t(o.steps) * batch;
+    const bool sparse = index_heads > 0;
+    latent = mem.empty({rows, kMlaLatentDim}, DType::bf16);
+    k_pe = mem.empty({rows, kMlaRopeDim}, DType::bf16);
+    q = mem.empty({rows, heads, kMlaQkDim}, q_dtype);
+    mem.upload(latent, rng.bf16(size_t(rows) * kMlaLatentDim).data());
+    mem.upload(k_pe, rng.bf16(size_t(rows) * kMlaRopeDim).data());
+    mem.upload(q, rng.half(size_t(rows) * heads * kMlaQkDim, q_dtype).data());
+    std::vector<int64_t> slots(steps);
+    std::vector<int32_t> lens(steps);
+    for (int64_t i = 0; i < steps; ++i) {
+      const int64_t pos = o.context - 1 + i / batch;  // the new token of request i % batch at step i / batch
+      slots[i] = caches.slot(static_cast<int>(i % batch), pos);
+      lens[i] = static_cast<int32_t>(pos + 1);
+    }
+    slot_mapping = mem.empty({steps}, DType::i64);
+    context_lens = mem.empty({steps}, DType::i32);
+    mem.upload(slot_mapping, slots.data());
+    mem.upload(context_lens, lens.data());
+    if (!sparse) return;
+    keys = mem.empty({rows, kIndexHeadDim}, DType::bf16);
+    index_q = mem.empty({rows, index_heads, kIndexHeadDim}, DType::bf16);
+    weights = mem.empty({rows, index_heads}, DType::f32);
+    mem.upload(keys, rng.bf16(size_t(rows) * kIndexHeadDim).data());
+    mem.upload(index_q, rng.bf16(size_t(rows) * index_heads * kIndexHeadDim).data());
+    std::vector<float> w(size_t(rows) * index_heads);
+    for (auto& x : w) x = std::fabs(rng.next()) / std::sqrt(static_cast<float>(index_heads * kIndexHeadDim));
+    mem.upload(weights, w.data());
+  }
+
+  // Step s's rows of a per-token input ([variants * B, ...]) and of a per-step one ([steps * B]).
+  TensorView variant(const TensorView& v, int s) const { return rows_of(v, (s % variants) * batch, batch); }
+  TensorView step(const TensorView& v, int s) const { return rows_of(v, int64_t(s) * batch, batch); }
+
+  // Step s's cache writes: its new tokens' rows at their slots.
+  WriteMlaCacheArgs mla_write(const TensorView& cache, int s) const {
+    return {variant(latent, s), variant(k_pe, s), step(slot_mapping, s), cache};
+  }
+  WriteIndexCacheArgs index_write(const TensorView& cache, int s) const {
+    return {variant(keys, s), step(slot_mapping, s), cache};
+  }
+};
+
 // Tokens checked against the float64 reference after the last step.
 std::vector<int64_t> sample_tokens(int batch) {
   std::vector<int64_t> s = {0, batch / 2, batch - 1};
@@ -151,16 +214,16 @@ Report run_sparse(const JobOptions& o, const AttentionSpec& spec, const RunSpec&
   PagedCaches caches(mem, o, kv, true);
   if (o.context > 1) caches.write(be, rng, B, 0, o.context - 1);
 
-  std::vector<int32_t> request_ids(B), context_lens(B);
+  const auto t0 = Clock::now();
+  const StepData data(mem, rng, o, caches, H, run.q_dtype, HI);
+  r.step_data_s = seconds_since(t0);
+
+  std::vector<int32_t> request_ids(B);
   std::iota(request_ids.begin(), request_ids.end(), 0);
-  std::vector<float> weights(static_cast<size_t>(B) * HI);
   IndexerTopkArgs idx;
-  idx.q = mem.empty({B, HI, kIndexHeadDim}, DType::bf16);
-  idx.weights = mem.empty({B, HI}, DType::f32);
   idx.index_cache = caches.index_view;
   idx.request_ids = mem.empty({B}, DType::i32);
   idx.block_table = caches.table;
-  idx.context_lens = mem.empty({B}, DType::i32);
   idx.topk = mem.empty({B, K}, DType::i32);
   mem.upload(idx.request_ids, request_ids.data());
   PositionsToSlotsArgs p2s;
@@ -170,7 +233,6 @@ Report run_sparse(const JobOptions& o, const AttentionSpec& spec, const RunSpec&
   p2s.block_size = caches.block_size;
   p2s.slots = mem.empty({B, K}, DType::i32);
   SparseMlaArgs attn;
-  attn.q = mem.empty({B, H, kMlaQkDim}, run.q_dtype);
   attn.kv_cache = caches.mla_view;
   attn.indices = p2s.slots;
   attn.softmax_scale = static_cast<float>(spec.softmax_scale);
@@ -185,27 +247,34 @@ Report run_sparse(const JobOptions& o, const AttentionSpec& spec, const RunSpec&
   if (split_indexer) scores = mem.empty({B, cuda::score_row_stride(idx)}, DType::f32);
 #endif
 
+  // Step s, each op timed alone into `t`.
+  const auto step = [&](int s, Timings& t) {
+    const WriteMlaCacheArgs mla_write = data.mla_write(caches.mla_view, s);
+    const WriteIndexCacheArgs index_write = data.index_write(caches.index_view, s);
+    t.write += timed(mem, [&] { write_mla_cache(mla_write, &be); });
+    t.write += timed(mem, [&] { write_index_cache(index_write, &be); });
+    idx.q = data.variant(data.index_q, s);
+    idx.weights = data.variant(data.weights, s);
+    idx.context_lens = data.step(data.context_lens, s);
+    attn.q = data.variant(data.q, s);
+    if (split_indexer) {
+#if SMLA_WITH_CUDA
+      t.indexer += timed(mem, [&] { cuda::indexer_scores(idx, scores.ptr<float>()); });
+      t.topk += timed(mem, [&] { cuda::select_topk(idx, scores.ptr<float>()); });
+#endif
+    } else {
+      t.indexer += timed(mem, [&] { indexer_topk(idx, &be); });
+    }
+    t.slots += timed(mem, [&] { positions_to_slots(p2s, &be); });
+    t.attention += timed(mem, [&] { sparse_mla(attn, &be); });
+  };
+  Timings warm_up;
+  step(0, warm_up);  // untimed: first calls allocate (per-thread scratch on the CPU, the default workspace on a GPU)
+
   Progress progress(o.steps, quiet);
   for (int s = 0; s < o.steps; ++s) {
     const int64_t pos = o.context - 1 + s;  // the new token of every request
-    r.t.write += timed(mem, [&] { caches.write(be, rng, B, pos, pos + 1); });
-    for (auto& w : weights) w = std::fabs(rng.next()) / std::sqrt(static_cast<float>(HI * kIndexHeadDim));
-    std::fill(context_lens.begin(), context_lens.end(), static_cast<int32_t>(pos + 1));
-    mem.upload(attn.q, rng.half(static_cast<size_t>(B) * H * kMlaQkDim, run.q_dtype).data());
-    mem.upload(idx.q, rng.bf16(static_cast<size_t>(B) * HI * kIndexHeadDim).data());
-    mem.upload(idx.weights, weights.data());
-    mem.upload(idx.context_lens, context_lens.data());
-
-    if (split_indexer) {
-#if SMLA_WITH_CUDA
-      r.t.indexer += timed(mem, [&] { cuda::indexer_scores(idx, scores.ptr<float>()); });
-      r.t.topk += timed(mem, [&] { cuda::select_topk(idx, scores.ptr<float>()); });
-#endif
-    } else {
-      r.t.indexer += timed(mem, [&] { indexer_topk(idx, &be); });
-    }
-    r.t.slots += timed(mem, [&] { positions_to_slots(p2s, &be); });
-    r.t.attention += timed(mem, [&] { sparse_mla(attn, &be); });
+    step(s, r.t);
     r.bytes_indexer += static_cast<double>(B) * (pos + 1) * index_row_bytes(caches.index_view.dtype);
     r.bytes_attention += static_cast<double>(B) * std::min<int64_t>(K, pos + 1) * mla_row_bytes(kv);
     progress.update(s + 1, 1e3 * r.t.total() / (s + 1));
@@ -251,23 +320,32 @@ Report run_dense(const JobOptions& o, const AttentionSpec& spec, const RunSpec& 
   const DType kv = run.resolved_kv_cache_dtype();
   PagedCaches caches(mem, o, kv, false);
   if (o.context > 1) caches.write(be, rng, B, 0, o.context - 1);
-  std::vector<int32_t> seq(B);
+  const auto t0 = Clock::now();
+  const StepData data(mem, rng, o, caches, H, run.q_dtype, 0);
+  r.step_data_s = seconds_since(t0);
   PagedMlaDecodeArgs a;
-  a.q = mem.empty({B, 1, H, kMlaQkDim}, run.q_dtype);
   a.kv_cache = caches.mla_view;
   a.block_table = caches.table;
-  a.seq_lens = mem.empty({B}, DType::i32);
   a.softmax_scale = static_cast<float>(spec.softmax_scale);
   a.out = mem.empty({B, 1, H, kMlaVDim}, run.q_dtype);
   a.lse = mem.empty({B, 1, H}, DType::f32);
+  const auto step = [&](int s, Timings& t) {
+    const WriteMlaCacheArgs mla_write = data.mla_write(caches.mla_view, s);
+    t.write += timed(mem, [&] { write_mla_cache(mla_write, &be); });
+    a.q = data.variant(data.q, s);
+    a.q.ndim = 4;  // [B, s_q = 1, H, 576]
+    a.q.shape = {B, 1, H, kMlaQkDim, 0, 0};
+    a.q.strides = {H * kMlaQkDim, H * kMlaQkDim, kMlaQkDim, 1, 0, 0};
+    a.seq_lens = data.step(data.context_lens, s);
+    t.attention += timed(mem, [&] { paged_mla_decode(a, &be); });
+  };
+  Timings warm_up;
+  step(0, warm_up);  // untimed: first calls allocate (per-thread scratch on the CPU, the default workspace on a GPU)
+
   Progress progress(o.steps, quiet);
   for (int s = 0; s < o.steps; ++s) {
     const int64_t pos = o.context - 1 + s;
-    r.t.write += timed(mem, [&] { caches.write(be, rng, B, pos, pos + 1); });
-    std::fill(seq.begin(), seq.end(), static_cast<int32_t>(pos + 1));
-    mem.upload(a.q, rng.half(static_cast<size_t>(B) * H * kMlaQkDim, run.q_dtype).data());
-    mem.upload(a.seq_lens, seq.data());
-    r.t.attention += timed(mem, [&] { paged_mla_decode(a, &be); });
+    step(s, r.t);
     r.bytes_attention += static_cast<double>(B) * (pos + 1) * mla_row_bytes(kv);
     progress.update(s + 1, 1e3 * r.t.total() / (s + 1));
   }
@@ -307,6 +385,11 @@ int run_ops(const JobOptions& o, const Resolved& res, const Backend& be, Memory&
   const double gbs = (r.bytes_indexer + r.bytes_attention) / read_s / 1e9;
   const double tokens_per_s = o.batch * o.steps / r.t.total();
   const bool ok = r.topk_match && r.max_abs_err < 2e-2;
+  // What one user waits for per generated token: this step (every op above) once per layer that runs this
+  // attention; attention alone, so an upper bound on the tokens/s a whole model gives a user.
+  const AttentionSpec& spec = res.spec;
+  const int layers = spec.num_attention_layers > 0 ? spec.num_attention_layers : spec.num_layers;
+  const double token_ms = step_ms * layers;
   if (o.common.json) {
     nlohmann::json j = {{"schema", "smla.run/1"},
                         {"model", res.spec.name},
@@ -321,6 +404,7 @@ int run_ops(const JobOptions& o, const Resolved& res, const Backend& be, Memory&
                           {"slots", 1e3 * r.t.slots / o.steps},
                           {"attention", 1e3 * r.t.attention / o.steps}}},
                         {"tokens_per_s", tokens_per_s},
+                        {"step_data_s", r.step_data_s},
                         {"cache_read_gbs", gbs},
                         {"memory_bandwidth_gbs", bw},
                         {"check", {{"tokens", r.checked_tokens}, {"max_abs_err", r.max_abs_err},
@@ -329,24 +413,41 @@ int run_ops(const JobOptions& o, const Resolved& res, const Backend& be, Memory&
       j["ms_per_step"]["indexer_scores"] = 1e3 * r.t.indexer / o.steps;
       j["ms_per_step"]["topk"] = 1e3 * r.t.topk / o.steps;
     }
+    if (layers > 0)
+      j["per_user"] = {{"layers", layers}, {"ms_per_token", token_ms}, {"tokens_per_s", 1e3 / token_ms}};
     std::cout << j.dump(2) << "\n";
   } else {
-    auto ms = [&](double s) { return 1e3 * s / o.steps; };
+    // Steps under a millisecond (a few tokens on a GPU) in microseconds, so that each op keeps its digits.
+    const bool us = step_ms < 1;
+    const char* unit = us ? "us" : "ms";
+    auto per_step = [&](double s) { return (us ? 1e6 : 1e3) * s / o.steps; };
+    const double step = per_step(r.t.total());
     if (sparse && r.t.split())
-      std::printf("\nper step   %.2f ms: cache write %.2f, indexer %.2f, top-k %.2f, slots %.2f, attention %.2f\n",
-                  step_ms, ms(r.t.write), ms(r.t.indexer), ms(r.t.topk), ms(r.t.slots), ms(r.t.attention));
+      std::printf("\nper step   %.2f %s: cache write %.2f, indexer %.2f, top-k %.2f, slots %.2f, attention %.2f\n",
+                  step, unit, per_step(r.t.write), per_step(r.t.indexer), per_step(r.t.topk), per_step(r.t.slots),
+                  per_step(r.t.attention));
     else if (sparse)
-      std::printf("\nper step   %.2f ms: cache write %.2f, indexer+top-k %.2f, slots %.2f, attention %.2f\n", step_ms,
-                  ms(r.t.write), ms(r.t.indexer), ms(r.t.slots), ms(r.t.attention));
+      std::printf("\nper step   %.2f %s: cache write %.2f, indexer+top-k %.2f, slots %.2f, attention %.2f\n", step,
+                  unit, per_step(r.t.write), per_step(r.t.indexer), per_step(r.t.slots), per_step(r.t.attention));
     else
-      std::printf("\nper step   %.2f ms: cache write %.2f, paged attention %.2f\n", step_ms, ms(r.t.write),
-                  ms(r.t.attention));
+      std::printf("\nper step   %.2f %s: cache write %.2f, paged attention %.2f\n", step, unit, per_step(r.t.write),
+                  per_step(r.t.attention));
     std::printf("throughput %.0f tokens/s; cache bytes read %.1f GB/s = %.0f%% of the measured %.1f GB/s\n",
                 tokens_per_s, gbs, 100 * gbs / bw, bw);
     if (sparse)
       std::printf("           indexer %.1f GB/s%s, attention %.1f GB/s\n", r.bytes_indexer / r.t.indexer / 1e9,
                   r.t.split() ? " (scores alone)" : "",
                   r.bytes_attention / r.t.attention / 1e9);
+    if (layers > 0)
+      std::printf("per user   a token runs this step in each of the %d attention layers: %.2f %s x %d = %.3f ms, "
+                  "at most %.1f tokens/s for one user (attention alone)\n",
+                  layers, step, unit, layers, token_ms, 1e3 / token_ms);
+    else
+      std::printf("per user   unknown: the model does not say how many layers it has (num_hidden_layers)\n");
+    std::printf("host       each op timed alone (%s); the steps' inputs (new cache rows, queries%s) were generated "
+                "and uploaded before the timed loop, in %.2f s, not counted above\n",
+                mem.device().is_cpu() ? "host clock" : "CUDA events", sparse ? ", indexer queries and weights" : "",
+                r.step_data_s);
     std::printf("check      %d sampled tokens vs the float64 reference: %s (max abs error %.2g%s)\n",
                 r.checked_tokens, ok ? "match" : "MISMATCH", r.max_abs_err,
                 sparse ? (r.topk_match ? ", top-k sets equal" : ", top-k sets differ") : "");

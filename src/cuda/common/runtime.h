@@ -1,13 +1,15 @@
 // Host-side CUDA helpers: error checks that throw smla::Error, per-device
-// properties read once, and a grow-only workspace per (device, stream).
+// properties read once, and the library's own workspace for callers that pass none.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstddef>
+#include <optional>
 #include <string>
 
 #include "smla/error.h"
+#include "smla/types.h"
 
 namespace smla::cuda {
 
@@ -41,13 +43,36 @@ int resident_ctas_per_sm(const void* kernel, int threads, int smem);
 // once: clusters must fit in one GPC, so this can be less than SMs / ranks.
 int max_active_clusters(const void* kernel, int threads, int smem, int ranks);
 
-// Scratch memory for `stream` on the current device, at least `bytes`. It
-// grows (cudaMalloc) only when a larger size is first asked for, so
-// steady-state calls — and CUDA-graph capture after a warm-up call of the
-// same size — allocate nothing; outgrown buffers stay allocated, so a graph
-// captured earlier never points at freed memory. Each `use` is a buffer of
-// its own, for scratch that must live at the same time as another's.
-enum class WorkspaceUse { primary, topk_lists };
-void* workspace(cudaStream_t stream, size_t bytes, WorkspaceUse use = WorkspaceUse::primary);
+// Scratch for an op called without a `workspace`: a buffer of at least
+// `bytes` (null for 0) for `stream` on the current device, lent until the
+// object is destroyed (after the op's launches). A stream's buffer is
+// allocated (cudaMalloc) only when the stream first needs more than it has,
+// never while the stream captures a CUDA graph: that is an smla::Error saying
+// to pass a workspace or to call the op once on that stream first. At most
+// kDefaultWorkspaceStreams streams per device keep a buffer; a new stream
+// takes the buffer of the one least recently used (it is freed, after the
+// device's pending work, unless it is lent or a graph was captured with it:
+// graphs never point at freed memory).
+inline constexpr int kDefaultWorkspaceStreams = 4;
+class DefaultWorkspace {
+ public:
+  DefaultWorkspace(cudaStream_t stream, size_t bytes, const char* op);
+  ~DefaultWorkspace();
+  DefaultWorkspace(const DefaultWorkspace&) = delete;
+  DefaultWorkspace& operator=(const DefaultWorkspace&) = delete;
+  void* get() const { return ptr_; }
+
+ private:
+  void* ptr_ = nullptr;
+  int device_ = 0;
+};
+
+// The caller's workspace when given, else `fallback` (constructed only then).
+inline void* workspace_or(const TensorView& given, std::optional<DefaultWorkspace>& fallback, cudaStream_t stream,
+                          size_t bytes, const char* op) {
+  if (given.defined()) return given.data;
+  if (bytes == 0) return nullptr;
+  return fallback.emplace(stream, bytes, op).get();
+}
 
 }  // namespace smla::cuda

@@ -31,6 +31,7 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <optional>
 
 #include "cuda/backend.h"
 #include "cuda/common/runtime.h"
@@ -598,31 +599,46 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
   }
 }
 
-// p.ranks is the most CTAs per token wanted; fewer (down to min_ranks) when the device could not run every
-// token's cluster at once (a second wave would cost more than smaller clusters).
+// Where the split path's scratch goes: per token, the slice histograms, then the plans, then (16-byte aligned)
+// the lists.
+struct TopkScratch {
+  size_t plans = 0, lists = 0, total = 0;
+};
+TopkScratch scratch_layout(const TopkParams& p, int tokens) {
+  TopkScratch s;
+  if (p.slices == 0) return s;
+  s.plans = static_cast<size_t>(tokens) * p.slices * kCoarseBins * sizeof(int);
+  s.lists = (s.plans + static_cast<size_t>(tokens) * (kPlanInts + 2 * p.slices) * sizeof(int) + 15) / 16 * 16;
+  s.total = s.lists + static_cast<size_t>(tokens) * p.list_stride * sizeof(Entry);
+  return s;
+}
+
 template <int kSortItems>
-void launch_topk(TopkParams p, int tokens, int min_ranks, cudaStream_t stream) {
+const void* topk_kernel_ptr() {
   static_assert(sizeof(typename cub::BlockRadixSort<uint32_t, kThreads, kSortItems, int32_t>::TempStorage) <=
                     kMaxIndexerTopk * sizeof(Entry),
                 "the sort's scratch fits where the list is");
+  return reinterpret_cast<const void*>(topk_kernel<kSortItems>);
+}
+const void* topk_kernel_for(int k) {
+  return k <= 2048 ? topk_kernel_ptr<2048 / kThreads>() : topk_kernel_ptr<kMaxIndexerTopk / kThreads>();
+}
+
+// p.ranks is the most CTAs per token wanted; fewer (down to min_ranks) when the device could not run every
+// token's cluster at once (a second wave would cost more than smaller clusters). `scratch`: scratch_layout(p).total
+// bytes when p.slices > 0.
+template <int kSortItems>
+void launch_topk(TopkParams p, int tokens, int min_ranks, cudaStream_t stream, uint8_t* scratch) {
   const auto kernel = topk_kernel<kSortItems>;
-  // The list takes what shared memory is left (at least 8192 entries on every arch from SM80 on).
   const int smem = max_dynamic_smem(reinterpret_cast<const void*>(kernel));
-  p.list_capacity = smem / static_cast<int>(sizeof(Entry));
-  require(p.list_capacity >= kMaxIndexerTopk, "indexer_topk: the device has too little shared memory per block");
   while (p.ranks > min_ranks &&
          tokens > max_active_clusters(reinterpret_cast<const void*>(kernel), kThreads, smem, p.ranks))
     --p.ranks;
   if (p.slices > 0) {
-    p.list_stride = kMaxIndexerTopk + p.list_capacity;
-    const size_t hist_bytes = static_cast<size_t>(tokens) * p.slices * kCoarseBins * sizeof(int);
-    const size_t plan_bytes = static_cast<size_t>(tokens) * (kPlanInts + 2 * p.slices) * sizeof(int);
-    const size_t list_offset = (hist_bytes + plan_bytes + 15) / 16 * 16;
-    auto* scratch = static_cast<uint8_t*>(workspace(
-        stream, list_offset + static_cast<size_t>(tokens) * p.list_stride * sizeof(Entry), WorkspaceUse::topk_lists));
+    const TopkScratch layout = scratch_layout(p, tokens);
     p.slice_hists = reinterpret_cast<int*>(scratch);
-    p.plans = reinterpret_cast<int*>(scratch + hist_bytes);
-    p.lists = reinterpret_cast<Entry*>(scratch + list_offset);
+    p.plans = reinterpret_cast<int*>(scratch + layout.plans);
+    p.lists = reinterpret_cast<Entry*>(scratch + layout.lists);
     const dim3 slices(p.slices, tokens);
     slice_histogram_kernel<<<slices, kThreads, 0, stream>>>(p);
     check_launch("smla indexer top-k histogram kernel");
@@ -646,25 +662,23 @@ void launch_topk(TopkParams p, int tokens, int min_ranks, cudaStream_t stream) {
   check_cuda(cudaLaunchKernelEx(&config, kernel, p), "smla indexer top-k kernel");
 }
 
-}  // namespace
-
-int64_t index_capacity(const IndexerTopkArgs& a) { return a.block_table.size(1) * a.index_cache.size(1); }
-int64_t score_row_stride(const IndexerTopkArgs& a) { return (index_capacity(a) + 3) / 4 * 4; }
-
-void select_topk(const IndexerTopkArgs& a, const float* scores, TopkSplit split) {
+// How select_topk shares each row among CTAs for these args on the current device, with the sizes that follow
+// (no pointers): the same args on the same device always give the same plan, so the scratch it needs is known
+// before the call.
+TopkParams plan_topk(const IndexerTopkArgs& a, TopkSplit split) {
   const int tokens = static_cast<int>(a.q.size(0));
   const int k = static_cast<int>(a.topk.size(1));
   require(k <= kMaxIndexerTopk, "indexer_topk: topk: the CUDA backend selects at most " +
                                     std::to_string(kMaxIndexerTopk) + " positions per token, got " + std::to_string(k));
-  require(reinterpret_cast<uintptr_t>(scores) % 16 == 0, "select_topk: scores must be 16-byte aligned");
-  if (tokens == 0) return;
   TopkParams p{};
-  p.scores = scores;
   p.score_stride = score_row_stride(a);
   p.rows = index_rows(a);
   p.k = k;
-  p.out = a.topk.ptr<int32_t>();
   p.out_stride = a.topk.stride(0);
+  // The list takes what shared memory is left (at least 8192 entries on every arch from SM80 on).
+  p.list_capacity = max_dynamic_smem(topk_kernel_for(k)) / static_cast<int>(sizeof(Entry));
+  require(p.list_capacity >= kMaxIndexerTopk, "indexer_topk: the device has too little shared memory per block");
+  if (tokens == 0) return p;
   // Sharing rows pays when the rows are long and one CTA per token leaves most SMs idle. On SM90+: a cluster of
   // up to one CTA per SM per token, with at least kMinSlice positions per rank (forced: at least 2 ranks, one per
   // 4096 positions, so tests reach the cluster path on short rows too), as many as run at once. Below SM90,
@@ -675,8 +689,7 @@ void select_topk(const IndexerTopkArgs& a, const float* scores, TopkSplit split)
   const DeviceInfo& dev = current_device();
   const int sms = dev.num_sms;
   const bool clusters = dev.compute_capability >= 90;
-  const bool forced_cluster = split == TopkSplit::cluster;
-  require(!forced_cluster || clusters,
+  require(split != TopkSplit::cluster || clusters,
           "select_topk: TopkSplit::cluster needs thread block clusters (SM90 or newer); the device is sm_" +
               std::to_string(dev.compute_capability));
   if (split == TopkSplit::automatic) {
@@ -696,18 +709,51 @@ void select_topk(const IndexerTopkArgs& a, const float* scores, TopkSplit split)
     p.slices = static_cast<int>(std::clamp<int64_t>((2 * sms + tokens - 1) / tokens, 1, most));
     p.slice_len = (capacity + p.slices - 1) / p.slices;
     p.slice_len = (p.slice_len + 3) / 4 * 4;
+    p.list_stride = kMaxIndexerTopk + p.list_capacity;
   }
-  const auto stream = static_cast<cudaStream_t>(a.stream);
-  const int min_ranks = forced_cluster ? 2 : 1;
-  if (k <= 2048) launch_topk<2048 / kThreads>(p, tokens, min_ranks, stream);
-  else launch_topk<kMaxIndexerTopk / kThreads>(p, tokens, min_ranks, stream);
+  return p;
 }
 
-void indexer_topk(const IndexerTopkArgs& a) {
+// Bytes of the scores (T rows of score_row_stride floats, at least 4 floats each), rounded to 256.
+size_t score_bytes(const IndexerTopkArgs& a) {
   const size_t floats = static_cast<size_t>(a.q.size(0)) * std::max<int64_t>(score_row_stride(a), 4);
-  float* scores = static_cast<float*>(workspace(static_cast<cudaStream_t>(a.stream), floats * sizeof(float)));
+  return (floats * sizeof(float) + 255) / 256 * 256;
+}
+
+}  // namespace
+
+int64_t index_capacity(const IndexerTopkArgs& a) { return a.block_table.size(1) * a.index_cache.size(1); }
+int64_t score_row_stride(const IndexerTopkArgs& a) { return (index_capacity(a) + 3) / 4 * 4; }
+
+size_t topk_scratch_bytes(const IndexerTopkArgs& a, TopkSplit split) {
+  return scratch_layout(plan_topk(a, split), static_cast<int>(a.q.size(0))).total;
+}
+
+void select_topk(const IndexerTopkArgs& a, const float* scores, TopkSplit split, void* scratch) {
+  require(reinterpret_cast<uintptr_t>(scores) % 16 == 0, "select_topk: scores must be 16-byte aligned");
+  TopkParams p = plan_topk(a, split);
+  const int tokens = static_cast<int>(a.q.size(0));
+  if (tokens == 0) return;
+  p.scores = scores;
+  p.out = a.topk.ptr<int32_t>();
+  const auto stream = static_cast<cudaStream_t>(a.stream);
+  std::optional<DefaultWorkspace> own;
+  if (scratch == nullptr) scratch = workspace_or(TensorView{}, own, stream, scratch_layout(p, tokens).total, "indexer_topk");
+  auto* bytes = static_cast<uint8_t*>(scratch);
+  const int min_ranks = split == TopkSplit::cluster ? 2 : 1;
+  if (p.k <= 2048) launch_topk<2048 / kThreads>(p, tokens, min_ranks, stream, bytes);
+  else launch_topk<kMaxIndexerTopk / kThreads>(p, tokens, min_ranks, stream, bytes);
+}
+
+size_t indexer_workspace_size(const IndexerTopkArgs& a) { return score_bytes(a) + topk_scratch_bytes(a); }
+
+void indexer_topk(const IndexerTopkArgs& a) {
+  std::optional<DefaultWorkspace> own;
+  auto* ws = static_cast<uint8_t*>(
+      workspace_or(a.workspace, own, static_cast<cudaStream_t>(a.stream), indexer_workspace_size(a), "indexer_topk"));
+  auto* scores = reinterpret_cast<float*>(ws);
   indexer_scores(a, scores);
-  select_topk(a, scores);
+  select_topk(a, scores, TopkSplit::automatic, ws + score_bytes(a));
 }
 
 }  // namespace smla::cuda

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -25,27 +26,37 @@ using KernelFn = void (*)(AttentionParams);
 constexpr int kHalfStages[] = {2, 3, 4};
 constexpr int kFp8Stages[] = {1, 2, 3};
 
-template <CacheFormat F, bool kPaged>
+template <CacheFormat F, int kRope, bool kPaged>
 KernelFn kernel_for(int stages) {
   constexpr const int* depths = F == CacheFormat::fp8_ds_mla ? kFp8Stages : kHalfStages;
-  if (stages == depths[0]) return mla::attention_kernel<F, kPaged, depths[0]>;
-  if (stages == depths[1]) return mla::attention_kernel<F, kPaged, depths[1]>;
-  return mla::attention_kernel<F, kPaged, depths[2]>;
+  if (stages == depths[0]) return mla::attention_kernel<F, kRope, kPaged, depths[0]>;
+  if (stages == depths[1]) return mla::attention_kernel<F, kRope, kPaged, depths[1]>;
+  return mla::attention_kernel<F, kRope, kPaged, depths[2]>;
 }
 
-KernelFn select_kernel(CacheFormat f, bool paged, int stages) {
+template <CacheFormat F>
+KernelFn kernel_for(int rope, bool paged, int stages) {
+  if (rope) return paged ? kernel_for<F, kMlaRopeDim, true>(stages) : kernel_for<F, kMlaRopeDim, false>(stages);
+  return paged ? kernel_for<F, 0, true>(stages) : kernel_for<F, 0, false>(stages);
+}
+
+KernelFn select_kernel(CacheFormat f, int rope, bool paged, int stages) {
   switch (f) {
-    case CacheFormat::bf16: return paged ? kernel_for<CacheFormat::bf16, true>(stages) : kernel_for<CacheFormat::bf16, false>(stages);
-    case CacheFormat::f16: return paged ? kernel_for<CacheFormat::f16, true>(stages) : kernel_for<CacheFormat::f16, false>(stages);
-    case CacheFormat::fp8_ds_mla:
-      return paged ? kernel_for<CacheFormat::fp8_ds_mla, true>(stages) : kernel_for<CacheFormat::fp8_ds_mla, false>(stages);
+    case CacheFormat::bf16: return kernel_for<CacheFormat::bf16>(rope, paged, stages);
+    case CacheFormat::f16: return kernel_for<CacheFormat::f16>(rope, paged, stages);
+    case CacheFormat::fp8_ds_mla: return kernel_for<CacheFormat::fp8_ds_mla>(rope, paged, stages);
   }
   return nullptr;
 }
 
+// Both fp8 forms are read alike: with no rope part the kernel fetches only the first 528 bytes of a row, which
+// fp8_ds_mla and fp8_ds_mla_nope lay out the same way.
 CacheFormat format_of(DType d) {
   return d == DType::bf16 ? CacheFormat::bf16 : d == DType::f16 ? CacheFormat::f16 : CacheFormat::fp8_ds_mla;
 }
+
+// The kernel's geometry, from q's last dimension (checked: 576 or 512).
+int rope_of(const TensorView& q) { return mla_head_for_qk_dim(q.size(-1))->rope_dim; }
 
 void require_aligned(const char* op, const char* arg, const void* ptr, int64_t bytes_multiple,
                      std::initializer_list<int64_t> stride_bytes) {
@@ -61,7 +72,7 @@ void require_aligned(const char* op, const char* arg, const void* ptr, int64_t b
 void fill_common(AttentionParams& p, const char* op, const TensorView& q, int64_t q_sb, int64_t q_ss, const TensorView& cache,
                  const TensorView& out, int64_t o_sb, int64_t o_ss, const TensorView& lse, int64_t l_sb, int64_t l_ss,
                  const TensorView& sink, float softmax_scale) {
-  const int64_t row_elem = cache.dtype == DType::fp8_ds_mla ? 1 : 2;
+  const int64_t row_elem = is_fp8_mla_cache(cache.dtype) ? 1 : 2;
   p.q = q.ptr<uint16_t>();
   p.q_is_bf16 = q.dtype == DType::bf16;
   p.q_stride_b = q_sb;
@@ -96,23 +107,25 @@ struct LaunchConfig {
 };
 
 // Pipeline depth from this device's shared memory, chosen once per (device,
-// format, op). Measured on an H200: one CTA per SM with a deep pipeline loses
+// format, rope width, op). Measured on an H200: one CTA per SM with a deep pipeline loses
 // to two CTAs with shallow ones (a lone CTA's softmax barriers idle the SM),
 // so the rule is: the deepest pipeline that still fits two CTAs per SM (or
 // the most the device allows).
-const LaunchConfig& launch_config(CacheFormat f, bool paged) {
+const LaunchConfig& launch_config(CacheFormat f, int rope, bool paged) {
   static std::mutex mu;
-  static std::map<std::tuple<int, CacheFormat, bool>, LaunchConfig> configs;
+  static std::map<std::tuple<int, CacheFormat, int, bool>, LaunchConfig> configs;  // nodes never move
+  thread_local std::map<std::tuple<int, CacheFormat, int, bool>, const LaunchConfig*> mine;  // no lock once seen
   const DeviceInfo& dev = current_device();
+  const auto key = std::make_tuple(dev.index, f, rope, paged);
+  if (auto it = mine.find(key); it != mine.end()) return *it->second;
   std::lock_guard<std::mutex> lock(mu);
-  const auto key = std::make_tuple(dev.index, f, paged);
-  if (auto it = configs.find(key); it != configs.end()) return it->second;
+  if (auto it = configs.find(key); it != configs.end()) return *(mine[key] = &it->second);
   std::vector<LaunchConfig> fits;
   int most = 0;
   for (int stages : f == CacheFormat::fp8_ds_mla ? kFp8Stages : kHalfStages) {
-    const int bytes = mla::SmemLayout(f, stages).total;
+    const int bytes = mla::SmemLayout(f, stages, rope).total;
     if (bytes > dev.max_smem_per_block) continue;
-    KernelFn k = select_kernel(f, paged, stages);
+    KernelFn k = select_kernel(f, rope, paged, stages);
     check_cuda(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
                "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");
     int ctas = 0;
@@ -122,14 +135,17 @@ const LaunchConfig& launch_config(CacheFormat f, bool paged) {
     fits.push_back({k, bytes, ctas});
     most = std::max(most, ctas);
   }
-  if (fits.empty())
-    throw Error(ErrorKind::unsupported, "MLA attention needs " + std::to_string(mla::SmemLayout(f, 2).total) +
+  if (fits.empty()) {
+    const int shallowest = (f == CacheFormat::fp8_ds_mla ? kFp8Stages : kHalfStages)[0];
+    throw Error(ErrorKind::unsupported, "MLA attention needs " +
+                                            std::to_string(mla::SmemLayout(f, shallowest, rope).total) +
                                             " bytes of shared memory per block; this device allows " +
                                             std::to_string(dev.max_smem_per_block));
+  }
   LaunchConfig best;
   for (const LaunchConfig& c : fits)  // depths ascend, so the last that fits wins
     if (c.ctas_per_sm >= std::min(2, most)) best = c;
-  return configs.emplace(key, best).first->second;
+  return *(mine[key] = &configs.emplace(key, best).first->second);
 }
 
 // How many ways to split each (token, head group)'s keys: the count whose CTAs
@@ -152,42 +168,72 @@ int choose_splits(int64_t ctas, int chunks, int64_t slots, int min_chunks) {
   return best;
 }
 
-// The small-heads kernel serves fp8_ds_mla caches up to 32 heads from 16 query
-// tokens on (memory-bound decode) where the device fits it; the rest goes to
-// the 16-head-tile kernel, which on an H200 ran bf16 decode and fp8 decode of
-// 1-8 tokens faster (docs/performance.md).
-void launch(AttentionParams& p, CacheFormat f, bool paged, int num_keys, cudaStream_t stream, AttentionChoice choice) {
-  if (p.num_tokens == 0) return;
-  const DeviceInfo& dev = current_device();
+// Which kernel runs and how launch() splits the keys of `tokens` x `heads` query rows: a function of the args, the
+// choice and the device only, so workspace_size() knows the partials' size before the call. The small-heads kernel
+// serves fp8_ds_mla caches with 576-wide heads, up to 32 heads from 16 query tokens on (memory-bound decode),
+// where the device fits it; the rest goes to the 16-head-tile kernel, which on an H200 ran bf16 decode and fp8
+// decode of 1-8 tokens faster (docs/performance.md).
+struct Plan {
+  const LaunchConfig* head_tile = nullptr;
+  const mla::small::SmallHeadsConfig* small = nullptr;
+  int chunks_per_split = 1, num_splits = 1;
+  int64_t ctas = 0;  // per split
+  // Workspace bytes: per split and row, the partial output, lse and max score (fp32).
+  size_t partial_bytes(int64_t tokens, int heads) const {
+    return num_splits > 1 ? static_cast<size_t>(num_splits) * tokens * heads * (mla::kVDim + 2) * sizeof(float) : 0;
+  }
+};
+Plan plan(CacheFormat f, int rope, bool paged, int64_t tokens, int heads, int num_keys, AttentionChoice choice) {
+  Plan s;
   const mla::small::SmallHeadsShape shape{choice.stages, choice.heads_per_cta, choice.split_dims};
-  const mla::small::SmallHeadsConfig* small_cfg = nullptr;
-  if (choice.kernel == AttentionKernel::small_heads)
-    small_cfg = &mla::small::small_heads_config(f, paged, p.num_heads, shape);
-  else if (choice.kernel == AttentionKernel::automatic && f == CacheFormat::fp8_ds_mla &&
-           p.num_heads <= mla::small::kMaxHeadsAutomatic && p.num_tokens >= mla::small::kMinTokensAutomatic)
-    small_cfg = mla::small::find_small_heads_config(f, paged, p.num_heads, shape);
-  const bool small = small_cfg != nullptr;
-  const LaunchConfig* cfg = small ? nullptr : &launch_config(f, paged);
-
-  const int heads_per_cta = small ? small_cfg->heads_per_cta : mla::kHeadsPerCta;
-  const int chunk_keys = small ? mla::small::kSmallChunkKeys : mla::kKeysPerChunk;
-  const int ctas_per_sm = small ? small_cfg->ctas_per_sm : cfg->ctas_per_sm;
-  const int64_t ctas = static_cast<int64_t>(p.num_tokens) * ((p.num_heads + heads_per_cta - 1) / heads_per_cta);
+  if (choice.kernel == AttentionKernel::small_heads) {
+    if (rope != kMlaRopeDim)
+      throw Error(ErrorKind::unsupported, "MLA attention: the small-heads kernel is built for 576-wide heads");
+    s.small = &mla::small::small_heads_config(f, paged, heads, shape);
+  } else if (choice.kernel == AttentionKernel::automatic && f == CacheFormat::fp8_ds_mla && rope == kMlaRopeDim &&
+             heads <= mla::small::kMaxHeadsAutomatic && tokens >= mla::small::kMinTokensAutomatic) {
+    s.small = mla::small::find_small_heads_config(f, paged, heads, shape);
+  }
+  if (s.small == nullptr) s.head_tile = &launch_config(f, rope, paged);
+  const int heads_per_cta = s.small ? s.small->heads_per_cta : mla::kHeadsPerCta;
+  const int chunk_keys = s.small ? mla::small::kSmallChunkKeys : mla::kKeysPerChunk;
+  const int ctas_per_sm = s.small ? s.small->ctas_per_sm : s.head_tile->ctas_per_sm;
+  s.ctas = tokens * ((heads + heads_per_cta - 1) / heads_per_cta);
   const int chunks = std::max(1, (num_keys + chunk_keys - 1) / chunk_keys);
   // The small-heads kernel's 64-key chunks are worth a CTA each.
-  const int splits = choose_splits(ctas, chunks, static_cast<int64_t>(dev.num_sms) * ctas_per_sm, small ? 1 : 2);
-  p.chunks_per_split = (chunks + splits - 1) / splits;
-  p.num_splits = (chunks + p.chunks_per_split - 1) / p.chunks_per_split;
+  const int splits = choose_splits(s.ctas, chunks, static_cast<int64_t>(current_device().num_sms) * ctas_per_sm,
+                                   s.small ? 1 : 2);
+  s.chunks_per_split = (chunks + splits - 1) / splits;
+  s.num_splits = (chunks + s.chunks_per_split - 1) / s.chunks_per_split;
+  return s;
+}
+
+size_t partial_bytes(CacheFormat f, int rope, bool paged, int64_t tokens, int heads, int num_keys) {
+  if (tokens == 0) return 0;
+  return plan(f, rope, paged, tokens, heads, num_keys, {}).partial_bytes(tokens, heads);
+}
+
+// `workspace`: the caller's (checked to hold partial_bytes) or absent.
+void launch(AttentionParams& p, CacheFormat f, int rope, bool paged, int num_keys, const TensorView& workspace,
+            const char* op, cudaStream_t stream, AttentionChoice choice) {
+  if (p.num_tokens == 0) return;
+  const Plan split = plan(f, rope, paged, p.num_tokens, p.num_heads, num_keys, choice);
+  p.chunks_per_split = split.chunks_per_split;
+  p.num_splits = split.num_splits;
+  std::optional<DefaultWorkspace> own;
   if (p.num_splits > 1) {
     const size_t rows = static_cast<size_t>(p.num_splits) * p.num_tokens * p.num_heads;
-    float* ws = static_cast<float*>(workspace(stream, rows * (mla::kVDim + 1) * sizeof(float)));
+    auto* ws = static_cast<float*>(
+        workspace_or(workspace, own, stream, split.partial_bytes(p.num_tokens, p.num_heads), op));
     p.partial_out = ws;
     p.partial_lse = ws + rows * mla::kVDim;
+    p.partial_max = p.partial_lse + rows;
   }
-  if (small) {
-    mla::small::launch_small_heads(p, *small_cfg, stream);
+  if (split.small) {
+    mla::small::launch_small_heads(p, *split.small, stream);
   } else {
-    cfg->fn<<<dim3(static_cast<unsigned>(ctas), p.num_splits), mla::kThreads, cfg->smem, stream>>>(p);
+    split.head_tile->fn<<<dim3(static_cast<unsigned>(split.ctas), p.num_splits), mla::kThreads,
+                          split.head_tile->smem, stream>>>(p);
     check_launch("smla MLA attention kernel");
   }
   if (p.num_splits > 1) {
@@ -208,9 +254,25 @@ void sparse_mla(const SparseMlaArgs& a, AttentionChoice choice) {
   p.indices_stride = a.indices.stride(0);
   p.topk = static_cast<int>(a.indices.size(1));
   p.topk_length = a.topk_length.defined() ? a.topk_length.ptr<int32_t>() : nullptr;
-  if (a.topk_length.defined())
-    require(a.topk_length.stride(0) == 1, "sparse_mla: topk_length: the CUDA backend needs it contiguous");
-  launch(p, format_of(a.kv_cache.dtype), false, p.topk, static_cast<cudaStream_t>(a.stream), choice);
+  p.topk_length_stride = a.topk_length.defined() ? a.topk_length.stride(0) : 0;
+  p.empty_lse = a.empty_lse_plus_inf ? INFINITY : -INFINITY;
+  if (a.max_logits.defined()) {
+    p.max_logits = a.max_logits.ptr<float>();
+    p.max_logits_stride_t = a.max_logits.stride(0);
+    p.max_logits_stride_h = a.max_logits.stride(1);
+  }
+  launch(p, format_of(a.kv_cache.dtype), rope_of(a.q), false, p.topk, a.workspace, "sparse_mla",
+         static_cast<cudaStream_t>(a.stream), choice);
+}
+
+size_t sparse_mla_workspace_size(const SparseMlaArgs& a) {
+  return partial_bytes(format_of(a.kv_cache.dtype), rope_of(a.q), false, a.q.size(0), static_cast<int>(a.q.size(1)),
+                       static_cast<int>(a.indices.size(1)));
+}
+
+size_t paged_mla_decode_workspace_size(const PagedMlaDecodeArgs& a) {
+  return partial_bytes(format_of(a.kv_cache.dtype), rope_of(a.q), true, a.q.size(0) * a.q.size(1),
+                       static_cast<int>(a.q.size(2)), static_cast<int>(a.block_table.size(1) * a.kv_cache.size(1)));
 }
 
 void paged_mla_decode(const PagedMlaDecodeArgs& a, AttentionChoice choice) {
@@ -225,7 +287,9 @@ void paged_mla_decode(const PagedMlaDecodeArgs& a, AttentionChoice choice) {
   p.seq_lens = a.seq_lens.ptr<int32_t>();
   require(a.seq_lens.stride(0) == 1, "paged_mla_decode: seq_lens: the CUDA backend needs it contiguous");
   p.causal = a.causal;
-  launch(p, format_of(a.kv_cache.dtype), true, p.max_blocks * p.block_size, static_cast<cudaStream_t>(a.stream), choice);
+  p.empty_lse = a.empty_lse_plus_inf ? INFINITY : -INFINITY;
+  launch(p, format_of(a.kv_cache.dtype), rope_of(a.q), true, p.max_blocks * p.block_size, a.workspace,
+         "paged_mla_decode", static_cast<cudaStream_t>(a.stream), choice);
 }
 
 }  // namespace smla::cuda

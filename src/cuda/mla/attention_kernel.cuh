@@ -1,7 +1,8 @@
 // MLA attention on tensor cores (mma.sync, SM80+): one CTA = one query token,
 // 16 heads (one mma row tile) and a range of 32-key chunks. The selected
 // cache rows are gathered with cp.async into shared memory (fp8 rows are
-// dequantised there). Scores: each warp holds a quarter of the 576 query dims
+// dequantised there). The head is 576 wide (rope 64) or 512 (no rope part),
+// a template parameter. Scores: each warp holds a quarter of the query dims
 // in registers and computes partial scores for all 32 keys (four independent
 // accumulator chains, no query reloads); the partials are summed in the fp32
 // online softmax (log2 domain). P*V: each warp owns 128 output columns.
@@ -19,14 +20,30 @@ namespace smla::cuda::mla {
 constexpr int kThreads = 128;          // 4 warps
 constexpr int kHeadsPerCta = 16;       // one mma row tile
 constexpr int kKeysPerChunk = 32;      // 4 warps x 8 keys for the scores
-constexpr int kQkDim = 576, kVDim = 512, kLatent = 512, kRope = 64;
-constexpr int kRowElems = kQkDim + 8;  // +16 bytes per row: ldmatrix rows hit distinct banks
-constexpr int kPieces = kQkDim * 2 / 16;  // 16-byte pieces of a 16-bit row (72)
-constexpr int kFp8RowBytes = 656;
-constexpr int kFp8Pieces = kFp8RowBytes / 16;  // 41
+constexpr int kVDim = 512, kLatent = 512;
 constexpr int kSRow = kKeysPerChunk + 4;       // fp32 scores row
-constexpr int kDimsPerWarp = kQkDim / 4;       // 144 = 9 k-steps of 16
 constexpr int kPRow = kKeysPerChunk + 8;       // 16-bit probabilities row (80 bytes, 16-byte aligned)
+
+// The sizes that follow from the rope width: 64 (576-wide heads, mla::HeadDims<64>) or 0 (512-wide).
+template <int kRope>
+struct HeadDims {
+  static_assert(kRope == 0 || kRope == 64, "the kernel is built for rope 64 or none");
+  static constexpr int kQkDim = kLatent + kRope;
+  static constexpr int kRowElems = kQkDim + 8;     // +16 bytes per row: ldmatrix rows hit distinct banks
+  static constexpr int kPieces = kQkDim * 2 / 16;  // 16-byte pieces of a 16-bit row (72 | 64)
+  // The bytes of an fp8 row the kernel reads: 512 e4m3 | 4 fp32 scales | 64 bf16 rope when there is one
+  // (656 | 528); with rope 0 an fp8_ds_mla row's rope part is never fetched.
+  static constexpr int kFp8RowBytes = kLatent + 16 + 2 * kRope;
+  static constexpr int kFp8Pieces = kFp8RowBytes / 16;  // 41 | 33
+  static constexpr int kDimsPerWarp = kQkDim / 4;       // 144 | 128 = 9 | 8 k-steps of 16
+};
+
+__host__ __device__ constexpr int row_elems(int rope) {
+  return rope ? HeadDims<64>::kRowElems : HeadDims<0>::kRowElems;
+}
+__host__ __device__ constexpr int fp8_row_bytes(int rope) {
+  return rope ? HeadDims<64>::kFp8RowBytes : HeadDims<0>::kFp8RowBytes;
+}
 
 template <CacheFormat F>
 using ComputeT = std::conditional_t<F == CacheFormat::f16, __half, __nv_bfloat16>;
@@ -43,12 +60,12 @@ __host__ __device__ constexpr int chunks_in_flight(CacheFormat f, int stages) {
 // The queries pass through the last key buffer once, before it is first used.
 struct SmemLayout {
   int k = 0, staging = 0, s = 0, p = 0, stats = 0, valid = 0, valid_sets = 0, total = 0, q = 0;
-  __host__ __device__ constexpr SmemLayout(CacheFormat f, int stages) {
+  __host__ __device__ constexpr SmemLayout(CacheFormat f, int stages, int rope) {
     const bool fp8 = f == CacheFormat::fp8_ds_mla;
     const int k_buffers = fp8 ? 1 : stages;
-    q = (k_buffers - 1) * kKeysPerChunk * kRowElems * 2;
-    staging = k + k_buffers * kKeysPerChunk * kRowElems * 2;
-    s = staging + (fp8 ? stages * kKeysPerChunk * kFp8RowBytes : 0);
+    q = (k_buffers - 1) * kKeysPerChunk * row_elems(rope) * 2;
+    staging = k + k_buffers * kKeysPerChunk * row_elems(rope) * 2;
+    s = staging + (fp8 ? stages * kKeysPerChunk * fp8_row_bytes(rope) : 0);
     p = s + 4 * kHeadsPerCta * kSRow * 4;  // one partial-score tile per warp
     stats = p + kHeadsPerCta * kPRow * 2;
     valid = stats + 3 * kHeadsPerCta * 4;
@@ -75,11 +92,14 @@ __device__ __forceinline__ int64_t slot_of(const AttentionParams& p, int t, int 
   }
 }
 
-template <CacheFormat F, bool kPaged, int kStages>
+template <CacheFormat F, int kRope, bool kPaged, int kStages>
 __global__ void __launch_bounds__(kThreads) attention_kernel(const AttentionParams p) {
   using T = ComputeT<F>;
+  using D = HeadDims<kRope>;
+  constexpr int kRowElems = D::kRowElems, kPieces = D::kPieces, kDimsPerWarp = D::kDimsPerWarp;
+  constexpr int kFp8RowBytes = D::kFp8RowBytes, kFp8Pieces = D::kFp8Pieces;
   constexpr bool kFp8 = F == CacheFormat::fp8_ds_mla;
-  constexpr SmemLayout L(F, kStages);
+  constexpr SmemLayout L(F, kStages, kRope);
   extern __shared__ __align__(16) uint8_t smem[];
   T* sk = reinterpret_cast<T*>(smem + L.k);
   float* ss = reinterpret_cast<float*>(smem + L.s);
@@ -104,7 +124,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const AttentionPara
     visible = p.causal ? seq - p.s_q + j + 1 : seq;
     visible = max(0, min(visible, p.max_blocks * p.block_size));
   } else {
-    visible = p.topk_length ? max(0, min(p.topk_length[t], p.topk)) : p.topk;
+    visible = p.topk_length ? max(0, min(p.topk_length[t * p.topk_length_stride], p.topk)) : p.topk;
   }
   const int total_chunks = (visible + kKeysPerChunk - 1) / kKeysPerChunk;
   const int chunk_begin = split * p.chunks_per_split;
@@ -132,7 +152,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const AttentionPara
     if (my_part == 0) valid[(chunk % L.valid_sets) * kKeysPerChunk + my_row] = slot >= 0;
   };
 
-  // fp8_ds_mla rows: 512 e4m3 latents, 4 fp32 tile scales, 64 bf16 rope values -> bf16.
+  // fp8 rows: 512 e4m3 latents, 4 fp32 tile scales, 64 bf16 rope values (when kRope) -> bf16.
   auto dequantise = [&](const uint8_t* rows) {
     for (int i = tid; i < kKeysPerChunk * kPieces; i += kThreads) {
       const int row = i / kPieces, piece = i % kPieces;
@@ -316,8 +336,10 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const AttentionPara
                                        : pack2<__half>(o[n][2 * half] * scale, o[n][2 * half + 1] * scale);
         *reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(p.out) + ob + col) = v;
       }
-      if (warp == 0 && lane % 4 == 0)
-        p.lse[b * p.lse_stride_b + j * p.lse_stride_s + h * p.lse_stride_h] = lse2 * ln2;
+      if (warp == 0 && lane % 4 == 0) {
+        p.lse[b * p.lse_stride_b + j * p.lse_stride_s + h * p.lse_stride_h] = l > 0.f ? lse2 * ln2 : p.empty_lse;
+        if (p.max_logits) p.max_logits[t * p.max_logits_stride_t + h * p.max_logits_stride_h] = row_max[r] * ln2;
+      }
     } else {
       float* po = p.partial_out + ((static_cast<int64_t>(split) * p.num_tokens + t) * p.num_heads + h) * kVDim;
 #pragma unroll
@@ -325,8 +347,10 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const AttentionPara
         const int col = warp * 128 + n * 8 + (lane % 4) * 2;
         *reinterpret_cast<float2*>(po + col) = make_float2(o[n][2 * half] * scale, o[n][2 * half + 1] * scale);
       }
-      if (warp == 0 && lane % 4 == 0)
+      if (warp == 0 && lane % 4 == 0) {
         p.partial_lse[(static_cast<int64_t>(split) * p.num_tokens + t) * p.num_heads + h] = lse2;
+        p.partial_max[(static_cast<int64_t>(split) * p.num_tokens + t) * p.num_heads + h] = row_max[r];
+      }
     }
   }
 }
@@ -393,7 +417,14 @@ static __global__ void __launch_bounds__(kThreads) combine_kernel(const Attentio
   const uint32_t hi = p.q_is_bf16 ? pack2<__nv_bfloat16>(acc.z * scale, acc.w * scale)
                                   : pack2<__half>(acc.z * scale, acc.w * scale);
   *reinterpret_cast<uint2*>(out) = make_uint2(lo, hi);
-  if (threadIdx.x == 0) p.lse[b * p.lse_stride_b + j * p.lse_stride_s + h * p.lse_stride_h] = lse2 * ln2;
+  if (threadIdx.x == 0)
+    p.lse[b * p.lse_stride_b + j * p.lse_stride_s + h * p.lse_stride_h] = wsum > 0.f ? lse2 * ln2 : p.empty_lse;
+  if (p.max_logits) {  // the same for the whole block: its barriers are safe
+    float local = -INFINITY;
+    for (int s = threadIdx.x; s < p.num_splits; s += kThreads) local = fmaxf(local, p.partial_max[s * stride + row]);
+    const float max_score = block_reduce(local, true, scratch);
+    if (threadIdx.x == 0) p.max_logits[t * p.max_logits_stride_t + h * p.max_logits_stride_h] = max_score * ln2;
+  }
 }
 
 }  // namespace smla::cuda::mla

@@ -28,9 +28,11 @@ Kernel kernel_for(int groups, int split_dims) {
 Kernel select(CacheFormat f, bool paged, int groups, int split_dims) {
   switch (f) {
     case CacheFormat::bf16:
-      return paged ? kernel_for<CacheFormat::bf16, true>(groups, split_dims) : kernel_for<CacheFormat::bf16, false>(groups, split_dims);
+      return paged ? kernel_for<CacheFormat::bf16, true>(groups, split_dims)
+                   : kernel_for<CacheFormat::bf16, false>(groups, split_dims);
     case CacheFormat::f16:
-      return paged ? kernel_for<CacheFormat::f16, true>(groups, split_dims) : kernel_for<CacheFormat::f16, false>(groups, split_dims);
+      return paged ? kernel_for<CacheFormat::f16, true>(groups, split_dims)
+                   : kernel_for<CacheFormat::f16, false>(groups, split_dims);
     case CacheFormat::fp8_ds_mla:
       return paged ? kernel_for<CacheFormat::fp8_ds_mla, true>(groups, split_dims)
                    : kernel_for<CacheFormat::fp8_ds_mla, false>(groups, split_dims);
@@ -44,7 +46,8 @@ int smem_bytes(CacheFormat f, int groups, int stages) {
       return groups == 1 ? Layout<CacheFormat::fp8_ds_mla, 64, 1>(stages).total
                          : Layout<CacheFormat::fp8_ds_mla, 64, 2>(stages).total;
     default:  // bf16 and f16 rows are laid out alike
-      return groups == 1 ? Layout<CacheFormat::bf16, 64, 1>(stages).total : Layout<CacheFormat::bf16, 64, 2>(stages).total;
+      return groups == 1 ? Layout<CacheFormat::bf16, 64, 1>(stages).total
+                         : Layout<CacheFormat::bf16, 64, 2>(stages).total;
   }
 }
 
@@ -80,12 +83,15 @@ const SmallHeadsConfig* find_small_heads_config(CacheFormat f, bool paged, int n
       (shape.split_dims != 0 && shape.split_dims != 1 && shape.split_dims != 2))
     throw Error(ErrorKind::invalid_argument, "MLA attention (small-heads kernel): stages must be 2-4, heads per CTA "
                                              "8 or 16, dim split 1 or 2 (0: as the kernel sees fit)");
+  using Key = std::tuple<int, CacheFormat, bool, int, int, int>;
   static std::mutex mu;
-  static std::map<std::tuple<int, CacheFormat, bool, int, int, int>, SmallHeadsConfig> configs;
+  static std::map<Key, SmallHeadsConfig> configs;  // nodes never move
+  thread_local std::map<Key, const SmallHeadsConfig*> mine;  // no lock once seen
   const DeviceInfo& dev = current_device();
   const int groups = shape.heads_per_cta == 8 || (shape.heads_per_cta == 0 && num_heads <= kHeadsPerGroup) ? 1 : 2;
+  const Key key = std::make_tuple(dev.index, f, paged, groups, shape.split_dims, shape.stages);
+  if (auto seen = mine.find(key); seen != mine.end()) return seen->second->fn != nullptr ? seen->second : nullptr;
   std::lock_guard<std::mutex> lock(mu);
-  const auto key = std::make_tuple(dev.index, f, paged, groups, shape.split_dims, shape.stages);
   auto it = configs.find(key);
   if (it == configs.end()) {
     SmallHeadsConfig cfg;
@@ -105,6 +111,7 @@ const SmallHeadsConfig* find_small_heads_config(CacheFormat f, bool paged, int n
     }
     it = configs.emplace(key, cfg).first;
   }
+  mine[key] = &it->second;
   return it->second.fn != nullptr ? &it->second : nullptr;
 }
 
@@ -112,7 +119,8 @@ const SmallHeadsConfig& small_heads_config(CacheFormat f, bool paged, int num_he
   if (const SmallHeadsConfig* cfg = find_small_heads_config(f, paged, num_heads, shape)) return *cfg;
   const int groups = shape.heads_per_cta == 8 || (shape.heads_per_cta == 0 && num_heads <= kHeadsPerGroup) ? 1 : 2;
   const int stages = shape.stages > 0 ? shape.stages : 2;
-  throw Error(ErrorKind::unsupported, "MLA attention (small-heads kernel, " + std::to_string(stages) + " stages) needs " +
+  throw Error(ErrorKind::unsupported, "MLA attention (small-heads kernel, " + std::to_string(stages) +
+                                          " stages) needs " +
                                           std::to_string(smem_bytes(f, groups, stages)) +
                                           " bytes of shared memory per block; this device allows " +
                                           std::to_string(current_device().max_smem_per_block));

@@ -54,7 +54,7 @@ struct Layout {
   static constexpr int kMergeBytes = kGroups * (kKeySlots / 2) * kHeadsPerGroup * kVDim * 4;
   static constexpr int kQBytes = kGroups * G::kQkSteps * 32 * 8;
   static constexpr int kQScaleBytes = kGroups * kHeadsPerGroup * 4;
-  static constexpr int kStatBytes = kGroups * kKeySlots * kHeadsPerGroup * 2 * 4;
+  static constexpr int kStatBytes = kGroups * kKeySlots * kHeadsPerGroup * 3 * 4;
   int q = 0, q_scale = 0, stats = 0, total = 0;
   __host__ __device__ constexpr explicit Layout(int stages) {
     q = stages * G::kStageBytes > kMergeBytes ? stages * G::kStageBytes : kMergeBytes;
@@ -105,7 +105,8 @@ __device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t codes) {
     asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %1;\ncvt.rn.f16x2.e4m3x2 %0, lo;\n}\n" : "=r"(r) : "r"(codes));
   return r;
 #else
-  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(kHigh ? codes >> 16 : codes), __NV_E4M3);
+  const __half2_raw h =
+      __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(kHigh ? codes >> 16 : codes), __NV_E4M3);
   return static_cast<uint32_t>(h.x) | static_cast<uint32_t>(h.y) << 16;
 #endif
 }
@@ -145,7 +146,7 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
   extern __shared__ __align__(16) uint8_t smem[];
   uint2* qfrag = reinterpret_cast<uint2*>(smem + L.q);
   float* q_scale = reinterpret_cast<float*>(smem + L.q_scale);  // [group][head]: fp8 queries' power of two
-  float* stats = reinterpret_cast<float*>(smem + L.stats);      // [group][key slot][max, sum][head]
+  float* stats = reinterpret_cast<float*>(smem + L.stats);      // [group][key slot][base, sum, max][head]
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int group = warp / kWarpsPerGroup, wig = warp % kWarpsPerGroup;
@@ -166,7 +167,7 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
     visible = p.causal ? seq - p.s_q + j + 1 : seq;
     visible = max(0, min(visible, p.max_blocks * p.block_size));
   } else {
-    visible = p.topk_length ? max(0, min(p.topk_length[t], p.topk)) : p.topk;
+    visible = p.topk_length ? max(0, min(p.topk_length[t * p.topk_length_stride], p.topk)) : p.topk;
   }
   const int total_chunks = (visible + kChunkKeys - 1) / kChunkKeys;
   const int chunk_begin = split * p.chunks_per_split;
@@ -277,7 +278,9 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
   float o[kMTiles][4];
 #pragma unroll
   for (int i = 0; i < kMTiles; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
-  float m[2] = {-INFINITY, -INFINITY}, l_part[2] = {0.f, 0.f};  // heads 2c, 2c+1
+  // Heads 2c, 2c+1: the softmax's base (the running max, moved lazily), the
+  // sum of this lane's P, the exact max score.
+  float m[2] = {-INFINITY, -INFINITY}, l_part[2] = {0.f, 0.f}, top[2] = {-INFINITY, -INFINITY};
 
   const int kr = slot_k * kKeysPerWarp;  // this warp's first row of each chunk
   // Byte offsets in a stage, fixed per thread, so the loads below take
@@ -369,6 +372,7 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
     for (int e = 0; e < 2; ++e) {
       cmax[e] = fmaxf(s[e], s[e + 2]);
       for (int off = 4; off < 32; off *= 2) cmax[e] = fmaxf(cmax[e], __shfl_xor_sync(0xffffffffu, cmax[e], off));
+      top[e] = fmaxf(top[e], cmax[e]);
     }
     if (__any_sync(0xffffffffu, cmax[0] > m[0] + kMaxSlack || cmax[1] > m[1] + kMaxSlack)) {
       float alpha[2];
@@ -409,7 +413,8 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
         const uint2 pt = p_fragment(sc0v[tile], sc1v[tile]);
         // Rows 2c, 2c+1, 2c+8, 2c+9 at piece g of this tile: 16 dims of 4 keys.
         const uint4 x0 = load(v_off0 + 128 * tile), x1 = load(v_off1 + 128 * tile);
-        const uint4 x2 = load(v_off0 + 128 * tile + 8 * G::kRowBytes), x3 = load(v_off1 + 128 * tile + 8 * G::kRowBytes);
+        const uint4 x2 = load(v_off0 + 128 * tile + 8 * G::kRowBytes);
+        const uint4 x3 = load(v_off1 + 128 * tile + 8 * G::kRowBytes);
         const uint32_t w0[4] = {x0.x, x0.y, x0.z, x0.w}, w1[4] = {x1.x, x1.y, x1.z, x1.w};
         const uint32_t w2[4] = {x2.x, x2.y, x2.z, x2.w}, w3[4] = {x3.x, x3.y, x3.z, x3.w};
 #pragma unroll
@@ -450,27 +455,33 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
 #pragma unroll
   for (int e = 0; e < 2; ++e)
     for (int off = 4; off < 32; off *= 2) l_part[e] += __shfl_xor_sync(0xffffffffu, l_part[e], off);
-  float* my_stats = stats + (group * kKeySlots) * 2 * kHeadsPerGroup;
-  if (lane < 4 && half_d == 0) {
-    my_stats[slot_k * 2 * kHeadsPerGroup + 2 * c] = m[0];
-    my_stats[slot_k * 2 * kHeadsPerGroup + 2 * c + 1] = m[1];
-    my_stats[slot_k * 2 * kHeadsPerGroup + kHeadsPerGroup + 2 * c] = l_part[0];
-    my_stats[slot_k * 2 * kHeadsPerGroup + kHeadsPerGroup + 2 * c + 1] = l_part[1];
-  }
+  constexpr int kStatRow = 3 * kHeadsPerGroup;  // one key slot's stats
+  float* my_stats = stats + group * kKeySlots * kStatRow;
+  if (lane < 4 && half_d == 0)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      my_stats[slot_k * kStatRow + 2 * c + e] = m[e];
+      my_stats[slot_k * kStatRow + kHeadsPerGroup + 2 * c + e] = l_part[e];
+      my_stats[slot_k * kStatRow + 2 * kHeadsPerGroup + 2 * c + e] = top[e];
+    }
   __syncthreads();  // stats published; every warp is done with the stages
-  float row_max[2], row_sum[2];
+  float row_max[2], row_sum[2], row_top[2];
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
     const int h = 2 * c + e;
-    float mx = -INFINITY;
-    for (int w = 0; w < kKeySlots; ++w) mx = fmaxf(mx, my_stats[w * 2 * kHeadsPerGroup + h]);
+    float mx = -INFINITY, tp = -INFINITY;
+    for (int w = 0; w < kKeySlots; ++w) {
+      mx = fmaxf(mx, my_stats[w * kStatRow + h]);
+      tp = fmaxf(tp, my_stats[w * kStatRow + 2 * kHeadsPerGroup + h]);
+    }
     float sum = 0.f;
     for (int w = 0; w < kKeySlots; ++w) {
-      const float mw = my_stats[w * 2 * kHeadsPerGroup + h];
-      sum += mw == -INFINITY ? 0.f : my_stats[w * 2 * kHeadsPerGroup + kHeadsPerGroup + h] * exp2f(mw - mx);
+      const float mw = my_stats[w * kStatRow + h];
+      sum += mw == -INFINITY ? 0.f : my_stats[w * kStatRow + kHeadsPerGroup + h] * exp2f(mw - mx);
     }
     row_max[e] = mx;
     row_sum[e] = sum;
+    row_top[e] = tp;
     const float f = m[e] == -INFINITY ? 0.f : exp2f(m[e] - mx);
 #pragma unroll
     for (int i = 0; i < kMTiles; ++i) {
@@ -503,9 +514,10 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
   if (slot_k == 0) visit(merge, false);
   if (slot_k == 0 && half_d == 0 && lane < 4)
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {  // the head's sum and max for the write-out, in key slot 0's stats
+    for (int e = 0; e < 2; ++e) {  // the head's stats for the write-out, in key slot 0's
       my_stats[2 * c + e] = row_max[e];
       my_stats[kHeadsPerGroup + 2 * c + e] = row_sum[e];
+      my_stats[2 * kHeadsPerGroup + 2 * c + e] = row_top[e];
     }
   __syncthreads();
 
@@ -514,23 +526,33 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
   for (int e = tid; e < nh * (kVDim / 4); e += kThreadsPerCta) {
     const int hl = e / (kVDim / 4), col = (e % (kVDim / 4)) * 4;
     const int gi = hl / kHeadsPerGroup, hg = hl % kHeadsPerGroup, h = h0 + hl;
-    const float* st = stats + gi * kKeySlots * 2 * kHeadsPerGroup;
+    const float* st = stats + gi * kKeySlots * kStatRow;
     const float l = st[kHeadsPerGroup + hg], lse2 = l > 0.f ? st[hg] + log2f(l) : -INFINITY;
     float scale = l > 0.f ? 1.f / l : 0.f;
     const float4 v = *reinterpret_cast<const float4*>(reinterpret_cast<const float*>(smem) +
                                                       (gi * (kKeySlots / 2) * kHeadsPerGroup + hg) * kVDim + col);
     if (p.num_splits == 1) {
       if (p.attn_sink && l > 0.f) scale /= 1.f + expf(p.attn_sink[h] - lse2 * ln2);
-      uint16_t* out = static_cast<uint16_t*>(p.out) + b * p.out_stride_b + j * p.out_stride_s + h * p.out_stride_h + col;
-      const uint32_t lo = p.q_is_bf16 ? pack2<__nv_bfloat16>(v.x * scale, v.y * scale) : pack2<__half>(v.x * scale, v.y * scale);
-      const uint32_t hi = p.q_is_bf16 ? pack2<__nv_bfloat16>(v.z * scale, v.w * scale) : pack2<__half>(v.z * scale, v.w * scale);
+      uint16_t* out =
+          static_cast<uint16_t*>(p.out) + b * p.out_stride_b + j * p.out_stride_s + h * p.out_stride_h + col;
+      const uint32_t lo =
+          p.q_is_bf16 ? pack2<__nv_bfloat16>(v.x * scale, v.y * scale) : pack2<__half>(v.x * scale, v.y * scale);
+      const uint32_t hi =
+          p.q_is_bf16 ? pack2<__nv_bfloat16>(v.z * scale, v.w * scale) : pack2<__half>(v.z * scale, v.w * scale);
       *reinterpret_cast<uint2*>(out) = make_uint2(lo, hi);
-      if (col == 0) p.lse[b * p.lse_stride_b + j * p.lse_stride_s + h * p.lse_stride_h] = lse2 * ln2;
+      if (col == 0) {
+        p.lse[b * p.lse_stride_b + j * p.lse_stride_s + h * p.lse_stride_h] = l > 0.f ? lse2 * ln2 : p.empty_lse;
+        if (p.max_logits)
+          p.max_logits[t * p.max_logits_stride_t + h * p.max_logits_stride_h] = st[2 * kHeadsPerGroup + hg] * ln2;
+      }
     } else {
       const int64_t row = (static_cast<int64_t>(split) * p.num_tokens + t) * p.num_heads + h;
       *reinterpret_cast<float4*>(p.partial_out + row * kVDim + col) =
           make_float4(v.x * scale, v.y * scale, v.z * scale, v.w * scale);
-      if (col == 0) p.partial_lse[row] = lse2;
+      if (col == 0) {
+        p.partial_lse[row] = lse2;
+        p.partial_max[row] = st[2 * kHeadsPerGroup + hg];
+      }
     }
   }
 }

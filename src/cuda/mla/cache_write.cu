@@ -1,6 +1,8 @@
-// write_mla_cache on the GPU: one warp per token. fp8_ds_mla rows are
-// quantised exactly as the CPU backend does (power-of-two tile scales,
-// round-to-nearest-even e4m3), so both produce the same bytes.
+// write_mla_cache on the GPU: one warp per token. fp8 rows are quantised
+// exactly as the CPU backend does (power-of-two tile scales,
+// round-to-nearest-even e4m3), so both produce the same bytes. With no k_pe
+// (a head with no rope part) only the latent is written: 512 values, or the
+// first 528 bytes of an fp8 row (an fp8_ds_mla row's rope bytes stay as they are).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -20,6 +22,7 @@ struct CacheWriteParams {
   const int64_t* slot_mapping;
   int64_t slot_stride;
   int64_t num_tokens, num_slots;
+  int rope_dim;  // 64, or 0 without k_pe
   uint8_t* cache;
   DType cache_dtype;
   int64_t block_stride, row_stride;  // bytes
@@ -50,7 +53,7 @@ __global__ void write_mla_cache_kernel(const CacheWriteParams p) {
   const void* c = static_cast<const char*>(p.latent) + token * p.latent_stride * (p.src_dtype == DType::f32 ? 4 : 2);
   const void* kpe = static_cast<const char*>(p.k_pe) + token * p.k_pe_stride * (p.src_dtype == DType::f32 ? 4 : 2);
 
-  if (p.cache_dtype == DType::fp8_ds_mla) {
+  if (p.cache_dtype == DType::fp8_ds_mla || p.cache_dtype == DType::fp8_ds_mla_nope) {
     for (int tile = 0; tile < 4; ++tile) {
       float v[4], amax = 0.f;
       for (int e = 0; e < 4; ++e) {
@@ -64,15 +67,15 @@ __global__ void write_mla_cache_kernel(const CacheWriteParams p) {
       if (lane == 0) reinterpret_cast<float*>(row + 512)[tile] = scale;
     }
     __nv_bfloat16* rope = reinterpret_cast<__nv_bfloat16*>(row + 528);
-    for (int i = lane; i < 64; i += 32) rope[i] = __float2bfloat16_rn(load(kpe, i, p.src_dtype));
+    for (int i = lane; i < p.rope_dim; i += 32) rope[i] = __float2bfloat16_rn(load(kpe, i, p.src_dtype));
   } else if (p.cache_dtype == DType::bf16) {
     __nv_bfloat16* out = reinterpret_cast<__nv_bfloat16*>(row);
     for (int i = lane; i < 512; i += 32) out[i] = __float2bfloat16_rn(load(c, i, p.src_dtype));
-    for (int i = lane; i < 64; i += 32) out[512 + i] = __float2bfloat16_rn(load(kpe, i, p.src_dtype));
+    for (int i = lane; i < p.rope_dim; i += 32) out[512 + i] = __float2bfloat16_rn(load(kpe, i, p.src_dtype));
   } else {
     __half* out = reinterpret_cast<__half*>(row);
     for (int i = lane; i < 512; i += 32) out[i] = __float2half_rn(load(c, i, p.src_dtype));
-    for (int i = lane; i < 64; i += 32) out[512 + i] = __float2half_rn(load(kpe, i, p.src_dtype));
+    for (int i = lane; i < p.rope_dim; i += 32) out[512 + i] = __float2half_rn(load(kpe, i, p.src_dtype));
   }
 }
 
@@ -80,12 +83,13 @@ __global__ void write_mla_cache_kernel(const CacheWriteParams p) {
 
 void write_mla_cache(const WriteMlaCacheArgs& a) {
   CacheWriteParams p{};
-  const int64_t elem = a.cache.dtype == DType::fp8_ds_mla ? 1 : 2;
+  const int64_t elem = is_fp8_mla_cache(a.cache.dtype) ? 1 : 2;
+  p.rope_dim = written_head(a).rope_dim;
   p.latent = a.latent.data;
   p.k_pe = a.k_pe.data;
   p.src_dtype = a.latent.dtype;
   p.latent_stride = a.latent.stride(0);
-  p.k_pe_stride = a.k_pe.stride(0);
+  p.k_pe_stride = p.rope_dim ? a.k_pe.stride(0) : 0;
   p.slot_mapping = a.slot_mapping.ptr<int64_t>();
   p.slot_stride = a.slot_mapping.stride(0);
   p.num_tokens = a.latent.size(0);
@@ -95,9 +99,9 @@ void write_mla_cache(const WriteMlaCacheArgs& a) {
   p.block_stride = a.cache.stride(0) * elem;
   p.row_stride = a.cache.stride(1) * elem;
   p.block_size = static_cast<int>(a.cache.size(1));
-  if (a.cache.dtype == DType::fp8_ds_mla)
+  if (is_fp8_mla_cache(a.cache.dtype))
     require(reinterpret_cast<uintptr_t>(p.cache) % 4 == 0 && p.row_stride % 4 == 0 && p.block_stride % 4 == 0,
-            "write_mla_cache: cache: the fp8_ds_mla scales need 4-byte aligned rows");
+            "write_mla_cache: cache: the fp8 tile scales need 4-byte aligned rows");
   if (p.num_tokens == 0) return;
   constexpr int kThreads = 256;
   const int64_t blocks = (p.num_tokens * 32 + kThreads - 1) / kThreads;

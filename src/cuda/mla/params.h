@@ -31,6 +31,7 @@ struct AttentionParams {
   int64_t indices_stride;
   int topk;
   const int32_t* topk_length;
+  int64_t topk_length_stride;
   const int32_t* block_table;
   int64_t block_table_stride;
   int max_blocks;
@@ -44,11 +45,15 @@ struct AttentionParams {
   int64_t out_stride_b, out_stride_s, out_stride_h;
   float* lse;  // [.., .., H]
   int64_t lse_stride_b, lse_stride_s, lse_stride_h;
+  float empty_lse;     // lse of a row with no valid key: -inf or +inf
+  float* max_logits;   // optional [T, H] (sparse only): max of softmax_scale * q.k, natural units
+  int64_t max_logits_stride_t, max_logits_stride_h;
 
   // Split over the keys: split s handles chunks [s * chunks_per_split, ...).
   int num_splits, chunks_per_split;
   float* partial_out;  // [num_splits, num_tokens, H, 512], normalised per split
   float* partial_lse;  // [num_splits, num_tokens, H], log2 units
+  float* partial_max;  // [num_splits, num_tokens, H], the split's max score, log2 units
 };
 
 }  // namespace smla::cuda::mla
