@@ -62,6 +62,12 @@ test-layer: build
 	PYTHON=$(PYTHON) bash scripts/install-deps.sh --layer
 	SMLA_LAYER_DRIVER=$(BUILD)/tests/cpu/layer_driver $(PYTHON) -m pytest tests/layer -q
 
+# smla.vllm inside the pinned vLLM (PyPI) on the CPU: its own virtual environment (VLLM_VENV, default .venv-vllm;
+# vLLM and its torch take about 9 GiB), smla built in $(BUILD)-py; scripts/test-vllm.sh, docs/vllm.md.
+.PHONY: test-vllm
+test-vllm: deps
+	BUILD=$(BUILD) JOBS=$(JOBS) PIP_CONFIG='$(PIP_CONFIG)' bash scripts/test-vllm.sh
+
 PREFIX ?= /usr/local
 install: build
 	cmake --install $(BUILD) --prefix $(PREFIX)

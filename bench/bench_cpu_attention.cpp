@@ -20,6 +20,7 @@
 
 #include "core/numeric.h"
 #include "cpu/attention_kernels.h"
+#include "cpu/isa.h"
 #include "cpu/memory_bandwidth.h"
 #include "smla/ops.h"
 
@@ -95,9 +96,7 @@ int main(int argc, char** argv) {
     if (std::strcmp(argv[i], "--quick") == 0) {
       quick = true;
     } else if (std::strcmp(argv[i], "--isa") == 0 && i + 1 < argc) {
-      const std::string isa = argv[++i];
-      for (auto v : {cpu::attn::Isa::scalar, cpu::attn::Isa::avx2, cpu::attn::Isa::avx512, cpu::attn::Isa::avx512_bf16})
-        if (cpu::attn::isa_name(v) == isa) cpu::attn::force_isa(v);
+      cpu::force_isa(cpu::isa_from_name(argv[++i]));
     } else {
       std::fprintf(stderr, "usage: %s [--quick] [--isa scalar|avx2|avx512|avx512_bf16]\n", argv[0]);
       return 2;

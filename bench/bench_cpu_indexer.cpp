@@ -6,7 +6,10 @@
 // bf16 dot-product peak (also measured here), and the top-k selection alone
 // (on random keys, spread over tokens as the op does).
 //
-//   bench_cpu_indexer [portable|avx2|avx512] [quick]   (default: the best kernel; quick: T = 1 only)
+//   bench_cpu_indexer [scalar|avx2|avx512|avx512_bf16] [quick]
+// (pins an instruction set, at most the detected one, whose scoring kernel runs:
+// portable for scalar, AVX2 for avx2 and avx512, AVX-512 BF16 for avx512_bf16;
+// default: the detected set; quick: T = 1 only)
 #include <omp.h>
 
 #if defined(__x86_64__)
@@ -23,7 +26,9 @@
 #include <vector>
 
 #include "core/numeric.h"
+#include "core/random.h"
 #include "cpu/indexer.h"
+#include "cpu/isa.h"
 #include "cpu/memory_bandwidth.h"
 #include "smla/ops.h"
 
@@ -35,32 +40,25 @@ using Clock = std::chrono::steady_clock;
 constexpr int64_t kBlockSize = 64, kTopk = 2048;
 constexpr int64_t kMaxTokens = 16, kMaxContext = 128 * 1024;
 
-uint64_t next(uint64_t& s) {  // xorshift64: fast enough to fill half a gigabyte
-  s ^= s << 13;
-  s ^= s >> 7;
-  s ^= s << 17;
-  return s;
-}
-
 // A cache of kMaxTokens * kMaxContext keys: random bf16 in (-1, 1), or random
 // non-NaN e4m3 bytes with power-of-two scales.
 std::vector<uint8_t> make_cache(DType dtype) {
   const int64_t blocks = kMaxTokens * kMaxContext / kBlockSize;
   const int64_t row = dtype == DType::bf16 ? 256 : kFp8IndexRowBytes;
   std::vector<uint8_t> bytes(blocks * kBlockSize * row);
-  uint64_t s = 0x9e3779b97f4a7c15ull;
+  Xorshift64 rng(0x9e3779b97f4a7c15ull);
   if (dtype == DType::bf16) {
     for (size_t i = 0; i < bytes.size(); i += 2) {
-      const uint16_t bits = numeric::float_to_bf16(static_cast<float>(next(s) % 2001) / 1000.f - 1.f);
+      const uint16_t bits = numeric::float_to_bf16(static_cast<float>(rng.next() % 2001) / 1000.f - 1.f);
       std::memcpy(&bytes[i], &bits, 2);
     }
     return bytes;
   }
   for (int64_t b = 0; b < blocks; ++b) {
     uint8_t* block = bytes.data() + b * kBlockSize * row;
-    for (int64_t i = 0; i < kBlockSize * 128; ++i) block[i] = static_cast<uint8_t>(next(s) % 0x7e) | (next(s) & 0x80);
+    for (int64_t i = 0; i < kBlockSize * 128; ++i) block[i] = static_cast<uint8_t>(rng.next() % 0x7e) | (rng.next() & 0x80);
     for (int64_t i = 0; i < kBlockSize; ++i) {
-      const float scale = std::ldexp(1.f, -8 - static_cast<int>(next(s) % 3));
+      const float scale = std::ldexp(1.f, -8 - static_cast<int>(rng.next() % 3));
       std::memcpy(block + kBlockSize * 128 + i * 4, &scale, 4);
     }
   }
@@ -112,18 +110,16 @@ double best_seconds(F&& f) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  using cpu::indexer::Isa;
-  const std::string kernel = argc > 1 ? argv[1] : "";
+  const std::string isa = argc > 1 ? argv[1] : "";
   const bool quick = argc > 2 && std::string(argv[2]) == "quick";
-  if (!kernel.empty())
-    cpu::indexer::force_isa(kernel == "portable" ? Isa::portable : kernel == "avx2" ? Isa::avx2 : Isa::avx512);
+  if (!isa.empty()) cpu::force_isa(cpu::isa_from_name(isa));
   double bandwidth = cpu::measure_read_bandwidth_gbs();
   double peak = 0;
 #if defined(__x86_64__)
-  if (cpu::indexer::isa_supported(Isa::avx512)) peak = dpbf16_peak_gflops();
+  if (cpu::isa_supported(cpu::Isa::avx512_bf16)) peak = dpbf16_peak_gflops();
 #endif
-  std::printf("threads %d, kernel %s, read bandwidth %.1f GB/s, bf16 dot peak %.0f GFLOP/s\n", omp_get_max_threads(),
-              cpu::indexer::isa_name(cpu::indexer::active_isa()), bandwidth, peak);
+  std::printf("threads %d, isa %s, read bandwidth %.1f GB/s, bf16 dot peak %.0f GFLOP/s\n", omp_get_max_threads(),
+              std::string(cpu::isa_name(cpu::active_isa())).c_str(), bandwidth, peak);
   std::printf("K = %lld, block size %lld, one request per token\n\n", static_cast<long long>(kTopk),
               static_cast<long long>(kBlockSize));
   std::printf("| cache | H_I | T | context | µs/call | GB/s | %% of bw | GFLOP/s | %% of peak | top-k µs |\n");

@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <vector>
 
+#include "core/random.h"
 #include "layer_profile.h"
 #include "smla/layer.h"
 
@@ -16,16 +17,9 @@ namespace {
 
 using namespace smla;
 
-uint64_t next(uint64_t& s) {  // xorshift64
-  s ^= s << 13;
-  s ^= s >> 7;
-  s ^= s << 17;
-  return s;
-}
-
-std::vector<float> uniform(uint64_t& state, int64_t n, float bound) {
+std::vector<float> uniform(Xorshift64& rng, int64_t n, float bound) {
   std::vector<float> v(n);
-  for (float& x : v) x = (float(next(state) >> 40) / float(1 << 24) * 2 - 1) * bound;
+  for (float& x : v) x = rng.symmetric() * bound;
   return v;
 }
 
@@ -45,10 +39,10 @@ int main(int argc, char** argv) {
   const int blocks_per_request = (context + kWarmup + steps + kBlock - 1) / kBlock;
   MlaLayer layer(random_attention_weights(spec), {.num_blocks = requests * blocks_per_request, .block_size = kBlock});
 
-  uint64_t state = 42;
-  const std::vector<float> latent = uniform(state, int64_t(context) * 512, 1.f),
-                           k_pe = uniform(state, int64_t(context) * 64, 1.f),
-                           index_k = uniform(state, int64_t(context) * 128, 1.f);
+  Xorshift64 rng(42);
+  const std::vector<float> latent = uniform(rng, int64_t(context) * 512, 1.f),
+                           k_pe = uniform(rng, int64_t(context) * 64, 1.f),
+                           index_k = uniform(rng, int64_t(context) * 128, 1.f);
   std::printf("GLM-5 layer decode on the CPU: context %d, median of %d steps (after %d warm-up), bf16 caches, ms\n",
               context, steps, kWarmup);
   std::printf("%6s %11s %6s %11s %8s %6s %9s %7s %8s\n", "batch", "projections", "rope", "cache_write", "indexer",
@@ -59,7 +53,7 @@ int main(int argc, char** argv) {
       segments.push_back({layer.add_request(), 1});
       layer.append_context(segments.back().request, context, latent.data(), k_pe.data(), index_k.data());
     }
-    const std::vector<float> hidden = uniform(state, int64_t(batch) * spec.hidden_size, 1.f);
+    const std::vector<float> hidden = uniform(rng, int64_t(batch) * spec.hidden_size, 1.f);
     std::vector<float> out(hidden.size());
     for (int i = 0; i < kWarmup; ++i) layer.forward(segments, hidden.data(), out.data());
     const std::array<double, 8> median = bench::median_profile_ms(layer, segments, hidden.data(), out.data(), steps);

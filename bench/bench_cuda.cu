@@ -1,9 +1,10 @@
 // GPU benchmark of the cuda_mma backend. Measures its ceilings in the same run
 // (device-to-device copy bandwidth, cuBLAS bf16 GEMM rate), then for each
-// attention config prints time, TFLOP/s (2*H*K*(576+512) per query token), GB/s
-// of cache rows gathered and the fraction of the ceiling that bounds it; and
-// for the indexer, the scores' GB/s of index-cache bytes and TFLOP/s
-// (2*H_I*128 per position) and the top-k time per row.
+// attention config prints time, TFLOP/s (2*H*K*(576 or 512 + 512) per query
+// token), GB/s of cache rows gathered and the fraction of the ceiling that
+// bounds it; and for the indexer, the scores' GB/s of index-cache bytes and
+// TFLOP/s (2*H_I*128 per position) and the top-k time per row. GLM-5.3-Flash
+// (glm53f: rope-free heads of 512, the pooled indexer) has rows of its own.
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -99,35 +100,40 @@ struct Ceilings {
   double copy_gbs, gemm_tflops;
 };
 
-// One cache of `slots` rows shared by every config (random bf16 or fp8 rows).
+// One cache of `slots` rows shared by every config (random bf16 or fp8 rows) for heads of `head`'s width.
 struct Cache {
   smla::DType dtype;
   int64_t slots;
+  smla::MlaHead head;
   int block_size = 64;
   void* data = nullptr;
-  Cache(smla::DType d, int64_t n) : dtype(d), slots(n) {
-    const size_t bytes = static_cast<size_t>(n) * row_bytes();
+  Cache(smla::DType d, int64_t n, smla::MlaHead mla_head = {}) : dtype(d), slots(n), head(mla_head) {
+    const size_t bytes = static_cast<size_t>(n) * row_stride_bytes();
     CHECK(cudaMalloc(&data, bytes));
     std::vector<uint8_t> h(bytes);
     std::mt19937 rng(2);
     // bf16 bytes of modest random values; fp8 rows: random codes < 0x70 and scale 2^-4.
     for (int64_t r = 0; r < n; ++r) {
-      uint8_t* row = h.data() + r * row_bytes();
-      if (d == smla::DType::fp8_ds_mla) {
+      uint8_t* row = h.data() + r * row_stride_bytes();
+      if (d != smla::DType::bf16) {  // either fp8 form (the envelope's rope part is unused with a rope-free head)
         for (int i = 0; i < 512; ++i) row[i] = static_cast<uint8_t>(rng() % 0x70) | (rng() & 0x80);
         for (int i = 0; i < 4; ++i) reinterpret_cast<float*>(row + 512)[i] = 0.0625f;
-        for (int i = 0; i < 64; ++i) reinterpret_cast<uint16_t*>(row + 528)[i] = 0x3c00 + (rng() % 256);
+        if (d == smla::DType::fp8_ds_mla)
+          for (int i = 0; i < 64; ++i) reinterpret_cast<uint16_t*>(row + 528)[i] = 0x3c00 + (rng() % 256);
       } else {
-        for (int i = 0; i < 576; ++i) reinterpret_cast<uint16_t*>(row)[i] = (0x3c00 + (rng() % 256)) | ((rng() & 1) << 15);
+        for (int i = 0; i < head.qk_dim(); ++i)
+          reinterpret_cast<uint16_t*>(row)[i] = (0x3c00 + (rng() % 256)) | ((rng() & 1) << 15);
       }
     }
     CHECK(cudaMemcpy(data, h.data(), bytes, cudaMemcpyHostToDevice));
   }
   ~Cache() { cudaFree(data); }
-  int row_bytes() const { return dtype == smla::DType::fp8_ds_mla ? 656 : 1152; }
+  // Bytes a row takes in memory, and the bytes of it the kernels read.
+  int row_stride_bytes() const { return static_cast<int>(head.cache_row(dtype) * (dtype == smla::DType::bf16 ? 2 : 1)); }
+  int row_bytes() const { return static_cast<int>(head.row_bytes_read(dtype)); }
   smla::TensorView view() const {
-    const int row = dtype == smla::DType::fp8_ds_mla ? 656 : 576;
-    return smla::TensorView(data, {slots / block_size, block_size, row}, dtype, smla::Device::cuda(90));
+    return smla::TensorView(data, {slots / block_size, block_size, head.cache_row(dtype)}, dtype,
+                            smla::Device::cuda(90));
   }
 };
 
@@ -163,9 +169,9 @@ std::string kernel_name(AttentionChoice k) {
   return n;
 }
 
-void report(const char* name, const char* kv, AttentionChoice kernel, int tokens, int heads, int keys, double ms,
-            double bytes, const Ceilings& c) {
-  const double tflops = 2.0 * heads * keys * (576.0 + 512.0) * tokens / (ms * 1e-3) / 1e12;
+void report(const char* name, const char* kv, AttentionChoice kernel, int tokens, int heads, int keys, int qk_dim,
+            double ms, double bytes, const Ceilings& c) {
+  const double tflops = 2.0 * heads * keys * (qk_dim + 512.0) * tokens / (ms * 1e-3) / 1e12;
   const double gbs = bytes / (ms * 1e-3) / 1e9;
   const double mem_frac = gbs / c.copy_gbs, compute_frac = tflops / c.gemm_tflops;
   std::printf("%-22s %-10s %-10s %6d %5d %6d %10.1f %9.1f %8.1f %6.0f%% %s\n", name, kv, kernel_name(kernel).c_str(),
@@ -200,13 +206,14 @@ void bench_sparse(const char* name, Cache& cache, int tokens, int heads, int top
   int32_t* didx;
   CHECK(cudaMalloc(&didx, idx.size() * 4));
   CHECK(cudaMemcpy(didx, idx.data(), idx.size() * 4, cudaMemcpyHostToDevice));
-  void* q = device_random_half(static_cast<size_t>(tokens) * heads * 576);
+  const int qk = cache.head.qk_dim();
+  void* q = device_random_half(static_cast<size_t>(tokens) * heads * qk);
   void *out, *lse;
   CHECK(cudaMalloc(&out, static_cast<size_t>(tokens) * heads * 512 * 2));
   CHECK(cudaMalloc(&lse, static_cast<size_t>(tokens) * heads * 4));
   const smla::Device dev = smla::Device::cuda(90);
   smla::SparseMlaArgs a;
-  a.q = smla::TensorView(q, {tokens, heads, 576}, smla::DType::bf16, dev);
+  a.q = smla::TensorView(q, {tokens, heads, qk}, smla::DType::bf16, dev);
   a.kv_cache = cache.view();
   a.indices = smla::TensorView(didx, {tokens, topk}, smla::DType::i32, dev);
   a.softmax_scale = 0.0625f;
@@ -218,7 +225,7 @@ void bench_sparse(const char* name, Cache& cache, int tokens, int heads, int top
     else smla::cuda::sparse_mla(a, kernel);
   }, ms);
   if (ran)
-    report(name, std::string(smla::dtype_name(cache.dtype)).c_str(), kernel, tokens, heads, topk, ms,
+    report(name, std::string(smla::dtype_name(cache.dtype)).c_str(), kernel, tokens, heads, topk, qk, ms,
            static_cast<double>(tokens) * topk * cache.row_bytes(), c);
   cudaFree(didx);
   cudaFree(q);
@@ -258,7 +265,7 @@ void bench_paged(const char* name, Cache& cache, int batch, int context, int hea
     else smla::cuda::paged_mla_decode(a, kernel);
   }, ms);
   if (ran)
-    report(name, std::string(smla::dtype_name(cache.dtype)).c_str(), kernel, batch, heads, context, ms,
+    report(name, std::string(smla::dtype_name(cache.dtype)).c_str(), kernel, batch, heads, context, 576, ms,
            static_cast<double>(batch) * context * cache.row_bytes(), c);
   cudaFree(dtable);
   cudaFree(dseq);
@@ -272,19 +279,22 @@ void bench_paged(const char* name, Cache& cache, int batch, int context, int hea
 // causal: the last sees `context`); fp8 or bf16 keys; fp8 queries with
 // per-(token, head) scales (what DeepSeek-V3.2's indexer feeds its kernel)
 // or bf16 ones; how the scores kernel multiplies, as it picks or forced.
+// A pooled indexer (GLM-5.3-Flash, 4 tokens a key) is the same op over `context` pools, 16 a block of 64 tokens,
+// selecting top-k / 4 pools.
 struct IndexerConfig {
   const char* name;
   int tokens, heads, context;
   bool fp8_keys = true, fp8_queries = false, prefill = false;
   smla::cuda::ScoreMma mma = smla::cuda::ScoreMma::automatic;
+  int topk = 2048, block_rows = 64;
 };
 
-// 64-position blocks scattered through the cache.
+// Blocks of `block_rows` positions scattered through the cache.
 void bench_indexer(const IndexerConfig& cfg, const Ceilings& c) {
   const smla::Device dev = smla::Device::cuda(90);
   const int tokens = cfg.tokens, heads = cfg.heads, context = cfg.context;
   const bool fp8 = cfg.fp8_keys, prefill = cfg.prefill;
-  const int bs = 64, blocks_per_req = context / bs, requests = prefill ? 1 : tokens, row = fp8 ? 132 : 256;
+  const int bs = cfg.block_rows, blocks_per_req = context / bs, requests = prefill ? 1 : tokens, row = fp8 ? 132 : 256;
   const int64_t blocks = static_cast<int64_t>(requests) * blocks_per_req;
   const size_t cache_bytes = static_cast<size_t>(blocks) * bs * row;
   std::vector<uint8_t> h(static_cast<size_t>(bs) * row);
@@ -316,7 +326,7 @@ void bench_indexer(const IndexerConfig& cfg, const Ceilings& c) {
   for (auto& x : q_scale) x = 1.f / (16 + rng() % 16);
   int32_t *dtable, *dreq, *dctx, *dout;
   float *dw, *dq_scale;
-  const int topk = 2048;
+  const int topk = cfg.topk;
   CHECK(cudaMalloc(&dtable, table.size() * 4));
   CHECK(cudaMalloc(&dreq, req.size() * 4));
   CHECK(cudaMalloc(&dctx, ctx.size() * 4));
@@ -486,6 +496,12 @@ int main(int argc, char** argv) {
       for (int h : {16, 128}) bench_paged("dense paged decode", cache, 128, 8192, h, c);
       bench_paged("dense paged (head tile)", cache, 128, 8192, 16, c, head_tile);
     }
+    // GLM-5.3-Flash under TP 8: 8 rope-free heads of 512; its pooled top-k attends 2048 tokens of whole pools and
+    // up to 3 of the incomplete last one.
+    for (smla::DType kv : {smla::DType::bf16, smla::DType::fp8_ds_mla, smla::DType::fp8_ds_mla_nope}) {
+      Cache cache(kv, slots, smla::MlaHead{0});
+      for (int t : {1, 8, 32, 64, 128}) bench_sparse("glm53f-tp8 decode", cache, t, 8, 2048 + 3, c);
+    }
   }
   if (!json_path.empty()) {
     FILE* f = std::fopen(json_path.c_str(), "w");
@@ -495,7 +511,7 @@ int main(int argc, char** argv) {
     std::fprintf(f, "  \"ceilings\": {\"copy_gbs\": %.1f, \"gemm_tflops\": %.1f},\n", c.copy_gbs, c.gemm_tflops);
     std::fprintf(f, "  \"units\": {\"us\": \"median microseconds per call\", "
                     "\"gbs\": \"cache rows gathered (tokens * keys * row "
-                    "bytes) per second\", \"tflops\": \"2 * heads * keys * (576 + 512) * tokens per second\"},\n");
+                    "bytes) per second\", \"tflops\": \"2 * heads * keys * (576 or 512 + 512) * tokens per second\"},\n");
     std::fprintf(f, "  \"attention\": [\n");
     for (size_t i = 0; i < attention_rows.size(); ++i) {
       const AttentionRow& r = attention_rows[i];
@@ -550,6 +566,15 @@ int main(int argc, char** argv) {
         bench_indexer(cfg, c);
       }
     bench_indexer({"topk 64 rows", 64, 64, 131072}, c);
+    // GLM-5.3-Flash: 32 heads over one key per pool of 4 tokens (context 8K, 32K, 128K tokens), top 512 pools.
+    for (int tokens : {1, 32, 128})
+      for (int pools : {2048, 8192, 32768}) {
+        IndexerConfig cfg{"glm53f pools", tokens, 32, pools};
+        cfg.fp8_queries = true;
+        cfg.topk = 512;
+        cfg.block_rows = 16;
+        bench_indexer(cfg, c);
+      }
   }
   if (part.empty() || part == "topk") {
     std::printf("\ntop-k 2048 of distinct random scores: one CTA per row, rows split among CTAs, rows shared by a "

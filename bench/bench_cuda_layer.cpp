@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "core/random.h"
 #include "layer_profile.h"
 #include "smla/error.h"
 #include "smla/layer.h"
@@ -29,12 +30,10 @@ void check(cudaError_t e, const char* what) {
 }
 
 // A device copy of `n` floats uniform in [-1, 1).
-float* device_uniform(int64_t n, uint64_t seed) {
+float* device_uniform(int64_t n, uint64_t state) {
+  Xorshift64 rng(state);
   std::vector<float> host(n);
-  for (float& x : host) {
-    seed ^= seed << 13, seed ^= seed >> 7, seed ^= seed << 17;
-    x = float(seed >> 40) * 0x1p-23f - 1.f;
-  }
+  for (float& x : host) x = rng.symmetric();
   float* p = nullptr;
   check(cudaMalloc(&p, n * sizeof(float)), "cudaMalloc");
   check(cudaMemcpy(p, host.data(), n * sizeof(float), cudaMemcpyHostToDevice), "cudaMemcpy");

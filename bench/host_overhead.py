@@ -17,7 +17,8 @@ import time
 import torch
 
 import smla
-from smla.flash_mla import flash_mla_with_kvcache, get_mla_metadata
+import smla.torch_ops  # noqa: F401  (registers torch.ops.smla)
+from smla.flash_mla import flash_mla_sparse_fwd, flash_mla_with_kvcache, get_mla_metadata
 
 CALLS = 10_000
 
@@ -32,6 +33,33 @@ def per_call_us(fn) -> float:
     elapsed = time.perf_counter() - start
     torch.cuda.synchronize()
     return elapsed / CALLS * 1e6
+
+
+def gpu_ms(fn, reps: int = 10) -> float:
+    """Median GPU time of `fn` in ms (CUDA events), after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[reps // 2]
+
+
+def sparse_fwd_against_sparse_mla() -> dict:
+    """Issue 17 item 4: flash_mla_sparse_fwd (max_logits and lse from the kernel) against sparse_mla on the same
+    prefill problem: 4096 tokens, 64 heads, top-k 2048 over 32768 bf16 rows."""
+    tokens, heads, topk, s_kv = 4096, 64, 2048, 32768
+    q = torch.randn(tokens, heads, 576, device="cuda").bfloat16()
+    kv = torch.randn(s_kv, 1, 576, device="cuda").bfloat16()
+    idx = torch.randint(0, s_kv, (tokens, 1, topk), device="cuda", dtype=torch.int32)
+    return {
+        "sparse_mla_prefill_ms": gpu_ms(lambda: smla.sparse_mla(q, kv, idx[:, 0], softmax_scale=0.07)),
+        "flash_mla_sparse_fwd_prefill_ms": gpu_ms(lambda: flash_mla_sparse_fwd(q, kv, idx, 0.07)),
+    }
 
 
 def main() -> None:
@@ -54,6 +82,7 @@ def main() -> None:
             lambda: flash_mla_with_kvcache(q4, cache[:, :, None], None, None, 512, meta, softmax_scale=0.07,
                                            indices=idx3)),
     }
+    results.update(sparse_fwd_against_sparse_mla())
     if args.cpp:
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
             subprocess.run([args.cpp, f.name], check=True, stdout=subprocess.DEVNULL)
@@ -66,6 +95,9 @@ def main() -> None:
     for key, label in names.items():
         if key in results:
             print(f"{label:50s} {results[key]:7.2f}")
+    fwd, plain = results["flash_mla_sparse_fwd_prefill_ms"], results["sparse_mla_prefill_ms"]
+    print(f"prefill 4096 x 64 heads x top-k 2048: flash_mla_sparse_fwd {fwd:.2f} ms, sparse_mla {plain:.2f} ms "
+          f"({(fwd / plain - 1) * 100:+.1f}%)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"calls": CALLS, **results}, f, indent=2)

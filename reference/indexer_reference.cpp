@@ -78,6 +78,21 @@ void ref_write_index_cache(const WriteIndexCacheArgs& a) {
   }
 }
 
+namespace {
+
+// 128^-0.5 * H_128 x, H_128[i][j] = (-1)^popcount(i & j).
+std::vector<double> hadamard(const std::vector<double>& x) {
+  std::vector<double> y(kIndexHeadDim);
+  for (int64_t i = 0; i < kIndexHeadDim; ++i) {
+    double sum = 0;
+    for (int64_t j = 0; j < kIndexHeadDim; ++j) sum += (std::popcount(static_cast<unsigned>(i & j)) % 2 ? -1 : 1) * x[j];
+    y[i] = sum / std::sqrt(128.0);
+  }
+  return y;
+}
+
+}  // namespace
+
 std::vector<double> ref_pooled_index_key(const WritePooledIndexCacheArgs& a, int64_t p) {
   const int64_t kpool = a.k.shape[1];
   std::vector<double> pooled(kIndexHeadDim);
@@ -93,14 +108,13 @@ std::vector<double> ref_pooled_index_key(const WritePooledIndexCacheArgs& a, int
     }
     pooled[d] = sum / denom;
   }
-  if (!a.hadamard) return pooled;
-  std::vector<double> rotated(kIndexHeadDim);
-  for (int64_t i = 0; i < kIndexHeadDim; ++i) {
-    double sum = 0;
-    for (int64_t j = 0; j < kIndexHeadDim; ++j) sum += (std::popcount(static_cast<unsigned>(i & j)) % 2 ? -1 : 1) * pooled[j];
-    rotated[i] = sum / std::sqrt(128.0);
-  }
-  return rotated;
+  return a.hadamard ? hadamard(pooled) : pooled;
+}
+
+std::vector<double> ref_rotated_index_q(const RotateIndexQArgs& a, int64_t t, int64_t h) {
+  std::vector<double> q(kIndexHeadDim);
+  for (int64_t d = 0; d < kIndexHeadDim; ++d) q[d] = element(a.q, {t, h, d});
+  return hadamard(q);
 }
 
 void ref_write_pooled_index_cache(const WritePooledIndexCacheArgs& a) {

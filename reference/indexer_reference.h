@@ -35,5 +35,7 @@ std::vector<double> ref_pooled_index_key(const WritePooledIndexCacheArgs& args, 
 // Stores ref_pooled_index_key of every pool with slot_mapping >= 0 as write_index_cache stores a key.
 void ref_write_pooled_index_cache(const WritePooledIndexCacheArgs& args);
 void ref_pools_to_positions(const PoolsToPositionsArgs& args);
+// Query head (t, h) rotated, 128^-0.5 * H_128 q[t, h], in float64 with no rounding.
+std::vector<double> ref_rotated_index_q(const RotateIndexQArgs& args, int64_t t, int64_t h);
 
 }  // namespace smla::reference

@@ -61,6 +61,7 @@ class Backend {
   // The pooled indexer's ops (Capabilities::pooled_indexer). Default: unsupported, an smla::Error.
   virtual void write_pooled_index_cache(const WritePooledIndexCacheArgs& args) const;
   virtual void pools_to_positions(const PoolsToPositionsArgs& args) const;
+  virtual void rotate_index_q(const RotateIndexQArgs& args) const;
   // Default: the three ops in sequence on this backend.
   virtual void dsa_decode_step(const DsaDecodeStepArgs& args) const;
 

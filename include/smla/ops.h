@@ -112,6 +112,15 @@ struct WritePooledIndexCacheArgs {
   void* stream = nullptr;
 };
 
+// GLM-5.3-Flash's indexer queries, as its cached pool keys are rotated: each head's 128 values times 128^-0.5 H_128
+// (Walsh-Hadamard), rounded to bf16, then for an fp8 q_out quantised with one ue8m0 (power-of-two) scale per head.
+struct RotateIndexQArgs {
+  TensorView q;        // [T, H_I, 128] f32 / f16 / bf16
+  TensorView q_out;    // [T, H_I, 128] bf16, or fp8_e4m3 (then q_scale): indexer_topk's q
+  TensorView q_scale;  // [T, H_I] f32 out, iff q_out is fp8_e4m3: indexer_topk's q_scale
+  void* stream = nullptr;
+};
+
 // The top pools (indexer_topk over a pooled cache, context_lens counting whole pools) -> the logical positions the
 // attention reads: each pool's kpool tokens, then the tokens of the incomplete last pool (always selected).
 struct PoolsToPositionsArgs {
@@ -156,6 +165,7 @@ void indexer_topk(const IndexerTopkArgs& args, const Backend* backend = nullptr)
 void positions_to_slots(const PositionsToSlotsArgs& args, const Backend* backend = nullptr);
 void write_pooled_index_cache(const WritePooledIndexCacheArgs& args, const Backend* backend = nullptr);
 void pools_to_positions(const PoolsToPositionsArgs& args, const Backend* backend = nullptr);
+void rotate_index_q(const RotateIndexQArgs& args, const Backend* backend = nullptr);
 void dsa_decode_step(const DsaDecodeStepArgs& args, const Backend* backend = nullptr);
 
 // Bytes of `workspace` the op needs for these args on `backend` (null: the
@@ -175,6 +185,7 @@ void check(const IndexerTopkArgs& args);
 void check(const PositionsToSlotsArgs& args);
 void check(const WritePooledIndexCacheArgs& args);
 void check(const PoolsToPositionsArgs& args);
+void check(const RotateIndexQArgs& args);
 void check(const DsaDecodeStepArgs& args);
 
 }  // namespace smla

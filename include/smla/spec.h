@@ -114,6 +114,10 @@ class OpSet {
   constexpr OpSet(std::initializer_list<Op> ops) {
     for (Op op : ops) bits_ |= static_cast<uint32_t>(op);
   }
+  constexpr OpSet& add(Op op) {
+    bits_ |= static_cast<uint32_t>(op);
+    return *this;
+  }
   constexpr bool contains(Op op) const { return bits_ & static_cast<uint32_t>(op); }
   constexpr bool empty() const { return bits_ == 0; }
   std::vector<Op> list() const;

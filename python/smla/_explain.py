@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from . import _smla
 
@@ -210,7 +210,7 @@ def _device_name(device: Any) -> str:
 
 def explain(model: Model, device: Any = "auto", dtype: str = "bfloat16", kv_cache_dtype: str = "auto",
             block_size: int = 64, tp: int = 1, backend: Optional[str] = None,
-            attn_sink: bool = False) -> Explanation:
+            attn_sink: bool = False, ops: Optional[Sequence[str]] = None) -> Explanation:
     """Which backend runs ``model`` and why every other one cannot, as
     ``smla explain`` tells it.
 
@@ -220,10 +220,13 @@ def explain(model: Model, device: Any = "auto", dtype: str = "bfloat16", kv_cach
     fp8_ds_mla or fp8_ds_mla_nope (heads with no rope part only). tp: tensor-parallel size. backend: force one by name (else
     $SMLA_BACKEND, else choose); forcing one that cannot run raises
     UnsupportedError listing its reasons. No valid backend is not an error:
-    the Explanation's ``chosen`` is None and ``suggestion`` names a change."""
+    the Explanation's ``chosen`` is None and ``suggestion`` names a change.
+    ops: the ops the run needs, by the names explain prints ("sparse
+    attention", "dense paged decode", "indexer"); default: what the model
+    needs (e.g. an engine with its own indexer asks for sparse attention only)."""
     spec = load_model_spec(model)
     text, json_text = _smla.explain(spec, _device_name(device), dtype, kv_cache_dtype or "auto", int(block_size),
-                                    int(tp), backend or "", bool(attn_sink))
+                                    int(tp), backend or "", bool(attn_sink), list(ops or ()))
     return _from_json(text, json_text)
 
 

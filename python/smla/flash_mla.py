@@ -50,6 +50,8 @@ class FlashMLASchedMeta:
     config: Optional[Config] = None
     tile_scheduler_metadata: Optional[Tensor] = None
     num_splits: Optional[Tensor] = None
+    # `config`'s fields as a tuple: one comparison per call, which torch.compile traces (vars() it cannot).
+    _config_fields: Optional[tuple] = dataclasses.field(default=None, repr=False, compare=False)
 
 
 def get_mla_metadata(*args: Any, **kwargs: Any) -> Tuple[Any, Any]:
@@ -217,8 +219,9 @@ def _check_sched_meta(meta: FlashMLASchedMeta, config: tuple) -> None:
     if not meta.have_initialized:
         meta.have_initialized = True
         meta.config = FlashMLASchedMeta.Config(*config)
+        meta._config_fields = config
         return
-    if tuple(vars(meta.config).values()) == config:
+    if meta._config_fields == config:
         return
     for field, got in zip(dataclasses.fields(meta.config), config):
         want = getattr(meta.config, field.name)

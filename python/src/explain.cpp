@@ -42,6 +42,23 @@ nb::dict capabilities(const Capabilities& c) {
   return d;
 }
 
+// Op names as op_name() gives them -> an OpSet; empty stays empty (the model's own needs).
+OpSet parse_ops(const std::vector<std::string>& names) {
+  OpSet ops;
+  for (const std::string& n : names) {
+    const Op* found = nullptr;
+    for (const Op& op : kAllOps)
+      if (op_name(op) == n) found = &op;
+    if (!found) {
+      std::string valid;
+      for (Op op : kAllOps) valid += (valid.empty() ? "'" : ", '") + std::string(op_name(op)) + "'";
+      fail("ops: expected op names among " + valid + ", got '" + n + "'");
+    }
+    ops.add(*found);
+  }
+  return ops;
+}
+
 }  // namespace
 
 void bind_explain(nb::module_& m) {
@@ -49,13 +66,17 @@ void bind_explain(nb::module_& m) {
   m.def(
       "explain",
       [](const AttentionSpec& spec, const std::string& device, const std::string& dtype,
-         const std::string& kv_cache_dtype, int block_size, int tp, const std::string& backend, bool attn_sink) {
-        const RunSpec run = make_run_spec(spec, {device, dtype, kv_cache_dtype, block_size, tp, backend, attn_sink});
+         const std::string& kv_cache_dtype, int block_size, int tp, const std::string& backend, bool attn_sink,
+         const std::vector<std::string>& ops) {
+        RunSpec run = make_run_spec(spec, {device, dtype, kv_cache_dtype, block_size, tp, backend, attn_sink});
+        run.ops = parse_ops(ops);
         const Selection sel = select(spec, run);
         return nb::make_tuple(explain_text(spec, run, sel), explain_json(spec, run, sel));
       },
       arg("spec"), arg("device"), arg("dtype"), arg("kv_cache_dtype"), arg("block_size"), arg("tp"), arg("backend"),
-      arg("attn_sink"), "(text, json) of the selection for this run, as `smla explain` prints them.");
+      arg("attn_sink"), arg("ops") = std::vector<std::string>{},
+      "(text, json) of the selection for this run, as `smla explain` prints them. `ops` (op names as explain "
+      "prints them) replaces the ops the model needs, e.g. {'sparse attention'} for an engine with its own indexer.");
 
   m.def("backends", [] {
     nb::list l;

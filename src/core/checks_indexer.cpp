@@ -151,6 +151,27 @@ void check(const PoolsToPositionsArgs& a) {
   checks::check_no_overlap(op, {{"positions", a.positions}}, {{"pools", a.pools}, {"context_lens", a.context_lens}});
 }
 
+void check(const RotateIndexQArgs& a) {
+  constexpr std::string_view op = "rotate_index_q";
+  const Device device = a.q.device;
+  const auto q = arg(op, "q", a.q);
+  q.defined().rank(3, "[T, H_I, 128]").dtype_in({DType::f32, DType::f16, DType::bf16}).inner_contiguous();
+  q.dim_at_least(1, 1, "H_I").dim(2, kIndexHeadDim, "index head dim");
+  if (a.q.shape[1] > kMaxIndexHeads)
+    q.fail("dimension 1 (H_I) must be <= " + std::to_string(kMaxIndexHeads) + ", got " + a.q.describe());
+  const int64_t tokens = a.q.shape[0], heads = a.q.shape[1];
+  const auto out = arg(op, "q_out", a.q_out);
+  out.defined().rank(3, "[T, H_I, 128]").dtype_in({DType::bf16, DType::fp8_e4m3}).on(device).inner_contiguous();
+  out.dim(0, tokens, "T, as q").dim(1, heads, "H_I, as q").dim(2, kIndexHeadDim, "index head dim");
+  const auto qs = arg(op, "q_scale", a.q_scale);
+  if (a.q_out.dtype == DType::fp8_e4m3) {
+    qs.defined().rank(2, "[T, H_I]").dtype_in({DType::f32}).dim(0, tokens, "T").dim(1, heads, "H_I").on(device);
+  } else if (a.q_scale.defined()) {
+    qs.fail("must be absent unless q_out is fp8_e4m3 (q_out is " + std::string(dtype_name(a.q_out.dtype)) + ")");
+  }
+  checks::check_no_overlap(op, {{"q_out", a.q_out}, {"q_scale", a.q_scale}}, {{"q", a.q}});
+}
+
 void check(const DsaDecodeStepArgs& a) {
   constexpr std::string_view op = "dsa_decode_step";
   // The steps' own checks, their messages prefixed with this op's name.

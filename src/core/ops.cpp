@@ -54,6 +54,7 @@ bool empty_batch(const PositionsToSlotsArgs& a) { return a.positions.shape[0] ==
 bool empty_batch(const DsaDecodeStepArgs& a) { return a.q.shape[0] == 0; }
 bool empty_batch(const WritePooledIndexCacheArgs& a) { return a.k.shape[0] == 0; }
 bool empty_batch(const PoolsToPositionsArgs& a) { return a.pools.shape[0] == 0; }
+bool empty_batch(const RotateIndexQArgs& a) { return a.q.shape[0] == 0; }
 
 template <class Args, class Run>
 void dispatch(const char* op, const Args& args, const Device& device, const Backend* backend, Run run) {
@@ -94,6 +95,9 @@ void write_pooled_index_cache(const WritePooledIndexCacheArgs& a, const Backend*
 }
 void pools_to_positions(const PoolsToPositionsArgs& a, const Backend* b) {
   dispatch("pools_to_positions", a, a.pools.device, b, [&](const Backend& be) { be.pools_to_positions(a); });
+}
+void rotate_index_q(const RotateIndexQArgs& a, const Backend* b) {
+  dispatch("rotate_index_q", a, a.q.device, b, [&](const Backend& be) { be.rotate_index_q(a); });
 }
 void dsa_decode_step(const DsaDecodeStepArgs& a, const Backend* b) {
   dispatch_with_workspace("dsa_decode_step", a, a.q.device, b, [&](const Backend& be) { be.dsa_decode_step(a); });
@@ -155,6 +159,10 @@ void Backend::write_pooled_index_cache(const WritePooledIndexCacheArgs&) const {
 void Backend::pools_to_positions(const PoolsToPositionsArgs&) const {
   throw Error(ErrorKind::unsupported, "pools_to_positions: backend '" + name() +
                                           "' does not implement the pooled indexer");
+}
+
+void Backend::rotate_index_q(const RotateIndexQArgs&) const {
+  throw Error(ErrorKind::unsupported, "rotate_index_q: backend '" + name() + "' does not implement the pooled indexer");
 }
 
 void Backend::dsa_decode_step(const DsaDecodeStepArgs& a) const {

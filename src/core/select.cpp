@@ -5,26 +5,12 @@
 #include <functional>
 #include <numeric>
 
-#include "cpu/backend.h"
-#include "cuda/backend.h"
+#include "core/machine.h"
 #include "smla/error.h"
-#ifdef SMLA_WITH_CUDA
-#include "cuda/device_query.h"
-#endif
 
 namespace smla {
 
-Registry& Registry::global() {
-  static Registry registry = [] {
-    Registry r;
-    r.add(cpu::make_backend());
-    r.add(cuda::make_backend());
-    r.set_priority(DeviceKind::cpu, {"cpu"});
-    r.set_priority(DeviceKind::cuda, {"cuda_mma"});
-    return r;
-  }();
-  return registry;
-}
+// Registry::global() and detect_device() are defined with the backends (src/registry.cpp).
 
 void Registry::add(std::unique_ptr<Backend> backend) {
   if (find(backend->name()))
@@ -199,8 +185,8 @@ Device this_machines_gpu(const Device& wanted, std::string_view text, bool cli) 
                               " to run on the CPU, or an architecture (" + (cli ? "--device sm_90" : "device='sm_90'") +
                               ", ...) to explain a run on another machine's GPU";
 #ifdef SMLA_WITH_CUDA
-  if (auto d = cuda::device_at(wanted.index)) return *d;
-  if (cuda::first_device()) fail(flag + ": this machine has no CUDA GPU " + std::to_string(wanted.index) + instead);
+  if (auto d = machine_cuda_device(wanted.index)) return *d;
+  if (detect_device().is_cuda()) fail(flag + ": this machine has no CUDA GPU " + std::to_string(wanted.index) + instead);
   fail(flag + ": this machine has no CUDA GPU (or no driver for one)" + instead);
 #else
   fail(flag + ": this build of smla has no CUDA support (built without nvcc)" + instead);
@@ -237,13 +223,6 @@ RunSpec make_run_spec(const AttentionSpec& spec, const RunOptions& o, OptionName
   run.attn_sink = o.attn_sink;
   heads_per_rank(spec, run);  // a tp that does not divide the heads is bad input
   return run;
-}
-
-Device detect_device() {
-#ifdef SMLA_WITH_CUDA
-  if (auto d = cuda::first_device()) return *d;
-#endif
-  return Device::cpu();
 }
 
 }  // namespace smla

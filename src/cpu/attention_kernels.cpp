@@ -6,7 +6,6 @@
 
 #include <algorithm>
 #include <array>
-#include <atomic>
 #include <bit>
 #include <cmath>
 #include <cstring>
@@ -19,7 +18,6 @@
 // GCC 12 flags the _mm512_undefined_* operands inside its own intrinsics (GCC bug 105593).
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #endif
-#include <cpuid.h>
 #include <immintrin.h>
 #define SMLA_X86 1
 #endif
@@ -451,43 +449,7 @@ SMLA_TARGET_END
 
 #endif  // SMLA_X86
 
-Isa detect() {
-#if SMLA_X86
-  __builtin_cpu_init();
-  unsigned eax, ebx, ecx, edx;
-  const bool f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & bit_F16C);
-  const bool avx2 = f16c && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-  if (avx512 && __builtin_cpu_supports("avx512bf16")) return Isa::avx512_bf16;
-  if (avx512) return Isa::avx512;
-  if (avx2) return Isa::avx2;
-#endif
-  return Isa::scalar;
-}
-
-std::atomic<int> forced_isa{-1};
-
 }  // namespace
-
-std::string_view isa_name(Isa isa) {
-  switch (isa) {
-    case Isa::scalar: return "scalar";
-    case Isa::avx2: return "avx2";
-    case Isa::avx512: return "avx512";
-    case Isa::avx512_bf16: return "avx512_bf16";
-  }
-  return "?";
-}
-
-Isa detected_isa() {
-  static const Isa isa = detect();
-  return isa;
-}
-
-void force_isa(std::optional<Isa> isa) {
-  forced_isa.store(isa ? static_cast<int>(std::min(*isa, detected_isa())) : -1, std::memory_order_relaxed);
-}
 
 const Kernels& active_kernels() {
   static const Kernels scalar_kernels{"scalar", scalar::workspace_bytes, scalar::attend, scalar::finalize};
@@ -497,8 +459,7 @@ const Kernels& active_kernels() {
   static const Kernels bf16_kernels{"avx512_bf16", avx512bf16::workspace_bytes, avx512bf16::attend,
                                     avx512::finalize};
 #endif
-  const int forced = forced_isa.load(std::memory_order_relaxed);
-  switch (forced < 0 ? detected_isa() : static_cast<Isa>(forced)) {
+  switch (active_isa()) {
 #if SMLA_X86
     case Isa::avx512_bf16: return bf16_kernels;
     case Isa::avx512: return avx512_kernels;

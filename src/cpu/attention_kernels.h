@@ -6,9 +6,9 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <optional>
 #include <string_view>
 
+#include "cpu/isa.h"
 #include "smla/types.h"
 
 namespace smla::cpu::attn {
@@ -69,14 +69,7 @@ struct Kernels {
   void (*finalize)(const FinalizeJob&);
 };
 
-// Instruction sets the kernels are built for, in increasing order.
-enum class Isa { scalar, avx2, avx512, avx512_bf16 };
-std::string_view isa_name(Isa isa);
-// The best set this CPU (and OS) supports.
-Isa detected_isa();
-// Tests and benchmarks pin a lower set (never above detected_isa()); nullopt restores the default.
-void force_isa(std::optional<Isa> isa);
-// The kernels in use: detected_isa(), or the forced one.
+// The kernels for active_isa() (cpu/isa.h).
 const Kernels& active_kernels();
 
 }  // namespace smla::cpu::attn

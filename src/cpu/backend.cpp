@@ -38,6 +38,7 @@ class CpuBackend final : public Backend {
     cpu::write_pooled_index_cache(a);
   }
   void pools_to_positions(const PoolsToPositionsArgs& a) const override { cpu::pools_to_positions(a); }
+  void rotate_index_q(const RotateIndexQArgs& a) const override { cpu::rotate_index_q(a); }
 
  private:
   Capabilities caps_ = cpu_capabilities();

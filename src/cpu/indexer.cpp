@@ -1,5 +1,5 @@
 // The CPU indexer ops: write_index_cache, indexer_topk, positions_to_slots, and the pooled indexer's
-// write_pooled_index_cache and pools_to_positions.
+// write_pooled_index_cache, pools_to_positions and rotate_index_q.
 // Index values (slots, request ids, context lengths, block ids) are checked
 // here, serially and before any parallel work, so errors are thrown outside
 // OpenMP regions. Scratch buffers are thread_local vectors that only grow:
@@ -7,7 +7,6 @@
 #include "cpu/indexer.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -35,49 +34,6 @@ T* grow(std::vector<T>& v, size_t n) {
 }  // namespace
 
 namespace indexer {
-
-namespace {
-
-Isa detect_isa() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("fma"))
-    return Isa::avx512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::avx2;
-#endif
-  return Isa::portable;
-}
-
-std::atomic<int> forced_isa{-1};
-
-}  // namespace
-
-const char* isa_name(Isa isa) {
-  switch (isa) {
-    case Isa::avx512: return "avx512";
-    case Isa::avx2: return "avx2";
-    default: return "portable";
-  }
-}
-
-Isa best_isa() {
-  static const Isa isa = detect_isa();
-  return isa;
-}
-
-bool isa_supported(Isa isa) { return static_cast<int>(isa) <= static_cast<int>(best_isa()); }
-
-Isa active_isa() {
-  const int f = forced_isa.load(std::memory_order_relaxed);
-  return f < 0 ? best_isa() : static_cast<Isa>(f);
-}
-
-void force_isa(std::optional<Isa> isa) {
-  if (isa && !isa_supported(*isa))
-    throw Error(ErrorKind::unsupported, std::string("indexer: this CPU cannot run the ") + isa_name(*isa) + " kernel");
-  forced_isa.store(isa ? static_cast<int>(*isa) : -1, std::memory_order_relaxed);
-}
 
 namespace {
 
@@ -310,6 +266,33 @@ void pools_to_positions(const PoolsToPositionsArgs& a) {
   }
 }
 
+void rotate_index_q(const RotateIndexQArgs& a) {
+  const int64_t tokens = a.q.shape[0], heads = a.q.shape[1];
+  const bool fp8 = a.q_out.dtype == DType::fp8_e4m3;
+#pragma omp parallel for schedule(static) if (tokens * heads >= 256)
+  for (int64_t row = 0; row < tokens * heads; ++row) {
+    const int64_t t = row / heads, h = row % heads;
+    float x[kIndexHeadDim];
+    for (int d = 0; d < kIndexHeadDim; ++d) x[d] = load_float(a.q, t * a.q.strides[0] + h * a.q.strides[1] + d);
+    numeric::hadamard128(x);
+    float amax = 0.f;
+    for (int d = 0; d < kIndexHeadDim; ++d) {
+      x[d] = round_to_bf16(x[d]);
+      amax = std::fmax(amax, std::fabs(x[d]));
+    }
+    const int64_t out = t * a.q_out.strides[0] + h * a.q_out.strides[1];
+    if (!fp8) {
+      auto* dst = a.q_out.ptr<uint16_t>() + out;
+      for (int d = 0; d < kIndexHeadDim; ++d) dst[d] = numeric::float_to_bf16(x[d]);
+      continue;
+    }
+    const float scale = numeric::index_key_scale(amax);
+    auto* dst = a.q_out.ptr<uint8_t>() + out;
+    for (int d = 0; d < kIndexHeadDim; ++d) dst[d] = numeric::float_to_e4m3(x[d] / scale);
+    a.q_scale.ptr<float>()[t * a.q_scale.strides[0] + h * a.q_scale.strides[1]] = scale;
+  }
+}
+
 void indexer_topk(const IndexerTopkArgs& a) {
   constexpr std::string_view op = "indexer_topk";
   const int64_t tokens = a.q.shape[0], k = a.topk.shape[1];
@@ -334,7 +317,7 @@ void indexer_topk(const IndexerTopkArgs& a) {
              ") but is read for context length " + std::to_string(ctx));
   }
 
-  const auto& kernel = indexer::score_kernel(indexer::active_isa());
+  const auto& kernel = indexer::score_kernel(active_isa());
   const indexer::QueryLayout layout = kernel.layout(static_cast<int>(a.q.shape[1]), a.q.dtype);
   struct alignas(64) Line {
     std::byte bytes[64];

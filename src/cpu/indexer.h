@@ -1,24 +1,11 @@
-// Internals of the CPU indexer, exposed for tests and benchmarks: the
-// instruction-set choice and the exact top-k selection.
+// Internals of the CPU indexer, exposed for tests and benchmarks: the exact
+// top-k selection. Its scoring kernel follows cpu::active_isa() (cpu/isa.h).
 #pragma once
 
 #include <bit>
 #include <cstdint>
-#include <optional>
 
 namespace smla::cpu::indexer {
-
-// Scoring kernels: AVX-512 (with BF16 dot products), AVX2+FMA, or portable C++.
-enum class Isa { portable, avx2, avx512 };
-const char* isa_name(Isa isa);
-// The best kernel this CPU can run.
-Isa best_isa();
-bool isa_supported(Isa isa);
-// The kernel indexer_topk uses: best_isa() unless forced. Forcing is for
-// tests and benchmarks (not thread-safe against concurrent indexer calls);
-// forcing an unsupported Isa throws smla::Error.
-Isa active_isa();
-void force_isa(std::optional<Isa> isa);
 
 // Monotone map of a score to an unsigned key: a > b (as floats) iff key(a) >
 // key(b); -0 and +0 share a key, so they tie.

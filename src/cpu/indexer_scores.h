@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "cpu/indexer.h"
+#include "cpu/isa.h"
 #include "smla/types.h"
 
 namespace smla::cpu::indexer {
@@ -54,7 +55,11 @@ struct ScoreKernel {
                 const int32_t* blocks, int64_t s0, int64_t s1, uint32_t* keys);
 };
 
-// The kernel for `isa` (which must be supported).
+// The instruction sets with a scoring kernel of their own: portable C++,
+// AVX2 + FMA, and AVX-512 with BF16 dot products.
+inline constexpr Isa kScoreKernelIsas[] = {Isa::scalar, Isa::avx2, Isa::avx512_bf16};
+
+// The kernel of the best of kScoreKernelIsas that `isa` (which must be supported) includes.
 const ScoreKernel& score_kernel(Isa isa);
 
 // 128 fp8 key bytes widened as `isa`'s kernel widens them, as floats; tests

@@ -14,5 +14,6 @@ void indexer_topk(const IndexerTopkArgs& args);
 void positions_to_slots(const PositionsToSlotsArgs& args);
 void write_pooled_index_cache(const WritePooledIndexCacheArgs& args);
 void pools_to_positions(const PoolsToPositionsArgs& args);
+void rotate_index_q(const RotateIndexQArgs& args);
 
 }  // namespace smla::cpu

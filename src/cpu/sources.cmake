@@ -4,4 +4,5 @@ target_sources(smla_objects PRIVATE
   cpu/mla_attention.cpp
   cpu/attention_kernels.cpp
   cpu/indexer.cpp
-  cpu/indexer_scores.cpp)
+  cpu/indexer_scores.cpp
+  cpu/isa.cpp)

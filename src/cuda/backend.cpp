@@ -74,6 +74,10 @@ class MmaBackend final : public Backend {
     DeviceGuard g(a.pools.device);
     cuda::pools_to_positions(a);
   }
+  void rotate_index_q(const RotateIndexQArgs& a) const override {
+    DeviceGuard g(a.q.device);
+    cuda::rotate_index_q(a);
+  }
   size_t workspace_size(const SparseMlaArgs& a) const override {
     DeviceGuard g(a.q.device);
     return cuda::sparse_mla_workspace_size(a);
@@ -96,6 +100,7 @@ class MmaBackend final : public Backend {
   void positions_to_slots(const PositionsToSlotsArgs&) const override { not_built(); }
   void write_pooled_index_cache(const WritePooledIndexCacheArgs&) const override { not_built(); }
   void pools_to_positions(const PoolsToPositionsArgs&) const override { not_built(); }
+  void rotate_index_q(const RotateIndexQArgs&) const override { not_built(); }
 #endif
 
  private:

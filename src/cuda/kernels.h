@@ -21,6 +21,7 @@ void write_index_cache(const WriteIndexCacheArgs& args);
 void positions_to_slots(const PositionsToSlotsArgs& args);
 void write_pooled_index_cache(const WritePooledIndexCacheArgs& args);
 void pools_to_positions(const PoolsToPositionsArgs& args);
+void rotate_index_q(const RotateIndexQArgs& args);
 void indexer_topk(const IndexerTopkArgs& args);
 
 // Bytes of `workspace` each op needs (Backend::workspace_size); the same args on the same device always give the

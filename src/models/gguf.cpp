@@ -1,5 +1,6 @@
-// The GGUF reader: memory mapping, parsing with bounds checks, split models, dequantisation and the attention
-// geometry from the metadata. Layout facts from ggml's docs/gguf.md; block layouts from gguf-py's quants.py.
+// The GGUF reader: memory mapping, parsing with bounds checks and split models. Dequantisation is in
+// gguf_dequantize.cpp, the attention geometry from the metadata in gguf_spec.cpp. Layout facts from ggml's
+// docs/gguf.md.
 #include "models/gguf.h"
 
 #include <fcntl.h>
@@ -12,7 +13,6 @@
 #include <cctype>
 #include <cerrno>
 #include <charconv>
-#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -22,24 +22,13 @@
 #include <unordered_set>
 #include <utility>
 
-#include "core/numeric.h"
+#include "models/gguf_text.h"
 #include "smla/error.h"
 
 namespace smla::gguf {
 
 static_assert(std::endian::native == std::endian::little, "GGUF data is read in place: little-endian hosts only");
 
-namespace {
-
-// Nested arrays are legal; the bound keeps a crafted file from exhausting the stack.
-constexpr int kMaxArrayDepth = 8;
-constexpr uint32_t kMaxDims = 4;  // ggml's GGML_MAX_DIMS
-constexpr uint64_t kMaxAlignment = uint64_t{1} << 30;
-
-std::string num(uint64_t value) { return std::to_string(value); }
-
-// Text from the file (a key, a tensor name), safe in a one-line message: quoted, non-printable bytes escaped,
-// long text cut.
 std::string printable(std::string_view text) {
   constexpr size_t kShown = 80;
   std::string out = "\"";
@@ -54,6 +43,31 @@ std::string printable(std::string_view text) {
   }
   return out + (text.size() > kShown ? "...\"" : "\"");
 }
+
+std::string describe(const Value& value) {
+  const std::string type(value_type_name(value.type));
+  return std::visit(
+      [&](const auto& v) -> std::string {
+        using V = std::decay_t<decltype(v)>;
+        if constexpr (std::is_same_v<V, std::string>) return "string " + printable(v);
+        else if constexpr (std::is_same_v<V, ArrayInfo>)
+          return "an array of " + num(v.count) + " " + std::string(value_type_name(v.element_type));
+        else if constexpr (std::is_same_v<V, bool>) return std::string("bool ") + (v ? "true" : "false");
+        else if constexpr (std::is_same_v<V, double>) {
+          char text[32];
+          const auto end = std::to_chars(text, text + sizeof text, v).ptr;
+          return type + " " + std::string(text, end);
+        } else return type + " " + std::to_string(v);
+      },
+      value.data);
+}
+
+namespace {
+
+// Nested arrays are legal; the bound keeps a crafted file from exhausting the stack.
+constexpr int kMaxArrayDepth = 8;
+constexpr uint32_t kMaxDims = 4;  // ggml's GGML_MAX_DIMS
+constexpr uint64_t kMaxAlignment = uint64_t{1} << 30;
 
 std::optional<uint64_t> checked_mul(uint64_t a, uint64_t b) {
   uint64_t product;
@@ -176,25 +190,6 @@ std::optional<uint64_t> as_unsigned(const Value& value) {
   if (const auto* u = std::get_if<uint64_t>(&value.data)) return *u;
   if (const auto* i = std::get_if<int64_t>(&value.data); i && *i >= 0) return static_cast<uint64_t>(*i);
   return std::nullopt;
-}
-
-// A value, shown briefly for an error message: "u32 5", "string \"llama\"", "an array of 3 u32".
-std::string describe(const Value& value) {
-  const std::string type(value_type_name(value.type));
-  return std::visit(
-      [&](const auto& v) -> std::string {
-        using V = std::decay_t<decltype(v)>;
-        if constexpr (std::is_same_v<V, std::string>) return "string " + printable(v);
-        else if constexpr (std::is_same_v<V, ArrayInfo>)
-          return "an array of " + num(v.count) + " " + std::string(value_type_name(v.element_type));
-        else if constexpr (std::is_same_v<V, bool>) return std::string("bool ") + (v ? "true" : "false");
-        else if constexpr (std::is_same_v<V, double>) {
-          char text[32];
-          const auto end = std::to_chars(text, text + sizeof text, v).ptr;
-          return type + " " + std::string(text, end);
-        } else return type + " " + std::to_string(v);
-      },
-      value.data);
 }
 
 uint64_t align_up(uint64_t offset, uint64_t alignment) { return (offset + alignment - 1) / alignment * alignment; }
@@ -515,286 +510,5 @@ const Tensor* Model::find_tensor(std::string_view name) const {
   const auto it = tensors_.find(name);
   return it == tensors_.end() ? nullptr : it->second;
 }
-
-// --- Dequantisation ------------------------------------------------------------------------------------------
-// Each formula keeps gguf-py's order of float32 operations, so the results match it bit for bit.
-
-namespace {
-
-template <typename T>
-T load(const uint8_t* p) {
-  T value;
-  std::memcpy(&value, p, sizeof(T));
-  return value;
-}
-
-float load_f16(const uint8_t* p) { return numeric::f16_to_float(load<uint16_t>(p)); }
-
-// Q8_0: an f16 scale, then 32 int8 values.
-void dequantize_q8_0(const uint8_t* block, float* out) {
-  const float d = load_f16(block);
-  for (int i = 0; i < 32; ++i) out[i] = static_cast<float>(static_cast<int8_t>(block[2 + i])) * d;
-}
-
-// Q4_K: f16 d and dmin, 12 bytes of eight 6-bit scales and mins, 128 bytes of 4-bit values. Sub-block s (32 values)
-// takes the low nibbles of bytes [32 (s/2), +32) for even s and the high nibbles for odd s.
-void dequantize_q4_k(const uint8_t* block, float* out) {
-  const float d = load_f16(block);
-  const float dmin = load_f16(block + 2);
-  const uint8_t* scales = block + 4;
-  const uint8_t* qs = block + 16;
-  for (int s = 0; s < 8; ++s) {
-    uint8_t scale, min;
-    if (s < 4) {
-      scale = scales[s] & 63;
-      min = scales[s + 4] & 63;
-    } else {  // low 4 bits from bytes 8-11, high 2 from the top of bytes 0-3 (scales) or 4-7 (mins)
-      scale = static_cast<uint8_t>((scales[s + 4] & 0xF) | ((scales[s - 4] >> 6) << 4));
-      min = static_cast<uint8_t>((scales[s + 4] >> 4) | ((scales[s] >> 6) << 4));
-    }
-    const float ds = d * static_cast<float>(scale);
-    const float dm = dmin * static_cast<float>(min);
-    const int shift = 4 * (s % 2);
-    for (int i = 0; i < 32; ++i) {
-      const auto q = static_cast<float>((qs[32 * (s / 2) + i] >> shift) & 0xF);
-      out[32 * s + i] = ds * q - dm;
-    }
-  }
-}
-
-// Q6_K: 128 bytes of low nibbles, 64 bytes of high 2-bit pairs, 16 int8 scales (one per 16 values), f16 d.
-// Value e of half h = e / 128 (w = e % 128): low nibble of ql[64 h + w % 64] (high nibble when w >= 64), high bits
-// (qh[32 h + w % 32] >> 2 (w / 32)) & 3, minus 32.
-void dequantize_q6_k(const uint8_t* block, float* out) {
-  const uint8_t* ql = block;
-  const uint8_t* qh = block + 128;
-  const auto* scales = reinterpret_cast<const int8_t*>(block + 192);
-  const float d = load_f16(block + 208);
-  for (int e = 0; e < 256; ++e) {
-    const int h = e / 128, w = e % 128;
-    const int low = (ql[64 * h + w % 64] >> (4 * (w / 64))) & 0xF;
-    const int high = (qh[32 * h + w % 32] >> (2 * (w / 32))) & 3;
-    const float scale = d * static_cast<float>(scales[e / 16]);
-    out[e] = scale * static_cast<float>((low | (high << 4)) - 32);
-  }
-}
-
-}  // namespace
-
-std::vector<float> dequantize(const Tensor& tensor, const std::string& path) {
-  const TypeInfo* type = type_info(tensor.type);
-  const uint64_t count = tensor.count();
-  const auto blocks = [&](uint32_t block_size, uint32_t type_size, void (*decode)(const uint8_t*, float*)) {
-    std::vector<float> out(count);
-    for (uint64_t b = 0; b < count / block_size; ++b)
-      decode(tensor.data.data() + b * type_size, out.data() + b * block_size);
-    return out;
-  };
-  switch (tensor.type) {
-    case 0: {  // F32
-      std::vector<float> out(count);
-      if (count > 0) std::memcpy(out.data(), tensor.data.data(), tensor.data.size());
-      return out;
-    }
-    case 1: return blocks(1, 2, [](const uint8_t* in, float* out) { *out = load_f16(in); });
-    case 30:
-      return blocks(1, 2, [](const uint8_t* in, float* out) { *out = numeric::bf16_to_float(load<uint16_t>(in)); });
-    case 8: return blocks(32, 34, dequantize_q8_0);
-    case 12: return blocks(256, 144, dequantize_q4_k);
-    case 14: return blocks(256, 210, dequantize_q6_k);
-    default:
-      throw Error(ErrorKind::unsupported,
-                  path + ": tensor " + printable(tensor.name) + " has type " + std::string(type ? type->name : "?") +
-                      ", which smla cannot dequantise (it reads F32, F16, BF16, Q8_0, Q4_K and Q6_K)");
-  }
-}
-
-// --- The attention geometry -------------------------------------------------------------------------------------
-
-namespace {
-
-struct Architecture {
-  std::string_view name;
-  std::string_view model_type;
-  bool sparse;
-  RopeStyle indexer_rope;  // GGUF has no key for it: DeepSeek-V3.2 rotates half-split, GLM-5 interleaved
-};
-constexpr Architecture kArchitectures[] = {
-    {"deepseek2", "deepseek_v3", false, RopeStyle::half_split},
-    {"deepseek32", "deepseek_v32", true, RopeStyle::half_split},
-    {"glm-dsa", "glm_moe_dsa", true, RopeStyle::interleaved},
-};
-
-// A float read back as the shortest decimal that rounds to it (for f32: 1e-6 stays the double 1e-6 a config.json
-// holds, not 9.99999997e-7), times 10^shift applied to the decimal exponent so that no rounding creeps in.
-double decimal(const Value& value, int shift) {
-  const double stored = std::get<double>(value.data);
-  char text[64];
-  const std::to_chars_result printed =
-      value.type == ValueType::f32
-          ? std::to_chars(text, text + sizeof text, static_cast<float>(stored), std::chars_format::scientific)
-          : std::to_chars(text, text + sizeof text, stored, std::chars_format::scientific);
-  const std::string_view digits(text, printed.ptr);
-  const size_t e = digits.find('e');
-  int exponent = 0;
-  std::from_chars(digits.data() + e + 1 + (digits[e + 1] == '+'), digits.data() + digits.size(), exponent);
-  const std::string shifted = std::string(digits.substr(0, e)) + "e" + std::to_string(exponent + shift);
-  double result = 0;
-  std::from_chars(shifted.data(), shifted.data() + shifted.size(), result);
-  return result;
-}
-
-// The metadata of one file, read with messages "<path>: <key>: <what was expected>, got <what>".
-class Metadata {
- public:
-  explicit Metadata(const File& file) : file_(file) {}
-
-  [[noreturn]] void reject(std::string_view key, std::string_view expected, const std::string& got) const {
-    fail(file_.path + ": " + std::string(key) + ": " + std::string(expected) + ", got " + got);
-  }
-  const Value* find(std::string_view key) const { return file_.find(key); }
-
-  template <typename Int>
-  std::optional<Int> integer(std::string_view key, Int min) const {
-    const Value* value = find(key);
-    if (!value) return std::nullopt;
-    constexpr Int kMax = std::numeric_limits<Int>::max();
-    const std::string expected = "expected an integer from " + std::to_string(min) + " to " + std::to_string(kMax);
-    if (const auto* u = std::get_if<uint64_t>(&value->data); u && *u <= static_cast<uint64_t>(kMax) &&
-                                                              static_cast<Int>(*u) >= min)
-      return static_cast<Int>(*u);
-    if (const auto* i = std::get_if<int64_t>(&value->data); i && *i >= min && *i <= kMax) return static_cast<Int>(*i);
-    reject(key, expected, describe(*value));
-  }
-
-  int required_int(std::string_view key, int min) const {
-    if (const std::optional<int> value = integer(key, min)) return *value;
-    reject(key, "expected an integer", "no such key");
-  }
-
-  template <typename Int>
-  Int optional_int(std::string_view key, Int fallback, Int min) const {
-    return integer(key, min).value_or(fallback);
-  }
-
-  // A finite number; f32/f64 through decimal(), times 10^shift.
-  double optional_real(std::string_view key, double fallback, int shift = 0) const {
-    const Value* value = find(key);
-    if (!value) return fallback;
-    if (const auto* u = std::get_if<uint64_t>(&value->data)) return static_cast<double>(*u) * std::pow(10.0, shift);
-    if (const auto* i = std::get_if<int64_t>(&value->data)) return static_cast<double>(*i) * std::pow(10.0, shift);
-    if (!std::holds_alternative<double>(value->data) || !std::isfinite(std::get<double>(value->data)))
-      reject(key, "expected a finite number", describe(*value));
-    return decimal(*value, shift);
-  }
-
-  std::optional<std::string> optional_string(std::string_view key) const {
-    const Value* value = find(key);
-    if (!value) return std::nullopt;
-    if (const auto* text = std::get_if<std::string>(&value->data)) return *text;
-    reject(key, "expected a string", describe(*value));
-  }
-
- private:
-  const File& file_;
-};
-
-RopeSpec read_rope(const Metadata& meta, const std::string& arch) {
-  RopeSpec rope;
-  rope.theta = meta.optional_real(arch + ".rope.freq_base", rope.theta);
-  const std::string type_key = arch + ".rope.scaling.type";
-  const std::optional<std::string> type = meta.optional_string(type_key);
-  if (!type || *type == "none") return rope;
-  // Anything else (linear, longrope, ...) would change the positions in a way RopeSpec cannot express.
-  if (*type != "yarn") meta.reject(type_key, R"(expected "yarn" or "none")", "string " + printable(*type));
-  const std::string scaling = arch + ".rope.scaling.";
-  rope.yarn = true;
-  rope.factor = meta.optional_real(scaling + "factor", rope.factor);
-  rope.original_max_position_embeddings =
-      meta.optional_int<int64_t>(scaling + "original_context_length", rope.original_max_position_embeddings, 0);
-  rope.beta_fast = meta.optional_real(scaling + "yarn_beta_fast", rope.beta_fast);
-  rope.beta_slow = meta.optional_real(scaling + "yarn_beta_slow", rope.beta_slow);
-  // The converter stores 0.1 * mscale_all_dim here for this family; mscale has no key and all the family's
-  // configs set 1.0, RopeSpec's default.
-  rope.mscale_all_dim = meta.optional_real(scaling + "yarn_log_multiplier", rope.mscale_all_dim, 1);
-  return rope;
-}
-
-}  // namespace
-
-AttentionSpec spec_from_gguf(const File& file) {
-  const Metadata meta(file);
-  const std::optional<std::string> arch_name = meta.optional_string("general.architecture");
-  const auto arch = std::ranges::find(kArchitectures, arch_name.value_or(""), &Architecture::name);
-  if (arch == std::end(kArchitectures))
-    meta.reject("general.architecture", "expected one of deepseek2, deepseek32, glm-dsa",
-                arch_name ? "string " + printable(*arch_name) : "no such key");
-  const std::string a = std::string(arch->name);
-
-  AttentionSpec spec;
-  spec.name = file.path;
-  spec.model_type = std::string(arch->model_type);
-  if (arch->name == "deepseek2") {
-    // One architecture holds DeepSeek-V3/R1, Kimi-K2 and GLM-4.7-Flash; the tokenizer tells them apart.
-    const std::string pre = meta.optional_string("tokenizer.ggml.pre").value_or("");
-    if (pre == "kimi-k2") spec.model_type = "kimi_k2";
-    if (pre == "glm4") spec.model_type = "glm4_moe_lite";
-  }
-  spec.hidden_size = meta.required_int(a + ".embedding_length", 1);
-  spec.num_heads = meta.required_int(a + ".attention.head_count", 1);
-  spec.q_lora_rank = meta.optional_int(a + ".attention.q_lora_rank", 0, 0);
-  spec.kv_lora_rank = meta.required_int(a + ".attention.kv_lora_rank", 1);
-  const std::string key_length = a + ".attention.key_length", value_length = a + ".attention.value_length";
-  const int key = meta.required_int(key_length, 1);
-  const int value = meta.required_int(value_length, 1);
-  if (meta.find(a + ".attention.key_length_mla")) {
-    // MLA stored as MQA: one latent head [c | k_pe] of kv_lora + rope, value c; the per-head sizes in *_mla.
-    if (value != spec.kv_lora_rank)
-      meta.reject(value_length, "expected kv_lora_rank (" + num(spec.kv_lora_rank) + ")", num(value));
-    if (key <= spec.kv_lora_rank)
-      meta.reject(key_length, "expected kv_lora_rank + qk_rope_head_dim (more than " + num(spec.kv_lora_rank) + ")",
-                  num(key));
-    spec.qk_rope_head_dim = key - spec.kv_lora_rank;
-    const std::string key_mla = a + ".attention.key_length_mla";
-    const int qk_head_dim = meta.required_int(key_mla, 1);
-    if (qk_head_dim <= spec.qk_rope_head_dim)
-      meta.reject(key_mla, "expected qk_nope_head_dim + qk_rope_head_dim (more than " +
-                               num(spec.qk_rope_head_dim) + ")", num(qk_head_dim));
-    spec.qk_nope_head_dim = qk_head_dim - spec.qk_rope_head_dim;
-    spec.v_head_dim = meta.required_int(a + ".attention.value_length_mla", 1);
-  } else {
-    // Files converted before llama.cpp stored MLA as MQA: per-head sizes, the RoPE part in rope.dimension_count.
-    spec.qk_rope_head_dim = meta.required_int(a + ".rope.dimension_count", 1);
-    if (key <= spec.qk_rope_head_dim)
-      meta.reject(key_length, "expected qk_nope_head_dim + qk_rope_head_dim (more than " +
-                                  num(spec.qk_rope_head_dim) + ")", num(key));
-    spec.qk_nope_head_dim = key - spec.qk_rope_head_dim;
-    spec.v_head_dim = value;
-  }
-  // block_count includes the NextN (multi-token prediction) layers that deepseek32 and glm-dsa files carry.
-  const int blocks = meta.required_int(a + ".block_count", 0);
-  const std::string nextn_key = a + ".nextn_predict_layers";
-  const int nextn = meta.optional_int(nextn_key, 0, 0);
-  if (nextn > blocks) meta.reject(nextn_key, "expected at most block_count (" + num(blocks) + ")", num(nextn));
-  spec.num_layers = blocks - nextn;
-  spec.num_attention_layers = spec.num_layers;  // the architectures read here have no linear-attention layers
-  const std::string eps_key = a + ".attention.layer_norm_rms_epsilon";
-  spec.rms_norm_eps = meta.optional_real(eps_key, spec.rms_norm_eps);
-  if (!(spec.rms_norm_eps > 0)) meta.reject(eps_key, "expected a positive number", describe(*meta.find(eps_key)));
-  spec.rope = read_rope(meta, a);
-  spec.rope_style = RopeStyle::interleaved;  // MLA's RoPE is interleaved in every architecture here
-  if (arch->sparse) {
-    const std::string indexer = a + ".attention.indexer.";
-    spec.indexer = IndexerSpec{.heads = meta.required_int(indexer + "head_count", 1),
-                               .head_dim = meta.required_int(indexer + "key_length", 1),
-                               .topk = meta.required_int(indexer + "top_k", 1),
-                               .rope_style = arch->indexer_rope};
-  }
-  spec.softmax_scale = reference_softmax_scale(spec.qk_head_dim(), spec.rope);
-  validate(spec, file.path);
-  return spec;
-}
-
-AttentionSpec spec_from_gguf_file(const std::string& path) { return spec_from_gguf(Model::open(path).metadata()); }
 
 }  // namespace smla::gguf

@@ -9,6 +9,7 @@
 #include <optional>
 #include <string>
 
+#include "core/random.h"
 #include "models/gguf.h"
 #include "models/safetensors.h"
 #include "smla/error.h"
@@ -217,13 +218,6 @@ AttentionWeights load_attention_weights(const std::string& path, int layer) {
 
 namespace {
 
-uint64_t xorshift(uint64_t& state) {
-  state ^= state << 13;
-  state ^= state >> 7;
-  state ^= state << 17;
-  return state;
-}
-
 // Rows [first, first + count) of a row-major tensor whose rows are `shape[0]`.
 WeightTensor rows_of(const WeightTensor& t, int64_t first, int64_t count) {
   const int64_t width = t.numel() / t.shape[0];
@@ -245,7 +239,7 @@ WeightTensor columns_of(const WeightTensor& t, int64_t first, int64_t count) {
 
 AttentionWeights random_attention_weights(const AttentionSpec& spec, uint64_t seed) {
   validate(spec, "random_attention_weights: spec");
-  uint64_t state = seed * 0x9e3779b97f4a7c15ull + 1;  // never 0, which xorshift would keep
+  Xorshift64 rng = Xorshift64::seeded(seed);
   AttentionWeights weights;
   weights.spec = spec;
   for (const Slot& slot : kSlots) {
@@ -259,7 +253,7 @@ AttentionWeights random_attention_weights(const AttentionSpec& spec, uint64_t se
       continue;
     }
     const float bound = float(std::sqrt(3.0 / double(shape[1])));
-    for (float& x : t.data) x = (float(xorshift(state) >> 40) * 0x1p-23f - 1.f) * bound;
+    for (float& x : t.data) x = rng.symmetric() * bound;
   }
   return weights;
 }

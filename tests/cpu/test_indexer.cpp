@@ -35,22 +35,22 @@
 namespace smla {
 namespace {
 
-using cpu::indexer::Isa;
+using cpu::Isa;
 using test::Rng;
 
 const Backend& cpu_backend() { return *Registry::global().find("cpu"); }
 
 std::vector<Isa> supported_isas() {
   std::vector<Isa> isas;
-  for (Isa isa : {Isa::portable, Isa::avx2, Isa::avx512})
-    if (cpu::indexer::isa_supported(isa)) isas.push_back(isa);
+  for (Isa isa : cpu::indexer::kScoreKernelIsas)
+    if (cpu::isa_supported(isa)) isas.push_back(isa);
   return isas;
 }
 
 // Runs the indexer with one kernel for the guard's lifetime.
 struct ForceIsa {
-  explicit ForceIsa(Isa isa) { cpu::indexer::force_isa(isa); }
-  ~ForceIsa() { cpu::indexer::force_isa(std::nullopt); }
+  explicit ForceIsa(Isa isa) { cpu::force_isa(isa); }
+  ~ForceIsa() { cpu::force_isa(std::nullopt); }
 };
 
 // Expects `f` to throw an invalid_argument smla::Error, one line, that contains every fragment.
@@ -292,7 +292,7 @@ void expect_matches_reference(Problem& p, bool exact = false) {
   std::vector<std::vector<double>> scores(p.tokens());
   for (int64_t t = 0; t < p.tokens(); ++t) scores[t] = reference::ref_indexer_scores(a, t);
   for (Isa isa : supported_isas()) {
-    SCOPED_TRACE(std::string("kernel ") + cpu::indexer::isa_name(isa));
+    SCOPED_TRACE("kernel " + std::string(cpu::isa_name(isa)));
     ForceIsa force(isa);
     std::fill(p.topk.begin(), p.topk.end(), 12345);
     indexer_topk(a, &cpu_backend());
@@ -454,7 +454,7 @@ TEST(IndexerTopk, Fp8WideningMatchesTheScalarConversion) {
         const float want = numeric::e4m3_to_float(bytes[i]);
         const bool same = std::isnan(want) ? std::isnan(got[i]) : std::bit_cast<uint32_t>(got[i]) ==
                                                                       std::bit_cast<uint32_t>(want);
-        EXPECT_TRUE(same) << cpu::indexer::isa_name(isa) << " byte " << int{bytes[i]} << ": " << got[i];
+        EXPECT_TRUE(same) << cpu::isa_name(isa) << " byte " << int{bytes[i]} << ": " << got[i];
       }
     }
 }

@@ -29,7 +29,7 @@
 namespace smla {
 namespace {
 
-using cpu::attn::Isa;
+using cpu::Isa;
 using test::Rng;
 
 // Invalid indices besides num_slots (which depends on the cache).
@@ -126,14 +126,14 @@ void expect_written(const Tensor& t, const char* what) {
 
 // Pins the kernels' instruction set for one scope.
 struct PinIsa {
-  explicit PinIsa(std::optional<Isa> isa) { cpu::attn::force_isa(isa); }
-  ~PinIsa() { cpu::attn::force_isa(std::nullopt); }
+  explicit PinIsa(std::optional<Isa> isa) { cpu::force_isa(isa); }
+  ~PinIsa() { cpu::force_isa(std::nullopt); }
 };
 
 std::vector<Isa> available_isas() {
   std::vector<Isa> isas;
-  for (Isa i : {Isa::scalar, Isa::avx2, Isa::avx512, Isa::avx512_bf16})
-    if (i <= cpu::attn::detected_isa()) isas.push_back(i);
+  for (Isa i : cpu::kAllIsas)
+    if (cpu::isa_supported(i)) isas.push_back(i);
   return isas;
 }
 
@@ -338,7 +338,7 @@ std::vector<SparseCase> sparse_cases() {
     for (DType q : {DType::bf16, DType::f16})
       for (DType cache : {DType::bf16, DType::f16, DType::fp8_ds_mla}) {
         SparseCase c;
-        c.name = std::string(cpu::attn::isa_name(isa)) + "_q" + dtype_tag(q) + "_cache" + dtype_tag(cache);
+        c.name = std::string(cpu::isa_name(isa)) + "_q" + dtype_tag(q) + "_cache" + dtype_tag(cache);
         c.q_dtype = q;
         c.cache.dtype = cache;
         c.heads = 20;
@@ -396,7 +396,7 @@ std::vector<SparseCase> sparse_cases() {
     for (DType q : {DType::bf16, DType::f16})
       for (DType cache : nope_caches) {
         SparseCase c;
-        c.name = "nope_" + std::string(cpu::attn::isa_name(isa)) + "_q" + dtype_tag(q) + "_cache" + dtype_tag(cache);
+        c.name = "nope_" + std::string(cpu::isa_name(isa)) + "_q" + dtype_tag(q) + "_cache" + dtype_tag(cache);
         c.q_dtype = q;
         c.cache.dtype = cache;
         c.cache.rope_dim = 0;
@@ -486,8 +486,8 @@ TEST(SparseMlaFp8, EqualsBf16OnDequantisedCache) {
       args.lse = o.lse.view;
       sparse_mla(fp8.args);
       sparse_mla(args);
-      EXPECT_EQ(read(fp8.o.out), read(o.out)) << dtype_name(q_dtype) << " " << cpu::attn::isa_name(isa);
-      EXPECT_EQ(read(fp8.o.lse), read(o.lse)) << dtype_name(q_dtype) << " " << cpu::attn::isa_name(isa);
+      EXPECT_EQ(read(fp8.o.out), read(o.out)) << dtype_name(q_dtype) << " " << cpu::isa_name(isa);
+      EXPECT_EQ(read(fp8.o.lse), read(o.lse)) << dtype_name(q_dtype) << " " << cpu::isa_name(isa);
     }
 }
 
@@ -510,7 +510,7 @@ TEST(SparseMlaFp8, AnyTileScale) {
     }
   }
   for (Isa isa : available_isas()) {
-    SCOPED_TRACE(std::string(cpu::attn::isa_name(isa)));
+    SCOPED_TRACE(std::string(cpu::isa_name(isa)));
     PinIsa pin(isa);
     sparse_mla(p.args);
     expect_written(p.o.out, "out");
@@ -555,7 +555,7 @@ TEST(Kernels, OutputConversionsAreBitExact) {
       cpu::attn::active_kernels().finalize(f);
       for (int d = 0; d < kMlaVDim; ++d) {
         const uint16_t want = dtype == DType::bf16 ? numeric::float_to_bf16(acc[d]) : numeric::float_to_f16(acc[d]);
-        ASSERT_EQ(out[d], want) << cpu::attn::isa_name(isa) << " " << dtype_name(dtype) << " value " << acc[d];
+        ASSERT_EQ(out[d], want) << cpu::isa_name(isa) << " " << dtype_name(dtype) << " value " << acc[d];
       }
     }
 }
@@ -719,7 +719,7 @@ std::vector<PagedCase> paged_cases() {
     }
   for (Isa isa : available_isas()) {
     PagedCase c;
-    c.name = std::string(cpu::attn::isa_name(isa)) + "_f16cache";
+    c.name = std::string(cpu::isa_name(isa)) + "_f16cache";
     c.cache_dtype = DType::f16;
     c.heads = 20;
     c.s_q = 2;

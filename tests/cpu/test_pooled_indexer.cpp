@@ -1,9 +1,10 @@
 // The pooled indexer of GLM-5.3-Flash (index_kpool > 1) on the CPU against
 // direct float64 computations: write_pooled_index_cache (the softmax-weighted
 // pool, the Walsh-Hadamard rotation, both cache dtypes, strided inputs),
-// pools_to_positions (pools cut by the context's end, invalid pool ids), the
-// whole pipeline write -> indexer_topk over pools -> pools_to_positions for
-// the tokens of a causal prefill, and the argument checks.
+// pools_to_positions (pools cut by the context's end, invalid pool ids),
+// rotate_index_q (the queries' rotation and ue8m0 fp8), the whole pipeline
+// write -> indexer_topk over pools -> pools_to_positions for the tokens of a
+// causal prefill, and the argument checks.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -312,6 +313,104 @@ TEST(PoolsToPositions, ChecksNameTheArgument) {
   b.positions = TensorView(pools.data(), {2, 2}, DType::i32);  // the output over an input
   b.kpool = 1;
   expect_error([&] { pools_to_positions(b, &cpu_backend()); }, {"positions", "overlaps"});
+}
+
+// ---------------------------------------------------------------- rotate_index_q
+
+TEST(RotateIndexQ, MatchesTheFloat64Rotation) {
+  Rng rng(26);
+  constexpr int64_t tokens = 5, heads = 6, head_stride = 136;  // heads padded (NaN between them)
+  for (DType q_dtype : {DType::f32, DType::bf16, DType::f16})
+    for (DType out_dtype : {DType::bf16, DType::fp8_e4m3}) {
+      SCOPED_TRACE(std::string(dtype_name(q_dtype)) + " -> " + std::string(dtype_name(out_dtype)));
+      std::vector<float> values = test::random_floats(rng, tokens * heads * 128, -4.f, 4.f);
+      for (int d = 0; d < 128; ++d) values[128 + d] *= 1e-3f;  // a small head: another scale
+      std::vector<float> rows(tokens * heads * head_stride, NAN);
+      for (int64_t r = 0; r < tokens * heads; ++r)
+        std::copy(values.begin() + r * 128, values.begin() + (r + 1) * 128, rows.begin() + r * head_stride);
+      std::vector<uint8_t> qbytes(rows.size() * dtype_size(q_dtype));
+      if (q_dtype == DType::f32) {
+        std::memcpy(qbytes.data(), rows.data(), qbytes.size());
+      } else {
+        const std::vector<uint16_t> bits = test::to_half_bits(rows, q_dtype);
+        std::memcpy(qbytes.data(), bits.data(), qbytes.size());
+      }
+      std::vector<uint8_t> out(tokens * heads * 128 * dtype_size(out_dtype), 0xff);
+      std::vector<float> scale(tokens * heads, -1.f);
+      RotateIndexQArgs a;
+      a.q = TensorView(qbytes.data(), {tokens, heads, 128}, {heads * head_stride, head_stride, 1}, q_dtype);
+      a.q_out = TensorView(out.data(), {tokens, heads, 128}, out_dtype);
+      if (out_dtype == DType::fp8_e4m3) a.q_scale = TensorView(scale.data(), {tokens, heads}, DType::f32);
+      rotate_index_q(a, &cpu_backend());
+      for (int64_t t = 0; t < tokens; ++t)
+        for (int64_t h = 0; h < heads; ++h) {
+          const std::vector<double> want = reference::ref_rotated_index_q(a, t, h);
+          double amax = 0;
+          for (double v : want) amax = std::max(amax, std::fabs(v));
+          const int64_t r = t * heads + h;
+          for (int d = 0; d < 128; ++d) {
+            double got, tol;
+            if (out_dtype == DType::bf16) {
+              uint16_t bits;
+              std::memcpy(&bits, out.data() + (r * 128 + d) * 2, 2);
+              got = numeric::bf16_to_float(bits);
+              tol = 0x1p-8 * std::fabs(want[d]) + 1e-6 * amax;
+            } else {
+              got = numeric::e4m3_to_float(out[r * 128 + d]) * scale[r];
+              tol = 6.7e-2 * std::fabs(want[d]) + 0x1p-8 * amax + scale[r] * 0x1p-9;
+            }
+            ASSERT_NEAR(got, want[d], tol) << "token " << t << " head " << h << " dim " << d;
+          }
+          if (out_dtype == DType::fp8_e4m3) {
+            int exponent;
+            EXPECT_EQ(std::frexp(scale[r], &exponent), 0.5) << "ue8m0: a power of two, got " << scale[r];
+            EXPECT_GT(amax / scale[r], 224 * (1 - 1e-2));
+            EXPECT_LE(amax / scale[r], 448 * (1 + 1e-2));
+          }
+        }
+    }
+}
+
+TEST(RotateIndexQ, TwiceIsTheIdentity) {
+  // 128^-0.5 H_128 is orthogonal and symmetric: rotating the rotated query (f32 in, bf16 out) gives it back
+  // within the two bf16 roundings.
+  Rng rng(27);
+  std::vector<float> q = test::random_floats(rng, 3 * 128, -2.f, 2.f), once(3 * 128);
+  std::vector<uint16_t> out(3 * 128), back(3 * 128);
+  RotateIndexQArgs a;
+  a.q = TensorView(q.data(), {1, 3, 128}, DType::f32);
+  a.q_out = TensorView(out.data(), {1, 3, 128}, DType::bf16);
+  rotate_index_q(a, &cpu_backend());
+  for (size_t i = 0; i < out.size(); ++i) once[i] = numeric::bf16_to_float(out[i]);
+  a.q = TensorView(once.data(), {1, 3, 128}, DType::f32);
+  a.q_out = TensorView(back.data(), {1, 3, 128}, DType::bf16);
+  rotate_index_q(a, &cpu_backend());
+  for (size_t i = 0; i < q.size(); ++i) EXPECT_NEAR(numeric::bf16_to_float(back[i]), q[i], 2e-2) << i;
+}
+
+TEST(RotateIndexQ, ChecksNameTheArgument) {
+  std::vector<float> q(2 * 4 * 128, 1.f), scale(8);
+  std::vector<uint8_t> out(2 * 4 * 128 * 2);
+  RotateIndexQArgs a;
+  a.q = TensorView(q.data(), {2, 4, 128}, DType::f32);
+  a.q_out = TensorView(out.data(), {2, 4, 128}, DType::fp8_e4m3);
+  expect_error([&] { rotate_index_q(a, &cpu_backend()); }, {"rotate_index_q", "q_scale"});
+  RotateIndexQArgs b = a;
+  b.q_out = TensorView(out.data(), {2, 4, 128}, DType::bf16);
+  b.q_scale = TensorView(scale.data(), {2, 4}, DType::f32);
+  expect_error([&] { rotate_index_q(b, &cpu_backend()); }, {"q_scale", "must be absent"});
+  b = a;
+  b.q_scale = TensorView(scale.data(), {2, 3}, DType::f32);
+  expect_error([&] { rotate_index_q(b, &cpu_backend()); }, {"q_scale", "dimension 1"});
+  b = a;
+  b.q_out = TensorView(out.data(), {2, 4, 128}, DType::f16);
+  expect_error([&] { rotate_index_q(b, &cpu_backend()); }, {"q_out", "dtype"});
+  b = a;
+  b.q_out = TensorView(q.data(), {2, 4, 128}, DType::bf16);  // written over q
+  expect_error([&] { rotate_index_q(b, &cpu_backend()); }, {"q_out", "overlaps"});
+  b = a;
+  b.q = TensorView(q.data(), {2, 4, 64}, DType::f32);
+  expect_error([&] { rotate_index_q(b, &cpu_backend()); }, {"q", "dimension 2"});
 }
 
 // ---------------------------------------------------------------- the pipeline

@@ -537,12 +537,12 @@ TEST(CudaBackend, RejectsMisalignedQueries) {
   uint16_t dummy[8];
   SparseMlaArgs a;
   DeviceBuffer d(1 << 20);
-  a.q = on_gpu(TensorView(dummy, {1, 1, kMlaQkDim}, {kMlaQkDim, kMlaQkDim, 1}, DType::bf16),
-               static_cast<char*>(d.ptr) + 2);
-  a.kv_cache = on_gpu(TensorView(dummy, {1, 16, kMlaQkDim}, DType::bf16), d.ptr);
-  a.indices = on_gpu(TensorView(dummy, {1, 1}, DType::i32), d.ptr);
-  a.out = on_gpu(TensorView(dummy, {1, 1, kMlaVDim}, DType::bf16), d.ptr);
-  a.lse = on_gpu(TensorView(dummy, {1, 1}, DType::f32), d.ptr);
+  char* base = static_cast<char*>(d.ptr);  // each tensor in its own 64 KB, so only the alignment is at fault
+  a.q = on_gpu(TensorView(dummy, {1, 1, kMlaQkDim}, {kMlaQkDim, kMlaQkDim, 1}, DType::bf16), base + 2);
+  a.kv_cache = on_gpu(TensorView(dummy, {1, 16, kMlaQkDim}, DType::bf16), base + (1 << 16));
+  a.indices = on_gpu(TensorView(dummy, {1, 1}, DType::i32), base + (2 << 16));
+  a.out = on_gpu(TensorView(dummy, {1, 1, kMlaVDim}, DType::bf16), base + (3 << 16));
+  a.lse = on_gpu(TensorView(dummy, {1, 1}, DType::f32), base + (4 << 16));
   a.softmax_scale = 1.f;
   try {
     sparse_mla(a, &gpu());

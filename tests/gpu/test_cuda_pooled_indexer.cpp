@@ -1,7 +1,8 @@
 // The pooled indexer of GLM-5.3-Flash on the GPU against the CPU backend:
 // write_pooled_index_cache (same bytes but for rare one-step differences of
-// the exponential), pools_to_positions (identical), and the pipeline write ->
-// indexer_topk over pools -> pools_to_positions for a causal prefill chunk.
+// the exponential), pools_to_positions and rotate_index_q (identical), and the
+// pipeline write -> indexer_topk over pools -> pools_to_positions for a causal
+// prefill chunk.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -117,6 +118,36 @@ TEST(CudaPooledIndexer, PoolsToPositionsMatchesCpu) {
     CUDA_OK(cudaDeviceSynchronize());
     EXPECT_EQ(dout.download<int32_t>(), want) << "kpool " << kpool;
   }
+}
+
+TEST(CudaPooledIndexer, RotateIndexQSameBytesAsCpu) {
+  // The CPU's arithmetic in the CPU's order (butterflies, 128^-0.5, bf16, ue8m0 scale, e4m3): identical bytes.
+  test::Rng rng(93);
+  const int tokens = 37, heads = 32, head_stride = 136;
+  for (DType src : {DType::f32, DType::bf16, DType::f16})
+    for (DType out_dtype : {DType::bf16, DType::fp8_e4m3}) {
+      SCOPED_TRACE(std::string(dtype_name(src)) + " -> " + std::string(dtype_name(out_dtype)));
+      std::vector<float> values = test::random_floats(rng, tokens * heads * head_stride, -6.f, 6.f);
+      for (int d = 0; d < head_stride; ++d) values[d] *= 1e-4f;  // a tiny head: the 1e-4 floor of the scale
+      const std::vector<uint8_t> q = stored(values, src);
+      std::vector<uint8_t> want(tokens * heads * kIndexHeadDim * dtype_size(out_dtype), 0xab);
+      std::vector<float> want_scale(tokens * heads, -1.f);
+      RotateIndexQArgs a;
+      a.q = TensorView(const_cast<uint8_t*>(q.data()), {tokens, heads, kIndexHeadDim},
+                       {heads * head_stride, head_stride, 1}, src);
+      a.q_out = TensorView(want.data(), {tokens, heads, kIndexHeadDim}, out_dtype);
+      if (out_dtype == DType::fp8_e4m3) a.q_scale = TensorView(want_scale.data(), {tokens, heads}, DType::f32);
+      rotate_index_q(a, &cpu());
+      DeviceBuffer dq(q), dout(std::vector<uint8_t>(want.size(), 0xab)), dscale(std::vector<float>(want_scale.size(), -1.f));
+      RotateIndexQArgs g = a;
+      g.q = on_gpu(a.q, dq.ptr);
+      g.q_out = on_gpu(a.q_out, dout.ptr);
+      if (out_dtype == DType::fp8_e4m3) g.q_scale = on_gpu(a.q_scale, dscale.ptr);
+      rotate_index_q(g, &gpu());
+      CUDA_OK(cudaDeviceSynchronize());
+      EXPECT_EQ(dout.download<uint8_t>(), want);
+      if (out_dtype == DType::fp8_e4m3) EXPECT_EQ(dscale.download<float>(), want_scale);
+    }
 }
 
 // GLM-5.3-Flash's shapes: kpool 4, 32 index heads, top-k 2048 tokens = 512 pools, pages of 64 (16 pools a page),

@@ -130,6 +130,15 @@ def test_glm53_flash():
     assert any("fp8_ds_mla_nope has no rope part" in r for c in e.candidates for r in c.reasons)
 
 
+def test_explain_asks_for_the_ops_given():
+    """ops= replaces what the model needs (an engine with its own indexer asks for sparse attention only)."""
+    e = smla.explain("glm-5", device="cpu", ops=("sparse attention",))
+    assert e.run.ops == ("sparse attention",) and "needs      sparse attention\n" in str(e)
+    assert smla.explain("glm-5", device="cpu").run.ops == ("sparse attention", "indexer")
+    with pytest.raises(smla.InvalidArgumentError, match="ops: expected op names among 'sparse attention'.*got 'topk'"):
+        smla.explain("glm-5", device="cpu", ops=("topk",))
+
+
 def test_backends_match_the_readme_support_matrix():
     names = [b.name for b in smla.backends()]
     assert "cpu" in names and "cuda_mma" in names

@@ -43,7 +43,8 @@ void check_job_fits(const JobOptions& o, const Resolved& res, const Memory& mem)
                                   std::to_string(bs) + "), more than the " + std::to_string(kMaxSlots) +
                                   " that int32 slot numbers reach; lower --batch or --context");
   const DType kv = res.run.resolved_kv_cache_dtype();
-  const double row = mla_row_bytes(kv) + (res.spec.is_sparse() ? index_row_bytes(index_cache_dtype(kv)) : 0);
+  const double row = mla_row_bytes(kv, MlaHead{res.spec.qk_rope_head_dim}) +
+                     (res.spec.is_sparse() ? index_row_bytes(index_cache_dtype(kv)) : 0);
   const double bytes = double(slots) * row + other_bytes, have = mem.capacity_bytes();
   const std::string memory = mem.device().is_cpu() ? "host memory" : "GPU memory";
   if (bytes > have) {
@@ -55,8 +56,12 @@ void check_job_fits(const JobOptions& o, const Resolved& res, const Memory& mem)
   }
 }
 
-DType index_cache_dtype(DType kv_cache) { return kv_cache == DType::fp8_ds_mla ? DType::fp8_e4m3 : DType::bf16; }
+DType index_cache_dtype(DType kv_cache) {
+  return kv_cache == DType::fp8_ds_mla || kv_cache == DType::fp8_ds_mla_nope ? DType::fp8_e4m3 : DType::bf16;
+}
 int index_row_bytes(DType d) { return d == DType::bf16 ? 2 * kIndexHeadDim : kFp8IndexRowBytes; }
-int mla_row_bytes(DType d) { return d == DType::fp8_ds_mla ? kFp8DsMlaRowBytes : 2 * kMlaQkDim; }
+int mla_row_bytes(DType d, MlaHead head) {
+  return static_cast<int>(head.cache_row(d) * (d == DType::bf16 || d == DType::f16 ? 2 : 1));
+}
 
 }  // namespace smla::cli

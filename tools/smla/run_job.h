@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "core/numeric.h"
+#include "core/random.h"
 #include "memory.h"
 #include "options.h"
 #include "smla/backend.h"
@@ -30,12 +31,9 @@ struct JobOptions {
 // Fast deterministic random values in [-1, 1), never exactly zero.
 class Random {
  public:
-  explicit Random(uint64_t seed) : s_(seed * 0x9e3779b97f4a7c15ull + 1) {}
+  explicit Random(uint64_t seed) : gen_(Xorshift64::seeded(seed)) {}
   float next() {
-    s_ ^= s_ << 13;
-    s_ ^= s_ >> 7;
-    s_ ^= s_ << 17;
-    const float v = static_cast<float>(static_cast<int64_t>(s_ >> 40) - (int64_t{1} << 23)) * 0x1p-23f;
+    const float v = gen_.symmetric();
     return v == 0.f ? 0x1p-24f : v;
   }
   std::vector<float> floats(size_t n) {
@@ -51,7 +49,7 @@ class Random {
   }
 
  private:
-  uint64_t s_;
+  Xorshift64 gen_;
 };
 
 using Clock = std::chrono::steady_clock;
@@ -79,11 +77,11 @@ inline TensorView first_rows(TensorView v, int64_t n) {
   return v;
 }
 
-// The index cache's type beside a latent cache of type `kv_cache`: fp8_e4m3 beside fp8_ds_mla, else bf16.
+// The index cache's type beside a latent cache of type `kv_cache`: fp8_e4m3 beside either fp8 form, else bf16.
 DType index_cache_dtype(DType kv_cache);
-// Bytes one token's row takes in the index cache and in the latent cache.
+// Bytes one token's row (or one pool's, for a pooled index cache) takes in the index cache and in the latent cache.
 int index_row_bytes(DType index_cache);
-int mla_row_bytes(DType kv_cache);
+int mla_row_bytes(DType kv_cache, MlaHead head = MlaHead{});
 
 // The layer job's self-check prompt, tokens (at most top-k for DSA models).
 inline constexpr int kLayerCheckTokens = 16;

@@ -1,5 +1,6 @@
 // `smla run` without --layer, the main job: the attention ops alone. Builds a
-// paged cache of random latents (and indexer keys) for `batch` requests of
+// paged cache of random latents (and indexer keys, one per token or, for a
+// pooled indexer, one per pool of kpool tokens) for `batch` requests of
 // `context` tokens, runs `steps` decode steps on the selected backend — DSA
 // (indexer, top-k, sparse attention) for sparse models, dense paged decode
 // otherwise — spot-checks sampled rows against the float64 reference, and
@@ -20,6 +21,7 @@
 #include "reference/indexer_reference.h"
 #include "reference/mla_reference.h"
 #include "run_job.h"
+#include "smla/error.h"
 #include "smla/ops.h"
 
 namespace smla::cli {
@@ -49,16 +51,19 @@ struct Report {
   bool topk_match = true;
 };
 
-// The paged caches and block table of the sparse and the dense job, on the run's device.
+// The paged caches and block table of the sparse and the dense job, on the run's device. A pooled index cache
+// (kpool > 1) holds block_size / kpool pools per block of the shared table.
 struct PagedCaches {
   static constexpr int64_t kChunk = 4096;  // tokens written per cache-writer call
   Memory& mem;
-  int block_size, blocks_per_request;
+  MlaHead head;
+  int block_size, blocks_per_request, kpool;
   std::vector<int32_t> block_table;  // [batch, blocks_per_request], host copy
   TensorView table, mla_view, index_view;
-  TensorView latent, k_pe, keys, slot_mapping;  // staging for the writers
+  TensorView latent, k_pe, keys, gates, ape, slot_mapping;  // staging for the writers; ape: the pool's learned term
 
-  PagedCaches(Memory& m, const JobOptions& o, DType kv, bool with_index) : mem(m), block_size(o.common.run.block_size) {
+  PagedCaches(Memory& m, const JobOptions& o, DType kv, MlaHead h, bool with_index, int kpool_, Random& rng)
+      : mem(m), head(h), block_size(o.common.run.block_size), kpool(kpool_) {
     const int64_t capacity = static_cast<int64_t>(o.context) + o.steps;
     blocks_per_request = static_cast<int>((capacity + block_size - 1) / block_size);
     const int64_t blocks = static_cast<int64_t>(o.batch) * blocks_per_request;
@@ -67,20 +72,31 @@ struct PagedCaches {
     std::shuffle(block_table.begin(), block_table.end(), std::mt19937_64(o.seed));  // blocks scattered, as in serving
     table = mem.empty({o.batch, blocks_per_request}, DType::i32);
     mem.upload(table, block_table.data());
-    mla_view = mem.empty({blocks, block_size, kv == DType::fp8_ds_mla ? kFp8DsMlaRowBytes : kMlaQkDim}, kv);
+    mla_view = mem.empty({blocks, block_size, head.cache_row(kv)}, kv);
     latent = mem.empty({kChunk, kMlaLatentDim}, DType::bf16);
-    k_pe = mem.empty({kChunk, kMlaRopeDim}, DType::bf16);
+    if (head.rope_dim > 0) k_pe = mem.empty({kChunk, head.rope_dim}, DType::bf16);  // else absent: no rope part
     slot_mapping = mem.empty({kChunk}, DType::i64);
     if (with_index) {
       const DType idx = index_cache_dtype(kv);
-      index_view = mem.empty({blocks, block_size, idx == DType::bf16 ? kIndexHeadDim : kFp8IndexRowBytes}, idx);
+      index_view = mem.empty({blocks, block_size / kpool, idx == DType::bf16 ? kIndexHeadDim : kFp8IndexRowBytes}, idx);
       keys = mem.empty({kChunk, kIndexHeadDim}, DType::bf16);
+      if (kpool > 1) {
+        gates = mem.empty({kChunk, kIndexHeadDim}, DType::bf16);
+        ape = mem.empty({kpool, kIndexHeadDim}, DType::f32);
+        mem.upload(ape, rng.floats(size_t(kpool) * kIndexHeadDim).data());
+      }
     }
   }
 
   int64_t slot(int request, int64_t pos) const {
     return static_cast<int64_t>(block_table[request * blocks_per_request + pos / block_size]) * block_size +
            pos % block_size;
+  }
+  // The pooled index cache's slot of a request's pool: the block of the pool's tokens, block_size / kpool rows.
+  int64_t pool_slot(int request, int64_t pool) const {
+    const int64_t rows = block_size / kpool;
+    return static_cast<int64_t>(block_table[request * blocks_per_request + pool * kpool / block_size]) * rows +
+           pool % rows;
   }
 
   // Writes positions [from, to) of every request through the library's cache writers.
@@ -95,14 +111,16 @@ struct PagedCaches {
       }
       WriteMlaCacheArgs w;
       w.latent = first_rows(latent, m);
-      w.k_pe = first_rows(k_pe, m);
       w.slot_mapping = first_rows(slot_mapping, m);
       w.cache = mla_view;
       mem.upload(w.latent, rng.bf16(m * kMlaLatentDim).data());
-      mem.upload(w.k_pe, rng.bf16(m * kMlaRopeDim).data());
+      if (k_pe.defined()) {
+        w.k_pe = first_rows(k_pe, m);
+        mem.upload(w.k_pe, rng.bf16(m * head.rope_dim).data());
+      }
       mem.upload(w.slot_mapping, slots.data());
       write_mla_cache(w, &be);
-      if (index_view.defined()) {
+      if (index_view.defined() && kpool == 1) {
         WriteIndexCacheArgs wi;
         wi.k = first_rows(keys, m);
         wi.slot_mapping = w.slot_mapping;
@@ -111,6 +129,37 @@ struct PagedCaches {
         write_index_cache(wi, &be);
       }
     }
+    if (index_view.defined() && kpool > 1) write_pools(be, rng, batch, from, to);
+  }
+
+  // The pools that positions [from, to) complete, each from kpool tokens' random keys and gates.
+  void write_pools(const Backend& be, Random& rng, int batch, int64_t from, int64_t to) {
+    const int64_t first = (from + kpool - 1) / kpool, last = to / kpool;  // pools [first, last) complete here
+    const int64_t per_request = last - first, n = per_request * batch, per_call = kChunk / kpool;
+    for (int64_t start = 0; start < n; start += per_call) {
+      const int64_t m = std::min(per_call, n - start);
+      std::vector<int64_t> slots(m);
+      for (int64_t i = 0; i < m; ++i)
+        slots[i] = pool_slot(static_cast<int>((start + i) / per_request), first + (start + i) % per_request);
+      WritePooledIndexCacheArgs w;
+      w.k = pools_of(keys, m);
+      w.gate = pools_of(gates, m);
+      w.ape = ape;
+      w.slot_mapping = first_rows(slot_mapping, m);
+      w.cache = index_view;
+      mem.upload(w.k, rng.bf16(m * kpool * kIndexHeadDim).data());
+      mem.upload(w.gate, rng.bf16(m * kpool * kIndexHeadDim).data());
+      mem.upload(w.slot_mapping, slots.data());
+      write_pooled_index_cache(w, &be);
+    }
+  }
+
+  // The first m pools of a contiguous [rows, 128] staging buffer, as [m, kpool, 128].
+  TensorView pools_of(TensorView v, int64_t m) const {
+    v.ndim = 3;
+    v.shape = {m, kpool, kIndexHeadDim, 0, 0, 0};
+    v.strides = {kpool * kIndexHeadDim, kIndexHeadDim, 1, 0, 0, 0};
+    return v;
   }
 };
 
@@ -126,33 +175,53 @@ TensorView rows_of(TensorView v, int64_t start, int64_t n) {
 // values do not change an op's time), and each step's own slots and context lengths.
 struct StepData {
   static constexpr int64_t kVariants = 4;
-  int64_t batch, variants;
+  int64_t batch, variants, kpool;
   TensorView latent, k_pe, keys, slot_mapping;  // [variants * B, ...] rows; slot_mapping [steps * B]
   TensorView q, index_q, weights, context_lens;  // [variants * B, ...]; context_lens [steps * B]
+  // Pooled indexer: each step's pool slots ([steps * B]; -1 when the step completes no pool), the completed pool's
+  // keys and gates ([variants * B, kpool, 128]) and the whole pools each token sees ([steps * B]).
+  TensorView pool_slots, pool_keys, pool_gates, pool_lens;
+  std::vector<bool> completes_pool;  // per step
 
   StepData(Memory& mem, Random& rng, const JobOptions& o, const PagedCaches& caches, int heads, DType q_dtype,
            int index_heads)
-      : batch(o.batch), variants(std::min<int64_t>(kVariants, o.steps)) {
+      : batch(o.batch), variants(std::min<int64_t>(kVariants, o.steps)), kpool(caches.kpool) {
     const int64_t rows = variants * batch, steps = int64_t(o.steps) * batch;
     const bool sparse = index_heads > 0;
+    const MlaHead head = caches.head;
     latent = mem.empty({rows, kMlaLatentDim}, DType::bf16);
-    k_pe = mem.empty({rows, kMlaRopeDim}, DType::bf16);
-    q = mem.empty({rows, heads, kMlaQkDim}, q_dtype);
+    q = mem.empty({rows, heads, head.qk_dim()}, q_dtype);
     mem.upload(latent, rng.bf16(size_t(rows) * kMlaLatentDim).data());
-    mem.upload(k_pe, rng.bf16(size_t(rows) * kMlaRopeDim).data());
-    mem.upload(q, rng.half(size_t(rows) * heads * kMlaQkDim, q_dtype).data());
-    std::vector<int64_t> slots(steps);
-    std::vector<int32_t> lens(steps);
+    if (head.rope_dim > 0) {
+      k_pe = mem.empty({rows, head.rope_dim}, DType::bf16);
+      mem.upload(k_pe, rng.bf16(size_t(rows) * head.rope_dim).data());
+    }
+    mem.upload(q, rng.half(size_t(rows) * heads * head.qk_dim(), q_dtype).data());
+    std::vector<int64_t> slots(steps), pools(steps);
+    std::vector<int32_t> lens(steps), whole(steps);
     for (int64_t i = 0; i < steps; ++i) {
       const int64_t pos = o.context - 1 + i / batch;  // the new token of request i % batch at step i / batch
       slots[i] = caches.slot(static_cast<int>(i % batch), pos);
       lens[i] = static_cast<int32_t>(pos + 1);
+      whole[i] = static_cast<int32_t>((pos + 1) / kpool);
+      pools[i] = (pos + 1) % kpool == 0 ? caches.pool_slot(static_cast<int>(i % batch), pos / kpool) : -1;
     }
+    for (int s = 0; s < o.steps; ++s) completes_pool.push_back(pools[int64_t(s) * batch] >= 0);
     slot_mapping = mem.empty({steps}, DType::i64);
     context_lens = mem.empty({steps}, DType::i32);
     mem.upload(slot_mapping, slots.data());
     mem.upload(context_lens, lens.data());
     if (!sparse) return;
+    if (kpool > 1) {
+      pool_slots = mem.empty({steps}, DType::i64);
+      pool_lens = mem.empty({steps}, DType::i32);
+      pool_keys = mem.empty({rows, kpool, kIndexHeadDim}, DType::bf16);
+      pool_gates = mem.empty({rows, kpool, kIndexHeadDim}, DType::bf16);
+      mem.upload(pool_slots, pools.data());
+      mem.upload(pool_lens, whole.data());
+      mem.upload(pool_keys, rng.bf16(size_t(rows) * kpool * kIndexHeadDim).data());
+      mem.upload(pool_gates, rng.bf16(size_t(rows) * kpool * kIndexHeadDim).data());
+    }
     keys = mem.empty({rows, kIndexHeadDim}, DType::bf16);
     index_q = mem.empty({rows, index_heads, kIndexHeadDim}, DType::bf16);
     weights = mem.empty({rows, index_heads}, DType::f32);
@@ -169,10 +238,19 @@ struct StepData {
 
   // Step s's cache writes: its new tokens' rows at their slots.
   WriteMlaCacheArgs mla_write(const TensorView& cache, int s) const {
-    return {variant(latent, s), variant(k_pe, s), step(slot_mapping, s), cache};
+    return {variant(latent, s), k_pe.defined() ? variant(k_pe, s) : TensorView{}, step(slot_mapping, s), cache};
   }
   WriteIndexCacheArgs index_write(const TensorView& cache, int s) const {
     return {variant(keys, s), step(slot_mapping, s), cache};
+  }
+  WritePooledIndexCacheArgs pool_write(const TensorView& cache, const TensorView& ape, int s) const {
+    WritePooledIndexCacheArgs w;
+    w.k = variant(pool_keys, s);
+    w.gate = variant(pool_gates, s);
+    w.ape = ape;
+    w.slot_mapping = step(pool_slots, s);
+    w.cache = cache;
+    return w;
   }
 };
 
@@ -210,8 +288,14 @@ Report run_sparse(const JobOptions& o, const AttentionSpec& spec, const RunSpec&
   Report r;
   Random rng(o.seed);
   const int B = o.batch, H = heads_per_rank(spec, run), HI = spec.indexer->heads, K = spec.indexer->topk;
+  const int kpool = spec.indexer->kpool, KP = K / kpool, width = KP * kpool + (kpool - 1);  // pools; positions
+  if (kpool > 1 && (run.block_size % kpool != 0 || K % kpool != 0))
+    fail("--block-size: the pooled indexer (index_kpool " + std::to_string(kpool) + ") needs a block size and a "
+         "top-k that are multiples of it, got block size " + std::to_string(run.block_size) + ", top-k " +
+         std::to_string(K));
   const DType kv = run.resolved_kv_cache_dtype();
-  PagedCaches caches(mem, o, kv, true);
+  const MlaHead head{spec.qk_rope_head_dim};
+  PagedCaches caches(mem, o, kv, head, true, kpool, rng);
   if (o.context > 1) caches.write(be, rng, B, 0, o.context - 1);
 
   const auto t0 = Clock::now();
@@ -224,19 +308,23 @@ Report run_sparse(const JobOptions& o, const AttentionSpec& spec, const RunSpec&
   idx.index_cache = caches.index_view;
   idx.request_ids = mem.empty({B}, DType::i32);
   idx.block_table = caches.table;
-  idx.topk = mem.empty({B, K}, DType::i32);
+  idx.topk = mem.empty({B, KP}, DType::i32);
   mem.upload(idx.request_ids, request_ids.data());
+  PoolsToPositionsArgs p2p;  // pooled: the top pools -> their tokens and the tail's
+  p2p.pools = idx.topk;
+  p2p.kpool = kpool;
+  if (kpool > 1) p2p.positions = mem.empty({B, width}, DType::i32);
   PositionsToSlotsArgs p2s;
-  p2s.positions = idx.topk;
+  p2s.positions = kpool > 1 ? p2p.positions : idx.topk;
   p2s.request_ids = idx.request_ids;
   p2s.block_table = caches.table;
   p2s.block_size = caches.block_size;
-  p2s.slots = mem.empty({B, K}, DType::i32);
+  p2s.slots = mem.empty({B, width}, DType::i32);
   SparseMlaArgs attn;
   attn.kv_cache = caches.mla_view;
   attn.indices = p2s.slots;
   attn.softmax_scale = static_cast<float>(spec.softmax_scale);
-  attn.out = mem.empty({B, H, kMlaVDim}, run.q_dtype);
+  attn.out = mem.empty({B, H, head.v_dim()}, run.q_dtype);
   attn.lse = mem.empty({B, H}, DType::f32);
 
   // On the CUDA backend the op's two stages (scores, then the selection) are timed apart: the same kernels
@@ -250,12 +338,18 @@ Report run_sparse(const JobOptions& o, const AttentionSpec& spec, const RunSpec&
   // Step s, each op timed alone into `t`.
   const auto step = [&](int s, Timings& t) {
     const WriteMlaCacheArgs mla_write = data.mla_write(caches.mla_view, s);
-    const WriteIndexCacheArgs index_write = data.index_write(caches.index_view, s);
     t.write += timed(mem, [&] { write_mla_cache(mla_write, &be); });
-    t.write += timed(mem, [&] { write_index_cache(index_write, &be); });
+    if (kpool == 1) {
+      const WriteIndexCacheArgs index_write = data.index_write(caches.index_view, s);
+      t.write += timed(mem, [&] { write_index_cache(index_write, &be); });
+    } else if (data.completes_pool[s]) {  // an engine keeps the pool's tokens until the last one arrives
+      const WritePooledIndexCacheArgs pool_write = data.pool_write(caches.index_view, caches.ape, s);
+      t.write += timed(mem, [&] { write_pooled_index_cache(pool_write, &be); });
+    }
     idx.q = data.variant(data.index_q, s);
     idx.weights = data.variant(data.weights, s);
-    idx.context_lens = data.step(data.context_lens, s);
+    idx.context_lens = data.step(kpool > 1 ? data.pool_lens : data.context_lens, s);
+    p2p.context_lens = data.step(data.context_lens, s);
     attn.q = data.variant(data.q, s);
     if (split_indexer) {
 #if SMLA_WITH_CUDA
@@ -265,6 +359,7 @@ Report run_sparse(const JobOptions& o, const AttentionSpec& spec, const RunSpec&
     } else {
       t.indexer += timed(mem, [&] { indexer_topk(idx, &be); });
     }
+    if (kpool > 1) t.slots += timed(mem, [&] { pools_to_positions(p2p, &be); });
     t.slots += timed(mem, [&] { positions_to_slots(p2s, &be); });
     t.attention += timed(mem, [&] { sparse_mla(attn, &be); });
   };
@@ -275,8 +370,10 @@ Report run_sparse(const JobOptions& o, const AttentionSpec& spec, const RunSpec&
   for (int s = 0; s < o.steps; ++s) {
     const int64_t pos = o.context - 1 + s;  // the new token of every request
     step(s, r.t);
-    r.bytes_indexer += static_cast<double>(B) * (pos + 1) * index_row_bytes(caches.index_view.dtype);
-    r.bytes_attention += static_cast<double>(B) * std::min<int64_t>(K, pos + 1) * mla_row_bytes(kv);
+    const int64_t whole_pools = (pos + 1) / kpool, attended = std::min<int64_t>(KP, whole_pools) * kpool +
+                                                                    (pos + 1) % kpool;  // pools, then the tail
+    r.bytes_indexer += static_cast<double>(B) * whole_pools * index_row_bytes(caches.index_view.dtype);
+    r.bytes_attention += static_cast<double>(B) * attended * mla_row_bytes(kv, head);
     progress.update(s + 1, 1e3 * r.t.total() / (s + 1));
   }
 
@@ -292,16 +389,16 @@ Report run_sparse(const JobOptions& o, const AttentionSpec& spec, const RunSpec&
                       {&hattn.lse, 4}})
     *v = mem.on_host(*v, more[c]);
   const int32_t* topk = hidx.topk.ptr<int32_t>();
-  for (int64_t t : sample_tokens(B)) {
+  for (int64_t t : sample_tokens(B)) {  // top-k of positions, or of pools when pooled
     const std::vector<double> scores = reference::ref_indexer_scores(hidx, t);
-    const std::vector<int32_t> want = reference::ref_topk_of_scores(scores, K);
+    const std::vector<int32_t> want = reference::ref_topk_of_scores(scores, KP);
     // A position outside the reference's set is a mismatch unless its score
     // ties the k-th best within float rounding.
     const auto last = std::find(want.begin(), want.end(), -1);
     const double kth = scores[*(last - 1)];
-    const auto valid = std::count_if(topk + t * K, topk + (t + 1) * K, [](int32_t g) { return g >= 0; });
+    const auto valid = std::count_if(topk + t * KP, topk + (t + 1) * KP, [](int32_t g) { return g >= 0; });
     if (valid != last - want.begin()) r.topk_match = false;
-    for (int64_t i = t * K; i < (t + 1) * K; ++i) {
+    for (int64_t i = t * KP; i < (t + 1) * KP; ++i) {
       const int32_t g = topk[i];
       if (g < 0 || std::find(want.begin(), last, g) != last) continue;
       if (std::fabs(scores[g] - kth) > 1e-5 * std::fabs(kth) + 1e-7) r.topk_match = false;
@@ -318,7 +415,8 @@ Report run_dense(const JobOptions& o, const AttentionSpec& spec, const RunSpec& 
   Random rng(o.seed);
   const int B = o.batch, H = heads_per_rank(spec, run);
   const DType kv = run.resolved_kv_cache_dtype();
-  PagedCaches caches(mem, o, kv, false);
+  const MlaHead head{spec.qk_rope_head_dim};
+  PagedCaches caches(mem, o, kv, head, false, 1, rng);
   if (o.context > 1) caches.write(be, rng, B, 0, o.context - 1);
   const auto t0 = Clock::now();
   const StepData data(mem, rng, o, caches, H, run.q_dtype, 0);
@@ -327,15 +425,15 @@ Report run_dense(const JobOptions& o, const AttentionSpec& spec, const RunSpec& 
   a.kv_cache = caches.mla_view;
   a.block_table = caches.table;
   a.softmax_scale = static_cast<float>(spec.softmax_scale);
-  a.out = mem.empty({B, 1, H, kMlaVDim}, run.q_dtype);
+  a.out = mem.empty({B, 1, H, head.v_dim()}, run.q_dtype);
   a.lse = mem.empty({B, 1, H}, DType::f32);
   const auto step = [&](int s, Timings& t) {
     const WriteMlaCacheArgs mla_write = data.mla_write(caches.mla_view, s);
     t.write += timed(mem, [&] { write_mla_cache(mla_write, &be); });
     a.q = data.variant(data.q, s);
-    a.q.ndim = 4;  // [B, s_q = 1, H, 576]
-    a.q.shape = {B, 1, H, kMlaQkDim, 0, 0};
-    a.q.strides = {H * kMlaQkDim, H * kMlaQkDim, kMlaQkDim, 1, 0, 0};
+    a.q.ndim = 4;  // [B, s_q = 1, H, 576 | 512]
+    a.q.shape = {B, 1, H, head.qk_dim(), 0, 0};
+    a.q.strides = {H * head.qk_dim(), H * head.qk_dim(), head.qk_dim(), 1, 0, 0};
     a.seq_lens = data.step(data.context_lens, s);
     t.attention += timed(mem, [&] { paged_mla_decode(a, &be); });
   };
@@ -346,7 +444,7 @@ Report run_dense(const JobOptions& o, const AttentionSpec& spec, const RunSpec& 
   for (int s = 0; s < o.steps; ++s) {
     const int64_t pos = o.context - 1 + s;
     step(s, r.t);
-    r.bytes_attention += static_cast<double>(B) * (pos + 1) * mla_row_bytes(kv);
+    r.bytes_attention += static_cast<double>(B) * (pos + 1) * mla_row_bytes(kv, head);
     progress.update(s + 1, 1e3 * r.t.total() / (s + 1));
   }
   // Spot check: the reference of the last step, on the sampled requests.

@@ -1,5 +1,6 @@
-// write_index_cache, write_pooled_index_cache, positions_to_slots and
-// pools_to_positions on the GPU: one warp per key row, one thread per position. Index values that the CPU backend rejects are
+// write_index_cache, write_pooled_index_cache, rotate_index_q, positions_to_slots
+// and pools_to_positions on the GPU: one warp per key row (or query head), one
+// thread per position. Index values that the CPU backend rejects are
 // skipped (or mapped to -1) here, never read or written out of bounds.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -30,6 +31,12 @@ __device__ __forceinline__ float load(const void* base, int64_t i, DType d) {
   }
 }
 
+// numeric::index_key_scale: max(amax, 1e-4) / 448 rounded up to a power of two.
+__device__ __forceinline__ float index_key_scale(float amax) {
+  const uint32_t u = __float_as_uint(fmaxf(amax, 1e-4f) / 448.f);
+  return (u & 0x7fffffu) == 0 ? __uint_as_float(u) : __uint_as_float((u & 0x7f800000u) + 0x800000u);
+}
+
 // Stores one index key (dims lane * 4 + e of the warp) at `slot`: bf16, or fp8 e4m3 with its ue8m0 scale.
 __device__ void store_index_key(const IndexCacheLayout& cache, int64_t slot, const float v[4], int lane) {
   const int64_t block = slot / cache.block_size, off = slot % cache.block_size;
@@ -38,9 +45,7 @@ __device__ void store_index_key(const IndexCacheLayout& cache, int64_t slot, con
     float amax = 0.f;
     for (int e = 0; e < 4; ++e) amax = fmaxf(amax, fabsf(v[e]));
     for (int o = 16; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    // numeric::index_key_scale: max(amax, 1e-4) / 448 rounded up to a power of two.
-    const uint32_t u = __float_as_uint(fmaxf(amax, 1e-4f) / 448.f);
-    const float scale = (u & 0x7fffffu) == 0 ? __uint_as_float(u) : __uint_as_float((u & 0x7f800000u) + 0x800000u);
+    const float scale = index_key_scale(amax);
     for (int e = 0; e < 4; ++e)
       base[off * 128 + lane * 4 + e] = __nv_cvt_float_to_fp8(v[e] / scale, __NV_SATFINITE, __NV_E4M3);
     if (lane == 0) *reinterpret_cast<float*>(base + cache.block_size * 128 + off * 4) = scale;
@@ -78,6 +83,24 @@ struct PooledWriteParams {
 
 __device__ __forceinline__ float round_to_bf16(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
 
+// numeric::hadamard128 over a warp's 128 values (lane * 4 + e), the same butterflies in the same order (widths 1
+// and 2 inside a lane, 4..64 across lanes), then 128^-0.5, each result rounded to bf16.
+__device__ void hadamard128_bf16(float x[4], int lane) {
+  for (int width = 1; width < 4; width *= 2)
+    for (int e = 0; e < 4; ++e)
+      if (!(e & width)) {
+        const float a = x[e], b = x[e + width];
+        x[e] = a + b;
+        x[e + width] = a - b;
+      }
+  for (int lanes = 1; lanes < 32; lanes *= 2)
+    for (int e = 0; e < 4; ++e) {
+      const float other = __shfl_xor_sync(0xffffffffu, x[e], lanes);
+      x[e] = (lane & lanes) ? other - x[e] : x[e] + other;
+    }
+  for (int e = 0; e < 4; ++e) x[e] = round_to_bf16(x[e] * 0.08838834764831845f);
+}
+
 // One warp per pool, 4 dims per lane (d = lane * 4 + e), the CPU's arithmetic in the CPU's order: per dimension
 // the softmax over the pool of gate + ape weighting the keys, bf16, the Walsh-Hadamard butterflies (widths 1 and 2
 // inside a lane, 4..64 across lanes), 128^-0.5, bf16, then stored as write_index_cache stores a key.
@@ -102,22 +125,43 @@ __global__ void write_pooled_index_cache_kernel(const PooledWriteParams p) {
       x[e] += w * load(p.k, pool * p.k_stride0 + m * p.k_stride1 + lane * 4 + e, p.dtype);
     }
   for (int e = 0; e < 4; ++e) x[e] = round_to_bf16(x[e] / denom[e]);
-  if (p.hadamard) {
-    for (int width = 1; width < 4; width *= 2)
-      for (int e = 0; e < 4; ++e)
-        if (!(e & width)) {
-          const float a = x[e], b = x[e + width];
-          x[e] = a + b;
-          x[e + width] = a - b;
-        }
-    for (int lanes = 1; lanes < 32; lanes *= 2)
-      for (int e = 0; e < 4; ++e) {
-        const float other = __shfl_xor_sync(0xffffffffu, x[e], lanes);
-        x[e] = (lane & lanes) ? other - x[e] : x[e] + other;
-      }
-    for (int e = 0; e < 4; ++e) x[e] = round_to_bf16(x[e] * 0.08838834764831845f);
-  }
+  if (p.hadamard) hadamard128_bf16(x, lane);
   store_index_key(p.cache, slot, x, lane);
+}
+
+struct RotateQParams {
+  const void* q;
+  DType q_dtype;
+  int64_t q_stride0, q_stride1;  // elements
+  void* out;
+  bool fp8;
+  int64_t out_stride0, out_stride1;
+  float* q_scale;
+  int64_t scale_stride0, scale_stride1;
+  int64_t tokens, heads;
+};
+
+// One warp per (token, head): the rotation, then bf16 out, or e4m3 with its ue8m0 scale (numeric::index_key_scale).
+__global__ void rotate_index_q_kernel(const RotateQParams p) {
+  const int64_t row = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= p.tokens * p.heads) return;
+  const int64_t t = row / p.heads, h = row % p.heads;
+  float x[4];
+  for (int e = 0; e < 4; ++e) x[e] = load(p.q, t * p.q_stride0 + h * p.q_stride1 + lane * 4 + e, p.q_dtype);
+  hadamard128_bf16(x, lane);
+  const int64_t out = t * p.out_stride0 + h * p.out_stride1 + lane * 4;
+  if (!p.fp8) {
+    for (int e = 0; e < 4; ++e) static_cast<__nv_bfloat16*>(p.out)[out + e] = __float2bfloat16_rn(x[e]);
+    return;
+  }
+  float amax = 0.f;
+  for (int e = 0; e < 4; ++e) amax = fmaxf(amax, fabsf(x[e]));
+  for (int o = 16; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  const float scale = index_key_scale(amax);
+  for (int e = 0; e < 4; ++e)
+    static_cast<uint8_t*>(p.out)[out + e] = __nv_cvt_float_to_fp8(x[e] / scale, __NV_SATFINITE, __NV_E4M3);
+  if (lane == 0) p.q_scale[t * p.scale_stride0 + h * p.scale_stride1] = scale;
 }
 
 struct PoolsToPositionsParams {
@@ -245,6 +289,30 @@ void pools_to_positions(const PoolsToPositionsArgs& a) {
   pools_to_positions_kernel<<<static_cast<unsigned>((p.tokens * p.width + kThreads - 1) / kThreads), kThreads, 0,
                               static_cast<cudaStream_t>(a.stream)>>>(p);
   check_launch("smla pools_to_positions kernel");
+}
+
+void rotate_index_q(const RotateIndexQArgs& a) {
+  RotateQParams p{};
+  p.q = a.q.data;
+  p.q_dtype = a.q.dtype;
+  p.q_stride0 = a.q.stride(0);
+  p.q_stride1 = a.q.stride(1);
+  p.out = a.q_out.data;
+  p.fp8 = a.q_out.dtype == DType::fp8_e4m3;
+  p.out_stride0 = a.q_out.stride(0);
+  p.out_stride1 = a.q_out.stride(1);
+  if (p.fp8) {
+    p.q_scale = a.q_scale.ptr<float>();
+    p.scale_stride0 = a.q_scale.stride(0);
+    p.scale_stride1 = a.q_scale.stride(1);
+  }
+  p.tokens = a.q.size(0);
+  p.heads = a.q.size(1);
+  if (p.tokens * p.heads == 0) return;
+  constexpr int kThreads = 256;
+  rotate_index_q_kernel<<<static_cast<unsigned>((p.tokens * p.heads * 32 + kThreads - 1) / kThreads), kThreads, 0,
+                          static_cast<cudaStream_t>(a.stream)>>>(p);
+  check_launch("smla rotate_index_q kernel");
 }
 
 void positions_to_slots(const PositionsToSlotsArgs& a) {

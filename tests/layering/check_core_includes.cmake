@@ -1,0 +1,20 @@
+# Core is the ground floor: no file under src/core includes a backend, the
+# layer or the model readers (they build on core, not core on them).
+# cmake -DSOURCE_DIR=<repo> -P check_core_includes.cmake
+file(GLOB core_files ${SOURCE_DIR}/src/core/*.h ${SOURCE_DIR}/src/core/*.cpp)
+if(NOT core_files)
+  message(FATAL_ERROR "no files under ${SOURCE_DIR}/src/core")
+endif()
+set(violations "")
+foreach(f ${core_files})
+  file(STRINGS ${f} lines REGEX "^[ \t]*#[ \t]*include[ \t]+\"(cpu|cuda|layer|models)/")
+  foreach(line ${lines})
+    list(APPEND violations "${f}: ${line}")
+  endforeach()
+endforeach()
+if(violations)
+  list(JOIN violations "\n" text)
+  message(FATAL_ERROR "src/core includes code built above it:\n${text}")
+endif()
+list(LENGTH core_files n)
+message(STATUS "${n} files under src/core include nothing above core")

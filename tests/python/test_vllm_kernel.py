@@ -1,0 +1,139 @@
+"""The kernel entry of smla's vLLM backend (smla.vllm._kernel, no vLLM needed) on tensors in vLLM's exact
+layouts (vllm_case.py): padded block strides, physical rows from vLLM's top-k conversion compacted to the front
+with valid_counts, q whole or as vLLM's (ql_nope, q_pe) pair. On the CPU against the float64 reference; on a
+CUDA GPU against the same call on the CPU backend, and under CUDA-graph capture. Skipped without torch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import smla
+from vllm_case import check, make_case, out_tolerance
+
+torch = pytest.importorskip("torch")
+ml_dtypes = pytest.importorskip("ml_dtypes")
+from smla import torch_ops  # noqa: E402  (needs torch)
+
+pytestmark = pytest.mark.skipif(not torch_ops.available(), reason="torch < 2.4: no torch.ops.smla")
+cuda = pytest.mark.skipif(not (smla.with_cuda and torch.cuda.is_available()), reason="needs a CUDA GPU and a CUDA build")
+
+from smla.vllm import _kernel  # noqa: E402
+
+
+def to_torch(a: np.ndarray, device: str = "cpu") -> "torch.Tensor":
+    """numpy (ml_dtypes bfloat16 included) -> torch with the same bits and strides."""
+    if a.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(a.view(np.uint16)).view(torch.bfloat16).to(device)
+    return torch.from_numpy(a).to(device)
+
+
+def vllm_tensors(case, device="cpu", pair=False):
+    """The case as vLLM hands it to _forward_mqa_kernel: the cache a view of the padded buffer (its strides kept),
+    indices and counts int32, q whole or as the pair of two separately allocated tensors."""
+    buffer = to_torch(case.buffer, device)
+    kv_cache = buffer[:, :case.block_size, :]
+    q = to_torch(case.q, device)
+    if pair:
+        q = (q[..., :512].contiguous(), q[..., 512:].contiguous())
+    return q, kv_cache, to_torch(case.topk_indices, device), to_torch(case.valid_counts, device)
+
+
+def assert_matches_reference(case, out, lse):
+    ref_out, ref_lse = case.reference()
+    check("out", out.float().cpu().numpy(), ref_out, *out_tolerance(ref_out))
+    check("lse", lse.cpu().numpy(), ref_lse, 1e-5, 8.01 / 65536)
+
+
+CASES = [  # kind, q dtype, rope part, block size, padded rows between blocks
+    ("bfloat16", "bfloat16", True, 16, 3),
+    ("float16", "float16", True, 1, 0),
+    ("fp8_ds_mla", "bfloat16", True, 64, 0),
+    ("fp8_ds_mla", "float16", True, 7, 5),
+    ("bfloat16", "bfloat16", False, 16, 2),    # GLM-5.3-Flash: 512-wide heads, no rope part
+    ("fp8_ds_mla", "bfloat16", False, 32, 0),  # the same over the 656-byte rows vLLM allocates for it
+]
+
+
+@pytest.mark.parametrize("kind,q_dtype,rope,block_size,pad_rows", CASES)
+@pytest.mark.parametrize("pair", [False, True])
+def test_kernel_entry_matches_float64_on_the_cpu(rng, kind, q_dtype, rope, block_size, pad_rows, pair):
+    case = make_case(rng, kind=kind, q_dtype=q_dtype, rope=rope, block_size=block_size, pad_rows=pad_rows)
+    q, kv_cache, indices, counts = vllm_tensors(case, pair=pair)
+    out, lse = _kernel.sparse_mla_forward(q, kv_cache, indices, counts, scale=case.scale)
+    assert out.dtype == (q[0] if pair else q).dtype and out.shape == (*case.q.shape[:2], 512)
+    assert_matches_reference(case, out, lse)
+
+
+def test_the_cache_is_read_in_place(rng):
+    """No copy of the cache: smla sees vLLM's storage through a strided view."""
+    case = make_case(rng, kind="bfloat16", block_size=16, pad_rows=3)
+    _, kv_cache, _, _ = vllm_tensors(case)
+    rows = _kernel.cache_rows(kv_cache)
+    assert rows.data_ptr() == kv_cache.data_ptr()
+    assert rows.shape == ((kv_cache.shape[0] - 1) * 19 + 16, 1, 576) and rows.stride() == (576, 576, 1)
+
+
+def test_a_query_without_rope_part_is_not_copied(rng):
+    ql_nope = torch.randn(3, 4, 512, dtype=torch.bfloat16)
+    assert _kernel.query((ql_nope, ql_nope.new_empty((3, 4, 0)))) is ql_nope
+
+
+def test_an_empty_batch_returns_empty_outputs(rng):
+    case = make_case(rng, kind="fp8_ds_mla")
+    q, kv_cache, indices, counts = vllm_tensors(case)
+    out, lse = _kernel.sparse_mla_forward(q[:0], kv_cache, indices[:0], counts[:0], scale=case.scale)
+    assert out.shape == (0, q.shape[1], 512) and lse.shape == (0, q.shape[1])
+
+
+def test_bad_layouts_are_refused_with_the_reason(rng):
+    case = make_case(rng, kind="bfloat16")
+    q, kv_cache, indices, counts = vllm_tensors(case)
+    with pytest.raises(ValueError, match="kv_cache: expected \\[num_blocks, block_size, row\\]"):
+        _kernel.cache_rows(kv_cache[0])
+    with pytest.raises(ValueError, match="whole number of rows"):
+        _kernel.cache_rows(torch.empty(4 * 16 * 576 + 8, dtype=torch.bfloat16).as_strided((4, 16, 576),
+                                                                                            (16 * 576 + 2, 576, 1)))
+    with pytest.raises(smla.InvalidArgumentError, match="topk_length"):
+        _kernel.sparse_mla_forward(q, kv_cache, indices, counts[:-1], scale=case.scale)
+
+
+# --- CUDA -----------------------------------------------------------------------
+
+
+@cuda
+@pytest.mark.parametrize("kind,q_dtype,rope,block_size,pad_rows", CASES)
+def test_kernel_entry_on_the_gpu_matches_the_cpu_backend(rng, kind, q_dtype, rope, block_size, pad_rows):
+    case = make_case(rng, kind=kind, q_dtype=q_dtype, rope=rope, block_size=block_size, pad_rows=pad_rows,
+                     heads=64, topk=128)
+    cpu_out, cpu_lse = _kernel.sparse_mla_forward(*vllm_tensors(case), scale=case.scale)
+    out, lse = _kernel.sparse_mla_forward(*vllm_tensors(case, "cuda", pair=rope), scale=case.scale)
+    torch.cuda.synchronize()
+    assert_matches_reference(case, out, lse)
+    torch.testing.assert_close(out.cpu().float(), cpu_out.float(), atol=2e-2, rtol=2.01 / 128)
+    torch.testing.assert_close(lse.cpu(), cpu_lse, atol=1e-4, rtol=1e-4)
+
+
+@cuda
+def test_kernel_entry_is_captured_by_a_cuda_graph(rng):
+    """Warm up eagerly on one stream, capture on torch.cuda.graph's side stream, replay after new inputs are copied
+    in: bit for bit the eager result, and not the first inputs' result."""
+    first = make_case(rng, kind="fp8_ds_mla", heads=64, topk=128)
+    second = make_case(rng, kind="fp8_ds_mla", heads=64, topk=128)
+    q, kv_cache, indices, counts = vllm_tensors(first, "cuda", pair=True)
+    _kernel.sparse_mla_forward(q, kv_cache, indices, counts, scale=first.scale)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out, lse = _kernel.sparse_mla_forward(q, kv_cache, indices, counts, scale=first.scale)
+    g.replay()
+    first_out = out.clone()
+    q2, kv2, indices2, counts2 = vllm_tensors(second, "cuda", pair=True)
+    for dst, src in ((q[0], q2[0]), (q[1], q2[1]), (kv_cache, kv2), (indices, indices2), (counts, counts2)):
+        dst.copy_(src)
+    g.replay()
+    torch.cuda.synchronize()
+    eager_out, eager_lse = _kernel.sparse_mla_forward(q2, kv2, indices2, counts2, scale=second.scale)
+    assert torch.equal(out, eager_out) and torch.equal(lse, eager_lse)
+    assert not torch.equal(out, first_out)
+    assert_matches_reference(second, out, lse)
