@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "cuda/kernels.h"
+#include "smla/error.h"
 #include "smla/select.h"
 
 namespace {
@@ -148,20 +149,62 @@ void* device_random_half(size_t n) {
   return d;
 }
 
-void report(const char* name, const char* kv, int tokens, int heads, int keys, int qk_dim, double ms, double bytes,
-            const Ceilings& c) {
+// One attention row of the table, kept for --json.
+struct AttentionRow {
+  std::string config, cache, kernel;
+  int tokens, heads, keys;
+  double us, tflops, gbs, copy_frac, gemm_frac;
+};
+std::vector<AttentionRow> attention_rows;
+
+using smla::cuda::AttentionChoice;
+using smla::cuda::AttentionKernel;
+
+// "small/s3/h8/d2": the small-heads kernel forced to 3 stages, 8 heads per CTA, output dims split in 2.
+std::string kernel_name(AttentionChoice k) {
+  std::string n = k.kernel == AttentionKernel::automatic   ? "auto"
+                  : k.kernel == AttentionKernel::head_tile ? "head-tile"
+                                                           : "small";
+  if (k.stages > 0) n += "/s" + std::to_string(k.stages);
+  if (k.heads_per_cta > 0) n += "/h" + std::to_string(k.heads_per_cta);
+  if (k.split_dims > 0) n += "/d" + std::to_string(k.split_dims);
+  return n;
+}
+
+void report(const char* name, const char* kv, AttentionChoice kernel, int tokens, int heads, int keys, int qk_dim,
+            double ms, double bytes, const Ceilings& c) {
   const double tflops = 2.0 * heads * keys * (qk_dim + 512.0) * tokens / (ms * 1e-3) / 1e12;
   const double gbs = bytes / (ms * 1e-3) / 1e9;
   const double mem_frac = gbs / c.copy_gbs, compute_frac = tflops / c.gemm_tflops;
-  std::printf("%-22s %-10s %6d %5d %6d %10.1f %9.1f %8.1f %6.0f%% %s\n", name, kv, tokens, heads, keys, ms * 1e3, tflops,
-              gbs, 100 * std::max(mem_frac, compute_frac), mem_frac >= compute_frac ? "memory" : "compute");
+  std::printf("%-22s %-10s %-10s %6d %5d %6d %10.1f %9.1f %8.1f %6.0f%% %s\n", name, kv, kernel_name(kernel).c_str(),
+              tokens, heads, keys, ms * 1e3, tflops, gbs, 100 * std::max(mem_frac, compute_frac),
+              mem_frac >= compute_frac ? "memory" : "compute");
+  attention_rows.push_back(
+      {name, kv, kernel_name(kernel), tokens, heads, keys, ms * 1e3, tflops, gbs, mem_frac, compute_frac});
 }
 
-void bench_sparse(const char* name, Cache& cache, int tokens, int heads, int topk, const Ceilings& c) {
+// Times `call` (the op as the backend runs it, or its CUDA function with a forced kernel); a forced kernel
+// the device cannot run prints why instead.
+template <class Call>
+bool timed(AttentionChoice kernel, Call&& call, double& ms) {
+  try {
+    ms = time_ms(call);
+    return true;
+  } catch (const smla::Error& e) {
+    std::printf("  (%s: %s)\n", kernel_name(kernel).c_str(), e.what());
+    return false;
+  }
+}
+
+// Sparse attention: each token's `topk` indices drawn from the first `context` slots (0: the whole cache,
+// so the gathers miss L2; a prefill's 32K context is shared by its tokens).
+void bench_sparse(const char* name, Cache& cache, int tokens, int heads, int topk, const Ceilings& c,
+                  AttentionChoice kernel = {}, int64_t context = 0) {
   const smla::Backend& be = *smla::Registry::global().find("cuda_mma");
   std::vector<int32_t> idx(static_cast<size_t>(tokens) * topk);
   std::mt19937_64 rng(tokens * 131 + heads);
-  for (auto& i : idx) i = static_cast<int32_t>(rng() % cache.slots);
+  const int64_t range = context > 0 ? context : cache.slots;
+  for (auto& i : idx) i = static_cast<int32_t>(rng() % range);
   int32_t* didx;
   CHECK(cudaMalloc(&didx, idx.size() * 4));
   CHECK(cudaMemcpy(didx, idx.data(), idx.size() * 4, cudaMemcpyHostToDevice));
@@ -178,16 +221,22 @@ void bench_sparse(const char* name, Cache& cache, int tokens, int heads, int top
   a.softmax_scale = 0.0625f;
   a.out = smla::TensorView(out, {tokens, heads, 512}, smla::DType::bf16, dev);
   a.lse = smla::TensorView(lse, {tokens, heads}, smla::DType::f32, dev);
-  const double ms = time_ms([&] { smla::sparse_mla(a, &be); });
-  report(name, std::string(smla::dtype_name(cache.dtype)).c_str(), tokens, heads, topk, qk, ms,
-         static_cast<double>(tokens) * topk * cache.row_bytes(), c);
+  double ms = 0;
+  const bool ran = timed(kernel, [&] {
+    if (kernel.kernel == AttentionKernel::automatic && kernel.stages == 0) smla::sparse_mla(a, &be);
+    else smla::cuda::sparse_mla(a, kernel);
+  }, ms);
+  if (ran)
+    report(name, std::string(smla::dtype_name(cache.dtype)).c_str(), kernel, tokens, heads, topk, qk, ms,
+           static_cast<double>(tokens) * topk * cache.row_bytes(), c);
   cudaFree(didx);
   cudaFree(q);
   cudaFree(out);
   cudaFree(lse);
 }
 
-void bench_paged(const char* name, Cache& cache, int batch, int context, int heads, const Ceilings& c) {
+void bench_paged(const char* name, Cache& cache, int batch, int context, int heads, const Ceilings& c,
+                 AttentionChoice kernel = {}) {
   const smla::Backend& be = *smla::Registry::global().find("cuda_mma");
   const int max_blocks = context / cache.block_size;
   std::vector<int32_t> table(static_cast<size_t>(batch) * max_blocks), seq(batch, context);
@@ -212,9 +261,14 @@ void bench_paged(const char* name, Cache& cache, int batch, int context, int hea
   a.softmax_scale = 0.1352f;
   a.out = smla::TensorView(out, {batch, 1, heads, 512}, smla::DType::bf16, dev);
   a.lse = smla::TensorView(lse, {batch, 1, heads}, smla::DType::f32, dev);
-  const double ms = time_ms([&] { smla::paged_mla_decode(a, &be); });
-  report(name, std::string(smla::dtype_name(cache.dtype)).c_str(), batch, heads, context, 576, ms,
-         static_cast<double>(batch) * context * cache.row_bytes(), c);
+  double ms = 0;
+  const bool ran = timed(kernel, [&] {
+    if (kernel.kernel == AttentionKernel::automatic && kernel.stages == 0) smla::paged_mla_decode(a, &be);
+    else smla::cuda::paged_mla_decode(a, kernel);
+  }, ms);
+  if (ran)
+    report(name, std::string(smla::dtype_name(cache.dtype)).c_str(), kernel, batch, heads, context, 576, ms,
+           static_cast<double>(batch) * context * cache.row_bytes(), c);
   cudaFree(dtable);
   cudaFree(dseq);
   cudaFree(q);
@@ -379,11 +433,21 @@ void bench_topk(int tokens, int context) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  // `bench_cuda attention|indexer|topk` runs one part; no argument: all.
+  // `bench_cuda attention|indexer|topk` runs one part; no argument: all. `bench_cuda sparse ...` one sparse
+  // config (below).
   // `bench_cuda indexer TOKENS HEADS CONTEXT [OPTION...]` runs one indexer decode config; options: bf16 (keys),
   // fp8q (fp8 queries), and to force how fp8 keys are multiplied: mma.sync or wgmma (as bf16), e4m3 or e4m3-wgmma
   // (fp8q only). `bench_cuda topk TOKENS
   // CONTEXT` one top-k config (unsplit, split, cluster, picked: in that order, each warmed up and timed).
+  // `--json PATH` (anywhere) also writes the attention rows and the ceilings as JSON.
+  std::string json_path;
+  for (int i = 1; i + 1 < argc; ++i)
+    if (std::string(argv[i]) == "--json") {
+      json_path = argv[i + 1];
+      for (int k = i; k + 2 < argc; ++k) argv[k] = argv[k + 2];
+      argc -= 2;
+      break;
+    }
   const std::string part = argc > 1 ? argv[1] : "";
   cudaDeviceProp prop;
   CHECK(cudaGetDeviceProperties(&prop, 0));
@@ -391,18 +455,48 @@ int main(int argc, char** argv) {
   std::printf("device: %s (sm_%d%d, %d SMs)\n", prop.name, prop.major, prop.minor, prop.multiProcessorCount);
   std::printf("ceilings measured now: copy %.0f GB/s (read+write), cuBLAS bf16 GEMM %.0f TFLOP/s\n\n", c.copy_gbs,
               c.gemm_tflops);
+  if (part == "sparse" && argc >= 6) {
+    // `bench_cuda sparse TOKENS HEADS TOPK bf16|fp8 [auto|small|head-tile] [STAGES [HEADS_PER_CTA [SPLIT]]]`:
+    // one sparse config.
+    const std::string k = argc > 6 ? argv[6] : "auto";
+    const AttentionChoice kernel{k == "small" ? AttentionKernel::small_heads
+                                 : k == "head-tile" ? AttentionKernel::head_tile : AttentionKernel::automatic,
+                                 argc > 7 ? std::atoi(argv[7]) : 0, argc > 8 ? std::atoi(argv[8]) : 0,
+                                 argc > 9 ? std::atoi(argv[9]) : 0};
+    Cache cache(std::string(argv[5]) == "fp8" ? smla::DType::fp8_ds_mla : smla::DType::bf16, int64_t{1} << 20);
+    bench_sparse("sparse", cache, std::atoi(argv[2]), std::atoi(argv[3]), std::atoi(argv[4]), c, kernel);
+    return 0;
+  }
   if (part.empty() || part == "attention") {
-    std::printf("%-22s %-10s %6s %5s %6s %10s %9s %8s %7s %s\n", "config", "cache", "tokens", "heads", "keys", "us",
-                "TFLOP/s", "GB/s", "ceil%", "bound");
+    std::printf("%-22s %-10s %-10s %6s %5s %6s %10s %9s %8s %7s %s\n", "config", "cache", "kernel", "tokens", "heads",
+                "keys", "us", "TFLOP/s", "GB/s", "ceil%", "bound");
     const int64_t slots = int64_t{1} << 20;  // 1.2 GB of bf16 rows: gathers miss L2
+    const AttentionChoice head_tile{AttentionKernel::head_tile, 0};
     for (smla::DType kv : {smla::DType::bf16, smla::DType::fp8_ds_mla}) {
       Cache cache(kv, slots);
       for (int t : {1, 8, 32, 64, 128}) bench_sparse("glm5-tp8 decode", cache, t, 8, 2048, c);
       for (int t : {1, 32, 128}) bench_sparse("dsv32-tp8 decode", cache, t, 16, 2048, c);
+      for (int h : {1, 4, 20, 32}) bench_sparse("decode (heads)", cache, 128, h, 2048, c);
+      // The same goal shapes on each kernel forced, and each pipeline depth of the small-heads one.
+      for (int h : {8, 16})
+        for (int t : {1, 8, 128}) {
+          bench_sparse("decode (head tile)", cache, t, h, 2048, c, head_tile);
+          bench_sparse("decode (small heads)", cache, t, h, 2048, c, {AttentionKernel::small_heads});
+        }
+      for (int h : {8, 16})
+        for (int stages : {2, 3, 4})
+          bench_sparse("decode (depth)", cache, 128, h, 2048, c, {AttentionKernel::small_heads, stages});
+      for (int t : {32, 128}) {
+        bench_sparse("decode (dims unsplit)", cache, t, 8, 2048, c, {AttentionKernel::small_heads, 0, 8, 1});
+        bench_sparse("decode (8 heads/CTA)", cache, t, 16, 2048, c, {AttentionKernel::small_heads, 0, 8, 0});
+        bench_sparse("decode (16 heads/CTA)", cache, t, 16, 2048, c, {AttentionKernel::small_heads, 0, 16, 0});
+      }
       for (int h : {64, 128}) bench_sparse("decode (compute)", cache, 64, h, 2048, c);
+      for (int h : {8, 16}) bench_sparse("prefill 32K", cache, 4096, h, 2048, c, {}, 32768);
       if (kv == smla::DType::bf16)
         for (int h : {64, 128}) bench_sparse("prefill", cache, 4096, h, 2048, c);
       for (int h : {16, 128}) bench_paged("dense paged decode", cache, 128, 8192, h, c);
+      bench_paged("dense paged (head tile)", cache, 128, 8192, 16, c, head_tile);
     }
     // GLM-5.3-Flash under TP 8: 8 rope-free heads of 512; its pooled top-k attends 2048 tokens of whole pools and
     // up to 3 of the incomplete last one.
@@ -410,6 +504,28 @@ int main(int argc, char** argv) {
       Cache cache(kv, slots, smla::MlaHead{0});
       for (int t : {1, 8, 32, 64, 128}) bench_sparse("glm53f-tp8 decode", cache, t, 8, 2048 + 3, c);
     }
+  }
+  if (!json_path.empty()) {
+    FILE* f = std::fopen(json_path.c_str(), "w");
+    if (!f) return std::fprintf(stderr, "bench_cuda: cannot write %s\n", json_path.c_str()), 1;
+    std::fprintf(f, "{\n  \"device\": \"%s\", \"sm\": %d, \"sms\": %d,\n", prop.name, prop.major * 10 + prop.minor,
+                 prop.multiProcessorCount);
+    std::fprintf(f, "  \"ceilings\": {\"copy_gbs\": %.1f, \"gemm_tflops\": %.1f},\n", c.copy_gbs, c.gemm_tflops);
+    std::fprintf(f, "  \"units\": {\"us\": \"median microseconds per call\", "
+                    "\"gbs\": \"cache rows gathered (tokens * keys * row "
+                    "bytes) per second\", \"tflops\": \"2 * heads * keys * (576 or 512 + 512) * tokens per second\"},\n");
+    std::fprintf(f, "  \"attention\": [\n");
+    for (size_t i = 0; i < attention_rows.size(); ++i) {
+      const AttentionRow& r = attention_rows[i];
+      std::fprintf(f,
+                   "    {\"config\": \"%s\", \"cache\": \"%s\", \"kernel\": \"%s\", \"tokens\": %d, \"heads\": %d, "
+                   "\"keys\": %d, \"us\": %.2f, \"tflops\": %.2f, \"gbs\": %.1f, \"copy_fraction\": %.4f, "
+                   "\"gemm_fraction\": %.4f}%s\n",
+                   r.config.c_str(), r.cache.c_str(), r.kernel.c_str(), r.tokens, r.heads, r.keys, r.us, r.tflops,
+                   r.gbs, r.copy_frac, r.gemm_frac, i + 1 < attention_rows.size() ? "," : "");
+    }
+    std::fprintf(f, "  ]\n}\n");
+    std::fclose(f);
   }
   if (part.empty() || part == "indexer") {
     std::printf("\nindexer (index cache fp8: 132 B/position, bf16: 256; top-k 2048 of distinct random scores)\n");

@@ -51,7 +51,7 @@ if [[ " $parts " == *" run "* ]]; then
 fi
 if [[ " $parts " == *" bench "* ]]; then
   echo "== benchmark"
-  ./build-gpu/bench/bench_cuda 2>&1 | tee "$out/bench.txt"
+  ./build-gpu/bench/bench_cuda --json "$out/h200.json" 2>&1 | tee "$out/bench.txt"
 fi
 if [[ " $parts " == *" layer "* ]]; then
   echo "== MlaLayer on the GPU"

@@ -6,8 +6,17 @@
 namespace smla::cuda {
 
 void write_mla_cache(const WriteMlaCacheArgs& args);
-void sparse_mla(const SparseMlaArgs& args);
-void paged_mla_decode(const PagedMlaDecodeArgs& args);
+// Which kernel the attention ops run: as they see fit (the small-heads kernel for fp8_ds_mla caches up to 32
+// heads and from 16 query tokens on, where the device fits it, else the 16-head-tile kernel), or forced (tests, benchmarks). For the
+// small-heads kernel, values > 0 force its pipeline depth (`stages`, 2-4), heads per CTA (8 or 16) and at 8 heads
+// per CTA the split of the output dims between 1 or 2 warps (an error where the device cannot hold the result).
+enum class AttentionKernel { automatic, head_tile, small_heads };
+struct AttentionChoice {
+  AttentionKernel kernel = AttentionKernel::automatic;
+  int stages = 0, heads_per_cta = 0, split_dims = 0;
+};
+void sparse_mla(const SparseMlaArgs& args, AttentionChoice choice = {});
+void paged_mla_decode(const PagedMlaDecodeArgs& args, AttentionChoice choice = {});
 void write_index_cache(const WriteIndexCacheArgs& args);
 void positions_to_slots(const PositionsToSlotsArgs& args);
 void write_pooled_index_cache(const WritePooledIndexCacheArgs& args);

@@ -3,6 +3,7 @@ target_sources(smla_objects PRIVATE
   cuda/device_query.cu
   cuda/common/runtime.cu
   cuda/mla/attention.cu
+  cuda/mla/attention_small_heads.cu
   cuda/mla/cache_write.cu
   cuda/indexer/index_cache.cu
   cuda/indexer/indexer_scores.cu

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "core/numeric.h"
+#include "cuda/kernels.h"
 #include "smla/error.h"
 #include "smla/select.h"
 #include "gpu/gpu_util.h"
@@ -28,7 +29,9 @@ struct Problem {
   DType kv_dtype = DType::bf16;
   int tokens = 3, heads = 16, topk = 128, block_size = 16, num_blocks = 0, block_pad = 0;
   bool topk_length = false, sink = false, q_padded = false;
+  bool max_logits = false, empty_lse_plus_inf = false;
   int rope = kMlaRopeDim;  // 0: 512-wide heads (GLM-5.3-Flash)
+  cuda::AttentionChoice kernel;  // forced: the op's CUDA function is called directly
   int qk() const { return MlaHead{rope}.qk_dim(); }
 };
 
@@ -88,7 +91,9 @@ void expect_close(const std::vector<uint16_t>& ref, const std::vector<uint16_t>&
 void run_sparse(const Problem& pr, uint64_t seed) {
   const std::string what = std::string("sparse q=") + std::string(dtype_name(pr.q_dtype)) + " kv=" +
                            std::string(dtype_name(pr.kv_dtype)) + " H=" + std::to_string(pr.heads) +
-                           " K=" + std::to_string(pr.topk) + " bs=" + std::to_string(pr.block_size) + nope_tag(pr);
+                           " K=" + std::to_string(pr.topk) + " bs=" + std::to_string(pr.block_size) + nope_tag(pr) +
+                           " kernel=" + std::to_string(static_cast<int>(pr.kernel.kernel)) +
+                           " stages=" + std::to_string(pr.kernel.stages);
   SCOPED_TRACE(what);
   test::Rng rng(seed);
   Problem p = pr;
@@ -134,9 +139,13 @@ void run_sparse(const Problem& pr, uint64_t seed) {
   std::vector<float> ref_lse(p.tokens * p.heads);
   a.out = TensorView(ref.data(), {p.tokens, p.heads, kMlaVDim}, p.q_dtype);
   a.lse = TensorView(ref_lse.data(), {p.tokens, p.heads}, DType::f32);
+  std::vector<float> ref_max(p.tokens * p.heads);
+  if (p.max_logits) a.max_logits = TensorView(ref_max.data(), {p.tokens, p.heads}, DType::f32);
+  a.empty_lse_plus_inf = p.empty_lse_plus_inf;
   sparse_mla(a, &cpu());
 
   DeviceBuffer dq(qbits), dcache(cache), didx(idx), dlens(lens), dsink(sink);
+  DeviceBuffer dmax(std::vector<float>(ref_max.size(), std::nanf("")));
   DeviceBuffer dout(std::vector<uint16_t>(ref.size(), 0x7fc1));  // NaN sentinel in both 16-bit types
   DeviceBuffer dlse(std::vector<float>(ref_lse.size(), std::nanf("")));
   SparseMlaArgs g = a;
@@ -147,9 +156,16 @@ void run_sparse(const Problem& pr, uint64_t seed) {
   if (p.sink) g.attn_sink = on_gpu(a.attn_sink, dsink.ptr);
   g.out = on_gpu(a.out, dout.ptr);
   g.lse = on_gpu(a.lse, dlse.ptr);
-  sparse_mla(g, &gpu());
+  if (p.max_logits) g.max_logits = on_gpu(a.max_logits, dmax.ptr);
+  if (p.kernel.kernel == cuda::AttentionKernel::automatic) sparse_mla(g, &gpu());
+  else cuda::sparse_mla(g, p.kernel);
   CUDA_OK(cudaDeviceSynchronize());
   expect_close(ref, dout.download<uint16_t>(), p.q_dtype, ref_lse, dlse.download<float>(), what);
+  if (p.max_logits) {
+    const auto got = dmax.download<float>();
+    std::vector<double> r(ref_max.begin(), ref_max.end()), gm(got.begin(), got.end());
+    EXPECT_EQ(test::compare(r, gm, 1e-3, 1e-4, 0.9999), "") << what << " (max_logits)";
+  }
 }
 
 TEST(CudaSparseMla, HeadsAndTopk) {
@@ -210,10 +226,11 @@ TEST(CudaSparseMla, DecodeBatchUsesSplits) {
 }
 
 void run_paged(DType q_dtype, DType kv, int batch, int s_q, int heads, int block_size, bool causal, uint64_t seed,
-               int rope = kMlaRopeDim) {
+               int rope = kMlaRopeDim, cuda::AttentionChoice kernel = {}) {
   SCOPED_TRACE("paged kv=" + std::string(dtype_name(kv)) + " B=" + std::to_string(batch) + " s_q=" +
                std::to_string(s_q) + " H=" + std::to_string(heads) + " bs=" + std::to_string(block_size) +
-               " rope=" + std::to_string(rope));
+               " rope=" + std::to_string(rope) + " kernel=" + std::to_string(static_cast<int>(kernel.kernel)) +
+               " stages=" + std::to_string(kernel.stages));
   test::Rng rng(seed);
   const int max_blocks = (700 + block_size - 1) / block_size;
   Problem p;
@@ -258,7 +275,8 @@ void run_paged(DType q_dtype, DType kv, int batch, int s_q, int heads, int block
   g.seq_lens = on_gpu(a.seq_lens, dseq.ptr);
   g.out = on_gpu(a.out, dout.ptr);
   g.lse = on_gpu(a.lse, dlse.ptr);
-  paged_mla_decode(g, &gpu());
+  if (kernel.kernel == cuda::AttentionKernel::automatic) paged_mla_decode(g, &gpu());
+  else cuda::paged_mla_decode(g, kernel);
   CUDA_OK(cudaDeviceSynchronize());
   expect_close(ref, dout.download<uint16_t>(), q_dtype, ref_lse, dlse.download<float>(), "paged");
 }
@@ -269,6 +287,51 @@ TEST(CudaPagedDecode, MatchesCpu) {
     for (int bs : {1, 16, 64}) run_paged(DType::bf16, kv, 3, 2, 16, bs, true, seed++);
   run_paged(DType::f16, DType::bf16, 4, 1, 128, 64, true, seed++);
   run_paged(DType::bf16, DType::bf16, 2, 4, 8, 16, false, seed++);
+}
+
+// Launch configurations of one kernel made in any order: a deep pipeline forced, then the one it picks (shallower),
+// then the deep one again must still launch (the kernel's shared-memory opt-in covers every depth). First of its
+// suite, so it meets the kernel before the other tests configure it.
+TEST(CudaSparseMlaSmallHeads, DepthsInAnyOrder) {
+  uint64_t seed = 550;
+  for (int stages : {4, 0, 4, 3, 2, 4}) {
+    Problem p;
+    p.kv_dtype = DType::fp8_ds_mla;
+    p.heads = 8;
+    p.topk = 200;
+    p.kernel = {cuda::AttentionKernel::small_heads, stages};
+    run_sparse(p, seed++);
+  }
+}
+
+// The small-heads kernel forced (keys on the mma's M side, heads on N, per-warp
+// online softmax): every head count it serves, both cache formats and f16,
+// top-k 1 to 4096, block sizes 1/16/64, each pipeline depth, invalid indices,
+// NaN-poisoned unused slots, topk_length, sinks and strided queries.
+TEST(CudaSparseMlaSmallHeads, HeadsFormatsTopkBlockSizes) {
+  uint64_t seed = 600;
+  int n = 0;
+  for (int heads : {1, 4, 8, 16, 20, 32})
+    for (DType kv : {DType::bf16, DType::fp8_ds_mla})
+      for (int topk : {1, 100, 2048, 4096}) {
+        Problem p;
+        p.kv_dtype = kv;
+        p.heads = heads;
+        p.topk = topk;
+        p.tokens = topk == 4096 ? 2 : 3;
+        p.block_size = std::array<int, 3>{1, 16, 64}[n % 3];
+        p.topk_length = n % 4 == 1;
+        p.sink = n % 5 == 2;
+        p.q_padded = n % 3 == 2;
+        // fp8 stages are small enough for every depth on an H200; bf16 ones as picked, or 2. Heads per CTA as
+        // picked or 8 (16 heads and more: several CTAs per token); output dims as picked, unsplit or split in 2.
+        p.kernel = {cuda::AttentionKernel::small_heads, kv == DType::fp8_ds_mla ? 2 + n % 3 : 2 * (n % 2),
+                    n % 4 >= 2 ? 8 : 0, n % 3};
+        p.max_logits = n % 2 == 0;  // the exact max score, whatever the softmax's lazily moved base
+        p.empty_lse_plus_inf = n % 7 == 3;
+        ++n;
+        run_sparse(p, seed++);
+      }
 }
 
 // Heads with no rope part: 512-wide bf16/f16 caches, the fp8_ds_mla envelope (rope part NaN) and the compact
@@ -311,6 +374,93 @@ TEST(CudaSparseMla, NoRopePartDtypesFormatsBlockSizes) {
         p.q_padded = q == DType::f16;
         run_sparse(p, seed++);
       }
+}
+
+TEST(CudaSparseMlaSmallHeads, F16AndQueryDtypes) {
+  uint64_t seed = 700;
+  for (DType q : {DType::bf16, DType::f16})
+    for (DType kv : {DType::bf16, DType::f16, DType::fp8_ds_mla}) {
+      Problem p;
+      p.q_dtype = q;
+      p.kv_dtype = kv;
+      p.heads = 8;
+      p.topk = 300;
+      p.block_size = 16;
+      p.block_pad = 8 * 16;
+      p.kernel = {cuda::AttentionKernel::small_heads, 0};
+      run_sparse(p, seed++);
+    }
+}
+
+TEST(CudaSparseMlaSmallHeads, DecodeBatchUsesSplits) {
+  for (DType kv : {DType::bf16, DType::fp8_ds_mla})
+    for (int heads : {8, 16}) {
+      Problem p;
+      p.kv_dtype = kv;
+      p.tokens = 64;
+      p.heads = heads;
+      p.topk = 2048;
+      p.block_size = 64;
+      p.max_logits = true;  // through the splits' partial maxima
+      p.kernel = {cuda::AttentionKernel::small_heads, 0};
+      run_sparse(p, 800 + heads);
+    }
+}
+
+TEST(CudaSparseMlaSmallHeads, DepthBeyondSharedMemoryIsAnError) {
+  Problem p;  // 4 stages of 64 bf16 rows (296 KB) fit no GPU's shared memory
+  p.heads = 16;
+  p.kernel = {cuda::AttentionKernel::small_heads, 4};
+  try {
+    run_sparse(p, 1);
+    FAIL() << "4 bf16 stages accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("shared memory"), std::string::npos) << e.what();
+  }
+}
+
+TEST(CudaSparseMlaSmallHeads, InvalidShapeIsAnError) {
+  for (cuda::AttentionChoice bad : {cuda::AttentionChoice{cuda::AttentionKernel::small_heads, 5},
+                                    cuda::AttentionChoice{cuda::AttentionKernel::small_heads, 0, 12},
+                                    cuda::AttentionChoice{cuda::AttentionKernel::small_heads, 0, 8, 3}}) {
+    Problem p;
+    p.kernel = bad;
+    try {
+      run_sparse(p, 2);
+      FAIL() << "shape accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::invalid_argument) << e.what();
+    }
+  }
+}
+
+// Heads that go to the small-heads kernel automatically, forced onto the 16-head-tile kernel: it stays tested.
+TEST(CudaSparseMla, HeadTileKernelForSmallHeadCounts) {
+  uint64_t seed = 900;
+  for (DType kv : {DType::bf16, DType::fp8_ds_mla})
+    for (int heads : {8, 20}) {
+      Problem p;
+      p.kv_dtype = kv;
+      p.heads = heads;
+      p.topk = 1000;
+      p.topk_length = true;
+      p.sink = true;
+      p.max_logits = true;
+      p.kernel = {cuda::AttentionKernel::head_tile, 0};
+      run_sparse(p, seed++);
+    }
+}
+
+TEST(CudaPagedDecode, SmallHeadsKernel) {
+  uint64_t seed = 1000;
+  for (DType kv : {DType::bf16, DType::fp8_ds_mla})
+    for (int bs : {1, 16, 64})
+      run_paged(DType::bf16, kv, 3, 2, 16, bs, true, seed++, kMlaRopeDim, {cuda::AttentionKernel::small_heads, 0});
+  run_paged(DType::bf16, DType::fp8_ds_mla, 2, 4, 8, 16, false, seed++, kMlaRopeDim, {cuda::AttentionKernel::small_heads, 3});
+  run_paged(DType::bf16, DType::fp8_ds_mla, 2, 2, 16, 64, true, seed++, kMlaRopeDim, {cuda::AttentionKernel::small_heads, 0, 8, 1});
+  run_paged(DType::bf16, DType::bf16, 2, 2, 20, 64, true, seed++, kMlaRopeDim, {cuda::AttentionKernel::small_heads, 0, 8, 2});
+  run_paged(DType::f16, DType::bf16, 4, 1, 4, 64, true, seed++, kMlaRopeDim, {cuda::AttentionKernel::small_heads, 3});
+  run_paged(DType::bf16, DType::bf16, 2, 2, 16, 16, true, seed++, kMlaRopeDim, {cuda::AttentionKernel::head_tile, 0});
 }
 
 TEST(CudaSparseMla, NoRopePartDecodeBatchUsesSplits) {

@@ -11,6 +11,7 @@
 #include "cuda/common/runtime.h"
 #include "cuda/kernels.h"
 #include "cuda/mla/attention_kernel.cuh"
+#include "cuda/mla/attention_small_heads.h"
 
 namespace smla::cuda {
 
@@ -151,9 +152,9 @@ const LaunchConfig& launch_config(CacheFormat f, int rope, bool paged) {
 // fill the GPU's resident slots in whole waves best (a last wave half full
 // leaves half the GPU idle: 384 CTAs on 264 slots ran at ~70%), the smallest
 // such count on ties (each split costs a partial row and a combine). Each
-// split keeps at least two chunks.
-int choose_splits(int64_t ctas, int chunks, int64_t slots) {
-  const int most = std::max(1, std::min(chunks / 2, mla::kMaxSplits));
+// split keeps at least `min_chunks` chunks.
+int choose_splits(int64_t ctas, int chunks, int64_t slots, int min_chunks) {
+  const int most = std::max(1, std::min(chunks / min_chunks, mla::kMaxSplits));
   int best = 1;
   double best_fill = 0;
   for (int s = 1; s <= most && ctas * s <= 8 * slots + ctas; ++s) {
@@ -167,9 +168,14 @@ int choose_splits(int64_t ctas, int chunks, int64_t slots) {
   return best;
 }
 
-// How launch() splits the keys of `tokens` x `heads` query rows: a function of the args and the device only, so
-// workspace_size() knows the partials' size before the call.
-struct KeySplit {
+// Which kernel runs and how launch() splits the keys of `tokens` x `heads` query rows: a function of the args, the
+// choice and the device only, so workspace_size() knows the partials' size before the call. The small-heads kernel
+// serves fp8_ds_mla caches with 576-wide heads, up to 32 heads from 16 query tokens on (memory-bound decode),
+// where the device fits it; the rest goes to the 16-head-tile kernel, which on an H200 ran bf16 decode and fp8
+// decode of 1-8 tokens faster (docs/performance.md).
+struct Plan {
+  const LaunchConfig* head_tile = nullptr;
+  const mla::small::SmallHeadsConfig* small = nullptr;
   int chunks_per_split = 1, num_splits = 1;
   int64_t ctas = 0;  // per split
   // Workspace bytes: per split and row, the partial output, lse and max score (fp32).
@@ -177,12 +183,26 @@ struct KeySplit {
     return num_splits > 1 ? static_cast<size_t>(num_splits) * tokens * heads * (mla::kVDim + 2) * sizeof(float) : 0;
   }
 };
-KeySplit split_keys(const LaunchConfig& cfg, int64_t tokens, int heads, int num_keys) {
-  KeySplit s;
-  const int head_groups = (heads + mla::kHeadsPerCta - 1) / mla::kHeadsPerCta;
-  s.ctas = tokens * head_groups;
-  const int chunks = std::max(1, (num_keys + mla::kKeysPerChunk - 1) / mla::kKeysPerChunk);
-  const int splits = choose_splits(s.ctas, chunks, static_cast<int64_t>(current_device().num_sms) * cfg.ctas_per_sm);
+Plan plan(CacheFormat f, int rope, bool paged, int64_t tokens, int heads, int num_keys, AttentionChoice choice) {
+  Plan s;
+  const mla::small::SmallHeadsShape shape{choice.stages, choice.heads_per_cta, choice.split_dims};
+  if (choice.kernel == AttentionKernel::small_heads) {
+    if (rope != kMlaRopeDim)
+      throw Error(ErrorKind::unsupported, "MLA attention: the small-heads kernel is built for 576-wide heads");
+    s.small = &mla::small::small_heads_config(f, paged, heads, shape);
+  } else if (choice.kernel == AttentionKernel::automatic && f == CacheFormat::fp8_ds_mla && rope == kMlaRopeDim &&
+             heads <= mla::small::kMaxHeadsAutomatic && tokens >= mla::small::kMinTokensAutomatic) {
+    s.small = mla::small::find_small_heads_config(f, paged, heads, shape);
+  }
+  if (s.small == nullptr) s.head_tile = &launch_config(f, rope, paged);
+  const int heads_per_cta = s.small ? s.small->heads_per_cta : mla::kHeadsPerCta;
+  const int chunk_keys = s.small ? mla::small::kSmallChunkKeys : mla::kKeysPerChunk;
+  const int ctas_per_sm = s.small ? s.small->ctas_per_sm : s.head_tile->ctas_per_sm;
+  s.ctas = tokens * ((heads + heads_per_cta - 1) / heads_per_cta);
+  const int chunks = std::max(1, (num_keys + chunk_keys - 1) / chunk_keys);
+  // The small-heads kernel's 64-key chunks are worth a CTA each.
+  const int splits = choose_splits(s.ctas, chunks, static_cast<int64_t>(current_device().num_sms) * ctas_per_sm,
+                                   s.small ? 1 : 2);
   s.chunks_per_split = (chunks + splits - 1) / splits;
   s.num_splits = (chunks + s.chunks_per_split - 1) / s.chunks_per_split;
   return s;
@@ -190,16 +210,14 @@ KeySplit split_keys(const LaunchConfig& cfg, int64_t tokens, int heads, int num_
 
 size_t partial_bytes(CacheFormat f, int rope, bool paged, int64_t tokens, int heads, int num_keys) {
   if (tokens == 0) return 0;
-  return split_keys(launch_config(f, rope, paged), tokens, heads, num_keys).partial_bytes(tokens, heads);
+  return plan(f, rope, paged, tokens, heads, num_keys, {}).partial_bytes(tokens, heads);
 }
 
 // `workspace`: the caller's (checked to hold partial_bytes) or absent.
 void launch(AttentionParams& p, CacheFormat f, int rope, bool paged, int num_keys, const TensorView& workspace,
-            const char* op, cudaStream_t stream) {
+            const char* op, cudaStream_t stream, AttentionChoice choice) {
   if (p.num_tokens == 0) return;
-  const LaunchConfig& cfg = launch_config(f, rope, paged);
-  const KeySplit split = split_keys(cfg, p.num_tokens, p.num_heads, num_keys);
-  const int64_t ctas = split.ctas;
+  const Plan split = plan(f, rope, paged, p.num_tokens, p.num_heads, num_keys, choice);
   p.chunks_per_split = split.chunks_per_split;
   p.num_splits = split.num_splits;
   std::optional<DefaultWorkspace> own;
@@ -211,8 +229,13 @@ void launch(AttentionParams& p, CacheFormat f, int rope, bool paged, int num_key
     p.partial_lse = ws + rows * mla::kVDim;
     p.partial_max = p.partial_lse + rows;
   }
-  cfg.fn<<<dim3(static_cast<unsigned>(ctas), p.num_splits), mla::kThreads, cfg.smem, stream>>>(p);
-  check_launch("smla MLA attention kernel");
+  if (split.small) {
+    mla::small::launch_small_heads(p, *split.small, stream);
+  } else {
+    split.head_tile->fn<<<dim3(static_cast<unsigned>(split.ctas), p.num_splits), mla::kThreads,
+                          split.head_tile->smem, stream>>>(p);
+    check_launch("smla MLA attention kernel");
+  }
   if (p.num_splits > 1) {
     mla::combine_kernel<<<static_cast<unsigned>(p.num_tokens) * p.num_heads, mla::kThreads, 0, stream>>>(p);
     check_launch("smla MLA combine kernel");
@@ -221,7 +244,7 @@ void launch(AttentionParams& p, CacheFormat f, int rope, bool paged, int num_key
 
 }  // namespace
 
-void sparse_mla(const SparseMlaArgs& a) {
+void sparse_mla(const SparseMlaArgs& a, AttentionChoice choice) {
   AttentionParams p{};
   fill_common(p, "sparse_mla", a.q, a.q.stride(0), 0, a.kv_cache, a.out, a.out.stride(0), 0, a.lse, a.lse.stride(0), 0,
               a.attn_sink, a.softmax_scale);
@@ -239,7 +262,7 @@ void sparse_mla(const SparseMlaArgs& a) {
     p.max_logits_stride_h = a.max_logits.stride(1);
   }
   launch(p, format_of(a.kv_cache.dtype), rope_of(a.q), false, p.topk, a.workspace, "sparse_mla",
-         static_cast<cudaStream_t>(a.stream));
+         static_cast<cudaStream_t>(a.stream), choice);
 }
 
 size_t sparse_mla_workspace_size(const SparseMlaArgs& a) {
@@ -252,7 +275,7 @@ size_t paged_mla_decode_workspace_size(const PagedMlaDecodeArgs& a) {
                        static_cast<int>(a.q.size(2)), static_cast<int>(a.block_table.size(1) * a.kv_cache.size(1)));
 }
 
-void paged_mla_decode(const PagedMlaDecodeArgs& a) {
+void paged_mla_decode(const PagedMlaDecodeArgs& a, AttentionChoice choice) {
   AttentionParams p{};
   fill_common(p, "paged_mla_decode", a.q, a.q.stride(0), a.q.stride(1), a.kv_cache, a.out, a.out.stride(0),
               a.out.stride(1), a.lse, a.lse.stride(0), a.lse.stride(1), a.attn_sink, a.softmax_scale);
@@ -266,7 +289,7 @@ void paged_mla_decode(const PagedMlaDecodeArgs& a) {
   p.causal = a.causal;
   p.empty_lse = a.empty_lse_plus_inf ? INFINITY : -INFINITY;
   launch(p, format_of(a.kv_cache.dtype), rope_of(a.q), true, p.max_blocks * p.block_size, a.workspace,
-         "paged_mla_decode", static_cast<cudaStream_t>(a.stream));
+         "paged_mla_decode", static_cast<cudaStream_t>(a.stream), choice);
 }
 
 }  // namespace smla::cuda

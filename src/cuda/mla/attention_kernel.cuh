@@ -374,7 +374,8 @@ __device__ __forceinline__ float block_reduce(float v, bool is_max, float* scrat
   return v;
 }
 
-__global__ void __launch_bounds__(kThreads) combine_kernel(const AttentionParams p) {
+// static: the small-heads kernel's file includes this header too.
+static __global__ void __launch_bounds__(kThreads) combine_kernel(const AttentionParams p) {
   __shared__ float weight[kMaxSplits];
   __shared__ float scratch[kThreads / 32];
   const int t = blockIdx.x / p.num_heads, h = blockIdx.x % p.num_heads;

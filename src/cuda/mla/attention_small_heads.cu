@@ -1,0 +1,136 @@
+// Instantiations and launch configuration of the small-heads MLA attention kernel.
+#include <map>
+#include <mutex>
+#include <string>
+#include <tuple>
+
+#include "cuda/common/runtime.h"
+#include "cuda/mla/attention_small_heads.cuh"
+#include "cuda/mla/attention_small_heads.h"
+
+namespace smla::cuda::mla::small {
+
+static_assert(kSmallChunkKeys == kChunkKeys, "attention_small_heads.h mirrors the kernel's chunk");
+
+namespace {
+
+constexpr int kMaxStages = 4;  // cp_async_wait_dynamic's deepest count is stages - 2
+
+using Kernel = void (*)(AttentionParams, int);
+
+// Head groups x dim split compiled: 8 heads on 4 or 8 warps, 16 heads on 8.
+template <CacheFormat F, bool kPaged>
+Kernel kernel_for(int groups, int split_dims) {
+  if (groups == 2) return small_heads_kernel<F, kPaged, 2, 1>;
+  return split_dims == 2 ? small_heads_kernel<F, kPaged, 1, 2> : small_heads_kernel<F, kPaged, 1, 1>;
+}
+
+Kernel select(CacheFormat f, bool paged, int groups, int split_dims) {
+  switch (f) {
+    case CacheFormat::bf16:
+      return paged ? kernel_for<CacheFormat::bf16, true>(groups, split_dims)
+                   : kernel_for<CacheFormat::bf16, false>(groups, split_dims);
+    case CacheFormat::f16:
+      return paged ? kernel_for<CacheFormat::f16, true>(groups, split_dims)
+                   : kernel_for<CacheFormat::f16, false>(groups, split_dims);
+    case CacheFormat::fp8_ds_mla:
+      return paged ? kernel_for<CacheFormat::fp8_ds_mla, true>(groups, split_dims)
+                   : kernel_for<CacheFormat::fp8_ds_mla, false>(groups, split_dims);
+  }
+  return nullptr;
+}
+
+int smem_bytes(CacheFormat f, int groups, int stages) {
+  switch (f) {
+    case CacheFormat::fp8_ds_mla:
+      return groups == 1 ? Layout<CacheFormat::fp8_ds_mla, 64, 1>(stages).total
+                         : Layout<CacheFormat::fp8_ds_mla, 64, 2>(stages).total;
+    default:  // bf16 and f16 rows are laid out alike
+      return groups == 1 ? Layout<CacheFormat::bf16, 64, 1>(stages).total
+                         : Layout<CacheFormat::bf16, 64, 2>(stages).total;
+  }
+}
+
+}  // namespace
+
+namespace {
+
+// The deepest pipeline that keeps the most CTAs of `fn` resident per SM, or
+// exactly `stages` when > 0; fn null when none fits the device.
+SmallHeadsConfig deepest(Kernel fn, CacheFormat f, int groups, int split_dims, int stages) {
+  const int threads = groups * kKeySlots * split_dims * 32;
+  // The kernel is opted in to all the device allows once: configurations of
+  // other depths, made in any order, then launch it with less.
+  const int limit = max_dynamic_smem(reinterpret_cast<const void*>(fn));
+  SmallHeadsConfig best;
+  for (int s = 2; s <= kMaxStages; ++s) {
+    if (stages > 0 && s != stages) continue;
+    const int bytes = smem_bytes(f, groups, s);
+    if (bytes > limit) continue;
+    const int ctas = resident_ctas_per_sm(reinterpret_cast<const void*>(fn), threads, bytes);
+    // Depths ascend: a deeper pipeline wins unless it costs resident CTAs.
+    if (ctas > 0 && ctas >= best.ctas_per_sm)
+      best = {reinterpret_cast<const void*>(fn), threads, bytes, s, ctas, groups * kHeadsPerGroup, split_dims};
+  }
+  return best;
+}
+
+}  // namespace
+
+const SmallHeadsConfig* find_small_heads_config(CacheFormat f, bool paged, int num_heads, SmallHeadsShape shape) {
+  if ((shape.stages != 0 && (shape.stages < 2 || shape.stages > kMaxStages)) ||
+      (shape.heads_per_cta != 0 && shape.heads_per_cta != 8 && shape.heads_per_cta != 16) ||
+      (shape.split_dims != 0 && shape.split_dims != 1 && shape.split_dims != 2))
+    throw Error(ErrorKind::invalid_argument, "MLA attention (small-heads kernel): stages must be 2-4, heads per CTA "
+                                             "8 or 16, dim split 1 or 2 (0: as the kernel sees fit)");
+  using Key = std::tuple<int, CacheFormat, bool, int, int, int>;
+  static std::mutex mu;
+  static std::map<Key, SmallHeadsConfig> configs;  // nodes never move
+  thread_local std::map<Key, const SmallHeadsConfig*> mine;  // no lock once seen
+  const DeviceInfo& dev = current_device();
+  const int groups = shape.heads_per_cta == 8 || (shape.heads_per_cta == 0 && num_heads <= kHeadsPerGroup) ? 1 : 2;
+  const Key key = std::make_tuple(dev.index, f, paged, groups, shape.split_dims, shape.stages);
+  if (auto seen = mine.find(key); seen != mine.end()) return seen->second->fn != nullptr ? seen->second : nullptr;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = configs.find(key);
+  if (it == configs.end()) {
+    SmallHeadsConfig cfg;
+    if (groups == 2) {
+      cfg = deepest(select(f, paged, 2, 1), f, 2, 1, shape.stages);
+    } else if (shape.split_dims != 0) {
+      cfg = deepest(select(f, paged, 1, shape.split_dims), f, 1, shape.split_dims, shape.stages);
+    } else {
+      // Split the output dims (8 warps per CTA, scores computed twice) only
+      // where unsplit CTAs leave fewer than 8 warps per SM: on an H200, 2 CTAs
+      // of 4 warps ran fp8 decode 3% faster than 2 of 8.
+      cfg = deepest(select(f, paged, 1, 1), f, 1, 1, shape.stages);
+      if (cfg.fn == nullptr || cfg.ctas_per_sm * kKeySlots < 8) {
+        const SmallHeadsConfig split = deepest(select(f, paged, 1, 2), f, 1, 2, shape.stages);
+        if (split.fn != nullptr && (cfg.fn == nullptr || split.ctas_per_sm * 2 > cfg.ctas_per_sm)) cfg = split;
+      }
+    }
+    it = configs.emplace(key, cfg).first;
+  }
+  mine[key] = &it->second;
+  return it->second.fn != nullptr ? &it->second : nullptr;
+}
+
+const SmallHeadsConfig& small_heads_config(CacheFormat f, bool paged, int num_heads, SmallHeadsShape shape) {
+  if (const SmallHeadsConfig* cfg = find_small_heads_config(f, paged, num_heads, shape)) return *cfg;
+  const int groups = shape.heads_per_cta == 8 || (shape.heads_per_cta == 0 && num_heads <= kHeadsPerGroup) ? 1 : 2;
+  const int stages = shape.stages > 0 ? shape.stages : 2;
+  throw Error(ErrorKind::unsupported, "MLA attention (small-heads kernel, " + std::to_string(stages) +
+                                          " stages) needs " +
+                                          std::to_string(smem_bytes(f, groups, stages)) +
+                                          " bytes of shared memory per block; this device allows " +
+                                          std::to_string(current_device().max_smem_per_block));
+}
+
+void launch_small_heads(const AttentionParams& p, const SmallHeadsConfig& cfg, cudaStream_t stream) {
+  const int head_blocks = (p.num_heads + cfg.heads_per_cta - 1) / cfg.heads_per_cta;
+  const dim3 grid(static_cast<unsigned>(static_cast<int64_t>(p.num_tokens) * head_blocks), p.num_splits);
+  reinterpret_cast<Kernel>(const_cast<void*>(cfg.fn))<<<grid, cfg.threads, cfg.smem, stream>>>(p, cfg.stages);
+  check_launch("smla MLA attention kernel (small heads)");
+}
+
+}  // namespace smla::cuda::mla::small

@@ -1,0 +1,560 @@
+// MLA attention for few heads per token (1-16 per CTA; the memory-bound
+// decode of tensor-parallel shards: GLM-5 TP8 runs 8 heads, DeepSeek-V3.2 16).
+//
+// One CTA = one query token, up to kGroups x 8 heads and a range of 64-key
+// chunks. Keys go on the mma's M side and heads on N (S^T = K Q^T, O^T =
+// V^T P^T), so 8 heads fill an n8 tile with nothing wasted. Each warp owns 16
+// keys of every chunk and all 512 output dims of its head group: it runs its
+// own online softmax with no barrier but the one per chunk of the cp.async
+// pipeline, and the warps of a group are merged once at the end. fp8_ds_mla
+// rows are dequantised from shared memory straight into mma fragments; their
+// per-128-dim scales are applied to the fp32 scores and folded into P for
+// P V. Dims inside a thread's fragments are permuted (the dot products do not
+// care) so every operand is one 16-byte shared load; 16-byte pieces are
+// XOR-swizzled per row so those loads and ldmatrix hit distinct banks.
+#pragma once
+
+#include <cuda_fp8.h>
+
+#include "cuda/common/mma.cuh"
+#include "cuda/mla/attention_kernel.cuh"
+#include "cuda/mla/params.h"
+
+namespace smla::cuda::mla::small {
+
+constexpr int kHeadsPerGroup = 8;  // the mma's N
+constexpr int kKeySlots = 4;       // warps of a group that own different keys of a chunk
+constexpr int kKeysPerWarp = 16;   // the mma's M
+constexpr int kChunkKeys = kKeySlots * kKeysPerWarp;
+// The running max of a head moves only when a score passes it by more than
+// this (log2 units): P stays <= 2^8, and O is rescaled rarely.
+constexpr float kMaxSlack = 8.f;
+
+// Row geometry for rope width kRope (64 for DeepSeek/GLM-5's MLA; 0 for a
+// rope-free 512-wide head): the 16-bit latent and rope values of a row take
+// whole 128-byte shared-memory groups; fp8 scales live apart.
+template <CacheFormat F, int kRope>
+struct Geometry {
+  static constexpr bool kFp8 = F == CacheFormat::fp8_ds_mla;
+  static constexpr int kLatentBytes = kFp8 ? kLatent : 2 * kLatent;
+  static constexpr int kRopeBytes = 2 * kRope;
+  static constexpr int kRowBytes = kLatentBytes + kRopeBytes;  // in shared memory, without scales
+  static constexpr int kScaleBytes = kFp8 ? 16 : 0;
+  static constexpr int kGlobalPieces = (kRowBytes + kScaleBytes) / 16;  // 16-byte pieces of a cache row
+  static constexpr int kQkSteps = (kLatent + kRope) / 16;              // score k-steps
+  static constexpr int kStageBytes = kChunkKeys * (kRowBytes + kScaleBytes + 4);  // rows, scales, valid flags
+  static_assert(kRowBytes % 128 == 0, "rows are whole 128-byte groups");
+};
+
+// Shared memory: `stages` pipeline stages (the merge buffers reuse them once
+// the loop is done), then the query fragments and the warps' softmax stats.
+template <CacheFormat F, int kRope, int kGroups>
+struct Layout {
+  using G = Geometry<F, kRope>;
+  static constexpr int kMergeBytes = kGroups * (kKeySlots / 2) * kHeadsPerGroup * kVDim * 4;
+  static constexpr int kQBytes = kGroups * G::kQkSteps * 32 * 8;
+  static constexpr int kQScaleBytes = kGroups * kHeadsPerGroup * 4;
+  static constexpr int kStatBytes = kGroups * kKeySlots * kHeadsPerGroup * 3 * 4;
+  int q = 0, q_scale = 0, stats = 0, total = 0;
+  __host__ __device__ constexpr explicit Layout(int stages) {
+    q = stages * G::kStageBytes > kMergeBytes ? stages * G::kStageBytes : kMergeBytes;
+    q_scale = q + kQBytes;
+    stats = q_scale + kQScaleBytes;
+    total = stats + kStatBytes;
+  }
+};
+
+// The XOR pattern of row r's 16-byte pieces inside each 128-byte group. It
+// makes three access patterns conflict-free: rows g and g+1 read by lanes
+// c = 0..3 (scores), rows 2c(+1) read by lanes g = 0..1 (fp8 P V), and eight
+// consecutive rows at one piece (ldmatrix).
+__device__ __forceinline__ int swizzle(int row) { return (row & 7) ^ ((row & 1) << 2); }
+__device__ __forceinline__ int piece_offset(int row_base_bytes, int row, int piece) {
+  return row_base_bytes + (piece & ~7) * 16 + (((piece & 7) ^ swizzle(row)) * 16);
+}
+
+// The dims of score k-step `ks` that lane column c holds in its fragments:
+// d0..d0+1 in the first register, d0+2..d0+3 in the second.
+template <CacheFormat F>
+__host__ __device__ constexpr int score_dim(int ks, int c) {
+  if (F == CacheFormat::fp8_ds_mla && ks < kLatent / 16)  // a piece = 16 e4m3 dims = 4 k-steps
+    return 128 * (ks / 8) + 64 * ((ks / 4) % 2) + 16 * c + 4 * (ks % 4);
+  return 64 * (ks / 4) + 32 * ((ks / 2) % 2) + 8 * c + 4 * (ks % 2);  // a piece = 8 16-bit dims = 2 k-steps
+}
+
+__device__ __forceinline__ uint32_t movmatrix_trans(uint32_t v) {
+  uint32_t r;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(r) : "r"(v));
+  return r;
+}
+__device__ __forceinline__ uint32_t byte_perm(uint32_t a, uint32_t b, uint32_t sel) {
+  uint32_t r;
+  asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+  return r;
+}
+// Two e4m3 codes (the low or, kHigh, the high 16 bits of `codes`, low byte
+// first) -> f16x2, exactly: one instruction from SM89 on (the half picked by
+// the instruction itself, no shift).
+template <bool kHigh = false>
+__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t codes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  uint32_t r;
+  if constexpr (kHigh)
+    asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %1;\ncvt.rn.f16x2.e4m3x2 %0, hi;\n}\n" : "=r"(r) : "r"(codes));
+  else
+    asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %1;\ncvt.rn.f16x2.e4m3x2 %0, lo;\n}\n" : "=r"(r) : "r"(codes));
+  return r;
+#else
+  const __half2_raw h =
+      __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(kHigh ? codes >> 16 : codes), __NV_E4M3);
+  return static_cast<uint32_t>(h.x) | static_cast<uint32_t>(h.y) << 16;
+#endif
+}
+// ... -> bf16x2, exactly.
+template <bool kHigh = false>
+__device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint32_t codes) {
+  const uint32_t h = e4m3x2_to_f16x2<kHigh>(codes);
+  const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
+  return pack2<__nv_bfloat16>(f.x, f.y);
+}
+__device__ __forceinline__ void cp_async_wait_dynamic(int pending) {
+  switch (pending) {
+    case 0: cp_async_wait<0>(); break;
+    case 1: cp_async_wait<1>(); break;
+    case 2: cp_async_wait<2>(); break;
+    default: cp_async_wait<3>(); break;
+  }
+}
+
+// kSplitDims 2: the warps of a group are 4 key slots x 2 halves of the output
+// dims; both warps of a key slot compute the same scores (cheap next to P V)
+// and each keeps half of O^T, so twice the warps fit in the registers.
+template <CacheFormat F, bool kPaged, int kGroups, int kSplitDims, int kRope = 64>
+__global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitDims == 2 ? 2 : 1)
+    small_heads_kernel(const AttentionParams p, int stages) {
+  using T = ComputeT<F>;
+  using G = Geometry<F, kRope>;
+  constexpr bool kFp8 = G::kFp8;
+  constexpr int kWarpsPerGroup = kKeySlots * kSplitDims;
+  constexpr int kWarps = kGroups * kWarpsPerGroup, kThreadsPerCta = kWarps * 32;
+  constexpr int kRowsPerWarp = kChunkKeys / kWarps;
+  constexpr int kLatentSteps = kLatent / 16;
+  constexpr int kMTiles = kVDim / 16 / kSplitDims;  // this warp's 16-dim tiles of O^T
+  constexpr int kScaleTiles = 4 / kSplitDims;       // ... and its fp8 128-dim scale tiles
+  static_assert(kRowsPerWarp >= 1 && kRowsPerWarp <= 32, "a lane holds each of its warp's rows");
+  const Layout<F, kRope, kGroups> L(stages);
+  extern __shared__ __align__(16) uint8_t smem[];
+  uint2* qfrag = reinterpret_cast<uint2*>(smem + L.q);
+  float* q_scale = reinterpret_cast<float*>(smem + L.q_scale);  // [group][head]: fp8 queries' power of two
+  float* stats = reinterpret_cast<float*>(smem + L.stats);      // [group][key slot][base, sum, max][head]
+
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int group = warp / kWarpsPerGroup, wig = warp % kWarpsPerGroup;
+  const int slot_k = wig % kKeySlots, half_d = wig / kKeySlots;
+  const int g = lane / 4, c = lane % 4;
+  const int cta_heads = kGroups * kHeadsPerGroup;
+  const int head_blocks = (p.num_heads + cta_heads - 1) / cta_heads;
+  const int t = blockIdx.x / head_blocks;
+  const int h0 = (blockIdx.x % head_blocks) * cta_heads;
+  const int nh = min(cta_heads, p.num_heads - h0);
+  const bool group_active = group * kHeadsPerGroup < nh;
+  const int split = blockIdx.y;
+  const int b = t / p.s_q, j = t % p.s_q;
+
+  int visible;
+  if constexpr (kPaged) {
+    const int seq = p.seq_lens[b];
+    visible = p.causal ? seq - p.s_q + j + 1 : seq;
+    visible = max(0, min(visible, p.max_blocks * p.block_size));
+  } else {
+    visible = p.topk_length ? max(0, min(p.topk_length[t * p.topk_length_stride], p.topk)) : p.topk;
+  }
+  const int total_chunks = (visible + kChunkKeys - 1) / kChunkKeys;
+  const int chunk_begin = split * p.chunks_per_split;
+  const int n_chunks = max(0, min(p.chunks_per_split, total_chunks - chunk_begin));
+
+  // Gather: warp w copies rows w, w + kWarps, ... of each chunk, a row's
+  // 16-byte pieces across the lanes (whole 128-byte lines per instruction).
+  // Lane l holds the byte offset of the warp's l-th row (-1: invalid, then
+  // zero-filled and never read), loaded a chunk ahead.
+  auto offset_for = [&](int chunk) -> int64_t {
+    if (lane >= kRowsPerWarp) return -1;
+    const int64_t slot = slot_of<kPaged>(p, t, b, chunk * kChunkKeys + warp + kWarps * lane, visible);
+    if (slot < 0) return -1;
+    const int s32 = static_cast<int>(slot);  // indices are int32
+    return (s32 / p.block_size) * p.block_stride + (s32 % p.block_size) * p.row_stride;
+  };
+  int64_t next_offset = n_chunks > 0 ? offset_for(chunk_begin) : -1;
+  // Where this lane's pieces land in a row: the warp's rows alternate between
+  // two swizzles (kWarps * 2 is a multiple of 8). -1: the fp8 scales, kept apart.
+  constexpr int kLanePieces = (G::kGlobalPieces + 31) / 32;
+  int piece_dst[2][kLanePieces];
+#pragma unroll
+  for (int parity = 0; parity < 2; ++parity)
+#pragma unroll
+    for (int jp = 0; jp < kLanePieces; ++jp) {
+      const int pc = lane + 32 * jp;
+      piece_dst[parity][jp] = kFp8 && pc == kLatent / 16
+                                  ? -1
+                                  : piece_offset(0, warp + kWarps * parity, kFp8 && pc > kLatent / 16 ? pc - 1 : pc);
+    }
+  auto issue = [&](int i) {  // chunk i of this split, into stage i % stages, if it exists
+    if (i < n_chunks) {
+      const int64_t offsets = next_offset;
+      if (i + 1 < n_chunks) next_offset = offset_for(chunk_begin + i + 1);
+      uint8_t* stage = smem + (i % stages) * G::kStageBytes;
+#pragma unroll 4
+      for (int k = 0; k < kRowsPerWarp; ++k) {
+        const int row = warp + kWarps * k;
+        const int64_t offset = __shfl_sync(0xffffffffu, offsets, k);
+        const uint8_t* src = p.cache + (offset >= 0 ? offset : 0);
+#pragma unroll
+        for (int jp = 0; jp < kLanePieces; ++jp) {
+          const int pc = lane + 32 * jp, d = piece_dst[k % 2][jp];
+          if (pc < G::kGlobalPieces)
+            cp_async_16(stage + (d >= 0 ? row * G::kRowBytes + d : kChunkKeys * G::kRowBytes + row * 16), src + pc * 16,
+                        offset >= 0);
+        }
+        if (lane == 0) reinterpret_cast<int*>(stage + kChunkKeys * (G::kRowBytes + G::kScaleBytes))[row] = offset >= 0;
+      }
+    }
+    cp_async_commit();  // empty groups keep the wait counts uniform
+  };
+  for (int i = 0; i < stages - 1; ++i) issue(i);
+
+  // Query fragments (the B operand of S^T = K Q^T), in the permuted dim order
+  // of score_dim; heads past the last are 0. fp8 caches: the latent dims are
+  // multiplied as f16 (e4m3 codes convert to f16 in one instruction), so each
+  // head's latent query is scaled by a power of two that puts its largest
+  // value in [2^14, 2^15): exact in f16 down to 2^-24 of that value.
+  const uint16_t* q = p.q + b * p.q_stride_b + j * p.q_stride_s;
+  auto q_values = [&](int e, float (&v)[4]) {
+    const int l = e % 32, ks = (e / 32) % G::kQkSteps, gi = e / (32 * G::kQkSteps);
+    const int h = gi * kHeadsPerGroup + l / 4;
+    uint2 raw = make_uint2(0, 0);
+    if (h < nh) raw = *reinterpret_cast<const uint2*>(q + (h0 + h) * p.q_stride_h + score_dim<F>(ks, l % 4));
+    const uint16_t* in = reinterpret_cast<const uint16_t*>(&raw);
+    for (int k = 0; k < 4; ++k) v[k] = bits_to_float(in[k], p.q_is_bf16);
+  };
+  constexpr int kQEntries = kGroups * G::kQkSteps * 32;
+  if constexpr (kFp8) {
+    if (tid < kGroups * kHeadsPerGroup) q_scale[tid] = 0.f;  // the largest |q| first, as int bits
+    __syncthreads();
+    for (int e = tid; e < kQEntries; e += kThreadsPerCta) {
+      if ((e / 32) % G::kQkSteps >= kLatentSteps) continue;
+      float v[4];
+      q_values(e, v);
+      const float m = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+      atomicMax(reinterpret_cast<int*>(q_scale) + (e / (32 * G::kQkSteps)) * kHeadsPerGroup + (e % 32) / 4,
+                __float_as_int(m));
+    }
+    __syncthreads();
+    if (tid < kGroups * kHeadsPerGroup) {
+      const float m = q_scale[tid];
+      q_scale[tid] = m > 0.f && m <= FLT_MAX ? ldexpf(1.f, max(-126, min(126, 14 - ilogbf(m)))) : 1.f;
+    }
+    __syncthreads();
+  }
+  for (int e = tid; e < kQEntries; e += kThreadsPerCta) {
+    float v[4];
+    q_values(e, v);
+    if (kFp8 && (e / 32) % G::kQkSteps < kLatentSteps) {
+      const float sc = q_scale[(e / (32 * G::kQkSteps)) * kHeadsPerGroup + (e % 32) / 4];
+      qfrag[e] = make_uint2(pack2<__half>(v[0] * sc, v[1] * sc), pack2<__half>(v[2] * sc, v[3] * sc));
+    } else {
+      qfrag[e] = make_uint2(pack2<T>(v[0], v[1]), pack2<T>(v[2], v[3]));
+    }
+  }
+  const uint2* my_q = qfrag + group * G::kQkSteps * 32 + lane;
+  __syncthreads();
+  float q_unscale[2] = {1.f, 1.f};  // heads 2c, 2c+1
+  if constexpr (kFp8) {
+    q_unscale[0] = 1.f / q_scale[group * kHeadsPerGroup + 2 * c];
+    q_unscale[1] = 1.f / q_scale[group * kHeadsPerGroup + 2 * c + 1];
+  }
+
+  // This warp's O^T (dims x heads): kMTiles tiles of 16 dims; thread (g, c)
+  // holds heads 2c, 2c+1. Which dims a tile's rows are depends on the format (out_dim).
+  float o[kMTiles][4];
+#pragma unroll
+  for (int i = 0; i < kMTiles; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+  // Heads 2c, 2c+1: the softmax's base (the running max, moved lazily), the
+  // sum of this lane's P, the exact max score.
+  float m[2] = {-INFINITY, -INFINITY}, l_part[2] = {0.f, 0.f}, top[2] = {-INFINITY, -INFINITY};
+
+  const int kr = slot_k * kKeysPerWarp;  // this warp's first row of each chunk
+  // Byte offsets in a stage, fixed per thread, so the loads below take
+  // immediate offsets (128 bytes per group, 8 rows per kRowBytes * 8):
+  // scores read piece c (and c + 4) of each group of rows kr+g and kr+g+8;
+  const int s_off = piece_offset((kr + g) * G::kRowBytes, kr + g, c);
+  // fp8 P V reads piece g of rows kr+2c, kr+2c+1 (and 8 rows on);
+  const int v_off0 = piece_offset((kr + 2 * c) * G::kRowBytes, kr + 2 * c, g);
+  const int v_off1 = piece_offset((kr + 2 * c + 1) * G::kRowBytes, kr + 2 * c + 1, g);
+  // 16-bit P V: ldmatrix rows kr + (lane / 16) * 8 + lane % 8, pieces 2q + (lane / 8) % 2 of each group.
+  const int ld_row = kr + (lane / 16) * 8 + lane % 8;
+  int ld_off[4];
+#pragma unroll
+  for (int q4 = 0; q4 < 4; ++q4)
+    ld_off[q4] = piece_offset(ld_row * G::kRowBytes, ld_row, 2 * q4 + (lane / 8) % 2) + half_d * (kMTiles / 4) * 128;
+  auto attend = [&](const uint8_t* stage) {
+    const uint8_t* rows = stage;
+    const float* scales = reinterpret_cast<const float*>(stage + kChunkKeys * G::kRowBytes);
+    const int* valid = reinterpret_cast<const int*>(stage + kChunkKeys * (G::kRowBytes + G::kScaleBytes));
+    auto load = [&](int offset) { return *reinterpret_cast<const uint4*>(rows + offset); };
+    // Piece 4h + c of 128-byte group `grp` of row kr+g (second: kr+g+8); piece slots XOR 4 = byte offsets XOR 64.
+    auto score_piece = [&](int grp, int h, bool second) {
+      return load((h ? s_off ^ 64 : s_off) + 128 * grp + (second ? 8 * G::kRowBytes : 0));
+    };
+    // Scores: acc[0..3] the latent's 128-dim tiles (each with its fp8 scale), acc[4] the rope.
+    float acc[5][4] = {};
+    auto step = [&](float (&d)[4], const uint32_t (&a)[4], int ks) {
+      const uint2 qb = my_q[ks * 32];
+      if (kFp8 && ks < kLatentSteps) mma_16816<__half>(d, a, {qb.x, qb.y});
+      else mma_16816<T>(d, a, {qb.x, qb.y});
+    };
+    const int r0 = kr + g, r1 = kr + g + 8;
+    if constexpr (kFp8) {
+#pragma unroll
+      for (int tile = 0; tile < 4; ++tile)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const uint4 x0 = score_piece(tile, half, false), x1 = score_piece(tile, half, true);
+          const uint32_t w0[4] = {x0.x, x0.y, x0.z, x0.w}, w1[4] = {x1.x, x1.y, x1.z, x1.w};
+#pragma unroll
+          for (int k = 0; k < 4; ++k) {
+            const uint32_t a[4] = {e4m3x2_to_f16x2(w0[k]), e4m3x2_to_f16x2(w1[k]), e4m3x2_to_f16x2<true>(w0[k]),
+                                   e4m3x2_to_f16x2<true>(w1[k])};
+            step(acc[tile], a, 8 * tile + 4 * half + k);
+          }
+        }
+    } else {
+#pragma unroll
+      for (int grp = 0; grp < kLatent / 64; ++grp)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const uint4 x0 = score_piece(grp, half, false), x1 = score_piece(grp, half, true);
+          step(acc[grp / 2], {x0.x, x1.x, x0.y, x1.y}, 4 * grp + 2 * half);
+          step(acc[grp / 2], {x0.z, x1.z, x0.w, x1.w}, 4 * grp + 2 * half + 1);
+        }
+    }
+#pragma unroll
+    for (int grp = 0; grp < kRope / 64; ++grp)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const uint4 x0 = score_piece(G::kLatentBytes / 128 + grp, half, false);
+        const uint4 x1 = score_piece(G::kLatentBytes / 128 + grp, half, true);
+        step(acc[4], {x0.x, x1.x, x0.y, x1.y}, kLatentSteps + 4 * grp + 2 * half);
+        step(acc[4], {x0.z, x1.z, x0.w, x1.w}, kLatentSteps + 4 * grp + 2 * half + 1);
+      }
+
+    // s[0..1]: key r0, heads 2c, 2c+1; s[2..3]: key r1.
+    float s[4];
+    float4 sc0 = make_float4(1.f, 1.f, 1.f, 1.f), sc1 = sc0;
+    if constexpr (kFp8) {
+      sc0 = *reinterpret_cast<const float4*>(scales + r0 * 4);
+      sc1 = *reinterpret_cast<const float4*>(scales + r1 * 4);
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float4 sc = e < 2 ? sc0 : sc1;
+      s[e] = (acc[0][e] * sc.x + acc[1][e] * sc.y + acc[2][e] * sc.z + acc[3][e] * sc.w) * q_unscale[e % 2] + acc[4][e];
+    }
+    const bool v0 = valid[r0], v1 = valid[r1];
+    s[0] = v0 ? s[0] * p.scale_log2 : -INFINITY;
+    s[1] = v0 ? s[1] * p.scale_log2 : -INFINITY;
+    s[2] = v1 ? s[2] * p.scale_log2 : -INFINITY;
+    s[3] = v1 ? s[3] * p.scale_log2 : -INFINITY;
+
+    // Online softmax per head column, over the 16 keys of lanes with the same
+    // c; the max moves (and O is rescaled) only past kMaxSlack.
+    float cmax[2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      cmax[e] = fmaxf(s[e], s[e + 2]);
+      for (int off = 4; off < 32; off *= 2) cmax[e] = fmaxf(cmax[e], __shfl_xor_sync(0xffffffffu, cmax[e], off));
+      top[e] = fmaxf(top[e], cmax[e]);
+    }
+    if (__any_sync(0xffffffffu, cmax[0] > m[0] + kMaxSlack || cmax[1] > m[1] + kMaxSlack)) {
+      float alpha[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float m_new = fmaxf(m[e], cmax[e]);
+        alpha[e] = m_new == -INFINITY ? 1.f : exp2f(m[e] - m_new);
+        l_part[e] *= alpha[e];
+        m[e] = m_new;
+      }
+#pragma unroll
+      for (int i = 0; i < kMTiles; ++i) {
+        o[i][0] *= alpha[0];
+        o[i][1] *= alpha[1];
+        o[i][2] *= alpha[0];
+        o[i][3] *= alpha[1];
+      }
+    }
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const float base = m[e] == -INFINITY ? 0.f : m[e];  // nothing valid yet: stays at zero
+      s[e] = exp2f(s[e] - base);
+      s[e + 2] = exp2f(s[e + 2] - base);
+      l_part[e] += s[e] + s[e + 2];
+    }
+
+    // P^T as the B operand (keys x heads): P rows are keys here, so each 8x8
+    // half is transposed in registers.
+    auto p_fragment = [&](float scale0, float scale1) {
+      return uint2{movmatrix_trans(pack2<T>(s[0] * scale0, s[1] * scale0)),
+                   movmatrix_trans(pack2<T>(s[2] * scale1, s[3] * scale1))};
+    };
+    if constexpr (kFp8) {
+      const float sc0v[4] = {sc0.x, sc0.y, sc0.z, sc0.w}, sc1v[4] = {sc1.x, sc1.y, sc1.z, sc1.w};
+#pragma unroll
+      for (int tt = 0; tt < kScaleTiles; ++tt) {
+        const int tile = half_d * kScaleTiles + tt;
+        const uint2 pt = p_fragment(sc0v[tile], sc1v[tile]);
+        // Rows 2c, 2c+1, 2c+8, 2c+9 at piece g of this tile: 16 dims of 4 keys.
+        const uint4 x0 = load(v_off0 + 128 * tile), x1 = load(v_off1 + 128 * tile);
+        const uint4 x2 = load(v_off0 + 128 * tile + 8 * G::kRowBytes);
+        const uint4 x3 = load(v_off1 + 128 * tile + 8 * G::kRowBytes);
+        const uint32_t w0[4] = {x0.x, x0.y, x0.z, x0.w}, w1[4] = {x1.x, x1.y, x1.z, x1.w};
+        const uint32_t w2[4] = {x2.x, x2.y, x2.z, x2.w}, w3[4] = {x3.x, x3.y, x3.z, x3.w};
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          // Byte pairs (key 2c, key 2c+1) per dim: dims 4k, 4k+1 then 4k+2, 4k+3.
+          const uint32_t lo01 = byte_perm(w0[k], w1[k], 0x5140), hi01 = byte_perm(w0[k], w1[k], 0x7362);
+          const uint32_t lo23 = byte_perm(w2[k], w3[k], 0x5140), hi23 = byte_perm(w2[k], w3[k], 0x7362);
+          mma_16816<T>(o[8 * tt + 2 * k], {e4m3x2_to_bf16x2(lo01), e4m3x2_to_bf16x2<true>(lo01),
+                                           e4m3x2_to_bf16x2(lo23), e4m3x2_to_bf16x2<true>(lo23)},
+                       {pt.x, pt.y});
+          mma_16816<T>(o[8 * tt + 2 * k + 1], {e4m3x2_to_bf16x2(hi01), e4m3x2_to_bf16x2<true>(hi01),
+                                               e4m3x2_to_bf16x2(hi23), e4m3x2_to_bf16x2<true>(hi23)},
+                       {pt.x, pt.y});
+        }
+      }
+    } else {
+      const uint2 pt = p_fragment(1.f, 1.f);
+#pragma unroll
+      for (int i = 0; i < kMTiles; ++i) {
+        uint32_t a[4];
+        ldmatrix_x4_trans(a, rows + ld_off[i % 4] + 128 * (i / 4));
+        mma_16816<T>(o[i], a, {pt.x, pt.y});
+      }
+    }
+  };
+
+  for (int i = 0; i < n_chunks; ++i) {
+    cp_async_wait_dynamic(stages - 2);
+    __syncthreads();  // chunk i has landed; every warp is done with chunk i-1
+    issue(i + stages - 1);  // into the stage chunk i-1 used
+    if (group_active) attend(smem + (i % stages) * G::kStageBytes);
+  }
+  cp_async_wait<0>();
+
+  // Merge the group's key slots: each warp scales its O^T to the group's max,
+  // then a tree of adds through shared memory leaves the sum in merge slot 0
+  // (the two dim halves of a key slot hold disjoint dims of the same slots).
+#pragma unroll
+  for (int e = 0; e < 2; ++e)
+    for (int off = 4; off < 32; off *= 2) l_part[e] += __shfl_xor_sync(0xffffffffu, l_part[e], off);
+  constexpr int kStatRow = 3 * kHeadsPerGroup;  // one key slot's stats
+  float* my_stats = stats + group * kKeySlots * kStatRow;
+  if (lane < 4 && half_d == 0)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      my_stats[slot_k * kStatRow + 2 * c + e] = m[e];
+      my_stats[slot_k * kStatRow + kHeadsPerGroup + 2 * c + e] = l_part[e];
+      my_stats[slot_k * kStatRow + 2 * kHeadsPerGroup + 2 * c + e] = top[e];
+    }
+  __syncthreads();  // stats published; every warp is done with the stages
+  float row_max[2], row_sum[2], row_top[2];
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    const int h = 2 * c + e;
+    float mx = -INFINITY, tp = -INFINITY;
+    for (int w = 0; w < kKeySlots; ++w) {
+      mx = fmaxf(mx, my_stats[w * kStatRow + h]);
+      tp = fmaxf(tp, my_stats[w * kStatRow + 2 * kHeadsPerGroup + h]);
+    }
+    float sum = 0.f;
+    for (int w = 0; w < kKeySlots; ++w) {
+      const float mw = my_stats[w * kStatRow + h];
+      sum += mw == -INFINITY ? 0.f : my_stats[w * kStatRow + kHeadsPerGroup + h] * exp2f(mw - mx);
+    }
+    row_max[e] = mx;
+    row_sum[e] = sum;
+    row_top[e] = tp;
+    const float f = m[e] == -INFINITY ? 0.f : exp2f(m[e] - mx);
+#pragma unroll
+    for (int i = 0; i < kMTiles; ++i) {
+      o[i][e] *= f;
+      o[i][e + 2] *= f;
+    }
+  }
+  // Slot s of this group: [8 heads][512 dims] fp32. o[i][e] sits at (dim, head):
+  auto out_dim = [&](int i, int second_row) {  // second_row: accumulator elements 2, 3
+    if constexpr (kFp8) return 128 * (half_d * kScaleTiles + i / 8) + 16 * g + 2 * (i % 8) + second_row;
+    return 16 * (half_d * kMTiles + i) + g + 8 * second_row;
+  };
+  float* merge = reinterpret_cast<float*>(smem) + group * (kKeySlots / 2) * kHeadsPerGroup * kVDim;
+  auto visit = [&](float* slot, bool add) {
+#pragma unroll
+    for (int i = 0; i < kMTiles; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float* at = slot + (2 * c + e % 2) * kVDim + out_dim(i, e / 2);
+        if (add) o[i][e] += *at;
+        else *at = o[i][e];
+      }
+  };
+  for (int half = kKeySlots / 2; half >= 1; half /= 2) {
+    if (slot_k >= half && slot_k < 2 * half) visit(merge + (slot_k - half) * kHeadsPerGroup * kVDim, false);
+    __syncthreads();
+    if (slot_k < half) visit(merge + slot_k * kHeadsPerGroup * kVDim, true);
+    __syncthreads();
+  }
+  if (slot_k == 0) visit(merge, false);
+  if (slot_k == 0 && half_d == 0 && lane < 4)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {  // the head's stats for the write-out, in key slot 0's
+      my_stats[2 * c + e] = row_max[e];
+      my_stats[kHeadsPerGroup + 2 * c + e] = row_sum[e];
+      my_stats[2 * kHeadsPerGroup + 2 * c + e] = row_top[e];
+    }
+  __syncthreads();
+
+  // Write-out, 4 dims per thread: the normalised output (or this split's partial row) and the lse.
+  const float ln2 = 0.6931471805599453f;
+  for (int e = tid; e < nh * (kVDim / 4); e += kThreadsPerCta) {
+    const int hl = e / (kVDim / 4), col = (e % (kVDim / 4)) * 4;
+    const int gi = hl / kHeadsPerGroup, hg = hl % kHeadsPerGroup, h = h0 + hl;
+    const float* st = stats + gi * kKeySlots * kStatRow;
+    const float l = st[kHeadsPerGroup + hg], lse2 = l > 0.f ? st[hg] + log2f(l) : -INFINITY;
+    float scale = l > 0.f ? 1.f / l : 0.f;
+    const float4 v = *reinterpret_cast<const float4*>(reinterpret_cast<const float*>(smem) +
+                                                      (gi * (kKeySlots / 2) * kHeadsPerGroup + hg) * kVDim + col);
+    if (p.num_splits == 1) {
+      if (p.attn_sink && l > 0.f) scale /= 1.f + expf(p.attn_sink[h] - lse2 * ln2);
+      uint16_t* out =
+          static_cast<uint16_t*>(p.out) + b * p.out_stride_b + j * p.out_stride_s + h * p.out_stride_h + col;
+      const uint32_t lo =
+          p.q_is_bf16 ? pack2<__nv_bfloat16>(v.x * scale, v.y * scale) : pack2<__half>(v.x * scale, v.y * scale);
+      const uint32_t hi =
+          p.q_is_bf16 ? pack2<__nv_bfloat16>(v.z * scale, v.w * scale) : pack2<__half>(v.z * scale, v.w * scale);
+      *reinterpret_cast<uint2*>(out) = make_uint2(lo, hi);
+      if (col == 0) {
+        p.lse[b * p.lse_stride_b + j * p.lse_stride_s + h * p.lse_stride_h] = l > 0.f ? lse2 * ln2 : p.empty_lse;
+        if (p.max_logits)
+          p.max_logits[t * p.max_logits_stride_t + h * p.max_logits_stride_h] = st[2 * kHeadsPerGroup + hg] * ln2;
+      }
+    } else {
+      const int64_t row = (static_cast<int64_t>(split) * p.num_tokens + t) * p.num_heads + h;
+      *reinterpret_cast<float4*>(p.partial_out + row * kVDim + col) =
+          make_float4(v.x * scale, v.y * scale, v.z * scale, v.w * scale);
+      if (col == 0) {
+        p.partial_lse[row] = lse2;
+        p.partial_max[row] = st[2 * kHeadsPerGroup + hg];
+      }
+    }
+  }
+}
+
+}  // namespace smla::cuda::mla::small

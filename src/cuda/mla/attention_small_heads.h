@@ -1,0 +1,40 @@
+// Host side of the small-heads MLA attention kernel (attention_small_heads.cuh):
+// its launch configuration on the current device, and its launch.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "cuda/mla/params.h"
+
+namespace smla::cuda::mla::small {
+
+constexpr int kSmallChunkKeys = 64;       // keys per pipeline stage (kChunkKeys)
+// The ops pick this kernel for fp8_ds_mla caches up to this many heads, from this many query tokens on.
+constexpr int kMaxHeadsAutomatic = 32, kMinTokensAutomatic = 16;
+
+struct SmallHeadsConfig {
+  const void* fn = nullptr;
+  int threads = 0, smem = 0, stages = 0, ctas_per_sm = 0, heads_per_cta = 0, split_dims = 0;
+};
+
+// What tests and benchmarks may force (0: as the kernel sees fit): the pipeline
+// depth (2-4), heads per CTA (8 or 16) and, at 8 heads per CTA, whether the
+// output dims are split between two warps per key slot (2) or not (1).
+struct SmallHeadsShape {
+  int stages = 0, heads_per_cta = 0, split_dims = 0;
+};
+
+// The configuration for `num_heads` heads of format `f` on the current device
+// (cached per device and shape): 8 heads per CTA up to 8 heads, else 16; the
+// deepest pipeline that keeps the most CTAs resident per SM; at 8 heads the
+// output dims split between two warps where unsplit CTAs leave fewer than 8
+// warps per SM. Null when the device's shared memory cannot hold it (bf16 rows
+// need 157 KB); an invalid forced shape is an error.
+const SmallHeadsConfig* find_small_heads_config(CacheFormat f, bool paged, int num_heads, SmallHeadsShape shape = {});
+// The same, an error where the device cannot run it.
+const SmallHeadsConfig& small_heads_config(CacheFormat f, bool paged, int num_heads, SmallHeadsShape shape = {});
+
+// Launches one attention of `p` (its split fields filled) with `cfg` on `stream`.
+void launch_small_heads(const AttentionParams& p, const SmallHeadsConfig& cfg, cudaStream_t stream);
+
+}  // namespace smla::cuda::mla::small
