@@ -108,8 +108,14 @@ std::vector<std::string> validate(const Capabilities& c, const AttentionSpec& sp
   for (Op op : ops.list())
     if (!c.ops.contains(op)) add("does not implement " + std::string(op_name(op)));
 
-  if (ops.contains(Op::indexer) && spec.indexer && spec.indexer->kpool > 1 && !c.pooled_indexer)
-    add("does not implement the pooled indexer (index_kpool " + std::to_string(spec.indexer->kpool) + ")");
+  if (ops.contains(Op::indexer) && spec.indexer && spec.indexer->kpool > 1) {
+    const int kpool = spec.indexer->kpool;
+    if (!c.pooled_indexer) add("does not implement the pooled indexer (index_kpool " + std::to_string(kpool) + ")");
+    // A geometry rule: the pooled index cache shares the block table, block_size / kpool pools a block.
+    if (run.block_size % kpool != 0)
+      add("block size " + std::to_string(run.block_size) + " is not a multiple of index_kpool " +
+          std::to_string(kpool) + " (the pooled index cache holds block_size / kpool pools a block)");
+  }
   if (ops.contains(Op::sparse_mla) && spec.indexer) {
     const int k = spec.indexer->topk;
     if (!c.topk.contains(k) || k % std::max(c.topk_multiple, 1) != 0)

@@ -88,8 +88,10 @@ std::vector<Change> candidate_changes(const Capabilities& caps, const AttentionS
   for (DType q : caps.q_dtypes)
     if (q != run.q_dtype)
       with(ChangeKind::q_dtype, "--dtype " + std::string(dtype_name(q)), [&](RunSpec& r) { r.q_dtype = q; });
-  // The smallest supported block size that is >= the current one, else the largest.
-  const int mult = std::max(caps.block_size_multiple, 1);
+  // The smallest supported block size that is >= the current one, else the largest; with a pooled indexer, a
+  // multiple of its pool size too.
+  int mult = std::max(caps.block_size_multiple, 1);
+  if (spec.indexer && spec.indexer->kpool > 1) mult = std::lcm(mult, spec.indexer->kpool);
   int bs = std::max(run.block_size, caps.block_size.min);
   bs = (bs + mult - 1) / mult * mult;
   if (bs > caps.block_size.max) bs = caps.block_size.max / mult * mult;

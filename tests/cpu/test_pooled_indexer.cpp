@@ -517,5 +517,22 @@ TEST(PooledIndexer, CausalPrefillSelectsTheBestPoolsAndTheTail) {
     }
 }
 
+// ---------------------------------------------------------------- selection
+
+TEST(PooledIndexer, BlockSizesMustHoldWholePools) {
+  const AttentionSpec spec = load_model_spec("glm-5.3-flash");
+  RunSpec run;
+  run.device = Device::cpu();
+  EXPECT_TRUE(validate(cpu_backend().capabilities(), spec, run).empty());  // block size 64: 16 pools a block
+  run.block_size = 6;
+  const std::vector<std::string> reasons = validate(cpu_backend().capabilities(), spec, run);
+  ASSERT_EQ(reasons.size(), 1u);
+  EXPECT_EQ(reasons[0], "block size 6 is not a multiple of index_kpool 4 (the pooled index cache holds "
+                        "block_size / kpool pools a block)");
+  const Selection sel = select(spec, run);
+  EXPECT_EQ(sel.chosen, nullptr);
+  EXPECT_NE(sel.suggestion.find("--block-size 8"), std::string::npos) << sel.suggestion;
+}
+
 }  // namespace
 }  // namespace smla

@@ -289,10 +289,10 @@ Report run_sparse(const JobOptions& o, const AttentionSpec& spec, const RunSpec&
   Random rng(o.seed);
   const int B = o.batch, H = heads_per_rank(spec, run), HI = spec.indexer->heads, K = spec.indexer->topk;
   const int kpool = spec.indexer->kpool, KP = K / kpool, width = KP * kpool + (kpool - 1);  // pools; positions
-  if (kpool > 1 && (run.block_size % kpool != 0 || K % kpool != 0))
-    fail("--block-size: the pooled indexer (index_kpool " + std::to_string(kpool) + ") needs a block size and a "
-         "top-k that are multiples of it, got block size " + std::to_string(run.block_size) + ", top-k " +
-         std::to_string(K));
+  // (The selection has already refused a block size that is not a multiple of kpool.)
+  if (K % kpool != 0)
+    fail("--model: the pooled indexer selects whole pools: index_topk " + std::to_string(K) +
+         " must be a multiple of index_kpool " + std::to_string(kpool));
   const DType kv = run.resolved_kv_cache_dtype();
   const MlaHead head{spec.qk_rope_head_dim};
   PagedCaches caches(mem, o, kv, head, true, kpool, rng);
