@@ -28,6 +28,8 @@ from smla.vllm import NAME  # noqa: E402
 from smla.vllm.backend import SmlaSparseMLABackend, SmlaSparseMLAImpl  # noqa: E402
 
 _configs = {}
+# smla's reason when it was built without nvcc (then SMLA is valid nowhere, and the tests expect that).
+NOT_BUILT = "not compiled into this build of smla"
 
 
 def vllm_config(model_dirs, model, dtype, kv_cache_dtype="auto", backend=None):
@@ -96,6 +98,11 @@ def test_vllm_picks_smla_exactly_where_nothing_in_tree_is_valid(model_dirs, capa
                                                                  kv_cache_dtype, expected):
     capability(*cap)
     config = vllm_config(model_dirs, model, dtype, kv_cache_dtype)
+    if expected == NAME and not smla.with_cuda:
+        # An smla built without nvcc has no GPU kernels: vLLM then finds nothing and lists smla's reason.
+        with pytest.raises(ValueError, match=r"No valid attention backend found.*SMLA: \[.*" + NOT_BUILT):
+            select(config, kv_cache_dtype)
+        return
     with caplog.at_level(logging.WARNING, logger="smla.vllm"):
         chosen = select(config, kv_cache_dtype)
     assert chosen == expected
@@ -154,7 +161,12 @@ def test_the_backend_says_what_smla_explain_says(model_dirs, model, cap, dtype, 
 def test_attention_backend_smla_picks_it_where_an_in_tree_one_is_valid(model_dirs, capability):
     capability(9, 0)
     assert select(vllm_config(model_dirs, "glm-5", "bfloat16")) == "FLASH_ATTN_MLA_SPARSE"
-    assert select(vllm_config(model_dirs, "glm-5", "bfloat16", backend=NAME.lower())) == NAME  # --attention-backend
+    asked = vllm_config(model_dirs, "glm-5", "bfloat16", backend=NAME.lower())  # --attention-backend smla
+    if not smla.with_cuda:
+        with pytest.raises(ValueError, match=r"Selected backend .*SMLA.* is not valid.*" + NOT_BUILT):
+            select(asked)
+        return
+    assert select(asked) == NAME
 
 
 def test_where_smla_cannot_run_either_vllm_lists_its_reasons(model_dirs, capability):
