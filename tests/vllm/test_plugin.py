@@ -178,6 +178,18 @@ def test_where_smla_cannot_run_either_vllm_lists_its_reasons(model_dirs, capabil
         select(vllm_config(model_dirs, "deepseek-v3.2", "bfloat16", backend=NAME))
 
 
+def test_hisparse_offloading_is_refused_with_the_reason(model_dirs, capability):
+    from vllm.config.attention import HiSparseConfig
+
+    capability(8, 6)
+    config = vllm_config(model_dirs, "glm-5", "bfloat16")
+    config.attention_config.hisparse_config = HiSparseConfig()
+    with set_current_vllm_config(config):
+        reasons = SmlaSparseMLABackend.validate_configuration(device_capability=cap_of((8, 6)),
+                                                              **selector_config(config, "auto")._asdict())
+    assert reasons == [f"{NAME} does not support HiSparse KV offloading (its hot-buffer rows)"]
+
+
 def test_cuda_graph_support_is_declared_uniform_batch(model_dirs):
     builder = SmlaSparseMLABackend.get_builder_cls()
     assert builder.get_cudagraph_support(vllm_config(model_dirs, "glm-5", "bfloat16"), None) \

@@ -138,6 +138,8 @@ class SmlaSparseMLABackend(AttentionBackend):
                              use_mm_prefix: bool, device_capability: Any) -> Optional[str]:
         if not (use_mla and use_sparse):
             return None  # vLLM's own checks name it
+        if get_current_vllm_config().attention_config.hisparse_config is not None:
+            return f"{NAME} does not support HiSparse KV offloading (its hot-buffer rows)"
         reasons = smla_reasons(device_capability, dtype, kv_cache_dtype, block_size)
         return "; ".join(reasons) if reasons else None
 
