@@ -33,5 +33,5 @@ find "$site" -name '*.so' -print0 |
 [[ -s "$stub/stub.c" ]] || { echo "test-vllm: found no CUDA driver functions in vLLM's modules" >&2; exit 1; }
 cc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$stub/libcuda.so.1" "$stub/stub.c"
 
-LD_LIBRARY_PATH="$PWD/$stub${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" "$python" -m pytest tests/vllm -q -p no:cacheprovider \
-  -W ignore::DeprecationWarning
+export LD_LIBRARY_PATH="$PWD/$stub${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+"$python" -m pytest tests/vllm -q -p no:cacheprovider -W ignore::DeprecationWarning

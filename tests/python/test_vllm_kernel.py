@@ -18,7 +18,8 @@ ml_dtypes = pytest.importorskip("ml_dtypes")
 from smla import torch_ops  # noqa: E402  (needs torch)
 
 pytestmark = pytest.mark.skipif(not torch_ops.available(), reason="torch < 2.4: no torch.ops.smla")
-cuda = pytest.mark.skipif(not (smla.with_cuda and torch.cuda.is_available()), reason="needs a CUDA GPU and a CUDA build")
+cuda = pytest.mark.skipif(not (smla.with_cuda and torch.cuda.is_available()),
+                          reason="needs a CUDA GPU and a CUDA build")
 
 from smla.vllm import _kernel  # noqa: E402
 

@@ -1,8 +1,8 @@
 """smla.vllm inside the pinned vLLM, on the CPU (make test-vllm): the entry point loads through vLLM's plugin
-loader; vLLM's own selector, given GLM-5's and DeepSeek-V3.2's real config.json and a device capability, picks
-SMLA exactly where no in-tree sparse-MLA backend is valid (and says why), the in-tree backend where one is, and
-SMLA anywhere when asked by name (GLM-5.3-Flash's rope-free heads too); the impl, built with the arguments vLLM's MLA layer passes, matches the float64
-reference through smla's CPU backend. conftest.py lists what is stubbed."""
+loader; vLLM's own selector, given GLM-5's, DeepSeek-V3.2's and GLM-5.3-Flash's real config.json and a device
+capability, picks SMLA exactly where no in-tree sparse-MLA backend is valid (and says why), the in-tree backend
+where one is, and SMLA anywhere when asked by name; the impl, built with the arguments vLLM's MLA layer passes,
+matches the float64 reference through smla's CPU backend. conftest.py lists what is stubbed."""
 
 from __future__ import annotations
 
