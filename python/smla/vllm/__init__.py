@@ -5,7 +5,9 @@ The entry point ``smla`` in vLLM's ``vllm.general_plugins`` group runs
 backend ``SMLA`` (``smla.vllm.backend``) and, on vLLM's CUDA platform, a
 fallback: with no ``--attention-backend``, vLLM picks ``SMLA`` exactly where
 none of its own sparse-MLA backends is valid, and logs their reasons.
-``--attention-backend SMLA`` picks it anywhere smla can run. See docs/vllm.md.
+``--attention-backend SMLA`` picks it anywhere smla can run. On GPUs where
+DeepGEMM cannot run (SM8x, SM12x) vLLM's DSA indexer runs through smla
+(``smla.vllm.indexer``). See docs/vllm.md.
 """
 
 import logging
@@ -26,7 +28,7 @@ def register() -> None:
     """vLLM's plugin hook (safe to call more than once)."""
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-    from . import _selection
+    from . import _selection, indexer
 
     if NAME not in AttentionBackendEnum.__members__:
         register_backend(NAME, _BACKEND_PATH)
@@ -34,3 +36,9 @@ def register() -> None:
 
     if current_platform.is_cuda():
         _selection.install(type(current_platform))
+        try:
+            capability = current_platform.get_device_capability()
+        except Exception:  # no device visible in this process (e.g. the API server): nothing runs the indexer here
+            capability = None
+        if capability is not None:
+            indexer.install(capability.major)

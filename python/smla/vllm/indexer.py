@@ -1,0 +1,111 @@
+"""smla's DSA indexer inside vLLM (0.33) where DeepGEMM cannot run (SM8x, SM12x).
+
+vLLM's indexer op ``vllm::sparse_attn_indexer`` (``SparseAttnIndexer``'s
+body, one of the compilation config's splitting ops) scores with DeepGEMM,
+and the indexer's metadata builder asks DeepGEMM for a schedule, which fails
+("Unsupported architecture") on GPUs DeepGEMM does not support. On those
+GPUs ``install`` gives the op a CUDA kernel of smla's (torch's
+``Library.impl`` override: the op, its schema, fake and splitting stay
+vLLM's) and keeps the builder from calling DeepGEMM. The kernel writes the
+index keys with ``smla.write_index_cache`` and fills vLLM's top-k buffer
+with ``smla.indexer_topk``: per token, the logical positions of its request
+with the highest scores, -1 padded, as vLLM's kernels leave them. On SM90 and
+SM100 nothing changes.
+"""
+
+import logging
+from typing import Any, Optional
+
+import torch
+
+import smla
+
+logger = logging.getLogger("smla.vllm")
+
+_LIBRARY = None  # the torch.library.Library holding the override (kept alive)
+
+
+def deep_gemm_runs(major: int) -> bool:
+    """DeepGEMM's indexer kernels: SM90 and SM100 families only."""
+    return major in (9, 10)
+
+
+def sparse_attn_indexer(hidden_states: torch.Tensor, k_cache_prefix: Any, kv_cache: torch.Tensor,
+                        q_quant: torch.Tensor, q_scale: Optional[torch.Tensor], k: Optional[torch.Tensor],
+                        weights: torch.Tensor, quant_block_size: int, scale_fmt: Optional[str], topk_tokens: int,
+                        head_dim: int, max_model_len: int, total_seq_lens: int, topk_indices_buffer: torch.Tensor,
+                        skip_k_cache_insert: bool, use_pcp: bool, pcp_shard_decode_requests: bool,
+                        dense_mha_metadata_layer_name: Any, use_fp4_cache: bool = False, dcp_rank: int = 0,
+                        dcp_world_size: int = 1, cp_kv_cache_interleave_size: int = 1,
+                        skip_topk_buffer_clear: bool = False, candidate_blocks: Optional[torch.Tensor] = None,
+                        candidate_block_size: int = 0, candidate_write: bool = False,
+                        topk_backend: str = "auto") -> torch.Tensor:
+    """``vllm::sparse_attn_indexer`` through smla (vLLM's signature; see the module's docstring)."""
+    from vllm.forward_context import get_forward_context
+    from vllm.model_executor.layers import sparse_attn_indexer as vllm_indexer
+
+    attn_metadata = get_forward_context().attn_metadata
+    if not isinstance(attn_metadata, dict):
+        # vLLM's memory-profiling run: its own path only reserves workspaces (no DeepGEMM call).
+        return vllm_indexer.sparse_attn_indexer(
+            hidden_states, k_cache_prefix, kv_cache, q_quant, q_scale, k, weights, quant_block_size, scale_fmt,
+            topk_tokens, head_dim, max_model_len, total_seq_lens, topk_indices_buffer, skip_k_cache_insert, use_pcp,
+            pcp_shard_decode_requests, dense_mha_metadata_layer_name, use_fp4_cache, dcp_rank, dcp_world_size,
+            cp_kv_cache_interleave_size, skip_topk_buffer_clear, candidate_blocks=candidate_blocks,
+            candidate_block_size=candidate_block_size, candidate_write=candidate_write, topk_backend=topk_backend)
+    if use_fp4_cache or use_pcp or dcp_world_size > 1 or candidate_blocks is not None or q_scale is not None:
+        raise NotImplementedError("smla's vLLM indexer runs the fp8 index cache without context parallelism or "
+                                  "candidate blocks (DeepSeek-V3.2, GLM-5)")
+    meta = attn_metadata[vllm_indexer._resolve_layer_name(k_cache_prefix)]
+    num_tokens = meta.slot_mapping.shape[0]
+    if not skip_k_cache_insert:
+        smla.write_index_cache(k[:num_tokens], meta.slot_mapping, kv_cache)
+    if not skip_topk_buffer_clear:
+        topk_indices_buffer[:hidden_states.shape[0]] = -1
+    # vLLM folds each query's fp8 scale into `weights`; smla takes fp8 queries with a scale of their own.
+    ones = torch.ones(q_quant.shape[:2], dtype=torch.float32, device=q_quant.device)
+
+    def topk(rows: slice, request_ids: torch.Tensor, block_table: torch.Tensor, context_lens: torch.Tensor) -> None:
+        smla.indexer_topk(q_quant[rows], weights[rows], kv_cache, request_ids, block_table,
+                          context_lens.to(torch.int32), q_scale=ones[rows],
+                          out=topk_indices_buffer[rows, :topk_tokens])
+
+    if meta.num_decodes > 0:
+        decode = meta.decode
+        if decode.requires_padding:
+            raise NotImplementedError("smla's vLLM indexer: decode requests of unequal query lengths")
+        # seq_lens: [B] (one row per request, or per token when vLLM flattens) or [B, next_n] per token.
+        batch = decode.seq_lens.shape[0]
+        next_n = decode.seq_lens.shape[1] if decode.seq_lens.dim() == 2 else 1
+        requests = torch.arange(batch, dtype=torch.int32, device=q_quant.device).repeat_interleave(next_n)
+        topk(slice(0, batch * next_n), requests, decode.block_table, decode.seq_lens.reshape(-1))
+    if meta.num_prefills > 0:
+        for chunk in meta.prefill.chunks:
+            if chunk.token_end == chunk.token_start:
+                continue
+            # A token's keys are [ks, ke) of its chunk's requests laid end to end (cu_seq_lens): ks is where its
+            # request starts, ke - ks its causal context.
+            ks, ke = chunk.cu_seqlen_ks, chunk.cu_seqlen_ke
+            requests = (torch.searchsorted(chunk.cu_seq_lens, ks, right=True) - 1).to(torch.int32)
+            topk(slice(chunk.token_start, chunk.token_end), requests, chunk.block_table, ke - ks)
+    return topk_indices_buffer
+
+
+def install(major: int) -> bool:
+    """On a GPU of compute capability ``major``.x where DeepGEMM cannot run, routes vLLM's indexer through smla.
+    Returns whether it did."""
+    global _LIBRARY
+    if deep_gemm_runs(major) or _LIBRARY is not None:
+        return False
+    from vllm.model_executor.layers import sparse_attn_indexer as _registers_the_op  # noqa: F401
+    from vllm.v1.attention.backends.mla import indexer as indexer_backend
+
+    library = torch.library.Library("vllm", "IMPL")
+    library.impl("sparse_attn_indexer", sparse_attn_indexer, "CUDA")
+    _LIBRARY = library
+    # The indexer's metadata builder asks DeepGEMM for a decode schedule whenever DeepGEMM is importable; the
+    # schedule is DeepGEMM's alone, and asking fails on these GPUs.
+    indexer_backend.has_deep_gemm = lambda: False
+    logger.warning("smla: DeepGEMM does not run on compute capability %d.x; vLLM's DSA indexer runs through smla",
+                   major)
+    return True
