@@ -29,9 +29,10 @@ def int32(values):
     return torch.tensor(values, dtype=torch.int32)
 
 
-def run_case(rng, decodes, prefills):
-    """decodes: context lengths of one-token requests; prefills: (context, new tokens). Returns what the op
-    wrote into the top-k buffer, with everything the reference needs."""
+def run_case(rng, decodes, prefills, split=None):
+    """decodes: context lengths of one-token requests; prefills: (context, new tokens), in one chunk or, with
+    ``split``, two chunks over the same requests whose rows part at that prefill token (vLLM's query slices).
+    Returns what the op wrote into the top-k buffer, with everything the reference needs."""
     requests = [(ctx, 1) for ctx in decodes] + list(prefills)
     blocks = [-(-ctx // BLOCK) for ctx, _ in requests]
     num_blocks = sum(blocks) + 2
@@ -69,11 +70,13 @@ def run_case(rng, decodes, prefills):
         cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
         ks = [cu[i] for i, (ctx, new) in enumerate(prefills) for _ in range(new)]
         ke = [cu[i] + ctx - new + j + 1 for i, (ctx, new) in enumerate(prefills) for j in range(new)]
-        chunk = DeepseekV32IndexerPrefillChunkMetadata(
-            block_table=torch.from_numpy(table[num_decodes:]), cu_seqlen_ks=int32(ks), cu_seqlen_ke=int32(ke),
-            cu_seq_lens=torch.from_numpy(cu), token_to_seq=torch.empty(0), total_seq_lens=int(cu[-1]),
-            max_seqlen_k=max(lens), token_start=num_decodes, token_end=tokens, num_reqs=len(prefills))
-        prefill = DeepseekV32IndexerPrefillMetadata(chunks=[chunk])
+        parts = [(0, len(ks))] if split is None else [(0, split), (split, len(ks))]
+        chunks = [DeepseekV32IndexerPrefillChunkMetadata(
+            block_table=torch.from_numpy(table[num_decodes:]), cu_seqlen_ks=int32(ks[a:b]),
+            cu_seqlen_ke=int32(ke[a:b]), cu_seq_lens=torch.from_numpy(cu), token_to_seq=torch.empty(0),
+            total_seq_lens=int(cu[-1]), max_seqlen_k=max(lens), token_start=num_decodes + a,
+            token_end=num_decodes + b, num_reqs=len(prefills)) for a, b in parts]
+        prefill = DeepseekV32IndexerPrefillMetadata(chunks=chunks)
     meta = DeepseekV32IndexerMetadata(
         seq_lens=int32([ctx for ctx, _ in requests]), max_seq_len=max(ctx for ctx, _ in requests),
         slot_mapping=torch.from_numpy(np.concatenate(slots_new).astype(np.int64)), num_decodes=num_decodes,
@@ -87,11 +90,12 @@ def run_case(rng, decodes, prefills):
     return buffer, cache, table, token_rows, q, weights
 
 
-@pytest.mark.parametrize("decodes,prefills", [([37, 5, 90], []), ([], [(20, 6), (3, 3)]),
-                                              ([12, 60], [(40, 9), (17, 2)])])
-def test_the_indexer_op_matches_float64(decodes, prefills):
+@pytest.mark.parametrize("decodes,prefills,split", [([37, 5, 90], [], None), ([], [(20, 6), (3, 3)], None),
+                                                    ([12, 60], [(40, 9), (17, 2)], None),
+                                                    ([12], [(40, 9), (17, 2)], 4)])
+def test_the_indexer_op_matches_float64(decodes, prefills, split):
     rng = np.random.default_rng(46726)
-    buffer, cache, table, token_rows, q, weights = run_case(rng, decodes, prefills)
+    buffer, cache, table, token_rows, q, weights = run_case(rng, decodes, prefills, split)
     keys, scales = index_cache_keys(cache.numpy())
     assert not np.isnan(keys[table[0, 0] * BLOCK]).any()  # the op wrote the new tokens' keys
     q64 = q.float().numpy().astype(np.float64)

@@ -86,7 +86,8 @@ def sparse_attn_indexer(hidden_states: torch.Tensor, k_cache_prefix: Any, kv_cac
             # A token's keys are [ks, ke) of its chunk's requests laid end to end (cu_seq_lens): ks is where its
             # request starts, ke - ks its causal context.
             ks, ke = chunk.cu_seqlen_ks, chunk.cu_seqlen_ke
-            requests = (torch.searchsorted(chunk.cu_seq_lens, ks, right=True) - 1).to(torch.int32)
+            starts = chunk.cu_seq_lens
+            requests = (torch.searchsorted(starts, ks.to(starts.dtype), right=True) - 1).to(torch.int32)
             topk(slice(chunk.token_start, chunk.token_end), requests, chunk.block_table, ke - ks)
     return topk_indices_buffer
 
