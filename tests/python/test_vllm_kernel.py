@@ -146,3 +146,88 @@ def test_kernel_entry_is_captured_by_a_cuda_graph(rng):
     assert torch.equal(out, eager_out) and torch.equal(lse, eager_lse)
     assert not torch.equal(out, first_out)
     assert_matches_reference(second, out, lse)
+
+
+# --- the indexer body (smla.vllm.indexer.run) on vLLM's metadata fields, no vLLM needed -----------------------------
+
+from types import SimpleNamespace  # noqa: E402
+
+from smla.vllm import indexer  # noqa: E402
+
+INDEX_HEADS, INDEX_BLOCK, INDEX_TOPK = 32, 64, 2048
+
+
+def indexer_case(rng, device, decodes=(3000, 70, 2500), prefills=((2300, 5), (40, 3))):
+    """vLLM's DeepseekV32IndexerMetadata fields (decode: per-request seq_lens and block-table rows; prefill: one
+    chunk, per-token key ranges [ks, ke) over its requests laid end to end), the fp8 index cache with every
+    context key written but the new tokens', fp8 queries and float32 weights."""
+    requests = [(ctx, 1) for ctx in decodes] + list(prefills)
+    blocks = [-(-ctx // INDEX_BLOCK) for ctx, _ in requests]
+    order = rng.permutation(sum(blocks) + 1)
+    table = np.full((len(requests), max(blocks)), -1, np.int32)
+    start = 0
+    for r, n in enumerate(blocks):
+        table[r, :n] = order[start:start + n]
+        start += n
+    cache = torch.full((len(order), INDEX_BLOCK, 132), 0x7F, dtype=torch.uint8)
+    new_keys, new_slots = [], []
+    for r, (ctx, new) in enumerate(requests):
+        slots = torch.from_numpy((table[r, np.arange(ctx) // INDEX_BLOCK] * INDEX_BLOCK
+                                  + np.arange(ctx) % INDEX_BLOCK).astype(np.int64))
+        keys = torch.randn(ctx, 128, generator=torch.Generator().manual_seed(r)).to(torch.bfloat16)
+        smla.write_index_cache(keys[:ctx - new], slots[:ctx - new], cache)
+        new_keys.append(keys[ctx - new:])
+        new_slots.append(slots[ctx - new:])
+    tokens = sum(new for _, new in requests)
+    q = (torch.from_numpy(rng.standard_normal((tokens, INDEX_HEADS, 128)).astype(np.float32)) * 4
+         ).to(torch.float8_e4m3fn)
+    weights = torch.from_numpy(rng.standard_normal((tokens, INDEX_HEADS)).astype(np.float32))
+    nd = len(decodes)
+    cu = np.concatenate([[0], np.cumsum([ctx for ctx, _ in prefills])]).astype(np.int32)
+    ks = [cu[i] for i, (ctx, new) in enumerate(prefills) for _ in range(new)]
+    ke = [cu[i] + ctx - new + j + 1 for i, (ctx, new) in enumerate(prefills) for j in range(new)]
+
+    def t(x):
+        return torch.as_tensor(np.asarray(x)).to(device)
+
+    meta = SimpleNamespace(
+        slot_mapping=torch.cat(new_slots).to(device), num_decodes=nd, num_prefills=len(prefills),
+        decode=SimpleNamespace(block_table=t(table[:nd]), seq_lens=t(np.int32(decodes)), requires_padding=False),
+        prefill=SimpleNamespace(chunks=[SimpleNamespace(
+            block_table=t(table[nd:]), cu_seqlen_ks=t(np.int32(ks)), cu_seqlen_ke=t(np.int32(ke)),
+            cu_seq_lens=t(cu), token_start=nd, token_end=tokens)]))
+    return meta, cache.to(device), q.to(device), torch.cat(new_keys).to(device), weights.to(device)
+
+
+def run_indexer(meta, cache, q, k, weights):
+    buffer = torch.full((q.shape[0], INDEX_TOPK), 7, dtype=torch.int32, device=q.device)
+    return indexer.run(meta, cache, q, k, weights, buffer, INDEX_TOPK, num_rows=q.shape[0])
+
+
+@cuda
+def test_indexer_body_on_the_gpu_matches_the_cpu_backend():
+    cpu = run_indexer(*indexer_case(np.random.default_rng(7), "cpu"))
+    gpu = run_indexer(*indexer_case(np.random.default_rng(7), "cuda")).cpu()
+    # min(top-k, causal context) positions a token, then -1: decodes of 3000, 70, 2500; prefills of 2300 (5 new)
+    # and 40 (3 new)
+    assert (cpu >= 0).sum(dim=1).tolist() == [2048, 70, 2048] + [2048] * 5 + [38, 39, 40]
+    assert torch.equal(gpu.sort(dim=1).values, cpu.sort(dim=1).values)
+
+
+@cuda
+def test_indexer_decode_is_captured_by_a_cuda_graph():
+    meta, cache, q, k, weights = indexer_case(np.random.default_rng(8), "cuda", prefills=())
+    meta.num_prefills = 0
+    buffer = torch.full((q.shape[0], INDEX_TOPK), 7, dtype=torch.int32, device="cuda")
+    indexer.run(meta, cache, q, k, weights, buffer, INDEX_TOPK, num_rows=q.shape[0], write_keys=False)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        indexer.run(meta, cache, q, k, weights, buffer, INDEX_TOPK, num_rows=q.shape[0], write_keys=False)
+    first = buffer.clone()
+    q.copy_((torch.randn(q.shape, device="cuda") * 4).to(torch.float8_e4m3fn))
+    g.replay()
+    torch.cuda.synchronize()
+    eager = indexer.run(meta, cache, q, k, weights, buffer.clone(), INDEX_TOPK, num_rows=q.shape[0],
+                        write_keys=False)
+    assert torch.equal(buffer, eager) and not torch.equal(buffer, first)

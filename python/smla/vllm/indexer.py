@@ -57,11 +57,22 @@ def sparse_attn_indexer(hidden_states: torch.Tensor, k_cache_prefix: Any, kv_cac
         raise NotImplementedError("smla's vLLM indexer runs the fp8 index cache without context parallelism or "
                                   "candidate blocks (DeepSeek-V3.2, GLM-5)")
     meta = attn_metadata[vllm_indexer._resolve_layer_name(k_cache_prefix)]
-    num_tokens = meta.slot_mapping.shape[0]
-    if not skip_k_cache_insert:
-        smla.write_index_cache(k[:num_tokens], meta.slot_mapping, kv_cache)
-    if not skip_topk_buffer_clear:
-        topk_indices_buffer[:hidden_states.shape[0]] = -1
+    return run(meta, kv_cache, q_quant, k, weights, topk_indices_buffer, topk_tokens,
+               num_rows=hidden_states.shape[0], write_keys=not skip_k_cache_insert,
+               clear=not skip_topk_buffer_clear)
+
+
+def run(meta: Any, kv_cache: torch.Tensor, q_quant: torch.Tensor, k: Optional[torch.Tensor], weights: torch.Tensor,
+        topk_indices_buffer: torch.Tensor, topk_tokens: int, *, num_rows: int, write_keys: bool = True,
+        clear: bool = True) -> torch.Tensor:
+    """The indexer on ``meta``, vLLM's ``DeepseekV32IndexerMetadata`` (or any object with its fields: no vLLM
+    import here): writes the new tokens' keys ``k`` at ``meta.slot_mapping``, then each token's top-k logical
+    positions into ``topk_indices_buffer[:, :topk_tokens]`` (its first ``num_rows`` rows -1 first, with
+    ``clear``). Capturable in a CUDA graph for decode batches (device tensors only, scratch from torch)."""
+    if write_keys:
+        smla.write_index_cache(k[:meta.slot_mapping.shape[0]], meta.slot_mapping, kv_cache)
+    if clear:
+        topk_indices_buffer[:num_rows] = -1
     # vLLM folds each query's fp8 scale into `weights`; smla takes fp8 queries with a scale of their own.
     ones = torch.ones(q_quant.shape[:2], dtype=torch.float32, device=q_quant.device)
 
