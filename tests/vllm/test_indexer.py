@@ -29,11 +29,12 @@ def int32(values):
     return torch.tensor(values, dtype=torch.int32)
 
 
-def run_case(rng, decodes, prefills, split=None):
+def run_case(rng, decodes, prefills, split=None, next_n=1):
     """decodes: context lengths of one-token requests; prefills: (context, new tokens), in one chunk or, with
-    ``split``, two chunks over the same requests whose rows part at that prefill token (vLLM's query slices).
+    ``split``, two chunks over the same requests whose rows part at that prefill token (vLLM's query slices);
+    ``next_n`` > 1: each decode request has that many new tokens (speculative decoding), seq_lens [B, next_n].
     Returns what the op wrote into the top-k buffer, with everything the reference needs."""
-    requests = [(ctx, 1) for ctx in decodes] + list(prefills)
+    requests = [(ctx, next_n) for ctx in decodes] + list(prefills)
     blocks = [-(-ctx // BLOCK) for ctx, _ in requests]
     num_blocks = sum(blocks) + 2
     order = rng.permutation(num_blocks)
@@ -59,10 +60,12 @@ def run_case(rng, decodes, prefills, split=None):
     weights = torch.from_numpy(rng.standard_normal((tokens, H_I)).astype(np.float32))
     buffer = torch.full((tokens + 3, TOPK), 7, dtype=torch.int32)  # rows past the batch must stay as they are
 
-    num_decodes = len(decodes)
+    num_decodes, decode_tokens = len(decodes), len(decodes) * next_n
+    seq_lens = int32(decodes) if next_n == 1 else int32([[ctx - next_n + j + 1 for j in range(next_n)]
+                                                         for ctx in decodes])
     decode = DeepSeekV32IndexerDecodeMetadata(
-        block_table=torch.from_numpy(table[:num_decodes]), seq_lens=int32(decodes),
-        decode_lens=int32([1] * num_decodes), requires_padding=False,
+        block_table=torch.from_numpy(table[:num_decodes]), seq_lens=seq_lens,
+        decode_lens=int32([next_n] * num_decodes), requires_padding=False,
         schedule_metadata=torch.empty(0)) if decodes else None
     prefill = None
     if prefills:  # one chunk: its requests' keys laid end to end
@@ -74,13 +77,13 @@ def run_case(rng, decodes, prefills, split=None):
         chunks = [DeepseekV32IndexerPrefillChunkMetadata(
             block_table=torch.from_numpy(table[num_decodes:]), cu_seqlen_ks=int32(ks[a:b]),
             cu_seqlen_ke=int32(ke[a:b]), cu_seq_lens=torch.from_numpy(cu), token_to_seq=torch.empty(0),
-            total_seq_lens=int(cu[-1]), max_seqlen_k=max(lens), token_start=num_decodes + a,
-            token_end=num_decodes + b, num_reqs=len(prefills)) for a, b in parts]
+            total_seq_lens=int(cu[-1]), max_seqlen_k=max(lens), token_start=decode_tokens + a,
+            token_end=decode_tokens + b, num_reqs=len(prefills)) for a, b in parts]
         prefill = DeepseekV32IndexerPrefillMetadata(chunks=chunks)
     meta = DeepseekV32IndexerMetadata(
         seq_lens=int32([ctx for ctx, _ in requests]), max_seq_len=max(ctx for ctx, _ in requests),
         slot_mapping=torch.from_numpy(np.concatenate(slots_new).astype(np.int64)), num_decodes=num_decodes,
-        num_decode_tokens=num_decodes, num_prefills=len(prefills), num_prefill_tokens=tokens - num_decodes,
+        num_decode_tokens=decode_tokens, num_prefills=len(prefills), num_prefill_tokens=tokens - decode_tokens,
         decode=decode, prefill=prefill)
     with set_forward_context({PREFIX: meta}, VllmConfig()):
         result = indexer.sparse_attn_indexer(
@@ -93,9 +96,10 @@ def run_case(rng, decodes, prefills, split=None):
 @pytest.mark.parametrize("decodes,prefills,split", [([37, 5, 90], [], None), ([], [(20, 6), (3, 3)], None),
                                                     ([12, 60], [(40, 9), (17, 2)], None),
                                                     ([12], [(40, 9), (17, 2)], 4)])
-def test_the_indexer_op_matches_float64(decodes, prefills, split):
+@pytest.mark.parametrize("next_n", [1, 2])
+def test_the_indexer_op_matches_float64(decodes, prefills, split, next_n):
     rng = np.random.default_rng(46726)
-    buffer, cache, table, token_rows, q, weights = run_case(rng, decodes, prefills, split)
+    buffer, cache, table, token_rows, q, weights = run_case(rng, decodes, prefills, split, next_n)
     keys, scales = index_cache_keys(cache.numpy())
     assert not np.isnan(keys[table[0, 0] * BLOCK]).any()  # the op wrote the new tokens' keys
     q64 = q.float().numpy().astype(np.float64)

@@ -88,7 +88,7 @@ def run(meta: Any, kv_cache: torch.Tensor, q_quant: torch.Tensor, k: Optional[to
         # seq_lens: [B] (one row per request, or per token when vLLM flattens) or [B, next_n] per token.
         batch = decode.seq_lens.shape[0]
         next_n = decode.seq_lens.shape[1] if decode.seq_lens.dim() == 2 else 1
-        requests = torch.arange(batch, dtype=torch.int32, device=q_quant.device).repeat_interleave(next_n)
+        requests = torch.arange(batch * next_n, dtype=torch.int32, device=q_quant.device) // next_n  # no host sync
         topk(slice(0, batch * next_n), requests, decode.block_table, decode.seq_lens.reshape(-1))
     if meta.num_prefills > 0:
         for chunk in meta.prefill.chunks:
