@@ -133,6 +133,9 @@ def test_install_only_where_deep_gemm_cannot_run():
     assert indexer.deep_gemm_runs(9) and indexer.deep_gemm_runs(10)
     assert not indexer.install(9) and not indexer.install(10)
     assert indexer_backend.has_deep_gemm()  # untouched
-    assert indexer.install(12)  # SM120: the builder no longer asks DeepGEMM for a schedule
+    assert indexer.install(12)  # SM120: the op's CUDA kernel is smla's; the builder asks DeepGEMM for no schedule
+    active = [line for line in torch._C._dispatch_dump("vllm::sparse_attn_indexer").splitlines()
+              if line.startswith("CUDA:")]
+    assert len(active) == 1 and "smla/vllm/indexer.py" in active[0], active
     assert not indexer_backend.has_deep_gemm()
     assert not indexer.install(8)  # once per process
