@@ -123,10 +123,11 @@ def test_unsupported_indexer_modes_are_refused():
     args = (torch.empty(1, 16), PREFIX, torch.zeros(1, BLOCK, 132, dtype=torch.uint8),
             torch.zeros(1, H_I, D, dtype=torch.float8_e4m3fn))
     with set_forward_context({PREFIX: meta}, VllmConfig()):
-        with pytest.raises(NotImplementedError, match="fp8 index cache without context parallelism"):
-            indexer.sparse_attn_indexer(*args, None, None, torch.zeros(1, H_I), 128, "ue8m0", TOPK, D, 64, 64,
-                                        torch.zeros(1, TOPK, dtype=torch.int32), True, False, False, "",
-                                        dcp_world_size=2)
+        for skip_insert, dcp in ((False, 2), (True, 1)):
+            with pytest.raises(NotImplementedError, match="fp8 index cache it writes itself, without context"):
+                indexer.sparse_attn_indexer(*args, None, None, torch.zeros(1, H_I), 128, "ue8m0", TOPK, D, 64, 64,
+                                            torch.zeros(1, TOPK, dtype=torch.int32), skip_insert, False, False, "",
+                                            dcp_world_size=dcp)
 
 
 def test_install_only_where_deep_gemm_cannot_run():

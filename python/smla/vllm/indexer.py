@@ -53,13 +53,14 @@ def sparse_attn_indexer(hidden_states: torch.Tensor, k_cache_prefix: Any, kv_cac
             pcp_shard_decode_requests, dense_mha_metadata_layer_name, use_fp4_cache, dcp_rank, dcp_world_size,
             cp_kv_cache_interleave_size, skip_topk_buffer_clear, candidate_blocks=candidate_blocks,
             candidate_block_size=candidate_block_size, candidate_write=candidate_write, topk_backend=topk_backend)
-    if use_fp4_cache or use_pcp or dcp_world_size > 1 or candidate_blocks is not None or q_scale is not None:
-        raise NotImplementedError("smla's vLLM indexer runs the fp8 index cache without context parallelism or "
-                                  "candidate blocks (DeepSeek-V3.2, GLM-5)")
+    if (use_fp4_cache or use_pcp or dcp_world_size > 1 or candidate_blocks is not None or q_scale is not None
+            or skip_k_cache_insert):
+        # skip_k_cache_insert: the keys were written by another kernel, in a layout smla does not promise to read.
+        raise NotImplementedError("smla's vLLM indexer runs the fp8 index cache it writes itself, without context "
+                                  "parallelism or candidate blocks (DeepSeek-V3.2, GLM-5)")
     meta = attn_metadata[vllm_indexer._resolve_layer_name(k_cache_prefix)]
     return run(meta, kv_cache, q_quant, k, weights, topk_indices_buffer, topk_tokens,
-               num_rows=hidden_states.shape[0], write_keys=not skip_k_cache_insert,
-               clear=not skip_topk_buffer_clear)
+               num_rows=hidden_states.shape[0], clear=not skip_topk_buffer_clear)
 
 
 def run(meta: Any, kv_cache: torch.Tensor, q_quant: torch.Tensor, k: Optional[torch.Tensor], weights: torch.Tensor,
