@@ -68,6 +68,20 @@ def test_kernel_entry_matches_float64_on_the_cpu(rng, kind, q_dtype, rope, block
     assert_matches_reference(case, out, lse)
 
 
+def test_sinks_reach_the_kernel(rng):
+    """The entry takes attention sinks (vLLM's MLA layer passes none today; the backend declares none)."""
+    from reference import attention, dequantize_ds_mla
+
+    case = make_case(rng, kind="fp8_ds_mla", heads=8)
+    sink = torch.from_numpy(rng.standard_normal(8).astype(np.float32))
+    out, lse = _kernel.sparse_mla_forward(*vllm_tensors(case, pair=True), scale=case.scale, attn_sink=sink)
+    rows = dequantize_ds_mla(case.buffer.reshape(-1, case.buffer.shape[-1]))
+    ref_out, ref_lse = attention(np.asarray(case.q, np.float64), rows, case.topk_indices, case.scale,
+                                 topk_length=case.valid_counts, attn_sink=sink.numpy())
+    check("out", out.float().numpy(), ref_out, *out_tolerance(ref_out))
+    check("lse", lse.numpy(), ref_lse, 1e-5, 8.01 / 65536)
+
+
 def test_the_cache_is_read_in_place(rng):
     """No copy of the cache: smla sees vLLM's storage through a strided view."""
     case = make_case(rng, kind="bfloat16", block_size=16, pad_rows=3)
