@@ -28,6 +28,7 @@
 #include "core/numeric.h"
 #include "core/random.h"
 #include "cpu/indexer.h"
+#include "cpu/indexer_scores.h"
 #include "cpu/isa.h"
 #include "cpu/memory_bandwidth.h"
 #include "smla/ops.h"
@@ -118,8 +119,9 @@ int main(int argc, char** argv) {
 #if defined(__x86_64__)
   if (cpu::isa_supported(cpu::Isa::avx512_bf16)) peak = dpbf16_peak_gflops();
 #endif
-  std::printf("threads %d, isa %s, read bandwidth %.1f GB/s, bf16 dot peak %.0f GFLOP/s\n", omp_get_max_threads(),
-              std::string(cpu::isa_name(cpu::active_isa())).c_str(), bandwidth, peak);
+  std::printf("threads %d, isa %s (scoring kernel: %s's), read bandwidth %.1f GB/s, bf16 dot peak %.0f GFLOP/s\n",
+              omp_get_max_threads(), std::string(cpu::isa_name(cpu::active_isa())).c_str(),
+              std::string(cpu::isa_name(cpu::indexer::score_kernel_isa(cpu::active_isa()))).c_str(), bandwidth, peak);
   std::printf("K = %lld, block size %lld, one request per token\n\n", static_cast<long long>(kTopk),
               static_cast<long long>(kBlockSize));
   std::printf("| cache | H_I | T | context | µs/call | GB/s | %% of bw | GFLOP/s | %% of peak | top-k µs |\n");

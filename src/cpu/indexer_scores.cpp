@@ -324,15 +324,15 @@ const ScoreKernel& score_kernel(Isa isa) {
 #ifdef SMLA_X86
   static constexpr ScoreKernel avx2 = make_kernel<Avx2>();
   static constexpr ScoreKernel avx512 = make_kernel<Avx512>();
-  if (isa >= Isa::avx512_bf16) return avx512;
-  if (isa >= Isa::avx2) return avx2;
+  if (score_kernel_isa(isa) == Isa::avx512_bf16) return avx512;
+  if (score_kernel_isa(isa) == Isa::avx2) return avx2;
 #endif
   return portable;
 }
 
 void widen_fp8_key(Isa isa, const uint8_t* src, float* dst) {
 #ifdef SMLA_X86
-  if (isa >= Isa::avx512_bf16) {
+  if (score_kernel_isa(isa) == Isa::avx512_bf16) {
     uint16_t bf16[kDim];
     Avx512::fp8_row(src, bf16);
     for (int d = 0; d < kDim; ++d) dst[d] = numeric::bf16_to_float(bf16[d]);

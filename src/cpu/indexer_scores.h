@@ -58,8 +58,15 @@ struct ScoreKernel {
 // The instruction sets with a scoring kernel of their own: portable C++,
 // AVX2 + FMA, and AVX-512 with BF16 dot products.
 inline constexpr Isa kScoreKernelIsas[] = {Isa::scalar, Isa::avx2, Isa::avx512_bf16};
+// The best of them that `isa` includes: the one whose kernel runs under `isa`.
+constexpr Isa score_kernel_isa(Isa isa) {
+  Isa best = Isa::scalar;
+  for (Isa k : kScoreKernelIsas)
+    if (k <= isa) best = k;
+  return best;
+}
 
-// The kernel of the best of kScoreKernelIsas that `isa` (which must be supported) includes.
+// The kernel of score_kernel_isa(isa) (`isa` must be supported).
 const ScoreKernel& score_kernel(Isa isa);
 
 // 128 fp8 key bytes widened as `isa`'s kernel widens them, as floats; tests

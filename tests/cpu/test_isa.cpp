@@ -64,11 +64,16 @@ TEST(CpuIsa, KernelsFollowThePinnedSet) {
 #if defined(__x86_64__)
     EXPECT_EQ(cpu::attn::active_kernels().name, cpu::isa_name(isa));
 #endif
-    Isa scoring = Isa::scalar;
-    for (Isa s : cpu::indexer::kScoreKernelIsas)
-      if (s <= isa) scoring = s;
-    EXPECT_EQ(&cpu::indexer::score_kernel(cpu::active_isa()), &cpu::indexer::score_kernel(scoring));
+    EXPECT_EQ(&cpu::indexer::score_kernel(cpu::active_isa()),
+              &cpu::indexer::score_kernel(cpu::indexer::score_kernel_isa(isa)));
   }
+  // AVX-512 without BF16 has no scoring kernel of its own: AVX2's runs.
+  EXPECT_EQ(cpu::indexer::score_kernel_isa(Isa::avx512), Isa::avx2);
+  for (Isa isa : cpu::indexer::kScoreKernelIsas) EXPECT_EQ(cpu::indexer::score_kernel_isa(isa), isa);
+#if defined(__x86_64__)
+  EXPECT_NE(&cpu::indexer::score_kernel(Isa::scalar), &cpu::indexer::score_kernel(Isa::avx2));
+  EXPECT_NE(&cpu::indexer::score_kernel(Isa::avx2), &cpu::indexer::score_kernel(Isa::avx512_bf16));
+#endif
   EXPECT_EQ(&cpu::indexer::score_kernel(Isa::avx512), &cpu::indexer::score_kernel(Isa::avx2));
 }
 
