@@ -73,4 +73,4 @@ install: build
 	cmake --install $(BUILD) --prefix $(PREFIX)
 
 clean:
-	rm -rf $(BUILD) $(BUILD)-asan $(BUILD)-py $(BUILD)-fuzz
+	rm -rf $(BUILD) $(BUILD)-asan $(BUILD)-py $(BUILD)-fuzz $(BUILD)-vllm-stub

@@ -242,8 +242,11 @@ def sparse_mla(q: Tensor, kv_cache: Tensor, indices: Tensor, *, softmax_scale: f
     """Sparse MLA: token t attends to the cache slots ``indices[t]`` (int32
     physical slots; negative or >= num_slots are skipped).
 
-    q [T, H, 576] bf16/f16, kv_cache [num_blocks, block_size, 576 | 656],
-    optional topk_length [T] int32 and attn_sink [H] float32. Returns
+    q [T, H, 576] bf16/f16, kv_cache [num_blocks, block_size, 576 | 656];
+    heads with no rope part (GLM-5.3-Flash): q [T, H, 512] over a cache of
+    [..., 512] (16-bit), [..., 528] (fp8_ds_mla_nope) or [..., 656]
+    (fp8_ds_mla, rope bytes never read). Optional topk_length [T] int32 and
+    attn_sink [H] float32. Returns
     (out [T, H, 512] in q's dtype, lse [T, H] float32, natural log, without
     the sink; -inf for a row with no valid index)."""
     ops = _torch_ops(q) if out is None and lse is None and stream is None else None
@@ -261,7 +264,8 @@ def paged_mla_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens:
                      kv_cache_dtype: Optional[str] = "auto", out: Optional[Tensor] = None,
                      lse: Optional[Tensor] = None, stream: Any = None,
                      backend: Optional[str] = None) -> Tuple[Tensor, Tensor]:
-    """Dense paged MLA decode: q [B, s_q, H, 576] over each request's first
+    """Dense paged MLA decode: q [B, s_q, H, 576] (or 512, caches as in
+    sparse_mla) over each request's first
     ``seq_lens[b]`` positions through ``block_table`` [B, max_blocks] (int32).
     With ``causal``, token j of s_q sees positions < seq_len - s_q + j + 1.
     Returns (out [B, s_q, H, 512], lse [B, s_q, H] float32)."""

@@ -9,7 +9,7 @@ void add_common_options(CLI::App& app, CommonOptions& o) {
                  "preset name (glm-5, deepseek-v3.2, deepseek-v3, kimi-k2, glm-4.7-flash, glm-5.3-flash), a config.json "
                  "or its folder, or a .gguf file")
       ->capture_default_str();
-  app.add_option("--device", o.run.device, "auto, cpu, or a GPU architecture sm_80 / sm_86 / sm_89 / sm_90 / sm_100 / sm_120")
+  app.add_option("--device", o.run.device, "auto, cpu, cuda or cuda:N (this machine's GPU N), or a GPU architecture sm_80 / sm_86 / sm_89 / sm_90 / sm_100 / sm_120")
       ->capture_default_str();
   app.add_option("--dtype", o.run.dtype, "query dtype: bfloat16 or float16")->capture_default_str();
   app.add_option("--kv-cache-dtype", o.run.kv_cache_dtype, "auto (= --dtype), bfloat16, float16, fp8_ds_mla or fp8_ds_mla_nope (no rope part)")
