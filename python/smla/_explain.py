@@ -43,7 +43,7 @@ class Indexer:
     heads: int
     head_dim: int
     topk: int
-    rope_style: str
+    rope_style: Optional[str]  # None when the model has no rope part
     kpool: int = 1  # tokens per pooled index key (GLM-5.3-Flash: 4)
     always_select_tail: bool = False
 
@@ -66,7 +66,7 @@ class ModelInfo:
     absorbed_qk_dim: int
     absorbed_v_dim: int
     softmax_scale: float
-    rope: Rope
+    rope: Optional[Rope]  # None when the model has no rope part (qk_rope_head_dim 0)
     indexer: Optional[Indexer]
 
 
@@ -161,8 +161,8 @@ def _make(cls: Any, data: Dict[str, Any], **nested: Any) -> Any:
 
 
 def _model_info(m: Dict[str, Any]) -> ModelInfo:
-    def rope(r: Dict[str, Any]) -> Rope:
-        return _make(Rope, r, yarn=lambda y: None if y is None else _make(Yarn, y))
+    def rope(r: Optional[Dict[str, Any]]) -> Optional[Rope]:
+        return None if r is None else _make(Rope, r, yarn=lambda y: None if y is None else _make(Yarn, y))
 
     return _make(ModelInfo, m, rope=rope, indexer=lambda i: None if i is None else _make(Indexer, i))
 

@@ -108,8 +108,10 @@ std::string explain_text(const AttentionSpec& s, const RunSpec& run, const Selec
 
 std::string explain_json(const AttentionSpec& s, const RunSpec& run, const Selection& sel) {
   using nlohmann::json;
-  json rope = {{"theta", s.rope.theta}, {"style", rope_style_name(s.rope_style)}, {"yarn", nullptr}};
-  if (s.rope.yarn)
+  const bool has_rope = s.qk_rope_head_dim > 0;  // as the text says: no rope part, no RoPE (the indexer's too)
+  json rope = nullptr;
+  if (has_rope) rope = {{"theta", s.rope.theta}, {"style", rope_style_name(s.rope_style)}, {"yarn", nullptr}};
+  if (has_rope && s.rope.yarn)
     rope["yarn"] = {{"factor", s.rope.factor},
                     {"original_max_position_embeddings", s.rope.original_max_position_embeddings},
                     {"beta_fast", s.rope.beta_fast},
@@ -121,7 +123,7 @@ std::string explain_json(const AttentionSpec& s, const RunSpec& run, const Selec
     indexer = {{"heads", s.indexer->heads},
                {"head_dim", s.indexer->head_dim},
                {"topk", s.indexer->topk},
-               {"rope_style", rope_style_name(s.indexer->rope_style)},
+               {"rope_style", has_rope ? json(rope_style_name(s.indexer->rope_style)) : json(nullptr)},
                {"kpool", s.indexer->kpool},
                {"always_select_tail", s.indexer->always_select_tail}};
   json model = {{"name", s.name},

@@ -124,6 +124,7 @@ def test_glm53_flash():
         e = smla.explain("glm-5.3-flash", device="cpu", tp=tp, kv_cache_dtype="fp8_ds_mla_nope")
         assert e.run.heads_per_rank == 64 // tp and e.model.absorbed_qk_dim == 512
         assert e.model.num_attention_layers == 11 and e.model.indexer.kpool == 4
+        assert e.model.rope is None and e.model.indexer.rope_style is None  # no rope part, as the text says
         assert e.chosen == "cpu"
         assert not any("pooled indexer" in r for c in e.candidates for r in c.reasons)
     e = smla.explain("glm-5", device="cpu", kv_cache_dtype="fp8_ds_mla_nope")
