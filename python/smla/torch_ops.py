@@ -14,7 +14,7 @@ Python wrapper costs several microseconds more per call: these are
 inference ops, with no autograd formula.
 """
 
-from typing import Any, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -91,6 +91,28 @@ def _positions_to_slots(positions, request_ids, block_table, block_size, backend
     return slots
 
 
+def _write_pooled_index_cache(k, gate, ape, slot_mapping, cache, hadamard=True, index_cache_dtype="auto", backend=""):
+    _ops._write_pooled_index_cache(k, gate, ape, slot_mapping, cache, hadamard, index_cache_dtype, None, backend)
+
+
+def _pools_to_positions(pools, context_lens, kpool, backend=""):
+    positions = pools.new_empty(_ops._pools_to_positions_shape(pools, kpool), dtype=torch.int32)
+    _ops._pools_to_positions(pools, context_lens, kpool, positions, None, backend)
+    return positions
+
+
+def _rotate_index_q_out(q: Tensor, fp8: bool) -> Tuple[Tensor, Optional[Tensor]]:
+    """rotate_index_q's q_out [T, H_I, 128] (e4m3 codes as uint8, or bfloat16) and, with fp8, q_scale [T, H_I]."""
+    q_out = q.new_empty(q.shape, dtype=torch.uint8 if fp8 else torch.bfloat16)
+    return q_out, (q.new_empty(q.shape[:2], dtype=torch.float32) if fp8 else None)
+
+
+def _rotate_index_q(q, fp8=True, backend=""):
+    q_out, q_scale = _rotate_index_q_out(q, fp8)
+    _ops._rotate_index_q(q, q_out, q_scale, None, backend)
+    return q_out, q_scale
+
+
 def _dsa_decode_step(q, kv_cache, index_q, index_weights, index_cache, request_ids, block_table, context_lens,
                      index_q_scale, attn_sink, topk, softmax_scale, kv_cache_dtype="auto", index_cache_dtype="auto",
                      backend=""):
@@ -136,6 +158,14 @@ def _positions_to_slots_fake(positions, *args, **kwargs):
     return positions.new_empty(positions.shape, dtype=torch.int32)
 
 
+def _pools_to_positions_fake(pools, context_lens, kpool, *args, **kwargs):
+    return pools.new_empty(_ops._pools_to_positions_shape(pools, kpool), dtype=torch.int32)
+
+
+def _rotate_index_q_fake(q, fp8=True, *args, **kwargs):
+    return _rotate_index_q_out(q, fp8)
+
+
 def _dsa_decode_step_fake(q, kv_cache, index_q, index_weights, index_cache, request_ids, block_table, context_lens,
                           index_q_scale, attn_sink, topk, *args, **kwargs):
     out, lse = _attention_out(q)
@@ -168,6 +198,13 @@ _OPS = [
      _indexer_topk, _indexer_topk_fake),
     ("positions_to_slots(Tensor positions, Tensor request_ids, Tensor block_table, int block_size, "
      "str backend='') -> Tensor", _positions_to_slots, _positions_to_slots_fake),
+    ("write_pooled_index_cache(Tensor k, Tensor gate, Tensor ape, Tensor slot_mapping, Tensor(a!) cache, "
+     "bool hadamard=True, str index_cache_dtype='auto', str backend='') -> ()",
+     _write_pooled_index_cache, _no_output_fake),
+    ("pools_to_positions(Tensor pools, Tensor context_lens, int kpool, str backend='') -> Tensor",
+     _pools_to_positions, _pools_to_positions_fake),
+    ("rotate_index_q(Tensor q, bool fp8=True, str backend='') -> (Tensor, Tensor?)",
+     _rotate_index_q, _rotate_index_q_fake),
     ("dsa_decode_step(Tensor q, Tensor kv_cache, Tensor index_q, Tensor index_weights, Tensor index_cache, "
      "Tensor request_ids, Tensor block_table, Tensor context_lens, Tensor? index_q_scale, Tensor? attn_sink, "
      "int topk, float softmax_scale, str kv_cache_dtype='auto', str index_cache_dtype='auto', str backend='') "

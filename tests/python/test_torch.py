@@ -138,6 +138,68 @@ def test_torch_compile_traces_the_ops(rng):
         assert torch.equal(got, want)
 
 
+def pooled_case(rng, pools=6, kpool=4, tokens=5, heads=3):
+    """GLM-5.3-Flash's pooled indexer inputs as numpy arrays: keys, gates, ape, pool slots (one skipped), a NaN-filled
+    fp8 index cache, top pools with invalid ids, context lengths, queries."""
+    k = rng.uniform(-3, 3, (pools, kpool, 128)).astype(ml_dtypes.bfloat16)
+    gate = rng.uniform(-4, 4, (pools, kpool, 128)).astype(ml_dtypes.bfloat16)
+    ape = rng.uniform(-2, 2, (kpool, 128)).astype(np.float32)
+    slots = rng.choice(4 * 4, size=pools, replace=False).astype(np.int64)
+    slots[1] = -1
+    cache = np.full((4, 4, 132), 0x7F, np.uint8)
+    top = rng.integers(-2, 9, (tokens, 3)).astype(np.int32)
+    ctx = rng.integers(0, 40, tokens).astype(np.int32)
+    q = rng.uniform(-4, 4, (tokens, heads, 128)).astype(ml_dtypes.bfloat16)
+    return k, gate, ape, slots, cache, top, ctx, q
+
+
+@needs_custom_ops
+def test_pooled_indexer_ops_are_torch_ops_with_numpys_results(rng):
+    """write_pooled_index_cache, pools_to_positions and rotate_index_q on torch tensors go through torch.ops.smla
+    (opcheck: schema, fake, in-place write declared) and give the bits the numpy path gives."""
+    k, gate, ape, slots, cache, top, ctx, q = pooled_case(rng)
+    want_cache = smla.write_pooled_index_cache(k, gate, ape, slots, cache.copy())
+    got_cache = to_torch(cache)
+    assert smla.write_pooled_index_cache(to_torch(k), to_torch(gate), to_torch(ape), to_torch(slots),
+                                         got_cache) is got_cache
+    np.testing.assert_array_equal(to_numpy(got_cache), want_cache)
+    np.testing.assert_array_equal(to_numpy(smla.pools_to_positions(to_torch(top), to_torch(ctx), kpool=4)),
+                                  smla.pools_to_positions(top, ctx, kpool=4))
+    for fp8 in (True, False):
+        want_q, want_scale = smla.rotate_index_q(q, fp8=fp8)
+        got_q, got_scale = smla.rotate_index_q(to_torch(q), fp8=fp8)
+        assert got_q.dtype == (torch.uint8 if fp8 else torch.bfloat16)
+        np.testing.assert_array_equal(to_numpy(got_q), want_q)
+        assert (got_scale is None) == (want_scale is None)
+        if fp8:
+            np.testing.assert_array_equal(to_numpy(got_scale), want_scale)
+
+    opcheck = torch.library.opcheck
+    opcheck(torch.ops.smla.write_pooled_index_cache.default,
+            (to_torch(k), to_torch(gate), to_torch(ape), to_torch(slots), torch.zeros(4, 4, 132, dtype=torch.uint8)))
+    opcheck(torch.ops.smla.pools_to_positions.default, (to_torch(top), to_torch(ctx), 4))
+    opcheck(torch.ops.smla.rotate_index_q.default, (to_torch(q), True))
+    opcheck(torch.ops.smla.rotate_index_q.default, (to_torch(q), False))
+
+
+@needs_custom_ops
+def test_torch_compile_traces_the_pooled_indexer_ops(rng):
+    k, gate, ape, slots, cache, top, ctx, q = pooled_case(rng)
+    args = [to_torch(a) for a in (k, gate, ape, slots, top, ctx, q)]
+
+    def step(k, gate, ape, slots, top, ctx, q):
+        cache = torch.zeros(4, 4, 132, dtype=torch.uint8)
+        smla.write_pooled_index_cache(k, gate, ape, slots, cache)
+        q_out, q_scale = smla.rotate_index_q(q * 2)
+        return cache, smla.pools_to_positions(top + 1, ctx, kpool=4), q_out, q_scale
+
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    for got, want in zip(compiled(*args), step(*args)):
+        assert torch.equal(got, want)
+    with pytest.raises(smla.InvalidArgumentError, match="pools_to_positions: pools: expected 2 dimensions"):
+        smla.pools_to_positions(args[4][0], args[5], kpool=4)
+
+
 def test_errors_from_torch_calls(rng):
     q, cache, idx = attention_case(rng)
     with pytest.raises(smla.InvalidArgumentError, match="sparse_mla: indices"):
