@@ -186,6 +186,34 @@ TEST(Validate, HeadsWithoutRopePart) {
   EXPECT_EQ(validate(c, glm53, sparse_only), std::vector<std::string>{});
 }
 
+// DeepSeek-V4: a 512-wide shared-KV head (rope inside) needs a backend that attends its two caches under one
+// softmax; neither fp8_ds_mla form holds its head, whatever the backend declares.
+TEST(Validate, SharedKvHeadsWithTwoCaches) {
+  const AttentionSpec v4 = *preset("deepseek-v4-flash");
+  Capabilities c = everywhere_gpu();
+  c.qk_head_dims = {kMlaQkDim, kMlaLatentDim};
+  c.kv_cache_dtypes.push_back(DType::fp8_ds_mla_nope);
+  const std::string two_caches = "does not implement sparse attention over two caches";
+  EXPECT_EQ(validate(c, v4, on("sm_90")),
+            std::vector<std::string>{two_caches + " (the window cache and the compressed cache under one softmax, "
+                                                  "as deepseek_v4 needs)"});
+  c.extra_cache = true;
+  EXPECT_EQ(validate(c, v4, on("sm_90")), std::vector<std::string>{});
+  for (DType fp8 : {DType::fp8_ds_mla, DType::fp8_ds_mla_nope})
+    EXPECT_TRUE(has_reason(validate(c, v4, on("sm_90", DType::bf16, fp8)),
+                           "kv-cache dtype " + std::string(dtype_name(fp8)) +
+                               " cannot hold a deepseek_v4 head (its fp8 cache is FlashMLA's 584-byte MODEL1 layout"));
+  // The window-only rule is about the model's caches: a V4-shaped head without compressed caches needs no extra one.
+  AttentionSpec window_only = v4;
+  window_only.compress_ratios.clear();
+  c.extra_cache = false;
+  EXPECT_EQ(validate(c, window_only, on("sm_90")), std::vector<std::string>{});
+  // Only sparse attention reads the caches: the indexer alone runs anywhere it did.
+  RunSpec indexer_only = on("sm_90");
+  indexer_only.ops = {Op::indexer};
+  EXPECT_EQ(validate(c, v4, indexer_only), std::vector<std::string>{});
+}
+
 TEST_F(Select, WalksThePriorityListAndReportsEveryCandidate) {
   Selection s = select(glm5(), on("sm_90", DType::bf16, DType::fp8_ds_mla), registry);
   ASSERT_NE(s.chosen, nullptr);
