@@ -97,7 +97,6 @@ __global__ void to_half_kernel(const float* x, int64_t ldx, Half* y, int64_t row
     y[idx] = from_float<Half>(x[idx / cols * ldx + idx % cols]);
 }
 
-template <class Half>
 // One thread per value: row i of dst (dst_rows[i], or i) takes row i of src (src_rows[i], or i).
 __global__ void copy_indexed_rows_kernel(const float* src, int64_t src_ld, const int64_t* src_rows, float* dst,
                                          int64_t dst_ld, const int64_t* dst_rows, int64_t count, int64_t cols) {
@@ -108,6 +107,7 @@ __global__ void copy_indexed_rows_kernel(const float* src, int64_t src_ld, const
   }
 }
 
+template <class Half>
 __global__ void to_float_kernel(const Half* x, float* y, int64_t count) {
   for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < count;
        idx += int64_t(gridDim.x) * blockDim.x)
