@@ -100,10 +100,13 @@ def topk_groups(meta: Any, device: torch.device) -> Iterator[Tuple[slice, torch.
             if chunk.token_end == chunk.token_start:
                 continue
             # A token's keys are [ks, ke) of its chunk's requests laid end to end (cu_seq_lens): ks is where its
-            # request starts, ke - ks its causal context.
+            # request starts, ke - ks its causal context. A request with no entries yet (a pooled cache's first
+            # tokens) starts where the next one does: its tokens may get that one's row, or none past the last
+            # (the clamp), which is harmless as they read nothing.
             ks, ke = chunk.cu_seqlen_ks, chunk.cu_seqlen_ke
             starts = chunk.cu_seq_lens
-            requests = (torch.searchsorted(starts, ks.to(starts.dtype), right=True) - 1).to(torch.int32)
+            requests = torch.searchsorted(starts, ks.to(starts.dtype), right=True) - 1
+            requests = requests.clamp(max=chunk.block_table.shape[0] - 1).to(torch.int32)
             yield slice(chunk.token_start, chunk.token_end), requests, chunk.block_table, (ke - ks).to(torch.int32)
 
 
