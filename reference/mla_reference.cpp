@@ -141,6 +141,17 @@ RefAttention ref_sparse_mla(const SparseMlaArgs& a) {
       const int64_t slot = a.indices.ptr<int32_t>()[t * a.indices.strides[0] + k];
       if (slot >= 0 && slot < num_slots) rows.push_back(ref_cache_row(a.kv_cache, slot, head_of(a.q)));
     }
+    // The extra cache's rows join the same softmax.
+    if (a.extra_kv_cache.defined()) {
+      const int64_t extra_slots = a.extra_kv_cache.shape[0] * a.extra_kv_cache.shape[1];
+      int64_t extra_len = a.extra_indices.shape[1];
+      if (a.extra_topk_length.defined())
+        extra_len = a.extra_topk_length.ptr<int32_t>()[t * a.extra_topk_length.strides[0]];
+      for (int64_t k = 0; k < extra_len; ++k) {
+        const int64_t slot = a.extra_indices.ptr<int32_t>()[t * a.extra_indices.strides[0] + k];
+        if (slot >= 0 && slot < extra_slots) rows.push_back(ref_cache_row(a.extra_kv_cache, slot, head_of(a.q)));
+      }
+    }
     attend(query(a.q, t * a.q.strides[0], heads, a.q.strides[1]), rows, a.softmax_scale, a.attn_sink,
            empty_lse(a.empty_lse_plus_inf), &r.out[t * heads * kMlaVDim], &r.lse[t * heads], &r.max_logits[t * heads]);
   }

@@ -143,6 +143,29 @@ void check(const SparseMlaArgs& a) {
         .dim(0, tokens, "T, as q")
         .on(device)
         .no_negative_strides();
+  // The extra cache comes with its indices; its lengths need both.
+  const bool extra = a.extra_kv_cache.defined() || a.extra_kv_cache.ndim > 0;
+  if (extra || a.extra_indices.defined() || a.extra_indices.ndim > 0 || a.extra_topk_length.defined()) {
+    if (!extra) arg(op, "extra_kv_cache", a.extra_kv_cache).fail("is required with extra_indices / extra_topk_length");
+    check_cache(op, "extra_kv_cache", a.extra_kv_cache, device, head);
+    if (a.extra_kv_cache.dtype != a.kv_cache.dtype)
+      arg(op, "extra_kv_cache", a.extra_kv_cache)
+          .fail("must have kv_cache's dtype (" + std::string(dtype_name(a.kv_cache.dtype)) + "), got " +
+                a.extra_kv_cache.describe());
+    require_data(op, "extra_indices", a.extra_indices);
+    const auto extra_indices = arg(op, "extra_indices", a.extra_indices);
+    extra_indices.rank(2, "[T, K2]").dtype_in({DType::i32}).dim(0, tokens, "T, as q").on(device).inner_contiguous();
+    if (a.extra_indices.shape[1] < 1 || a.extra_indices.shape[1] > kMaxTopk)
+      extra_indices.fail("dimension 1 (K2) must be in 1.." + std::to_string(kMaxTopk) + ", got " +
+                         a.extra_indices.describe());
+    if (a.extra_topk_length.defined())
+      arg(op, "extra_topk_length", a.extra_topk_length)
+          .rank(1, "[T]")
+          .dtype_in({DType::i32})
+          .dim(0, tokens, "T, as q")
+          .on(device)
+          .no_negative_strides();
+  }
   check_sink(op, a.attn_sink, heads, device);
   check_scale(op, a.softmax_scale);
   require_data(op, "out", a.out);
@@ -176,7 +199,8 @@ void check(const SparseMlaArgs& a) {
   checks::check_no_overlap(
       op, {{"out", a.out}, {"lse", a.lse}, {"max_logits", a.max_logits}, {"workspace", a.workspace}},
       {{"q", a.q}, {"kv_cache", a.kv_cache}, {"indices", a.indices}, {"topk_length", a.topk_length},
-       {"attn_sink", a.attn_sink}});
+       {"extra_kv_cache", a.extra_kv_cache}, {"extra_indices", a.extra_indices},
+       {"extra_topk_length", a.extra_topk_length}, {"attn_sink", a.attn_sink}});
 }
 
 void check(const PagedMlaDecodeArgs& a) {

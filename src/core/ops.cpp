@@ -75,7 +75,12 @@ void write_mla_cache(const WriteMlaCacheArgs& a, const Backend* b) {
   dispatch("write_mla_cache", a, a.cache.device, b, [&](const Backend& be) { be.write_mla_cache(a); });
 }
 void sparse_mla(const SparseMlaArgs& a, const Backend* b) {
-  dispatch_with_workspace("sparse_mla", a, a.q.device, b, [&](const Backend& be) { be.sparse_mla(a); });
+  dispatch_with_workspace("sparse_mla", a, a.q.device, b, [&](const Backend& be) {
+    if (a.extra_kv_cache.defined() && !be.capabilities().extra_cache)
+      throw Error(ErrorKind::unsupported, "sparse_mla: extra_kv_cache: backend '" + be.name() +
+                                              "' does not attend a second cache (Capabilities::extra_cache)");
+    be.sparse_mla(a);
+  });
 }
 void paged_mla_decode(const PagedMlaDecodeArgs& a, const Backend* b) {
   dispatch_with_workspace("paged_mla_decode", a, a.q.device, b, [&](const Backend& be) { be.paged_mla_decode(a); });

@@ -23,6 +23,7 @@ Capabilities cpu_capabilities() {
   c.topk = {1, kMaxTopk};
   c.ops = {Op::sparse_mla, Op::paged_mla_decode, Op::indexer};
   c.pooled_indexer = true;
+  c.extra_cache = true;
   c.attn_sink = true;
   return c;
 }

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <memory>
 #include <new>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -197,7 +198,8 @@ void run_attention(const Problem& p, const Rows& rows) {
   }
 }
 
-struct SparseRows {
+// Each token's list of slots into one cache.
+struct SlotList {
   const int32_t* indices;
   int64_t index_stride;
   const int32_t* lengths;  // optional
@@ -212,6 +214,21 @@ struct SparseRows {
     int64_t n = 0;
     for (int64_t k = k0; k < k1; ++k)
       if (idx[k] >= 0 && idx[k] < num_slots) list[n++] = cache.slot(idx[k]);
+    return n;
+  }
+};
+
+// A token's positions: its main list, then its extra list (the second cache) when there is one. Rows are pointers,
+// so one softmax runs over both caches whatever their block sizes.
+struct SparseRows {
+  SlotList main;
+  std::optional<SlotList> extra;
+
+  int64_t count(int64_t t) const { return main.count(t) + (extra ? extra->count(t) : 0); }
+  int64_t fill(int64_t t, int64_t k0, int64_t k1, const uint8_t** list) const {
+    const int64_t n_main = main.count(t);
+    int64_t n = main.fill(t, std::min(k0, n_main), std::min(k1, n_main), list);
+    if (extra) n += extra->fill(t, std::max(k0, n_main) - n_main, std::max(k1, n_main) - n_main, list + n);
     return n;
   }
 };
@@ -297,21 +314,37 @@ void write_mla_cache(const WriteMlaCacheArgs& a) {
   }
 }
 
-void sparse_mla(const SparseMlaArgs& a) {
-  const int64_t tokens = a.q.shape[0], topk = a.indices.shape[1];
-  const auto* lengths = a.topk_length.defined() ? a.topk_length.ptr<const int32_t>() : nullptr;
-  const int64_t length_stride = lengths ? a.topk_length.strides[0] : 0;
+namespace {
+
+// One cache's list of slots per token, its lengths checked against K.
+SlotList slot_list(const TensorView& indices, const TensorView& lengths_view, const TensorView& cache,
+                   const char* lengths_name, const char* k_name) {
+  const int64_t tokens = indices.shape[0], topk = indices.shape[1];
+  const auto* lengths = lengths_view.defined() ? lengths_view.ptr<const int32_t>() : nullptr;
+  const int64_t length_stride = lengths ? lengths_view.strides[0] : 0;
   if (lengths)
     for (int64_t t = 0; t < tokens; ++t) {
       const int32_t len = lengths[t * length_stride];
       if (len < 0 || len > topk)
-        fail("sparse_mla: topk_length: row " + std::to_string(t) + " is " + std::to_string(len) + ", outside [0, " +
-             std::to_string(topk) + "] (K = indices.size(1))");
+        fail("sparse_mla: " + std::string(lengths_name) + ": row " + std::to_string(t) + " is " + std::to_string(len) +
+             ", outside [0, " + std::to_string(topk) + "] (" + k_name + ")");
     }
+  return {indices.ptr<const int32_t>(), indices.strides[0], lengths, length_stride, topk, CacheLayout(cache)};
+}
+
+}  // namespace
+
+void sparse_mla(const SparseMlaArgs& a) {
+  const int64_t tokens = a.q.shape[0];
+  SparseRows rows{slot_list(a.indices, a.topk_length, a.kv_cache, "topk_length", "K = indices.size(1)"),
+                  std::nullopt};
+  if (a.extra_kv_cache.defined())
+    rows.extra = slot_list(a.extra_indices, a.extra_topk_length, a.extra_kv_cache, "extra_topk_length",
+                           "K2 = extra_indices.size(1)");
   Problem p;
   p.tokens = tokens;
   p.heads = static_cast<int>(a.q.shape[1]);
-  p.max_rows = topk;
+  p.max_rows = rows.main.topk + (rows.extra ? rows.extra->topk : 0);
   p.q = &a.q;
   p.out = &a.out;
   p.lse = &a.lse;
@@ -331,8 +364,7 @@ void sparse_mla(const SparseMlaArgs& a) {
   p.scale = a.softmax_scale;
   p.cache_dtype = a.kv_cache.dtype;
   p.head = *mla_head_for_qk_dim(a.q.shape[2]);
-  run_attention(p, SparseRows{a.indices.ptr<const int32_t>(), a.indices.strides[0], lengths, length_stride, topk,
-                              CacheLayout(a.kv_cache)});
+  run_attention(p, rows);
 }
 
 void paged_mla_decode(const PagedMlaDecodeArgs& a) {

@@ -266,14 +266,36 @@ struct SparseCase {
   CacheGeometry cache;
   bool topk_length = false, sink = false, strided = false;
   std::optional<Isa> isa;
+  // A second cache (extra_kv_cache, DeepSeek-V4's compressed cache) with its own geometry and top-k.
+  std::optional<CacheGeometry> extra;
+  int64_t extra_topk = 0;
+  bool extra_topk_length = false;
 };
 
-// A filled sparse_mla problem: token 0 has only invalid indices; token 2 (if any) gets topk_length 0.
+// A filled sparse_mla problem: token 0 has only invalid indices; token 2 (if any) gets topk_length 0. With an
+// extra cache, token 0's extra indices are invalid too (an empty row), token 1's all invalid (the main cache only)
+// and token 2 keeps its whole extra list (the extra cache only).
 struct SparseProblem {
-  Tensor cache, q, indices, topk_length, sink;
+  Tensor cache, q, indices, topk_length, sink, extra_cache, extra_indices, extra_topk_length;
   Outputs o;
   SparseMlaArgs args;
 };
+
+// [tokens, topk] slots drawn from `slots` (duplicates happen), a fifth of them invalid: negative, INT_MAX, or
+// `beyond` (num_slots, or another cache's slot count); the rows of `all_invalid` tokens entirely invalid.
+Tensor make_indices(Rng& rng, int64_t tokens, int64_t topk, bool strided, const std::vector<int64_t>& slots,
+                    const std::vector<int64_t>& beyond, const std::function<bool(int64_t)>& all_invalid) {
+  Tensor indices = alloc({tokens, topk}, DType::i32, strided ? std::vector<int64_t>{topk + 5, 1} : std::vector<int64_t>{});
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t k = 0; k < topk; ++k) {
+      const bool invalid = all_invalid(t) || rng() % 5 == 0;
+      const int32_t invalid_index =
+          rng() % 5 == 0 ? static_cast<int32_t>(beyond[rng() % beyond.size()]) : kInvalidIndices[rng() % 4];
+      indices.view.ptr<int32_t>()[t * indices.view.strides[0] + k] =
+          invalid ? invalid_index : static_cast<int32_t>(slots[rng() % slots.size()]);
+    }
+  return indices;
+}
 
 SparseProblem make_sparse(const SparseCase& c) {
   Rng rng(seed_of(c.name));
@@ -282,15 +304,8 @@ SparseProblem make_sparse(const SparseCase& c) {
   const auto slots = some_slots(rng, num_slots);
   p.cache = make_cache(rng, c.cache, slots);
   p.q = make_q(rng, {c.tokens}, c.heads, c.q_dtype, c.strided, MlaHead{c.cache.rope_dim});
-  p.indices = alloc({c.tokens, c.topk}, DType::i32,
-                    c.strided ? std::vector<int64_t>{c.topk + 5, 1} : std::vector<int64_t>{});
-  for (int64_t t = 0; t < c.tokens; ++t)
-    for (int64_t k = 0; k < c.topk; ++k) {
-      const bool invalid = (t == 0 && c.tokens > 1) || rng() % 5 == 0;
-      const int32_t invalid_index = rng() % 5 == 0 ? static_cast<int32_t>(num_slots) : kInvalidIndices[rng() % 4];
-      p.indices.view.ptr<int32_t>()[t * p.indices.view.strides[0] + k] =
-          invalid ? invalid_index : static_cast<int32_t>(slots[rng() % slots.size()]);  // duplicates happen
-    }
+  p.indices = make_indices(rng, c.tokens, c.topk, c.strided, slots, {num_slots},
+                           [&](int64_t t) { return t == 0 && c.tokens > 1; });
   p.args.q = p.q.view;
   p.args.kv_cache = p.cache.view;
   p.args.indices = p.indices.view;
@@ -299,6 +314,24 @@ SparseProblem make_sparse(const SparseCase& c) {
     for (int64_t t = 0; t < c.tokens; ++t)
       p.topk_length.view.ptr<int32_t>()[t] = t == 2 ? 0 : static_cast<int32_t>(rng() % (c.topk + 1));
     p.args.topk_length = p.topk_length.view;
+  }
+  if (c.extra) {
+    const int64_t extra_slots = c.extra->num_blocks * c.extra->block_size;
+    const auto filled = some_slots(rng, extra_slots);
+    p.extra_cache = make_cache(rng, *c.extra, filled);
+    // The main cache's slot count is an invalid extra index too when it is larger: the slot spaces are separate.
+    p.extra_indices = make_indices(rng, c.tokens, c.extra_topk, c.strided, filled,
+                                   {extra_slots, std::max(extra_slots, num_slots)},
+                                   [&](int64_t t) { return t < 2 && c.tokens > 2; });
+    p.args.extra_kv_cache = p.extra_cache.view;
+    p.args.extra_indices = p.extra_indices.view;
+    if (c.extra_topk_length) {
+      p.extra_topk_length = alloc({c.tokens}, DType::i32);
+      for (int64_t t = 0; t < c.tokens; ++t)
+        p.extra_topk_length.view.ptr<int32_t>()[t] =
+            t == 2 ? static_cast<int32_t>(c.extra_topk) : static_cast<int32_t>(rng() % (c.extra_topk + 1));
+      p.args.extra_topk_length = p.extra_topk_length.view;
+    }
   }
   if (c.sink) {
     p.sink = make_sink(rng, c.heads);
@@ -431,6 +464,50 @@ std::vector<SparseCase> sparse_cases() {
       ++turn;
       cases.push_back(c);
     }
+  // Two caches under one softmax (DeepSeek-V4: 512-wide heads, the value the whole row; and the 576-wide head):
+  // every instruction set x q dtype x cache form, each cache with its own block size ...
+  for (Isa isa : available_isas())
+    for (DType q : {DType::bf16, DType::f16})
+      for (DType cache : {DType::bf16, DType::f16, DType::fp8_ds_mla})
+        for (int rope : {0, kMlaRopeDim}) {
+          SparseCase c;
+          c.name = "extra_" + std::string(cpu::isa_name(isa)) + "_q" + dtype_tag(q) + "_cache" + dtype_tag(cache) +
+                   "_rope" + std::to_string(rope);
+          c.q_dtype = q;
+          c.cache = {cache, 6, 61, cache == DType::bf16 ? 0 : 8, 40, rope};
+          c.extra = CacheGeometry{cache, 5, 2, 0, cache == DType::bf16 ? 16 : 0, rope};
+          c.heads = 20;
+          c.tokens = 5;
+          c.topk = 64;
+          c.extra_topk = 70;
+          c.topk_length = q == DType::bf16;
+          c.extra_topk_length = cache != DType::f16;
+          c.sink = cache != DType::f16;
+          c.strided = cache == DType::bf16;
+          c.isa = isa;
+          cases.push_back(c);
+        }
+  // ... and V4's sizes: 64 / 128 heads, top-k and extra top-k 64 / 576 / 2048, block sizes 1 / 64 / 69 / 576.
+  struct TwoCaches {
+    int heads;
+    int64_t topk, extra_topk, block, extra_block;
+  };
+  for (const TwoCaches& g : {TwoCaches{64, 64, 2048, 64, 1}, TwoCaches{128, 576, 576, 576, 69},
+                             TwoCaches{64, 2048, 64, 1, 576}, TwoCaches{128, 64, 576, 69, 64}}) {
+    SparseCase c;
+    c.name = "extra_v4_heads" + std::to_string(g.heads) + "_topk" + std::to_string(g.topk) + "_" +
+             std::to_string(g.extra_topk) + "_block" + std::to_string(g.block) + "_" + std::to_string(g.extra_block);
+    c.cache = {DType::bf16, 4096 / g.block + 1, g.block, 0, 0, 0};
+    c.extra = CacheGeometry{DType::bf16, 1024 / g.extra_block + 1, g.extra_block, 0, 0, 0};
+    c.heads = g.heads;
+    c.tokens = 3;
+    c.topk = g.topk;
+    c.extra_topk = g.extra_topk;
+    c.topk_length = g.heads == 64;
+    c.extra_topk_length = true;
+    c.sink = true;
+    cases.push_back(c);
+  }
   return cases;
 }
 
@@ -901,6 +978,74 @@ TEST(SparseMlaErrors, NameTheArgument) {
   for (TensorView* t : {&gpu.q, &gpu.kv_cache, &gpu.indices, &gpu.topk_length, &gpu.attn_sink, &gpu.out, &gpu.lse})
     t->device = Device::cuda(90);
   expect_error([&] { sparse_mla(gpu, &backend_for(Device::cpu())); }, "sparse_mla: backend 'cpu' does not run on sm_90");
+}
+
+// The extra cache's arguments, and a backend that does not declare it refusing it.
+TEST(SparseMlaErrors, ExtraCacheNamesTheArgument) {
+  SparseCase c;
+  c.name = "extra_errors";
+  c.cache.rope_dim = 0;
+  c.extra = CacheGeometry{DType::bf16, 3, 5, 0, 0, 0};
+  c.extra_topk = 9;
+  c.extra_topk_length = true;
+  SparseProblem p = make_sparse(c);
+  const SparseMlaArgs good = p.args;
+  ASSERT_NO_THROW(sparse_mla(good));
+  const auto bad = [&](const std::function<void(SparseMlaArgs&)>& mutate, const std::string& needle) {
+    SparseMlaArgs a = good;
+    mutate(a);
+    expect_error([&] { sparse_mla(a); }, needle);
+  };
+  bad([](auto& a) { a.extra_kv_cache = TensorView(); }, "sparse_mla: extra_kv_cache: is required with extra_indices");
+  bad([](auto& a) { a.extra_indices = TensorView(); }, "sparse_mla: extra_indices: is required");
+  bad([](auto& a) { a.extra_kv_cache.dtype = DType::f16; }, "sparse_mla: extra_kv_cache: must have kv_cache's dtype");
+  bad([](auto& a) { a.extra_kv_cache.shape[2] = 576; }, "sparse_mla: extra_kv_cache: dimension 2");
+  bad([](auto& a) { a.extra_kv_cache.strides[1] = 100; }, "sparse_mla: extra_kv_cache: row stride");
+  bad([](auto& a) { a.extra_kv_cache.device = Device::cuda(90); }, "sparse_mla: extra_kv_cache: is on sm_90");
+  bad([](auto& a) { a.extra_indices.dtype = DType::i64; }, "sparse_mla: extra_indices: expected dtype");
+  bad([](auto& a) { a.extra_indices.shape[0] = 2; }, "sparse_mla: extra_indices: dimension 0");
+  bad([](auto& a) { a.extra_indices.shape[1] = 0; }, "sparse_mla: extra_indices: dimension 1 (K2)");
+  bad([](auto& a) { a.extra_topk_length.shape[0] = 2; }, "sparse_mla: extra_topk_length: dimension 0");
+  bad([](auto& a) { a.extra_topk_length.dtype = DType::i64; }, "sparse_mla: extra_topk_length: expected dtype");
+  bad([&](auto& a) { a.out = p.extra_cache.view; }, "sparse_mla: out");
+  p.extra_topk_length.view.ptr<int32_t>()[1] = 10;
+  expect_error([&] { sparse_mla(good); }, "sparse_mla: extra_topk_length: row 1 is 10, outside [0, 9] (K2");
+  p.extra_topk_length.view.ptr<int32_t>()[1] = -3;
+  expect_error([&] { sparse_mla(good); }, "sparse_mla: extra_topk_length: row 1 is -3");
+  p.extra_topk_length.view.ptr<int32_t>()[1] = 0;
+  // An output written over an extra input is refused like one over kv_cache.
+  SparseMlaArgs aliased = good;
+  aliased.lse = TensorView(p.extra_indices.view.data, {c.tokens, c.heads}, DType::f32);
+  expect_error([&] { sparse_mla(aliased); }, "sparse_mla: lse");
+  // A backend that does not declare extra_cache refuses the second cache instead of ignoring it.
+  class OneCache final : public Backend {
+   public:
+    OneCache() {
+      caps_ = backend_for(Device::cpu()).capabilities();
+      caps_.name = "one_cache";
+      caps_.extra_cache = false;
+    }
+    const Capabilities& capabilities() const override { return caps_; }
+    void write_mla_cache(const WriteMlaCacheArgs&) const override {}
+    void sparse_mla(const SparseMlaArgs&) const override { ADD_FAILURE() << "sparse_mla ran"; }
+    void paged_mla_decode(const PagedMlaDecodeArgs&) const override {}
+    void write_index_cache(const WriteIndexCacheArgs&) const override {}
+    void indexer_topk(const IndexerTopkArgs&) const override {}
+    void positions_to_slots(const PositionsToSlotsArgs&) const override {}
+
+   private:
+    Capabilities caps_;
+  } one_cache;
+  try {
+    sparse_mla(good, &one_cache);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::unsupported);
+    EXPECT_NE(std::string(e.what()).find("sparse_mla: extra_kv_cache: backend 'one_cache' does not attend a second "
+                                         "cache"),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 TEST(PagedMlaDecodeErrors, NameTheArgument) {
