@@ -27,7 +27,8 @@ MAX_LEN = 64
 
 
 # Steps covering what a server meets: a prefill leaving tails behind, decodes crossing pool boundaries through
-# the tail cache, a prefill in two chunks, a chunk starting inside a pool, draft tokens. (decodes, prefills, split)
+# the tail cache, a prefill in two chunks, a chunk starting inside a pool, draft tokens, decodes of unequal
+# lengths. (decodes, prefills, split)
 STEPS = [
     ([], [(0, 23), (1, 9), (2, 2)], None),
     ([(0, 1), (1, 1), (2, 1)], [(3, 13)], 5),
@@ -36,8 +37,9 @@ STEPS = [
     ([(0, 2), (1, 2), (2, 2), (3, 2), (4, 2)], [], None),
     ([(0, 2), (1, 2), (2, 2), (3, 2), (4, 2)], [], None),
     ([(0, 1), (1, 1), (2, 1), (3, 1), (4, 1)], [], None),
+    ([(0, 2), (1, 1), (2, 2), (3, 1)], [(4, 3)], None),  # drafts accepted unequally: decode rows of unequal lengths
 ]
-STEPS_DONE = [31, 17, 10, 19, 20]  # each request's tokens after STEPS
+STEPS_DONE = [33, 18, 12, 20, 23]  # each request's tokens after STEPS
 
 #: Stand-ins for vLLM's metadata classes (vllm/v1/attention/backends/mla/indexer.py): the same fields.
 STAND_INS = SimpleNamespace(Metadata=SimpleNamespace, Decode=SimpleNamespace, Prefill=SimpleNamespace,
@@ -71,7 +73,7 @@ class Model:
         return int(self.table[r, p // ROWS]) * ROWS + p % ROWS
 
     def step(self, call, decodes, prefills, split=None):
-        """decodes: (request, new tokens, the same for all); prefills: (request, new tokens), in one chunk or two
+        """decodes: (request, new tokens); prefills: (request, new tokens), in one chunk or two
         parted at prefill token ``split``. ``call(meta, tail_meta, q, k, weights, gate, ape, positions)`` runs the
         indexer (k and gate padded past the batch, as vLLM pads them to the CUDA-graph batch) and returns the
         buffer. Returns the batch's (request, position) per token, q and weights."""
@@ -92,14 +94,15 @@ class Model:
         decode_tokens = sum(new for _, new in decodes)
         decode = None
         if decodes:
-            next_n = decodes[0][1]
-            assert all(new == next_n for _, new in decodes)
-            # Per token, whole pools of its context ([B, next_n]; [B, 1] without drafts), as vLLM divides them.
-            seq_lens = int32([[(self.done[r] + j + 1) // KPOOL for j in range(next_n)] for r, _ in decodes], dev)
+            next_n = max(new for _, new in decodes)
+            # Whole pools of each token's context, [B, next_n] ([B, 1] without drafts) as vLLM divides them; with
+            # unequal query lengths a request's tokens are its row's last columns (vLLM's padded native layout).
+            seq_lens = int32([[max(self.done[r] + new - next_n + j + 1, 0) // KPOOL for j in range(next_n)]
+                              for r, new in decodes], dev)
             decode = cls.Decode(
                 block_table=torch.from_numpy(self.table[[r for r, _ in decodes]]).to(dev), seq_lens=seq_lens,
-                decode_lens=int32([next_n] * len(decodes), dev), requires_padding=False,
-                schedule_metadata=torch.empty(0))
+                decode_lens=int32([new for _, new in decodes], dev),
+                requires_padding=any(new != next_n for _, new in decodes), schedule_metadata=torch.empty(0))
         prefill = None
         if prefills:  # the requests' pools laid end to end
             pools = [(self.done[r] + new) // KPOOL for r, new in prefills]

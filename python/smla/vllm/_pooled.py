@@ -55,7 +55,8 @@ def select(meta: Any, kv_cache: torch.Tensor, q_quant: torch.Tensor, weights: to
     topk_indices_buffer[:n] = -1
     ones = torch.ones(q_quant.shape[:2], dtype=torch.float32, device=q_quant.device)  # vLLM's weights hold q_scale
     context = (positions[:n] + 1).to(torch.int32)
-    for rows, request_ids, block_table, pools in topk_groups(meta, q_quant.device):
+    decode_pools = torch.div(context[:meta.num_decode_tokens], kpool, rounding_mode="floor")
+    for rows, request_ids, block_table, pools in topk_groups(meta, q_quant.device, decode_pools):
         top = smla.indexer_topk(q_quant[rows], weights[rows], kv_cache, request_ids, block_table, pools,
                                 topk=topk_tokens // kpool, q_scale=ones[rows])
         smla.pools_to_positions(top, context[rows], kpool=kpool, out=topk_indices_buffer[rows, :width])

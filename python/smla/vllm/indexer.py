@@ -82,19 +82,28 @@ def run(meta: Any, kv_cache: torch.Tensor, q_quant: torch.Tensor, k: Optional[to
     return topk_indices_buffer
 
 
-def topk_groups(meta: Any, device: torch.device) -> Iterator[Tuple[slice, torch.Tensor, torch.Tensor, torch.Tensor]]:
+def topk_groups(meta: Any, device: torch.device, decode_contexts: Optional[torch.Tensor] = None
+                ) -> Iterator[Tuple[slice, torch.Tensor, torch.Tensor, torch.Tensor]]:
     """vLLM's indexer metadata as ``smla.indexer_topk``'s arguments, per group of rows (the decode tokens, then
     each prefill chunk): (rows, request_ids, block_table, context_lens int32), the context lengths in the index
-    cache's entries as vLLM's metadata counts them (tokens; whole pools for a pooled cache). No host sync."""
+    cache's entries as vLLM's metadata counts them (tokens; whole pools for a pooled cache). With
+    ``decode_contexts`` (each decode token's context, known to the caller) decode requests may have unequal query
+    lengths. No host sync."""
     if meta.num_decodes > 0:
         decode = meta.decode
-        if decode.requires_padding:
+        if decode_contexts is not None:
+            # decode_lens: the tokens of each block-table row (a request's, or one token's when vLLM flattens).
+            rows = torch.arange(decode.block_table.shape[0], dtype=torch.int32, device=device)
+            requests = torch.repeat_interleave(rows, decode.decode_lens.long(), output_size=meta.num_decode_tokens)
+            yield slice(0, meta.num_decode_tokens), requests, decode.block_table, decode_contexts.to(torch.int32)
+        elif decode.requires_padding:
             raise NotImplementedError("smla's vLLM indexer: decode requests of unequal query lengths")
-        # seq_lens: [B] (one row per request, or per token when vLLM flattens) or [B, next_n] per token.
-        batch = decode.seq_lens.shape[0]
-        next_n = decode.seq_lens.shape[1] if decode.seq_lens.dim() == 2 else 1
-        requests = torch.arange(batch * next_n, dtype=torch.int32, device=device) // next_n
-        yield slice(0, batch * next_n), requests, decode.block_table, decode.seq_lens.reshape(-1).to(torch.int32)
+        else:
+            # seq_lens: [B] (one row per request, or per token when vLLM flattens) or [B, next_n] per token.
+            batch = decode.seq_lens.shape[0]
+            next_n = decode.seq_lens.shape[1] if decode.seq_lens.dim() == 2 else 1
+            requests = torch.arange(batch * next_n, dtype=torch.int32, device=device) // next_n
+            yield slice(0, batch * next_n), requests, decode.block_table, decode.seq_lens.reshape(-1).to(torch.int32)
     if meta.num_prefills > 0:
         for chunk in meta.prefill.chunks:
             if chunk.token_end == chunk.token_start:

@@ -16,7 +16,8 @@ pools with DeepGEMM's MQA-logits kernels, which do not run on those GPUs. There 
   Where every pool fits, vLLM writes the causal positions in order; smla writes the same positions in score order.
 
 Refused (NotImplementedError, with the reason): fp4 index caches, context parallelism, a missing tail cache or
-positions, keys written elsewhere (``skip_k_cache_insert``), decode requests of unequal query lengths.
+positions, keys written elsewhere (``skip_k_cache_insert``). Decode requests may have unequal query lengths
+(draft tokens): each decode token's context comes from its position.
 """
 
 import logging
