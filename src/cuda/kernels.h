@@ -10,13 +10,24 @@ void write_mla_cache(const WriteMlaCacheArgs& args);
 // heads and from 16 query tokens on, where the device fits it, else the 16-head-tile kernel), or forced (tests, benchmarks). For the
 // small-heads kernel, values > 0 force its pipeline depth (`stages`, 2-4), heads per CTA (8 or 16) and at 8 heads
 // per CTA the split of the output dims between 1 or 2 warps (an error where the device cannot hold the result).
+// `splits` > 0 forces the number of splits of each row's keys (at most one per chunk of keys; 1: unsplit); a
+// caller's workspace too small for the forced plan is an error.
 enum class AttentionKernel { automatic, head_tile, small_heads };
 struct AttentionChoice {
   AttentionKernel kernel = AttentionKernel::automatic;
-  int stages = 0, heads_per_cta = 0, split_dims = 0;
+  int stages = 0, heads_per_cta = 0, split_dims = 0, splits = 0;
 };
 void sparse_mla(const SparseMlaArgs& args, AttentionChoice choice = {});
 void paged_mla_decode(const PagedMlaDecodeArgs& args, AttentionChoice choice = {});
+// What those launch for these args and choice on the current device (tests, benchmarks): the kernel (head_tile or
+// small_heads), its pipeline depth, dynamic shared memory and resident CTAs per SM, and how many splits each row's
+// keys take (> 1: partial results, then the combine kernel).
+struct AttentionPlan {
+  AttentionKernel kernel = AttentionKernel::automatic;
+  int stages = 0, smem = 0, ctas_per_sm = 0, num_splits = 1;
+};
+AttentionPlan sparse_mla_plan(const SparseMlaArgs& args, AttentionChoice choice = {});
+AttentionPlan paged_mla_decode_plan(const PagedMlaDecodeArgs& args, AttentionChoice choice = {});
 void write_index_cache(const WriteIndexCacheArgs& args);
 void positions_to_slots(const PositionsToSlotsArgs& args);
 void write_pooled_index_cache(const WritePooledIndexCacheArgs& args);

@@ -16,6 +16,7 @@
 #include <set>
 
 #include "core/numeric.h"
+#include "cuda/common/runtime.h"
 #include "cuda/kernels.h"
 #include "gpu/gpu_util.h"
 #include "reference/indexer_reference.h"
@@ -214,12 +215,9 @@ TEST(CudaIndexer, TopkMatchesCpu) {
 // heads leave padding columns in wgmma's N. The worst error of each way is
 // printed.
 TEST(CudaIndexer, ScoresOfEachMmaMatchFloat64) {
-  int device = 0, major = 0, minor = 0;
-  CUDA_OK(cudaGetDevice(&device));
-  CUDA_OK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  CUDA_OK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  // The arch as the launch code sees it (an emulated one under SMLA_CUDA_EMULATE).
   std::vector<cuda::ScoreMma> kinds = {cuda::ScoreMma::bf16, cuda::ScoreMma::automatic};
-  if (major * 10 + minor >= 89) kinds.push_back(cuda::ScoreMma::fp8);
+  if (cuda::current_device().compute_capability >= 89) kinds.push_back(cuda::ScoreMma::fp8);
   struct Case {
     int heads, block_size, max_blocks, tokens;
   };
@@ -708,11 +706,8 @@ std::vector<CraftedRow> crafted_rows() {
 // The ways to force select_topk to share rows, and not: thread block clusters only where the device has them
 // (SM90+; elsewhere select_topk refuses them), so they are skipped on older devices.
 std::vector<cuda::TopkSplit> forced_splits() {
-  int device = 0, major = 0;
-  cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
   std::vector<cuda::TopkSplit> splits = {cuda::TopkSplit::one_cta, cuda::TopkSplit::slices};
-  if (major >= 9) splits.push_back(cuda::TopkSplit::cluster);
+  if (cuda::current_device().compute_capability >= 90) splits.push_back(cuda::TopkSplit::cluster);
   return splits;
 }
 
