@@ -307,6 +307,56 @@ def test_cuda_runs_on_the_current_stream_and_in_cuda_graphs(rng):
 
 @cuda
 @needs_custom_ops
+def test_cuda_pooled_indexer_ops_match_the_cpu_and_are_captured(rng):
+    """The pooled indexer's torch ops on CUDA tensors: rotate_index_q bit-identical to the CPU (docs/ops.md),
+    pools_to_positions equal, the pooled keys within one e4m3 step of the CPU's; then all three captured in a CUDA
+    graph and replayed with new inputs, equal to eager calls."""
+    from reference import index_cache_keys
+
+    k, gate, ape, slots, cache, top, ctx, q = pooled_case(rng)
+    args = [to_torch(a, "cuda") for a in (k, gate, ape, slots, cache, top, ctx, q)]
+    gk, ggate, gape, gslots, gcache, gtop, gctx, gq = args
+
+    def step(cache, top, q):
+        smla.write_pooled_index_cache(gk, ggate, gape, gslots, cache)
+        return smla.pools_to_positions(top, gctx, kpool=4), smla.rotate_index_q(q)
+
+    positions, (q_out, q_scale) = step(gcache, gtop, gq)
+    want_cache = smla.write_pooled_index_cache(k, gate, ape, slots, cache.copy())
+    np.testing.assert_array_equal(to_numpy(positions), smla.pools_to_positions(top, ctx, kpool=4))
+    want_q, want_scale = smla.rotate_index_q(q)
+    np.testing.assert_array_equal(to_numpy(q_out), want_q)
+    np.testing.assert_array_equal(to_numpy(q_scale), want_scale)
+    got_keys, got_scales = index_cache_keys(to_numpy(gcache))
+    want_keys, want_scales = index_cache_keys(want_cache)
+    written = np.unique(slots[slots >= 0])
+    got, want = got_keys[written] * got_scales[written, None], want_keys[written] * want_scales[written, None]
+    assert np.all(np.abs(got - want) <= 2.0**-3 * np.abs(want) + want_scales[written, None] * 2.0**-9)
+    unwritten = np.setdiff1d(np.arange(16), written)
+    assert np.isnan(got_keys[unwritten]).all()  # the NaN fill of slots no pool names (and the skipped one's) stays
+
+    static_top, static_q, static_cache = gtop.clone(), gq.clone(), torch.zeros_like(gcache)
+    capture = torch.cuda.Stream()
+    capture.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(capture):
+        step(static_cache, static_top, static_q)  # an eager call on the capture stream first
+    torch.cuda.current_stream().wait_stream(capture)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=capture):
+        g_positions, (g_q, g_scale) = step(static_cache, static_top, static_q)
+    static_top.copy_(torch.randint(-2, 9, gtop.shape, dtype=torch.int32, device="cuda"))
+    static_q.copy_(torch.randn_like(gq.float()).to(gq.dtype))
+    static_cache.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    eager_cache = torch.zeros_like(gcache)
+    want_positions, (want_gq, want_gscale) = step(eager_cache, static_top, static_q)
+    assert torch.equal(g_positions, want_positions) and torch.equal(g_q, want_gq) and torch.equal(g_scale, want_gscale)
+    assert torch.equal(static_cache, eager_cache)
+
+
+@cuda
+@needs_custom_ops
 def test_cuda_torch_compile(rng):
     q, cache, idx = attention_case(rng, fp8=True)
     tq, tc, ti = to_torch(q, "cuda"), to_torch(cache, "cuda").view(torch.float8_e4m3fn), to_torch(idx, "cuda")
