@@ -274,7 +274,8 @@ MlaLayer::MlaLayer(AttentionWeights weights, const LayerOptions& options) : stat
   if (s.is_sparse()) {
     st.index_row = ix == DType::fp8_e4m3 ? kFp8IndexRowBytes : kIndexHeadDim;
     st.index_cache = c.allocate_zeroed(slots / st.kpool * st.index_row * (ix == DType::fp8_e4m3 ? 1 : 2));
-    if (st.kpool > 1) st.pool_pending = static_cast<float*>(c.allocate_zeroed(slots * 2 * kIndexHeadDim * sizeof(float)));
+    if (st.kpool > 1)
+      st.pool_pending = static_cast<float*>(c.allocate_zeroed(slots * 2 * kIndexHeadDim * sizeof(float)));
   }
   for (int b = options.num_blocks - 1; b >= 0; --b) st.free_blocks.push_back(b);
 }

@@ -264,7 +264,8 @@ PooledRows pooled_rows(const AttentionWeights& w, const std::vector<float>& hidd
 TEST(Layer, PooledAppendContextEqualsThePromptsForward) {
   // 10 tokens: 2 whole pools and a tail of 2, which the decode steps complete (the pool's first tokens imported).
   const AttentionSpec spec = test::tiny_pooled_spec(8);
-  const std::vector<float> prompt = random_hidden(5, 10, spec.hidden_size), steps = random_hidden(6, 3, spec.hidden_size);
+  const std::vector<float> prompt = random_hidden(5, 10, spec.hidden_size),
+                           steps = random_hidden(6, 3, spec.hidden_size);
   MlaLayer forwarded(random_weights(spec, 4), {.num_blocks = 8, .block_size = 4});
   MlaLayer imported(random_weights(spec, 4), {.num_blocks = 8, .block_size = 4});
   const int a = forwarded.add_request(), b = imported.add_request();
