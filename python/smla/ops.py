@@ -142,12 +142,16 @@ def _write_mla_cache(latent, k_pe, slot_mapping, cache, kv_cache_dtype, stream, 
 
 
 def _sparse_mla(q, kv_cache, indices, topk_length, attn_sink, softmax_scale, out, lse, kv_cache_dtype, stream,
-                backend, max_logits=None, empty_lse_plus_inf=False, workspace=None) -> None:
+                backend, max_logits=None, empty_lse_plus_inf=False, workspace=None, extra=None) -> None:
+    """`extra`: (extra_kv_cache, extra_indices, extra_topk_length or None), a second cache read as kv_cache is."""
+    cache_dtype = _mla_cache_dtype(kv_cache, kv_cache_dtype)
+    extra_cache, extra_indices, extra_lengths = extra if extra is not None else (None, None, None)
     _smla.sparse_mla(
-        _arrays.export(q), _arrays.export(kv_cache, _mla_cache_dtype(kv_cache, kv_cache_dtype)),
+        _arrays.export(q), _arrays.export(kv_cache, cache_dtype),
         _arrays.export(indices), _arrays.export(topk_length), _arrays.export(attn_sink), _softmax_scale(softmax_scale),
         _arrays.export(out), _arrays.export(lse), _arrays.resolve_stream(q, stream), _backend(backend),
-        _arrays.export(max_logits), empty_lse_plus_inf, _workspace(q, workspace))
+        _arrays.export(max_logits), empty_lse_plus_inf, _workspace(q, workspace),
+        _arrays.export(extra_cache, cache_dtype), _arrays.export(extra_indices), _arrays.export(extra_lengths))
 
 
 def _paged_mla_decode(q, kv_cache, block_table, seq_lens, attn_sink, softmax_scale, causal, out, lse,

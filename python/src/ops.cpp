@@ -63,13 +63,17 @@ void bind_ops(nb::module_& m) {
       "sparse_mla",
       [](nb::handle q, nb::handle kv_cache, nb::handle indices, nb::handle topk_length, nb::handle attn_sink,
          float softmax_scale, nb::handle out, nb::handle lse, uintptr_t stream, const std::string& backend,
-         nb::handle max_logits, bool empty_lse_plus_inf, nb::handle workspace) {
+         nb::handle max_logits, bool empty_lse_plus_inf, nb::handle workspace, nb::handle extra_kv_cache,
+         nb::handle extra_indices, nb::handle extra_topk_length) {
         Importer imp;
         SparseMlaArgs a;
         a.q = imp.input(q, "q");
         a.kv_cache = imp.input(kv_cache, "kv_cache");
         a.indices = imp.input(indices, "indices");
         a.topk_length = imp.input(topk_length, "topk_length");
+        a.extra_kv_cache = imp.input(extra_kv_cache, "extra_kv_cache");
+        a.extra_indices = imp.input(extra_indices, "extra_indices");
+        a.extra_topk_length = imp.input(extra_topk_length, "extra_topk_length");
         a.attn_sink = imp.input(attn_sink, "attn_sink");
         a.softmax_scale = softmax_scale;
         a.out = imp.output(out, "out");
@@ -83,7 +87,8 @@ void bind_ops(nb::module_& m) {
       },
       arg("q"), arg("kv_cache"), arg("indices"), obj("topk_length"), obj("attn_sink"), arg("softmax_scale"),
       arg("out"), arg("lse"), arg("stream") = 0, arg("backend") = "", obj("max_logits") = nb::none(),
-      arg("empty_lse_plus_inf") = false, obj("workspace") = nb::none());
+      arg("empty_lse_plus_inf") = false, obj("workspace") = nb::none(), obj("extra_kv_cache") = nb::none(),
+      obj("extra_indices") = nb::none(), obj("extra_topk_length") = nb::none());
 
   m.def(
       "paged_mla_decode",
