@@ -50,6 +50,9 @@ void check_weights(AttentionWeights& w) {
     require(ix.kpool == 1 || ix.always_select_tail,
             "MlaLayer: spec: a pooled indexer (index_kpool " + std::to_string(ix.kpool) +
                 ") needs index_kpool_always_select_tail true: the layer always attends the incomplete last pool");
+    require(ix.topk % ix.kpool == 0,
+            "MlaLayer: spec: index_topk " + std::to_string(ix.topk) + " must be a multiple of index_kpool " +
+                std::to_string(ix.kpool) + " (top-k picks index_topk / index_kpool pools)");
   }
   for (const models::WeightSlot& slot : models::weight_slots())
     if (slot.needed_by(s)) check_tensor(slot.field(w), slot.field_name, slot.shape(s));

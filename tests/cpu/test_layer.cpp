@@ -309,6 +309,8 @@ TEST(Layer, PooledGeometryErrorsNameTheField) {
   no_tail.indexer->always_select_tail = false;
   test::expect_error([&] { MlaLayer layer(random_weights(no_tail, 1)); }, ErrorKind::invalid_argument,
                      {"needs index_kpool_always_select_tail true"});
+  test::expect_error([&] { MlaLayer layer(random_weights(test::tiny_pooled_spec(6), 1)); },
+                     ErrorKind::invalid_argument, {"MlaLayer: spec: index_topk 6 must be a multiple of index_kpool 4"});
   AttentionWeights w = random_weights(spec, 1);
   w.indexer.kpool_gate = {};
   test::expect_error([&] { MlaLayer layer(w); }, ErrorKind::invalid_argument,
