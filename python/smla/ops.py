@@ -116,7 +116,7 @@ def _torch_ops(x: Tensor) -> Any:
     if _torch_ops_namespace is None:
         from . import torch_ops
 
-        _torch_ops_namespace = torch_ops.ops() if torch_ops.available() else False
+        _torch_ops_namespace = torch_ops.routed() if torch_ops.available() else False
     return _torch_ops_namespace or None
 
 

@@ -12,13 +12,22 @@ They are defined with ``torch.library.Library`` (a schema, one
 CompositeExplicitAutograd kernel, a fake) rather than ``custom_op``, whose
 Python wrapper costs several microseconds more per call: these are
 inference ops, with no autograd formula.
+
+This module is the one place of the schemas and fakes. When the package was
+built against this torch (``pip install --no-build-isolation .`` with torch
+installed), the library ``smla/_torch_ops.so`` then registers C++ kernels
+for the CPU and CUDA keys of the hot ops, which call smla's C++ API with no
+Python in between (python/src/torch_ops.cpp); the Python kernels below
+serve the rest. ``native()`` says whether the C++ kernels are active.
 """
 
-from typing import Any, Optional, Tuple
+import os
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 from torch import Tensor
 
+from . import _smla
 from . import flash_mla as _flash_mla
 from . import ops as _ops
 
@@ -31,9 +40,43 @@ def available() -> bool:
     return _REGISTERED
 
 
+def native() -> bool:
+    """True when the CPU and CUDA kernels of ``torch.ops.smla`` are C++ (smla._torch_ops, built against this
+    torch); False when they are the Python kernels of this module."""
+    return _NATIVE
+
+
 def ops() -> Any:
     """The ``torch.ops.smla`` namespace."""
     return torch.ops.smla
+
+
+class _Routed:
+    """``torch.ops.smla`` as smla's functions call it: the C++ kernels' bad-input errors (ValueError) and
+    unsupported cases (NotImplementedError) come back as smla.InvalidArgumentError / smla.UnsupportedError,
+    as the Python kernels raise them."""
+
+    def __getattr__(self, name: str) -> Callable:
+        op = getattr(torch.ops.smla, name)
+
+        def call(*args):
+            try:
+                return op(*args)
+            except _smla.Error:
+                raise
+            except ValueError as e:
+                raise _smla.InvalidArgumentError(str(e)) from None
+            except NotImplementedError as e:
+                raise _smla.UnsupportedError(str(e)) from None
+
+        setattr(self, name, call)  # found as an attribute from now on: no __getattr__
+        return call
+
+
+def routed() -> Any:
+    """What smla's functions call for torch tensors: ``torch.ops.smla`` itself with the Python kernels, else
+    with the C++ kernels' errors raised as smla's classes."""
+    return _ROUTED
 
 
 def _attention_out(q: Tensor) -> Tuple[Tensor, Tensor]:
@@ -232,4 +275,23 @@ def _register() -> bool:
     return True
 
 
+def _load_native() -> bool:
+    """Loads smla/_torch_ops.so when it is there and matches this torch; SMLA_TORCH_OPS=python keeps the Python
+    kernels (to compare the two)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_torch_ops.so")
+    if not _REGISTERED or os.environ.get("SMLA_TORCH_OPS") == "python" or not os.path.exists(path):
+        return False
+    try:
+        torch.ops.load_library(path)
+    except OSError as e:  # built against another torch: its symbols are missing
+        import warnings
+
+        warnings.warn(f"smla: {path} does not load with torch {torch.__version__} ({e}); torch.ops.smla runs the "
+                      "Python kernels. Rebuild smla with `pip install --no-build-isolation .` against this torch.")
+        return False
+    return True
+
+
 _REGISTERED = _register()
+_NATIVE = _load_native()
+_ROUTED = _Routed() if _NATIVE else torch.ops.smla
