@@ -343,6 +343,28 @@ TEST(Registry, GlobalHoldsTheCpuBackend) {
   EXPECT_THROW(dup.add(std::make_unique<DeclaredBackend>(cpu_like())), Error);
 }
 
+// The backend an op runs on when given none: the first of the device kind's priority list that runs on that kind,
+// kept up to date as backends are added and the lists change (the ops look nothing up by name per call).
+TEST_F(Select, BackendForFollowsThePriorityLists) {
+  EXPECT_EQ(backend_for(Device::cuda(90), registry).name(), "hopper_sparse");
+  EXPECT_EQ(backend_for(Device::cpu(), registry).name(), "cpu_like");
+  registry.set_priority(DeviceKind::cuda, {"cpu_like", "mma_sparse"});  // a CPU backend is skipped for a GPU
+  EXPECT_EQ(backend_for(Device::cuda(90), registry).name(), "mma_sparse");
+  registry.set_priority(DeviceKind::cuda, {});  // then the registration order
+  EXPECT_EQ(backend_for(Device::cuda(90), registry).name(), "mma_sparse");
+  Registry cpu_only;
+  EXPECT_THROW(backend_for(Device::cpu(), cpu_only), Error);
+  cpu_only.add(std::make_unique<DeclaredBackend>(cpu_like()));
+  EXPECT_EQ(backend_for(Device::cpu(), cpu_only).name(), "cpu_like");
+  try {
+    backend_for(Device::cuda(90), cpu_only);
+    ADD_FAILURE() << "no GPU backend, yet one was returned";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::unsupported);
+    EXPECT_NE(std::string(e.what()).find("no backend in this build runs on"), std::string::npos) << e.what();
+  }
+}
+
 // The ops' limits and cache formats are written once (smla/ops.h, smla/types.h): every backend declares at most
 // them, the CPU backend (the reference) all of them, and the messages list them.
 TEST(Registry, BackendsDeclareTheOpsLimitsAndCacheFormats) {
