@@ -428,7 +428,6 @@ struct MlaLayer::State::Staged {
   int64_t n = 0;
   const float* x = nullptr;  // the chunk's hidden rows
   float* out = nullptr;      // its output rows
-  AttentionPath path = AttentionPath::absorbed;
   const int32_t* positions = nullptr;
   TensorView slots;          // [n] i64: each token's cache slot
   TensorView request_ids;    // [n] i32: each token's block-table row
@@ -467,7 +466,6 @@ MlaLayer::State::Staged MlaLayer::State::stage(const Chunk& chunk, const float* 
   st.n = n;
   st.x = hidden + chunk.row0 * spec.hidden_size;
   st.out = out + chunk.row0 * spec.hidden_size;
-  st.path = path;
   st.max_blocks = max_blocks;
   std::vector<int64_t> slot_mapping(n);
   std::vector<int32_t> context_lens(n), pool_context_lens;
