@@ -501,3 +501,49 @@ def test_cupy_arrays(rng):
     np.testing.assert_allclose(cupy.asnumpy(out).astype(np.float32), want_out.astype(np.float32), atol=2e-3,
                                rtol=1e-2)
     np.testing.assert_allclose(cupy.asnumpy(lse), want_lse, atol=1e-4, rtol=1e-4)
+
+
+def model1_case(rng, b=3, s_q=2, h_q=16, topk=32, extra_topk=24):
+    """DeepSeek-V4 (MODEL1) decode inputs: 512-wide bf16 caches (4 blocks of 16, 6 blocks of 5), indices into each
+    with invalid entries, per-request lengths."""
+    k_cache = (rng.standard_normal((4, 16, 1, LATENT)) / 3).astype(ml_dtypes.bfloat16)
+    extra_k_cache = (rng.standard_normal((6, 5, 1, LATENT)) / 3).astype(ml_dtypes.bfloat16)
+    q = np.clip(rng.standard_normal((b, s_q, h_q, LATENT)), -1, 1).astype(ml_dtypes.bfloat16)
+    indices = rng.integers(-1, 64, size=(b, s_q, topk)).astype(np.int32)
+    extra_indices = rng.integers(-1, 31, size=(b, s_q, extra_topk)).astype(np.int32)  # 30: past the 30 slots
+    topk_length = rng.integers(0, topk + 1, size=b).astype(np.int32)
+    extra_topk_length = rng.integers(0, extra_topk + 1, size=b).astype(np.int32)
+    return q, k_cache, indices, topk_length, extra_k_cache, extra_indices, extra_topk_length
+
+
+def test_flash_mla_model1_torch_tensors_match_numpy(rng):
+    """MODEL1 calls on torch tensors run through the binding (torch.ops.smla has no extra cache): bit-identical to
+    the numpy path."""
+    case = model1_case(rng)
+    q, k_cache, indices, topk_length, extra_k_cache, extra_indices, extra_topk_length = case
+    want_out, want_lse = flash_mla_with_kvcache(q, k_cache, None, None, 512, get_mla_metadata()[0], indices=indices,
+                                                topk_length=topk_length, extra_k_cache=extra_k_cache,
+                                                extra_indices_in_kvcache=extra_indices,
+                                                extra_topk_length=extra_topk_length)
+    t = [to_torch(a) for a in case]
+    out, lse = flash_mla_with_kvcache(t[0], t[1], None, None, 512, get_mla_metadata()[0], indices=t[2],
+                                      topk_length=t[3], extra_k_cache=t[4], extra_indices_in_kvcache=t[5],
+                                      extra_topk_length=t[6])
+    assert isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16 and lse.shape == (3, 16, 2)
+    np.testing.assert_array_equal(to_numpy(out).view(np.uint16), want_out.view(np.uint16))
+    np.testing.assert_array_equal(to_numpy(lse), want_lse)
+
+
+@cuda
+def test_flash_mla_model1_on_cuda_is_refused(rng):
+    """The CUDA backend does not attend a second cache yet: MODEL1 on CUDA tensors is an UnsupportedError, and the
+    same call without the extra cache runs."""
+    q, k_cache, indices, topk_length, extra_k_cache, extra_indices, _ = (
+        to_torch(a, "cuda") for a in model1_case(rng))
+    with pytest.raises(smla.UnsupportedError, match="extra_kv_cache: backend 'cuda_mma' does not attend a second"):
+        flash_mla_with_kvcache(q, k_cache, None, None, 512, get_mla_metadata()[0], indices=indices,
+                               topk_length=topk_length, extra_k_cache=extra_k_cache,
+                               extra_indices_in_kvcache=extra_indices)
+    out, _ = flash_mla_with_kvcache(q, k_cache, None, None, 512, get_mla_metadata()[0], indices=indices,
+                                    topk_length=topk_length)
+    assert out.is_cuda and torch.isfinite(out.float()).all()
