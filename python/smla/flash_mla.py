@@ -139,15 +139,15 @@ def flash_mla_with_kvcache(
     if len(q_shape) != 4:
         raise _smla.InvalidArgumentError(f"q: expected (batch_size, seq_len_q, num_heads_q, 576 | 512), got {q_shape}")
     b, s_q, h_q, d = q_shape
-    _arrays.shape(k_cache, "k_cache")
-    cache = _cache_3d(k_cache)
+    k_shape = _arrays.shape(k_cache, "k_cache")  # read once: shape lookups are the bulk of this function's time
+    _check_heads_k(k_shape)
     topk = _sparse_shapes(b, s_q, indices, topk_length) if indices is not None else None
     extra = _extra_cache(b, s_q, indices, extra_k_cache, extra_indices_in_kvcache, extra_topk_length)
     if isinstance(tile_scheduler_metadata, FlashMLASchedMeta):
         if num_splits is not None:
             raise _smla.InvalidArgumentError("num_splits: must be None with a FlashMLASchedMeta")
         _check_sched_meta(tile_scheduler_metadata, (
-            b, s_q, h_q, int(k_cache.shape[1]), int(k_cache.shape[2]) if len(k_cache.shape) == 4 else 1,
+            b, s_q, h_q, k_shape[1], k_shape[2] if len(k_shape) == 4 else 1,
             bool(causal), bool(is_fp8_kvcache), topk, int(extra[0].shape[1]) if extra else None,
             int(extra[1].shape[2]) if extra else None))
     if softmax_scale is None:
@@ -165,12 +165,13 @@ def flash_mla_with_kvcache(
     # torch.ops.smla has no extra cache: MODEL1 calls take the direct path (eager, not traced by torch.compile).
     torch_ops = _ops._torch_ops(q) if extra is None else None
     if torch_ops is not None:
-        return torch_ops.flash_mla_with_kvcache(q, cache, block_table, cache_seqlens, indices, topk_length, attn_sink,
-                                                _ops._softmax_scale(softmax_scale), bool(causal), kv_cache_dtype,
-                                                backend or "")
+        # k_cache as given: the op takes FlashMLA's 4-D cache (a view less to make here)
+        return torch_ops.flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, indices, topk_length,
+                                                attn_sink, _ops._softmax_scale(softmax_scale), bool(causal),
+                                                kv_cache_dtype, backend or "")
     out = _arrays.empty(q, (b, s_q, h_q, _HEAD_DIM_V))
     lse = _arrays.empty(q, (b, h_q, s_q), "float32")
-    _with_kvcache_into(q, cache, block_table, cache_seqlens, indices, topk_length, attn_sink, softmax_scale, causal,
+    _with_kvcache_into(q, _cache_3d(k_cache, k_shape), block_table, cache_seqlens, indices, topk_length, attn_sink, softmax_scale, causal,
                        kv_cache_dtype, out, lse, backend, extra)
     return out, lse
 
@@ -279,13 +280,17 @@ def _extra_cache(b: int, s_q: int, indices: Optional[Tensor], extra_k_cache: Opt
     return (_select(extra_k_cache, 2, 0) if len(shape) == 4 else extra_k_cache), extra_indices, extra_topk_length
 
 
-def _cache_3d(k_cache: Tensor) -> Tensor:
-    """FlashMLA's (num_blocks, page_block_size, 1, d) cache as smla's (num_blocks, page_block_size, d) view."""
-    if len(k_cache.shape) == 4:
-        if int(k_cache.shape[2]) != 1:
-            raise _smla.InvalidArgumentError(f"k_cache: num_heads_k must be 1 (MLA), got {tuple(k_cache.shape)}")
-        return _select(k_cache, 2, 0)
-    return k_cache
+def _check_heads_k(shape: tuple) -> None:
+    """A 4-D k_cache (num_blocks, page_block_size, num_heads_k, d) has one head (MLA); `shape`: k_cache's."""
+    if len(shape) == 4 and shape[2] != 1:
+        raise _smla.InvalidArgumentError(f"k_cache: num_heads_k must be 1 (MLA), got {shape}")
+
+
+def _cache_3d(k_cache: Tensor, shape: tuple) -> Tensor:
+    """FlashMLA's (num_blocks, page_block_size, 1, d) cache as smla's (num_blocks, page_block_size, d) view;
+    `shape`: k_cache's. (python/src/torch_ops.cpp does the same for torch.ops.smla.flash_mla_with_kvcache.)"""
+    _check_heads_k(shape)
+    return _select(k_cache, 2, 0) if len(shape) == 4 else k_cache
 
 
 def _select(x: Tensor, dim: int, index: int) -> Tensor:

@@ -171,6 +171,7 @@ def _dsa_decode_step(q, kv_cache, index_q, index_weights, index_cache, request_i
 def _flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, indices, topk_length, attn_sink, softmax_scale,
                             causal, kv_cache_dtype="auto", backend=""):
     out, lse = _kvcache_out(q)
+    k_cache = _flash_mla._cache_3d(k_cache, tuple(k_cache.shape))  # FlashMLA's 4-D cache too
     _flash_mla._with_kvcache_into(q, k_cache, block_table, cache_seqlens, indices, topk_length, attn_sink,
                                   softmax_scale, causal, kv_cache_dtype, out, lse, backend)
     return out, lse

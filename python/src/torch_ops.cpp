@@ -397,16 +397,27 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> dsa_decode_step_kernel(
   });
 }
 
+// A shape as Python prints a tuple: "(4, 64, 1, 576)".
+std::string py_tuple(at::IntArrayRef sizes) {
+  std::string s = "(";
+  for (size_t i = 0; i < sizes.size(); ++i) s += (i ? ", " : "") + std::to_string(sizes[i]);
+  return s + (sizes.size() == 1 ? ",)" : ")");
+}
+
 // smla.flash_mla: out (b, s_q, h_q, 512) and lse (b, h_q, s_q), the kernels writing lse through a (b, s_q, h_q)
 // view, +inf where a query has nothing to attend. Sparse: one sparse_mla per new token j, whose tokens are the
-// requests; a per-request topk_length (b,) serves every j, a (b, s_q) one is taken per j.
+// requests; a per-request topk_length (b,) serves every j, a (b, s_q) one is taken per j. FlashMLA's 4-D cache
+// (num_blocks, page_block_size, 1, d) is viewed as smla's 3-D one (smla.flash_mla._cache_3d).
 std::tuple<Tensor, Tensor> flash_mla_with_kvcache_kernel(
-    const Tensor& q, const Tensor& k_cache, const OptTensor& block_table, const OptTensor& cache_seqlens,
+    const Tensor& q, const Tensor& k_cache_arg, const OptTensor& block_table, const OptTensor& cache_seqlens,
     const OptTensor& indices, const OptTensor& topk_length, const OptTensor& attn_sink, double softmax_scale,
     bool causal, c10::string_view kv_cache_dtype, c10::string_view backend) {
   return translated([&] {
+    if (k_cache_arg.dim() == 4 && k_cache_arg.size(2) != 1)
+      fail("k_cache: num_heads_k must be 1 (MLA), got " + py_tuple(k_cache_arg.sizes()));
+    const Tensor k_cache = k_cache_arg.dim() == 4 ? k_cache_arg.select(2, 0) : k_cache_arg;
     require(q.dim() >= 3, "q: expected (batch_size, seq_len_q, num_heads_q, 576 | 512), got " +
-                              c10::str(q.sizes()));
+                              py_tuple(q.sizes()));
     const int64_t b = q.size(0), s_q = q.size(1), h_q = q.size(2);
     Tensor out = at::empty({b, s_q, h_q, kLatentDim}, q.options());
     Tensor lse = at::empty({b, h_q, s_q}, q.options().dtype(at::kFloat));
@@ -417,7 +428,7 @@ std::tuple<Tensor, Tensor> flash_mla_with_kvcache_kernel(
       return std::make_tuple(out, lse);
     }
     require(indices->dim() >= 2, "indices: expected (batch_size, seq_len_q, topk), got " +
-                                     c10::str(indices->sizes()));
+                                     py_tuple(indices->sizes()));
     const bool per_token_lengths = topk_length && topk_length->dim() == 2;
     for (int64_t j = 0; j < s_q; ++j) {
       const OptTensor lengths = per_token_lengths ? OptTensor(topk_length->select(1, j)) : topk_length;
@@ -437,7 +448,7 @@ std::tuple<Tensor, Tensor, Tensor> flash_mla_sparse_fwd_kernel(const Tensor& q, 
   return translated([&] {
     auto [out, lse] = attention_out(q);
     Tensor max_logits = at::empty_like(lse);
-    require(indices.dim() >= 2, "indices: expected (s_q, h_kv, topk), got " + c10::str(indices.sizes()));
+    require(indices.dim() >= 2, "indices: expected (s_q, h_kv, topk), got " + py_tuple(indices.sizes()));
     sparse_mla_into(q, kv, indices.select(1, 0), topk_length, attn_sink, sm_scale, out, lse, "auto", backend,
                     max_logits, /*empty_lse_plus_inf=*/true);
     return std::make_tuple(out, max_logits, lse);

@@ -137,8 +137,9 @@ def test_flash_mla_ops_match_the_python_kernels():
     q = torch.randn(b, s_q, heads, QK, generator=g).to(torch.bfloat16)
     indices = sparse_indices(g, slots, (b, s_q, topk), 128)
     for lengths in (None, torch.tensor([64, 5], dtype=torch.int32), torch.tensor([[1, 0], [64, 9]], dtype=torch.int32)):
-        args = (q, fp8, None, None, indices, lengths, None, 0.05, False, "fp8_ds_mla")
-        assert_same(torch.ops.smla.flash_mla_with_kvcache(*args), torch_ops._flash_mla_with_kvcache(*args))
+        for cache in (fp8, fp8.unsqueeze(2)):  # smla's 3-D cache and FlashMLA's 4-D one
+            args = (q, cache, None, None, indices, lengths, None, 0.05, False, "fp8_ds_mla")
+            assert_same(torch.ops.smla.flash_mla_with_kvcache(*args), torch_ops._flash_mla_with_kvcache(*args))
     table = torch.randperm(8, generator=g, dtype=torch.int32).view(2, 4)
     clean = torch.randn(8, 16, QK, generator=g).to(torch.bfloat16)  # every position may be read: no NaN
     args = (q, clean, table, torch.tensor([20, 64], dtype=torch.int32), None, None, None, 0.05, True, "auto")
@@ -210,6 +211,8 @@ def test_errors_are_smlas_with_the_python_kernels_messages():
         ("positions_to_slots", (idx, torch.tensor([0, 0], dtype=torch.int32), idx[:, :4], 0)),
         ("write_index_cache", (torch.randn(3, 64), torch.arange(3), torch.zeros(2, 16, 128, dtype=torch.bfloat16))),
         ("sparse_mla", (q, bf16, idx, None, None, 0.05, "auto", "cuda_mma")),  # a GPU backend for CPU tensors
+        ("flash_mla_with_kvcache", (q[:, None], bf16[:, :, None].expand(-1, -1, 2, -1), None, None, idx[:, None],
+                                    None, None, 0.05, False, "auto")),  # two heads in the cache
     ]
     kinds = set()
     for name, args in cases:
