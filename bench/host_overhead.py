@@ -124,6 +124,8 @@ def main() -> None:
             subprocess.run([args.cpp, f.name], check=True, stdout=subprocess.DEVNULL)
             results.update(json.load(open(f.name)))
     names = {"cpp_sparse_mla_us": "C++ API smla::sparse_mla (caller workspace)",
+             "cpp_sparse_mla_no_tokens_us": "  the same with no tokens (checks, no launch)",
+             "cpp_memset_async_us": "  one cudaMemsetAsync (the floor of an enqueue)",
              "torch_ops_sparse_mla_us": "torch.ops.smla.sparse_mla",
              "python_kernel_sparse_mla_us": "its Python kernel (smla.torch_ops._sparse_mla)",
              "smla_sparse_mla_torch_us": "smla.sparse_mla (torch tensors)",
