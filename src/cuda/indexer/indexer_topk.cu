@@ -327,6 +327,67 @@ __device__ void radix_select(ForEachKey for_each_key, int want, int* hist, Scan:
   threshold = prefix;
 }
 
+constexpr int kMaxBucket = 64;  // the most entries in one bucket that place_by_counting takes
+
+// Step 4 without radix passes, where that pays: the chosen entries (keys[j], positions[j] of blocked items i <
+// want) fall in kCoarseBins buckets by the top bits of their key less `lowest` (the lowest chosen; `bits`: the
+// width of the highest less it). A bucket's place is the count of chosen in higher buckets; an entry's, its
+// bucket's plus the count of its bucket's entries that go before it (a higher key, or the same key at a lower
+// position: the order of the stable sort). Calls write(place, position) for each; returns false, having written
+// nothing, when a bucket holds more than kMaxBucket (many equal or close keys: the radix sort costs less then).
+// Uses hist and scan, and `bucketed` (want entries) and `cursor` (kCoarseBins ints) in the free list memory.
+template <int kSortItems, class Write>
+__device__ bool place_by_counting(const uint32_t (&keys)[kSortItems], const int32_t (&positions)[kSortItems], int want,
+                                  uint32_t lowest, int bits, int* hist, Scan::TempStorage& scan, int* largest,
+                                  Entry* bucketed, int* cursor, Write write) {
+  constexpr int kPer = kCoarseBins / kThreads;
+  const int shift = max(0, bits - 12);  // (key - lowest) >> shift < 2^12
+  for (int b = threadIdx.x; b < kCoarseBins; b += kThreads) hist[b] = 0;
+  if (threadIdx.x == 0) *largest = 0;
+  __syncthreads();
+  int bucket[kSortItems];
+#pragma unroll
+  for (int j = 0; j < kSortItems; ++j) {
+    bucket[j] = threadIdx.x * kSortItems + j < want ? static_cast<int>((keys[j] - lowest) >> shift) : -1;
+    if (bucket[j] >= 0) atomicAdd(&hist[bucket[j]], 1);
+  }
+  __syncthreads();
+  // This thread's kPer buckets, from the top: their places (in hist, and the cursors' starts) and the largest.
+  const int hi = kCoarseBins - static_cast<int>(threadIdx.x) * kPer;
+  int local = 0, most = 0;
+  for (int b = hi - 1; b >= hi - kPer; --b) {
+    local += hist[b];
+    most = max(most, hist[b]);
+  }
+  int before;
+  Scan(scan).ExclusiveSum(local, before);
+  most = __reduce_max_sync(0xffffffffu, most);
+  if (threadIdx.x % 32 == 0) atomicMax(largest, most);
+  for (int b = hi - 1; b >= hi - kPer; --b) {
+    const int n = hist[b];
+    hist[b] = cursor[b] = before;
+    before += n;
+  }
+  __syncthreads();
+  if (*largest > kMaxBucket) return false;
+#pragma unroll
+  for (int j = 0; j < kSortItems; ++j)
+    if (bucket[j] >= 0) bucketed[atomicAdd(&cursor[bucket[j]], 1)] = {keys[j], positions[j]};
+  __syncthreads();
+#pragma unroll
+  for (int j = 0; j < kSortItems; ++j) {
+    if (bucket[j] < 0) continue;
+    const int end = cursor[bucket[j]];
+    int place = hist[bucket[j]];
+    for (int m = place; m < end; ++m) {
+      const Entry e = bucketed[m];
+      place += e.key > keys[j] || (e.key == keys[j] && e.pos < positions[j]);
+    }
+    write(place, positions[j]);
+  }
+  return true;
+}
+
 constexpr int kMinSlice = 16384;  // positions per CTA of a shared row, at least (unless forced)
 constexpr int kMaxRanks = 8;      // CTAs per cluster: the portable maximum
 
@@ -447,6 +508,7 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
   __shared__ uint32_t key_range[2];  // the lowest and highest key chosen
   __shared__ int counts[2];          // a cluster rank's selected and candidates
   __shared__ uint32_t candidate_range[2];  // the lowest and highest key of the candidates
+  __shared__ int largest_bucket;           // place_by_counting's
   if (threadIdx.x == 0) {
     key_range[0] = candidate_range[0] = 0xffffffffu;
     key_range[1] = candidate_range[1] = 0;
@@ -588,10 +650,10 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
     rest = list + want;
   }
 
-  // 4. Best first. Both parts are in position order and no key is in both, so
-  // a stable sort leaves equal scores toward the lower position. It sorts the
-  // keys less the lowest chosen, on as many bits as the highest then needs;
-  // the padding past `want` (key 0 too) stays last, being last already.
+  // 4. Best first: by counting where no bucket of close keys holds many (k <= 2048), else by a radix sort. Both
+  // parts are in position order and no key is in both, so a stable sort leaves equal scores toward the lower
+  // position. It sorts the keys less the lowest chosen, on as many bits as the highest then needs; the padding
+  // past `want` (key 0 too) stays last, being last already.
   uint32_t keys[kSortItems];
   int32_t positions[kSortItems];
   uint32_t lowest = 0xffffffffu, highest = 0;
@@ -612,21 +674,28 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
     atomicMin(&key_range[0], lowest);
     atomicMax(&key_range[1], highest);
   }
-  __syncthreads();  // the key range is known; the sort's scratch overwrites the list
+  __syncthreads();  // the key range is known; the counting's or the sort's scratch overwrites the list
+  const int bits = max(1, 32 - __clz(static_cast<int>(key_range[1] - key_range[0])));
+  const int32_t request = p.rows.request(t);
+  const auto write = [&](int nth, int32_t position) {
+    out[nth] = position;
+    if (p.slots) slots[nth] = p.slot_map.slot(request, position);
+  };
+  if constexpr (kSortItems * kThreads <= 2048) {
+    if (place_by_counting(keys, positions, want, key_range[0], bits, hist, scan, &largest_bucket, list,
+                          reinterpret_cast<int*>(list + kSortItems * kThreads), write)) {
+      for (int nth = want + threadIdx.x; nth < p.k; nth += kThreads) write(nth, -1);
+      return;
+    }
+  }
 #pragma unroll
   for (int j = 0; j < kSortItems; ++j) keys[j] = threadIdx.x * kSortItems + j < want ? keys[j] - key_range[0] : 0;
-  const int bits = max(1, 32 - __clz(static_cast<int>(key_range[1] - key_range[0])));
   Sort(*reinterpret_cast<typename Sort::TempStorage*>(smem_raw))
       .SortDescendingBlockedToStriped(keys, positions, 0, bits);
-  const int32_t request = p.rows.request(t);
 #pragma unroll
   for (int j = 0; j < kSortItems; ++j) {
     const int nth = j * kThreads + threadIdx.x;
-    if (nth < p.k) {
-      const int32_t position = nth < want ? positions[j] : -1;
-      out[nth] = position;
-      if (p.slots) slots[nth] = p.slot_map.slot(request, position);
-    }
+    if (nth < p.k) write(nth, nth < want ? positions[j] : -1);
   }
 }
 
