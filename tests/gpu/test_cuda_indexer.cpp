@@ -667,8 +667,9 @@ TEST(CudaIndexer, DsaDecodeStepEqualsItsOpsOnLongRows) {
 // ---------------------------------------------- the top-k stage on crafted rows
 
 // Score rows built to reach every path of the selection: distinct scores
-// (coarse bin, then refine), one fp16 bin holding every score (refine over
-// all), few distinct values and all-equal rows (too many candidates: the exact
+// (coarse bin, then refine few candidates by counting), one fp16 bin holding
+// every score (refine over all by radix), exact ties among few candidates,
+// few distinct values and all-equal rows (too many candidates: the exact
 // select over the row), both signs, zeros of both signs and -inf, rows shorter
 // than k, lengths that are not a multiple of 4, a row too short for every rank
 // of a cluster to own positions, an empty context.
@@ -783,6 +784,8 @@ std::vector<CraftedRow> crafted_rows() {
            }
          }
        }},
+      {"exact ties among few candidates", 8192,
+       [](int64_t, test::Rng& rng) { return static_cast<float>(rng() % 3000); }},
       {"shorter than k", 1000, [uniform](int64_t, test::Rng& rng) { return uniform(rng); }},
       {"nine positions (cluster ranks with none)", 9, [uniform](int64_t, test::Rng& rng) { return uniform(rng); }},
       {"empty context", 0, [](int64_t, test::Rng&) { return 0.f; }},

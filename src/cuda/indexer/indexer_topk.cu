@@ -93,32 +93,27 @@ __device__ __forceinline__ uint32_t half_key(float v) {
 __device__ __forceinline__ int coarse_bin(float v) { return static_cast<int>(half_key(v) >> 4); }
 
 // Calls f(value) for the row's n scores: each thread loads kBatch 16-byte
-// pieces before it uses the first (f's shared-memory atomics would otherwise
-// keep the next load from being issued: one load in flight per thread).
+// pieces (those the row has) before it uses the first (f's shared-memory
+// atomics would otherwise keep the next load from being issued: one load in
+// flight per thread, a trip to memory each).
 template <class F>
 __device__ __forceinline__ void for_each_score(const float* row, int64_t n, F&& f) {
   constexpr int kBatch = 8;
   const float4* row4 = reinterpret_cast<const float4*>(row);
   const int64_t n4 = n / 4;
-  int64_t i = threadIdx.x;
-  for (; i + (kBatch - 1) * kThreads < n4; i += kBatch * kThreads) {
+  for (int64_t i = threadIdx.x; i < n4; i += kBatch * kThreads) {
     float4 v[kBatch];
 #pragma unroll
-    for (int b = 0; b < kBatch; ++b) v[b] = row4[i + b * kThreads];
+    for (int b = 0; b < kBatch; ++b)
+      if (i + b * kThreads < n4) v[b] = row4[i + b * kThreads];
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
+      if (i + b * kThreads >= n4) break;
       f(v[b].x);
       f(v[b].y);
       f(v[b].z);
       f(v[b].w);
     }
-  }
-  for (; i < n4; i += kThreads) {
-    const float4 v = row4[i];
-    f(v.x);
-    f(v.y);
-    f(v.z);
-    f(v.w);
   }
   for (int64_t j = 4 * n4 + threadIdx.x; j < n; j += kThreads) f(row[j]);
 }
@@ -602,10 +597,24 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
       }
     }
     __syncthreads();
-    // 3. The candidates that complete the want.
+    // 3. The candidates that complete the want: few (one a thread or less), each ranked by counting those that go
+    // before it (a higher key, or the same at a lower position), the need best put in that order (equal keys in
+    // position order, as step 4 wants them); else by a radix select.
     const int need = want - above;
     rest = candidates;
-    if (need < in_bin) {
+    if (need < in_bin && in_bin <= kThreads) {
+      rest = candidates + in_bin;
+      if (threadIdx.x < in_bin) {
+        const Entry e = candidates[threadIdx.x];
+        int rank = 0;
+        for (int m = 0; m < in_bin; ++m) {
+          const Entry other = candidates[m];
+          rank += other.key > e.key || (other.key == e.key && other.pos < e.pos);
+        }
+        if (rank < need) rest[rank] = e;
+      }
+      __syncthreads();
+    } else if (need < in_bin) {
       const ListSource cand{candidates, in_bin};
       uint32_t lowest = 0xffffffffu, highest = 0;
       for (int i = threadIdx.x; i < in_bin; i += kThreads) {
@@ -650,9 +659,9 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
     rest = list + want;
   }
 
-  // 4. Best first: by counting where no bucket of close keys holds many (k <= 2048), else by a radix sort. Both
-  // parts are in position order and no key is in both, so a stable sort leaves equal scores toward the lower
-  // position. It sorts the keys less the lowest chosen, on as many bits as the highest then needs; the padding
+  // 4. Best first: by counting where no bucket of close keys holds many (k <= 2048), else by a radix sort. Equal
+  // keys are in position order in both parts and no key is in both, so a stable sort leaves equal scores toward
+  // the lower position. It sorts the keys less the lowest chosen, on as many bits as the highest then needs; the padding
   // past `want` (key 0 too) stays last, being last already.
   uint32_t keys[kSortItems];
   int32_t positions[kSortItems];
