@@ -328,14 +328,16 @@ constexpr int kMaxBucket = 64;  // the most entries in one bucket that place_by_
 // want) fall in kCoarseBins buckets by the top bits of their key less `lowest` (the lowest chosen; `bits`: the
 // width of the highest less it). A bucket's place is the count of chosen in higher buckets; an entry's, its
 // bucket's plus the count of its bucket's entries that go before it (a higher key, or the same key at a lower
-// position: the order of the stable sort). Calls write(place, position) for each; returns false, having written
-// nothing, when a bucket holds more than kMaxBucket (many equal or close keys: the radix sort costs less then).
-// Uses hist and scan, and `bucketed` (want entries) and `cursor` (kCoarseBins ints) in the free list memory.
+// position: the order of the stable sort). Calls write(place, position) for places 0 .. want - 1 in order (thread
+// i the places i, i + kThreads, ...: coalesced stores); returns false, having written nothing, when a bucket holds
+// more than kMaxBucket (many equal or close keys: the radix sort costs less then). Uses hist (16-byte aligned) and
+// scan, and in the free list memory `bucketed` (want entries) and `cursor` (kCoarseBins ints, then want more).
 template <int kSortItems, class Write>
 __device__ bool place_by_counting(const uint32_t (&keys)[kSortItems], const int32_t (&positions)[kSortItems], int want,
                                   uint32_t lowest, int bits, int* hist, Scan::TempStorage& scan, int* largest,
                                   Entry* bucketed, int* cursor, Write write) {
   constexpr int kPer = kCoarseBins / kThreads;
+  static_assert(kPer == 8, "a thread's buckets are two 16-byte pieces");
   const int shift = max(0, bits - 12);  // (key - lowest) >> shift < 2^12
   for (int b = threadIdx.x; b < kCoarseBins; b += kThreads) hist[b] = 0;
   if (threadIdx.x == 0) *largest = 0;
@@ -347,28 +349,38 @@ __device__ bool place_by_counting(const uint32_t (&keys)[kSortItems], const int3
     if (bucket[j] >= 0) atomicAdd(&hist[bucket[j]], 1);
   }
   __syncthreads();
-  // This thread's kPer buckets, from the top: their places (in hist, and the cursors' starts) and the largest.
-  const int hi = kCoarseBins - static_cast<int>(threadIdx.x) * kPer;
+  // This thread's kPer buckets [first, first + kPer), counted from the top: their places (in hist, and the cursors'
+  // starts) and the largest. Read and written as 16-byte pieces: word by word, threads kPer words apart would
+  // meet in a quarter of the banks.
+  const int first = kCoarseBins - (static_cast<int>(threadIdx.x) + 1) * kPer;
+  int4* counts = reinterpret_cast<int4*>(hist + first);
+  const int4 low = counts[0], high = counts[1];
+  const int n[kPer] = {low.x, low.y, low.z, low.w, high.x, high.y, high.z, high.w};
   int local = 0, most = 0;
-  for (int b = hi - 1; b >= hi - kPer; --b) {
-    local += hist[b];
-    most = max(most, hist[b]);
+#pragma unroll
+  for (int b = 0; b < kPer; ++b) {
+    local += n[b];
+    most = max(most, n[b]);
   }
   int before;
   Scan(scan).ExclusiveSum(local, before);
   most = __reduce_max_sync(0xffffffffu, most);
   if (threadIdx.x % 32 == 0) atomicMax(largest, most);
-  for (int b = hi - 1; b >= hi - kPer; --b) {
-    const int n = hist[b];
-    hist[b] = cursor[b] = before;
-    before += n;
+  int at[kPer];
+#pragma unroll
+  for (int b = kPer - 1; b >= 0; --b) {
+    at[b] = before;
+    before += n[b];
   }
+  counts[0] = reinterpret_cast<int4*>(cursor + first)[0] = make_int4(at[0], at[1], at[2], at[3]);
+  counts[1] = reinterpret_cast<int4*>(cursor + first)[1] = make_int4(at[4], at[5], at[6], at[7]);
   __syncthreads();
   if (*largest > kMaxBucket) return false;
 #pragma unroll
   for (int j = 0; j < kSortItems; ++j)
     if (bucket[j] >= 0) bucketed[atomicAdd(&cursor[bucket[j]], 1)] = {keys[j], positions[j]};
   __syncthreads();
+  int* ordered = cursor + kCoarseBins;
 #pragma unroll
   for (int j = 0; j < kSortItems; ++j) {
     if (bucket[j] < 0) continue;
@@ -378,8 +390,10 @@ __device__ bool place_by_counting(const uint32_t (&keys)[kSortItems], const int3
       const Entry e = bucketed[m];
       place += e.key > keys[j] || (e.key == keys[j] && e.pos < positions[j]);
     }
-    write(place, positions[j]);
+    ordered[place] = positions[j];
   }
+  __syncthreads();
+  for (int i = threadIdx.x; i < want; i += kThreads) write(i, ordered[i]);
   return true;
 }
 
@@ -496,7 +510,7 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
   // The entry list, and once the chosen entries are in registers, the sort's scratch.
   extern __shared__ __align__(16) uint8_t smem_raw[];
   Entry* list = reinterpret_cast<Entry*>(smem_raw);
-  __shared__ int hist[kCoarseBins];
+  __shared__ __align__(16) int hist[kCoarseBins];
   __shared__ Scan::TempStorage scan;
   __shared__ WarpTotals totals;
   __shared__ int result[2];
