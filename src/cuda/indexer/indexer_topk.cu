@@ -621,6 +621,7 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
       if (threadIdx.x < in_bin) {
         const Entry e = candidates[threadIdx.x];
         int rank = 0;
+#pragma unroll 8  // loads in flight together: one at a time, 59 candidates took ~1 µs, 175 ~2.5 µs (H200)
         for (int m = 0; m < in_bin; ++m) {
           const Entry other = candidates[m];
           rank += other.key > e.key || (other.key == e.key && other.pos < e.pos);
