@@ -34,6 +34,10 @@ void write_pooled_index_cache(const WritePooledIndexCacheArgs& args);
 void pools_to_positions(const PoolsToPositionsArgs& args);
 void rotate_index_q(const RotateIndexQArgs& args);
 void indexer_topk(const IndexerTopkArgs& args);
+// The step in three kernels: the indexer's scores; the top-k, which writes the slots as well (no
+// positions_to_slots kernel) and on SM90+ is launched as the scores kernel's programmatic dependent (its launch
+// overlaps the scores' last CTAs; it waits for them with griddepcontrol.wait); the attention.
+void dsa_decode_step(const DsaDecodeStepArgs& args);
 
 // Bytes of `workspace` each op needs (Backend::workspace_size); the same args on the same device always give the
 // same size. The ops use the args' workspace when given, else the library's (default_workspace).
@@ -63,7 +67,15 @@ enum class TopkSplit { automatic, one_cta, slices, cluster };
 // Scratch select_topk needs for `split` (the slices' candidate lists; 0 for the other splits). `scratch` holds that
 // many bytes, 16-byte aligned; null: the library's own for the args' stream.
 size_t topk_scratch_bytes(const IndexerTopkArgs& args, TopkSplit split = TopkSplit::automatic);
+// What select_topk does besides the positions, inside dsa_decode_step: `slots` (null: nothing) receives the
+// slots of the chosen positions as positions_to_slots would map them (its positions must be args.topk, its request
+// ids args.request_ids); `after_scores`: the scores kernel was the last launched on the stream, so the top-k may
+// be launched as its programmatic dependent (SM90+, rows not split into slices).
+struct TopkFusion {
+  const PositionsToSlotsArgs* slots = nullptr;
+  bool after_scores = false;
+};
 void select_topk(const IndexerTopkArgs& args, const float* scores, TopkSplit split = TopkSplit::automatic,
-                 void* scratch = nullptr);
+                 void* scratch = nullptr, const TopkFusion& fusion = {});
 
 }  // namespace smla::cuda

@@ -198,10 +198,7 @@ struct SlotsParams {
   int64_t pos_stride;
   const int32_t* request_ids;
   int64_t req_stride;
-  const int32_t* block_table;
-  int64_t table_stride;
-  int64_t num_requests, max_blocks;
-  int block_size;
+  SlotMap map;
   int32_t* slots;
   int64_t slots_stride;
   int64_t tokens, k;
@@ -211,15 +208,7 @@ __global__ void positions_to_slots_kernel(const SlotsParams p) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= p.tokens * p.k) return;
   const int64_t t = i / p.k, c = i % p.k;
-  const int32_t pos = p.positions[t * p.pos_stride + c];
-  const int32_t req = p.request_ids[t * p.req_stride];
-  int32_t slot = -1;
-  if (pos >= 0 && req >= 0 && req < p.num_requests && pos / p.block_size < p.max_blocks) {
-    const int64_t block = p.block_table[req * p.table_stride + pos / p.block_size];
-    const int64_t s = block * p.block_size + pos % p.block_size;
-    if (block >= 0 && s <= INT32_MAX) slot = static_cast<int32_t>(s);
-  }
-  p.slots[t * p.slots_stride + c] = slot;
+  p.slots[t * p.slots_stride + c] = p.map.slot(p.request_ids[t * p.req_stride], p.positions[t * p.pos_stride + c]);
 }
 
 }  // namespace
@@ -321,11 +310,7 @@ void positions_to_slots(const PositionsToSlotsArgs& a) {
   p.pos_stride = a.positions.stride(0);
   p.request_ids = a.request_ids.ptr<int32_t>();
   p.req_stride = a.request_ids.stride(0);
-  p.block_table = a.block_table.ptr<int32_t>();
-  p.table_stride = a.block_table.stride(0);
-  p.num_requests = a.block_table.size(0);
-  p.max_blocks = a.block_table.size(1);
-  p.block_size = a.block_size;
+  p.map = slot_map(a);
   p.slots = a.slots.ptr<int32_t>();
   p.slots_stride = a.slots.stride(0);
   p.tokens = a.positions.size(0);
