@@ -15,7 +15,7 @@ def write_pools(k: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, position
                 pool_slots: torch.Tensor, tail_slots: torch.Tensor, kv_cache: torch.Tensor,
                 tail_cache: torch.Tensor, kpool: int) -> None:
     """Writes the pools this batch completes into ``kv_cache`` and keeps each request's last tokens in
-    ``tail_cache`` (see the module's docstring). ``pool_slots`` [N] (pool slot, or -1) and ``tail_slots`` [N]
+    ``tail_cache`` (smla.vllm.pooled_indexer's docstring says how). ``pool_slots`` [N] (pool slot, or -1) and ``tail_slots`` [N]
     are vLLM's slot mappings of the two caches; the batch's first N rows of ``k``, ``gate`` (bf16 [*, 128]) and
     ``positions`` are its tokens, each request's consecutive. No host sync."""
     n = pool_slots.shape[0]

@@ -57,8 +57,8 @@ def _forward(op: "SmlaSparseAttnIndexerKpool", hidden_states: torch.Tensor, q_qu
     tail_meta = attn_metadata.get(_resolve_layer_name(tail.prefix))
     if tail_meta is None:
         raise NotImplementedError("smla's vLLM pooled indexer needs the tail cache's metadata")
-    return _pooled.run(meta, tail_meta, op.k_cache.kv_cache, tail.kv_cache, q_quant, k, weights, gate_score, compress_ape,
-               positions, op.topk_indices_buffer, op.topk_tokens, index_kpool)
+    return _pooled.run(meta, tail_meta, op.k_cache.kv_cache, tail.kv_cache, q_quant, k, weights, gate_score,
+                       compress_ape, positions, op.topk_indices_buffer, op.topk_tokens, index_kpool)
 
 
 class SmlaSparseAttnIndexerKpool(SparseAttnIndexerKpool):
