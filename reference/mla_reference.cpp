@@ -142,7 +142,7 @@ RefAttention ref_sparse_mla(const SparseMlaArgs& a) {
       if (slot >= 0 && slot < num_slots) rows.push_back(ref_cache_row(a.kv_cache, slot, head_of(a.q)));
     }
     // The extra cache's rows join the same softmax.
-    if (a.extra_kv_cache.defined()) {
+    if (a.extra_indices.defined()) {
       const int64_t extra_slots = a.extra_kv_cache.shape[0] * a.extra_kv_cache.shape[1];
       int64_t extra_len = a.extra_indices.shape[1];
       if (a.extra_topk_length.defined())

@@ -76,7 +76,7 @@ void write_mla_cache(const WriteMlaCacheArgs& a, const Backend* b) {
 }
 void sparse_mla(const SparseMlaArgs& a, const Backend* b) {
   dispatch_with_workspace("sparse_mla", a, a.q.device, b, [&](const Backend& be) {
-    if (a.extra_kv_cache.defined() && !be.capabilities().extra_cache)
+    if ((a.extra_kv_cache.defined() || a.extra_indices.defined()) && !be.capabilities().extra_cache)
       throw Error(ErrorKind::unsupported, "sparse_mla: extra_kv_cache: backend '" + be.name() +
                                               "' does not attend a second cache (Capabilities::extra_cache)");
     be.sparse_mla(a);

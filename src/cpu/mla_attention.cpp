@@ -338,7 +338,7 @@ void sparse_mla(const SparseMlaArgs& a) {
   const int64_t tokens = a.q.shape[0];
   SparseRows rows{slot_list(a.indices, a.topk_length, a.kv_cache, "topk_length", "K = indices.size(1)"),
                   std::nullopt};
-  if (a.extra_kv_cache.defined())
+  if (a.extra_indices.defined())  // with a cache of no blocks (null data) too: then every extra index is invalid
     rows.extra = slot_list(a.extra_indices, a.extra_topk_length, a.extra_kv_cache, "extra_topk_length",
                            "K2 = extra_indices.size(1)");
   Problem p;

@@ -980,6 +980,28 @@ TEST(SparseMlaErrors, NameTheArgument) {
   expect_error([&] { sparse_mla(gpu, &backend_for(Device::cpu())); }, "sparse_mla: backend 'cpu' does not run on sm_90");
 }
 
+// An extra cache of no blocks (null data, as frameworks hand out empty tensors): every extra index is invalid,
+// its lengths are still checked.
+TEST(SparseMlaExtraCache, NoBlocksMeansEveryExtraIndexInvalid) {
+  SparseCase c;
+  c.name = "extra_no_blocks";
+  c.cache.rope_dim = 0;
+  c.topk_length = true;
+  c.sink = true;
+  c.extra = CacheGeometry{DType::bf16, 2, 4, 0, 0, 0};
+  c.extra_topk = 12;
+  c.extra_topk_length = true;
+  SparseProblem p = make_sparse(c);
+  p.args.extra_kv_cache = TensorView(nullptr, {0, 4, kMlaLatentDim}, DType::bf16);
+  sparse_mla(p.args);
+  expect_written(p.o.out, "out");
+  SparseMlaArgs main_only = p.args;
+  main_only.extra_kv_cache = main_only.extra_indices = main_only.extra_topk_length = TensorView();
+  expect_close(reference::ref_sparse_mla(main_only), p.o.out, p.o.lse);
+  p.extra_topk_length.view.ptr<int32_t>()[0] = 13;
+  expect_error([&] { sparse_mla(p.args); }, "sparse_mla: extra_topk_length: row 0 is 13");
+}
+
 // The extra cache's arguments, and a backend that does not declare it refusing it.
 TEST(SparseMlaErrors, ExtraCacheNamesTheArgument) {
   SparseCase c;
