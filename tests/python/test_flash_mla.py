@@ -101,29 +101,43 @@ def test_sched_meta_must_match_its_first_use(rng):
                                is_fp8_kvcache=True, indices=indices)
 
 
+def dense_paged_cache(rng, seqlens, block_size, width, dtype):
+    """FlashMLA's 4-D paged cache, blocks shuffled: random rows of `width` where the requests' contexts lie, NaN
+    elsewhere. Returns (block_table, k_cache)."""
+    b, max_blocks = len(seqlens), -(-int(seqlens.max()) // block_size)
+    block_table = rng.permutation(b * max_blocks).reshape(b, max_blocks).astype(np.int32)
+    k_cache = np.full((b * max_blocks, block_size, 1, width), np.nan, dtype)
+    for i in range(b):
+        for p in range(seqlens[i]):
+            k_cache[block_table[i, p // block_size], p % block_size, 0] = rng.standard_normal(width) * 0.1
+    return block_table, k_cache
+
+
+def dense_slots(block_table, seqlens, s_q, block_size, causal):
+    """(b, s_q, positions) the cache slots each new token attends, -1 padded: its request's whole context, or with
+    `causal` the context up to the token itself (the j-th of s_q new tokens sits at seqlens - s_q + j)."""
+    b = len(seqlens)
+    slots = np.full((b, s_q, block_table.shape[1] * block_size), -1, np.int64)
+    for i in range(b):
+        for j in range(s_q):
+            p = np.arange(seqlens[i] - s_q + j + 1 if causal else seqlens[i])
+            slots[i, j, :len(p)] = block_table[i, p // block_size] * block_size + p % block_size
+    return slots
+
+
 @pytest.mark.parametrize("dtype", [bf16, np.float16])
 @pytest.mark.parametrize("s_q,causal", [(1, False), (2, True)])
 def test_dense_decode(rng, dtype, s_q, causal):
     b, h_q, block_size = 3, 16, 64
     seqlens = np.array([1 + s_q, 200, 130], np.int32)
-    max_blocks = -(-int(seqlens.max()) // block_size)
-    block_table = rng.permutation(b * max_blocks).reshape(b, max_blocks).astype(np.int32)
-    k_cache = np.full((b * max_blocks, block_size, 1, QK), np.nan, dtype)
-    for i in range(b):
-        for p in range(seqlens[i]):
-            k_cache[block_table[i, p // block_size], p % block_size, 0] = rng.standard_normal(QK) * 0.1
+    block_table, k_cache = dense_paged_cache(rng, seqlens, block_size, QK, dtype)
     q = rng.standard_normal((b, s_q, h_q, QK)).astype(dtype)
     # The older metadata form: FlashMLA's shapes and dtypes, accepted and ignored.
     tile_md, num_splits = get_mla_metadata(seqlens, s_q * h_q, 1, h_q, False, None)
     assert tile_md.shape == (1, 8) and tile_md.dtype == np.int32 and num_splits.shape == (b + 1,)
     out, lse = flash_mla_with_kvcache(q, k_cache, block_table, seqlens, 512, tile_md, num_splits, causal=causal)
     rows = np.asarray(k_cache[:, :, 0, :], np.float64).reshape(-1, QK)
-    slots = np.full((b, s_q, max_blocks * block_size), -1, np.int64)
-    for i in range(b):
-        for j in range(s_q):
-            n = seqlens[i] - s_q + j + 1 if causal else seqlens[i]
-            p = np.arange(n)
-            slots[i, j, :n] = block_table[i, p // block_size] * block_size + p % block_size
+    slots = dense_slots(block_table, seqlens, s_q, block_size, causal)
     scale = QK**-0.5  # FlashMLA's default softmax_scale
     ref_out, ref_lse = attention(np.asarray(q, np.float64).reshape(b * s_q, h_q, QK), rows,
                                  slots.reshape(b * s_q, -1), scale)
@@ -245,20 +259,11 @@ def test_sparse_decode_without_rope_part(rng, form, h_q, topk, block_size):
 def test_dense_decode_without_rope_part(rng, dtype):
     b, s_q, h_q, block_size = 3, 2, 16, 16
     seqlens = np.array([2, 70, 45], np.int32)
-    max_blocks = -(-int(seqlens.max()) // block_size)
-    block_table = rng.permutation(b * max_blocks).reshape(b, max_blocks).astype(np.int32)
-    k_cache = np.full((b * max_blocks, block_size, 1, LATENT), np.nan, dtype)
-    for i in range(b):
-        for p in range(seqlens[i]):
-            k_cache[block_table[i, p // block_size], p % block_size, 0] = rng.standard_normal(LATENT) * 0.1
+    block_table, k_cache = dense_paged_cache(rng, seqlens, block_size, LATENT, dtype)
     q = rng.standard_normal((b, s_q, h_q, LATENT)).astype(dtype)
     out, lse = flash_mla_with_kvcache(q, k_cache, block_table, seqlens, 512, get_mla_metadata()[0], causal=True)
     rows = np.asarray(k_cache[:, :, 0, :], np.float64).reshape(-1, LATENT)
-    slots = np.full((b, s_q, max_blocks * block_size), -1, np.int64)
-    for i in range(b):
-        for j in range(s_q):
-            p = np.arange(seqlens[i] - s_q + j + 1)
-            slots[i, j, :len(p)] = block_table[i, p // block_size] * block_size + p % block_size
+    slots = dense_slots(block_table, seqlens, s_q, block_size, causal=True)
     ref_out, ref_lse = attention(np.asarray(q, np.float64).reshape(b * s_q, h_q, LATENT), rows,
                                  slots.reshape(b * s_q, -1), LATENT**-0.5)  # the default scale is d_qk^-0.5
     check("out", out.reshape(b * s_q, h_q, V), ref_out, 1e-3 + 2**-8, 2.01 / 128)
