@@ -149,6 +149,18 @@ AttentionWeights without_indexer(AttentionWeights w) {
   return w;
 }
 
+// The outputs of one prompt of `tokens` random hidden states prefilled through the layer of `spec` (its indexer
+// selecting) and through the same weights without the indexer (attending every position).
+struct SparseAndDense {
+  std::vector<float> sparse, dense;
+};
+SparseAndDense prefill_sparse_and_dense(const AttentionSpec& spec, int64_t tokens) {
+  const std::vector<float> hidden = random_hidden(4, tokens, spec.hidden_size);
+  MlaLayer dsa(random_weights(spec, 9), {.num_blocks = 8, .block_size = 4});
+  MlaLayer mla(without_indexer(random_weights(spec, 9)), {.num_blocks = 8, .block_size = 4});
+  return {prefill(dsa, dsa.add_request(), hidden), prefill(mla, mla.add_request(), hidden)};
+}
+
 TEST(Layer, DsaWithinTopkEqualsDense) {
   const AttentionSpec sparse = tiny_spec(true, 48, 16);
   const std::vector<float> hidden = random_hidden(4, 16, sparse.hidden_size);
@@ -170,10 +182,7 @@ TEST(Layer, Fp8CachesStayCloseToBf16) {
 TEST(Layer, DsaBeyondTopkAttendsFewerPositions) {
   // Past top-k the indexer drops positions, so the output differs from dense attention (and stays finite).
   const AttentionSpec sparse = tiny_spec(true, 48, 4);
-  const std::vector<float> hidden = random_hidden(4, 12, sparse.hidden_size);
-  MlaLayer dsa(random_weights(sparse, 9), {.num_blocks = 8, .block_size = 4});
-  MlaLayer mla(without_indexer(random_weights(sparse, 9)), {.num_blocks = 8, .block_size = 4});
-  const std::vector<float> a = prefill(dsa, dsa.add_request(), hidden), b = prefill(mla, mla.add_request(), hidden);
+  const auto [a, b] = prefill_sparse_and_dense(sparse, 12);
   const int d = sparse.hidden_size;
   double first = 0, last = 0;
   for (int i = 0; i < d; ++i) {
@@ -277,10 +286,7 @@ TEST(Layer, PooledAppendContextEqualsThePromptsForward) {
 TEST(Layer, PooledBeyondTopkAttendsFewerPositions) {
   // top-k 4 = one pool of 4 (plus the tail): at 12 tokens some pools are left out, so dense attention differs.
   const AttentionSpec pooled = test::tiny_pooled_spec(4);
-  const std::vector<float> hidden = random_hidden(4, 12, pooled.hidden_size);
-  MlaLayer dsa(random_weights(pooled, 9), {.num_blocks = 8, .block_size = 4});
-  MlaLayer mla(without_indexer(random_weights(pooled, 9)), {.num_blocks = 8, .block_size = 4});
-  const std::vector<float> a = prefill(dsa, dsa.add_request(), hidden), b = prefill(mla, mla.add_request(), hidden);
+  const auto [a, b] = prefill_sparse_and_dense(pooled, 12);
   const int d = pooled.hidden_size;
   double early = 0, last = 0;
   for (int t = 0; t < 12; ++t)
