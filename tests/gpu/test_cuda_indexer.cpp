@@ -534,6 +534,16 @@ struct DsaStepCase {
   }
 };
 
+// Two runs' outputs bit for bit: top-k, slots, out's bf16 bits and lse's bytes (NaN as NaN).
+void expect_identical(const DsaStepCase::Outputs& got, const DsaStepCase::Outputs& want, const char* what) {
+  SCOPED_TRACE(what);
+  EXPECT_EQ(got.topk, want.topk);
+  EXPECT_EQ(got.slots, want.slots);
+  EXPECT_EQ(got.out, want.out);
+  ASSERT_EQ(got.lse.size(), want.lse.size());
+  EXPECT_EQ(std::memcmp(got.lse.data(), want.lse.data(), want.lse.size() * sizeof(float)), 0);
+}
+
 TEST(CudaIndexer, DsaDecodeStepMatchesCpu) {
   DsaStepCase c;
   dsa_decode_step(c.gpu, &gpu());
@@ -585,10 +595,7 @@ TEST(CudaIndexer, DsaDecodeStepReplaysInACudaGraph) {
   dsa_decode_step(g, &gpu());
   CUDA_OK(cudaStreamSynchronize(stream));
   const DsaStepCase::Outputs eager = c.download();
-  EXPECT_EQ(replayed.topk, eager.topk);
-  EXPECT_EQ(replayed.slots, eager.slots);
-  EXPECT_EQ(replayed.out, eager.out);
-  EXPECT_EQ(std::memcmp(replayed.lse.data(), eager.lse.data(), eager.lse.size() * sizeof(float)), 0);
+  expect_identical(replayed, eager, "replayed vs eager");
   EXPECT_NE(replayed.out, first.out);  // the replay read the new queries
   EXPECT_EQ(first.topk, c.topk);    // and the first call was the CPU's step
 
@@ -624,10 +631,7 @@ TEST(CudaIndexer, DsaDecodeStepEqualsItsOpsOnLongRows) {
     dsa_decode_step(c.gpu, &gpu());
     CUDA_OK(cudaDeviceSynchronize());
     const DsaStepCase::Outputs fused = c.download();
-    EXPECT_EQ(fused.topk, ops.topk);
-    EXPECT_EQ(fused.slots, ops.slots);
-    EXPECT_EQ(fused.out, ops.out);
-    EXPECT_EQ(std::memcmp(fused.lse.data(), ops.lse.data(), ops.lse.size() * sizeof(float)), 0);
+    expect_identical(fused, ops, "the step vs its three ops");
 
     cudaStream_t stream = nullptr;
     CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -640,10 +644,7 @@ TEST(CudaIndexer, DsaDecodeStepEqualsItsOpsOnLongRows) {
     CUDA_OK(cudaGraphLaunch(graph.exec(), stream));
     CUDA_OK(cudaStreamSynchronize(stream));
     const DsaStepCase::Outputs replayed = c.download();
-    EXPECT_EQ(replayed.topk, ops.topk);
-    EXPECT_EQ(replayed.slots, ops.slots);
-    EXPECT_EQ(replayed.out, ops.out);
-    EXPECT_EQ(std::memcmp(replayed.lse.data(), ops.lse.data(), ops.lse.size() * sizeof(float)), 0);
+    expect_identical(replayed, ops, "the step replayed vs its three ops");
     CUDA_OK(cudaStreamDestroy(stream));
   }
 }
