@@ -31,7 +31,7 @@ struct WriteMlaCacheArgs {
   TensorView k_pe;          // [N, 64], same dtype as latent; absent or [N, 0] for heads with no rope part
   TensorView slot_mapping;  // [N] i64 physical slot (block * block_size + offset); negative = skip
   TensorView cache;         // [num_blocks, block_size, 576 | 512] bf16/f16, or [..., 656] fp8_ds_mla,
-                            // or [..., 528] fp8_ds_mla_nope (no rope part)
+                            // or [..., 528] fp8_ds_mla_nope / [..., 584] fp8_ds_mla_v4 (no rope part)
   void* stream = nullptr;   // CUDA stream (cudaStream_t); ignored on the CPU
 };
 
@@ -42,7 +42,8 @@ MlaHead written_head(const WriteMlaCacheArgs& args);
 struct SparseMlaArgs {
   TensorView q;            // [T, H, 576] bf16 / f16; [T, H, 512] for heads with no rope part
   TensorView kv_cache;     // [num_blocks, block_size, row]: bf16 / f16 rows as wide as q, fp8_ds_mla (656 bytes),
-                           // or fp8_ds_mla_nope (528 bytes, 512-wide q only); see MlaHead::cache_row
+                           // or fp8_ds_mla_nope (528 bytes) / fp8_ds_mla_v4 (584 bytes, per block: MlaV4CacheLayout)
+                           // for 512-wide q only; see MlaHead::cache_row
   TensorView indices;      // [T, K] i32 physical slots; < 0 or >= num_slots: invalid, never read
   TensorView topk_length;  // optional [T] i32: only the first topk_length[t] entries count
   // An optional second cache attended under the same softmax (FlashMLA's extra_k_cache: DeepSeek-V4's compressed

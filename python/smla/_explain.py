@@ -222,7 +222,7 @@ def explain(model: Model, device: Any = "auto", dtype: str = "bfloat16", kv_cach
     device: 'auto' (the first CUDA GPU, else the CPU), 'cpu', 'sm_80' ...
     'sm_120', 'cuda:N', or a torch.device. dtype: the query dtype (bfloat16
     or float16). kv_cache_dtype: 'auto' (= dtype), bfloat16, float16,
-    fp8_ds_mla or fp8_ds_mla_nope (heads with no rope part only). tp: tensor-parallel size. backend: force one by name (else
+    fp8_ds_mla, fp8_ds_mla_nope (heads with no rope part only) or fp8_ds_mla_v4 (DeepSeek-V4 only). tp: tensor-parallel size. backend: force one by name (else
     $SMLA_BACKEND, else choose); forcing one that cannot run raises
     UnsupportedError listing its reasons. No valid backend is not an error:
     the Explanation's ``chosen`` is None and ``suggestion`` names a change.

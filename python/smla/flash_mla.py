@@ -126,9 +126,12 @@ def flash_mla_with_kvcache(
     and a second cache under the same softmax: extra_k_cache
     (extra_num_blocks, extra_page_block_size, 1, 512) with its own block
     size, extra_indices_in_kvcache (b, s_q, extra_topk) int32 slots of it
-    and optional extra_topk_length (b,) (or (b, s_q)). The CPU backend runs
-    it; FlashMLA's 584-byte fp8 MODEL1 cache is not implemented
-    (UnsupportedError).
+    and optional extra_topk_length (b,) (or (b, s_q)). With
+    ``is_fp8_kvcache=True`` both caches are FlashMLA's 584-byte fp8 MODEL1
+    layout (fp8_ds_mla_v4: (num_blocks, page_block_size, 1, 584) bytes, each
+    block's bytes padded to a multiple of 576 as FlashMLA's quantize_k_cache
+    makes them). The CPU backend runs it; the CUDA backend refuses the fp8
+    MODEL1 cache (UnsupportedError).
 
     Returns (out (b, s_q, h_q, 512) in q's dtype, lse (b, h_q, s_q)
     float32): natural log, without the sink, +inf where a query has nothing
@@ -271,9 +274,6 @@ def _extra_cache(b: int, s_q: int, indices: Optional[Tensor], extra_k_cache: Opt
     if indices is None:
         raise _smla.InvalidArgumentError("extra_k_cache: only valid with indices (sparse attention)")
     shape = _arrays.shape(extra_k_cache, "extra_k_cache")
-    if _arrays.is_8bit(extra_k_cache) and int(shape[-1]) == _FP8_MODEL1_ROW_BYTES:
-        raise _smla.UnsupportedError(f"extra_k_cache: FlashMLA's {_FP8_MODEL1_ROW_BYTES}-byte fp8 MODEL1 cache is "
-                                     "not implemented by smla; use bfloat16 caches")
     _sparse_shapes(b, s_q, extra_indices, extra_topk_length, "extra_indices_in_kvcache", "extra_topk_length")
     if len(shape) == 4 and int(shape[2]) != 1:
         raise _smla.InvalidArgumentError(f"extra_k_cache: num_heads_k must be 1 (MLA), got {shape}")
@@ -304,11 +304,9 @@ def _kv_cache_dtype(k_cache: Tensor, is_fp8_kvcache: bool) -> str:
     if is_fp8_kvcache:
         if not _arrays.is_8bit(k_cache):
             raise _smla.InvalidArgumentError(
-                f"k_cache: is_fp8_kvcache=True needs 8-bit data (uint8, int8 or float8_e4m3fn rows of 656 bytes), "
+                f"k_cache: is_fp8_kvcache=True needs 8-bit data (uint8, int8 or float8_e4m3fn rows of 656 bytes, or "
+                f"{_FP8_MODEL1_ROW_BYTES} for MODEL1), "
                 f"got {_arrays.dtype_name(k_cache)}")
-        if int(k_cache.shape[-1]) == _FP8_MODEL1_ROW_BYTES:
-            raise _smla.UnsupportedError(f"k_cache: FlashMLA's {_FP8_MODEL1_ROW_BYTES}-byte fp8 MODEL1 cache is not "
-                                         "implemented by smla; use bfloat16 caches")
         return _ops._fp8_mla_cache_dtype(k_cache)
     if _arrays.is_8bit(k_cache):
         raise _smla.InvalidArgumentError("k_cache: 8-bit (FP8) data needs is_fp8_kvcache=True")

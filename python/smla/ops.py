@@ -21,18 +21,20 @@ Tensor = Any  # numpy.ndarray, torch.Tensor, cupy.ndarray or any DLPack producer
 _MLA_FP8_ALIASES = ("fp8", "fp8_e4m3", "float8_e4m3fn", "e4m3", "fp8_ds_mla")
 _LATENT_DIM = 512
 _FP8_NOPE_ROW_BYTES = 528  # fp8_ds_mla_nope: 512 e4m3 + 4 fp32 scales
+_FP8_V4_ROW_BYTES = 584  # fp8_ds_mla_v4 (DeepSeek-V4, FlashMLA's MODEL1): 448 e4m3, 64 bf16, 7 ue8m0 scales, a pad
 
 
 def _fp8_mla_cache_dtype(cache: Tensor) -> str:
     """The fp8 MLA cache format of 8-bit rows, told by their width: 528 bytes a token is fp8_ds_mla_nope (no rope
-    part), anything else fp8_ds_mla (656 bytes; the checks name a wrong width)."""
-    return "fp8_ds_mla_nope" if int(cache.shape[-1]) == _FP8_NOPE_ROW_BYTES else "fp8_ds_mla"
+    part), 584 fp8_ds_mla_v4 (DeepSeek-V4), anything else fp8_ds_mla (656 bytes; the checks name a wrong width)."""
+    width = int(cache.shape[-1])
+    return {_FP8_NOPE_ROW_BYTES: "fp8_ds_mla_nope", _FP8_V4_ROW_BYTES: "fp8_ds_mla_v4"}.get(width, "fp8_ds_mla")
 
 
 def _mla_cache_dtype(cache: Tensor, kv_cache_dtype: Optional[str], name: str = "kv_cache") -> Optional[str]:
     """The smla dtype to read an MLA cache as: 8-bit data is fp8_ds_mla (656
-    bytes a token) or, 528 bytes wide, fp8_ds_mla_nope; else the tensor's own
-    dtype. An explicit bfloat16 / float16 is checked against the tensor."""
+    bytes a token) or, 528 bytes wide, fp8_ds_mla_nope, or, 584 bytes wide,
+    fp8_ds_mla_v4; else the tensor's own dtype. An explicit bfloat16 / float16 is checked against the tensor."""
     if cache is None:
         _arrays.shape(cache, name)  # NotATensorError naming it
     _checked_name(kv_cache_dtype, "kv_cache_dtype", _MLA_CACHE_DTYPES)
@@ -53,7 +55,8 @@ def _index_dtype(x: Tensor, dtype: Optional[str]) -> Optional[str]:
 
 _MAX_TOPK = 65536  # the ops' K limit (a backend may have a lower one: cuda_mma's indexer 8192)
 _FLOAT32_MAX = 3.4028234663852886e38
-_MLA_CACHE_DTYPES = ("auto", "bfloat16", "bf16", "float16", "fp16", "half", "fp8_ds_mla_nope") + _MLA_FP8_ALIASES
+_MLA_CACHE_DTYPES = ("auto", "bfloat16", "bf16", "float16", "fp16", "half", "fp8_ds_mla_nope",
+                     "fp8_ds_mla_v4") + _MLA_FP8_ALIASES
 _INDEX_CACHE_DTYPES = ("auto", "bfloat16", "bf16", "fp8", "fp8_e4m3", "float8_e4m3fn", "e4m3")
 
 
@@ -256,9 +259,11 @@ def write_mla_cache(latent: Tensor, k_pe: Optional[Tensor], slot_mapping: Tensor
     [num_blocks, block_size, 576 | 656] in place, at the physical slots
     ``slot_mapping`` [N] (int64, negative = skip). An 8-bit cache (uint8,
     int8, float8_e4m3fn) is fp8_ds_mla, or fp8_ds_mla_nope when 528 bytes
-    wide. Heads with no rope part: ``k_pe`` None (or [N, 0]) and a cache of
-    [..., 512] in a 16-bit type, [..., 528] fp8_ds_mla_nope or [..., 656]
-    fp8_ds_mla (whose rope bytes are left alone). Returns ``cache``."""
+    wide, or fp8_ds_mla_v4 when 584. Heads with no rope part: ``k_pe`` None
+    (or [N, 0]) and a cache of [..., 512] in a 16-bit type, [..., 528]
+    fp8_ds_mla_nope or [..., 656] fp8_ds_mla (whose rope bytes are left
+    alone); DeepSeek-V4's fp8 cache [..., 584] fp8_ds_mla_v4 takes its whole
+    512-value row as ``latent`` (docs/ops.md). Returns ``cache``."""
     if k_pe is None:
         k_pe = _arrays.empty(latent, (int(latent.shape[0]), 0))  # width 0: no rope part
     ops = _torch_ops(cache) if stream is None else None

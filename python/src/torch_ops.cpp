@@ -116,8 +116,8 @@ std::string repr(double v) {
 // smla.ops' _MLA_FP8_ALIASES, _MLA_CACHE_DTYPES and _INDEX_CACHE_DTYPES, in their order (the messages list them).
 constexpr std::string_view kMlaFp8Aliases[] = {"fp8", "fp8_e4m3", "float8_e4m3fn", "e4m3", "fp8_ds_mla"};
 constexpr std::string_view kMlaCacheDtypes[] = {"auto", "bfloat16", "bf16", "float16", "fp16", "half",
-                                                "fp8_ds_mla_nope", "fp8", "fp8_e4m3", "float8_e4m3fn", "e4m3",
-                                                "fp8_ds_mla"};
+                                                "fp8_ds_mla_nope", "fp8_ds_mla_v4", "fp8", "fp8_e4m3",
+                                                "float8_e4m3fn", "e4m3", "fp8_ds_mla"};
 constexpr std::string_view kIndexCacheDtypes[] = {"auto", "bfloat16", "bf16", "fp8", "fp8_e4m3", "float8_e4m3fn",
                                                   "e4m3"};
 constexpr std::string_view kIndexFp8Aliases[] = {"fp8", "float8_e4m3fn", "e4m3"};
@@ -139,7 +139,10 @@ DType parsed(const std::string& name, const char* arg) {
 std::optional<DType> mla_cache_dtype(const Tensor& cache, std::string_view kv_cache_dtype, const char* arg) {
   check_name(kv_cache_dtype, "kv_cache_dtype", kMlaCacheDtypes);
   const auto fp8_by_width = [&] {
-    return cache.dim() > 0 && cache.size(-1) == kFp8NopeRowBytes ? DType::fp8_ds_mla_nope : DType::fp8_ds_mla;
+    const int64_t width = cache.dim() > 0 ? cache.size(-1) : 0;
+    return width == kFp8NopeRowBytes                ? DType::fp8_ds_mla_nope
+           : width == MlaV4CacheLayout::kRowBytes ? DType::fp8_ds_mla_v4
+                                                   : DType::fp8_ds_mla;
   };
   const std::string name = lower(kv_cache_dtype);
   if (name == "auto") return is_8bit(cache) ? std::optional(fp8_by_width()) : std::nullopt;

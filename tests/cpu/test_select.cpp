@@ -203,6 +203,14 @@ TEST(Validate, SharedKvHeadsWithTwoCaches) {
     EXPECT_TRUE(has_reason(validate(c, v4, on("sm_90", DType::bf16, fp8)),
                            "kv-cache dtype " + std::string(dtype_name(fp8)) +
                                " cannot hold a deepseek_v4 head (its fp8 cache is FlashMLA's 584-byte MODEL1 layout"));
+  // Its own fp8 cache (fp8_ds_mla_v4) where the backend declares it, and for its head only.
+  EXPECT_TRUE(has_reason(validate(c, v4, on("sm_90", DType::bf16, DType::fp8_ds_mla_v4)),
+                         "kv-cache dtype fp8_ds_mla_v4 not supported (supports "));
+  c.kv_cache_dtypes.push_back(DType::fp8_ds_mla_v4);
+  EXPECT_EQ(validate(c, v4, on("sm_90", DType::bf16, DType::fp8_ds_mla_v4)), std::vector<std::string>{});
+  EXPECT_EQ(validate(c, glm5(), on("sm_90", DType::bf16, DType::fp8_ds_mla_v4)),
+            std::vector<std::string>{"kv-cache dtype fp8_ds_mla_v4 is DeepSeek-V4's cache (a 512-wide head of 448 + "
+                                     "64 rope values); a glm_moe_dsa head is cached as fp8_ds_mla"});
   // The window-only rule is about the model's caches: a V4-shaped head without compressed caches needs no extra one.
   AttentionSpec window_only = v4;
   window_only.compress_ratios.clear();
@@ -376,7 +384,8 @@ TEST(Registry, BackendsDeclareTheOpsLimitsAndCacheFormats) {
     EXPECT_LE(c.topk.max, kMaxTopk);
   }
   const Capabilities& cpu = Registry::global().find("cpu")->capabilities();
-  EXPECT_EQ(cpu.kv_cache_dtypes, std::vector<DType>(std::begin(kMlaCacheDTypes), std::end(kMlaCacheDTypes)));
+  // The CPU backend reads every cache format, DeepSeek-V4's fp8_ds_mla_v4 too.
+  EXPECT_EQ(cpu.kv_cache_dtypes, std::vector<DType>(std::begin(kAllMlaCacheDTypes), std::end(kAllMlaCacheDTypes)));
   EXPECT_EQ(cpu.heads.max, kMaxHeads);
   EXPECT_EQ(cpu.topk.max, kMaxTopk);
   EXPECT_EQ(dtype_names(kMlaCacheDTypes), "bfloat16, float16, fp8_ds_mla or fp8_ds_mla_nope");
@@ -384,7 +393,8 @@ TEST(Registry, BackendsDeclareTheOpsLimitsAndCacheFormats) {
   o.device = "cpu";
   o.kv_cache_dtype = "fp8";
   test::expect_error([&] { make_run_spec(glm5(), o, OptionNames::cli); }, ErrorKind::invalid_argument,
-                     {"--kv-cache-dtype: expected auto, bfloat16, float16, fp8_ds_mla or fp8_ds_mla_nope, got 'fp8'"});
+                     {"--kv-cache-dtype: expected auto, bfloat16, float16, fp8_ds_mla, fp8_ds_mla_nope or "
+                      "fp8_ds_mla_v4, got 'fp8'"});
 }
 
 TEST(Ops, AnExplicitBackendMustRunWhereTheTensorsAre) {

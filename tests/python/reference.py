@@ -73,6 +73,49 @@ def dequantize_ds_mla(rows: np.ndarray) -> np.ndarray:
     return np.concatenate([lat.reshape(-1, LATENT), rope], axis=1).reshape(*lead, QK)
 
 
+MODEL1_ROW, MODEL1_NOPE, MODEL1_VALUE = 584, 448, 576  # DeepSeek-V4's fp8 cache (fp8_ds_mla_v4), docs/ops.md
+
+
+def model1_block_bytes(block_size: int) -> int:
+    """A block of FlashMLA's fp8 MODEL1 cache: block_size * 584 bytes rounded up to a multiple of 576."""
+    return -(-block_size * MODEL1_ROW // 576) * 576
+
+
+def quantize_model1(rows: np.ndarray, block_size: int) -> np.ndarray:
+    """[num_blocks * block_size, 512] -> [num_blocks, model1_block_bytes] bytes as FlashMLA's quantize_k_cache
+    (MODEL1) lays them out: per block all tokens' 448 e4m3 + 64 bf16, then all tokens' 7 ue8m0 scales + a pad byte
+    (left 0 here; nobody reads it), then the padding (0x7f)."""
+    x = np.asarray(rows, np.float32)
+    n = x.shape[0]
+    num_blocks = n // block_size
+    amax = np.abs(x[:, :MODEL1_NOPE]).reshape(n, 7, 64).max(axis=-1).astype(np.float64)
+    exponent = np.ceil(np.log2(np.maximum(amax / E4M3_MAX, 1e-4))).astype(np.int64)
+    nope = e4m3(x[:, :MODEL1_NOPE].reshape(n, 7, 64) / np.exp2(exponent)[:, :, None]).reshape(n, MODEL1_NOPE)
+    rope = x[:, MODEL1_NOPE:].astype(ml_dtypes.bfloat16).view(np.uint8)
+    scales = np.zeros((n, 8), np.uint8)
+    scales[:, :7] = exponent + 127
+    out = np.full((num_blocks, model1_block_bytes(block_size)), 0x7F, np.uint8)
+    out[:, :block_size * MODEL1_VALUE] = np.concatenate([nope, rope], axis=1).reshape(num_blocks, -1)
+    out[:, block_size * MODEL1_VALUE:block_size * MODEL1_ROW] = scales.reshape(num_blocks, -1)
+    return out
+
+
+def model1_view(blocks: np.ndarray, block_size: int) -> np.ndarray:
+    """FlashMLA's k_cache view (num_blocks, block_size, 1, 584) of the padded blocks (a view: writes land in them)."""
+    return blocks[:, :block_size * MODEL1_ROW].reshape(blocks.shape[0], block_size, 1, MODEL1_ROW)
+
+
+def dequantize_model1(blocks: np.ndarray, block_size: int) -> np.ndarray:
+    """The padded blocks -> [num_blocks * block_size, 512] float64: e4m3 * 2^(e - 127) (e = 255: NaN), bf16 rope."""
+    num_blocks = blocks.shape[0]
+    values = blocks[:, :block_size * MODEL1_VALUE].reshape(-1, MODEL1_VALUE)
+    e = blocks[:, block_size * MODEL1_VALUE:block_size * MODEL1_ROW].reshape(-1, 8)[:, :7].astype(np.float64)
+    scale = np.where(e == 255, np.nan, np.exp2(e - 127))
+    nope = e4m3_values(values[:, :MODEL1_NOPE]).reshape(-1, 7, 64) * scale[:, :, None]
+    rope = np.ascontiguousarray(values[:, MODEL1_NOPE:]).view(ml_dtypes.bfloat16).astype(np.float64)
+    return np.concatenate([nope.reshape(-1, MODEL1_NOPE), rope], axis=1).reshape(num_blocks * block_size, LATENT)
+
+
 def cache_rows(cache: np.ndarray) -> np.ndarray:
     """Every slot of an MLA cache [num_blocks, block_size, 576 | 656] as [num_slots, 576] float64."""
     if cache.dtype == np.uint8:

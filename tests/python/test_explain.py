@@ -129,6 +129,11 @@ def test_deepseek_v4_flash():
     assert "value 512 (the whole cached head, rope dims included)" in e.text
     fp8 = smla.explain("deepseek-v4-flash", device="cpu", kv_cache_dtype="fp8_ds_mla")
     assert fp8.chosen is None and any("584-byte MODEL1 layout" in r for r in fp8.candidates[0].reasons)
+    v4_fp8 = smla.explain("deepseek-v4-flash", device="cpu", kv_cache_dtype="fp8_ds_mla_v4")
+    assert v4_fp8.chosen == "cpu"
+    glm5_v4_fp8 = smla.explain("glm-5", device="cpu", kv_cache_dtype="fp8_ds_mla_v4")
+    assert glm5_v4_fp8.chosen is None and any("fp8_ds_mla_v4 is DeepSeek-V4's cache" in r
+                                              for r in glm5_v4_fp8.candidates[0].reasons)
     glm5 = smla.explain("glm-5", device="cpu")
     assert not glm5.model.shared_kv and glm5.model.compress_ratios == () and glm5.model.sliding_window == 0
 

@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 
 import smla
-from reference import FP8_ROW, INVALID_INDICES, LATENT, QK, ROPE, V, attention, dequantize_ds_mla, quantize_ds_mla
+from reference import (FP8_ROW, INVALID_INDICES, LATENT, MODEL1_NOPE, MODEL1_ROW, MODEL1_VALUE, QK, ROPE, V, attention,
+                       dequantize_ds_mla, dequantize_model1, model1_block_bytes, model1_view, quantize_ds_mla,
+                       quantize_model1)
 from smla.flash_mla import FlashMLASchedMeta, flash_mla_sparse_fwd, flash_mla_with_kvcache, get_mla_metadata
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
@@ -446,8 +448,103 @@ def test_model1_argument_errors(rng):
         call(extra_k_cache=extra_k_cache.astype(np.float16))
     with pytest.raises(smla.InvalidArgumentError, match="num_heads_k must be 1"):
         call(extra_k_cache=np.repeat(extra_k_cache, 2, axis=2))
-    fp8_model1 = np.zeros((4, 16, 1, 584), np.uint8)
-    with pytest.raises(smla.UnsupportedError, match="584-byte fp8 MODEL1"):
-        call(k_cache=fp8_model1, extra_k_cache=fp8_model1, is_fp8_kvcache=True)
-    with pytest.raises(smla.UnsupportedError, match="584-byte fp8 MODEL1"):
-        call(extra_k_cache=fp8_model1)
+    fp8_model1 = np.zeros((4, 16, 1, MODEL1_ROW), np.uint8)
+    call(k_cache=fp8_model1, extra_k_cache=fp8_model1, is_fp8_kvcache=True)  # both caches fp8 MODEL1: fine
+    with pytest.raises(smla.InvalidArgumentError, match="bfloat16 array was given where fp8_ds_mla_v4 was asked for"):
+        call(k_cache=fp8_model1, is_fp8_kvcache=True)  # a bf16 extra cache beside it
+    with pytest.raises(smla.InvalidArgumentError, match="extra_kv_cache"):
+        call(extra_k_cache=fp8_model1)  # 8-bit beside a bf16 cache
+    with pytest.raises(smla.InvalidArgumentError, match="kv_cache: fp8_ds_mla_v4 holds DeepSeek-V4's 512-wide heads"):
+        flash_mla_with_kvcache(np.zeros((b, s_q, h_q, QK), bf16), fp8_model1, None, None, 512, get_mla_metadata()[0],
+                               indices=indices, is_fp8_kvcache=True)
+
+
+def model1_fp8_cache(rng, num_blocks, block_size, used):
+    """FlashMLA's fp8 MODEL1 cache of random rows whose 64-value tiles differ in size: (its padded blocks, the
+    k_cache view (num_blocks, block_size, 1, 584), the dequantised rows (float64)); every slot no counted index
+    reads has NaN e4m3 values and NaN (255) scales, and the block padding is 0x7f."""
+    n = num_blocks * block_size
+    tile_size = np.repeat(np.exp2(rng.integers(-4, 1, size=(n, 8))), 64, axis=1)
+    rows = np.clip(rng.standard_normal((n, LATENT)) * 0.3 * tile_size, -1, 1).astype(bf16)
+    blocks = quantize_model1(rows, block_size)
+    deq = dequantize_model1(blocks, block_size)
+    for slot in np.flatnonzero(~used):
+        block, t = divmod(int(slot), block_size)
+        blocks[block, t * MODEL1_VALUE:t * MODEL1_VALUE + MODEL1_NOPE] = 0x7F
+        blocks[block, block_size * MODEL1_VALUE + t * 8:block_size * MODEL1_VALUE + t * 8 + 7] = 0xFF
+    return blocks, model1_view(blocks, block_size), deq
+
+
+@pytest.mark.parametrize("b,s_q,h_q,topk,extra_topk,block_size,extra_block_size", [
+    (4, 1, 64, 64, 128, 64, 2),
+    (3, 3, 128, 128, 64, 61, 576),
+    (2, 2, 16, 576, 576, 1, 69),
+])
+def test_model1_fp8_sparse_decode(rng, b, s_q, h_q, topk, extra_topk, block_size, extra_block_size):
+    """FlashMLA's fp8 MODEL1 cache (smla's fp8_ds_mla_v4), one cache and two, against float64 attention over the
+    dequantised rows (FlashMLA's own reference dequantises the same way: e4m3 * power-of-two scale, bf16 rope)."""
+    num_blocks, extra_blocks = -(-1024 // block_size), -(-700 // extra_block_size)
+    num_slots, extra_slots = num_blocks * block_size, extra_blocks * extra_block_size
+    indices = model1_indices(rng, b, s_q, topk, num_slots, extra_slots)
+    extra_indices = model1_indices(rng, b, s_q, extra_topk, extra_slots, num_slots)
+    extra_indices[1] = -1
+    topk_length = rng.integers(0, topk + 1, size=(b,)).astype(np.int32)
+    topk_length[0] = 0
+    extra_topk_length = rng.integers(0, extra_topk + 1, size=(b, s_q)).astype(np.int32)
+    main_idx, extra_idx = counted(indices, topk_length, num_slots), counted(extra_indices, extra_topk_length, extra_slots)
+    used = np.zeros(num_slots, bool)
+    used[main_idx[main_idx >= 0]] = True
+    extra_used = np.zeros(extra_slots, bool)
+    extra_used[extra_idx[extra_idx >= 0]] = True
+    _, k_cache, rows = model1_fp8_cache(rng, num_blocks, block_size, used)
+    _, extra_k_cache, extra_rows = model1_fp8_cache(rng, extra_blocks, extra_block_size, extra_used)
+    assert k_cache.strides[0] == model1_block_bytes(block_size)  # FlashMLA's padded blocks
+    q = np.clip(rng.standard_normal((b, s_q, h_q, LATENT)), -1, 1).astype(bf16)
+    sink = rng.standard_normal(h_q).astype(np.float32)
+    sink[:2] = np.inf, -np.inf
+    q64 = np.asarray(q, np.float64).reshape(b * s_q, h_q, LATENT)
+    # Two caches under one softmax.
+    out, lse = flash_mla_with_kvcache(q, k_cache, None, None, 512, get_mla_metadata()[0], None, is_fp8_kvcache=True,
+                                      indices=indices, attn_sink=sink, topk_length=topk_length,
+                                      extra_k_cache=extra_k_cache, extra_indices_in_kvcache=extra_indices,
+                                      extra_topk_length=extra_topk_length)
+    both = np.concatenate([main_idx, np.where(extra_idx >= 0, extra_idx + num_slots, -1)], axis=2)
+    ref_out, ref_lse = attention(q64, np.concatenate([rows, extra_rows]), both.reshape(b * s_q, -1), LATENT**-0.5,
+                                 None, sink)
+    check("out", out.reshape(b * s_q, h_q, V), ref_out, 1e-3 + 2**-8, 2.01 / 128)
+    check("lse", lse, flashmla_lse(ref_lse).reshape(b, s_q, h_q).transpose(0, 2, 1), 1e-6, 8.01 / 65536)
+    # One cache.
+    out, lse = flash_mla_with_kvcache(q, k_cache, None, None, 512, get_mla_metadata()[0], None, is_fp8_kvcache=True,
+                                      indices=indices, topk_length=topk_length)
+    ref_out, ref_lse = attention(q64, rows, main_idx.reshape(b * s_q, -1), LATENT**-0.5, None)
+    check("out", out.reshape(b * s_q, h_q, V), ref_out, 1e-3 + 2**-8, 2.01 / 128)
+    check("lse", lse, flashmla_lse(ref_lse).reshape(b, s_q, h_q).transpose(0, 2, 1), 1e-6, 8.01 / 65536)
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 64])
+def test_model1_fp8_write_matches_flashmla_quantiser(rng, block_size):
+    """smla.write_mla_cache into FlashMLA's fp8 MODEL1 cache (latent = V4's whole 512-value row, no k_pe): the
+    bytes of FlashMLA's quantize_k_cache recipe for every written token; skipped slots, the pad bytes and the block
+    padding keep their poison."""
+    num_blocks = -(-100 // block_size)
+    n = num_blocks * block_size
+    tile_size = np.repeat(np.exp2(rng.integers(-20, 8, size=(n, 8))), 64, axis=1)  # scales down to the 1e-4 floor
+    rows = (rng.standard_normal((n, LATENT)) * tile_size).astype(bf16)
+    expected = quantize_model1(rows, block_size)
+    blocks = np.full((num_blocks, model1_block_bytes(block_size)), 0x7F, np.uint8)
+    slots = rng.permutation(n).astype(np.int64)
+    slots[::5] = -1  # skipped
+    smla.ops.write_mla_cache(rows[np.arange(n)], None, slots, model1_view(blocks, block_size)[:, :, 0, :])
+    # Row i went to slots[i]: compare with the quantiser's bytes of row i at that slot.
+    placed = np.full((num_blocks, model1_block_bytes(block_size)), 0x7F, np.uint8)
+    for i, slot in enumerate(slots):
+        if slot < 0:
+            continue
+        block, t = divmod(int(slot), block_size)
+        src_block, src_t = divmod(i, block_size)
+        value, src_value = slice(t * MODEL1_VALUE, (t + 1) * MODEL1_VALUE), slice(src_t * MODEL1_VALUE,
+                                                                                  (src_t + 1) * MODEL1_VALUE)
+        placed[block, value] = expected[src_block, src_value]
+        scale0, src_scale0 = block_size * MODEL1_VALUE + t * 8, block_size * MODEL1_VALUE + src_t * 8
+        placed[block, scale0:scale0 + 7] = expected[src_block, src_scale0:src_scale0 + 7]
+    np.testing.assert_array_equal(blocks, placed)

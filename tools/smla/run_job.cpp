@@ -57,7 +57,7 @@ void check_job_fits(const JobOptions& o, const Resolved& res, const Memory& mem)
 }
 
 DType index_cache_dtype(DType kv_cache) {
-  return kv_cache == DType::fp8_ds_mla || kv_cache == DType::fp8_ds_mla_nope ? DType::fp8_e4m3 : DType::bf16;
+  return is_fp8_mla_cache(kv_cache) || kv_cache == DType::fp8_ds_mla_v4 ? DType::fp8_e4m3 : DType::bf16;
 }
 int index_row_bytes(DType d) { return d == DType::bf16 ? 2 * kIndexHeadDim : kFp8IndexRowBytes; }
 int mla_row_bytes(DType d, MlaHead head) {
