@@ -503,6 +503,10 @@ int main(int argc, char** argv) {
     for (smla::DType kv : {smla::DType::bf16, smla::DType::fp8_ds_mla, smla::DType::fp8_ds_mla_nope}) {
       Cache cache(kv, slots, smla::MlaHead{0});
       for (int t : {1, 8, 32, 64, 128}) bench_sparse("glm53f-tp8 decode", cache, t, 8, 2048 + 3, c);
+      for (int t : {1, 8, 32, 128}) {  // each kernel forced
+        bench_sparse("glm53f (head tile)", cache, t, 8, 2048 + 3, c, head_tile);
+        bench_sparse("glm53f (small heads)", cache, t, 8, 2048 + 3, c, {AttentionKernel::small_heads});
+      }
     }
   }
   if (!json_path.empty()) {

@@ -170,9 +170,9 @@ int choose_splits(int64_t ctas, int chunks, int64_t slots, int min_chunks) {
 
 // Which kernel runs and how launch() splits the keys of `tokens` x `heads` query rows: a function of the args, the
 // choice and the device only, so workspace_size() knows the partials' size before the call. The small-heads kernel
-// serves fp8_ds_mla caches with 576-wide heads, up to 32 heads from 16 query tokens on (memory-bound decode),
-// where the device fits it; the rest goes to the 16-head-tile kernel, which on an H200 ran bf16 decode and fp8
-// decode of 1-8 tokens faster (docs/performance.md).
+// serves fp8 caches (576-wide heads, or either fp8 form of rope-free 512-wide ones), up to 32 heads from 16 query
+// tokens on (memory-bound decode), where the device fits it; the rest goes to the 16-head-tile kernel, which on an
+// H200 ran bf16 decode and fp8 decode of 1-8 tokens faster (docs/performance.md).
 struct Plan {
   const LaunchConfig* head_tile = nullptr;
   const mla::small::SmallHeadsConfig* small = nullptr;
@@ -187,12 +187,10 @@ Plan plan(CacheFormat f, int rope, bool paged, int64_t tokens, int heads, int nu
   Plan s;
   const mla::small::SmallHeadsShape shape{choice.stages, choice.heads_per_cta, choice.split_dims};
   if (choice.kernel == AttentionKernel::small_heads) {
-    if (rope != kMlaRopeDim)
-      throw Error(ErrorKind::unsupported, "MLA attention: the small-heads kernel is built for 576-wide heads");
-    s.small = &mla::small::small_heads_config(f, paged, heads, shape);
-  } else if (choice.kernel == AttentionKernel::automatic && f == CacheFormat::fp8_ds_mla && rope == kMlaRopeDim &&
+    s.small = &mla::small::small_heads_config(f, rope, paged, heads, shape);
+  } else if (choice.kernel == AttentionKernel::automatic && f == CacheFormat::fp8_ds_mla &&
              heads <= mla::small::kMaxHeadsAutomatic && tokens >= mla::small::kMinTokensAutomatic) {
-    s.small = mla::small::find_small_heads_config(f, paged, heads, shape);
+    s.small = mla::small::find_small_heads_config(f, rope, paged, heads, shape);
   }
   if (s.small == nullptr) s.head_tile = &launch_config(f, rope, paged);
   const int heads_per_cta = s.small ? s.small->heads_per_cta : mla::kHeadsPerCta;

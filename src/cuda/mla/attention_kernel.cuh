@@ -117,18 +117,8 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const AttentionPara
   const int split = blockIdx.y;
   const int b = t / p.s_q, j = t % p.s_q;
 
-  // Keys this token may see; everything at or past `visible` is invalid.
-  int visible;
-  if constexpr (kPaged) {
-    const int seq = p.seq_lens[b];
-    visible = p.causal ? seq - p.s_q + j + 1 : seq;
-    visible = max(0, min(visible, p.max_blocks * p.block_size));
-  } else {
-    visible = p.topk_length ? max(0, min(p.topk_length[t * p.topk_length_stride], p.topk)) : p.topk;
-  }
-  const int total_chunks = (visible + kKeysPerChunk - 1) / kKeysPerChunk;
-  const int chunk_begin = split * p.chunks_per_split;
-  const int n_chunks = max(0, min(p.chunks_per_split, total_chunks - chunk_begin));
+  const ChunkRange range = chunk_range<kPaged>(p, t, b, j, split, kKeysPerChunk);
+  const int visible = range.visible, chunk_begin = range.begin, n_chunks = range.count;
 
   if (tid < kHeadsPerCta) {
     row_max[tid] = -INFINITY;

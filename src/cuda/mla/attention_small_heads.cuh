@@ -161,17 +161,8 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
   const int split = blockIdx.y;
   const int b = t / p.s_q, j = t % p.s_q;
 
-  int visible;
-  if constexpr (kPaged) {
-    const int seq = p.seq_lens[b];
-    visible = p.causal ? seq - p.s_q + j + 1 : seq;
-    visible = max(0, min(visible, p.max_blocks * p.block_size));
-  } else {
-    visible = p.topk_length ? max(0, min(p.topk_length[t * p.topk_length_stride], p.topk)) : p.topk;
-  }
-  const int total_chunks = (visible + kChunkKeys - 1) / kChunkKeys;
-  const int chunk_begin = split * p.chunks_per_split;
-  const int n_chunks = max(0, min(p.chunks_per_split, total_chunks - chunk_begin));
+  const ChunkRange range = chunk_range<kPaged>(p, t, b, j, split, kChunkKeys);
+  const int visible = range.visible, chunk_begin = range.begin, n_chunks = range.count;
 
   // Gather: warp w copies rows w, w + kWarps, ... of each chunk, a row's
   // 16-byte pieces across the lanes (whole 128-byte lines per instruction).
