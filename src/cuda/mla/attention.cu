@@ -173,8 +173,8 @@ int choose_splits(int64_t ctas, int chunks, int64_t slots) {
 // Which kernel runs and how launch() splits the keys of `tokens` x `heads` query rows: a function of the args, the
 // choice and the device only, so workspace_size() knows the partials' size before the call. The small-heads kernel
 // serves fp8 caches (576-wide heads, or either fp8 form of rope-free 512-wide ones), up to 32 heads from 16 query
-// tokens on (memory-bound decode), where the device fits it; the rest goes to the 16-head-tile kernel, which on an
-// H200 ran bf16 decode and fp8 decode of 1-8 tokens faster (docs/performance.md).
+// tokens on (64 rope-free; memory-bound decode), where the device fits it; the rest goes to the 16-head-tile kernel,
+// which on an H200 ran bf16 decode and fp8 decode of fewer tokens faster (docs/performance.md).
 struct Plan {
   const LaunchConfig* head_tile = nullptr;
   const mla::small::SmallHeadsConfig* small = nullptr;
@@ -191,7 +191,8 @@ Plan plan(CacheFormat f, int rope, bool paged, int64_t tokens, int heads, int nu
   if (choice.kernel == AttentionKernel::small_heads) {
     s.small = &mla::small::small_heads_config(f, rope, paged, heads, shape);
   } else if (choice.kernel == AttentionKernel::automatic && f == CacheFormat::fp8_ds_mla &&
-             heads <= mla::small::kMaxHeadsAutomatic && tokens >= mla::small::kMinTokensAutomatic) {
+             heads <= mla::small::kMaxHeadsAutomatic &&
+             tokens >= (rope ? mla::small::kMinTokensAutomatic : mla::small::kMinTokensAutomaticNoRope)) {
     s.small = mla::small::find_small_heads_config(f, rope, paged, heads, shape);
   }
   if (s.small == nullptr) s.head_tile = &launch_config(f, rope, paged);
