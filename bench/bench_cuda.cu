@@ -58,6 +58,78 @@ double time_ms(F&& fn, int reps = 20, int trials = 5) {
   return ts[ts.size() / 2];
 }
 
+// The stream the graph and cold timings run on (non-blocking: nothing of the legacy stream's in between).
+cudaStream_t bench_stream() {
+  static cudaStream_t s = [] {
+    cudaStream_t created;
+    CHECK(cudaStreamCreateWithFlags(&created, cudaStreamNonBlocking));
+    return created;
+  }();
+  return s;
+}
+
+// Microseconds per call of fn(stream) as an engine runs a decode step: `reps` calls captured into one CUDA graph,
+// replayed back to back (no host work per call); median of `trials` replays after a warm-up call (which makes the
+// op's default workspace: capture cannot allocate) and a warm-up replay.
+template <class F>
+double graph_us(F&& fn, int reps = 20, int trials = 5) {
+  const cudaStream_t s = bench_stream();
+  fn(s);
+  CHECK(cudaStreamSynchronize(s));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+  for (int i = 0; i < reps; ++i) fn(s);
+  CHECK(cudaStreamEndCapture(s, &graph));
+  CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  cudaEvent_t a, b;
+  CHECK(cudaEventCreate(&a));
+  CHECK(cudaEventCreate(&b));
+  CHECK(cudaGraphLaunch(exec, s));
+  std::vector<float> ts;
+  for (int trial = 0; trial < trials; ++trial) {
+    CHECK(cudaEventRecord(a, s));
+    CHECK(cudaGraphLaunch(exec, s));
+    CHECK(cudaEventRecord(b, s));
+    CHECK(cudaEventSynchronize(b));
+    float ms = 0;
+    CHECK(cudaEventElapsedTime(&ms, a, b));
+    ts.push_back(1e3f * ms / reps);
+  }
+  CHECK(cudaGraphExecDestroy(exec));
+  CHECK(cudaGraphDestroy(graph));
+  CHECK(cudaEventDestroy(a));
+  CHECK(cudaEventDestroy(b));
+  std::nth_element(ts.begin(), ts.begin() + ts.size() / 2, ts.end());
+  return ts[ts.size() / 2];
+}
+
+// Microseconds of one call of fn(stream) alone, the GPU idle before it: from an event queued before the call to
+// one after it, so the host's enqueueing counts; median of `trials` calls after a warm-up.
+template <class F>
+double cold_us(F&& fn, int trials = 21) {
+  const cudaStream_t s = bench_stream();
+  cudaEvent_t a, b;
+  CHECK(cudaEventCreate(&a));
+  CHECK(cudaEventCreate(&b));
+  fn(s);
+  std::vector<float> ts;
+  for (int trial = 0; trial < trials; ++trial) {
+    CHECK(cudaStreamSynchronize(s));
+    CHECK(cudaEventRecord(a, s));
+    fn(s);
+    CHECK(cudaEventRecord(b, s));
+    CHECK(cudaEventSynchronize(b));
+    float ms = 0;
+    CHECK(cudaEventElapsedTime(&ms, a, b));
+    ts.push_back(1e3f * ms);
+  }
+  CHECK(cudaEventDestroy(a));
+  CHECK(cudaEventDestroy(b));
+  std::nth_element(ts.begin(), ts.begin() + ts.size() / 2, ts.end());
+  return ts[ts.size() / 2];
+}
+
 double copy_bandwidth_gbs() {
   const size_t bytes = size_t{2} << 30;
   void *src, *dst;
@@ -388,7 +460,14 @@ void bench_indexer(const IndexerConfig& cfg, const Ceilings& c) {
 
 // The top-k stage alone on distinct random scores, `tokens` rows of `context`
 // positions: one CTA per row, rows split into slices, rows shared by a
-// cluster's CTAs ("-" below SM90), and as select_topk decides.
+// cluster's CTAs ("-" below SM90), and as select_topk decides (calls queued
+// back to back, and replayed from a CUDA graph).
+struct TopkRow {
+  int tokens, context;
+  double unsplit_us, split_us, cluster_us, picked_us, graph_us;  // cluster -1: no clusters
+};
+std::vector<TopkRow> topk_rows;
+
 void bench_topk(int tokens, int context) {
   const int topk = 2048;
   const smla::Device dev = smla::Device::cuda(90);
@@ -423,23 +502,136 @@ void bench_topk(int tokens, int context) {
   char cluster[16] = "-";
   if (major >= 9) std::snprintf(cluster, sizeof cluster, "%.1f", us(TopkSplit::cluster));
   const double picked = us(TopkSplit::automatic);
-  std::printf("%6d %7d %10.1f %10.1f %10s %10.1f %12.2f\n", tokens, context, one_cta, slices, cluster, picked,
-              picked / tokens);
+  const double graph = graph_us([&](cudaStream_t s) {
+    a.stream = s;
+    smla::cuda::select_topk(a, scores);
+  });
+  a.stream = nullptr;
+  std::printf("%6d %7d %10.1f %10.1f %10s %10.1f %10.1f %12.2f\n", tokens, context, one_cta, slices, cluster, picked,
+              graph, picked / tokens);
+  topk_rows.push_back({tokens, context, one_cta, slices, major >= 9 ? std::atof(cluster) : -1, picked, graph});
   for (void* ptr : {static_cast<void*>(dreq), static_cast<void*>(dctx), static_cast<void*>(dtable),
                     static_cast<void*>(dout), static_cast<void*>(scores)})
+    cudaFree(ptr);
+}
+
+// The whole DSA decode step of GLM-5 under TP 8 (8 attention heads, 32 indexer heads with fp8 queries, top-k 2048,
+// fp8 index keys of 132 B, an fp8_ds_mla cache), `tokens` requests of `context` positions each, over a shared block
+// table of shuffled blocks with random keys (distinct scores). Each stage alone and the step, replayed from a CUDA
+// graph; the three ops as separate calls (indexer_topk, positions_to_slots, sparse_mla) in a graph; and the step as
+// single cold calls.
+struct StepRow {
+  int tokens, context;
+  double scores_us, topk_us, attention_us, ops_us, step_us, cold_us;
+};
+std::vector<StepRow> step_rows;
+
+struct StepCaches {
+  Cache mla{smla::DType::fp8_ds_mla, int64_t{1} << 20};  // 8 requests of 128K
+  uint8_t* index = nullptr;                               // [blocks, 64, 132] fp8 keys, their scales 1/64
+  int64_t blocks() const { return mla.slots / 64; }
+  StepCaches() {
+    const size_t bytes = static_cast<size_t>(blocks()) * 64 * 132;
+    std::vector<uint8_t> h(bytes);
+    uint64_t x = 88172645463325252ull;  // xorshift64: 138 MB of random codes in a blink
+    for (int64_t b = 0; b < blocks(); ++b) {
+      uint8_t* block = h.data() + b * 64 * 132;
+      for (int i = 0; i < 64 * 128; ++i) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        block[i] = static_cast<uint8_t>((x & 0x7f) % 0x70) | static_cast<uint8_t>(x >> 8 & 0x80);
+      }
+      for (int i = 0; i < 64; ++i) reinterpret_cast<float*>(block + 64 * 128)[i] = 1.f / 64;
+    }
+    CHECK(cudaMalloc(&index, bytes));
+    CHECK(cudaMemcpy(index, h.data(), bytes, cudaMemcpyHostToDevice));
+  }
+  ~StepCaches() { cudaFree(index); }
+};
+
+void bench_step(StepCaches& caches, int tokens, int context) {
+  const smla::Device dev = smla::Device::cuda(90);
+  const smla::Backend& be = *smla::Registry::global().find("cuda_mma");
+  const int heads = 8, index_heads = 32, topk = 2048, bs = 64, blocks_per_req = context / bs;
+  std::mt19937 rng(tokens * 7 + context);
+  std::vector<int32_t> perm(caches.blocks()), req(tokens), ctx(tokens, context);
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), rng);
+  perm.resize(static_cast<size_t>(tokens) * blocks_per_req);
+  std::iota(req.begin(), req.end(), 0);
+  std::vector<uint8_t> codes(static_cast<size_t>(tokens) * index_heads * 128);
+  for (auto& c : codes) c = static_cast<uint8_t>(rng() % 0x70) | (rng() & 0x80);
+  std::vector<float> w(static_cast<size_t>(tokens) * index_heads), q_scale(w.size());
+  for (auto& v : w) v = 0.01f + (rng() % 100) * 1e-4f;
+  for (auto& v : q_scale) v = 1.f / (16 + rng() % 16);
+  const auto upload = [](const auto& v) {
+    void* d;
+    CHECK(cudaMalloc(&d, v.size() * sizeof(v[0])));
+    CHECK(cudaMemcpy(d, v.data(), v.size() * sizeof(v[0]), cudaMemcpyHostToDevice));
+    return d;
+  };
+  const auto alloc = [](size_t bytes) {
+    void* d;
+    CHECK(cudaMalloc(&d, bytes));
+    return d;
+  };
+  void *dtable = upload(perm), *dreq = upload(req), *dctx = upload(ctx), *dq_index = upload(codes), *dw = upload(w),
+       *dq_scale = upload(q_scale);
+  void* q = device_random_half(static_cast<size_t>(tokens) * heads * 576);
+  void *dtopk = alloc(static_cast<size_t>(tokens) * topk * 4), *dslots = alloc(static_cast<size_t>(tokens) * topk * 4),
+       *out = alloc(static_cast<size_t>(tokens) * heads * 512 * 2), *lse = alloc(static_cast<size_t>(tokens) * heads * 4);
+  smla::DsaDecodeStepArgs a;
+  smla::IndexerTopkArgs& ix = a.indexer;
+  ix.q = smla::TensorView(dq_index, {tokens, index_heads, 128}, smla::DType::fp8_e4m3, dev);
+  ix.q_scale = smla::TensorView(dq_scale, {tokens, index_heads}, smla::DType::f32, dev);
+  ix.weights = smla::TensorView(dw, {tokens, index_heads}, smla::DType::f32, dev);
+  ix.index_cache = smla::TensorView(caches.index, {caches.blocks(), bs, 132}, smla::DType::fp8_e4m3, dev);
+  ix.request_ids = smla::TensorView(dreq, {tokens}, smla::DType::i32, dev);
+  ix.block_table = smla::TensorView(dtable, {tokens, blocks_per_req}, smla::DType::i32, dev);
+  ix.context_lens = smla::TensorView(dctx, {tokens}, smla::DType::i32, dev);
+  ix.topk = smla::TensorView(dtopk, {tokens, topk}, smla::DType::i32, dev);
+  a.slots = smla::TensorView(dslots, {tokens, topk}, smla::DType::i32, dev);
+  a.q = smla::TensorView(q, {tokens, heads, 576}, smla::DType::bf16, dev);
+  a.kv_cache = caches.mla.view();
+  a.softmax_scale = 0.0625f;
+  a.out = smla::TensorView(out, {tokens, heads, 512}, smla::DType::bf16, dev);
+  a.lse = smla::TensorView(lse, {tokens, heads}, smla::DType::f32, dev);
+  float* scores = static_cast<float*>(alloc(static_cast<size_t>(tokens) * smla::cuda::score_row_stride(ix) * 4));
+  const auto on = [&](cudaStream_t s) {
+    a.stream = s;
+    return a;
+  };
+  StepRow r{tokens, context};
+  r.scores_us = graph_us([&](cudaStream_t s) { smla::cuda::indexer_scores(smla::indexer_step(on(s)), scores); });
+  r.topk_us = graph_us([&](cudaStream_t s) { smla::cuda::select_topk(smla::indexer_step(on(s)), scores); });
+  smla::dsa_decode_step(on(nullptr), &be);  // slots for the attention alone
+  r.attention_us = graph_us([&](cudaStream_t s) { smla::sparse_mla(smla::attention_step(on(s)), &be); });
+  r.ops_us = graph_us([&](cudaStream_t s) {
+    const smla::DsaDecodeStepArgs step = on(s);
+    smla::indexer_topk(smla::indexer_step(step), &be);
+    smla::positions_to_slots(smla::slots_step(step), &be);
+    smla::sparse_mla(smla::attention_step(step), &be);
+  });
+  r.step_us = graph_us([&](cudaStream_t s) { smla::dsa_decode_step(on(s), &be); });
+  r.cold_us = cold_us([&](cudaStream_t s) { smla::dsa_decode_step(on(s), &be); });
+  std::printf("%6d %7d %9.1f %9.1f %9.1f %9.1f %9.1f %9.1f %12.0f\n", tokens, context, r.scores_us, r.topk_us,
+              r.attention_us, r.ops_us, r.step_us, r.cold_us, 1e6 / (78 * r.step_us));
+  step_rows.push_back(r);
+  for (void* ptr : {dtable, dreq, dctx, dq_index, dw, dq_scale, q, dtopk, dslots, out, lse, static_cast<void*>(scores)})
     cudaFree(ptr);
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  // `bench_cuda attention|indexer|topk` runs one part (`glm53f`: only GLM-5.3-Flash's attention rows); no
+  // `bench_cuda attention|indexer|topk|step` runs one part (`glm53f`: only GLM-5.3-Flash's attention rows); no
   // argument: all. `bench_cuda sparse ...` one sparse config (below).
   // `bench_cuda indexer TOKENS HEADS CONTEXT [OPTION...]` runs one indexer decode config; options: bf16 (keys),
   // fp8q (fp8 queries), and to force how fp8 keys are multiplied: mma.sync or wgmma (as bf16), e4m3 or e4m3-wgmma
   // (fp8q only). `bench_cuda topk TOKENS
   // CONTEXT` one top-k config (unsplit, split, cluster, picked: in that order, each warmed up and timed).
-  // `--json PATH` (anywhere) also writes the attention rows and the ceilings as JSON.
+  // `--json PATH` (anywhere) also writes the ceilings and the attention, top-k and step rows as JSON.
   std::string json_path;
   for (int i = 1; i + 1 < argc; ++i)
     if (std::string(argv[i]) == "--json") {
@@ -512,28 +704,6 @@ int main(int argc, char** argv) {
         bench_sparse("glm53f (depth)", cache, 128, 8, 2048 + 3, c, {AttentionKernel::small_heads, stages});
     }
   }
-  if (!json_path.empty()) {
-    FILE* f = std::fopen(json_path.c_str(), "w");
-    if (!f) return std::fprintf(stderr, "bench_cuda: cannot write %s\n", json_path.c_str()), 1;
-    std::fprintf(f, "{\n  \"device\": \"%s\", \"sm\": %d, \"sms\": %d,\n", prop.name, prop.major * 10 + prop.minor,
-                 prop.multiProcessorCount);
-    std::fprintf(f, "  \"ceilings\": {\"copy_gbs\": %.1f, \"gemm_tflops\": %.1f},\n", c.copy_gbs, c.gemm_tflops);
-    std::fprintf(f, "  \"units\": {\"us\": \"median microseconds per call\", "
-                    "\"gbs\": \"cache rows gathered (tokens * keys * row "
-                    "bytes) per second\", \"tflops\": \"2 * heads * keys * (576 or 512 + 512) * tokens per second\"},\n");
-    std::fprintf(f, "  \"attention\": [\n");
-    for (size_t i = 0; i < attention_rows.size(); ++i) {
-      const AttentionRow& r = attention_rows[i];
-      std::fprintf(f,
-                   "    {\"config\": \"%s\", \"cache\": \"%s\", \"kernel\": \"%s\", \"tokens\": %d, \"heads\": %d, "
-                   "\"keys\": %d, \"us\": %.2f, \"tflops\": %.2f, \"gbs\": %.1f, \"copy_fraction\": %.4f, "
-                   "\"gemm_fraction\": %.4f}%s\n",
-                   r.config.c_str(), r.cache.c_str(), r.kernel.c_str(), r.tokens, r.heads, r.keys, r.us, r.tflops,
-                   r.gbs, r.copy_frac, r.gemm_frac, i + 1 < attention_rows.size() ? "," : "");
-    }
-    std::fprintf(f, "  ]\n}\n");
-    std::fclose(f);
-  }
   if (part.empty() || part == "indexer") {
     std::printf("\nindexer (index cache fp8: 132 B/position, bf16: 256; top-k 2048 of distinct random scores)\n");
     std::printf("%-16s %-5s %-5s %6s %5s %7s %10s %8s %7s %8s %12s %12s\n", "config", "cache", "q", "tokens", "heads",
@@ -588,14 +758,66 @@ int main(int argc, char** argv) {
   if (part.empty() || part == "topk") {
     std::printf("\ntop-k 2048 of distinct random scores: one CTA per row, rows split among CTAs, rows shared by a "
                 "cluster's CTAs (SM90+), as select_topk picks\n");
-    std::printf("%6s %7s %10s %10s %10s %10s %12s\n", "tokens", "context", "unsplit us", "split us", "cluster us",
-                "picked us", "us/row");
+    std::printf("%6s %7s %10s %10s %10s %10s %10s %12s\n", "tokens", "context", "unsplit us", "split us",
+                "cluster us", "picked us", "graph us", "us/row");
     if (argc >= 4) {
       bench_topk(std::atoi(argv[2]), std::atoi(argv[3]));
       return 0;
     }
     for (int context : {8192, 32768, 131072})
       for (int tokens : {1, 8, 16, 32, 64, 128}) bench_topk(tokens, context);
+  }
+  if (part.empty() || part == "step") {
+    std::printf("\ndsa_decode_step, GLM-5 TP8 (8 heads, 32 indexer heads fp8 q, top-k 2048, fp8 index keys, "
+                "fp8_ds_mla cache); us per call from a CUDA graph replayed back to back, unless cold; 3 ops: "
+                "indexer_topk + positions_to_slots + sparse_mla as separate calls\n");
+    std::printf("%6s %7s %9s %9s %9s %9s %9s %9s %12s\n", "tokens", "context", "scores", "top-k", "attention",
+                "3 ops", "step", "cold step", "tok/s 78 L");
+    StepCaches caches;
+    for (int context : {8192, 131072})
+      for (int tokens : {1, 8}) bench_step(caches, tokens, context);
+  }
+  if (!json_path.empty()) {
+    FILE* f = std::fopen(json_path.c_str(), "w");
+    if (!f) return std::fprintf(stderr, "bench_cuda: cannot write %s\n", json_path.c_str()), 1;
+    std::fprintf(f, "{\n  \"device\": \"%s\", \"sm\": %d, \"sms\": %d,\n", prop.name, prop.major * 10 + prop.minor,
+                 prop.multiProcessorCount);
+    std::fprintf(f, "  \"ceilings\": {\"copy_gbs\": %.1f, \"gemm_tflops\": %.1f},\n", c.copy_gbs, c.gemm_tflops);
+    std::fprintf(f, "  \"units\": {\"us\": \"median microseconds per call\", "
+                    "\"graph_us\": \"microseconds per call replayed from a CUDA graph\", "
+                    "\"gbs\": \"cache rows gathered (tokens * keys * row "
+                    "bytes) per second\", \"tflops\": \"2 * heads * keys * (576 or 512 + 512) * tokens per second\"},\n");
+    std::fprintf(f, "  \"attention\": [\n");
+    for (size_t i = 0; i < attention_rows.size(); ++i) {
+      const AttentionRow& r = attention_rows[i];
+      std::fprintf(f,
+                   "    {\"config\": \"%s\", \"cache\": \"%s\", \"kernel\": \"%s\", \"tokens\": %d, \"heads\": %d, "
+                   "\"keys\": %d, \"us\": %.2f, \"tflops\": %.2f, \"gbs\": %.1f, \"copy_fraction\": %.4f, "
+                   "\"gemm_fraction\": %.4f}%s\n",
+                   r.config.c_str(), r.cache.c_str(), r.kernel.c_str(), r.tokens, r.heads, r.keys, r.us, r.tflops,
+                   r.gbs, r.copy_frac, r.gemm_frac, i + 1 < attention_rows.size() ? "," : "");
+    }
+    std::fprintf(f, "  ],\n  \"topk\": [\n");
+    for (size_t i = 0; i < topk_rows.size(); ++i) {
+      const TopkRow& r = topk_rows[i];
+      std::fprintf(f,
+                   "    {\"tokens\": %d, \"context\": %d, \"unsplit_us\": %.2f, \"split_us\": %.2f, "
+                   "\"cluster_us\": %.2f, \"picked_us\": %.2f, \"graph_us\": %.2f}%s\n",
+                   r.tokens, r.context, r.unsplit_us, r.split_us, r.cluster_us, r.picked_us, r.graph_us,
+                   i + 1 < topk_rows.size() ? "," : "");
+    }
+    std::fprintf(f, "  ],\n  \"dsa_decode_step\": [\n");
+    for (size_t i = 0; i < step_rows.size(); ++i) {
+      const StepRow& r = step_rows[i];
+      std::fprintf(f,
+                   "    {\"config\": \"glm5-tp8 fp8\", \"tokens\": %d, \"context\": %d, \"scores_us\": %.2f, "
+                   "\"topk_us\": %.2f, \"attention_us\": %.2f, \"three_ops_us\": %.2f, \"step_us\": %.2f, "
+                   "\"step_cold_us\": %.2f}%s\n",
+                   r.tokens, r.context, r.scores_us, r.topk_us, r.attention_us, r.ops_us, r.step_us, r.cold_us,
+                   i + 1 < step_rows.size() ? "," : "");
+    }
+    std::fprintf(f, "  ]\n}\n");
+    std::fclose(f);
   }
   return 0;
 }

@@ -2,7 +2,8 @@
 // heads, top-k 64, bf16), with a caller workspace, on a non-blocking stream. Calls are enqueued in batches of 200
 // behind a host function that holds the stream for 20 ms, so the GPU runs none of them while they are timed: the
 // time is the host's alone (back to back, a kernel that takes longer on the GPU than its launch on the host would
-// make the loop wait for the GPU). One 4-byte cudaMemsetAsync, timed the same way, is the floor of any enqueue.
+// make the loop wait for the GPU). One 4-byte cudaMemsetAsync, timed the same way, is the floor of any enqueue; the
+// same call with no tokens (checked and dispatched, nothing launched) is what the op adds to its launches.
 // Also prints the back-to-back rate. `bench_host_overhead out.json` writes the figures as JSON.
 #include <cuda_runtime.h>
 
@@ -70,16 +71,21 @@ int main(int argc, char** argv) {
   cudaStreamSynchronize(stream);
   const double us = held_us(stream, kCalls, [&] { sparse_mla(a); });
   const double memset_us = held_us(stream, kCalls, [&] { cudaMemsetAsync(lse, 0, 4, stream); });
+  SparseMlaArgs empty = a;  // no tokens: checks, backend and workspace checks, no launch
+  empty.q.shape[0] = empty.indices.shape[0] = empty.out.shape[0] = empty.lse.shape[0] = 0;
+  const double dispatch_us = held_us(stream, kCalls, [&] { sparse_mla(empty); });
   const auto start = std::chrono::steady_clock::now();
   for (int i = 0; i < kCalls; ++i) sparse_mla(a);
   const auto end = std::chrono::steady_clock::now();
   cudaStreamSynchronize(stream);
   const double back_to_back_us = std::chrono::duration<double, std::micro>(end - start).count() / kCalls;
   std::printf("C++ API smla::sparse_mla (1 token, 16 heads, top-k 64, workspace %zu bytes): %.2f us/call of host "
-              "time (one cudaMemsetAsync: %.2f us); back to back %.2f us/call\n",
-              bytes, us, memset_us, back_to_back_us);
+              "time (one cudaMemsetAsync: %.2f us; the call with no tokens, nothing launched: %.2f us); back to back "
+              "%.2f us/call\n",
+              bytes, us, memset_us, dispatch_us, back_to_back_us);
   if (argc > 1)
     std::ofstream(argv[1]) << "{\"cpp_sparse_mla_us\": " << us << ", \"cpp_memset_async_us\": " << memset_us
+                           << ", \"cpp_sparse_mla_no_tokens_us\": " << dispatch_us
                            << ", \"cpp_sparse_mla_back_to_back_us\": " << back_to_back_us << "}\n";
   return cudaGetLastError() == cudaSuccess ? 0 : 1;
 }

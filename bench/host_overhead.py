@@ -6,7 +6,9 @@ torch op (where the host time goes), and flash_mla_sparse_fwd against sparse_mla
     python bench/host_overhead.py [--cpp build/bench/bench_host_overhead] [--json out.json] [--profile]
 
 Prints us/call for torch.ops.smla.sparse_mla, smla.sparse_mla on torch tensors and
-smla.flash_mla.flash_mla_with_kvcache (sparse), and the C++ API's (from bench_host_overhead, when given)."""
+smla.flash_mla.flash_mla_with_kvcache (sparse), and the C++ API's (from bench_host_overhead, when given); says
+whether torch.ops.smla runs the C++ kernels of smla._torch_ops (smla.torch_ops.native()), and times the Python
+kernel of sparse_mla called directly for comparison."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import time
 import torch
 
 import smla
-import smla.torch_ops  # noqa: F401  (registers torch.ops.smla)
+from smla import torch_ops  # registers torch.ops.smla (with the C++ kernels when built)
 from smla.flash_mla import flash_mla_sparse_fwd, flash_mla_with_kvcache, get_mla_metadata
 
 CALLS = 10_000
@@ -95,12 +97,15 @@ def main() -> None:
     q4, idx3 = q[:, None], idx[:, None]
     calls = {
         "torch_ops_sparse_mla_us": lambda: torch.ops.smla.sparse_mla(q, cache, idx, None, None, 0.07),
+        # the Python kernel torch.ops.smla ran before smla._torch_ops (and runs without it), without the dispatcher
+        "python_kernel_sparse_mla_us": lambda: torch_ops._sparse_mla(q, cache, idx, None, None, 0.07),
         "smla_sparse_mla_torch_us": lambda: smla.sparse_mla(q, cache, idx, softmax_scale=0.07),
         "flash_mla_with_kvcache_us": lambda: flash_mla_with_kvcache(q4, cache[:, :, None], None, None, 512, meta,
                                                                     softmax_scale=0.07, indices=idx3),
         "torch_empty_us": lambda: torch.empty(512, device="cuda"),  # the floor: one caching-allocator tensor
     }
-    results = {key: per_call_us(fn) for key, fn in calls.items()}
+    results = {"torch_ops_native": torch_ops.native()}
+    results.update({key: per_call_us(fn) for key, fn in calls.items()})
     results.update({key.replace("_us", "_back_to_back_us"): back_to_back_us(fn) for key, fn in calls.items()})
     if args.profile:
         import cProfile
@@ -119,10 +124,14 @@ def main() -> None:
             subprocess.run([args.cpp, f.name], check=True, stdout=subprocess.DEVNULL)
             results.update(json.load(open(f.name)))
     names = {"cpp_sparse_mla_us": "C++ API smla::sparse_mla (caller workspace)",
+             "cpp_sparse_mla_no_tokens_us": "  the same with no tokens (checks, no launch)",
+             "cpp_memset_async_us": "  one cudaMemsetAsync (the floor of an enqueue)",
              "torch_ops_sparse_mla_us": "torch.ops.smla.sparse_mla",
+             "python_kernel_sparse_mla_us": "its Python kernel (smla.torch_ops._sparse_mla)",
              "smla_sparse_mla_torch_us": "smla.sparse_mla (torch tensors)",
              "flash_mla_with_kvcache_us": "smla.flash_mla.flash_mla_with_kvcache (sparse)",
              "torch_empty_us": "torch.empty (one CUDA tensor, for scale)"}
+    print(f"torch.ops.smla kernels: {'C++ (smla._torch_ops)' if results['torch_ops_native'] else 'Python'}")
     print(f"{'call (1 token, 16 heads, top-k 64)':50s} host us/call   back to back")
     for key, label in names.items():
         if key in results:

@@ -4,7 +4,8 @@
 # Installs vLLM (and the torch it pins, with its CUDA libraries: about 9 GiB installed) into its own virtual
 # environment ($VLLM_VENV, default .venv-vllm), installs smla there (built in $BUILD-py, as make python-test builds
 # it), builds a libcuda.so.1 stand-in (vLLM's compiled modules link the CUDA driver; tests/vllm/conftest.py says
-# what is stubbed) and runs pytest tests/vllm with it on LD_LIBRARY_PATH.
+# what is stubbed) and runs pytest tests/vllm with it on LD_LIBRARY_PATH. That build of smla has smla._torch_ops
+# (built against vLLM's torch): the torch tests run there first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -21,6 +22,11 @@ PYTHON="$python" bash scripts/install-deps.sh --python
 # shellcheck disable=SC2086  # PIP_CONFIG holds several arguments
 CMAKE_BUILD_PARALLEL_LEVEL=${JOBS:-$(nproc)} "${pip[@]}" --no-build-isolation . \
   --config-settings=build-dir="$BUILD-py" $PIP_CONFIG
+
+# smla was just built against this environment's torch, so with smla._torch_ops (the C++ kernels of
+# torch.ops.smla): its tests and the torch ones, on the CPU (before the driver stand-in below).
+SMLA_REQUIRE_TORCH_OPS=1 "$python" -m pytest tests/python/test_torch_native.py tests/python/test_torch.py \
+  tests/python/test_hostile_inputs.py -q -p no:cacheprovider -W ignore::DeprecationWarning
 
 # The stand-in defines every cu* driver function that vLLM's compiled modules import, each returning
 # CUDA_ERROR_NO_DEVICE (100); nothing in the tests calls them.

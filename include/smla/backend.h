@@ -36,6 +36,9 @@ struct Capabilities {
   int topk_multiple = 1;
   OpSet ops;
   bool pooled_indexer = false;  // the indexer also for index_kpool > 1 (GLM-5.3-Flash)
+  // Sparse attention over two caches under one softmax: DeepSeek-V4's window cache and its compressed (extra) cache,
+  // each with its own block size, block table and top-k length (FlashMLA's extra_k_cache).
+  bool extra_cache = false;
   bool attn_sink = false;
   // Anything the fields above cannot express; returns reasons (empty: fine).
   std::function<std::vector<std::string>(const AttentionSpec&, const RunSpec&)> combination_rule;

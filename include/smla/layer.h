@@ -1,6 +1,6 @@
-// The complete MLA / DSA attention layer of deepseek_v3, deepseek_v32 and glm_moe_dsa models, on the CPU or on a
-// CUDA GPU: hidden states in, attention output (after o_proj) out, for a batch of requests that each own blocks of a
-// paged cache. docs/layer.md describes the math, the paths, the devices and the numerics.
+// The complete MLA / DSA attention layer of deepseek_v3, deepseek_v32, glm_moe_dsa and glm5_next models, on the
+// CPU or on a CUDA GPU: hidden states in, attention output (after o_proj) out, for a batch of requests that each
+// own blocks of a paged cache. docs/layer.md describes the math, the paths, the devices and the numerics.
 #pragma once
 
 #include <memory>
@@ -19,8 +19,8 @@ constexpr DType attention_query_dtype(DType kv_cache_dtype) {
 
 struct LayerOptions {
   int num_blocks = 256;                   // paged cache capacity, shared by all requests
-  int block_size = 64;
-  DType kv_cache_dtype = DType::bf16;     // bf16, f16 or fp8_ds_mla
+  int block_size = 64;                    // a multiple of index_kpool for a pooled indexer
+  DType kv_cache_dtype = DType::bf16;     // bf16, f16 or fp8_ds_mla; also fp8_ds_mla_nope without a rope part
   DType index_cache_dtype = DType::bf16;  // bf16 or fp8_e4m3 (DSA models)
   int max_chunk_tokens = 256;             // tokens per pass: bounds the buffers of long prompts
   // Where the layer runs. On a CUDA device (Device::cuda(compute_capability or 0, index)) the weights are held in
@@ -59,7 +59,8 @@ struct LayerProfile {
 class MlaLayer {
  public:
   // Checks every tensor's shape against weights.spec (smla::Error naming the tensor), that the spec fits the
-  // kernels (kv_lora_rank 512, qk_rope_head_dim 64, index_head_dim 128) and the options (smla::Error naming the
+  // kernels (kv_lora_rank 512, qk_rope_head_dim 64 or 0, index_head_dim 128; a pooled indexer with its tail always
+  // selected) and the options (smla::Error naming the
   // option: a CUDA device in a build without CUDA or absent from the machine, a backend for another device or that
   // cannot run the spec, a cache dtype). Weights stay float32 on the CPU and are converted to bf16 once on a GPU.
   MlaLayer(AttentionWeights weights, const LayerOptions& options = {});
@@ -79,9 +80,10 @@ class MlaLayer {
   int free_blocks() const;
 
   // Appends `tokens` positions whose cache rows were computed elsewhere (an imported prefix, a benchmark's context):
-  // latent [tokens, 512] (normed c), k_pe [tokens, 64] and, for DSA models, index_k [tokens, 128] (after RoPE and
-  // the norm), all f32 in the layer's device memory. Throws smla::Error, changing nothing, when the pool has too few
-  // blocks.
+  // latent [tokens, 512] (normed c), k_pe [tokens, 64] (null without a rope part) and, for DSA models, index_k
+  // [tokens, 128] (after RoPE and the norm; for a pooled indexer [tokens, 256]: the key after the norm, then the
+  // gate scores x @ index_kpool_compress_gate^T), all f32 in the layer's device memory. Throws smla::Error,
+  // changing nothing, when the pool has too few blocks.
   void append_context(int request, int tokens, const float* latent, const float* k_pe, const float* index_k);
 
   // hidden: [Σ num_tokens, hidden_size] f32, the segments' rows in order; out: the same shape; both in the layer's

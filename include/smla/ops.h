@@ -45,6 +45,12 @@ struct SparseMlaArgs {
                            // or fp8_ds_mla_nope (528 bytes, 512-wide q only); see MlaHead::cache_row
   TensorView indices;      // [T, K] i32 physical slots; < 0 or >= num_slots: invalid, never read
   TensorView topk_length;  // optional [T] i32: only the first topk_length[t] entries count
+  // An optional second cache attended under the same softmax (FlashMLA's extra_k_cache: DeepSeek-V4's compressed
+  // cache beside its window cache), with its own blocks and slot space; kv_cache's dtype and row. Backends that do
+  // not declare Capabilities::extra_cache refuse it.
+  TensorView extra_kv_cache;     // [extra_blocks, extra_block_size, row], as kv_cache
+  TensorView extra_indices;      // [T, K2] i32 physical slots of extra_kv_cache; invalid ones as in indices
+  TensorView extra_topk_length;  // optional [T] i32: only the first extra_topk_length[t] entries count
   TensorView attn_sink;    // optional [H] f32
   float softmax_scale = 0.f;
   TensorView out;          // [T, H, 512], q's dtype

@@ -27,9 +27,19 @@ class Registry {
   // Priority lists: backend names, best first, per device kind.
   void set_priority(DeviceKind kind, std::vector<std::string> names);
 
+  // The first backend in `kind`'s priority order that runs on that kind (null: none), the one an op runs on when
+  // given none. Kept by add() and set_priority(), so that an op call looks nothing up by name.
+  const Backend* default_backend(DeviceKind kind) const {
+    return kind == DeviceKind::cpu ? cpu_default_ : cuda_default_;
+  }
+
  private:
+  void update_defaults();
+
   std::vector<std::unique_ptr<Backend>> backends_;
   std::vector<std::string> cpu_priority_, cuda_priority_;
+  const Backend* cpu_default_ = nullptr;
+  const Backend* cuda_default_ = nullptr;
 };
 
 struct Candidate {

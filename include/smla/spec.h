@@ -62,13 +62,23 @@ struct AttentionSpec {
   RopeStyle rope_style = RopeStyle::interleaved;  // MLA's RoPE
   std::optional<IndexerSpec> indexer;           // DSA models only
   double softmax_scale = 0.0;                   // includes the YaRN mscale^2
+  // DeepSeek-V4's caches: every layer attends its last `sliding_window` tokens (the window cache) and, where its
+  // compress ratio is above 0, one compressed entry per `ratio` older tokens (a second cache, under one softmax with
+  // the first); ratio-4 layers pick their compressed entries with the indexer's top-k. 0 / empty for other models.
+  int sliding_window = 0;
+  std::vector<int> compress_ratios = {};  // one per layer (num_layers entries), 0: the window only
 
   bool is_sparse() const { return indexer.has_value(); }
   int qk_head_dim() const { return qk_nope_head_dim + qk_rope_head_dim; }
   bool is_hybrid() const { return num_attention_layers > 0 && num_attention_layers < num_layers; }
-  // The kernels see one latent KV head: [c | k_pe] (576, or 512 with no rope part) and value c (512).
-  int absorbed_qk_dim() const { return kv_lora_rank + qk_rope_head_dim; }
-  int absorbed_v_dim() const { return kv_lora_rank; }
+  // kv_lora_rank 0: no latent to absorb into (DeepSeek-V4). Queries and the one shared KV head are qk_head_dim wide
+  // (nope + rope) and the value is the whole cached vector, rope dims included (v_head_dim == qk_head_dim).
+  bool is_shared_kv() const { return kv_lora_rank == 0; }
+  bool has_compressed_cache() const { return !compress_ratios.empty(); }
+  // The kernels see one KV head: [c | k_pe] (576, or 512 with no rope part) with value c (512); for a shared-KV
+  // model the head itself (512 = 448 + rope 64) with value the same 512.
+  int absorbed_qk_dim() const { return is_shared_kv() ? qk_head_dim() : kv_lora_rank + qk_rope_head_dim; }
+  int absorbed_v_dim() const { return is_shared_kv() ? v_head_dim : kv_lora_rank; }
 };
 
 // The softmax scale the reference math gives: (nope + rope)^-0.5, times
@@ -87,7 +97,8 @@ inline constexpr int kMaxSpecTopk = 1 << 20;
 // naming the field; `source` prefixes the message (e.g. the config path).
 void validate(const AttentionSpec& spec, std::string_view source);
 
-// Built-in presets: "glm-5", "deepseek-v3.2", "deepseek-v3", "kimi-k2", "glm-4.7-flash", "glm-5.3-flash".
+// Built-in presets: "glm-5", "deepseek-v3.2", "deepseek-v3", "kimi-k2", "glm-4.7-flash", "glm-5.3-flash",
+// "deepseek-v4-flash".
 std::vector<std::string> preset_names();
 std::optional<AttentionSpec> preset(std::string_view name);
 

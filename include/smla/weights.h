@@ -27,6 +27,10 @@ struct IndexerWeights {
   WeightTensor k_norm;        // [index_head_dim], LayerNorm weight
   WeightTensor k_norm_bias;   // [index_head_dim], LayerNorm bias
   WeightTensor weights_proj;  // [index_n_heads, hidden_size]
+  // A pooled indexer's (index_kpool > 1, GLM-5.3-Flash) key compression: per pool position and dimension a learned
+  // term, and the gate projection whose scores (plus that term) weight each pool's keys through a softmax.
+  WeightTensor kpool_ape;   // [index_kpool, index_head_dim], index_kpool_compress_ape
+  WeightTensor kpool_gate;  // [index_head_dim, hidden_size], index_kpool_compress_gate
 };
 
 // H heads, nope = qk_nope_head_dim, rope = qk_rope_head_dim, v = v_head_dim.

@@ -108,6 +108,8 @@ class NotATensorError(_smla.InvalidArgumentError, TypeError):
 def shape(x: Any, name: str) -> tuple:
     """x.shape as a tuple of ints; anything without a shape and a dtype (a list, None, a memoryview) is
     NotATensorError naming the argument, as the C++ layer would name it."""
+    if is_torch(x):
+        return tuple(x.shape)  # ints already: the hot path of smla.flash_mla on torch tensors
     s = getattr(x, "shape", None)
     if s is None or not hasattr(x, "dtype"):
         raise NotATensorError(

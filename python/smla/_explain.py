@@ -65,6 +65,9 @@ class ModelInfo:
     num_attention_layers: int  # layers that run MLA; hybrid models run linear attention in the rest
     absorbed_qk_dim: int
     absorbed_v_dim: int
+    shared_kv: bool  # no latent (kv_lora_rank 0, DeepSeek-V4): the value is the whole cached head, rope included
+    sliding_window: int  # DeepSeek-V4's window cache (0: none)
+    compress_ratios: Tuple[int, ...]  # per layer, DeepSeek-V4's compressed caches (0: the window only); () for others
     softmax_scale: float
     rope: Optional[Rope]  # None when the model has no rope part (qk_rope_head_dim 0)
     indexer: Optional[Indexer]
@@ -148,6 +151,7 @@ class BackendInfo:
     topk: Tuple[int, int]
     topk_multiple: int
     ops: Tuple[str, ...]
+    extra_cache: bool  # sparse attention over a second cache under one softmax (DeepSeek-V4's compressed cache)
     attn_sink: bool
 
 
@@ -164,7 +168,8 @@ def _model_info(m: Dict[str, Any]) -> ModelInfo:
     def rope(r: Optional[Dict[str, Any]]) -> Optional[Rope]:
         return None if r is None else _make(Rope, r, yarn=lambda y: None if y is None else _make(Yarn, y))
 
-    return _make(ModelInfo, m, rope=rope, indexer=lambda i: None if i is None else _make(Indexer, i))
+    return _make(ModelInfo, m, rope=rope, indexer=lambda i: None if i is None else _make(Indexer, i),
+                 compress_ratios=tuple)
 
 
 def _from_json(text: str, json_text: str) -> Explanation:

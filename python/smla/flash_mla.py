@@ -25,6 +25,8 @@ Tensor = Any
 TILE_SCHEDULER_METADATA_SIZE = 8
 _HEAD_DIM_QK = 576
 _HEAD_DIM_V = 512
+#: Bytes per token of FlashMLA's fp8 MODEL1 cache (448 e4m3, 64 bf16 rope, 7 ue8m0 scales, a pad byte).
+_FP8_MODEL1_ROW_BYTES = 584
 
 
 @dataclasses.dataclass
@@ -119,27 +121,35 @@ def flash_mla_with_kvcache(
     topk_length (b,) (or (b, s_q)) and attn_sink (h_q,) float32.
     softmax_scale defaults to d_qk^-0.5 (576^-0.5), as FlashMLA's does.
 
+    DeepSeek-V4 (FlashMLA's MODEL1, sparse only): q (..., 512), 512-wide
+    caches in q's dtype (the value is the whole row, rope dims included),
+    and a second cache under the same softmax: extra_k_cache
+    (extra_num_blocks, extra_page_block_size, 1, 512) with its own block
+    size, extra_indices_in_kvcache (b, s_q, extra_topk) int32 slots of it
+    and optional extra_topk_length (b,) (or (b, s_q)). The CPU backend runs
+    it; FlashMLA's 584-byte fp8 MODEL1 cache is not implemented
+    (UnsupportedError).
+
     Returns (out (b, s_q, h_q, 512) in q's dtype, lse (b, h_q, s_q)
     float32): natural log, without the sink, +inf where a query has nothing
     to attend (its out is 0). ``backend`` (smla only) forces a backend."""
     if head_dim_v != _HEAD_DIM_V:
         raise _smla.InvalidArgumentError(f"head_dim_v: must be {_HEAD_DIM_V}, got {head_dim_v}")
-    if extra_k_cache is not None or extra_indices_in_kvcache is not None or extra_topk_length is not None:
-        raise _smla.UnsupportedError("extra_k_cache / extra_indices_in_kvcache / extra_topk_length (FlashMLA's "
-                                     "512-dim MODEL1 layout) are not supported by smla")
     q_shape = _arrays.shape(q, "q")
     if len(q_shape) != 4:
         raise _smla.InvalidArgumentError(f"q: expected (batch_size, seq_len_q, num_heads_q, 576 | 512), got {q_shape}")
     b, s_q, h_q, d = q_shape
-    _arrays.shape(k_cache, "k_cache")
-    cache = _cache_3d(k_cache)
+    k_shape = _arrays.shape(k_cache, "k_cache")  # read once: shape lookups are the bulk of this function's time
+    _check_heads_k(k_shape)
     topk = _sparse_shapes(b, s_q, indices, topk_length) if indices is not None else None
+    extra = _extra_cache(b, s_q, indices, extra_k_cache, extra_indices_in_kvcache, extra_topk_length)
     if isinstance(tile_scheduler_metadata, FlashMLASchedMeta):
         if num_splits is not None:
             raise _smla.InvalidArgumentError("num_splits: must be None with a FlashMLASchedMeta")
         _check_sched_meta(tile_scheduler_metadata, (
-            b, s_q, h_q, int(k_cache.shape[1]), int(k_cache.shape[2]) if len(k_cache.shape) == 4 else 1,
-            bool(causal), bool(is_fp8_kvcache), topk, None, None))
+            b, s_q, h_q, k_shape[1], k_shape[2] if len(k_shape) == 4 else 1,
+            bool(causal), bool(is_fp8_kvcache), topk, int(extra[0].shape[1]) if extra else None,
+            int(extra[1].shape[2]) if extra else None))
     if softmax_scale is None:
         softmax_scale = d ** -0.5
     kv_cache_dtype = _kv_cache_dtype(k_cache, is_fp8_kvcache)
@@ -152,15 +162,17 @@ def flash_mla_with_kvcache(
             raise _smla.InvalidArgumentError("topk_length: only valid with indices (sparse attention)")
         if block_table is None or cache_seqlens is None:
             raise _smla.InvalidArgumentError("block_table and cache_seqlens must be given for dense attention")
-    torch_ops = _ops._torch_ops(q)
+    # torch.ops.smla has no extra cache: MODEL1 calls take the direct path (eager, not traced by torch.compile).
+    torch_ops = _ops._torch_ops(q) if extra is None else None
     if torch_ops is not None:
-        return torch_ops.flash_mla_with_kvcache(q, cache, block_table, cache_seqlens, indices, topk_length, attn_sink,
-                                                _ops._softmax_scale(softmax_scale), bool(causal), kv_cache_dtype,
-                                                backend or "")
+        # k_cache as given: the op takes FlashMLA's 4-D cache (a view less to make here)
+        return torch_ops.flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, indices, topk_length,
+                                                attn_sink, _ops._softmax_scale(softmax_scale), bool(causal),
+                                                kv_cache_dtype, backend or "")
     out = _arrays.empty(q, (b, s_q, h_q, _HEAD_DIM_V))
     lse = _arrays.empty(q, (b, h_q, s_q), "float32")
-    _with_kvcache_into(q, cache, block_table, cache_seqlens, indices, topk_length, attn_sink, softmax_scale, causal,
-                       kv_cache_dtype, out, lse, backend)
+    _with_kvcache_into(q, _cache_3d(k_cache, k_shape), block_table, cache_seqlens, indices, topk_length, attn_sink, softmax_scale, causal,
+                       kv_cache_dtype, out, lse, backend, extra)
     return out, lse
 
 
@@ -231,27 +243,54 @@ def _check_sched_meta(meta: FlashMLASchedMeta, config: tuple) -> None:
                 "first used; use one get_mla_metadata() object per configuration")
 
 
-def _sparse_shapes(b: int, s_q: int, indices: Tensor, topk_length: Optional[Tensor]) -> int:
+def _sparse_shapes(b: int, s_q: int, indices: Tensor, topk_length: Optional[Tensor], indices_name: str = "indices",
+                   lengths_name: str = "topk_length") -> int:
     """topk, after checking indices (b, s_q, topk) and topk_length (b,) or (b, s_q) against q's b and s_q."""
-    shape = _arrays.shape(indices, "indices")
+    shape = _arrays.shape(indices, indices_name)
     if len(shape) != 3 or shape[:2] != (b, s_q):
         raise _smla.InvalidArgumentError(
-            f"indices: expected (batch_size, seq_len_q, topk) with q's batch_size {b} and seq_len_q {s_q}, got {shape}")
+            f"{indices_name}: expected (batch_size, seq_len_q, topk) with q's batch_size {b} and seq_len_q {s_q}, "
+            f"got {shape}")
     if topk_length is not None:
-        lengths = _arrays.shape(topk_length, "topk_length")
+        lengths = _arrays.shape(topk_length, lengths_name)
         if lengths != (b,) and lengths != (b, s_q):
             raise _smla.InvalidArgumentError(
-                f"topk_length: expected ({b},) (per request) or ({b}, {s_q}) (per query token), got {lengths}")
+                f"{lengths_name}: expected ({b},) (per request) or ({b}, {s_q}) (per query token), got {lengths}")
     return shape[2]
 
 
-def _cache_3d(k_cache: Tensor) -> Tensor:
-    """FlashMLA's (num_blocks, page_block_size, 1, d) cache as smla's (num_blocks, page_block_size, d) view."""
-    if len(k_cache.shape) == 4:
-        if int(k_cache.shape[2]) != 1:
-            raise _smla.InvalidArgumentError(f"k_cache: num_heads_k must be 1 (MLA), got {tuple(k_cache.shape)}")
-        return _select(k_cache, 2, 0)
-    return k_cache
+def _extra_cache(b: int, s_q: int, indices: Optional[Tensor], extra_k_cache: Optional[Tensor],
+                 extra_indices: Optional[Tensor], extra_topk_length: Optional[Tensor]) -> Optional[tuple]:
+    """MODEL1's second cache as (extra cache (blocks, block_size, d), extra_indices, extra_topk_length), after
+    checking that they come together, with indices, in FlashMLA's shapes; None without one."""
+    if extra_k_cache is None and extra_indices is None and extra_topk_length is None:
+        return None
+    if extra_k_cache is None or extra_indices is None:
+        raise _smla.InvalidArgumentError("extra_k_cache and extra_indices_in_kvcache: give both or neither "
+                                         "(extra_topk_length needs them too)")
+    if indices is None:
+        raise _smla.InvalidArgumentError("extra_k_cache: only valid with indices (sparse attention)")
+    shape = _arrays.shape(extra_k_cache, "extra_k_cache")
+    if _arrays.is_8bit(extra_k_cache) and int(shape[-1]) == _FP8_MODEL1_ROW_BYTES:
+        raise _smla.UnsupportedError(f"extra_k_cache: FlashMLA's {_FP8_MODEL1_ROW_BYTES}-byte fp8 MODEL1 cache is "
+                                     "not implemented by smla; use bfloat16 caches")
+    _sparse_shapes(b, s_q, extra_indices, extra_topk_length, "extra_indices_in_kvcache", "extra_topk_length")
+    if len(shape) == 4 and int(shape[2]) != 1:
+        raise _smla.InvalidArgumentError(f"extra_k_cache: num_heads_k must be 1 (MLA), got {shape}")
+    return (_select(extra_k_cache, 2, 0) if len(shape) == 4 else extra_k_cache), extra_indices, extra_topk_length
+
+
+def _check_heads_k(shape: tuple) -> None:
+    """A 4-D k_cache (num_blocks, page_block_size, num_heads_k, d) has one head (MLA); `shape`: k_cache's."""
+    if len(shape) == 4 and shape[2] != 1:
+        raise _smla.InvalidArgumentError(f"k_cache: num_heads_k must be 1 (MLA), got {shape}")
+
+
+def _cache_3d(k_cache: Tensor, shape: tuple) -> Tensor:
+    """FlashMLA's (num_blocks, page_block_size, 1, d) cache as smla's (num_blocks, page_block_size, d) view;
+    `shape`: k_cache's. (python/src/torch_ops.cpp does the same for torch.ops.smla.flash_mla_with_kvcache.)"""
+    _check_heads_k(shape)
+    return _select(k_cache, 2, 0) if len(shape) == 4 else k_cache
 
 
 def _select(x: Tensor, dim: int, index: int) -> Tensor:
@@ -267,6 +306,9 @@ def _kv_cache_dtype(k_cache: Tensor, is_fp8_kvcache: bool) -> str:
             raise _smla.InvalidArgumentError(
                 f"k_cache: is_fp8_kvcache=True needs 8-bit data (uint8, int8 or float8_e4m3fn rows of 656 bytes), "
                 f"got {_arrays.dtype_name(k_cache)}")
+        if int(k_cache.shape[-1]) == _FP8_MODEL1_ROW_BYTES:
+            raise _smla.UnsupportedError(f"k_cache: FlashMLA's {_FP8_MODEL1_ROW_BYTES}-byte fp8 MODEL1 cache is not "
+                                         "implemented by smla; use bfloat16 caches")
         return _ops._fp8_mla_cache_dtype(k_cache)
     if _arrays.is_8bit(k_cache):
         raise _smla.InvalidArgumentError("k_cache: 8-bit (FP8) data needs is_fp8_kvcache=True")
@@ -286,9 +328,10 @@ def _array_module(x: Tensor) -> Any:
 def _with_kvcache_into(q: Tensor, cache: Tensor, block_table: Optional[Tensor], cache_seqlens: Optional[Tensor],
                        indices: Optional[Tensor], topk_length: Optional[Tensor], attn_sink: Optional[Tensor],
                        softmax_scale: float, causal: bool, kv_cache_dtype: str, out: Tensor, lse: Tensor,
-                       backend: Optional[str]) -> None:
+                       backend: Optional[str], extra: Optional[tuple] = None) -> None:
     """flash_mla_with_kvcache into out (b, s_q, h_q, 512) and lse (b, h_q, s_q): the kernels write lse through a
-    (b, s_q, h_q) view of it, +inf where a query has nothing to attend; no other kernel runs."""
+    (b, s_q, h_q) view of it, +inf where a query has nothing to attend; no other kernel runs. `extra`: MODEL1's
+    second cache (_extra_cache)."""
     lse_view = lse.swapaxes(-1, -2)
     if indices is None:
         _ops._paged_mla_decode(q, cache, block_table, cache_seqlens, attn_sink, softmax_scale, causal, out, lse_view,
@@ -296,12 +339,14 @@ def _with_kvcache_into(q: Tensor, cache: Tensor, block_table: Optional[Tensor], 
         return
     # One sparse_mla call per new token j: its tokens are the requests, whose lse rows (b, h_q) are a strided view;
     # FlashMLA's per-request topk_length (b,) serves every j as it is.
-    per_token_lengths = topk_length is not None and len(topk_length.shape) == 2
+    def per_token(lengths: Optional[Tensor], j: int) -> Optional[Tensor]:
+        return _select(lengths, 1, j) if lengths is not None and len(lengths.shape) == 2 else lengths
+
     for j in range(int(q.shape[1])):
-        lengths = _select(topk_length, 1, j) if per_token_lengths else topk_length
-        _ops._sparse_mla(_select(q, 1, j), cache, _select(indices, 1, j), lengths, attn_sink, softmax_scale,
-                         _select(out, 1, j), _select(lse_view, 1, j), kv_cache_dtype, None, backend,
-                         empty_lse_plus_inf=True)
+        extra_j = None if extra is None else (extra[0], _select(extra[1], 1, j), per_token(extra[2], j))
+        _ops._sparse_mla(_select(q, 1, j), cache, _select(indices, 1, j), per_token(topk_length, j), attn_sink,
+                         softmax_scale, _select(out, 1, j), _select(lse_view, 1, j), kv_cache_dtype, None, backend,
+                         empty_lse_plus_inf=True, extra=extra_j)
 
 
 def _sparse_fwd_into(q: Tensor, kv: Tensor, indices: Tensor, topk_length: Optional[Tensor],

@@ -116,7 +116,7 @@ def _torch_ops(x: Tensor) -> Any:
     if _torch_ops_namespace is None:
         from . import torch_ops
 
-        _torch_ops_namespace = torch_ops.ops() if torch_ops.available() else False
+        _torch_ops_namespace = torch_ops.routed() if torch_ops.available() else False
     return _torch_ops_namespace or None
 
 
@@ -142,12 +142,16 @@ def _write_mla_cache(latent, k_pe, slot_mapping, cache, kv_cache_dtype, stream, 
 
 
 def _sparse_mla(q, kv_cache, indices, topk_length, attn_sink, softmax_scale, out, lse, kv_cache_dtype, stream,
-                backend, max_logits=None, empty_lse_plus_inf=False, workspace=None) -> None:
+                backend, max_logits=None, empty_lse_plus_inf=False, workspace=None, extra=None) -> None:
+    """`extra`: (extra_kv_cache, extra_indices, extra_topk_length or None), a second cache read as kv_cache is."""
+    cache_dtype = _mla_cache_dtype(kv_cache, kv_cache_dtype)
+    extra_cache, extra_indices, extra_lengths = extra if extra is not None else (None, None, None)
     _smla.sparse_mla(
-        _arrays.export(q), _arrays.export(kv_cache, _mla_cache_dtype(kv_cache, kv_cache_dtype)),
+        _arrays.export(q), _arrays.export(kv_cache, cache_dtype),
         _arrays.export(indices), _arrays.export(topk_length), _arrays.export(attn_sink), _softmax_scale(softmax_scale),
         _arrays.export(out), _arrays.export(lse), _arrays.resolve_stream(q, stream), _backend(backend),
-        _arrays.export(max_logits), empty_lse_plus_inf, _workspace(q, workspace))
+        _arrays.export(max_logits), empty_lse_plus_inf, _workspace(q, workspace),
+        _arrays.export(extra_cache, cache_dtype), _arrays.export(extra_indices), _arrays.export(extra_lengths))
 
 
 def _paged_mla_decode(q, kv_cache, block_table, seq_lens, attn_sink, softmax_scale, causal, out, lse,
@@ -180,6 +184,36 @@ def _positions_to_slots(positions, request_ids, block_table, block_size, slots, 
         _arrays.export(positions), _arrays.export(request_ids), _arrays.export(block_table),
         _int_in(block_size, "block_size", 1, 2**31 - 1),
         _arrays.export(slots), _arrays.resolve_stream(positions, stream), _backend(backend))
+
+
+def _write_pooled_index_cache(k, gate, ape, slot_mapping, cache, hadamard, index_cache_dtype, stream,
+                              backend) -> None:
+    _smla.write_pooled_index_cache(
+        _arrays.export(k), _arrays.export(gate), _arrays.export(ape), _arrays.export(slot_mapping),
+        _arrays.export(cache, _index_dtype(cache, index_cache_dtype)), bool(hadamard),
+        _arrays.resolve_stream(cache, stream), _backend(backend))
+
+
+def _pools_to_positions(pools, context_lens, kpool, positions, stream, backend) -> None:
+    _smla.pools_to_positions(_arrays.export(pools), _arrays.export(context_lens), _int_in(kpool, "kpool", 1, 128),
+                             _arrays.export(positions), _arrays.resolve_stream(pools, stream), _backend(backend))
+
+
+def _pools_to_positions_shape(pools: Tensor, kpool: int) -> Tuple[int, int]:
+    """pools_to_positions' output shape [T, Kp * kpool + kpool - 1]."""
+    shape = _arrays.shape(pools, "pools")
+    if len(shape) != 2:
+        raise _smla.InvalidArgumentError(f"pools_to_positions: pools: expected 2 dimensions [T, Kp], got {shape}")
+    kpool = _int_in(kpool, "kpool", 1, 128)
+    return shape[0], shape[1] * kpool + kpool - 1
+
+
+def _rotate_index_q(q, q_out, q_scale, stream, backend) -> None:
+    """q_scale None: bfloat16 q_out; else fp8_e4m3 q_out with its per-head scales."""
+    fp8 = q_scale is not None
+    _smla.rotate_index_q(_arrays.export(q), _arrays.export(q_out, "fp8_e4m3" if fp8 else None),
+                         _arrays.export(q_scale) if fp8 else None, _arrays.resolve_stream(q, stream),
+                         _backend(backend))
 
 
 def _dsa_decode_step(q, kv_cache, index_q, index_weights, index_cache, request_ids, block_table, context_lens,
@@ -339,10 +373,12 @@ def write_pooled_index_cache(k: Tensor, gate: Tensor, ape: Tensor, slot_mapping:
     pool slots slot_mapping [P] int64 (negative: skipped) of an index cache of
     block_size / kpool rows a block, as write_index_cache writes. Returns
     ``cache``."""
-    _smla.write_pooled_index_cache(
-        _arrays.export(k), _arrays.export(gate), _arrays.export(ape), _arrays.export(slot_mapping),
-        _arrays.export(cache, _index_dtype(cache, index_cache_dtype)), bool(hadamard),
-        _arrays.resolve_stream(cache, stream), _backend(backend))
+    ops = _torch_ops(cache) if stream is None else None
+    if ops is not None:
+        ops.write_pooled_index_cache(k, gate, ape, slot_mapping, cache, bool(hadamard), index_cache_dtype or "auto",
+                                     _backend(backend))
+    else:
+        _write_pooled_index_cache(k, gate, ape, slot_mapping, cache, hadamard, index_cache_dtype, stream, backend)
     return cache
 
 
@@ -353,13 +389,12 @@ def pools_to_positions(pools: Tensor, context_lens: Tensor, *, kpool: int, out: 
     pool's kpool tokens, then those of the incomplete last pool of the
     context [0, context_lens[t]); -1 padded."""
     kpool = _int_in(kpool, "kpool", 1, 128)
+    ops = _torch_ops(pools) if out is None and stream is None else None
+    if ops is not None:
+        return ops.pools_to_positions(pools, context_lens, kpool, _backend(backend))
     if out is None:
-        shape = _arrays.shape(pools, "pools")
-        if len(shape) != 2:
-            raise _smla.InvalidArgumentError(f"pools_to_positions: pools: expected 2 dimensions [T, Kp], got {shape}")
-        out = _arrays.empty(pools, (shape[0], shape[1] * kpool + kpool - 1), "int32")
-    _smla.pools_to_positions(_arrays.export(pools), _arrays.export(context_lens), kpool, _arrays.export(out),
-                             _arrays.resolve_stream(pools, stream), _backend(backend))
+        out = _arrays.empty(pools, _pools_to_positions_shape(pools, kpool), "int32")
+    _pools_to_positions(pools, context_lens, kpool, out, stream, backend)
     return out
 
 
@@ -372,13 +407,14 @@ def rotate_index_q(q: Tensor, *, fp8: bool = True, out: Optional[Tensor] = None,
     fp8): indexer_topk's q and q_scale."""
     if q_scale is not None and not fp8:
         raise _smla.InvalidArgumentError("rotate_index_q: q_scale: must be absent unless fp8 (bfloat16 out has none)")
+    ops = _torch_ops(q) if out is None and q_scale is None and stream is None else None
+    if ops is not None:
+        return ops.rotate_index_q(q, bool(fp8), _backend(backend))
     if out is None:
         out = _arrays.empty(q, _arrays.shape(q, "q"), "uint8" if fp8 else "bfloat16")
     if fp8 and q_scale is None:
         q_scale = _arrays.empty(q, _arrays.shape(q, "q")[:2], "float32")
-    _smla.rotate_index_q(_arrays.export(q), _arrays.export(out, "fp8_e4m3" if fp8 else None),
-                         _arrays.export(q_scale) if fp8 else None, _arrays.resolve_stream(q, stream),
-                         _backend(backend))
+    _rotate_index_q(q, out, q_scale if fp8 else None, stream, backend)
     return out, (q_scale if fp8 else None)
 
 

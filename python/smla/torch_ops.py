@@ -12,13 +12,22 @@ They are defined with ``torch.library.Library`` (a schema, one
 CompositeExplicitAutograd kernel, a fake) rather than ``custom_op``, whose
 Python wrapper costs several microseconds more per call: these are
 inference ops, with no autograd formula.
+
+This module is the one place of the schemas and fakes. When the package was
+built against this torch (``pip install --no-build-isolation .`` with torch
+installed), the library ``smla/_torch_ops.so`` then registers C++ kernels
+for the CPU and CUDA keys of the hot ops, which call smla's C++ API with no
+Python in between (python/src/torch_ops.cpp); the Python kernels below
+serve the rest. ``native()`` says whether the C++ kernels are active.
 """
 
-from typing import Any, Tuple
+import os
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 from torch import Tensor
 
+from . import _smla
 from . import flash_mla as _flash_mla
 from . import ops as _ops
 
@@ -31,9 +40,43 @@ def available() -> bool:
     return _REGISTERED
 
 
+def native() -> bool:
+    """True when the CPU and CUDA kernels of ``torch.ops.smla`` are C++ (smla._torch_ops, built against this
+    torch); False when they are the Python kernels of this module."""
+    return _NATIVE
+
+
 def ops() -> Any:
     """The ``torch.ops.smla`` namespace."""
     return torch.ops.smla
+
+
+class _Routed:
+    """``torch.ops.smla`` as smla's functions call it: the C++ kernels' bad-input errors (ValueError) and
+    unsupported cases (NotImplementedError) come back as smla.InvalidArgumentError / smla.UnsupportedError,
+    as the Python kernels raise them."""
+
+    def __getattr__(self, name: str) -> Callable:
+        op = getattr(torch.ops.smla, name)
+
+        def call(*args):
+            try:
+                return op(*args)
+            except _smla.Error:
+                raise
+            except ValueError as e:
+                raise _smla.InvalidArgumentError(str(e)) from None
+            except NotImplementedError as e:
+                raise _smla.UnsupportedError(str(e)) from None
+
+        setattr(self, name, call)  # found as an attribute from now on: no __getattr__
+        return call
+
+
+def routed() -> Any:
+    """What smla's functions call for torch tensors: ``torch.ops.smla`` itself with the Python kernels, else
+    with the C++ kernels' errors raised as smla's classes."""
+    return _ROUTED
 
 
 def _attention_out(q: Tensor) -> Tuple[Tensor, Tensor]:
@@ -91,6 +134,28 @@ def _positions_to_slots(positions, request_ids, block_table, block_size, backend
     return slots
 
 
+def _write_pooled_index_cache(k, gate, ape, slot_mapping, cache, hadamard=True, index_cache_dtype="auto", backend=""):
+    _ops._write_pooled_index_cache(k, gate, ape, slot_mapping, cache, hadamard, index_cache_dtype, None, backend)
+
+
+def _pools_to_positions(pools, context_lens, kpool, backend=""):
+    positions = pools.new_empty(_ops._pools_to_positions_shape(pools, kpool), dtype=torch.int32)
+    _ops._pools_to_positions(pools, context_lens, kpool, positions, None, backend)
+    return positions
+
+
+def _rotate_index_q_out(q: Tensor, fp8: bool) -> Tuple[Tensor, Optional[Tensor]]:
+    """rotate_index_q's q_out [T, H_I, 128] (e4m3 codes as uint8, or bfloat16) and, with fp8, q_scale [T, H_I]."""
+    q_out = q.new_empty(q.shape, dtype=torch.uint8 if fp8 else torch.bfloat16)
+    return q_out, (q.new_empty(q.shape[:2], dtype=torch.float32) if fp8 else None)
+
+
+def _rotate_index_q(q, fp8=True, backend=""):
+    q_out, q_scale = _rotate_index_q_out(q, fp8)
+    _ops._rotate_index_q(q, q_out, q_scale, None, backend)
+    return q_out, q_scale
+
+
 def _dsa_decode_step(q, kv_cache, index_q, index_weights, index_cache, request_ids, block_table, context_lens,
                      index_q_scale, attn_sink, topk, softmax_scale, kv_cache_dtype="auto", index_cache_dtype="auto",
                      backend=""):
@@ -106,6 +171,7 @@ def _dsa_decode_step(q, kv_cache, index_q, index_weights, index_cache, request_i
 def _flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, indices, topk_length, attn_sink, softmax_scale,
                             causal, kv_cache_dtype="auto", backend=""):
     out, lse = _kvcache_out(q)
+    k_cache = _flash_mla._cache_3d(k_cache, tuple(k_cache.shape))  # FlashMLA's 4-D cache too
     _flash_mla._with_kvcache_into(q, k_cache, block_table, cache_seqlens, indices, topk_length, attn_sink,
                                   softmax_scale, causal, kv_cache_dtype, out, lse, backend)
     return out, lse
@@ -134,6 +200,14 @@ def _indexer_topk_fake(q, q_scale, weights, index_cache, request_ids, block_tabl
 
 def _positions_to_slots_fake(positions, *args, **kwargs):
     return positions.new_empty(positions.shape, dtype=torch.int32)
+
+
+def _pools_to_positions_fake(pools, context_lens, kpool, *args, **kwargs):
+    return pools.new_empty(_ops._pools_to_positions_shape(pools, kpool), dtype=torch.int32)
+
+
+def _rotate_index_q_fake(q, fp8=True, *args, **kwargs):
+    return _rotate_index_q_out(q, fp8)
 
 
 def _dsa_decode_step_fake(q, kv_cache, index_q, index_weights, index_cache, request_ids, block_table, context_lens,
@@ -168,6 +242,13 @@ _OPS = [
      _indexer_topk, _indexer_topk_fake),
     ("positions_to_slots(Tensor positions, Tensor request_ids, Tensor block_table, int block_size, "
      "str backend='') -> Tensor", _positions_to_slots, _positions_to_slots_fake),
+    ("write_pooled_index_cache(Tensor k, Tensor gate, Tensor ape, Tensor slot_mapping, Tensor(a!) cache, "
+     "bool hadamard=True, str index_cache_dtype='auto', str backend='') -> ()",
+     _write_pooled_index_cache, _no_output_fake),
+    ("pools_to_positions(Tensor pools, Tensor context_lens, int kpool, str backend='') -> Tensor",
+     _pools_to_positions, _pools_to_positions_fake),
+    ("rotate_index_q(Tensor q, bool fp8=True, str backend='') -> (Tensor, Tensor?)",
+     _rotate_index_q, _rotate_index_q_fake),
     ("dsa_decode_step(Tensor q, Tensor kv_cache, Tensor index_q, Tensor index_weights, Tensor index_cache, "
      "Tensor request_ids, Tensor block_table, Tensor context_lens, Tensor? index_q_scale, Tensor? attn_sink, "
      "int topk, float softmax_scale, str kv_cache_dtype='auto', str index_cache_dtype='auto', str backend='') "
@@ -195,4 +276,23 @@ def _register() -> bool:
     return True
 
 
+def _load_native() -> bool:
+    """Loads smla/_torch_ops.so when it is there and matches this torch; SMLA_TORCH_OPS=python keeps the Python
+    kernels (to compare the two)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_torch_ops.so")
+    if not _REGISTERED or os.environ.get("SMLA_TORCH_OPS") == "python" or not os.path.exists(path):
+        return False
+    try:
+        torch.ops.load_library(path)
+    except OSError as e:  # built against another torch: its symbols are missing
+        import warnings
+
+        warnings.warn(f"smla: {path} does not load with torch {torch.__version__} ({e}); torch.ops.smla runs the "
+                      "Python kernels. Rebuild smla with `pip install --no-build-isolation .` against this torch.")
+        return False
+    return True
+
+
 _REGISTERED = _register()
+_NATIVE = _load_native()
+_ROUTED = _Routed() if _NATIVE else torch.ops.smla

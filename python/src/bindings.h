@@ -10,6 +10,7 @@
 
 #include "smla/backend.h"
 #include "smla/types.h"
+#include "views.h"  // backend_by_name
 
 namespace smla::python {
 
@@ -37,11 +38,6 @@ class Importer {
 // What C++ sees of a tensor (data pointer, shape, strides, dtype, device):
 // the tests use it to check that no copy was made.
 nb::dict tensor_info(nb::handle obj);
-
-// The backend named `name` (empty: null, the ops then pick the default for
-// the tensors' device). Throws smla::Error for an unknown name or a backend of
-// another device kind than `device`.
-const Backend* backend_by_name(const std::string& name, const Device& device);
 
 void bind_errors(nb::module_& m);
 void bind_specs(nb::module_& m);

@@ -5,16 +5,12 @@
 #include <string>
 
 #include "bindings.h"
+#include "views.h"
 #include "smla/error.h"
-#include "smla/select.h"
 
 namespace smla::python {
 
 namespace {
-
-// DLPack codes of the 8/6/4-bit float types (DLPack >= 1.1); frameworks that
-// export fp8 natively use them, older ones refuse, so callers pass bytes.
-bool is_small_float_code(uint8_t code) { return code >= 7 && code <= 17; }
 
 struct Split {
   nb::handle array;
@@ -53,21 +49,7 @@ TensorView import_tensor(nb::handle obj, const char* name, std::vector<Array>& k
   t.shape = const_cast<int64_t*>(a.shape_ptr());
   t.strides = const_cast<int64_t*>(a.stride_ptr());
   keep.push_back(std::move(a));
-
-  std::optional<DType> reinterpret;
-  if (s.as) {
-    const bool raw = t.dtype.code == kDLUInt || t.dtype.code == kDLInt || is_small_float_code(t.dtype.code);
-    if (raw && t.dtype.bits == 8 && dtype_size(*s.as) == 1) {
-      t.dtype.code = kDLUInt;
-      reinterpret = s.as;
-    } else if (raw && t.dtype.bits == 16 && (*s.as == DType::bf16 || *s.as == DType::f16)) {
-      t.dtype.code = *s.as == DType::bf16 ? kDLBfloat : kDLFloat;
-    }
-  }
-  TensorView v = TensorView::from_dlpack(t, name, reinterpret);
-  if (s.as && v.dtype != *s.as)
-    fail(std::string(name) + ": is " + std::string(dtype_name(v.dtype)) + ", not " + std::string(dtype_name(*s.as)));
-  return v;
+  return view_of(t, name, s.as);
 }
 
 }  // namespace
@@ -90,23 +72,6 @@ nb::dict tensor_info(nb::handle obj) {
   info["dtype"] = std::string(dtype_name(v.dtype));
   info["device"] = v.device.is_cpu() ? std::string("cpu") : "cuda:" + std::to_string(v.device.index);
   return info;
-}
-
-const Backend* backend_by_name(const std::string& name, const Device& device) {
-  if (name.empty()) return nullptr;
-  const Registry& registry = Registry::global();
-  const Backend* b = registry.find(name);
-  if (!b) {
-    std::string names;
-    for (const auto& n : registry.names()) names += (names.empty() ? "" : ", ") + n;
-    fail("backend: unknown backend '" + name + "'; this build has " + names);
-  }
-  // The ops trust a backend they are given: one for another device kind would
-  // dereference memory it cannot reach.
-  if (b->capabilities().device_kind != device.kind)
-    throw Error(ErrorKind::unsupported, "backend: " + name + " does not run on tensors on " +
-                                            (device.is_cpu() ? std::string("the CPU") : "a CUDA GPU"));
-  return b;
 }
 
 }  // namespace smla::python

@@ -96,8 +96,16 @@ std::vector<std::string> validate(const Capabilities& c, const AttentionSpec& sp
     add("absorbed head size " + std::to_string(qk) + " / " + std::to_string(v) + " not supported (supports " +
         describe_head_sizes(c) + ")");
 
-  // A geometry rule, not a backend's: the compact fp8 form has no room for a rope part.
-  if (MlaHead{spec.qk_rope_head_dim}.cache_row(kv) == 0 && is_fp8_mla_cache(kv))
+  // Geometry rules, not a backend's: a shared-KV head (DeepSeek-V4) keeps its rope dims inside the 512 and fp8
+  // caches it in its own 584-byte layout (fp8_ds_mla_v4), which neither fp8_ds_mla form is and which holds no other
+  // head; the compact one has no room for a rope part.
+  if (spec.is_shared_kv() && is_fp8_mla_cache(kv))
+    add("kv-cache dtype " + std::string(dtype_name(kv)) + " cannot hold a " + spec.model_type +
+        " head (its fp8 cache is FlashMLA's 584-byte MODEL1 layout: use fp8_ds_mla_v4, or bfloat16)");
+  else if (!spec.is_shared_kv() && kv == DType::fp8_ds_mla_v4)
+    add("kv-cache dtype fp8_ds_mla_v4 is DeepSeek-V4's cache (a 512-wide head of 448 + 64 rope values); a " +
+        spec.model_type + " head is cached as fp8_ds_mla" + (spec.qk_rope_head_dim ? "" : " or fp8_ds_mla_nope"));
+  else if (MlaHead{spec.qk_rope_head_dim}.cache_row(kv) == 0 && is_fp8_mla_cache(kv))
     add("kv-cache dtype " + std::string(dtype_name(kv)) + " has no rope part, the model's head has rope " +
         std::to_string(spec.qk_rope_head_dim) + " (use fp8_ds_mla)");
 
@@ -121,6 +129,9 @@ std::vector<std::string> validate(const Capabilities& c, const AttentionSpec& sp
     if (!c.topk.contains(k) || k % std::max(c.topk_multiple, 1) != 0)
       add("top-k " + std::to_string(k) + " not supported (supports " + describe_topk(c) + ")");
   }
+  if (ops.contains(Op::sparse_mla) && spec.has_compressed_cache() && !c.extra_cache)
+    add("does not implement sparse attention over two caches (the window cache and the compressed cache under one "
+        "softmax, as " + spec.model_type + " needs)");
   if (run.attn_sink && !c.attn_sink) add("does not support attention sinks");
 
   if (c.combination_rule)

@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -32,6 +33,17 @@ std::string ops_text(OpSet ops) {
   return s;
 }
 
+// A backend's ops with what it leaves out of them: "sparse attention (one cache), dense paged decode, indexer".
+std::string declared_ops_text(const Capabilities& c) {
+  std::string s;
+  for (Op op : c.ops.list()) {
+    s += (s.empty() ? "" : ", ") + std::string(op_name(op));
+    if (op == Op::sparse_mla && !c.extra_cache) s += " (one cache)";
+    if (op == Op::indexer && !c.pooled_indexer) s += " (not pooled)";
+  }
+  return s;
+}
+
 // "0.0625 (= 256^-0.5)" or "0.135234 (= 192^-0.5 x mscale^2 1.87385, YaRN factor 40)"
 std::string scale_text(const AttentionSpec& s) {
   const double plain = 1.0 / std::sqrt(static_cast<double>(s.qk_head_dim()));
@@ -41,22 +53,54 @@ std::string scale_text(const AttentionSpec& s) {
   return t + ")";
 }
 
+// DeepSeek-V4's caches: "window of 128 tokens in every layer; a compressed cache beside it (...): r = 4 in 21
+// layers, r = 128 in 20 layers (...); the window only in 2 layers".
+std::string caches_text(const AttentionSpec& s) {
+  std::map<int, int> layers_per_ratio;
+  for (int ratio : s.compress_ratios) ++layers_per_ratio[ratio];
+  std::string t = "window of " + std::to_string(s.sliding_window) + " tokens in every layer";
+  std::string compressed;
+  for (const auto& [ratio, layers] : layers_per_ratio) {
+    if (ratio == 0) continue;
+    compressed += (compressed.empty() ? "" : ", ") + std::string("r = ") + std::to_string(ratio) + " in " +
+                  std::to_string(layers) + " layer" + (layers == 1 ? "" : "s");
+  }
+  // As vLLM's deepseek_v4 runs them: the indexer picks the entries of the ratio-4 caches, the others are all attended.
+  if (!compressed.empty())
+    t += "; a compressed cache beside it (one entry per r tokens): " + compressed +
+         (s.indexer ? " (r = 4: the indexer's top-" + std::to_string(s.indexer->topk) + "; others: every entry)"
+                    : "");
+  if (const auto window_only = layers_per_ratio.find(0); window_only != layers_per_ratio.end())
+    t += "; the window only in " + std::to_string(window_only->second) + " layer" + (window_only->second == 1 ? "" : "s");
+  return t;
+}
+
 }  // namespace
 
 std::string explain_text(const AttentionSpec& s, const RunSpec& run, const Selection& sel) {
   std::ostringstream o;
   const int hpr = s.num_heads / std::max(run.tp, 1);
-  o << "model      " << s.name << " (" << s.model_type << "): " << s.num_heads << " heads, q_lora " << s.q_lora_rank
-    << ", kv_lora " << s.kv_lora_rank << ", qk_nope " << s.qk_nope_head_dim << ", qk_rope " << s.qk_rope_head_dim
-    << ", v " << s.v_head_dim;
+  o << "model      " << s.name << " (" << s.model_type << "): " << s.num_heads << " heads, q_lora " << s.q_lora_rank;
+  if (s.is_shared_kv())
+    o << ", head " << s.qk_head_dim() << " (nope " << s.qk_nope_head_dim << " + rope " << s.qk_rope_head_dim
+      << "), one shared KV head, no latent";
+  else
+    o << ", kv_lora " << s.kv_lora_rank << ", qk_nope " << s.qk_nope_head_dim << ", qk_rope " << s.qk_rope_head_dim
+      << ", v " << s.v_head_dim;
   if (s.is_hybrid())
     o << ", layers " << s.num_layers << " (" << s.num_attention_layers << " MLA, "
       << s.num_layers - s.num_attention_layers << " linear attention)";
   o << "\n";
   const bool rope = s.qk_rope_head_dim > 0;
-  o << "kernel     absorbed head size " << s.absorbed_qk_dim() << " (kv_lora " << s.kv_lora_rank
-    << (rope ? " + rope " + std::to_string(s.qk_rope_head_dim) : std::string(", no rope part")) << "), value "
-    << s.absorbed_v_dim() << "; softmax scale " << scale_text(s) << "\n";
+  if (s.is_shared_kv())
+    o << "kernel     head size " << s.absorbed_qk_dim() << " (nope " << s.qk_nope_head_dim << " + rope "
+      << s.qk_rope_head_dim << ", nothing absorbed), value " << s.absorbed_v_dim()
+      << " (the whole cached head, rope dims included); softmax scale " << scale_text(s) << "\n";
+  else
+    o << "kernel     absorbed head size " << s.absorbed_qk_dim() << " (kv_lora " << s.kv_lora_rank
+      << (rope ? " + rope " + std::to_string(s.qk_rope_head_dim) : std::string(", no rope part")) << "), value "
+      << s.absorbed_v_dim() << "; softmax scale " << scale_text(s) << "\n";
+  if (s.has_compressed_cache()) o << "caches     " << caches_text(s) << "\n";
   if (rope)
     o << "rope       theta " << fmt(s.rope.theta, "%.10g") << ", " << rope_style_name(s.rope_style)
       << (s.rope.yarn ? ", YaRN factor " + fmt(s.rope.factor) + " over " +
@@ -139,6 +183,9 @@ std::string explain_json(const AttentionSpec& s, const RunSpec& run, const Selec
                 {"num_attention_layers", s.num_attention_layers},
                 {"absorbed_qk_dim", s.absorbed_qk_dim()},
                 {"absorbed_v_dim", s.absorbed_v_dim()},
+                {"shared_kv", s.is_shared_kv()},
+                {"sliding_window", s.sliding_window},
+                {"compress_ratios", s.compress_ratios},
                 {"softmax_scale", s.softmax_scale},
                 {"rope", rope},
                 {"indexer", indexer}};
@@ -182,8 +229,7 @@ std::string support_matrix_markdown(const Registry& registry) {
       << (c.device_kind == DeviceKind::cpu ? std::string("CPU") : describe_compute_capabilities(c.compute_capability))
       << " | " << describe_dtypes(c.q_dtypes) << " | " << describe_dtypes(c.kv_cache_dtypes) << " | "
       << describe_head_sizes(c) << " | " << describe_heads(c) << " | " << describe_block_sizes(c) << " | "
-      << describe_topk(c) << " | " << ops_text(c.ops)
-      << (c.ops.contains(Op::indexer) && !c.pooled_indexer ? " (not pooled)" : "") << " | "
+      << describe_topk(c) << " | " << declared_ops_text(c) << " | "
       << (c.attn_sink ? "yes" : "no") << " |\n";
   }
   return o.str();

@@ -16,6 +16,7 @@ void Registry::add(std::unique_ptr<Backend> backend) {
   if (find(backend->name()))
     throw Error(ErrorKind::internal, "backend '" + backend->name() + "' is registered twice");
   backends_.push_back(std::move(backend));
+  update_defaults();
 }
 
 const Backend* Registry::find(std::string_view name) const {
@@ -38,6 +39,17 @@ std::vector<std::string> Registry::names() const {
 
 void Registry::set_priority(DeviceKind kind, std::vector<std::string> names) {
   (kind == DeviceKind::cpu ? cpu_priority_ : cuda_priority_) = std::move(names);
+  update_defaults();
+}
+
+void Registry::update_defaults() {
+  auto first = [&](DeviceKind kind) -> const Backend* {
+    for (const Backend* b : priority(kind == DeviceKind::cpu ? Device::cpu() : Device::cuda(0)))
+      if (b->capabilities().device_kind == kind) return b;
+    return nullptr;
+  };
+  cpu_default_ = first(DeviceKind::cpu);
+  cuda_default_ = first(DeviceKind::cuda);
 }
 
 std::vector<const Backend*> Registry::priority(const Device& device) const {
@@ -173,8 +185,7 @@ const Backend& select_backend(const AttentionSpec& spec, const RunSpec& run, con
 }
 
 const Backend& backend_for(const Device& device, const Registry& registry) {
-  for (const Backend* b : registry.priority(device))
-    if (b->capabilities().device_kind == device.kind) return *b;
+  if (const Backend* b = registry.default_backend(device.kind)) return *b;
   throw Error(ErrorKind::unsupported, "no backend in this build runs on " + device.name() +
                                           (device.is_cuda() ? " (was smla built without CUDA?)" : ""));
 }
@@ -212,7 +223,7 @@ RunSpec make_run_spec(const AttentionSpec& spec, const RunOptions& o, OptionName
   if (o.kv_cache_dtype != "auto") {
     const auto kv = parse_dtype(o.kv_cache_dtype);
     require(kv && is_mla_cache_dtype(*kv), name("kv_cache_dtype", "--kv-cache-dtype") + "expected auto, " +
-                                              dtype_names(kMlaCacheDTypes) + ", got '" + o.kv_cache_dtype + "'");
+                                              dtype_names(kAllMlaCacheDTypes) + ", got '" + o.kv_cache_dtype + "'");
     run.kv_cache_dtype = *kv;
   }
   require(o.block_size >= 1,

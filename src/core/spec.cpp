@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <sstream>
+#include <utility>
 
 #include "smla/error.h"
 
@@ -53,9 +54,18 @@ void validate(const AttentionSpec& s, std::string_view source) {
     require(v > 0, src + ": " + field + " must be a positive integer, got " + std::to_string(v));
   };
   positive(s.num_heads, "num_attention_heads");
-  positive(s.kv_lora_rank, "kv_lora_rank");
+  // 0: no latent (DeepSeek-V4's shared KV head), whose value is the whole cached head.
+  require(s.kv_lora_rank >= 0, src + ": kv_lora_rank must not be negative, got " + std::to_string(s.kv_lora_rank));
   positive(s.qk_nope_head_dim, "qk_nope_head_dim");
   positive(s.v_head_dim, "v_head_dim");
+  require(s.sliding_window >= 0, src + ": sliding_window must not be negative, got " + std::to_string(s.sliding_window));
+  require(s.compress_ratios.empty() || std::cmp_equal(s.compress_ratios.size(), s.num_layers),
+          src + ": compress_ratios: expected one per layer (num_hidden_layers " + std::to_string(s.num_layers) +
+              "), got " + std::to_string(s.compress_ratios.size()));
+  for (int ratio : s.compress_ratios)
+    require(ratio >= 0 && ratio <= kMaxSpecTopk,
+            src + ": compress_ratios: each must be 0 (window only) to " + std::to_string(kMaxSpecTopk) + ", got " +
+                std::to_string(ratio));
   // 0: a head with no rope part (GLM-5.3-Flash).
   require(s.qk_rope_head_dim >= 0,
           src + ": qk_rope_head_dim must not be negative, got " + std::to_string(s.qk_rope_head_dim));
@@ -92,12 +102,17 @@ void validate(const AttentionSpec& s, std::string_view source) {
   at_most(s.qk_rope_head_dim, kMaxSpecHeadDim, "qk_rope_head_dim");
   at_most(s.v_head_dim, kMaxSpecHeadDim, "v_head_dim");
   at_most(s.num_layers, kMaxSpecLayers, "num_hidden_layers");
+  at_most(s.sliding_window, kMaxSpecTopk, "sliding_window");
   if (s.indexer) {
     at_most(s.indexer->heads, kMaxSpecHeads, "index_n_heads");
     at_most(s.indexer->head_dim, kMaxSpecHeadDim, "index_head_dim");
     at_most(s.indexer->topk, kMaxSpecTopk, "index_topk");
     at_most(s.indexer->kpool, kMaxSpecTopk, "index_kpool");
   }
+  // After the bounds: nope + rope cannot overflow.
+  require(!s.is_shared_kv() || s.v_head_dim == s.qk_head_dim(),
+          src + ": a head with no latent (kv_lora_rank 0) has its value the whole cached head: v_head_dim must be " +
+              std::to_string(s.qk_head_dim()) + " (nope + rope), got " + std::to_string(s.v_head_dim));
   require(std::isfinite(s.rope.theta), src + ": rope_theta must be finite, got " + number_text(s.rope.theta));
   require(!s.rope.yarn || std::isfinite(s.rope.factor),
           src + ": rope_scaling.factor must be finite, got " + number_text(s.rope.factor));
@@ -124,7 +139,7 @@ void validate(const AttentionSpec& spec, const RunSpec& run) {
   require(run.q_dtype == DType::bf16 || run.q_dtype == DType::f16,
           "dtype: query dtype must be bfloat16 or float16, got " + std::string(dtype_name(run.q_dtype)));
   const DType kv = run.resolved_kv_cache_dtype();
-  require(is_mla_cache_dtype(kv), "kv-cache-dtype: must be " + dtype_names(kMlaCacheDTypes) + ", got " +
+  require(is_mla_cache_dtype(kv), "kv-cache-dtype: must be " + dtype_names(kAllMlaCacheDTypes) + ", got " +
                                       std::string(dtype_name(kv)));
 }
 

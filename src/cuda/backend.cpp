@@ -68,6 +68,10 @@ class MmaBackend final : public Backend {
     DeviceGuard g(a.positions.device);
     cuda::positions_to_slots(a);
   }
+  void dsa_decode_step(const DsaDecodeStepArgs& a) const override {
+    DeviceGuard g(a.q.device);
+    cuda::dsa_decode_step(a);
+  }
   void write_pooled_index_cache(const WritePooledIndexCacheArgs& a) const override {
     DeviceGuard g(a.cache.device);
     cuda::write_pooled_index_cache(a);

@@ -1,5 +1,6 @@
 #include <cuda_runtime.h>
 
+#include "cuda/common/runtime.h"
 #include "cuda/device_query.h"
 
 namespace smla::cuda {
@@ -17,7 +18,9 @@ std::optional<Device> device_at(int index) {
       cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, index) != cudaSuccess ||
       cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, index) != cudaSuccess)
     return std::nullopt;
-  return Device::cuda(major * 10 + minor, index);
+  // The launch code's view: an emulated arch's under the test mode (cuda/emulation.h), so explain and the
+  // backend checks see the arch whose decisions run.
+  return Device::cuda(device_info(index).compute_capability, index);
 }
 
 }  // namespace smla::cuda

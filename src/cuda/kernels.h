@@ -10,19 +10,34 @@ void write_mla_cache(const WriteMlaCacheArgs& args);
 // heads and from 16 query tokens on, where the device fits it, else the 16-head-tile kernel), or forced (tests, benchmarks). For the
 // small-heads kernel, values > 0 force its pipeline depth (`stages`, 2-4), heads per CTA (8 or 16) and at 8 heads
 // per CTA the split of the output dims between 1 or 2 warps (an error where the device cannot hold the result).
+// `splits` > 0 forces the number of splits of each row's keys (at most one per chunk of keys; 1: unsplit); a
+// caller's workspace too small for the forced plan is an error.
 enum class AttentionKernel { automatic, head_tile, small_heads };
 struct AttentionChoice {
   AttentionKernel kernel = AttentionKernel::automatic;
-  int stages = 0, heads_per_cta = 0, split_dims = 0;
+  int stages = 0, heads_per_cta = 0, split_dims = 0, splits = 0;
 };
 void sparse_mla(const SparseMlaArgs& args, AttentionChoice choice = {});
 void paged_mla_decode(const PagedMlaDecodeArgs& args, AttentionChoice choice = {});
+// What those launch for these args and choice on the current device (tests, benchmarks): the kernel (head_tile or
+// small_heads), its pipeline depth, dynamic shared memory and resident CTAs per SM, and how many splits each row's
+// keys take (> 1: partial results, then the combine kernel).
+struct AttentionPlan {
+  AttentionKernel kernel = AttentionKernel::automatic;
+  int stages = 0, smem = 0, ctas_per_sm = 0, num_splits = 1;
+};
+AttentionPlan sparse_mla_plan(const SparseMlaArgs& args, AttentionChoice choice = {});
+AttentionPlan paged_mla_decode_plan(const PagedMlaDecodeArgs& args, AttentionChoice choice = {});
 void write_index_cache(const WriteIndexCacheArgs& args);
 void positions_to_slots(const PositionsToSlotsArgs& args);
 void write_pooled_index_cache(const WritePooledIndexCacheArgs& args);
 void pools_to_positions(const PoolsToPositionsArgs& args);
 void rotate_index_q(const RotateIndexQArgs& args);
 void indexer_topk(const IndexerTopkArgs& args);
+// The step in three kernels: the indexer's scores; the top-k, which writes the slots as well (no
+// positions_to_slots kernel) and on SM90+ is launched as the scores kernel's programmatic dependent (its launch
+// overlaps the scores' last CTAs; it waits for them with griddepcontrol.wait); the attention.
+void dsa_decode_step(const DsaDecodeStepArgs& args);
 
 // Bytes of `workspace` each op needs (Backend::workspace_size); the same args on the same device always give the
 // same size. The ops use the args' workspace when given, else the library's (default_workspace).
@@ -52,7 +67,15 @@ enum class TopkSplit { automatic, one_cta, slices, cluster };
 // Scratch select_topk needs for `split` (the slices' candidate lists; 0 for the other splits). `scratch` holds that
 // many bytes, 16-byte aligned; null: the library's own for the args' stream.
 size_t topk_scratch_bytes(const IndexerTopkArgs& args, TopkSplit split = TopkSplit::automatic);
+// What select_topk does besides the positions, inside dsa_decode_step: `slots` (null: nothing) receives the
+// slots of the chosen positions as positions_to_slots would map them (its positions must be args.topk, its request
+// ids args.request_ids); `after_scores`: the scores kernel was the last launched on the stream, so the top-k may
+// be launched as its programmatic dependent (SM90+, rows not split into slices).
+struct TopkFusion {
+  const PositionsToSlotsArgs* slots = nullptr;
+  bool after_scores = false;
+};
 void select_topk(const IndexerTopkArgs& args, const float* scores, TopkSplit split = TopkSplit::automatic,
-                 void* scratch = nullptr);
+                 void* scratch = nullptr, const TopkFusion& fusion = {});
 
 }  // namespace smla::cuda

@@ -77,6 +77,10 @@ class Compute {
   // dst[r, 0:cols] = src[r, 0:cols] for r < rows, rows src_ld and dst_ld floats apart.
   virtual void copy_rows(const float* src, int64_t src_ld, float* dst, int64_t dst_ld, int64_t rows,
                          int64_t cols) = 0;
+  // dst[dst_rows[i], 0:cols] = src[src_rows[i], 0:cols] for i < count (a null index array: row i), rows src_ld and
+  // dst_ld floats apart; the index arrays are in the device's memory.
+  virtual void copy_indexed_rows(const float* src, int64_t src_ld, const int64_t* src_rows, float* dst,
+                                 int64_t dst_ld, const int64_t* dst_rows, int64_t count, int64_t cols) = 0;
 };
 
 std::unique_ptr<Compute> make_cpu_compute();

@@ -74,6 +74,12 @@ class CpuCompute final : public Compute {
   void copy_rows(const float* src, int64_t src_ld, float* dst, int64_t dst_ld, int64_t rows, int64_t cols) override {
     for (int64_t r = 0; r < rows; ++r) std::memcpy(dst + r * dst_ld, src + r * src_ld, cols * sizeof(float));
   }
+  void copy_indexed_rows(const float* src, int64_t src_ld, const int64_t* src_rows, float* dst, int64_t dst_ld,
+                         const int64_t* dst_rows, int64_t count, int64_t cols) override {
+    for (int64_t i = 0; i < count; ++i)
+      std::memcpy(dst + (dst_rows ? dst_rows[i] : i) * dst_ld, src + (src_rows ? src_rows[i] : i) * src_ld,
+                  cols * sizeof(float));
+  }
 
  private:
   static const float* floats(const Matrix& w) { return static_cast<const float*>(w.data); }

@@ -97,6 +97,16 @@ __global__ void to_half_kernel(const float* x, int64_t ldx, Half* y, int64_t row
     y[idx] = from_float<Half>(x[idx / cols * ldx + idx % cols]);
 }
 
+// One thread per value: row i of dst (dst_rows[i], or i) takes row i of src (src_rows[i], or i).
+__global__ void copy_indexed_rows_kernel(const float* src, int64_t src_ld, const int64_t* src_rows, float* dst,
+                                         int64_t dst_ld, const int64_t* dst_rows, int64_t count, int64_t cols) {
+  for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < count * cols;
+       idx += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t i = idx / cols, c = idx % cols;
+    dst[(dst_rows ? dst_rows[i] : i) * dst_ld + c] = src[(src_rows ? src_rows[i] : i) * src_ld + c];
+  }
+}
+
 template <class Half>
 __global__ void to_float_kernel(const Half* x, float* y, int64_t count) {
   for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < count;
@@ -246,6 +256,14 @@ class CudaCompute final : public Compute {
     else
       to_float_kernel<<<blocks_for(count), kThreads, 0, stream_>>>(static_cast<const __nv_bfloat16*>(x), y, count);
     check_launch("MlaLayer: to_float_kernel");
+  }
+  void copy_indexed_rows(const float* src, int64_t src_ld, const int64_t* src_rows, float* dst, int64_t dst_ld,
+                         const int64_t* dst_rows, int64_t count, int64_t cols) override {
+    if (count == 0 || cols == 0) return;
+    const cuda::DeviceGuard guard(device_);
+    copy_indexed_rows_kernel<<<blocks_for(count * cols), kThreads, 0, stream_>>>(src, src_ld, src_rows, dst, dst_ld,
+                                                                                 dst_rows, count, cols);
+    check_launch("MlaLayer: copy_indexed_rows_kernel");
   }
   void copy_rows(const float* src, int64_t src_ld, float* dst, int64_t dst_ld, int64_t rows, int64_t cols) override {
     if (rows == 0) return;

@@ -3,7 +3,6 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
-#include <cctype>
 #include <cerrno>
 #include <cstdint>
 #include <filesystem>
@@ -14,7 +13,9 @@
 #include <string>
 #include <system_error>
 #include <utility>
+#include <vector>
 
+#include "core/text.h"
 #include "models/gguf.h"
 #include "smla/error.h"
 #include "smla/spec.h"
@@ -24,10 +25,16 @@ namespace {
 
 using nlohmann::json;
 
-constexpr std::string_view kModelTypes[] = {"deepseek_v3",   "deepseek_v32", "glm_moe_dsa",   "kimi_k2",
-                                            "glm4_moe_lite", "glm5_next",    "glm5_next_text"};
+constexpr std::string_view kModelTypes[] = {"deepseek_v3",   "deepseek_v32", "glm_moe_dsa",    "kimi_k2",
+                                            "glm4_moe_lite", "glm5_next",    "glm5_next_text", "deepseek_v4"};
 // The model types whose checkpoints carry the DSA lightning indexer.
-constexpr std::string_view kSparseModelTypes[] = {"deepseek_v32", "glm_moe_dsa", "glm5_next", "glm5_next_text"};
+constexpr std::string_view kSparseModelTypes[] = {"deepseek_v32", "glm_moe_dsa", "glm5_next", "glm5_next_text",
+                                                  "deepseek_v4"};
+// DeepSeek-V4 (transformers' DeepseekV4Config): no latent, one shared KV head, window + compressed caches.
+constexpr std::string_view kDeepseekV4 = "deepseek_v4";
+// V4's layer types and their compress ratios when compress_rates does not say (transformers' defaults).
+constexpr std::pair<std::string_view, int> kV4LayerTypes[] = {
+    {"sliding_attention", 0}, {"compressed_sparse_attention", 4}, {"heavily_compressed_attention", 128}};
 // GLM-5.3-Flash (vLLM's Glm5NextTextConfig): a pooled indexer and hybrid layers. "glm5_next" is the multimodal
 // wrapper; a flat config of that type carries the text fields at the top level.
 constexpr std::string_view kPooledIndexerModelTypes[] = {"glm5_next", "glm5_next_text"};
@@ -161,6 +168,65 @@ int read_attention_layers(const Section& config, int num_layers) {
   return num_layers;
 }
 
+// DeepSeek-V4's head: head_dim wide (nope + rope) for q and the one KV head, no latent (kv_lora_rank 0), the value the
+// whole head. Older checkpoints give qk_rope_head_dim; transformers derives it from partial_rotary_factor (64 / 512).
+void read_shared_kv_head(const Section& config, AttentionSpec& spec) {
+  const int head_dim = config.required_int("head_dim");
+  if (head_dim < 2 || head_dim > kMaxSpecHeadDim)
+    config.reject("head_dim", "expected an integer from 2 to " + std::to_string(kMaxSpecHeadDim),
+                  describe(head_dim));
+  const double partial = config.optional_number("partial_rotary_factor", 64.0 / 512.0);
+  if (!(partial > 0 && partial < 1))
+    config.reject("partial_rotary_factor", "expected a number between 0 and 1", describe(partial));
+  const int rope = config.optional_int("qk_rope_head_dim", static_cast<int>(head_dim * partial));
+  if (rope <= 0 || rope >= head_dim)
+    config.reject("qk_rope_head_dim", "expected a positive integer below head_dim (" + std::to_string(head_dim) + ")",
+                  describe(rope));
+  if (const int kv_heads = config.optional_int("num_key_value_heads", 1); kv_heads != 1)
+    config.reject("num_key_value_heads", "expected 1 (one shared KV head)", describe(kv_heads));
+  spec.kv_lora_rank = 0;
+  spec.qk_nope_head_dim = head_dim - rope;
+  spec.qk_rope_head_dim = rope;
+  spec.v_head_dim = head_dim;
+}
+
+// DeepSeek-V4's per-layer compress ratios: the checkpoint's compress_ratios (which may go on for the MTP layers: the
+// first num_hidden_layers are the model's), else layer_types mapped through compress_rates.
+std::vector<int> read_compress_ratios(const Section& config, int num_layers) {
+  if (const json* ratios = config.find_set("compress_ratios")) {
+    if (!ratios->is_array()) config.reject("compress_ratios", "expected an array of integers", describe(*ratios));
+    if (std::cmp_less(ratios->size(), num_layers))
+      config.reject("compress_ratios",
+                    "expected at least one entry per layer (num_hidden_layers " + std::to_string(num_layers) + ")",
+                    "an array of " + std::to_string(ratios->size()));
+    std::vector<int> out;
+    for (int i = 0; i < num_layers; ++i) {
+      const int ratio = config.to_integer<int>("compress_ratios", (*ratios)[i]);
+      if (ratio < 0) config.reject("compress_ratios", "expected ratios >= 0 (0: the window only)", describe(ratio));
+      out.push_back(ratio);
+    }
+    return out;
+  }
+  const json* types = config.find_set("layer_types");
+  if (!types)
+    config.reject("compress_ratios", "expected an array of per-layer ratios (or layer_types)", "no such field");
+  const std::optional<Section> rates = config.subsection("compress_rates");
+  std::vector<int> out;
+  for (const json& type : *types) {  // read_attention_layers has checked: strings, one per layer
+    const auto known = std::ranges::find(kV4LayerTypes, type.get<std::string>(), &std::pair<std::string_view, int>::first);
+    if (known == std::end(kV4LayerTypes))
+      config.reject("layer_types",
+                    "expected sliding_attention, compressed_sparse_attention or heavily_compressed_attention",
+                    describe(type));
+    const int ratio =
+        rates && known->second > 0 ? rates->optional_int(known->first, known->second) : known->second;
+    if (ratio < 1 && known->second > 0)
+      rates->reject(known->first, "expected a positive compress ratio", describe(ratio));
+    out.push_back(ratio);
+  }
+  return out;
+}
+
 // "rope_type" (newer transformers) or "type" (older); absent means plain RoPE.
 bool is_yarn(const Section& scaling) {
   for (const char* key : {"rope_type", "type"}) {
@@ -208,10 +274,15 @@ AttentionSpec spec_from_json(const json& root, const std::string& source) {
   spec.hidden_size = config.required_int("hidden_size");
   spec.num_heads = config.required_int("num_attention_heads");
   spec.q_lora_rank = config.optional_int("q_lora_rank", 0);  // absent or null: no query compression
-  spec.kv_lora_rank = config.required_int("kv_lora_rank");
-  spec.qk_nope_head_dim = config.required_int("qk_nope_head_dim");
-  spec.qk_rope_head_dim = config.required_int("qk_rope_head_dim");
-  spec.v_head_dim = config.required_int("v_head_dim");
+  const bool v4 = spec.model_type == kDeepseekV4;
+  if (v4) {
+    read_shared_kv_head(config, spec);
+  } else {
+    spec.kv_lora_rank = config.required_int("kv_lora_rank");
+    spec.qk_nope_head_dim = config.required_int("qk_nope_head_dim");
+    spec.qk_rope_head_dim = config.required_int("qk_rope_head_dim");
+    spec.v_head_dim = config.required_int("v_head_dim");
+  }
   spec.num_layers = config.optional_int("num_hidden_layers", spec.num_layers);
   if (spec.num_layers < 0)
     config.reject("num_hidden_layers", "expected a non-negative integer", describe(spec.num_layers));
@@ -220,16 +291,26 @@ AttentionSpec spec_from_json(const json& root, const std::string& source) {
   if (!(spec.rms_norm_eps > 0))
     config.reject("rms_norm_eps", "expected a positive number", describe(spec.rms_norm_eps));
   spec.rope = read_rope(config);
+  if (v4) {
+    // The window layers' RoPE is plain rope_theta; V4's YaRN (rope_scaling, with compress_rope_theta) belongs to the
+    // compressed caches' keys, which reach the attention ops already rotated, and it leaves the scale head_dim^-0.5.
+    spec.rope = RopeSpec{.theta = spec.rope.theta};
+    spec.sliding_window = config.optional_int("sliding_window", 128);  // transformers' default
+    if (spec.sliding_window < 1)
+      config.reject("sliding_window", "expected a positive integer", describe(spec.sliding_window));
+    spec.compress_ratios = read_compress_ratios(config, spec.num_layers);
+  }
   spec.rope_style = config.optional_bool("rope_interleave", true) ? RopeStyle::interleaved : RopeStyle::half_split;
   if (std::ranges::find(kSparseModelTypes, spec.model_type) != std::end(kSparseModelTypes)) {
-    // DeepSeek's indexer rotates half-split; GLM's interleaved (transformers'
-    // glm_moe_dsa always does; GLM-5's config also says so explicitly).
-    const bool glm = spec.model_type.starts_with("glm");
+    // DeepSeek-V3.2's indexer rotates half-split; GLM's interleaved (transformers'
+    // glm_moe_dsa always does; GLM-5's config also says so explicitly); DeepSeek-V4's shares the
+    // attention's interleaved rotary.
+    const bool interleaved = spec.model_type.starts_with("glm") || v4;
     spec.indexer = IndexerSpec{
         .heads = config.required_int("index_n_heads"),
         .head_dim = config.required_int("index_head_dim"),
         .topk = config.required_int("index_topk"),
-        .rope_style = config.optional_bool("indexer_rope_interleave", glm) ? RopeStyle::interleaved
+        .rope_style = config.optional_bool("indexer_rope_interleave", interleaved) ? RopeStyle::interleaved
                                                                              : RopeStyle::half_split,
     };
     if (std::ranges::find(kPooledIndexerModelTypes, spec.model_type) != std::end(kPooledIndexerModelTypes)) {
@@ -252,12 +333,6 @@ std::string parser_message(const json::exception& error) {
     text.erase(0, tag_end + 2);
   if (text.size() > 160) text = text.substr(0, 157) + "...";
   return text;
-}
-
-std::string lowercase(std::string_view text) {
-  std::string out(text);
-  for (char& c : out) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  return out;
 }
 
 }  // namespace

@@ -2,11 +2,11 @@
 // needs no file at run time. Each preset equals what spec_from_config_json gives for the model's config.json
 // (tests/data/configs), name aside; test_models checks this field by field.
 #include <algorithm>
-#include <cctype>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "core/text.h"
 #include "smla/spec.h"
 
 namespace smla {
@@ -99,6 +99,28 @@ std::vector<AttentionSpec> make_presets() {
                                                    .rope_style = RopeStyle::interleaved, .kpool = 4,
                                                    .always_select_tail = true}};
 
+  // DeepSeek-V4-Flash: no latent; q and the one shared KV head are 512 wide (448 nope + 64 rope) and the value is the
+  // whole cached head. Layers 0 and 1 attend a 128-token window only; then ratio-4 (indexer top-k 512) and
+  // ratio-128 compressed caches alternate beside it.
+  std::vector<int> v4_ratios = {0, 0};
+  for (int layer = 2; layer < 43; ++layer) v4_ratios.push_back(layer % 2 == 0 ? 4 : 128);
+  AttentionSpec deepseek_v4_flash{.name = "deepseek-v4-flash",
+                                  .model_type = "deepseek_v4",
+                                  .hidden_size = 4096,
+                                  .num_heads = 64,
+                                  .q_lora_rank = 1024,
+                                  .kv_lora_rank = 0,
+                                  .qk_nope_head_dim = 448,
+                                  .qk_rope_head_dim = 64,
+                                  .v_head_dim = 512,
+                                  .num_layers = 43,
+                                  .rms_norm_eps = 1e-6,
+                                  .rope = {.theta = 1e4},
+                                  .indexer = IndexerSpec{.heads = 64, .head_dim = 128, .topk = 512,
+                                                         .rope_style = RopeStyle::interleaved},
+                                  .sliding_window = 128,
+                                  .compress_ratios = std::move(v4_ratios)};
+
   std::vector<AttentionSpec> presets = {
       glm5,
       deepseek_v32,
@@ -106,6 +128,7 @@ std::vector<AttentionSpec> make_presets() {
       deepseek_v3_geometry("kimi-k2", "kimi_k2", 64, yarn_rope(5e4, 64, 1)),
       glm47_flash,
       glm53_flash,
+      deepseek_v4_flash,
   };
   std::ranges::transform(presets, presets.begin(), completed);
   return presets;
@@ -114,12 +137,6 @@ std::vector<AttentionSpec> make_presets() {
 const std::vector<AttentionSpec>& all_presets() {
   static const std::vector<AttentionSpec> presets = make_presets();
   return presets;
-}
-
-std::string lowercase(std::string_view text) {
-  std::string out(text);
-  for (char& c : out) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  return out;
 }
 
 }  // namespace

@@ -12,16 +12,15 @@
 #include "core/random.h"
 #include "models/gguf.h"
 #include "models/safetensors.h"
+#include "models/weight_slots.h"
 #include "smla/error.h"
 
 namespace smla {
 namespace {
 
-std::string shape_text(const std::vector<int64_t>& shape) {
-  std::string text = "[";
-  for (const int64_t d : shape) text += (text.size() > 1 ? ", " : "") + std::to_string(d);
-  return text + "]";
-}
+using models::Needed;
+using models::shape_text;
+using models::WeightSlot;
 
 void require_consistent(const WeightTensor& tensor, std::string_view what) {
   require(tensor.numel() >= 0 && static_cast<uint64_t>(tensor.numel()) == tensor.data.size(),
@@ -29,73 +28,59 @@ void require_consistent(const WeightTensor& tensor, std::string_view what) {
               std::to_string(tensor.data.size()) + " values");
 }
 
-// Which layers of the geometry a tensor belongs to.
-enum class Needed { always, without_q_lora, with_q_lora, sparse };
-
-// A tensor of the layer: its name after "blk.N." in GGUF and after "model.layers.N.self_attn." in Hugging Face
-// checkpoints, the field it fills, and the shape the geometry gives it.
-struct Slot {
-  const char* gguf;
-  const char* hf;
-  Needed needed;
-  WeightTensor& (*field)(AttentionWeights&);
-  std::vector<int64_t> (*shape)(const AttentionSpec&);
-};
-
 int64_t heads(const AttentionSpec& s) { return s.num_heads; }
 int64_t index_dim(const AttentionSpec& s) { return s.indexer ? s.indexer->head_dim : 0; }
 
-const Slot kSlots[] = {
-    {"attn_q.weight", "q_proj.weight", Needed::without_q_lora, [](AttentionWeights& w) -> WeightTensor& { return w.q; },
+const WeightSlot kSlots[] = {
+    {"q", "attn_q.weight", "q_proj.weight", Needed::without_q_lora,
+     [](AttentionWeights& w) -> WeightTensor& { return w.q; },
      [](const AttentionSpec& s) -> std::vector<int64_t> { return {heads(s) * s.qk_head_dim(), s.hidden_size}; }},
-    {"attn_q_a.weight", "q_a_proj.weight", Needed::with_q_lora,
+    {"q_a", "attn_q_a.weight", "q_a_proj.weight", Needed::with_q_lora,
      [](AttentionWeights& w) -> WeightTensor& { return w.q_a; },
      [](const AttentionSpec& s) -> std::vector<int64_t> { return {s.q_lora_rank, s.hidden_size}; }},
-    {"attn_q_a_norm.weight", "q_a_layernorm.weight", Needed::with_q_lora,
+    {"q_a_norm", "attn_q_a_norm.weight", "q_a_layernorm.weight", Needed::with_q_lora,
      [](AttentionWeights& w) -> WeightTensor& { return w.q_a_norm; },
      [](const AttentionSpec& s) -> std::vector<int64_t> { return {s.q_lora_rank}; }},
-    {"attn_q_b.weight", "q_b_proj.weight", Needed::with_q_lora,
+    {"q_b", "attn_q_b.weight", "q_b_proj.weight", Needed::with_q_lora,
      [](AttentionWeights& w) -> WeightTensor& { return w.q_b; },
      [](const AttentionSpec& s) -> std::vector<int64_t> { return {heads(s) * s.qk_head_dim(), s.q_lora_rank}; }},
-    {"attn_kv_a_mqa.weight", "kv_a_proj_with_mqa.weight", Needed::always,
+    {"kv_a_mqa", "attn_kv_a_mqa.weight", "kv_a_proj_with_mqa.weight", Needed::always,
      [](AttentionWeights& w) -> WeightTensor& { return w.kv_a_mqa; },
      [](const AttentionSpec& s) -> std::vector<int64_t> { return {s.absorbed_qk_dim(), s.hidden_size}; }},
-    {"attn_kv_a_norm.weight", "kv_a_layernorm.weight", Needed::always,
+    {"kv_a_norm", "attn_kv_a_norm.weight", "kv_a_layernorm.weight", Needed::always,
      [](AttentionWeights& w) -> WeightTensor& { return w.kv_a_norm; },
      [](const AttentionSpec& s) -> std::vector<int64_t> { return {s.kv_lora_rank}; }},
-    {"attn_kv_b.weight", "kv_b_proj.weight", Needed::always,
+    {"kv_b", "attn_kv_b.weight", "kv_b_proj.weight", Needed::always,
      [](AttentionWeights& w) -> WeightTensor& { return w.kv_b; },
      [](const AttentionSpec& s) -> std::vector<int64_t> {
        return {heads(s) * (s.qk_nope_head_dim + s.v_head_dim), s.kv_lora_rank};
      }},
-    {"attn_output.weight", "o_proj.weight", Needed::always, [](AttentionWeights& w) -> WeightTensor& { return w.o; },
+    {"o", "attn_output.weight", "o_proj.weight", Needed::always,
+     [](AttentionWeights& w) -> WeightTensor& { return w.o; },
      [](const AttentionSpec& s) -> std::vector<int64_t> { return {s.hidden_size, heads(s) * s.v_head_dim}; }},
-    {"indexer.attn_q_b.weight", "indexer.wq_b.weight", Needed::sparse,
+    {"indexer.wq_b", "indexer.attn_q_b.weight", "indexer.wq_b.weight", Needed::sparse,
      [](AttentionWeights& w) -> WeightTensor& { return w.indexer.wq_b; },
      [](const AttentionSpec& s) -> std::vector<int64_t> { return {s.indexer->heads * index_dim(s), s.q_lora_rank}; }},
-    {"indexer.attn_k.weight", "indexer.wk.weight", Needed::sparse,
+    {"indexer.wk", "indexer.attn_k.weight", "indexer.wk.weight", Needed::sparse,
      [](AttentionWeights& w) -> WeightTensor& { return w.indexer.wk; },
      [](const AttentionSpec& s) -> std::vector<int64_t> { return {index_dim(s), s.hidden_size}; }},
-    {"indexer.k_norm.weight", "indexer.k_norm.weight", Needed::sparse,
+    {"indexer.k_norm", "indexer.k_norm.weight", "indexer.k_norm.weight", Needed::sparse,
      [](AttentionWeights& w) -> WeightTensor& { return w.indexer.k_norm; },
      [](const AttentionSpec& s) -> std::vector<int64_t> { return {index_dim(s)}; }},
-    {"indexer.k_norm.bias", "indexer.k_norm.bias", Needed::sparse,
+    {"indexer.k_norm_bias", "indexer.k_norm.bias", "indexer.k_norm.bias", Needed::sparse,
      [](AttentionWeights& w) -> WeightTensor& { return w.indexer.k_norm_bias; },
      [](const AttentionSpec& s) -> std::vector<int64_t> { return {index_dim(s)}; }},
-    {"indexer.proj.weight", "indexer.weights_proj.weight", Needed::sparse,
+    {"indexer.weights_proj", "indexer.proj.weight", "indexer.weights_proj.weight", Needed::sparse,
      [](AttentionWeights& w) -> WeightTensor& { return w.indexer.weights_proj; },
      [](const AttentionSpec& s) -> std::vector<int64_t> { return {s.indexer->heads, s.hidden_size}; }},
+    // GLM-5.3-Flash's pooled indexer; no GGUF converter names these yet, the GGUF names are smla's.
+    {"indexer.kpool_ape", "indexer.kpool_compress_ape", "indexer.index_kpool_compress_ape", Needed::pooled,
+     [](AttentionWeights& w) -> WeightTensor& { return w.indexer.kpool_ape; },
+     [](const AttentionSpec& s) -> std::vector<int64_t> { return {s.indexer->kpool, index_dim(s)}; }},
+    {"indexer.kpool_gate", "indexer.kpool_compress_gate", "indexer.index_kpool_compress_gate", Needed::pooled,
+     [](AttentionWeights& w) -> WeightTensor& { return w.indexer.kpool_gate; },
+     [](const AttentionSpec& s) -> std::vector<int64_t> { return {index_dim(s), s.hidden_size}; }},
 };
-
-bool needed(Needed when, const AttentionSpec& spec) {
-  switch (when) {
-    case Needed::always: return true;
-    case Needed::without_q_lora: return spec.q_lora_rank == 0;
-    case Needed::with_q_lora: return spec.q_lora_rank > 0;
-    case Needed::sparse: return spec.is_sparse();
-  }
-  return false;
-}
 
 // Fills every tensor the geometry needs from `read` (name -> tensor, nullopt when absent), checking each shape.
 template <typename Read>
@@ -104,8 +89,8 @@ AttentionWeights read_layer(const AttentionSpec& spec, int layer, const std::str
   AttentionWeights weights;
   weights.spec = spec;
   weights.layer = layer;
-  for (const Slot& slot : kSlots) {
-    if (!needed(slot.needed, spec)) continue;
+  for (const WeightSlot& slot : kSlots) {
+    if (!slot.needed_by(spec)) continue;
     const std::string name = prefix + (gguf_names ? slot.gguf : slot.hf);
     std::optional<WeightTensor> tensor = read(name);
     if (!tensor)
@@ -155,7 +140,14 @@ AttentionWeights load_gguf(const std::string& path, int layer) {
 AttentionWeights load_safetensors(const std::string& dir, int layer) {
   const AttentionSpec spec = spec_from_config_file((std::filesystem::path(dir) / "config.json").string());
   safetensors::Checkpoint checkpoint = safetensors::Checkpoint::open(dir);
-  return read_layer(spec, layer, checkpoint.listing(), "model.layers." + std::to_string(layer) + ".self_attn.", false,
+  // A multimodal checkpoint (GLM-5.3-Flash's Glm5NextForConditionalGeneration) holds its text model under
+  // model.language_model.
+  std::string prefix = "model.layers." + std::to_string(layer) + ".self_attn.";
+  const std::string nested = "model.language_model.layers." + std::to_string(layer) + ".self_attn.";
+  if (!checkpoint.contains(prefix + "kv_a_proj_with_mqa.weight") &&
+      checkpoint.contains(nested + "kv_a_proj_with_mqa.weight"))
+    prefix = nested;
+  return read_layer(spec, layer, checkpoint.listing(), prefix, false,
                     [&](const std::string& name) { return checkpoint.read(name); });
 }
 
@@ -242,8 +234,8 @@ AttentionWeights random_attention_weights(const AttentionSpec& spec, uint64_t se
   Xorshift64 rng = Xorshift64::seeded(seed);
   AttentionWeights weights;
   weights.spec = spec;
-  for (const Slot& slot : kSlots) {
-    if (!needed(slot.needed, spec)) continue;
+  for (const WeightSlot& slot : kSlots) {
+    if (!slot.needed_by(spec)) continue;
     const std::vector<int64_t> shape = slot.shape(spec);
     WeightTensor& t = slot.field(weights);
     t.shape = shape;
@@ -265,8 +257,8 @@ AttentionWeights shard_attention_heads(AttentionWeights weights, int tp, int ran
               " heads");
   require(rank >= 0 && rank < tp, "shard_attention_heads: rank: expected 0 to " + std::to_string(tp - 1) +
                                       ", got " + std::to_string(rank));
-  for (const Slot& slot : kSlots) {
-    if (!needed(slot.needed, s)) continue;
+  for (const WeightSlot& slot : kSlots) {
+    if (!slot.needed_by(s)) continue;
     const WeightTensor& t = slot.field(weights);
     require(t.shape == slot.shape(s), std::string("shard_attention_heads: ") + slot.hf + ": expected shape " +
                                           shape_text(slot.shape(s)) + ", got " + shape_text(t.shape));
@@ -283,3 +275,26 @@ AttentionWeights shard_attention_heads(AttentionWeights weights, int tp, int ran
 }
 
 }  // namespace smla
+
+namespace smla::models {
+
+bool WeightSlot::needed_by(const AttentionSpec& spec) const {
+  switch (needed) {
+    case Needed::always: return true;
+    case Needed::without_q_lora: return spec.q_lora_rank == 0;
+    case Needed::with_q_lora: return spec.q_lora_rank > 0;
+    case Needed::sparse: return spec.is_sparse();
+    case Needed::pooled: return spec.is_sparse() && spec.indexer->kpool > 1;
+  }
+  return false;
+}
+
+std::span<const WeightSlot> weight_slots() { return kSlots; }
+
+std::string shape_text(const std::vector<int64_t>& shape) {
+  std::string text = "[";
+  for (const int64_t d : shape) text += (text.size() > 1 ? ", " : "") + std::to_string(d);
+  return text + "]";
+}
+
+}  // namespace smla::models

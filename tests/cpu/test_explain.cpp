@@ -63,7 +63,10 @@ TEST_P(Explain, MatchesGoldenTextAndJson) {
   // The JSON says what the text says.
   const auto j = nlohmann::json::parse(json);
   EXPECT_EQ(j["schema"], "smla.explain/1");
-  EXPECT_EQ(j["model"]["absorbed_qk_dim"], spec.qk_rope_head_dim == 0 ? 512 : 576);
+  // 576 = latent 512 + rope 64; 512: no rope part (GLM-5.3-Flash) or no latent (DeepSeek-V4, rope inside the 512).
+  EXPECT_EQ(j["model"]["absorbed_qk_dim"], spec.qk_rope_head_dim == 0 || spec.is_shared_kv() ? 512 : 576);
+  EXPECT_EQ(j["model"]["shared_kv"], spec.is_shared_kv());
+  EXPECT_EQ(j["model"]["compress_ratios"].size(), spec.compress_ratios.size());
   EXPECT_EQ(j["model"]["absorbed_v_dim"], 512);
   EXPECT_EQ(j["model"]["num_attention_layers"], spec.num_attention_layers);
   EXPECT_EQ(j["run"]["heads_per_rank"], spec.num_heads / c.tp);
@@ -80,7 +83,10 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"kimi_k2_cpu", "kimi-k2", "cpu", DType::f16, DType::f16, 1},
                       Case{"glm53_flash_cpu_tp8", "glm-5.3-flash", "cpu", DType::bf16, std::nullopt, 8},
                       Case{"glm53_flash_sm120_fp8_nope_tp4", "glm-5.3-flash", "sm_120", DType::bf16,
-                           DType::fp8_ds_mla_nope, 4}),
+                           DType::fp8_ds_mla_nope, 4},
+                      Case{"deepseek_v4_flash_cpu", "deepseek-v4-flash", "cpu", DType::bf16, std::nullopt, 1},
+                      Case{"deepseek_v4_flash_sm90_fp8", "deepseek-v4-flash", "sm_90", DType::bf16, DType::fp8_ds_mla,
+                           1}),
     [](const auto& info) { return std::string(info.param.golden); });
 
 TEST(SupportMatrix, ReadmeMatchesTheDeclarations) {

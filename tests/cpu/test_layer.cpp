@@ -138,19 +138,34 @@ INSTANTIATE_TEST_SUITE_P(Specs, LayerPaths,
                          ::testing::Values(PathCase{"dense", tiny_spec(false)},
                                            PathCase{"dense_no_q_lora_yarn", yarn_spec()},
                                            PathCase{"dsa", tiny_spec(true)},
-                                           PathCase{"dsa_interleaved_indexer", interleaved_indexer_spec()}),
+                                           PathCase{"dsa_interleaved_indexer", interleaved_indexer_spec()},
+                                           PathCase{"pooled_no_rope", test::tiny_pooled_spec()}),
                          [](const auto& info) { return std::string(info.param.name); });
+
+// `w` without its indexer: the same layer attending every position.
+AttentionWeights without_indexer(AttentionWeights w) {
+  w.spec.indexer.reset();
+  w.indexer = {};
+  return w;
+}
+
+// The outputs of one prompt of `tokens` random hidden states prefilled through the layer of `spec` (its indexer
+// selecting) and through the same weights without the indexer (attending every position).
+struct SparseAndDense {
+  std::vector<float> sparse, dense;
+};
+SparseAndDense prefill_sparse_and_dense(const AttentionSpec& spec, int64_t tokens) {
+  const std::vector<float> hidden = random_hidden(4, tokens, spec.hidden_size);
+  MlaLayer dsa(random_weights(spec, 9), {.num_blocks = 8, .block_size = 4});
+  MlaLayer mla(without_indexer(random_weights(spec, 9)), {.num_blocks = 8, .block_size = 4});
+  return {prefill(dsa, dsa.add_request(), hidden), prefill(mla, mla.add_request(), hidden)};
+}
 
 TEST(Layer, DsaWithinTopkEqualsDense) {
   const AttentionSpec sparse = tiny_spec(true, 48, 16);
-  AttentionSpec dense = sparse;
-  dense.indexer.reset();
-  AttentionWeights dense_weights = random_weights(sparse, 9);
-  dense_weights.spec = dense;
-  dense_weights.indexer = {};
   const std::vector<float> hidden = random_hidden(4, 16, sparse.hidden_size);
   MlaLayer dsa(random_weights(sparse, 9), {.num_blocks = 8, .block_size = 4});
-  MlaLayer mla(std::move(dense_weights), {.num_blocks = 8, .block_size = 4});
+  MlaLayer mla(without_indexer(random_weights(sparse, 9)), {.num_blocks = 8, .block_size = 4});
   expect_close(prefill(mla, mla.add_request(), hidden), decode_steps(dsa, dsa.add_request(), hidden), 1e-3, 1 - 1e-7);
 }
 
@@ -167,14 +182,7 @@ TEST(Layer, Fp8CachesStayCloseToBf16) {
 TEST(Layer, DsaBeyondTopkAttendsFewerPositions) {
   // Past top-k the indexer drops positions, so the output differs from dense attention (and stays finite).
   const AttentionSpec sparse = tiny_spec(true, 48, 4);
-  AttentionSpec dense = sparse;
-  dense.indexer.reset();
-  AttentionWeights dense_weights = random_weights(sparse, 9);
-  dense_weights.spec = dense;
-  const std::vector<float> hidden = random_hidden(4, 12, sparse.hidden_size);
-  MlaLayer dsa(random_weights(sparse, 9), {.num_blocks = 8, .block_size = 4});
-  MlaLayer mla(std::move(dense_weights), {.num_blocks = 8, .block_size = 4});
-  const std::vector<float> a = prefill(dsa, dsa.add_request(), hidden), b = prefill(mla, mla.add_request(), hidden);
+  const auto [a, b] = prefill_sparse_and_dense(sparse, 12);
   const int d = sparse.hidden_size;
   double first = 0, last = 0;
   for (int i = 0; i < d; ++i) {
@@ -229,6 +237,95 @@ TEST(Layer, AppendContextGrowsTheContextOrFails) {
   const std::vector<float> out = decode_steps(layer, a, random_hidden(4, 2, spec.hidden_size));
   for (const float v : out) ASSERT_TRUE(std::isfinite(v));
   EXPECT_EQ(layer.context_length(a), 12);
+}
+
+// The rows a pooled layer caches for a prompt, computed here in float64 from the weights: latents (normed c) and
+// per token the index key (LayerNorm of x @ wk^T) then the gate scores (x @ kpool_gate^T).
+struct PooledRows {
+  std::vector<float> latent, index_k;
+};
+PooledRows pooled_rows(const AttentionWeights& w, const std::vector<float>& hidden) {
+  const int64_t d = w.spec.hidden_size, tokens = int64_t(hidden.size()) / d, dim = 128;
+  const auto dot = [&](const WeightTensor& m, int64_t row, int64_t t) {
+    double sum = 0;
+    for (int64_t i = 0; i < d; ++i) sum += double(m.data[row * d + i]) * hidden[t * d + i];
+    return sum;
+  };
+  PooledRows rows;
+  for (int64_t t = 0; t < tokens; ++t) {
+    std::vector<double> c(512), k(dim);
+    double squares = 0, mean = 0, var = 0;
+    for (int64_t i = 0; i < 512; ++i) squares += (c[i] = dot(w.kv_a_mqa, i, t)) * c[i];
+    for (int64_t i = 0; i < 512; ++i)
+      rows.latent.push_back(float(c[i] / std::sqrt(squares / 512 + w.spec.rms_norm_eps) * w.kv_a_norm.data[i]));
+    for (int64_t i = 0; i < dim; ++i) mean += (k[i] = dot(w.indexer.wk, i, t)) / dim;
+    for (int64_t i = 0; i < dim; ++i) var += (k[i] - mean) * (k[i] - mean) / dim;
+    for (int64_t i = 0; i < dim; ++i)
+      rows.index_k.push_back(
+          float((k[i] - mean) / std::sqrt(var + 1e-6) * w.indexer.k_norm.data[i] + w.indexer.k_norm_bias.data[i]));
+    for (int64_t i = 0; i < dim; ++i) rows.index_k.push_back(float(dot(w.indexer.kpool_gate, i, t)));
+  }
+  return rows;
+}
+
+TEST(Layer, PooledAppendContextEqualsThePromptsForward) {
+  // 10 tokens: 2 whole pools and a tail of 2, which the decode steps complete (the pool's first tokens imported).
+  const AttentionSpec spec = test::tiny_pooled_spec(8);
+  const std::vector<float> prompt = random_hidden(5, 10, spec.hidden_size),
+                           steps = random_hidden(6, 3, spec.hidden_size);
+  MlaLayer forwarded(random_weights(spec, 4), {.num_blocks = 8, .block_size = 4});
+  MlaLayer imported(random_weights(spec, 4), {.num_blocks = 8, .block_size = 4});
+  const int a = forwarded.add_request(), b = imported.add_request();
+  prefill(forwarded, a, prompt);
+  const PooledRows rows = pooled_rows(random_weights(spec, 4), prompt);
+  imported.append_context(b, 10, rows.latent.data(), nullptr, rows.index_k.data());
+  // Only the bf16 roundings of cache rows computed in float32 vs float64 differ.
+  expect_close(decode_steps(forwarded, a, steps), decode_steps(imported, b, steps), 1e-3, 1 - 1e-6);
+}
+
+TEST(Layer, PooledBeyondTopkAttendsFewerPositions) {
+  // top-k 4 = one pool of 4 (plus the tail): at 12 tokens some pools are left out, so dense attention differs.
+  const AttentionSpec pooled = test::tiny_pooled_spec(4);
+  const auto [a, b] = prefill_sparse_and_dense(pooled, 12);
+  const int d = pooled.hidden_size;
+  double early = 0, last = 0;
+  for (int t = 0; t < 12; ++t)
+    for (int i = 0; i < d; ++i) {
+      ASSERT_TRUE(std::isfinite(a[t * d + i]));
+      if (t < 7) early = std::max(early, double(std::fabs(a[t * d + i] - b[t * d + i])));
+      if (t == 11) last = std::max(last, double(std::fabs(a[t * d + i] - b[t * d + i])));
+    }
+  EXPECT_LT(early, 1e-3);  // positions 0..6: at most one whole pool and the tail, all attended
+  EXPECT_GT(last, 1e-3);
+}
+
+TEST(Layer, PooledGeometryErrorsNameTheField) {
+  const AttentionSpec spec = test::tiny_pooled_spec();
+  test::expect_error([&] { MlaLayer layer(random_weights(spec, 1), {.block_size = 6}); }, ErrorKind::invalid_argument,
+                     {"MlaLayer: options.block_size: a pooled indexer needs a multiple of index_kpool 4 (a pool's "
+                      "tokens share a block), got 6"});
+  AttentionSpec no_tail = spec;
+  no_tail.indexer->always_select_tail = false;
+  test::expect_error([&] { MlaLayer layer(random_weights(no_tail, 1)); }, ErrorKind::invalid_argument,
+                     {"needs index_kpool_always_select_tail true"});
+  test::expect_error([&] { MlaLayer layer(random_weights(test::tiny_pooled_spec(6), 1)); },
+                     ErrorKind::invalid_argument, {"MlaLayer: spec: index_topk 6 must be a multiple of index_kpool 4"});
+  AttentionWeights w = random_weights(spec, 1);
+  w.indexer.kpool_gate = {};
+  test::expect_error([&] { MlaLayer layer(w); }, ErrorKind::invalid_argument,
+                     {"MlaLayer: weights.indexer.kpool_gate: expected shape [128, 64], got []"});
+  w = random_weights(spec, 1);
+  w.indexer.kpool_ape.shape = {2, 128};
+  test::expect_error([&] { MlaLayer layer(w); }, ErrorKind::invalid_argument,
+                     {"MlaLayer: weights.indexer.kpool_ape: expected shape [4, 128], got [2, 128]"});
+  MlaLayer layer(random_weights(spec, 1), {.num_blocks = 2, .block_size = 4});
+  const std::vector<float> latent(512, 0.5f);
+  test::expect_error([&] { layer.append_context(layer.add_request(), 1, latent.data(), nullptr, nullptr); },
+                     ErrorKind::invalid_argument, {"MlaLayer: append_context: a DSA model needs index_k"});
+  AttentionSpec with_rope = tiny_spec(true);
+  MlaLayer roped(random_weights(with_rope, 1), {.num_blocks = 2, .block_size = 4});
+  test::expect_error([&] { roped.append_context(roped.add_request(), 1, latent.data(), nullptr, latent.data()); },
+                     ErrorKind::invalid_argument, {"MlaLayer: append_context: a head with a rope part needs k_pe"});
 }
 
 TEST(Layer, BadWeightsNameTheTensor) {

@@ -1,6 +1,7 @@
 // Model specs: the built-in presets, the config.json parser and load_model_spec.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -62,6 +63,8 @@ void expect_same_spec(const AttentionSpec& expected, const AttentionSpec& actual
     EXPECT_EQ(expected.indexer->always_select_tail, actual.indexer->always_select_tail);
   }
   EXPECT_EQ(expected.softmax_scale, actual.softmax_scale);
+  EXPECT_EQ(expected.sliding_window, actual.sliding_window);
+  EXPECT_EQ(expected.compress_ratios, actual.compress_ratios);
 }
 
 // Runs `action`, expecting a one-line smla::Error of `kind` whose message contains `fragment`.
@@ -77,9 +80,9 @@ double yarn_scale(int qk_head_dim, double factor) {
   return mscale * mscale / std::sqrt(qk_head_dim);
 }
 
-TEST(Presets, NamesAreTheSixSupportedModels) {
+TEST(Presets, NamesAreTheSevenSupportedModels) {
   EXPECT_EQ(preset_names(), (std::vector<std::string>{"glm-5", "deepseek-v3.2", "deepseek-v3", "kimi-k2",
-                                                      "glm-4.7-flash", "glm-5.3-flash"}));
+                                                      "glm-4.7-flash", "glm-5.3-flash", "deepseek-v4-flash"}));
 }
 
 TEST(Presets, EachEqualsItsFixtureConfig) {
@@ -112,6 +115,102 @@ TEST(SoftmaxScale, MatchesTheReferenceForEachModel) {
   const AttentionSpec kimi = spec_from_config_file(fixture_path("kimi-k2"));
   EXPECT_NEAR(kimi.softmax_scale, yarn_scale(192, 64), 1e-15);
   EXPECT_NEAR(kimi.softmax_scale, 0.14468, 5e-6);
+}
+
+TEST(ConfigJson, DeepseekV4SharedKvHead) {
+  const AttentionSpec v4 = spec_from_config_file(fixture_path("deepseek-v4-flash"));
+  EXPECT_TRUE(v4.is_shared_kv());
+  EXPECT_EQ(v4.kv_lora_rank, 0);
+  EXPECT_EQ(v4.qk_nope_head_dim, 448);
+  EXPECT_EQ(v4.qk_rope_head_dim, 64);
+  EXPECT_EQ(v4.v_head_dim, 512);  // the value is the whole cached head, rope dims included
+  EXPECT_EQ(v4.absorbed_qk_dim(), 512);
+  EXPECT_EQ(v4.absorbed_v_dim(), 512);
+  EXPECT_EQ(v4.softmax_scale, 1.0 / std::sqrt(512.0));  // no YaRN mscale: V4's scale is head_dim^-0.5
+  EXPECT_FALSE(v4.rope.yarn);
+  EXPECT_EQ(v4.rope.theta, 1e4);
+  EXPECT_EQ(v4.sliding_window, 128);
+  // 43 layers (the fixture's 44th ratio is the MTP layer's): 2 window-only, then ratio 4 and 128 alternating.
+  ASSERT_EQ(v4.compress_ratios.size(), 43u);
+  EXPECT_EQ(std::ranges::count(v4.compress_ratios, 0), 2);
+  EXPECT_EQ(std::ranges::count(v4.compress_ratios, 4), 21);
+  EXPECT_EQ(std::ranges::count(v4.compress_ratios, 128), 20);
+  EXPECT_EQ(v4.compress_ratios[2], 4);
+  EXPECT_EQ(v4.compress_ratios[3], 128);
+  ASSERT_TRUE(v4.indexer.has_value());
+  EXPECT_EQ(v4.indexer->topk, 512);
+  EXPECT_EQ(v4.indexer->rope_style, RopeStyle::interleaved);
+}
+
+TEST(ConfigJson, DeepseekV4LayerTypesAndDerivedRope) {
+  // transformers' DeepseekV4Config: layer_types + compress_rates instead of compress_ratios, the rope width from
+  // partial_rotary_factor (default 64 / 512).
+  json config = fixture_json("deepseek-v4-flash");
+  const std::vector<int> ratios = parse(config).compress_ratios;
+  json types = json::array();
+  for (int ratio : ratios)
+    types.push_back(ratio == 0 ? "sliding_attention"
+                               : ratio == 4 ? "compressed_sparse_attention" : "heavily_compressed_attention");
+  config.erase("compress_ratios");
+  config.erase("qk_rope_head_dim");
+  config["layer_types"] = types;
+  expect_same_spec(*preset("deepseek-v4-flash"), parse(config));
+
+  config["compress_rates"] = {{"heavily_compressed_attention", 64}};
+  std::vector<int> custom = ratios;
+  std::ranges::replace(custom, 128, 64);
+  EXPECT_EQ(parse(config).compress_ratios, custom);
+
+  config["partial_rotary_factor"] = 0.1875;
+  EXPECT_EQ(parse(config).qk_rope_head_dim, 96);
+  EXPECT_EQ(parse(config).qk_nope_head_dim, 416);
+}
+
+TEST(ConfigJson, DeepseekV4BadInputNamesTheField) {
+  const json good = fixture_json("deepseek-v4-flash");
+  auto expect_bad = [&](const std::function<void(json&)>& edit, const std::string& fragment) {
+    json config = good;
+    edit(config);
+    SCOPED_TRACE(fragment);
+    expect_config_error(config.dump(), fragment);
+  };
+  expect_bad([](json& c) { c.erase("head_dim"); }, "head_dim: expected an integer, got no such field");
+  expect_bad([](json& c) { c["head_dim"] = 1; }, "head_dim: expected an integer from 2 to 4096");
+  expect_bad([](json& c) { c["qk_rope_head_dim"] = 512; }, "qk_rope_head_dim: expected a positive integer below head_dim");
+  expect_bad([](json& c) { c["qk_rope_head_dim"] = 63; }, "qk_rope_head_dim must be even");
+  expect_bad([](json& c) { c["num_key_value_heads"] = 8; }, "num_key_value_heads: expected 1");
+  expect_bad([](json& c) { c["sliding_window"] = 0; }, "sliding_window: expected a positive integer");
+  expect_bad([](json& c) { c.erase("compress_ratios"); }, "compress_ratios: expected an array of per-layer ratios");
+  expect_bad([](json& c) { c["compress_ratios"] = {0, 4}; }, "compress_ratios: expected at least one entry per layer");
+  expect_bad([](json& c) { c["compress_ratios"][5] = -4; }, "compress_ratios: expected ratios >= 0");
+  expect_bad([](json& c) { c["compress_ratios"][5] = "4"; }, "compress_ratios: expected an integer");
+  expect_bad([](json& c) { c["partial_rotary_factor"] = 1.5; c.erase("qk_rope_head_dim"); },
+             "partial_rotary_factor: expected a number between 0 and 1");
+  expect_bad(
+      [](json& c) {
+        c.erase("compress_ratios");
+        c["layer_types"] = json::array();
+        for (int i = 0; i < 43; ++i) c["layer_types"].push_back(i ? "compressed_sparse_attention" : "full_attention");
+      },
+      "layer_types: expected sliding_attention, compressed_sparse_attention or heavily_compressed_attention");
+  expect_bad(
+      [](json& c) {
+        c.erase("compress_ratios");
+        c["layer_types"] = json::array();
+        for (int i = 0; i < 43; ++i) c["layer_types"].push_back("compressed_sparse_attention");
+        c["compress_rates"] = {{"compressed_sparse_attention", 0}};
+      },
+      "compress_rates.compressed_sparse_attention: expected a positive compress ratio");
+
+  // The spec's own checks: a head without a latent has its value the whole head.
+  AttentionSpec narrow_value = *preset("deepseek-v4-flash");
+  narrow_value.v_head_dim = 448;
+  expect_error([&] { validate(narrow_value, "v4"); }, ErrorKind::invalid_argument,
+               {"v4: a head with no latent (kv_lora_rank 0) has its value the whole cached head: v_head_dim must be 512"});
+  AttentionSpec short_ratios = *preset("deepseek-v4-flash");
+  short_ratios.compress_ratios.pop_back();
+  expect_error([&] { validate(short_ratios, "v4"); }, ErrorKind::invalid_argument,
+               {"compress_ratios: expected one per layer (num_hidden_layers 43), got 42"});
 }
 
 TEST(ConfigJson, KimiK25ReadsTheNestedTextConfig) {

@@ -186,6 +186,34 @@ TEST(Validate, HeadsWithoutRopePart) {
   EXPECT_EQ(validate(c, glm53, sparse_only), std::vector<std::string>{});
 }
 
+// DeepSeek-V4: a 512-wide shared-KV head (rope inside) needs a backend that attends its two caches under one
+// softmax; neither fp8_ds_mla form holds its head, whatever the backend declares.
+TEST(Validate, SharedKvHeadsWithTwoCaches) {
+  const AttentionSpec v4 = *preset("deepseek-v4-flash");
+  Capabilities c = everywhere_gpu();
+  c.qk_head_dims = {kMlaQkDim, kMlaLatentDim};
+  c.kv_cache_dtypes.push_back(DType::fp8_ds_mla_nope);
+  const std::string two_caches = "does not implement sparse attention over two caches";
+  EXPECT_EQ(validate(c, v4, on("sm_90")),
+            std::vector<std::string>{two_caches + " (the window cache and the compressed cache under one softmax, "
+                                                  "as deepseek_v4 needs)"});
+  c.extra_cache = true;
+  EXPECT_EQ(validate(c, v4, on("sm_90")), std::vector<std::string>{});
+  for (DType fp8 : {DType::fp8_ds_mla, DType::fp8_ds_mla_nope})
+    EXPECT_TRUE(has_reason(validate(c, v4, on("sm_90", DType::bf16, fp8)),
+                           "kv-cache dtype " + std::string(dtype_name(fp8)) +
+                               " cannot hold a deepseek_v4 head (its fp8 cache is FlashMLA's 584-byte MODEL1 layout"));
+  // The window-only rule is about the model's caches: a V4-shaped head without compressed caches needs no extra one.
+  AttentionSpec window_only = v4;
+  window_only.compress_ratios.clear();
+  c.extra_cache = false;
+  EXPECT_EQ(validate(c, window_only, on("sm_90")), std::vector<std::string>{});
+  // Only sparse attention reads the caches: the indexer alone runs anywhere it did.
+  RunSpec indexer_only = on("sm_90");
+  indexer_only.ops = {Op::indexer};
+  EXPECT_EQ(validate(c, v4, indexer_only), std::vector<std::string>{});
+}
+
 TEST_F(Select, WalksThePriorityListAndReportsEveryCandidate) {
   Selection s = select(glm5(), on("sm_90", DType::bf16, DType::fp8_ds_mla), registry);
   ASSERT_NE(s.chosen, nullptr);
@@ -313,6 +341,28 @@ TEST(Registry, GlobalHoldsTheCpuBackend) {
   Registry dup;
   dup.add(std::make_unique<DeclaredBackend>(cpu_like()));
   EXPECT_THROW(dup.add(std::make_unique<DeclaredBackend>(cpu_like())), Error);
+}
+
+// The backend an op runs on when given none: the first of the device kind's priority list that runs on that kind,
+// kept up to date as backends are added and the lists change (the ops look nothing up by name per call).
+TEST_F(Select, BackendForFollowsThePriorityLists) {
+  EXPECT_EQ(backend_for(Device::cuda(90), registry).name(), "hopper_sparse");
+  EXPECT_EQ(backend_for(Device::cpu(), registry).name(), "cpu_like");
+  registry.set_priority(DeviceKind::cuda, {"cpu_like", "mma_sparse"});  // a CPU backend is skipped for a GPU
+  EXPECT_EQ(backend_for(Device::cuda(90), registry).name(), "mma_sparse");
+  registry.set_priority(DeviceKind::cuda, {});  // then the registration order
+  EXPECT_EQ(backend_for(Device::cuda(90), registry).name(), "mma_sparse");
+  Registry cpu_only;
+  EXPECT_THROW(backend_for(Device::cpu(), cpu_only), Error);
+  cpu_only.add(std::make_unique<DeclaredBackend>(cpu_like()));
+  EXPECT_EQ(backend_for(Device::cpu(), cpu_only).name(), "cpu_like");
+  try {
+    backend_for(Device::cuda(90), cpu_only);
+    ADD_FAILURE() << "no GPU backend, yet one was returned";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::unsupported);
+    EXPECT_NE(std::string(e.what()).find("no backend in this build runs on"), std::string::npos) << e.what();
+  }
 }
 
 // The ops' limits and cache formats are written once (smla/ops.h, smla/types.h): every backend declares at most

@@ -9,12 +9,15 @@
 
 #include <array>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <random>
 #include <vector>
 
 #include "core/numeric.h"
+#include "cuda/common/runtime.h"
 #include "cuda/kernels.h"
 #include "smla/error.h"
 #include "smla/select.h"
@@ -32,6 +35,7 @@ struct Problem {
   bool max_logits = false, empty_lse_plus_inf = false;
   int rope = kMlaRopeDim;  // 0: 512-wide heads (GLM-5.3-Flash)
   cuda::AttentionChoice kernel;  // forced: the op's CUDA function is called directly
+  bool skip_beyond_device = true;  // a forced shape the device's shared memory cannot hold: skipped, not an error
   int qk() const { return MlaHead{rope}.qk_dim(); }
 };
 
@@ -88,7 +92,37 @@ void expect_close(const std::vector<uint16_t>& ref, const std::vector<uint16_t>&
   EXPECT_EQ(test::compare(rl, gl, 1e-3, 1e-4, 0.9999), "") << what << " (lse)";
 }
 
-void run_sparse(const Problem& pr, uint64_t seed) {
+// Whether `e` is the op's refusal of a forced kernel shape the device's shared memory cannot hold ("needs N bytes
+// of shared memory per block; this device allows M"), with N > M and M the device's limit: the shapes the 99 KB
+// archs (SM86, SM89, SM120, real or emulated) cannot run are skipped there, and the refusal itself is checked.
+bool beyond_shared_memory(const Error& e) {
+  const std::string what = e.what();
+  const size_t needs = what.find(" needs "), allows = what.find("this device allows ");
+  if (e.kind() != ErrorKind::unsupported || needs == std::string::npos || allows == std::string::npos) return false;
+  const long need = std::stol(what.substr(needs + 7)), allow = std::stol(what.substr(allows + 19));
+  EXPECT_GT(need, allow) << what;
+  EXPECT_EQ(allow, cuda::current_device().max_smem_per_block) << what;
+  return true;
+}
+
+// The plan the CUDA op makes for `a` with `choice` (`plan_of`: cuda::sparse_mla_plan or paged_mla_decode_plan), or
+// nullopt where `skip` and the forced choice is beyond the device's shared memory (reported as skipped).
+template <class Args, class PlanOf>
+std::optional<cuda::AttentionPlan> plan_or_skip(const Args& a, cuda::AttentionChoice choice, bool skip,
+                                                const std::string& what, PlanOf plan_of) {
+  try {
+    return plan_of(a, choice);
+  } catch (const Error& e) {
+    if (!skip || !beyond_shared_memory(e)) throw;
+    std::printf("[ skipped  ] %s: %s\n", what.c_str(), e.what());
+    return std::nullopt;
+  }
+}
+
+// Runs `pr` on the GPU (through the registry, or the op's CUDA function where the choice is forced) against the CPU
+// backend; the plan the op made (nullopt: skipped), and the GPU's output in `gpu_out` when given.
+std::optional<cuda::AttentionPlan> run_sparse(const Problem& pr, uint64_t seed,
+                                              std::vector<uint16_t>* gpu_out = nullptr) {
   const std::string what = std::string("sparse q=") + std::string(dtype_name(pr.q_dtype)) + " kv=" +
                            std::string(dtype_name(pr.kv_dtype)) + " H=" + std::to_string(pr.heads) +
                            " K=" + std::to_string(pr.topk) + " bs=" + std::to_string(pr.block_size) + nope_tag(pr) +
@@ -142,6 +176,10 @@ void run_sparse(const Problem& pr, uint64_t seed) {
   std::vector<float> ref_max(p.tokens * p.heads);
   if (p.max_logits) a.max_logits = TensorView(ref_max.data(), {p.tokens, p.heads}, DType::f32);
   a.empty_lse_plus_inf = p.empty_lse_plus_inf;
+  const std::optional<cuda::AttentionPlan> plan =
+      plan_or_skip(a, p.kernel, p.skip_beyond_device && p.kernel.kernel != cuda::AttentionKernel::automatic, what,
+                   [](const SparseMlaArgs& x, cuda::AttentionChoice c) { return cuda::sparse_mla_plan(x, c); });
+  if (!plan) return plan;
   sparse_mla(a, &cpu());
 
   DeviceBuffer dq(qbits), dcache(cache), didx(idx), dlens(lens), dsink(sink);
@@ -157,15 +195,18 @@ void run_sparse(const Problem& pr, uint64_t seed) {
   g.out = on_gpu(a.out, dout.ptr);
   g.lse = on_gpu(a.lse, dlse.ptr);
   if (p.max_logits) g.max_logits = on_gpu(a.max_logits, dmax.ptr);
-  if (p.kernel.kernel == cuda::AttentionKernel::automatic) sparse_mla(g, &gpu());
+  if (p.kernel.kernel == cuda::AttentionKernel::automatic && p.kernel.splits == 0) sparse_mla(g, &gpu());
   else cuda::sparse_mla(g, p.kernel);
-  CUDA_OK(cudaDeviceSynchronize());
-  expect_close(ref, dout.download<uint16_t>(), p.q_dtype, ref_lse, dlse.download<float>(), what);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const std::vector<uint16_t> got = dout.download<uint16_t>();
+  expect_close(ref, got, p.q_dtype, ref_lse, dlse.download<float>(), what);
   if (p.max_logits) {
-    const auto got = dmax.download<float>();
-    std::vector<double> r(ref_max.begin(), ref_max.end()), gm(got.begin(), got.end());
+    const auto got_max = dmax.download<float>();
+    std::vector<double> r(ref_max.begin(), ref_max.end()), gm(got_max.begin(), got_max.end());
     EXPECT_EQ(test::compare(r, gm, 1e-3, 1e-4, 0.9999), "") << what << " (max_logits)";
   }
+  if (gpu_out) *gpu_out = got;
+  return plan;
 }
 
 TEST(CudaSparseMla, HeadsAndTopk) {
@@ -215,6 +256,23 @@ TEST(CudaSparseMla, TopkLengthSinksAndStridedQ) {
   }
 }
 
+// The split's partial results and their combine, against the CPU and against the same problem forced unsplit: the
+// op must split this shape.
+void expect_splits_run(Problem p, uint64_t seed) {
+  std::vector<uint16_t> split_out, unsplit_out;
+  const std::optional<cuda::AttentionPlan> split = run_sparse(p, seed, &split_out);
+  if (!split) return;  // a forced shape beyond the device's shared memory (checked and reported)
+  EXPECT_GT(split->num_splits, 1) << "the op ran this shape unsplit: the test would not reach the combine";
+  p.kernel.splits = 1;
+  const std::optional<cuda::AttentionPlan> unsplit = run_sparse(p, seed, &unsplit_out);
+  ASSERT_TRUE(unsplit.has_value());
+  EXPECT_EQ(unsplit->num_splits, 1);
+  EXPECT_EQ(unsplit->kernel, split->kernel);
+  EXPECT_EQ(test::compare(as_doubles(unsplit_out, p.q_dtype), as_doubles(split_out, p.q_dtype), 2e-3, 2e-2, 0.9999),
+            "")
+      << "split against unsplit";
+}
+
 TEST(CudaSparseMla, DecodeBatchUsesSplits) {
   // 64 tokens x 8 heads x top-k 2048: the GLM-5 TP8 decode shape.
   Problem p;
@@ -222,7 +280,7 @@ TEST(CudaSparseMla, DecodeBatchUsesSplits) {
   p.heads = 8;
   p.topk = 2048;
   p.block_size = 64;
-  run_sparse(p, 300);
+  expect_splits_run(p, 300);
 }
 
 void run_paged(DType q_dtype, DType kv, int batch, int s_q, int heads, int block_size, bool causal, uint64_t seed,
@@ -263,6 +321,9 @@ void run_paged(DType q_dtype, DType kv, int batch, int s_q, int heads, int block
   std::vector<float> ref_lse(batch * s_q * heads);
   a.out = TensorView(ref.data(), {batch, s_q, heads, kMlaVDim}, q_dtype);
   a.lse = TensorView(ref_lse.data(), {batch, s_q, heads}, DType::f32);
+  if (!plan_or_skip(a, kernel, kernel.kernel != cuda::AttentionKernel::automatic, "paged",
+                    [](const PagedMlaDecodeArgs& x, cuda::AttentionChoice c) { return cuda::paged_mla_decode_plan(x, c); }))
+    return;
   paged_mla_decode(a, &cpu());
 
   DeviceBuffer dq(qbits), dcache(cache), dtable(table), dseq(seq);
@@ -448,7 +509,7 @@ TEST(CudaSparseMlaSmallHeads, DecodeBatchUsesSplits) {
       p.block_size = 64;
       p.max_logits = true;  // through the splits' partial maxima
       p.kernel = {cuda::AttentionKernel::small_heads, 0};
-      run_sparse(p, 800 + heads);
+      expect_splits_run(p, 800 + heads);
     }
 }
 
@@ -456,6 +517,7 @@ TEST(CudaSparseMlaSmallHeads, DepthBeyondSharedMemoryIsAnError) {
   Problem p;  // 4 stages of 64 bf16 rows (296 KB) fit no GPU's shared memory
   p.heads = 16;
   p.kernel = {cuda::AttentionKernel::small_heads, 4};
+  p.skip_beyond_device = false;
   try {
     run_sparse(p, 1);
     FAIL() << "4 bf16 stages accepted";
@@ -525,7 +587,7 @@ TEST(CudaSparseMla, NoRopePartDecodeBatchUsesSplits) {
     p.topk = 2048;
     p.block_size = 64;
     p.sink = true;
-    run_sparse(p, seed++);
+    expect_splits_run(p, seed++);
   }
 }
 
@@ -600,6 +662,37 @@ TEST(CudaBackend, RejectsMisalignedQueries) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("q:"), std::string::npos) << e.what();
   }
+}
+
+// The CUDA backend does not declare Capabilities::extra_cache: a call with DeepSeek-V4's second cache is refused,
+// and nothing is written, rather than the extra cache being ignored.
+TEST(CudaBackend, RefusesASecondCache) {
+  ASSERT_FALSE(gpu().capabilities().extra_cache);
+  constexpr int64_t kTokens = 2, kHeads = 4, kBlocks = 2, kBlock = 16, kTopk = 8;
+  uint16_t dummy[8];
+  SparseMlaArgs a;
+  DeviceBuffer d(8 << 16);
+  char* base = static_cast<char*>(d.ptr);
+  const std::vector<uint16_t> sentinel(kTokens * kHeads * kMlaVDim, 0x7fc0);  // bf16 NaN
+  DeviceBuffer out(sentinel);
+  a.q = on_gpu(TensorView(dummy, {kTokens, kHeads, kMlaLatentDim}, DType::bf16), base);
+  a.kv_cache = on_gpu(TensorView(dummy, {kBlocks, kBlock, kMlaLatentDim}, DType::bf16), base + (1 << 16));
+  a.indices = on_gpu(TensorView(dummy, {kTokens, kTopk}, DType::i32), base + (3 << 16));
+  a.extra_kv_cache = on_gpu(TensorView(dummy, {kBlocks, 2, kMlaLatentDim}, DType::bf16), base + (4 << 16));
+  a.extra_indices = on_gpu(TensorView(dummy, {kTokens, kTopk}, DType::i32), base + (5 << 16));
+  a.out = on_gpu(TensorView(dummy, {kTokens, kHeads, kMlaVDim}, DType::bf16), out.ptr);
+  a.lse = on_gpu(TensorView(dummy, {kTokens, kHeads}, DType::f32), base + (6 << 16));
+  a.softmax_scale = 1.f;
+  try {
+    sparse_mla(a, &gpu());
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::unsupported);
+    EXPECT_NE(std::string(e.what()).find("extra_kv_cache: backend 'cuda_mma' does not attend a second cache"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(out.download<uint16_t>(), sentinel);
 }
 
 }  // namespace

@@ -16,6 +16,7 @@
 #include <set>
 
 #include "core/numeric.h"
+#include "cuda/common/runtime.h"
 #include "cuda/kernels.h"
 #include "gpu/gpu_util.h"
 #include "reference/indexer_reference.h"
@@ -214,12 +215,9 @@ TEST(CudaIndexer, TopkMatchesCpu) {
 // heads leave padding columns in wgmma's N. The worst error of each way is
 // printed.
 TEST(CudaIndexer, ScoresOfEachMmaMatchFloat64) {
-  int device = 0, major = 0, minor = 0;
-  CUDA_OK(cudaGetDevice(&device));
-  CUDA_OK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  CUDA_OK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  // The arch as the launch code sees it (an emulated one under SMLA_CUDA_EMULATE).
   std::vector<cuda::ScoreMma> kinds = {cuda::ScoreMma::bf16, cuda::ScoreMma::automatic};
-  if (major * 10 + minor >= 89) kinds.push_back(cuda::ScoreMma::fp8);
+  if (cuda::current_device().compute_capability >= 89) kinds.push_back(cuda::ScoreMma::fp8);
   struct Case {
     int heads, block_size, max_blocks, tokens;
   };
@@ -441,8 +439,9 @@ TEST(CudaIndexer, PositionsToSlotsMatchesCpu) {
   EXPECT_EQ(ds.download<int32_t>(), want);
 }
 
-// One DSA decode step's inputs (random keys, latents and queries; 5 tokens of mixed contexts, shuffled blocks),
-// its CPU result (`host`, run at construction), and the same inputs on the GPU with poisoned outputs (`gpu`).
+// One DSA decode step's inputs (random keys, latents and queries; by default 5 tokens of mixed contexts, shuffled
+// blocks), its CPU result (`host`, run at construction unless cpu_step is false), and the same inputs on the GPU
+// with poisoned outputs (`gpu`).
 struct DsaStepCase {
   static constexpr int kHeads = 8;
   IndexProblem pr;
@@ -466,7 +465,8 @@ struct DsaStepCase {
     return pr;
   }
 
-  DsaStepCase() : pr(problem()), d(pr, 90) {
+  explicit DsaStepCase(const IndexProblem& problem_to_run = problem(), bool cpu_step = true)
+      : pr(problem_to_run), d(pr, 90) {
     test::Rng rng(91);
     mla.assign(static_cast<size_t>(d.num_blocks) * pr.block_size * kMlaQkDim * 2, 0xff);
     TensorView mla_view(mla.data(), {d.num_blocks, pr.block_size, kMlaQkDim}, DType::bf16);
@@ -512,7 +512,7 @@ struct DsaStepCase {
     gpu.out = on_gpu(host.out, dout->ptr);
     gpu.lse = on_gpu(host.lse, dlse->ptr);
 
-    dsa_decode_step(host, &cpu());
+    if (cpu_step) dsa_decode_step(host, &cpu());
   }
 
   // The GPU's outputs: top-k positions, slots, out (bf16 bits), lse.
@@ -533,6 +533,16 @@ struct DsaStepCase {
     CUDA_OK(cudaMemset(dlse->ptr, 0xff, dlse->bytes));
   }
 };
+
+// Two runs' outputs bit for bit: top-k, slots, out's bf16 bits and lse's bytes (NaN as NaN).
+void expect_identical(const DsaStepCase::Outputs& got, const DsaStepCase::Outputs& want, const char* what) {
+  SCOPED_TRACE(what);
+  EXPECT_EQ(got.topk, want.topk);
+  EXPECT_EQ(got.slots, want.slots);
+  EXPECT_EQ(got.out, want.out);
+  ASSERT_EQ(got.lse.size(), want.lse.size());
+  EXPECT_EQ(std::memcmp(got.lse.data(), want.lse.data(), want.lse.size() * sizeof(float)), 0);
+}
 
 TEST(CudaIndexer, DsaDecodeStepMatchesCpu) {
   DsaStepCase c;
@@ -567,12 +577,7 @@ TEST(CudaIndexer, DsaDecodeStepReplaysInACudaGraph) {
   CUDA_OK(cudaStreamSynchronize(stream));
   const DsaStepCase::Outputs first = c.download();
 
-  cudaGraph_t graph = nullptr;
-  cudaGraphExec_t exec = nullptr;
-  CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  dsa_decode_step(g, &gpu());
-  CUDA_OK(cudaStreamEndCapture(stream, &graph));
-  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  const CapturedGraph graph(stream, cudaStreamCaptureModeThreadLocal, [&] { dsa_decode_step(g, &gpu()); });
 
   // New queries for the indexer and for the attention, in the buffers the graph reads.
   IndexProblem other = DsaStepCase::problem();
@@ -583,30 +588,73 @@ TEST(CudaIndexer, DsaDecodeStepReplaysInACudaGraph) {
   CUDA_OK(cudaMemcpy(c.dq->ptr, q2.data(), q2.size() * 2, cudaMemcpyHostToDevice));
 
   c.poison_outputs();
-  CUDA_OK(cudaGraphLaunch(exec, stream));
+  CUDA_OK(cudaGraphLaunch(graph.exec(), stream));
   CUDA_OK(cudaStreamSynchronize(stream));
   const DsaStepCase::Outputs replayed = c.download();
   c.poison_outputs();
   dsa_decode_step(g, &gpu());
   CUDA_OK(cudaStreamSynchronize(stream));
   const DsaStepCase::Outputs eager = c.download();
-  EXPECT_EQ(replayed.topk, eager.topk);
-  EXPECT_EQ(replayed.slots, eager.slots);
-  EXPECT_EQ(replayed.out, eager.out);
-  EXPECT_EQ(std::memcmp(replayed.lse.data(), eager.lse.data(), eager.lse.size() * sizeof(float)), 0);
+  expect_identical(replayed, eager, "replayed vs eager");
   EXPECT_NE(replayed.out, first.out);  // the replay read the new queries
   EXPECT_EQ(first.topk, c.topk);    // and the first call was the CPU's step
 
-  CUDA_OK(cudaGraphExecDestroy(exec));
-  CUDA_OK(cudaGraphDestroy(graph));
   CUDA_OK(cudaStreamDestroy(stream));
+}
+
+// The step's fused kernels (the top-k writing the slots, launched as the scores kernel's programmatic dependent on
+// SM90+) against its three ops run one by one on the GPU (each checked against the CPU above), on rows long enough
+// that the top-k shares them among a cluster's CTAs (SM90+), for 1 and 8 tokens: the same positions, slots, out
+// and lse, bit for bit, eager and replayed from a CUDA graph.
+TEST(CudaIndexer, DsaDecodeStepEqualsItsOpsOnLongRows) {
+  for (int tokens : {1, 8}) {
+    SCOPED_TRACE("tokens " + std::to_string(tokens));
+    IndexProblem pr = DsaStepCase::problem();
+    pr.tokens = tokens;
+    pr.k = 2048;
+    pr.max_blocks = 640;  // 40960 positions
+    DsaStepCase c(pr, false);
+    std::vector<int32_t> context(tokens);
+    for (int t = 0; t < tokens; ++t) context[t] = pr.max_blocks * pr.block_size - 977 * t;  // long, each its own
+    CUDA_OK(cudaMemcpy(c.on->context.ptr, context.data(), context.size() * 4, cudaMemcpyHostToDevice));
+
+    c.poison_outputs();
+    indexer_topk(indexer_step(c.gpu), &gpu());
+    positions_to_slots(slots_step(c.gpu), &gpu());
+    sparse_mla(attention_step(c.gpu), &gpu());
+    CUDA_OK(cudaDeviceSynchronize());
+    const DsaStepCase::Outputs ops = c.download();
+    ASSERT_EQ(std::count(ops.topk.begin(), ops.topk.end(), -1), 0);  // every token has 2048 positions
+    ASSERT_EQ(std::count(ops.slots.begin(), ops.slots.end(), -1), 0);
+
+    c.poison_outputs();
+    dsa_decode_step(c.gpu, &gpu());
+    CUDA_OK(cudaDeviceSynchronize());
+    const DsaStepCase::Outputs fused = c.download();
+    expect_identical(fused, ops, "the step vs its three ops");
+
+    cudaStream_t stream = nullptr;
+    CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    DsaDecodeStepArgs g = c.gpu;
+    g.stream = stream;
+    dsa_decode_step(g, &gpu());  // the default workspace is made before the capture
+    CUDA_OK(cudaStreamSynchronize(stream));
+    const CapturedGraph graph(stream, cudaStreamCaptureModeThreadLocal, [&] { dsa_decode_step(g, &gpu()); });
+    c.poison_outputs();
+    CUDA_OK(cudaGraphLaunch(graph.exec(), stream));
+    CUDA_OK(cudaStreamSynchronize(stream));
+    const DsaStepCase::Outputs replayed = c.download();
+    expect_identical(replayed, ops, "the step replayed vs its three ops");
+    CUDA_OK(cudaStreamDestroy(stream));
+  }
 }
 
 // ---------------------------------------------- the top-k stage on crafted rows
 
 // Score rows built to reach every path of the selection: distinct scores
-// (coarse bin, then refine), one fp16 bin holding every score (refine over
-// all), few distinct values and all-equal rows (too many candidates: the exact
+// (coarse bin, then refine few candidates by counting), one fp16 bin holding
+// every score (refine over all by radix), exact ties among few candidates,
+// few distinct values and all-equal rows (too many candidates: the exact
 // select over the row), both signs, zeros of both signs and -inf, rows shorter
 // than k, lengths that are not a multiple of 4, a row too short for every rank
 // of a cluster to own positions, an empty context.
@@ -626,7 +674,9 @@ std::vector<int32_t> expected_topk(const std::vector<float>& row, int64_t n, int
 }
 
 // exact: the result must be the reference's; else (NaN scores: an unspecified order) only valid: distinct
-// positions of the row, as many as it has up to k, then -1.
+// positions of the row, as many as it has up to k, then -1. The top-k also writes the slots of its positions (as
+// dsa_decode_step has it do) through a shuffled block table with holes: they must be the CPU's positions_to_slots
+// of the positions it chose.
 void check_crafted_rows(const std::vector<CraftedRow>& rows, int k, uint64_t seed,
                         cuda::TopkSplit split = cuda::TopkSplit::automatic, bool exact = true) {
   test::Rng rng(seed);
@@ -634,8 +684,11 @@ void check_crafted_rows(const std::vector<CraftedRow>& rows, int k, uint64_t see
   int64_t longest = 1;
   for (const CraftedRow& r : rows) longest = std::max(longest, r.n);
   const int max_blocks = static_cast<int>((longest + bs - 1) / bs);
-  std::vector<int32_t> request_ids(tokens), context(tokens), table(static_cast<size_t>(tokens) * max_blocks, 0);
+  std::vector<int32_t> request_ids(tokens), context(tokens), table(static_cast<size_t>(tokens) * max_blocks);
   std::iota(request_ids.begin(), request_ids.end(), 0);
+  std::iota(table.begin(), table.end(), 0);
+  std::shuffle(table.begin(), table.end(), rng);
+  for (size_t i = 5; i < table.size(); i += 13) table[i] = -1;  // blocks not in the cache: slot -1
   std::vector<uint8_t> no_cache(16);
   std::vector<int32_t> out(static_cast<size_t>(tokens) * k);
   IndexerTopkArgs a;
@@ -653,14 +706,31 @@ void check_crafted_rows(const std::vector<CraftedRow>& rows, int k, uint64_t see
     const std::vector<int32_t> w = expected_topk(row, rows[t].n, k);
     want.insert(want.end(), w.begin(), w.end());
   }
-  DeviceBuffer dscores(scores), dreq(request_ids), dctx(context), dtable(table), dout(std::vector<int32_t>(out.size(), 777));
+  DeviceBuffer dscores(scores), dreq(request_ids), dctx(context), dtable(table), dout(std::vector<int32_t>(out.size(), 777)),
+      dslots(std::vector<int32_t>(out.size(), 777));
   a.request_ids = on_gpu(TensorView(request_ids.data(), {tokens}, DType::i32), dreq.ptr);
   a.context_lens = on_gpu(TensorView(context.data(), {tokens}, DType::i32), dctx.ptr);
   a.block_table = on_gpu(a.block_table, dtable.ptr);
   a.topk = on_gpu(TensorView(out.data(), {tokens, k}, DType::i32), dout.ptr);
-  cuda::select_topk(a, static_cast<const float*>(dscores.ptr), split);
+  PositionsToSlotsArgs to_slots;
+  to_slots.positions = a.topk;
+  to_slots.request_ids = a.request_ids;
+  to_slots.block_table = a.block_table;
+  to_slots.block_size = bs;
+  to_slots.slots = on_gpu(a.topk, dslots.ptr);
+  cuda::select_topk(a, static_cast<const float*>(dscores.ptr), split, nullptr, {&to_slots, false});
   CUDA_OK(cudaDeviceSynchronize());
-  const std::vector<int32_t> got = dout.download<int32_t>();
+  const std::vector<int32_t> got = dout.download<int32_t>(), got_slots = dslots.download<int32_t>();
+  std::vector<int32_t> positions = got, want_slots(got.size());
+  PositionsToSlotsArgs on_cpu;
+  on_cpu.positions = TensorView(positions.data(), {tokens, k}, DType::i32);
+  on_cpu.request_ids = TensorView(request_ids.data(), {tokens}, DType::i32);
+  on_cpu.block_table = TensorView(table.data(), {tokens, max_blocks}, DType::i32);
+  on_cpu.block_size = bs;
+  on_cpu.slots = TensorView(want_slots.data(), {tokens, k}, DType::i32);
+  positions_to_slots(on_cpu, &cpu());
+  EXPECT_EQ(got_slots, want_slots) << "split " << static_cast<int>(split) << ", k = " << k;
+  EXPECT_NE(std::count(got_slots.begin(), got_slots.end(), -1), static_cast<long>(got_slots.size()));
   for (int t = 0; t < tokens; ++t) {
     const std::string what = std::string(rows[t].what) + " (n = " + std::to_string(rows[t].n) +
                              ", k = " + std::to_string(k) + ", split " + std::to_string(static_cast<int>(split)) + ")";
@@ -699,6 +769,8 @@ std::vector<CraftedRow> crafted_rows() {
            }
          }
        }},
+      {"exact ties among few candidates", 8192,
+       [](int64_t, test::Rng& rng) { return static_cast<float>(rng() % 3000); }},
       {"shorter than k", 1000, [uniform](int64_t, test::Rng& rng) { return uniform(rng); }},
       {"nine positions (cluster ranks with none)", 9, [uniform](int64_t, test::Rng& rng) { return uniform(rng); }},
       {"empty context", 0, [](int64_t, test::Rng&) { return 0.f; }},
@@ -708,11 +780,8 @@ std::vector<CraftedRow> crafted_rows() {
 // The ways to force select_topk to share rows, and not: thread block clusters only where the device has them
 // (SM90+; elsewhere select_topk refuses them), so they are skipped on older devices.
 std::vector<cuda::TopkSplit> forced_splits() {
-  int device = 0, major = 0;
-  cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
   std::vector<cuda::TopkSplit> splits = {cuda::TopkSplit::one_cta, cuda::TopkSplit::slices};
-  if (major >= 9) splits.push_back(cuda::TopkSplit::cluster);
+  if (cuda::current_device().compute_capability >= 90) splits.push_back(cuda::TopkSplit::cluster);
   return splits;
 }
 

@@ -64,6 +64,15 @@ AttentionSpec glm_moe_dsa() {
   return s;
 }
 
+// GLM-5.3-Flash: no rope part (512-wide absorbed head), its nope / v widths, the pooled indexer (kpool 4, tail).
+AttentionSpec glm5_next() {
+  AttentionSpec s = test::tiny_pooled_spec(kTopk);
+  s.qk_nope_head_dim = 256;
+  s.v_head_dim = 256;
+  s.softmax_scale = reference_softmax_scale(s.qk_head_dim(), s.rope);
+  return s;
+}
+
 Device gpu_device() { return detect_device(); }
 
 // A non-default stream for the lifetime of the object.
@@ -178,7 +187,7 @@ TEST_P(CudaLayer, PrefillThenDecodeMatchesCpu) {
   }
   for (size_t r = 0; r < prompt.size(); ++r) EXPECT_EQ(gpu.context_length(int(r)), prompt[r] + kSteps);
   EXPECT_EQ(gpu.free_blocks(), cpu.free_blocks());
-  expect_close_rows(cpu_out, gpu_out, d, may_swap, c.kv_cache == DType::fp8_ds_mla ? kFp8Tol : kTol, c.name);
+  expect_close_rows(cpu_out, gpu_out, d, may_swap, is_fp8_mla_cache(c.kv_cache) ? kFp8Tol : kTol, c.name);
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -189,7 +198,11 @@ INSTANTIATE_TEST_SUITE_P(
                       LayerCase{"deepseek_v32_bf16", deepseek_v32()},
                       LayerCase{"deepseek_v32_fp8_fp8_index", deepseek_v32(), DType::fp8_ds_mla, DType::fp8_e4m3},
                       LayerCase{"glm_moe_dsa_bf16", glm_moe_dsa()},
-                      LayerCase{"glm_moe_dsa_fp8", glm_moe_dsa(), DType::fp8_ds_mla}),
+                      LayerCase{"glm_moe_dsa_fp8", glm_moe_dsa(), DType::fp8_ds_mla},
+                      LayerCase{"glm5_next_bf16", glm5_next()},
+                      LayerCase{"glm5_next_f16", glm5_next(), DType::f16},
+                      LayerCase{"glm5_next_fp8_envelope", glm5_next(), DType::fp8_ds_mla},
+                      LayerCase{"glm5_next_fp8_nope_fp8_index", glm5_next(), DType::fp8_ds_mla_nope, DType::fp8_e4m3}),
     [](const auto& info) { return std::string(info.param.name); });
 
 TEST(CudaLayerContext, ImportedContextThenDecodeMatchesCpu) {
@@ -214,6 +227,31 @@ TEST(CudaLayerContext, ImportedContextThenDecodeMatchesCpu) {
     forward_both(cpu, gpu, {{a, 1}}, random_hidden(40 + step, 1, d), cpu_out, gpu_out);
   EXPECT_EQ(gpu.context_length(a), context + 3);
   expect_close_rows(cpu_out, gpu_out, d, std::vector<bool>(3, false), kTol, "imported context");
+}
+
+TEST(CudaLayerContext, PooledImportedContextThenDecodeMatchesCpu) {
+  // 38 imported tokens (9 whole pools and a tail of 2 the decode steps complete), then 3 steps past top-k 32.
+  const AttentionSpec spec = glm5_next();
+  const int d = spec.hidden_size, context = 38;
+  const LayerOptions options{.num_blocks = 16, .block_size = 8};
+  LayerOptions on_gpu = options;
+  on_gpu.device = gpu_device();
+  MlaLayer cpu(random_weights(spec, 5), options), gpu(random_weights(spec, 5), on_gpu);
+  test::Rng rng(9);
+  // Per token the latent, and the index key then the gate scores.
+  const std::vector<float> latent = test::random_floats(rng, context * 512),
+                           index_k = test::random_floats(rng, context * 256);
+  const DeviceBuffer latent_d(latent), index_k_d(index_k);
+  const int a = cpu.add_request();
+  ASSERT_EQ(gpu.add_request(), a);
+  cpu.append_context(a, context, latent.data(), nullptr, index_k.data());
+  gpu.append_context(a, context, static_cast<const float*>(latent_d.ptr), nullptr,
+                     static_cast<const float*>(index_k_d.ptr));
+  std::vector<float> cpu_out, gpu_out;
+  for (int step = 0; step < 3; ++step)
+    forward_both(cpu, gpu, {{a, 1}}, random_hidden(50 + step, 1, d), cpu_out, gpu_out);
+  EXPECT_EQ(gpu.context_length(a), context + 3);
+  expect_close_rows(cpu_out, gpu_out, d, std::vector<bool>(3, true), kTol, "pooled imported context");
 }
 
 TEST(CudaLayerContext, ProfileSplitsTheStepAndChangesNothing) {

@@ -2,7 +2,7 @@
 // (layer 0) and hidden.f32 ([T, hidden_size] float32). One request: a prefill of the first PREFILL tokens, then
 // one decode step per remaining token, on the CPU or (DEVICE cuda) on the first GPU. Writes DIR/out.f32
 // ([T, hidden_size]).
-//   layer_driver DIR PREFILL [absorbed|unabsorbed] [bfloat16|float16|fp8_ds_mla] [cpu|cuda]
+//   layer_driver DIR PREFILL [absorbed|unabsorbed] [bfloat16|float16|fp8_ds_mla|fp8_ds_mla_nope] [cpu|cuda]
 #ifdef SMLA_WITH_CUDA
 #include <cuda_runtime.h>
 #endif

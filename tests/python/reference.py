@@ -166,3 +166,19 @@ def indexer_scores(q: np.ndarray, weights: np.ndarray, keys: np.ndarray, scales:
     w = np.asarray(weights, np.float64) * (1.0 if q_scale is None else np.asarray(q_scale, np.float64))
     dots = np.maximum(np.asarray(q, np.float64) @ keys[slots].T, 0.0)  # [H, n]
     return scales[slots] * (w @ dots)
+
+
+def hadamard128() -> np.ndarray:
+    """128^-0.5 H_128, the Walsh-Hadamard rotation of GLM-5.3-Flash's indexer."""
+    h = np.array([[1.0]])
+    while h.shape[0] < INDEX_DIM:
+        h = np.block([[h, h], [h, -h]])
+    return h / np.sqrt(INDEX_DIM)
+
+
+def pooled(k: np.ndarray, gate: np.ndarray, ape: np.ndarray, rotate: bool = True) -> np.ndarray:
+    """GLM-5.3-Flash's pooled index keys: [P, kpool, 128] keys and gates, [kpool, 128] ape -> [P, 128], float64."""
+    score = gate.astype(np.float64) + ape.astype(np.float64)
+    w = np.exp(score - score.max(axis=1, keepdims=True))
+    x = (w * k.astype(np.float64)).sum(axis=1) / w.sum(axis=1)
+    return x @ hadamard128().T if rotate else x

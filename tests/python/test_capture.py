@@ -20,6 +20,7 @@ pytestmark = [
 ]
 
 BLOCKS, BLOCK_SIZE, HEADS, INDEX_HEADS, TOPK = 32, 64, 16, 32, 1024
+KPOOL = 4  # GLM-5.3-Flash's pooled indexer
 SLOTS = BLOCKS * BLOCK_SIZE
 
 
@@ -43,6 +44,8 @@ def cases():
     fixed = torch.Generator(device="cuda").manual_seed(7)
     tbl = table(fixed)
     write_slots = torch.randperm(SLOTS, generator=fixed, device="cuda")[:8]
+    pool_slots = torch.randperm(SLOTS // KPOOL, generator=fixed, device="cuda")[:8]
+    ape = torch.randn(KPOOL, 128, generator=fixed, device="cuda")
     ops = torch.ops.smla
     sched = {}
 
@@ -78,6 +81,17 @@ def cases():
             lambda pos: (ops.positions_to_slots(pos, torch.zeros(1, dtype=torch.int32, device="cuda"), tbl,
                                                 BLOCK_SIZE),),
             lambda g: [torch.randint(0, SLOTS, (1, TOPK), generator=g, device="cuda", dtype=torch.int32)]),
+        "write_pooled_index_cache": (
+            lambda k, gate, cache: (ops.write_pooled_index_cache(k, gate, ape, pool_slots, cache), cache)[1:],
+            lambda g: [bf16(g, 8, KPOOL, 128), bf16(g, 8, KPOOL, 128), bf16(g, BLOCKS, BLOCK_SIZE // KPOOL, 128)]),
+        "pools_to_positions": (
+            lambda pools, lens: (ops.pools_to_positions(pools, lens, KPOOL),),
+            lambda g: [torch.randint(-1, SLOTS // KPOOL, (2, TOPK // KPOOL), generator=g, device="cuda",
+                                     dtype=torch.int32),
+                       torch.randint(0, SLOTS, (2,), generator=g, device="cuda", dtype=torch.int32)]),
+        "rotate_index_q": (
+            lambda q: ops.rotate_index_q(q, True),
+            lambda g: [bf16(g, 2, INDEX_HEADS, 128)]),
         "dsa_decode_step": (
             lambda q, cache, iq, w, icache, lens: ops.dsa_decode_step(
                 q, cache, iq, w, icache, torch.zeros_like(lens), tbl, lens, None, None, TOPK, 0.07),
@@ -99,7 +113,8 @@ def cases():
 
 
 CASES = ["write_mla_cache", "sparse_mla", "paged_mla_decode", "write_index_cache", "indexer_topk",
-         "positions_to_slots", "dsa_decode_step", "flash_mla_with_kvcache (dense)",
+         "positions_to_slots", "write_pooled_index_cache", "pools_to_positions", "rotate_index_q", "dsa_decode_step",
+         "flash_mla_with_kvcache (dense)",
          "flash_mla_with_kvcache (sparse, s_q 2)", "flash_mla_sparse_fwd"]
 
 

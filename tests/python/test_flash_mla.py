@@ -101,29 +101,43 @@ def test_sched_meta_must_match_its_first_use(rng):
                                is_fp8_kvcache=True, indices=indices)
 
 
+def dense_paged_cache(rng, seqlens, block_size, width, dtype):
+    """FlashMLA's 4-D paged cache, blocks shuffled: random rows of `width` where the requests' contexts lie, NaN
+    elsewhere. Returns (block_table, k_cache)."""
+    b, max_blocks = len(seqlens), -(-int(seqlens.max()) // block_size)
+    block_table = rng.permutation(b * max_blocks).reshape(b, max_blocks).astype(np.int32)
+    k_cache = np.full((b * max_blocks, block_size, 1, width), np.nan, dtype)
+    for i in range(b):
+        for p in range(seqlens[i]):
+            k_cache[block_table[i, p // block_size], p % block_size, 0] = rng.standard_normal(width) * 0.1
+    return block_table, k_cache
+
+
+def dense_slots(block_table, seqlens, s_q, block_size, causal):
+    """(b, s_q, positions) the cache slots each new token attends, -1 padded: its request's whole context, or with
+    `causal` the context up to the token itself (the j-th of s_q new tokens sits at seqlens - s_q + j)."""
+    b = len(seqlens)
+    slots = np.full((b, s_q, block_table.shape[1] * block_size), -1, np.int64)
+    for i in range(b):
+        for j in range(s_q):
+            p = np.arange(seqlens[i] - s_q + j + 1 if causal else seqlens[i])
+            slots[i, j, :len(p)] = block_table[i, p // block_size] * block_size + p % block_size
+    return slots
+
+
 @pytest.mark.parametrize("dtype", [bf16, np.float16])
 @pytest.mark.parametrize("s_q,causal", [(1, False), (2, True)])
 def test_dense_decode(rng, dtype, s_q, causal):
     b, h_q, block_size = 3, 16, 64
     seqlens = np.array([1 + s_q, 200, 130], np.int32)
-    max_blocks = -(-int(seqlens.max()) // block_size)
-    block_table = rng.permutation(b * max_blocks).reshape(b, max_blocks).astype(np.int32)
-    k_cache = np.full((b * max_blocks, block_size, 1, QK), np.nan, dtype)
-    for i in range(b):
-        for p in range(seqlens[i]):
-            k_cache[block_table[i, p // block_size], p % block_size, 0] = rng.standard_normal(QK) * 0.1
+    block_table, k_cache = dense_paged_cache(rng, seqlens, block_size, QK, dtype)
     q = rng.standard_normal((b, s_q, h_q, QK)).astype(dtype)
     # The older metadata form: FlashMLA's shapes and dtypes, accepted and ignored.
     tile_md, num_splits = get_mla_metadata(seqlens, s_q * h_q, 1, h_q, False, None)
     assert tile_md.shape == (1, 8) and tile_md.dtype == np.int32 and num_splits.shape == (b + 1,)
     out, lse = flash_mla_with_kvcache(q, k_cache, block_table, seqlens, 512, tile_md, num_splits, causal=causal)
     rows = np.asarray(k_cache[:, :, 0, :], np.float64).reshape(-1, QK)
-    slots = np.full((b, s_q, max_blocks * block_size), -1, np.int64)
-    for i in range(b):
-        for j in range(s_q):
-            n = seqlens[i] - s_q + j + 1 if causal else seqlens[i]
-            p = np.arange(n)
-            slots[i, j, :n] = block_table[i, p // block_size] * block_size + p % block_size
+    slots = dense_slots(block_table, seqlens, s_q, block_size, causal)
     scale = QK**-0.5  # FlashMLA's default softmax_scale
     ref_out, ref_lse = attention(np.asarray(q, np.float64).reshape(b * s_q, h_q, QK), rows,
                                  slots.reshape(b * s_q, -1), scale)
@@ -195,9 +209,6 @@ def test_flash_mla_argument_errors(rng):
         flash_mla_with_kvcache(q, k_cache, None, None, 512, sched, causal=True, is_fp8_kvcache=True, indices=indices)
     with pytest.raises(smla.InvalidArgumentError, match="is_fp8_kvcache"):
         flash_mla_with_kvcache(q, k_cache, None, None, 512, get_mla_metadata()[0], indices=indices)
-    with pytest.raises(smla.UnsupportedError, match="extra_k_cache"):
-        flash_mla_with_kvcache(q, k_cache, None, None, 512, sched, is_fp8_kvcache=True, indices=indices,
-                               extra_k_cache=k_cache)
     with pytest.raises(smla.InvalidArgumentError, match="block_table"):
         flash_mla_with_kvcache(q, k_cache, None, None, 512, get_mla_metadata()[0], is_fp8_kvcache=True)
     with pytest.raises(smla.InvalidArgumentError, match="h_kv"):
@@ -248,20 +259,11 @@ def test_sparse_decode_without_rope_part(rng, form, h_q, topk, block_size):
 def test_dense_decode_without_rope_part(rng, dtype):
     b, s_q, h_q, block_size = 3, 2, 16, 16
     seqlens = np.array([2, 70, 45], np.int32)
-    max_blocks = -(-int(seqlens.max()) // block_size)
-    block_table = rng.permutation(b * max_blocks).reshape(b, max_blocks).astype(np.int32)
-    k_cache = np.full((b * max_blocks, block_size, 1, LATENT), np.nan, dtype)
-    for i in range(b):
-        for p in range(seqlens[i]):
-            k_cache[block_table[i, p // block_size], p % block_size, 0] = rng.standard_normal(LATENT) * 0.1
+    block_table, k_cache = dense_paged_cache(rng, seqlens, block_size, LATENT, dtype)
     q = rng.standard_normal((b, s_q, h_q, LATENT)).astype(dtype)
     out, lse = flash_mla_with_kvcache(q, k_cache, block_table, seqlens, 512, get_mla_metadata()[0], causal=True)
     rows = np.asarray(k_cache[:, :, 0, :], np.float64).reshape(-1, LATENT)
-    slots = np.full((b, s_q, max_blocks * block_size), -1, np.int64)
-    for i in range(b):
-        for j in range(s_q):
-            p = np.arange(seqlens[i] - s_q + j + 1)
-            slots[i, j, :len(p)] = block_table[i, p // block_size] * block_size + p % block_size
+    slots = dense_slots(block_table, seqlens, s_q, block_size, causal=True)
     ref_out, ref_lse = attention(np.asarray(q, np.float64).reshape(b * s_q, h_q, LATENT), rows,
                                  slots.reshape(b * s_q, -1), LATENT**-0.5)  # the default scale is d_qk^-0.5
     check("out", out.reshape(b * s_q, h_q, V), ref_out, 1e-3 + 2**-8, 2.01 / 128)
@@ -321,3 +323,131 @@ def test_without_rope_part_mismatched_cache_names_it(rng):
     with pytest.raises(smla.InvalidArgumentError, match="fp8_ds_mla_nope has no rope part"):
         flash_mla_with_kvcache(np.zeros((2, 1, 8, QK), bf16), compact, None, None, 512, get_mla_metadata()[0],
                                is_fp8_kvcache=True, indices=indices)
+
+
+# --- MODEL1 (DeepSeek-V4): 512-wide heads whose value is the whole row, a second cache under one softmax ----------
+
+
+def model1_cache(rng, num_blocks, block_size, used):
+    """A bf16 cache (num_blocks, block_size, 1, 512) of random rows, NaN in every slot no counted index reads."""
+    rows = np.clip(rng.standard_normal((num_blocks * block_size, LATENT)) * 0.3, -1, 1).astype(bf16)
+    rows[~used] = np.nan
+    return rows.reshape(num_blocks, block_size, 1, LATENT), np.asarray(rows, np.float64)
+
+
+def model1_indices(rng, b, s_q, topk, num_slots, other_slots):
+    """(b, s_q, topk) int32 slots, a fifth invalid (INVALID_INDICES, num_slots, or the other cache's slot count)."""
+    indices = rng.integers(0, num_slots, size=(b, s_q, topk)).astype(np.int32)
+    invalid = rng.random(indices.shape) < 0.2
+    indices[invalid] = rng.choice(list(INVALID_INDICES) + [num_slots, max(num_slots, other_slots)], size=invalid.sum())
+    return indices
+
+
+def counted(indices, lengths, num_slots):
+    """Indices with the uncounted (beyond the request's length) and invalid ones set to -1."""
+    idx = indices.astype(np.int64)
+    if lengths is not None:
+        lengths = lengths if lengths.ndim == 2 else np.broadcast_to(lengths[:, None], idx.shape[:2])
+        idx[np.arange(idx.shape[2])[None, None, :] >= lengths[:, :, None]] = -1
+    idx[(idx < 0) | (idx >= num_slots)] = -1
+    return idx
+
+
+@pytest.mark.parametrize("b,s_q,h_q,topk,extra_topk,block_size,extra_block_size,per_token", [
+    (4, 1, 64, 64, 128, 64, 2, False),
+    (3, 3, 128, 128, 64, 61, 576, True),
+    (2, 2, 16, 576, 576, 1, 69, False),
+    (74, 3, 16, 64, 576, 64, 69, True),
+    (321, 1, 8, 64, 64, 2, 64, False),
+])
+def test_model1_sparse_decode_two_caches(rng, b, s_q, h_q, topk, extra_topk, block_size, extra_block_size, per_token):
+    num_blocks, extra_blocks = -(-1024 // block_size), -(-700 // extra_block_size)
+    num_slots, extra_slots = num_blocks * block_size, extra_blocks * extra_block_size
+    indices = model1_indices(rng, b, s_q, topk, num_slots, extra_slots)
+    extra_indices = model1_indices(rng, b, s_q, extra_topk, extra_slots, num_slots)
+    extra_indices[1] = -1  # request 1 attends the main cache only
+    length_shape = (b, s_q) if per_token else (b,)
+    topk_length = rng.integers(0, topk + 1, size=length_shape).astype(np.int32)
+    topk_length[0] = 0  # request 0 attends the extra cache only
+    extra_topk_length = rng.integers(0, extra_topk + 1, size=length_shape).astype(np.int32)
+    main_idx, extra_idx = counted(indices, topk_length, num_slots), counted(extra_indices, extra_topk_length, extra_slots)
+    used = np.zeros(num_slots, bool)
+    used[main_idx[main_idx >= 0]] = True
+    extra_used = np.zeros(extra_slots, bool)
+    extra_used[extra_idx[extra_idx >= 0]] = True
+    k_cache, rows = model1_cache(rng, num_blocks, block_size, used)
+    extra_k_cache, extra_rows = model1_cache(rng, extra_blocks, extra_block_size, extra_used)
+    q = np.clip(rng.standard_normal((b, s_q, h_q, LATENT)), -1, 1).astype(bf16)
+    sink = rng.standard_normal(h_q).astype(np.float32)
+    sink[:2] = np.inf, -np.inf
+    sched = get_mla_metadata()[0]
+    out, lse = flash_mla_with_kvcache(q, k_cache, None, None, 512, sched, None, indices=indices, attn_sink=sink,
+                                      topk_length=topk_length, extra_k_cache=extra_k_cache,
+                                      extra_indices_in_kvcache=extra_indices, extra_topk_length=extra_topk_length)
+    assert out.shape == (b, s_q, h_q, V) and lse.shape == (b, h_q, s_q)
+    assert sched.config.extra_page_block_size == extra_block_size and sched.config.extra_topk == extra_topk
+    # One softmax over both lists: the union of rows, the extra cache's slots after the main cache's.
+    both = np.concatenate([main_idx, np.where(extra_idx >= 0, extra_idx + num_slots, -1)], axis=2)
+    ref_out, ref_lse = attention(np.asarray(q, np.float64).reshape(b * s_q, h_q, LATENT),
+                                 np.concatenate([rows, extra_rows]), both.reshape(b * s_q, -1),
+                                 LATENT**-0.5, None, sink)
+    check("out", out.reshape(b * s_q, h_q, V), ref_out, 1e-3 + 2**-8, 2.01 / 128)
+    check("lse", lse, flashmla_lse(ref_lse).reshape(b, s_q, h_q).transpose(0, 2, 1), 1e-6, 8.01 / 65536)
+    # The value is the whole row: its last 64 (rope) dims reach out like the others.
+    assert np.abs(np.asarray(out[..., LATENT - 64:], np.float64)).max() > 0.01
+
+
+def test_model1_sparse_prefill_value_is_the_whole_row(rng):
+    """flash_mla_sparse_fwd with d_qk 512 (MODEL1's prefill): out = softmax(q.k) @ k over all 512 dims."""
+    s_q, s_kv, topk, h_q = 3, 200, 64, 128
+    q = (rng.standard_normal((s_q, h_q, LATENT)) / 10).astype(bf16)
+    kv = (rng.standard_normal((s_kv, 1, LATENT)) / 3).astype(bf16)
+    indices = np.stack([rng.permutation(s_kv)[:topk] for _ in range(s_q)]).astype(np.int32)[:, None, :]
+    topk_length = np.array([topk, 10, 0], np.int32)
+    out, _, lse = flash_mla_sparse_fwd(q, kv, indices, LATENT**-0.5, topk_length=topk_length)
+    ref_out, ref_lse = attention(np.asarray(q, np.float64), np.asarray(kv[:, 0, :], np.float64), indices[:, 0, :],
+                                 LATENT**-0.5, topk_length)
+    check("out", out, ref_out, 8e-4 + 2**-8 * 0.5, 3.01 / 128)
+    check("lse", lse, flashmla_lse(ref_lse), 1e-6, 2.01 / 65536)
+    assert np.all(np.isposinf(lse[2])) and np.all(np.asarray(out[2], np.float64) == 0)
+
+
+def test_model1_argument_errors(rng):
+    b, s_q, h_q = 2, 1, 16
+    used = np.ones(64, bool)
+    k_cache, _ = model1_cache(rng, 4, 16, used)
+    extra_k_cache, _ = model1_cache(rng, 8, 8, used)
+    q = np.clip(rng.standard_normal((b, s_q, h_q, LATENT)), -1, 1).astype(bf16)
+    indices = rng.integers(0, 64, size=(b, s_q, 32)).astype(np.int32)
+    extra_indices = rng.integers(0, 64, size=(b, s_q, 16)).astype(np.int32)
+
+    def call(**kwargs):
+        args = dict(indices=indices, extra_k_cache=extra_k_cache, extra_indices_in_kvcache=extra_indices)
+        args.update(kwargs)
+        return flash_mla_with_kvcache(q, args.pop("k_cache", k_cache), None, None, 512, get_mla_metadata()[0],
+                                      **args)
+
+    call()  # the good call works
+    with pytest.raises(smla.InvalidArgumentError, match="give both or neither"):
+        call(extra_indices_in_kvcache=None)
+    with pytest.raises(smla.InvalidArgumentError, match="give both or neither"):
+        call(extra_k_cache=None)
+    with pytest.raises(smla.InvalidArgumentError, match="only valid with indices"):
+        flash_mla_with_kvcache(q, k_cache, np.zeros((b, 4), np.int32), np.full(b, 3, np.int32), 512,
+                               get_mla_metadata()[0], extra_k_cache=extra_k_cache,
+                               extra_indices_in_kvcache=extra_indices)
+    with pytest.raises(smla.InvalidArgumentError, match="extra_indices_in_kvcache: expected"):
+        call(extra_indices_in_kvcache=extra_indices[:1])
+    with pytest.raises(smla.InvalidArgumentError, match="extra_topk_length: expected"):
+        call(extra_topk_length=np.zeros(3, np.int32))
+    with pytest.raises(smla.InvalidArgumentError, match="extra_topk_length: row 0 is 17"):
+        call(extra_topk_length=np.array([17, 0], np.int32))
+    with pytest.raises(smla.InvalidArgumentError, match="extra_kv_cache"):
+        call(extra_k_cache=extra_k_cache.astype(np.float16))
+    with pytest.raises(smla.InvalidArgumentError, match="num_heads_k must be 1"):
+        call(extra_k_cache=np.repeat(extra_k_cache, 2, axis=2))
+    fp8_model1 = np.zeros((4, 16, 1, 584), np.uint8)
+    with pytest.raises(smla.UnsupportedError, match="584-byte fp8 MODEL1"):
+        call(k_cache=fp8_model1, extra_k_cache=fp8_model1, is_fp8_kvcache=True)
+    with pytest.raises(smla.UnsupportedError, match="584-byte fp8 MODEL1"):
+        call(extra_k_cache=fp8_model1)

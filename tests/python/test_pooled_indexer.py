@@ -9,23 +9,7 @@ import numpy as np
 import pytest
 
 import smla
-
-INDEX_DIM, INDEX_FP8_ROW = 128, 132
-
-
-def hadamard128() -> np.ndarray:
-    h = np.array([[1.0]])
-    while h.shape[0] < INDEX_DIM:
-        h = np.block([[h, h], [h, -h]])
-    return h / np.sqrt(INDEX_DIM)
-
-
-def pooled(k: np.ndarray, gate: np.ndarray, ape: np.ndarray, rotate: bool) -> np.ndarray:
-    """[P, kpool, 128] keys and gates, [kpool, 128] ape -> [P, 128], in float64."""
-    score = gate.astype(np.float64) + ape.astype(np.float64)
-    w = np.exp(score - score.max(axis=1, keepdims=True))
-    x = (w * k.astype(np.float64)).sum(axis=1) / w.sum(axis=1)
-    return x @ hadamard128().T if rotate else x
+from reference import INDEX_DIM, INDEX_FP8_ROW, hadamard128, pooled
 
 
 @pytest.mark.parametrize("rotate", [True, False])

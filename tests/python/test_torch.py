@@ -138,6 +138,68 @@ def test_torch_compile_traces_the_ops(rng):
         assert torch.equal(got, want)
 
 
+def pooled_case(rng, pools=6, kpool=4, tokens=5, heads=3):
+    """GLM-5.3-Flash's pooled indexer inputs as numpy arrays: keys, gates, ape, pool slots (one skipped), a NaN-filled
+    fp8 index cache, top pools with invalid ids, context lengths, queries."""
+    k = rng.uniform(-3, 3, (pools, kpool, 128)).astype(ml_dtypes.bfloat16)
+    gate = rng.uniform(-4, 4, (pools, kpool, 128)).astype(ml_dtypes.bfloat16)
+    ape = rng.uniform(-2, 2, (kpool, 128)).astype(np.float32)
+    slots = rng.choice(4 * 4, size=pools, replace=False).astype(np.int64)
+    slots[1] = -1
+    cache = np.full((4, 4, 132), 0x7F, np.uint8)
+    top = rng.integers(-2, 9, (tokens, 3)).astype(np.int32)
+    ctx = rng.integers(0, 40, tokens).astype(np.int32)
+    q = rng.uniform(-4, 4, (tokens, heads, 128)).astype(ml_dtypes.bfloat16)
+    return k, gate, ape, slots, cache, top, ctx, q
+
+
+@needs_custom_ops
+def test_pooled_indexer_ops_are_torch_ops_with_numpys_results(rng):
+    """write_pooled_index_cache, pools_to_positions and rotate_index_q on torch tensors go through torch.ops.smla
+    (opcheck: schema, fake, in-place write declared) and give the bits the numpy path gives."""
+    k, gate, ape, slots, cache, top, ctx, q = pooled_case(rng)
+    want_cache = smla.write_pooled_index_cache(k, gate, ape, slots, cache.copy())
+    got_cache = to_torch(cache)
+    assert smla.write_pooled_index_cache(to_torch(k), to_torch(gate), to_torch(ape), to_torch(slots),
+                                         got_cache) is got_cache
+    np.testing.assert_array_equal(to_numpy(got_cache), want_cache)
+    np.testing.assert_array_equal(to_numpy(smla.pools_to_positions(to_torch(top), to_torch(ctx), kpool=4)),
+                                  smla.pools_to_positions(top, ctx, kpool=4))
+    for fp8 in (True, False):
+        want_q, want_scale = smla.rotate_index_q(q, fp8=fp8)
+        got_q, got_scale = smla.rotate_index_q(to_torch(q), fp8=fp8)
+        assert got_q.dtype == (torch.uint8 if fp8 else torch.bfloat16)
+        np.testing.assert_array_equal(to_numpy(got_q), want_q)
+        assert (got_scale is None) == (want_scale is None)
+        if fp8:
+            np.testing.assert_array_equal(to_numpy(got_scale), want_scale)
+
+    opcheck = torch.library.opcheck
+    opcheck(torch.ops.smla.write_pooled_index_cache.default,
+            (to_torch(k), to_torch(gate), to_torch(ape), to_torch(slots), torch.zeros(4, 4, 132, dtype=torch.uint8)))
+    opcheck(torch.ops.smla.pools_to_positions.default, (to_torch(top), to_torch(ctx), 4))
+    opcheck(torch.ops.smla.rotate_index_q.default, (to_torch(q), True))
+    opcheck(torch.ops.smla.rotate_index_q.default, (to_torch(q), False))
+
+
+@needs_custom_ops
+def test_torch_compile_traces_the_pooled_indexer_ops(rng):
+    k, gate, ape, slots, cache, top, ctx, q = pooled_case(rng)
+    args = [to_torch(a) for a in (k, gate, ape, slots, top, ctx, q)]
+
+    def step(k, gate, ape, slots, top, ctx, q):
+        cache = torch.zeros(4, 4, 132, dtype=torch.uint8)
+        smla.write_pooled_index_cache(k, gate, ape, slots, cache)
+        q_out, q_scale = smla.rotate_index_q(q * 2)
+        return cache, smla.pools_to_positions(top + 1, ctx, kpool=4), q_out, q_scale
+
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    for got, want in zip(compiled(*args), step(*args)):
+        assert torch.equal(got, want)
+    with pytest.raises(smla.InvalidArgumentError, match="pools_to_positions: pools: expected 2 dimensions"):
+        smla.pools_to_positions(args[4][0], args[5], kpool=4)
+
+
 def test_errors_from_torch_calls(rng):
     q, cache, idx = attention_case(rng)
     with pytest.raises(smla.InvalidArgumentError, match="sparse_mla: indices"):
@@ -241,6 +303,56 @@ def test_cuda_runs_on_the_current_stream_and_in_cuda_graphs(rng):
     torch.cuda.synchronize()
     e_out, e_lse = smla.sparse_mla(new_q, tc, ti, softmax_scale=0.05)
     assert torch.equal(g_out, e_out) and torch.equal(g_lse, e_lse)
+
+
+@cuda
+@needs_custom_ops
+def test_cuda_pooled_indexer_ops_match_the_cpu_and_are_captured(rng):
+    """The pooled indexer's torch ops on CUDA tensors: rotate_index_q bit-identical to the CPU (docs/ops.md),
+    pools_to_positions equal, the pooled keys within one e4m3 step of the CPU's; then all three captured in a CUDA
+    graph and replayed with new inputs, equal to eager calls."""
+    from reference import index_cache_keys
+
+    k, gate, ape, slots, cache, top, ctx, q = pooled_case(rng)
+    args = [to_torch(a, "cuda") for a in (k, gate, ape, slots, cache, top, ctx, q)]
+    gk, ggate, gape, gslots, gcache, gtop, gctx, gq = args
+
+    def step(cache, top, q):
+        smla.write_pooled_index_cache(gk, ggate, gape, gslots, cache)
+        return smla.pools_to_positions(top, gctx, kpool=4), smla.rotate_index_q(q)
+
+    positions, (q_out, q_scale) = step(gcache, gtop, gq)
+    want_cache = smla.write_pooled_index_cache(k, gate, ape, slots, cache.copy())
+    np.testing.assert_array_equal(to_numpy(positions), smla.pools_to_positions(top, ctx, kpool=4))
+    want_q, want_scale = smla.rotate_index_q(q)
+    np.testing.assert_array_equal(to_numpy(q_out), want_q)
+    np.testing.assert_array_equal(to_numpy(q_scale), want_scale)
+    got_keys, got_scales = index_cache_keys(to_numpy(gcache))
+    want_keys, want_scales = index_cache_keys(want_cache)
+    written = np.unique(slots[slots >= 0])
+    got, want = got_keys[written] * got_scales[written, None], want_keys[written] * want_scales[written, None]
+    assert np.all(np.abs(got - want) <= 2.0**-3 * np.abs(want) + want_scales[written, None] * 2.0**-9)
+    unwritten = np.setdiff1d(np.arange(16), written)
+    assert np.isnan(got_keys[unwritten]).all()  # the NaN fill of slots no pool names (and the skipped one's) stays
+
+    static_top, static_q, static_cache = gtop.clone(), gq.clone(), torch.zeros_like(gcache)
+    capture = torch.cuda.Stream()
+    capture.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(capture):
+        step(static_cache, static_top, static_q)  # an eager call on the capture stream first
+    torch.cuda.current_stream().wait_stream(capture)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=capture):
+        g_positions, (g_q, g_scale) = step(static_cache, static_top, static_q)
+    static_top.copy_(torch.randint(-2, 9, gtop.shape, dtype=torch.int32, device="cuda"))
+    static_q.copy_(torch.randn_like(gq.float()).to(gq.dtype))
+    static_cache.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    eager_cache = torch.zeros_like(gcache)
+    want_positions, (want_gq, want_gscale) = step(eager_cache, static_top, static_q)
+    assert torch.equal(g_positions, want_positions) and torch.equal(g_q, want_gq) and torch.equal(g_scale, want_gscale)
+    assert torch.equal(static_cache, eager_cache)
 
 
 @cuda
@@ -389,3 +501,49 @@ def test_cupy_arrays(rng):
     np.testing.assert_allclose(cupy.asnumpy(out).astype(np.float32), want_out.astype(np.float32), atol=2e-3,
                                rtol=1e-2)
     np.testing.assert_allclose(cupy.asnumpy(lse), want_lse, atol=1e-4, rtol=1e-4)
+
+
+def model1_case(rng, b=3, s_q=2, h_q=16, topk=32, extra_topk=24):
+    """DeepSeek-V4 (MODEL1) decode inputs: 512-wide bf16 caches (4 blocks of 16, 6 blocks of 5), indices into each
+    with invalid entries, per-request lengths."""
+    k_cache = (rng.standard_normal((4, 16, 1, LATENT)) / 3).astype(ml_dtypes.bfloat16)
+    extra_k_cache = (rng.standard_normal((6, 5, 1, LATENT)) / 3).astype(ml_dtypes.bfloat16)
+    q = np.clip(rng.standard_normal((b, s_q, h_q, LATENT)), -1, 1).astype(ml_dtypes.bfloat16)
+    indices = rng.integers(-1, 64, size=(b, s_q, topk)).astype(np.int32)
+    extra_indices = rng.integers(-1, 31, size=(b, s_q, extra_topk)).astype(np.int32)  # 30: past the 30 slots
+    topk_length = rng.integers(0, topk + 1, size=b).astype(np.int32)
+    extra_topk_length = rng.integers(0, extra_topk + 1, size=b).astype(np.int32)
+    return q, k_cache, indices, topk_length, extra_k_cache, extra_indices, extra_topk_length
+
+
+def test_flash_mla_model1_torch_tensors_match_numpy(rng):
+    """MODEL1 calls on torch tensors run through the binding (torch.ops.smla has no extra cache): bit-identical to
+    the numpy path."""
+    case = model1_case(rng)
+    q, k_cache, indices, topk_length, extra_k_cache, extra_indices, extra_topk_length = case
+    want_out, want_lse = flash_mla_with_kvcache(q, k_cache, None, None, 512, get_mla_metadata()[0], indices=indices,
+                                                topk_length=topk_length, extra_k_cache=extra_k_cache,
+                                                extra_indices_in_kvcache=extra_indices,
+                                                extra_topk_length=extra_topk_length)
+    t = [to_torch(a) for a in case]
+    out, lse = flash_mla_with_kvcache(t[0], t[1], None, None, 512, get_mla_metadata()[0], indices=t[2],
+                                      topk_length=t[3], extra_k_cache=t[4], extra_indices_in_kvcache=t[5],
+                                      extra_topk_length=t[6])
+    assert isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16 and lse.shape == (3, 16, 2)
+    np.testing.assert_array_equal(to_numpy(out).view(np.uint16), want_out.view(np.uint16))
+    np.testing.assert_array_equal(to_numpy(lse), want_lse)
+
+
+@cuda
+def test_flash_mla_model1_on_cuda_is_refused(rng):
+    """The CUDA backend does not attend a second cache yet: MODEL1 on CUDA tensors is an UnsupportedError, and the
+    same call without the extra cache runs."""
+    q, k_cache, indices, topk_length, extra_k_cache, extra_indices, _ = (
+        to_torch(a, "cuda") for a in model1_case(rng))
+    with pytest.raises(smla.UnsupportedError, match="extra_kv_cache: backend 'cuda_mma' does not attend a second"):
+        flash_mla_with_kvcache(q, k_cache, None, None, 512, get_mla_metadata()[0], indices=indices,
+                               topk_length=topk_length, extra_k_cache=extra_k_cache,
+                               extra_indices_in_kvcache=extra_indices)
+    out, _ = flash_mla_with_kvcache(q, k_cache, None, None, 512, get_mla_metadata()[0], indices=indices,
+                                    topk_length=topk_length)
+    assert out.is_cuda and torch.isfinite(out.float()).all()

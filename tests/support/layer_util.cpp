@@ -38,6 +38,17 @@ AttentionSpec tiny_spec(bool sparse, int q_lora_rank, int topk) {
   return s;
 }
 
+AttentionSpec tiny_pooled_spec(int topk) {
+  AttentionSpec s = tiny_spec(true, 48, topk);
+  s.model_type = "glm5_next_text";
+  s.qk_nope_head_dim = 64;  // GLM-5.3-Flash's head: no rope part, 512 wide absorbed
+  s.qk_rope_head_dim = 0;
+  s.indexer->kpool = 4;
+  s.indexer->always_select_tail = true;
+  s.softmax_scale = reference_softmax_scale(s.qk_head_dim(), s.rope);
+  return s;
+}
+
 AttentionWeights random_weights(const AttentionSpec& s, uint64_t seed) {
   Rng rng(seed);
   AttentionWeights w;
@@ -61,6 +72,10 @@ AttentionWeights random_weights(const AttentionSpec& s, uint64_t seed) {
     w.indexer.k_norm = random_tensor(rng, {ix.head_dim}, 0.8f, 1.2f);
     w.indexer.k_norm_bias = random_tensor(rng, {ix.head_dim}, -0.1f, 0.1f);
     w.indexer.weights_proj = linear(rng, ix.heads, s.hidden_size);
+    if (ix.kpool > 1) {
+      w.indexer.kpool_ape = random_tensor(rng, {ix.kpool, ix.head_dim}, -1.f, 1.f);
+      w.indexer.kpool_gate = linear(rng, ix.head_dim, s.hidden_size);
+    }
   }
   return w;
 }

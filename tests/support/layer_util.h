@@ -11,6 +11,8 @@ namespace smla::test {
 
 // hidden 64, 4 heads, nope 32, v 48; DSA: 2 indexer heads, half-split indexer RoPE.
 AttentionSpec tiny_spec(bool sparse, int q_lora_rank = 48, int topk = 16);
+// GLM-5.3-Flash's geometry, as tiny: no rope part and a pooled indexer (kpool 4, the tail always attended).
+AttentionSpec tiny_pooled_spec(int topk = 16);
 // Linears uniform in ±sqrt(3 / in) (activations stay near 1), norm weights in [0.8, 1.2), the LayerNorm bias in
 // ±0.1: away from random_attention_weights' 1 and 0, so that a norm applied wrongly shows.
 AttentionWeights random_weights(const AttentionSpec& spec, uint64_t seed);

@@ -260,3 +260,26 @@ def test_the_impl_called_as_vllm_calls_it_matches_float64(model_dirs, one_rank, 
 @pytest.fixture
 def rng():
     return np.random.default_rng(18)
+
+
+@pytest.mark.parametrize("kv_cache_dtype,row_bytes", [("auto", 512 * 2), ("fp8_ds_mla", 656)])
+def test_what_vllm_allocates_for_glm53_flash_is_what_the_kernel_entry_reads(model_dirs, kv_cache_dtype, row_bytes):
+    """GLM-5.3-Flash's MLA layer (heads of 512, no rope part): vLLM's cache spec, built with the arguments
+    MLAAttention.get_kv_cache_spec passes, gives bf16 rows of 512 or the 656-byte fp8_ds_mla envelope (its rope part
+    unused), the two rows smla's kernel entry reads (test_the_impl_called_as_vllm_calls_it_matches_float64)."""
+    from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    from smla.vllm import _kernel
+
+    config = vllm_config(model_dirs, "glm-5.3-flash", "bfloat16", kv_cache_dtype)
+    text = config.model_config.hf_text_config
+    head_size = text.kv_lora_rank + text.qk_rope_head_dim
+    assert head_size == 512
+    dtype = kv_cache_dtype_str_to_dtype(kv_cache_dtype, config.model_config)
+    spec = MLAAttentionSpec(block_size=64, num_kv_heads=1, max_tp_shards=1, head_size=head_size, dtype=dtype,
+                            cache_dtype_str=kv_cache_dtype,
+                            state_content_bytes={"fp8_ds_mla": 656}.get(kv_cache_dtype))
+    assert spec.page_size_bytes == 64 * row_bytes
+    cache = torch.empty(2, 64, row_bytes // dtype.itemsize, dtype=dtype)
+    assert _kernel._cache_dtype(cache) == ("fp8_ds_mla" if kv_cache_dtype == "fp8_ds_mla" else "auto")

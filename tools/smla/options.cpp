@@ -1,13 +1,14 @@
 #include "options.h"
 
 #include "smla/error.h"
+#include "smla/spec.h"
 
 namespace smla::cli {
 
 void add_common_options(CLI::App& app, CommonOptions& o) {
-  app.add_option("--model", o.model,
-                 "preset name (glm-5, deepseek-v3.2, deepseek-v3, kimi-k2, glm-4.7-flash, glm-5.3-flash), a config.json "
-                 "or its folder, or a .gguf file")
+  std::string presets;  // from the presets themselves, so the help lists every one
+  for (const std::string& name : preset_names()) presets += (presets.empty() ? "" : ", ") + name;
+  app.add_option("--model", o.model, "preset name (" + presets + "), a config.json or its folder, or a .gguf file")
       ->capture_default_str();
   app.add_option("--device", o.run.device, "auto, cpu, cuda or cuda:N (this machine's GPU N), or a GPU architecture sm_80 / sm_86 / sm_89 / sm_90 / sm_100 / sm_120")
       ->capture_default_str();

@@ -5,7 +5,6 @@
 // phases. A short prompt through the layer (absorbed path) and through the same weights on the CPU's unabsorbed
 // path checks it.
 #include <algorithm>
-#include <cctype>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -14,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "core/text.h"
 #include "models/gguf.h"
 #include "run_job.h"
 #include "smla/error.h"
@@ -154,8 +154,9 @@ Check check_paths(MlaLayer& layer, AttentionWeights weights, Memory& mem, Random
   std::vector<float> want(hidden.size());
   {
     LayerOptions cpu;
+    const int kpool = layer.spec().is_sparse() ? layer.spec().indexer->kpool : 1;
     cpu.num_blocks = 1;
-    cpu.block_size = tokens;
+    cpu.block_size = (tokens + kpool - 1) / kpool * kpool;  // a pooled indexer's pools share a block
     cpu.kv_cache_dtype = kv;
     cpu.index_cache_dtype = index_cache_dtype(kv);
     cpu.backend = &backend_for(Device::cpu());
@@ -178,26 +179,28 @@ Check check_paths(MlaLayer& layer, AttentionWeights weights, Memory& mem, Random
   }
   // bf16 (f16) queries, cache rows and attention output: ~3e-3 of the output's size (docs/layer.md); fp8 rows more;
   // twice that for a GPU's bf16 weights and product inputs.
-  const double tolerance = (kv == DType::fp8_ds_mla ? 5e-2 : 1e-2) * (layer.device().is_cuda() ? 2 : 1);
+  const double tolerance = (is_fp8_mla_cache(kv) ? 5e-2 : 1e-2) * (layer.device().is_cuda() ? 2 : 1);
   return {tokens, error / largest, tolerance};
 }
 
 // Each request's first context - 1 positions as random cache rows, so that its first decode step attends to
-// `context` tokens (as in the op job).
+// `context` tokens (as in the op job). A pooled indexer's rows are each token's index key and gate scores.
 void fill_context(MlaLayer& layer, Memory& mem, Random& rng, const std::vector<LayerSegment>& batch, int tokens) {
-  const bool sparse = layer.spec().is_sparse();
+  const AttentionSpec& spec = layer.spec();
+  const int64_t rope = spec.qk_rope_head_dim,
+                index_width = !spec.is_sparse() ? 0 : spec.indexer->kpool > 1 ? 2 * kIndexHeadDim : kIndexHeadDim;
   const int64_t chunk = std::max(1, std::min(kContextChunk, tokens));
   const TensorView latent = mem.empty({chunk, kMlaLatentDim}, DType::f32),
-                   k_pe = mem.empty({chunk, kMlaRopeDim}, DType::f32),
-                   index_k = sparse ? mem.empty({chunk, kIndexHeadDim}, DType::f32) : TensorView();
+                   k_pe = rope ? mem.empty({chunk, rope}, DType::f32) : TensorView(),
+                   index_k = index_width ? mem.empty({chunk, index_width}, DType::f32) : TensorView();
   for (const LayerSegment& seg : batch) {
     for (int from = 0; from < tokens; from += kContextChunk) {
       const int n = std::min(kContextChunk, tokens - from);
       mem.upload(first_rows(latent, n), rng.floats(size_t(n) * kMlaLatentDim).data());
-      mem.upload(first_rows(k_pe, n), rng.floats(size_t(n) * kMlaRopeDim).data());
-      if (sparse) mem.upload(first_rows(index_k, n), rng.floats(size_t(n) * kIndexHeadDim).data());
-      layer.append_context(seg.request, n, latent.ptr<float>(), k_pe.ptr<float>(),
-                           sparse ? index_k.ptr<float>() : nullptr);
+      if (rope) mem.upload(first_rows(k_pe, n), rng.floats(size_t(n * rope)).data());
+      if (index_width) mem.upload(first_rows(index_k, n), rng.floats(size_t(n * index_width)).data());
+      layer.append_context(seg.request, n, latent.ptr<float>(), rope ? k_pe.ptr<float>() : nullptr,
+                           index_width ? index_k.ptr<float>() : nullptr);
     }
   }
 }
@@ -215,8 +218,7 @@ Resolved resolve_layer_job(const JobOptions& o) {
     const bool folder = std::filesystem::is_directory(o.weights, ec);
     if (!folder && !std::filesystem::exists(o.weights, ec))
       throw Error(ErrorKind::io, "--weights " + o.weights + ": no such file or folder");
-    std::string extension = std::filesystem::path(o.weights).extension().string();
-    std::ranges::transform(extension, extension.begin(), [](unsigned char c) { return char(std::tolower(c)); });
+    const std::string extension = lowercase(std::filesystem::path(o.weights).extension().string());
     require(folder || extension == ".gguf", "--weights " + o.weights +
                                                 ": expected a .gguf file or a folder holding config.json and "
                                                 "safetensors shards");

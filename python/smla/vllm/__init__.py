@@ -7,7 +7,8 @@ fallback: with no ``--attention-backend``, vLLM picks ``SMLA`` exactly where
 none of its own sparse-MLA backends is valid, and logs their reasons.
 ``--attention-backend SMLA`` picks it anywhere smla can run. On GPUs where
 DeepGEMM cannot run (SM8x, SM12x) vLLM's DSA indexer runs through smla
-(``smla.vllm.indexer``). See docs/vllm.md.
+(``smla.vllm.indexer``), and so does GLM-5.3-Flash's pooled indexer
+(``smla.vllm.pooled_indexer``). See docs/vllm.md.
 """
 
 import logging
@@ -42,3 +43,17 @@ def register() -> None:
             capability = None
         if capability is not None:
             indexer.install(capability.major)
+            _install_pooled_indexer(capability.major)
+
+
+def _install_pooled_indexer(major: int) -> None:
+    from . import indexer
+
+    if indexer.deep_gemm_runs(major):
+        return  # vLLM's own pooled indexer runs there; no need to import GLM-5.3-Flash's model code
+    try:
+        from . import pooled_indexer
+    except ImportError as e:  # a vLLM without (or with other) GLM-5.3-Flash model code
+        logger.warning("smla: GLM-5.3-Flash's pooled indexer stays vLLM's with this vLLM (%s)", e)
+        return
+    pooled_indexer.install(major)

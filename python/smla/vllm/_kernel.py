@@ -70,5 +70,5 @@ def sparse_mla_forward(q: Union[Tensor, Tuple[Tensor, Tensor]], kv_cache: Tensor
     dtype, lse ``[T, H]`` float32, natural log, -inf for a token with no valid index). Capturable in a CUDA graph
     (outputs and scratch come from torch's caching allocator, on the current stream)."""
     q = query(q)
-    return torch_ops.ops().sparse_mla(q, cache_rows(kv_cache), topk_indices, valid_counts, attn_sink, float(scale),
-                                      _cache_dtype(kv_cache), backend)
+    return torch_ops.routed().sparse_mla(q, cache_rows(kv_cache), topk_indices, valid_counts, attn_sink,
+                                         float(scale), _cache_dtype(kv_cache), backend)

@@ -14,7 +14,7 @@ SM100 nothing changes.
 """
 
 import logging
-from typing import Any, Optional
+from typing import Any, Iterator, Optional, Tuple
 
 import torch
 
@@ -76,32 +76,47 @@ def run(meta: Any, kv_cache: torch.Tensor, q_quant: torch.Tensor, k: Optional[to
         topk_indices_buffer[:num_rows] = -1
     # vLLM folds each query's fp8 scale into `weights`; smla takes fp8 queries with a scale of their own.
     ones = torch.ones(q_quant.shape[:2], dtype=torch.float32, device=q_quant.device)
+    for rows, request_ids, block_table, context_lens in topk_groups(meta, q_quant.device):
+        smla.indexer_topk(q_quant[rows], weights[rows], kv_cache, request_ids, block_table, context_lens,
+                          q_scale=ones[rows], out=topk_indices_buffer[rows, :topk_tokens])
+    return topk_indices_buffer
 
-    def topk(rows: slice, request_ids: torch.Tensor, block_table: torch.Tensor, context_lens: torch.Tensor) -> None:
-        smla.indexer_topk(q_quant[rows], weights[rows], kv_cache, request_ids, block_table,
-                          context_lens.to(torch.int32), q_scale=ones[rows],
-                          out=topk_indices_buffer[rows, :topk_tokens])
 
+def topk_groups(meta: Any, device: torch.device, decode_contexts: Optional[torch.Tensor] = None
+                ) -> Iterator[Tuple[slice, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """vLLM's indexer metadata as ``smla.indexer_topk``'s arguments, per group of rows (the decode tokens, then
+    each prefill chunk): (rows, request_ids, block_table, context_lens int32), the context lengths in the index
+    cache's entries as vLLM's metadata counts them (tokens; whole pools for a pooled cache). With
+    ``decode_contexts`` (each decode token's context, known to the caller) decode requests may have unequal query
+    lengths. No host sync."""
     if meta.num_decodes > 0:
         decode = meta.decode
-        if decode.requires_padding:
+        if decode_contexts is not None:
+            # decode_lens: the tokens of each block-table row (a request's, or one token's when vLLM flattens).
+            rows = torch.arange(decode.block_table.shape[0], dtype=torch.int32, device=device)
+            requests = torch.repeat_interleave(rows, decode.decode_lens.long(), output_size=meta.num_decode_tokens)
+            yield slice(0, meta.num_decode_tokens), requests, decode.block_table, decode_contexts.to(torch.int32)
+        elif decode.requires_padding:
             raise NotImplementedError("smla's vLLM indexer: decode requests of unequal query lengths")
-        # seq_lens: [B] (one row per request, or per token when vLLM flattens) or [B, next_n] per token.
-        batch = decode.seq_lens.shape[0]
-        next_n = decode.seq_lens.shape[1] if decode.seq_lens.dim() == 2 else 1
-        requests = torch.arange(batch * next_n, dtype=torch.int32, device=q_quant.device) // next_n  # no host sync
-        topk(slice(0, batch * next_n), requests, decode.block_table, decode.seq_lens.reshape(-1))
+        else:
+            # seq_lens: [B] (one row per request, or per token when vLLM flattens) or [B, next_n] per token.
+            batch = decode.seq_lens.shape[0]
+            next_n = decode.seq_lens.shape[1] if decode.seq_lens.dim() == 2 else 1
+            requests = torch.arange(batch * next_n, dtype=torch.int32, device=device) // next_n
+            yield slice(0, batch * next_n), requests, decode.block_table, decode.seq_lens.reshape(-1).to(torch.int32)
     if meta.num_prefills > 0:
         for chunk in meta.prefill.chunks:
             if chunk.token_end == chunk.token_start:
                 continue
             # A token's keys are [ks, ke) of its chunk's requests laid end to end (cu_seq_lens): ks is where its
-            # request starts, ke - ks its causal context.
+            # request starts, ke - ks its causal context. A request with no entries yet (a pooled cache's first
+            # tokens) starts where the next one does: its tokens may get that one's row, or none past the last
+            # (the clamp), which is harmless as they read nothing.
             ks, ke = chunk.cu_seqlen_ks, chunk.cu_seqlen_ke
             starts = chunk.cu_seq_lens
-            requests = (torch.searchsorted(starts, ks.to(starts.dtype), right=True) - 1).to(torch.int32)
-            topk(slice(chunk.token_start, chunk.token_end), requests, chunk.block_table, ke - ks)
-    return topk_indices_buffer
+            requests = torch.searchsorted(starts, ks.to(starts.dtype), right=True) - 1
+            requests = requests.clamp(max=chunk.block_table.shape[0] - 1).to(torch.int32)
+            yield slice(chunk.token_start, chunk.token_end), requests, chunk.block_table, (ke - ks).to(torch.int32)
 
 
 def install(major: int) -> bool:

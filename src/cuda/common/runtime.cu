@@ -1,4 +1,6 @@
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <set>
@@ -7,10 +9,13 @@
 #include <vector>
 
 #include "cuda/common/runtime.h"
+#include "cuda/emulation.h"
 
 namespace smla::cuda {
 
 namespace {
+
+constexpr int kReservedSmemPerCta = 1024;  // cudaDevAttrReservedSharedMemoryPerBlock, SM80 on
 
 // What `compute()` gives for `key`, asked of the driver once and kept in `cache` (guarded by `mu`); each thread
 // then keeps its own copy, so later calls take no lock.
@@ -30,37 +35,61 @@ int remembered(std::map<Key, int>& cache, std::mutex& mu, const Key& key, Comput
   return value;
 }
 
-// The properties the kernels need of device `dev`, from the driver.
+// The properties the kernels need of device `dev`, from the driver; under the emulated-arch test mode, the
+// emulated arch's in their place (an Error where the GPU cannot stand in for it).
 DeviceInfo query_device(int dev) {
   DeviceInfo d;
   d.index = dev;
-  int major = 0, minor = 0;
-  check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev), "cudaDeviceGetAttribute");
-  check_cuda(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev), "cudaDeviceGetAttribute");
-  check_cuda(cudaDeviceGetAttribute(&d.num_sms, cudaDevAttrMultiProcessorCount, dev), "cudaDeviceGetAttribute");
-  check_cuda(cudaDeviceGetAttribute(&d.max_smem_per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev),
-             "cudaDeviceGetAttribute");
-  check_cuda(cudaDeviceGetAttribute(&d.max_smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev),
-             "cudaDeviceGetAttribute");
-  d.compute_capability = major * 10 + minor;
+  auto attribute = [dev](cudaDeviceAttr what) {
+    int v = 0;
+    check_cuda(cudaDeviceGetAttribute(&v, what, dev), "cudaDeviceGetAttribute");
+    return v;
+  };
+  d.compute_capability =
+      attribute(cudaDevAttrComputeCapabilityMajor) * 10 + attribute(cudaDevAttrComputeCapabilityMinor);
+  d.num_sms = attribute(cudaDevAttrMultiProcessorCount);
+  d.max_smem_per_block = attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin);
+  d.max_smem_per_sm = attribute(cudaDevAttrMaxSharedMemoryPerMultiprocessor);
+  d.max_threads_per_sm = attribute(cudaDevAttrMaxThreadsPerMultiProcessor);
+  d.max_ctas_per_sm = attribute(cudaDevAttrMaxBlocksPerMultiprocessor);
+  static const char* const emulate = std::getenv(kEmulateEnv);  // read once
+  const ArchLimits native{d.compute_capability, d.max_smem_per_block, d.max_smem_per_sm, d.max_threads_per_sm,
+                          d.max_ctas_per_sm};
+  if (const std::optional<ArchLimits> e = emulated_arch(emulate, native)) {
+    std::fprintf(stderr,
+                 "smla: %s=%s: TEST MODE, not for serving: device %d (sm_%d) runs the launch decisions of sm_%d "
+                 "(%d bytes of shared memory per block, %d per SM)\n",
+                 kEmulateEnv, emulate, dev, d.compute_capability, e->compute_capability, e->max_smem_per_block,
+                 e->max_smem_per_sm);
+    d.native_compute_capability = d.compute_capability;
+    d.compute_capability = e->compute_capability;
+    d.max_smem_per_block = e->max_smem_per_block;
+    d.max_smem_per_sm = e->max_smem_per_sm;
+    d.max_threads_per_sm = e->max_threads_per_sm;
+    d.max_ctas_per_sm = e->max_ctas_per_sm;
+  }
   return d;
 }
 
 }  // namespace
 
-const DeviceInfo& current_device() {
+const DeviceInfo& device_info(int index) {
   static std::mutex mu;
   static std::map<int, DeviceInfo> cache;  // its nodes never move: threads keep pointers to them
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find(index);
+  if (it == cache.end()) it = cache.emplace(index, query_device(index)).first;
+  return it->second;
+}
+
+const DeviceInfo& current_device() {
   thread_local int my_index = -1;
   thread_local const DeviceInfo* mine = nullptr;
   int dev = 0;
   check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
   if (dev == my_index) return *mine;
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = cache.find(dev);
-  if (it == cache.end()) it = cache.emplace(dev, query_device(dev)).first;
+  mine = &device_info(dev);
   my_index = dev;
-  mine = &it->second;
   return *mine;
 }
 
@@ -95,11 +124,20 @@ int max_dynamic_smem(const void* kernel) {
 int resident_ctas_per_sm(const void* kernel, int threads, int smem) {
   static std::mutex mu;
   static std::map<std::tuple<int, const void*, int, int>, int> counts;
-  return remembered(counts, mu, std::make_tuple(current_device().index, kernel, threads, smem), [&] {
+  const DeviceInfo& dev = current_device();
+  return remembered(counts, mu, std::make_tuple(dev.index, kernel, threads, smem), [&] {
     int n = 0;
     check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem),
                "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
-    return n;
+    if (dev.native_compute_capability == 0) return n;
+    // An emulated arch: the running GPU's count (registers: 64K per SM on every arch from SM80 on) within the
+    // emulated shared memory (each CTA's static and dynamic bytes plus the 1 KB the system reserves, in 128-byte
+    // units), threads and CTAs per SM.
+    cudaFuncAttributes attr{};
+    check_cuda(cudaFuncGetAttributes(&attr, kernel), "cudaFuncGetAttributes");
+    const int per_cta = (smem + static_cast<int>(attr.sharedSizeBytes) + kReservedSmemPerCta + 127) / 128 * 128;
+    const int warps = (threads + 31) / 32;
+    return std::min({n, dev.max_smem_per_sm / per_cta, dev.max_threads_per_sm / (32 * warps), dev.max_ctas_per_sm});
   });
 }
 

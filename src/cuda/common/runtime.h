@@ -20,15 +20,22 @@ inline void check_cuda(cudaError_t e, const char* what) {
 // After a launch: configuration errors surface here, not at the next sync.
 inline void check_launch(const char* kernel) { check_cuda(cudaGetLastError(), kernel); }
 
+// What the launch code knows of a device: under the emulated-arch test mode (cuda/emulation.h) the emulated
+// arch's compute capability and limits, with the running GPU's SM count (a product's, not an arch's).
 struct DeviceInfo {
   int index = 0;
   int compute_capability = 0;  // major*10 + minor
   int num_sms = 0;
   int max_smem_per_block = 0;  // opt-in limit, bytes
   int max_smem_per_sm = 0;
+  int max_threads_per_sm = 0;
+  int max_ctas_per_sm = 0;
+  int native_compute_capability = 0;  // the running GPU's, when another arch is emulated; else 0
 };
 // The current device's properties (cached per device).
 const DeviceInfo& current_device();
+// Device `index`'s (cached alike).
+const DeviceInfo& device_info(int index);
 
 // Opts `kernel` in to `bytes` of dynamic shared memory on the current device
 // (the driver call is made once per kernel, device and size: launches stay cheap).
@@ -37,7 +44,8 @@ void allow_dynamic_smem(const void* kernel, int bytes);
 // beyond its static shared memory; `kernel` is opted in to it.
 int max_dynamic_smem(const void* kernel);
 // How many CTAs of `kernel` (`threads` each, `smem` bytes of dynamic shared
-// memory) the current device keeps resident per SM (cached like the above).
+// memory) the current device keeps resident per SM (cached like the above;
+// an emulated arch's limits on shared memory, threads and CTAs per SM apply).
 int resident_ctas_per_sm(const void* kernel, int threads, int smem);
 // How many clusters of `ranks` such CTAs the current device (SM90 on) runs at
 // once: clusters must fit in one GPC, so this can be less than SMs / ranks.

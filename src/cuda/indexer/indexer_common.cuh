@@ -25,6 +25,20 @@ inline IndexCacheLayout index_cache_layout(const TensorView& cache) {
           static_cast<int>(cache.size(1)), static_cast<int>(cache.size(0))};
 }
 
+// Programmatic dependent launch between the step's kernels (griddepcontrol, SM90+; no-ops below, where the host
+// never asks for it): a kernel lets the one launched after it as its dependent start before it ends; the dependent
+// waits for it (its completion and its memory) before reading what it writes. Both are no-ops without PDL.
+__device__ __forceinline__ void let_dependents_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wait_for_prerequisites() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 struct IndexRows {
   const int32_t* request_ids;
   int64_t req_stride;
@@ -45,6 +59,26 @@ struct IndexRows {
 inline IndexRows index_rows(const IndexerTopkArgs& a) {
   return {a.request_ids.ptr<int32_t>(),  a.request_ids.stride(0),  static_cast<int>(a.block_table.size(0)),
           a.context_lens.ptr<int32_t>(), a.context_lens.stride(0), index_capacity(a)};
+}
+
+// Logical positions to physical slots through a block table, as positions_to_slots maps them: -1 for no position
+// (< 0), a request out of range, a position past the table, a block id < 0 or a slot past int32.
+struct SlotMap {
+  const int32_t* block_table;
+  int64_t table_stride, num_requests, max_blocks;
+  int block_size;
+
+  __device__ __forceinline__ int32_t slot(int32_t req, int32_t pos) const {
+    if (pos < 0 || req < 0 || req >= num_requests || pos / block_size >= max_blocks) return -1;
+    const int64_t block = block_table[req * table_stride + pos / block_size];
+    const int64_t s = block * block_size + pos % block_size;
+    return block >= 0 && s <= INT32_MAX ? static_cast<int32_t>(s) : -1;
+  }
+};
+
+inline SlotMap slot_map(const PositionsToSlotsArgs& a) {
+  return {a.block_table.ptr<int32_t>(), a.block_table.stride(0), a.block_table.size(0), a.block_table.size(1),
+          a.block_size};
 }
 
 }  // namespace smla::cuda

@@ -216,6 +216,8 @@ __global__ void __launch_bounds__(kScoreThreads, 4) index_scores_kernel(const Sc
   constexpr int kHeadColumns = head_columns(kNTiles, kGroups);  // wgmma: 32 or 64, all at once
   extern __shared__ __align__(16) uint8_t smem_raw[];
   auto& s = *reinterpret_cast<Smem*>(smem_raw);
+  // dsa_decode_step's top-k may launch now: it takes an SM only as one frees, and waits for every score.
+  let_dependents_launch();
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, c = lane % 4;
   const int t = blockIdx.y;
   // Visible positions fit in int (context lengths are int32); the grid spans the table's capacity, which may not.

@@ -93,32 +93,27 @@ __device__ __forceinline__ uint32_t half_key(float v) {
 __device__ __forceinline__ int coarse_bin(float v) { return static_cast<int>(half_key(v) >> 4); }
 
 // Calls f(value) for the row's n scores: each thread loads kBatch 16-byte
-// pieces before it uses the first (f's shared-memory atomics would otherwise
-// keep the next load from being issued: one load in flight per thread).
+// pieces (those the row has) before it uses the first (f's shared-memory
+// atomics would otherwise keep the next load from being issued: one load in
+// flight per thread, a trip to memory each).
 template <class F>
 __device__ __forceinline__ void for_each_score(const float* row, int64_t n, F&& f) {
   constexpr int kBatch = 8;
   const float4* row4 = reinterpret_cast<const float4*>(row);
   const int64_t n4 = n / 4;
-  int64_t i = threadIdx.x;
-  for (; i + (kBatch - 1) * kThreads < n4; i += kBatch * kThreads) {
+  for (int64_t i = threadIdx.x; i < n4; i += kBatch * kThreads) {
     float4 v[kBatch];
 #pragma unroll
-    for (int b = 0; b < kBatch; ++b) v[b] = row4[i + b * kThreads];
+    for (int b = 0; b < kBatch; ++b)
+      if (i + b * kThreads < n4) v[b] = row4[i + b * kThreads];
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
+      if (i + b * kThreads >= n4) break;
       f(v[b].x);
       f(v[b].y);
       f(v[b].z);
       f(v[b].w);
     }
-  }
-  for (; i < n4; i += kThreads) {
-    const float4 v = row4[i];
-    f(v.x);
-    f(v.y);
-    f(v.z);
-    f(v.w);
   }
   for (int64_t j = 4 * n4 + threadIdx.x; j < n; j += kThreads) f(row[j]);
 }
@@ -296,13 +291,18 @@ __device__ RowPlan plan_from_histogram(const int* hist, int want, int list_capac
 
 // Exact radix select, 8 bits at a time from the top: the key of the want-th
 // largest of the keys for_each_key visits (threshold), and how many keys
-// equal to it complete the want (remaining).
+// equal to it complete the want (remaining). Every key lies in [lowest,
+// highest]: the digits above the highest where those two differ are known
+// (candidates of one coarse bin share the top one or two), so the rounds
+// start below them (none when lowest == highest).
 template <class ForEachKey>
 __device__ void radix_select(ForEachKey for_each_key, int want, int* hist, Scan::TempStorage& scan, int* result,
-                             uint32_t& threshold, int& remaining) {
-  uint32_t prefix = 0, mask = 0;
+                             uint32_t& threshold, int& remaining, uint32_t lowest = 0, uint32_t highest = ~0u) {
+  const int top = lowest == highest ? -8 : (31 - __clz(lowest ^ highest)) / 8 * 8;  // shift of the first digit
+  uint32_t mask = top == -8 ? ~0u : top == 24 ? 0u : ~0u << (top + 8);
+  uint32_t prefix = lowest & mask;
   remaining = want;
-  for (int shift = 24; shift >= 0; shift -= 8) {
+  for (int shift = top; shift >= 0; shift -= 8) {
     for (int i = threadIdx.x; i < kFineCopies * kFineBins; i += kThreads) hist[i] = 0;
     __syncthreads();
     int* mine = hist + (threadIdx.x % kFineCopies) * kFineBins;
@@ -322,6 +322,81 @@ __device__ void radix_select(ForEachKey for_each_key, int want, int* hist, Scan:
   threshold = prefix;
 }
 
+constexpr int kMaxBucket = 64;  // the most entries in one bucket that place_by_counting takes
+
+// Step 4 without radix passes, where that pays: the chosen entries (keys[j], positions[j] of blocked items i <
+// want) fall in kCoarseBins buckets by the top bits of their key less `lowest` (the lowest chosen; `bits`: the
+// width of the highest less it). A bucket's place is the count of chosen in higher buckets; an entry's, its
+// bucket's plus the count of its bucket's entries that go before it (a higher key, or the same key at a lower
+// position: the order of the stable sort). Calls write(place, position) for places 0 .. want - 1 in order (thread
+// i the places i, i + kThreads, ...: coalesced stores); returns false, having written nothing, when a bucket holds
+// more than kMaxBucket (many equal or close keys: the radix sort costs less then). Uses hist (16-byte aligned) and
+// scan, and in the free list memory `bucketed` (want entries) and `cursor` (kCoarseBins ints, then want more).
+template <int kSortItems, class Write>
+__device__ bool place_by_counting(const uint32_t (&keys)[kSortItems], const int32_t (&positions)[kSortItems], int want,
+                                  uint32_t lowest, int bits, int* hist, Scan::TempStorage& scan, int* largest,
+                                  Entry* bucketed, int* cursor, Write write) {
+  constexpr int kPer = kCoarseBins / kThreads;
+  static_assert(kPer == 8, "a thread's buckets are two 16-byte pieces");
+  const int shift = max(0, bits - 12);  // (key - lowest) >> shift < 2^12
+  for (int b = threadIdx.x; b < kCoarseBins; b += kThreads) hist[b] = 0;
+  if (threadIdx.x == 0) *largest = 0;
+  __syncthreads();
+  int bucket[kSortItems];
+#pragma unroll
+  for (int j = 0; j < kSortItems; ++j) {
+    bucket[j] = threadIdx.x * kSortItems + j < want ? static_cast<int>((keys[j] - lowest) >> shift) : -1;
+    if (bucket[j] >= 0) atomicAdd(&hist[bucket[j]], 1);
+  }
+  __syncthreads();
+  // This thread's kPer buckets [first, first + kPer), counted from the top: their places (in hist, and the cursors'
+  // starts) and the largest. Read and written as 16-byte pieces: word by word, threads kPer words apart would
+  // meet in a quarter of the banks.
+  const int first = kCoarseBins - (static_cast<int>(threadIdx.x) + 1) * kPer;
+  int4* counts = reinterpret_cast<int4*>(hist + first);
+  const int4 low = counts[0], high = counts[1];
+  const int n[kPer] = {low.x, low.y, low.z, low.w, high.x, high.y, high.z, high.w};
+  int local = 0, most = 0;
+#pragma unroll
+  for (int b = 0; b < kPer; ++b) {
+    local += n[b];
+    most = max(most, n[b]);
+  }
+  int before;
+  Scan(scan).ExclusiveSum(local, before);
+  most = __reduce_max_sync(0xffffffffu, most);
+  if (threadIdx.x % 32 == 0) atomicMax(largest, most);
+  int at[kPer];
+#pragma unroll
+  for (int b = kPer - 1; b >= 0; --b) {
+    at[b] = before;
+    before += n[b];
+  }
+  counts[0] = reinterpret_cast<int4*>(cursor + first)[0] = make_int4(at[0], at[1], at[2], at[3]);
+  counts[1] = reinterpret_cast<int4*>(cursor + first)[1] = make_int4(at[4], at[5], at[6], at[7]);
+  __syncthreads();
+  if (*largest > kMaxBucket) return false;
+#pragma unroll
+  for (int j = 0; j < kSortItems; ++j)
+    if (bucket[j] >= 0) bucketed[atomicAdd(&cursor[bucket[j]], 1)] = {keys[j], positions[j]};
+  __syncthreads();
+  int* ordered = cursor + kCoarseBins;
+#pragma unroll
+  for (int j = 0; j < kSortItems; ++j) {
+    if (bucket[j] < 0) continue;
+    const int end = cursor[bucket[j]];
+    int place = hist[bucket[j]];
+    for (int m = place; m < end; ++m) {
+      const Entry e = bucketed[m];
+      place += e.key > keys[j] || (e.key == keys[j] && e.pos < positions[j]);
+    }
+    ordered[place] = positions[j];
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < want; i += kThreads) write(i, ordered[i]);
+  return true;
+}
+
 constexpr int kMinSlice = 16384;  // positions per CTA of a shared row, at least (unless forced)
 constexpr int kMaxRanks = 8;      // CTAs per cluster: the portable maximum
 
@@ -332,6 +407,9 @@ struct TopkParams {
   int k;
   int32_t* out;
   int64_t out_stride;
+  int32_t* slots = nullptr;  // fused positions_to_slots: the chosen positions' slots too
+  int64_t slots_stride = 0;
+  SlotMap slot_map;
   int list_capacity;  // entries of the dynamic shared memory
   int ranks = 1;      // CTAs per token: a cluster's when more than one
   // The split path (slices > 0): per token, `slices` histograms of kCoarseBins, a plan (RowPlan then two
@@ -432,16 +510,19 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
   // The entry list, and once the chosen entries are in registers, the sort's scratch.
   extern __shared__ __align__(16) uint8_t smem_raw[];
   Entry* list = reinterpret_cast<Entry*>(smem_raw);
-  __shared__ int hist[kCoarseBins];
+  __shared__ __align__(16) int hist[kCoarseBins];
   __shared__ Scan::TempStorage scan;
   __shared__ WarpTotals totals;
   __shared__ int result[2];
   __shared__ uint32_t key_range[2];  // the lowest and highest key chosen
   __shared__ int counts[2];          // a cluster rank's selected and candidates
+  __shared__ uint32_t candidate_range[2];  // the lowest and highest key of the candidates
+  __shared__ int largest_bucket;           // place_by_counting's
   if (threadIdx.x == 0) {
-    key_range[0] = 0xffffffffu;
-    key_range[1] = 0;
+    key_range[0] = candidate_range[0] = 0xffffffffu;
+    key_range[1] = candidate_range[1] = 0;
   }
+  wait_for_prerequisites();  // launched as the scores kernel's dependent: every score written
 
   // Token t's row is shared by p.ranks CTAs (a cluster's when more than one),
   // rank r taking positions [r * len, (r + 1) * len) (maybe none).
@@ -450,9 +531,13 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
   const int64_t n = p.rows.visible(t);
   const int want = static_cast<int>(min(static_cast<int64_t>(p.k), n));
   int32_t* out = p.out + t * p.out_stride;
+  int32_t* slots = p.slots + t * p.slots_stride;
   if (want == 0) {
     if (rank == 0)
-      for (int i = threadIdx.x; i < p.k; i += kThreads) out[i] = -1;
+      for (int i = threadIdx.x; i < p.k; i += kThreads) {
+        out[i] = -1;
+        if (p.slots) slots[i] = -1;
+      }
     return;
   }
   const int64_t len = ((n + p.ranks - 1) / p.ranks + 3) / 4 * 4, first = min(n, rank * len);
@@ -526,18 +611,45 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
       }
     }
     __syncthreads();
-    // 3. The candidates that complete the want.
+    // 3. The candidates that complete the want: few (one a thread or less), each ranked by counting those that go
+    // before it (a higher key, or the same at a lower position), the need best put in that order (equal keys in
+    // position order, as step 4 wants them); else by a radix select.
     const int need = want - above;
     rest = candidates;
-    if (need < in_bin) {
+    if (need < in_bin && in_bin <= kThreads) {
+      rest = candidates + in_bin;
+      if (threadIdx.x < in_bin) {
+        const Entry e = candidates[threadIdx.x];
+        int rank = 0;
+#pragma unroll 8  // loads in flight together: one at a time, 59 candidates took ~1 µs, 175 ~2.5 µs (H200)
+        for (int m = 0; m < in_bin; ++m) {
+          const Entry other = candidates[m];
+          rank += other.key > e.key || (other.key == e.key && other.pos < e.pos);
+        }
+        if (rank < need) rest[rank] = e;
+      }
+      __syncthreads();
+    } else if (need < in_bin) {
       const ListSource cand{candidates, in_bin};
+      uint32_t lowest = 0xffffffffu, highest = 0;
+      for (int i = threadIdx.x; i < in_bin; i += kThreads) {
+        lowest = min(lowest, candidates[i].key);
+        highest = max(highest, candidates[i].key);
+      }
+      lowest = __reduce_min_sync(0xffffffffu, lowest);
+      highest = __reduce_max_sync(0xffffffffu, highest);
+      if (threadIdx.x % 32 == 0) {
+        atomicMin(&candidate_range[0], lowest);
+        atomicMax(&candidate_range[1], highest);
+      }
+      __syncthreads();
       uint32_t threshold;
       int remaining;
       radix_select(
           [&](auto&& f) {
             for (int i = threadIdx.x; i < in_bin; i += kThreads) f(candidates[i].key);
           },
-          need, hist, scan, result, threshold, remaining);
+          need, hist, scan, result, threshold, remaining, candidate_range[0], candidate_range[1]);
       rest = candidates + in_bin;
       compact(
           cand, [&](const Entry& e) { return e.key > threshold ? 1 : e.key == threshold ? 2 : 0; }, rest,
@@ -562,10 +674,10 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
     rest = list + want;
   }
 
-  // 4. Best first. Both parts are in position order and no key is in both, so
-  // a stable sort leaves equal scores toward the lower position. It sorts the
-  // keys less the lowest chosen, on as many bits as the highest then needs;
-  // the padding past `want` (key 0 too) stays last, being last already.
+  // 4. Best first: by counting where no bucket of close keys holds many (k <= 2048), else by a radix sort. Equal
+  // keys are in position order in both parts and no key is in both, so a stable sort leaves equal scores toward
+  // the lower position. It sorts the keys less the lowest chosen, on as many bits as the highest then needs; the padding
+  // past `want` (key 0 too) stays last, being last already.
   uint32_t keys[kSortItems];
   int32_t positions[kSortItems];
   uint32_t lowest = 0xffffffffu, highest = 0;
@@ -586,16 +698,28 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
     atomicMin(&key_range[0], lowest);
     atomicMax(&key_range[1], highest);
   }
-  __syncthreads();  // the key range is known; the sort's scratch overwrites the list
+  __syncthreads();  // the key range is known; the counting's or the sort's scratch overwrites the list
+  const int bits = max(1, 32 - __clz(static_cast<int>(key_range[1] - key_range[0])));
+  const int32_t request = p.rows.request(t);
+  const auto write = [&](int nth, int32_t position) {
+    out[nth] = position;
+    if (p.slots) slots[nth] = p.slot_map.slot(request, position);
+  };
+  if constexpr (kSortItems * kThreads <= 2048) {
+    if (place_by_counting(keys, positions, want, key_range[0], bits, hist, scan, &largest_bucket, list,
+                          reinterpret_cast<int*>(list + kSortItems * kThreads), write)) {
+      for (int nth = want + threadIdx.x; nth < p.k; nth += kThreads) write(nth, -1);
+      return;
+    }
+  }
 #pragma unroll
   for (int j = 0; j < kSortItems; ++j) keys[j] = threadIdx.x * kSortItems + j < want ? keys[j] - key_range[0] : 0;
-  const int bits = max(1, 32 - __clz(static_cast<int>(key_range[1] - key_range[0])));
   Sort(*reinterpret_cast<typename Sort::TempStorage*>(smem_raw))
       .SortDescendingBlockedToStriped(keys, positions, 0, bits);
 #pragma unroll
   for (int j = 0; j < kSortItems; ++j) {
     const int nth = j * kThreads + threadIdx.x;
-    if (nth < p.k) out[nth] = nth < want ? positions[j] : -1;
+    if (nth < p.k) write(nth, nth < want ? positions[j] : -1);
   }
 }
 
@@ -627,8 +751,9 @@ const void* topk_kernel_for(int k) {
 // p.ranks is the most CTAs per token wanted; fewer (down to min_ranks) when the device could not run every
 // token's cluster at once (a second wave would cost more than smaller clusters). `scratch`: scratch_layout(p).total
 // bytes when p.slices > 0.
+// after_scores: launched as the programmatic dependent of the kernel before it (see TopkFusion).
 template <int kSortItems>
-void launch_topk(TopkParams p, int tokens, int min_ranks, cudaStream_t stream, uint8_t* scratch) {
+void launch_topk(TopkParams p, int tokens, int min_ranks, bool after_scores, cudaStream_t stream, uint8_t* scratch) {
   const auto kernel = topk_kernel<kSortItems>;
   const int smem = max_dynamic_smem(reinterpret_cast<const void*>(kernel));
   while (p.ranks > min_ranks &&
@@ -647,18 +772,28 @@ void launch_topk(TopkParams p, int tokens, int min_ranks, cudaStream_t stream, u
     slice_compact_kernel<<<slices, kThreads, 0, stream>>>(p);
     check_launch("smla indexer top-k compaction kernel");
   }
-  // All ranks of a cluster get the same shared memory.
-  cudaLaunchAttribute cluster{};
-  cluster.id = cudaLaunchAttributeClusterDimension;
-  cluster.val.clusterDim.x = p.ranks;
-  cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
+  // All ranks of a cluster get the same shared memory. No cluster attribute on one CTA per token (below SM90 too);
+  // the dependent launch only straight after the scores (not after the slice kernels).
+  cudaLaunchAttribute attrs[2]{};
+  unsigned num_attrs = 0;
+  if (p.ranks > 1) {
+    attrs[num_attrs].id = cudaLaunchAttributeClusterDimension;
+    attrs[num_attrs].val.clusterDim.x = p.ranks;
+    attrs[num_attrs].val.clusterDim.y = attrs[num_attrs].val.clusterDim.z = 1;
+    ++num_attrs;
+  }
+  if (after_scores && p.slices == 0) {
+    attrs[num_attrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attrs[num_attrs].val.programmaticStreamSerializationAllowed = 1;
+    ++num_attrs;
+  }
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(p.ranks * tokens);  // x, not y: more than 65535 tokens stay possible
   config.blockDim = dim3(kThreads);
   config.dynamicSmemBytes = smem;
   config.stream = stream;
-  config.attrs = &cluster;
-  config.numAttrs = p.ranks > 1 ? 1 : 0;  // no cluster attribute on one CTA per token (below SM90 too)
+  config.attrs = attrs;
+  config.numAttrs = num_attrs;
   check_cuda(cudaLaunchKernelEx(&config, kernel, p), "smla indexer top-k kernel");
 }
 
@@ -729,10 +864,21 @@ size_t topk_scratch_bytes(const IndexerTopkArgs& a, TopkSplit split) {
   return scratch_layout(plan_topk(a, split), static_cast<int>(a.q.size(0))).total;
 }
 
-void select_topk(const IndexerTopkArgs& a, const float* scores, TopkSplit split, void* scratch) {
+void select_topk(const IndexerTopkArgs& a, const float* scores, TopkSplit split, void* scratch,
+                 const TopkFusion& fusion) {
   require(reinterpret_cast<uintptr_t>(scores) % 16 == 0, "select_topk: scores must be 16-byte aligned");
   TopkParams p = plan_topk(a, split);
   const int tokens = static_cast<int>(a.q.size(0));
+  if (fusion.slots != nullptr) {
+    const PositionsToSlotsArgs& s = *fusion.slots;
+    require(s.positions.data == a.topk.data && s.request_ids.data == a.request_ids.data &&
+                s.request_ids.stride(0) == a.request_ids.stride(0) && s.slots.size(0) == tokens &&
+                s.slots.size(1) == a.topk.size(1),
+            "select_topk: the fused slots must map args.topk's [T, K] positions through args.request_ids");
+    p.slots = s.slots.ptr<int32_t>();
+    p.slots_stride = s.slots.stride(0);
+    p.slot_map = slot_map(s);
+  }
   if (tokens == 0) return;
   p.scores = scores;
   p.out = a.topk.ptr<int32_t>();
@@ -741,19 +887,34 @@ void select_topk(const IndexerTopkArgs& a, const float* scores, TopkSplit split,
   if (scratch == nullptr) scratch = workspace_or(TensorView{}, own, stream, scratch_layout(p, tokens).total, "indexer_topk");
   auto* bytes = static_cast<uint8_t*>(scratch);
   const int min_ranks = split == TopkSplit::cluster ? 2 : 1;
-  if (p.k <= 2048) launch_topk<2048 / kThreads>(p, tokens, min_ranks, stream, bytes);
-  else launch_topk<kMaxIndexerTopk / kThreads>(p, tokens, min_ranks, stream, bytes);
+  const bool after_scores = fusion.after_scores && current_device().compute_capability >= 90;
+  if (p.k <= 2048) launch_topk<2048 / kThreads>(p, tokens, min_ranks, after_scores, stream, bytes);
+  else launch_topk<kMaxIndexerTopk / kThreads>(p, tokens, min_ranks, after_scores, stream, bytes);
 }
 
 size_t indexer_workspace_size(const IndexerTopkArgs& a) { return score_bytes(a) + topk_scratch_bytes(a); }
 
-void indexer_topk(const IndexerTopkArgs& a) {
+namespace {
+
+void scores_then_topk(const IndexerTopkArgs& a, const TopkFusion& fusion) {
   std::optional<DefaultWorkspace> own;
   auto* ws = static_cast<uint8_t*>(
       workspace_or(a.workspace, own, static_cast<cudaStream_t>(a.stream), indexer_workspace_size(a), "indexer_topk"));
   auto* scores = reinterpret_cast<float*>(ws);
   indexer_scores(a, scores);
-  select_topk(a, scores, TopkSplit::automatic, ws + score_bytes(a));
+  TopkFusion f = fusion;
+  f.after_scores = f.after_scores && a.q.size(0) > 0 && index_capacity(a) > 0;  // else no scores kernel ran
+  select_topk(a, scores, TopkSplit::automatic, ws + score_bytes(a), f);
+}
+
+}  // namespace
+
+void indexer_topk(const IndexerTopkArgs& a) { scores_then_topk(a, {}); }
+
+void dsa_decode_step(const DsaDecodeStepArgs& a) {
+  const PositionsToSlotsArgs slots = slots_step(a);
+  scores_then_topk(indexer_step(a), {&slots, true});
+  cuda::sparse_mla(attention_step(a));
 }
 
 }  // namespace smla::cuda

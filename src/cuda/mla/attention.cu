@@ -103,7 +103,7 @@ void fill_common(AttentionParams& p, const char* op, const TensorView& q, int64_
 
 struct LaunchConfig {
   KernelFn fn = nullptr;
-  int smem = 0, ctas_per_sm = 0;
+  int smem = 0, ctas_per_sm = 0, stages = 0;
 };
 
 // Pipeline depth from this device's shared memory, chosen once per (device,
@@ -126,13 +126,10 @@ const LaunchConfig& launch_config(CacheFormat f, int rope, bool paged) {
     const int bytes = mla::SmemLayout(f, stages, rope).total;
     if (bytes > dev.max_smem_per_block) continue;
     KernelFn k = select_kernel(f, rope, paged, stages);
-    check_cuda(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
-               "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");
-    int ctas = 0;
-    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, k, mla::kThreads, bytes),
-               "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+    allow_dynamic_smem(reinterpret_cast<const void*>(k), bytes);
+    const int ctas = resident_ctas_per_sm(reinterpret_cast<const void*>(k), mla::kThreads, bytes);
     if (ctas == 0) continue;
-    fits.push_back({k, bytes, ctas});
+    fits.push_back({k, bytes, ctas, stages});
     most = std::max(most, ctas);
   }
   if (fits.empty()) {
@@ -201,7 +198,9 @@ Plan plan(CacheFormat f, int rope, bool paged, int64_t tokens, int heads, int nu
   const int ctas_per_sm = s.small ? s.small->ctas_per_sm : s.head_tile->ctas_per_sm;
   s.ctas = tokens * ((heads + heads_per_cta - 1) / heads_per_cta);
   const int chunks = std::max(1, (num_keys + chunk_keys - 1) / chunk_keys);
-  const int splits = choose_splits(s.ctas, chunks, static_cast<int64_t>(current_device().num_sms) * ctas_per_sm);
+  const int splits = choice.splits > 0 ? std::min({choice.splits, chunks, mla::kMaxSplits})
+                                        : choose_splits(s.ctas, chunks,
+                                                        static_cast<int64_t>(current_device().num_sms) * ctas_per_sm);
   s.chunks_per_split = (chunks + splits - 1) / splits;
   s.num_splits = (chunks + s.chunks_per_split - 1) / s.chunks_per_split;
   return s;
@@ -221,6 +220,12 @@ void launch(AttentionParams& p, CacheFormat f, int rope, bool paged, int num_key
   p.num_splits = split.num_splits;
   std::optional<DefaultWorkspace> own;
   if (p.num_splits > 1) {
+    // The caller's workspace was checked against the automatic plan; a forced one may need more.
+    if (workspace.defined() &&
+        static_cast<size_t>(workspace.numel()) * dtype_size(workspace.dtype) < split.partial_bytes(p.num_tokens, p.num_heads))
+      throw Error(ErrorKind::invalid_argument,
+                  std::string(op) + ": workspace: the forced kernel choice needs " +
+                      std::to_string(split.partial_bytes(p.num_tokens, p.num_heads)) + " bytes");
     const size_t rows = static_cast<size_t>(p.num_splits) * p.num_tokens * p.num_heads;
     auto* ws = static_cast<float*>(
         workspace_or(workspace, own, stream, split.partial_bytes(p.num_tokens, p.num_heads), op));
@@ -250,7 +255,24 @@ void launch(AttentionParams& p, CacheFormat f, int rope, bool paged, int num_key
   }
 }
 
+AttentionPlan plan_of(CacheFormat f, int rope, bool paged, int64_t tokens, int heads, int num_keys,
+                      AttentionChoice choice) {
+  const Plan s = plan(f, rope, paged, tokens, heads, num_keys, choice);
+  if (s.small) return {AttentionKernel::small_heads, s.small->stages, s.small->smem, s.small->ctas_per_sm, s.num_splits};
+  return {AttentionKernel::head_tile, s.head_tile->stages, s.head_tile->smem, s.head_tile->ctas_per_sm, s.num_splits};
+}
+
 }  // namespace
+
+AttentionPlan sparse_mla_plan(const SparseMlaArgs& a, AttentionChoice choice) {
+  return plan_of(format_of(a.kv_cache.dtype), rope_of(a.q), false, a.q.size(0), static_cast<int>(a.q.size(1)),
+                 static_cast<int>(a.indices.size(1)), choice);
+}
+
+AttentionPlan paged_mla_decode_plan(const PagedMlaDecodeArgs& a, AttentionChoice choice) {
+  return plan_of(format_of(a.kv_cache.dtype), rope_of(a.q), true, a.q.size(0) * a.q.size(1),
+                 static_cast<int>(a.q.size(2)), static_cast<int>(a.block_table.size(1) * a.kv_cache.size(1)), choice);
+}
 
 void sparse_mla(const SparseMlaArgs& a, AttentionChoice choice) {
   AttentionParams p{};

@@ -1,0 +1,474 @@
+// smla._torch_ops: the torch.ops.smla kernels in C++, for CPU and CUDA tensors. python/smla/torch_ops.py defines
+// the schemas and fakes (once) and the Python kernels every other device key falls back to, then loads this
+// library, which registers these kernels for the CPU and CUDA keys: a call goes from torch's dispatcher straight
+// to smla's C++ API, with no Python, DLPack capsule or nanobind call in between. Each kernel does what its Python
+// twin does (python/smla/torch_ops.py, ops.py, flash_mla.py): the same argument checks and messages, outputs and
+// scratch from torch's allocator on the inputs' device, the work on torch's current stream.
+//
+// Errors: smla's bad-input errors leave as c10::ValueError (Python ValueError), unsupported ones as
+// c10::NotImplementedError, the rest as c10::Error (RuntimeError); python/smla/torch_ops.py turns the first two back
+// into smla.InvalidArgumentError / smla.UnsupportedError for smla's own functions.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#ifdef SMLA_TORCH_CUDA
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+#include <algorithm>
+#include <cctype>
+#include <charconv>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <tuple>
+#include <vector>
+
+#include "smla/error.h"
+#include "smla/ops.h"
+#include "views.h"
+
+namespace smla::python {
+
+namespace {
+
+using at::Tensor;
+using OptTensor = std::optional<Tensor>;
+
+constexpr int64_t kLatentDim = 512;
+constexpr int64_t kFp8NopeRowBytes = 528;  // fp8_ds_mla_nope: 512 e4m3 + 4 fp32 scales
+constexpr int64_t kMaxTopk = 65536;        // as smla.ops._MAX_TOPK
+constexpr double kFloat32Max = 3.4028234663852886e38;
+
+// --- tensors --------------------------------------------------------------------------------------------------
+
+// smla._arrays.is_8bit: how fp8 data arrives (uint8, int8, float8_*).
+bool is_8bit(const Tensor& t) {
+  return t.scalar_type() == at::kByte || t.scalar_type() == at::kChar ||
+         (t.element_size() == 1 && t.is_floating_point());
+}
+
+// The DLPack dtype torch's exporter gives `t` (fp8 arrives as bytes, as smla.ops exports it).
+DLDataType dl_dtype(const Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return {kDLFloat, 32, 1};
+    case at::kHalf: return {kDLFloat, 16, 1};
+    case at::kBFloat16: return {kDLBfloat, 16, 1};
+    case at::kDouble: return {kDLFloat, 64, 1};
+    case at::kInt: return {kDLInt, 32, 1};
+    case at::kLong: return {kDLInt, 64, 1};
+    case at::kShort: return {kDLInt, 16, 1};
+    case at::kChar: return {kDLInt, 8, 1};
+    case at::kByte: return {kDLUInt, 8, 1};
+    case at::kBool: return {6, 8, 1};  // kDLBool (DLPack >= 0.8)
+    default: break;
+  }
+  if (t.is_floating_point() && t.element_size() == 1) return {kDLUInt, 8, 1};  // fp8 as bytes
+  return {kDLOpaqueHandle, static_cast<uint8_t>(8 * t.element_size()), 1};    // named as unsupported by view_of
+}
+
+// `t` as smla argument `name` (undefined: absent), its raw bytes read as `as` when given; fp8 tensors are read as
+// fp8_e4m3 unless `as` says otherwise.
+TensorView view(const Tensor& t, const char* name, std::optional<DType> as = std::nullopt) {
+  if (!t.defined()) return {};
+  DLTensor d{};
+  d.data = t.data_ptr();
+  d.device.device_type = t.is_cuda() ? kDLCUDA : t.is_cpu() ? kDLCPU : kDLExtDev;
+  d.device.device_id = t.is_cuda() ? t.get_device() : 0;
+  d.ndim = static_cast<int>(t.dim());
+  d.dtype = dl_dtype(t);
+  d.shape = const_cast<int64_t*>(t.sizes().data());
+  d.strides = const_cast<int64_t*>(t.strides().data());
+  if (!as && t.is_floating_point() && t.element_size() == 1) as = DType::fp8_e4m3;
+  return view_of(d, name, as);
+}
+TensorView view(const OptTensor& t, const char* name) { return t ? view(*t, name) : TensorView{}; }
+
+// --- the checks smla.ops makes in Python before its C++ call, with its messages -----------------------------------
+
+std::string lower(std::string_view s) {
+  std::string out(s);
+  std::transform(out.begin(), out.end(), out.begin(), [](unsigned char c) { return std::tolower(c); });
+  return out;
+}
+
+using Names = std::span<const std::string_view>;
+
+bool one_of(std::string_view s, Names names) { return std::find(names.begin(), names.end(), s) != names.end(); }
+
+// Python's repr of a str without quotes or backslashes in it.
+std::string repr(std::string_view s) { return "'" + std::string(s) + "'"; }
+
+// Python's repr of a float: the shortest round-trip digits, ".0" on integral values.
+std::string repr(double v) {
+  char buf[64];
+  const auto end = std::to_chars(buf, buf + sizeof buf, v).ptr;
+  std::string s(buf, end);
+  if (s.find_first_of(".eni") == std::string::npos) s += ".0";
+  return s;
+}
+
+// smla.ops' _MLA_FP8_ALIASES, _MLA_CACHE_DTYPES and _INDEX_CACHE_DTYPES, in their order (the messages list them).
+constexpr std::string_view kMlaFp8Aliases[] = {"fp8", "fp8_e4m3", "float8_e4m3fn", "e4m3", "fp8_ds_mla"};
+constexpr std::string_view kMlaCacheDtypes[] = {"auto", "bfloat16", "bf16", "float16", "fp16", "half",
+                                                "fp8_ds_mla_nope", "fp8", "fp8_e4m3", "float8_e4m3fn", "e4m3",
+                                                "fp8_ds_mla"};
+constexpr std::string_view kIndexCacheDtypes[] = {"auto", "bfloat16", "bf16", "fp8", "fp8_e4m3", "float8_e4m3fn",
+                                                  "e4m3"};
+constexpr std::string_view kIndexFp8Aliases[] = {"fp8", "float8_e4m3fn", "e4m3"};
+
+void check_name(std::string_view value, const char* name, Names allowed) {
+  if (one_of(lower(value), allowed)) return;
+  std::string list;
+  for (std::string_view a : allowed) list += (list.empty() ? "" : ", ") + std::string(a);
+  fail(std::string(name) + ": expected one of " + list + ", got " + repr(value));
+}
+
+DType parsed(const std::string& name, const char* arg) {
+  const auto d = parse_dtype(name);
+  require(d.has_value(), std::string(arg) + ": unknown dtype '" + name + "'");
+  return *d;
+}
+
+// smla.ops._mla_cache_dtype: the dtype to read an MLA cache as (none: its own).
+std::optional<DType> mla_cache_dtype(const Tensor& cache, std::string_view kv_cache_dtype, const char* arg) {
+  check_name(kv_cache_dtype, "kv_cache_dtype", kMlaCacheDtypes);
+  const auto fp8_by_width = [&] {
+    return cache.dim() > 0 && cache.size(-1) == kFp8NopeRowBytes ? DType::fp8_ds_mla_nope : DType::fp8_ds_mla;
+  };
+  const std::string name = lower(kv_cache_dtype);
+  if (name == "auto") return is_8bit(cache) ? std::optional(fp8_by_width()) : std::nullopt;
+  if (one_of(name, kMlaFp8Aliases) && name != "fp8_ds_mla") return fp8_by_width();
+  return parsed(name, arg);
+}
+
+// smla.ops._index_dtype: the dtype of an indexer tensor (q or cache); 8-bit data is fp8_e4m3.
+std::optional<DType> index_dtype(const Tensor& x, std::string_view index_cache_dtype, const char* arg) {
+  check_name(index_cache_dtype, "index_cache_dtype", kIndexCacheDtypes);
+  const std::string name = lower(index_cache_dtype);
+  if (name == "auto") return is_8bit(x) ? std::optional(DType::fp8_e4m3) : std::nullopt;
+  if (one_of(name, kIndexFp8Aliases)) return DType::fp8_e4m3;
+  return parsed(name, arg);
+}
+
+float softmax_scale_of(double value, const char* name = "softmax_scale") {
+  if (!(value > 0.0 && value <= kFloat32Max))
+    fail(std::string(name) + ": must be finite, > 0 and at most 3.402823e+38 (float32), got " + repr(value));
+  return static_cast<float>(value);
+}
+
+int64_t int_in(int64_t value, const char* name, int64_t low, int64_t high) {
+  if (value < low || value > high)
+    fail(std::string(name) + ": expected an int from " + std::to_string(low) + " to " + std::to_string(high) +
+         ", got " + std::to_string(value));
+  return value;
+}
+
+// --- outputs, scratch, streams ----------------------------------------------------------------------------------
+
+std::vector<int64_t> lead_shape(const Tensor& q) {
+  std::vector<int64_t> s(q.sizes().begin(), q.sizes().end());
+  if (!s.empty()) s.pop_back();
+  return s;
+}
+
+// smla.torch_ops._attention_out: out [..., 512] in q's dtype and lse [...] float32.
+std::tuple<Tensor, Tensor> attention_out(const Tensor& q) {
+  std::vector<int64_t> lead = lead_shape(q);
+  Tensor lse = at::empty(lead, q.options().dtype(at::kFloat));
+  lead.push_back(kLatentDim);
+  return {at::empty(lead, q.options()), lse};
+}
+
+Tensor topk_out(const Tensor& q, int64_t topk) {
+  return at::empty({q.dim() > 0 ? q.size(0) : 0, int_in(topk, "topk", 1, kMaxTopk)}, q.options().dtype(at::kInt));
+}
+
+// The stream the op runs on: torch's current one on `ref`'s GPU (none on the CPU).
+void* stream_of(const Tensor& ref) {
+#ifdef SMLA_TORCH_CUDA
+  if (ref.is_cuda()) return at::cuda::getCurrentCUDAStream(ref.get_device()).stream();
+#endif
+  return nullptr;
+}
+
+// Runs `op(a, backend)` on torch's current stream of q's device, with scratch from torch's caching allocator
+// (capture-safe) when the op needs any on a GPU; the scratch tensor lives until the op has been enqueued (the
+// allocator's stream semantics keep it for the kernels).
+template <class Args, class Op>
+void run_on_stream(Args& a, const Tensor& q, std::string_view backend, Op op) {
+  a.stream = stream_of(q);
+  const Backend* be = backend_by_name(backend, a.q.device);
+  Tensor workspace;
+  if (q.is_cuda()) {  // the CPU backend needs none
+    const size_t bytes = workspace_size(a, be);
+    if (bytes > 0) {
+      workspace = at::empty({static_cast<int64_t>(bytes)}, q.options().dtype(at::kByte));
+      a.workspace = view(workspace, "workspace");
+    }
+  }
+  op(a, be);
+}
+
+// Runs `body`, turning smla::Error into the c10 error Python sees as ValueError / NotImplementedError /
+// RuntimeError, with smla's message as it is.
+template <class Body>
+auto translated(Body body) -> decltype(body()) {
+  try {
+    return body();
+  } catch (const Error& e) {
+    const c10::SourceLocation where{__func__, __FILE__, static_cast<uint32_t>(__LINE__)};
+    switch (e.kind()) {
+      case ErrorKind::invalid_argument: throw c10::ValueError(where, e.what());
+      case ErrorKind::unsupported: throw c10::NotImplementedError(where, e.what());
+      default: throw c10::Error(where, e.what());
+    }
+  }
+}
+
+// --- the kernels, one per schema in python/smla/torch_ops.py -----------------------------------------------------
+
+void write_mla_cache_kernel(const Tensor& latent, const Tensor& k_pe, const Tensor& slot_mapping, const Tensor& cache,
+                            c10::string_view kv_cache_dtype, c10::string_view backend) {
+  translated([&] {
+    WriteMlaCacheArgs a;
+    a.latent = view(latent, "latent");
+    a.k_pe = view(k_pe, "k_pe");
+    a.slot_mapping = view(slot_mapping, "slot_mapping");
+    a.cache = view(cache, "cache", mla_cache_dtype(cache, kv_cache_dtype, "cache"));
+    a.stream = stream_of(cache);
+    write_mla_cache(a, backend_by_name(backend, a.cache.device));
+  });
+}
+
+// smla.ops._sparse_mla into out / lse (and max_logits) the caller allocated.
+void sparse_mla_into(const Tensor& q, const Tensor& kv_cache, const Tensor& indices, const OptTensor& topk_length,
+                     const OptTensor& attn_sink, double softmax_scale, const Tensor& out, const Tensor& lse,
+                     std::string_view kv_cache_dtype, std::string_view backend, const Tensor& max_logits = {},
+                     bool empty_lse_plus_inf = false) {
+  const std::optional<DType> cache_dtype = mla_cache_dtype(kv_cache, kv_cache_dtype, "kv_cache");
+  SparseMlaArgs a;
+  a.softmax_scale = softmax_scale_of(softmax_scale);
+  a.q = view(q, "q");
+  a.kv_cache = view(kv_cache, "kv_cache", cache_dtype);
+  a.indices = view(indices, "indices");
+  a.topk_length = view(topk_length, "topk_length");
+  a.attn_sink = view(attn_sink, "attn_sink");
+  a.out = view(out, "out");
+  a.lse = view(lse, "lse");
+  a.max_logits = view(max_logits, "max_logits");
+  a.empty_lse_plus_inf = empty_lse_plus_inf;
+  run_on_stream(a, q, backend, [](const auto& x, auto be) { sparse_mla(x, be); });
+}
+
+std::tuple<Tensor, Tensor> sparse_mla_kernel(const Tensor& q, const Tensor& kv_cache, const Tensor& indices,
+                                             const OptTensor& topk_length, const OptTensor& attn_sink,
+                                             double softmax_scale, c10::string_view kv_cache_dtype,
+                                             c10::string_view backend) {
+  return translated([&] {
+    auto [out, lse] = attention_out(q);
+    sparse_mla_into(q, kv_cache, indices, topk_length, attn_sink, softmax_scale, out, lse, kv_cache_dtype, backend);
+    return std::make_tuple(out, lse);
+  });
+}
+
+// smla.ops._paged_mla_decode into out / lse the caller allocated.
+void paged_mla_decode_into(const Tensor& q, const Tensor& kv_cache, const OptTensor& block_table,
+                           const OptTensor& seq_lens, const OptTensor& attn_sink, double softmax_scale, bool causal,
+                           const Tensor& out, const Tensor& lse, std::string_view kv_cache_dtype,
+                           std::string_view backend, bool empty_lse_plus_inf = false) {
+  const std::optional<DType> cache_dtype = mla_cache_dtype(kv_cache, kv_cache_dtype, "kv_cache");
+  PagedMlaDecodeArgs a;
+  a.softmax_scale = softmax_scale_of(softmax_scale);
+  a.q = view(q, "q");
+  a.kv_cache = view(kv_cache, "kv_cache", cache_dtype);
+  a.block_table = view(block_table, "block_table");
+  a.seq_lens = view(seq_lens, "seq_lens");
+  a.attn_sink = view(attn_sink, "attn_sink");
+  a.causal = causal;
+  a.out = view(out, "out");
+  a.lse = view(lse, "lse");
+  a.empty_lse_plus_inf = empty_lse_plus_inf;
+  run_on_stream(a, q, backend, [](const auto& x, auto be) { paged_mla_decode(x, be); });
+}
+
+std::tuple<Tensor, Tensor> paged_mla_decode_kernel(const Tensor& q, const Tensor& kv_cache, const Tensor& block_table,
+                                                   const Tensor& seq_lens, const OptTensor& attn_sink,
+                                                   double softmax_scale, bool causal, c10::string_view kv_cache_dtype,
+                                                   c10::string_view backend) {
+  return translated([&] {
+    auto [out, lse] = attention_out(q);
+    paged_mla_decode_into(q, kv_cache, block_table, seq_lens, attn_sink, softmax_scale, causal, out, lse,
+                          kv_cache_dtype, backend);
+    return std::make_tuple(out, lse);
+  });
+}
+
+void write_index_cache_kernel(const Tensor& k, const Tensor& slot_mapping, const Tensor& cache,
+                              c10::string_view index_cache_dtype, c10::string_view backend) {
+  translated([&] {
+    WriteIndexCacheArgs a;
+    a.k = view(k, "k");
+    a.slot_mapping = view(slot_mapping, "slot_mapping");
+    a.cache = view(cache, "cache", index_dtype(cache, index_cache_dtype, "cache"));
+    a.stream = stream_of(cache);
+    write_index_cache(a, backend_by_name(backend, a.cache.device));
+  });
+}
+
+// indexer_topk's arguments (stream aside), as indexer_topk and dsa_decode_step take them: the cache read as
+// `index_cache_as`, top-k into `topk`.
+IndexerTopkArgs indexer_args(const IndexerQueryNames& names, const Tensor& q, const OptTensor& q_scale,
+                             const Tensor& weights, const Tensor& index_cache, std::optional<DType> index_cache_as,
+                             const Tensor& request_ids, const Tensor& block_table, const Tensor& context_lens,
+                             const Tensor& topk) {
+  IndexerTopkArgs a;
+  a.q = view(q, names.q, index_dtype(q, "auto", names.q));
+  a.q_scale = view(q_scale, names.q_scale);
+  a.weights = view(weights, names.weights);
+  a.index_cache = view(index_cache, "index_cache", index_cache_as);
+  a.request_ids = view(request_ids, "request_ids");
+  a.block_table = view(block_table, "block_table");
+  a.context_lens = view(context_lens, "context_lens");
+  a.topk = view(topk, "topk");
+  return a;
+}
+
+Tensor indexer_topk_kernel(const Tensor& q, const OptTensor& q_scale, const Tensor& weights, const Tensor& index_cache,
+                           const Tensor& request_ids, const Tensor& block_table, const Tensor& context_lens,
+                           int64_t topk, c10::string_view index_cache_dtype, c10::string_view backend) {
+  return translated([&] {
+    Tensor out = topk_out(q, topk);
+    const std::optional<DType> index_cache_as = index_dtype(index_cache, index_cache_dtype, "index_cache");
+    IndexerTopkArgs a = indexer_args(kIndexerTopkNames, q, q_scale, weights, index_cache, index_cache_as,
+                                     request_ids, block_table, context_lens, out);
+    run_on_stream(a, q, backend, [](const auto& x, auto be) { indexer_topk(x, be); });
+    return out;
+  });
+}
+
+Tensor positions_to_slots_kernel(const Tensor& positions, const Tensor& request_ids, const Tensor& block_table,
+                                 int64_t block_size, c10::string_view backend) {
+  return translated([&] {
+    PositionsToSlotsArgs a;
+    a.positions = view(positions, "positions");
+    a.request_ids = view(request_ids, "request_ids");
+    a.block_table = view(block_table, "block_table");
+    a.block_size = static_cast<int>(int_in(block_size, "block_size", 1, INT32_MAX));
+    Tensor slots = at::empty(positions.sizes(), positions.options().dtype(at::kInt));
+    a.slots = view(slots, "slots");
+    a.stream = stream_of(positions);
+    positions_to_slots(a, backend_by_name(backend, a.positions.device));
+    return slots;
+  });
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> dsa_decode_step_kernel(
+    const Tensor& q, const Tensor& kv_cache, const Tensor& index_q, const Tensor& index_weights,
+    const Tensor& index_cache, const Tensor& request_ids, const Tensor& block_table, const Tensor& context_lens,
+    const OptTensor& index_q_scale, const OptTensor& attn_sink, int64_t topk, double softmax_scale,
+    c10::string_view kv_cache_dtype, c10::string_view index_cache_dtype, c10::string_view backend) {
+  return translated([&] {
+    auto [out, lse] = attention_out(q);
+    Tensor positions = topk_out(q, topk), slots = topk_out(q, topk);
+    DsaDecodeStepArgs a;
+    const std::optional<DType> index_cache_as = index_dtype(index_cache, index_cache_dtype, "index_cache");
+    const std::optional<DType> cache_dtype = mla_cache_dtype(kv_cache, kv_cache_dtype, "kv_cache");
+    a.softmax_scale = softmax_scale_of(softmax_scale);
+    a.indexer = indexer_args(kDecodeStepNames, index_q, index_q_scale, index_weights, index_cache, index_cache_as,
+                             request_ids, block_table, context_lens, positions);
+    a.slots = view(slots, "slots");
+    a.q = view(q, "q");
+    a.kv_cache = view(kv_cache, "kv_cache", cache_dtype);
+    a.attn_sink = view(attn_sink, "attn_sink");
+    a.out = view(out, "out");
+    a.lse = view(lse, "lse");
+    a.indexer.stream = stream_of(q);
+    run_on_stream(a, q, backend, [](const auto& x, auto be) { dsa_decode_step(x, be); });
+    return std::make_tuple(out, lse, positions, slots);
+  });
+}
+
+// A shape as Python prints a tuple: "(4, 64, 1, 576)".
+std::string py_tuple(at::IntArrayRef sizes) {
+  std::string s = "(";
+  for (size_t i = 0; i < sizes.size(); ++i) s += (i ? ", " : "") + std::to_string(sizes[i]);
+  return s + (sizes.size() == 1 ? ",)" : ")");
+}
+
+// smla.flash_mla: out (b, s_q, h_q, 512) and lse (b, h_q, s_q), the kernels writing lse through a (b, s_q, h_q)
+// view, +inf where a query has nothing to attend. Sparse: one sparse_mla per new token j, whose tokens are the
+// requests; a per-request topk_length (b,) serves every j, a (b, s_q) one is taken per j. FlashMLA's 4-D cache
+// (num_blocks, page_block_size, 1, d) is viewed as smla's 3-D one (smla.flash_mla._cache_3d).
+std::tuple<Tensor, Tensor> flash_mla_with_kvcache_kernel(
+    const Tensor& q, const Tensor& k_cache_arg, const OptTensor& block_table, const OptTensor& cache_seqlens,
+    const OptTensor& indices, const OptTensor& topk_length, const OptTensor& attn_sink, double softmax_scale,
+    bool causal, c10::string_view kv_cache_dtype, c10::string_view backend) {
+  return translated([&] {
+    if (k_cache_arg.dim() == 4 && k_cache_arg.size(2) != 1)
+      fail("k_cache: num_heads_k must be 1 (MLA), got " + py_tuple(k_cache_arg.sizes()));
+    const Tensor k_cache = k_cache_arg.dim() == 4 ? k_cache_arg.select(2, 0) : k_cache_arg;
+    require(q.dim() >= 3, "q: expected (batch_size, seq_len_q, num_heads_q, 576 | 512), got " +
+                              py_tuple(q.sizes()));
+    const int64_t b = q.size(0), s_q = q.size(1), h_q = q.size(2);
+    Tensor out = at::empty({b, s_q, h_q, kLatentDim}, q.options());
+    Tensor lse = at::empty({b, h_q, s_q}, q.options().dtype(at::kFloat));
+    const Tensor lse_view = lse.transpose(-1, -2);
+    if (!indices) {
+      paged_mla_decode_into(q, k_cache, block_table, cache_seqlens, attn_sink, softmax_scale, causal, out, lse_view,
+                            kv_cache_dtype, backend, /*empty_lse_plus_inf=*/true);
+      return std::make_tuple(out, lse);
+    }
+    require(indices->dim() >= 2, "indices: expected (batch_size, seq_len_q, topk), got " +
+                                     py_tuple(indices->sizes()));
+    const bool per_token_lengths = topk_length && topk_length->dim() == 2;
+    for (int64_t j = 0; j < s_q; ++j) {
+      const OptTensor lengths = per_token_lengths ? OptTensor(topk_length->select(1, j)) : topk_length;
+      sparse_mla_into(q.select(1, j), k_cache, indices->select(1, j), lengths, attn_sink, softmax_scale,
+                      out.select(1, j), lse_view.select(1, j), kv_cache_dtype, backend, {},
+                      /*empty_lse_plus_inf=*/true);
+    }
+    return std::make_tuple(out, lse);
+  });
+}
+
+// flash_mla_sparse_fwd: out, max_logits and lse, all three from the kernel (+inf lse for empty rows).
+std::tuple<Tensor, Tensor, Tensor> flash_mla_sparse_fwd_kernel(const Tensor& q, const Tensor& kv,
+                                                               const Tensor& indices, const OptTensor& topk_length,
+                                                               const OptTensor& attn_sink, double sm_scale,
+                                                               c10::string_view backend) {
+  return translated([&] {
+    auto [out, lse] = attention_out(q);
+    Tensor max_logits = at::empty_like(lse);
+    require(indices.dim() >= 2, "indices: expected (s_q, h_kv, topk), got " + py_tuple(indices.sizes()));
+    sparse_mla_into(q, kv, indices.select(1, 0), topk_length, attn_sink, sm_scale, out, lse, "auto", backend,
+                    max_logits, /*empty_lse_plus_inf=*/true);
+    return std::make_tuple(out, max_logits, lse);
+  });
+}
+
+void register_kernels(torch::Library& m) {
+  m.impl("write_mla_cache", TORCH_FN(write_mla_cache_kernel));
+  m.impl("sparse_mla", TORCH_FN(sparse_mla_kernel));
+  m.impl("paged_mla_decode", TORCH_FN(paged_mla_decode_kernel));
+  m.impl("write_index_cache", TORCH_FN(write_index_cache_kernel));
+  m.impl("indexer_topk", TORCH_FN(indexer_topk_kernel));
+  m.impl("positions_to_slots", TORCH_FN(positions_to_slots_kernel));
+  m.impl("dsa_decode_step", TORCH_FN(dsa_decode_step_kernel));
+  m.impl("flash_mla_with_kvcache", TORCH_FN(flash_mla_with_kvcache_kernel));
+  m.impl("flash_mla_sparse_fwd", TORCH_FN(flash_mla_sparse_fwd_kernel));
+}
+
+}  // namespace
+
+}  // namespace smla::python
+
+TORCH_LIBRARY_IMPL(smla, CPU, m) { smla::python::register_kernels(m); }
+#ifdef SMLA_TORCH_CUDA
+TORCH_LIBRARY_IMPL(smla, CUDA, m) { smla::python::register_kernels(m); }
+#endif

@@ -1,0 +1,193 @@
+// The emulated-arch test mode (SMLA_CUDA_EMULATE, cuda/emulation.h): `make test-gpu` runs test_gpu once natively
+// and once per emulated arch (tests/gpu/CMakeLists.txt). These tests make sure the mode is what the environment
+// says and really moves the launch decisions: the device the launch code and the registry see, the shapes forced
+// beyond its shared memory, the occupancy of every plan within its limits, and the instructions it may choose.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <string>
+
+#include "cuda/common/runtime.h"
+#include "cuda/device_query.h"
+#include "cuda/emulation.h"
+#include "cuda/kernels.h"
+#include "gpu/gpu_util.h"
+#include "smla/error.h"
+
+namespace smla {
+namespace {
+
+constexpr int kReservedSmemPerCta = 1024;  // what the system keeps of each CTA's shared memory (SM80 on)
+
+// The running GPU's own limits, from the driver.
+cuda::ArchLimits native_limits() {
+  int dev = 0;
+  EXPECT_EQ(cudaGetDevice(&dev), cudaSuccess);
+  auto attribute = [dev](cudaDeviceAttr what) {
+    int v = 0;
+    EXPECT_EQ(cudaDeviceGetAttribute(&v, what, dev), cudaSuccess);
+    return v;
+  };
+  return {attribute(cudaDevAttrComputeCapabilityMajor) * 10 + attribute(cudaDevAttrComputeCapabilityMinor),
+          attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin), attribute(cudaDevAttrMaxSharedMemoryPerMultiprocessor),
+          attribute(cudaDevAttrMaxThreadsPerMultiProcessor), attribute(cudaDevAttrMaxBlocksPerMultiprocessor)};
+}
+
+// The emulated arch's name, or empty when the mode is off.
+std::string emulated_name() {
+  const char* v = std::getenv(cuda::kEmulateEnv);
+  return v ? v : "";
+}
+
+TEST(CudaEmulation, DeviceIsWhatTheEnvironmentSays) {
+  const cuda::ArchLimits native = native_limits();
+  const cuda::DeviceInfo& d = cuda::current_device();
+  const std::string name = emulated_name();
+  SCOPED_TRACE(name.empty() ? std::string("native") : name);
+  const cuda::ArchLimits want = name.empty() ? native : cuda::arch_limits(name);
+  EXPECT_EQ(d.compute_capability, want.compute_capability);
+  EXPECT_EQ(d.max_smem_per_block, want.max_smem_per_block);
+  EXPECT_EQ(d.max_smem_per_sm, want.max_smem_per_sm);
+  EXPECT_EQ(d.max_threads_per_sm, want.max_threads_per_sm);
+  EXPECT_EQ(d.max_ctas_per_sm, want.max_ctas_per_sm);
+  EXPECT_EQ(d.native_compute_capability, name.empty() ? 0 : native.compute_capability);
+  // The registry and `explain` see the same arch.
+  const std::optional<Device> seen = cuda::device_at(d.index);
+  ASSERT_TRUE(seen.has_value());
+  EXPECT_EQ(seen->compute_capability, want.compute_capability);
+  // Hopper's instructions are for Hopper only.
+  if (!name.empty()) EXPECT_FALSE(cuda::indexer_wgmma_available());
+}
+
+// Shape-only args (the plans read no data): `tokens` x `heads` queries of 576 over top-k `topk`.
+SparseMlaArgs sparse_shape(DType kv, int tokens, int heads, int topk) {
+  SparseMlaArgs a;
+  a.q = TensorView(nullptr, {tokens, heads, kMlaQkDim}, DType::bf16);
+  a.kv_cache = TensorView(nullptr, {64, 64, static_cast<int64_t>(MlaHead{kMlaRopeDim}.cache_row(kv))}, kv);
+  a.indices = TensorView(nullptr, {tokens, topk}, DType::i32);
+  return a;
+}
+
+// Every plan the attention ops make keeps within the device's limits as the launch code sees them: its shared
+// memory per block, and its resident CTAs' shared memory per SM. With the emulation a no-op (the H200's 227 KB
+// and up to 4 CTAs of ~50 KB per SM), the 99 KB archs' limits are broken.
+TEST(CudaEmulation, PlansKeepToTheDevicesSharedMemory) {
+  const cuda::DeviceInfo& d = cuda::current_device();
+  int plans = 0;
+  for (DType kv : {DType::bf16, DType::f16, DType::fp8_ds_mla})
+    for (cuda::AttentionKernel kernel : {cuda::AttentionKernel::automatic, cuda::AttentionKernel::head_tile,
+                                         cuda::AttentionKernel::small_heads})
+      for (int heads : {8, 16, 64}) {
+        if (kernel == cuda::AttentionKernel::small_heads && heads > 32) continue;
+        SCOPED_TRACE(std::string(dtype_name(kv)) + " kernel " + std::to_string(static_cast<int>(kernel)) +
+                     " heads " + std::to_string(heads));
+        cuda::AttentionPlan plan;
+        try {
+          plan = cuda::sparse_mla_plan(sparse_shape(kv, 64, heads, 2048), {kernel});
+        } catch (const Error& e) {
+          // Only a forced small-heads kernel may be beyond the device (16-bit rows, or 16 heads per CTA, on the
+          // 99 KB archs), never on an H200.
+          EXPECT_EQ(kernel, cuda::AttentionKernel::small_heads) << e.what();
+          EXPECT_NE(std::string(e.what()).find("this device allows " + std::to_string(d.max_smem_per_block)),
+                    std::string::npos)
+              << e.what();
+          EXPECT_LT(d.max_smem_per_block, 227 * 1024) << e.what();
+          continue;
+        }
+        ++plans;
+        EXPECT_GT(plan.smem, 0);
+        EXPECT_LE(plan.smem, d.max_smem_per_block);
+        EXPECT_GE(plan.ctas_per_sm, 1);
+        EXPECT_LE(plan.ctas_per_sm, d.max_ctas_per_sm);
+        EXPECT_LE(plan.ctas_per_sm * (plan.smem + kReservedSmemPerCta), d.max_smem_per_sm)
+            << plan.ctas_per_sm << " CTAs of " << plan.smem << " bytes";
+        EXPECT_GE(plan.num_splits, 1);
+      }
+  EXPECT_GE(plans, 18);
+}
+
+// Where the archs must choose otherwise than an H200, from their shared memory: the small-heads kernel's bf16 rows
+// (two 64-row stages, 157600 bytes) fit an H200 and an A100 but not the 99 KB archs; its fp8 rows at 8 heads
+// (42240 bytes a stage, 9632 more) run two 2-stage CTAs per SM on an H200 (228 KB), one 3-stage CTA on an A100
+// (164 KB per SM; 4 stages do not fit 163 KB), one 2-stage CTA on SM86/89/120 (3 stages do not fit 99 KB).
+TEST(CudaEmulation, SharedMemoryDecidesTheSmallHeadsPipeline) {
+  const cuda::DeviceInfo& d = cuda::current_device();
+  const cuda::AttentionChoice small{cuda::AttentionKernel::small_heads};
+  const cuda::AttentionPlan fp8 = cuda::sparse_mla_plan(sparse_shape(DType::fp8_ds_mla, 64, 8, 2048), small);
+  if (d.max_smem_per_block == 101376) {
+    try {
+      cuda::sparse_mla_plan(sparse_shape(DType::bf16, 64, 16, 2048), small);
+      ADD_FAILURE() << "bf16 small-heads kernel planned on a device of " << d.max_smem_per_block << " bytes per block";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::unsupported);
+      EXPECT_NE(std::string(e.what()).find("this device allows 101376"), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(fp8.stages, 2);
+    EXPECT_EQ(fp8.ctas_per_sm, 1);
+  } else if (d.compute_capability == 80) {
+    EXPECT_GT(cuda::sparse_mla_plan(sparse_shape(DType::bf16, 64, 16, 2048), small).smem, 101376);
+    EXPECT_EQ(fp8.stages, 3);
+    EXPECT_EQ(fp8.ctas_per_sm, 1);
+  } else if (d.compute_capability == 90) {
+    EXPECT_GT(cuda::sparse_mla_plan(sparse_shape(DType::bf16, 64, 16, 2048), small).smem, 101376);
+    EXPECT_EQ(fp8.stages, 2);
+    EXPECT_EQ(fp8.ctas_per_sm, 2);
+  } else {
+    GTEST_SKIP() << "no expectations written for sm_" << d.compute_capability;
+  }
+}
+
+// The 16-head-tile kernel's pipeline: the deepest that keeps two CTAs per SM, or the most the device allows. bf16
+// rows take 37504 bytes a stage (+10688), fp8 rows 21120 (+48192): an H200 runs 2 bf16 stages or 3 fp8 ones, two
+// CTAs per SM; an A100 one CTA of 4 bf16 stages (two of 2 stages need 173 KB of its 164) or two of 1 fp8 stage; the
+// 99 KB archs one CTA of 2 stages for both (3 do not fit). (Figures of today's layouts: SmemLayout, Layout.)
+TEST(CudaEmulation, SharedMemoryDecidesTheHeadTilePipeline) {
+  const cuda::DeviceInfo& d = cuda::current_device();
+  struct Want {
+    int bf16_stages, bf16_ctas, fp8_stages, fp8_ctas;
+  } want{};
+  if (d.compute_capability == 90 && d.max_smem_per_sm == 233472) want = {2, 2, 3, 2};
+  else if (d.compute_capability == 80 && d.max_smem_per_sm == 167936) want = {4, 1, 1, 2};
+  else if (d.max_smem_per_block == 101376 && d.max_smem_per_sm == 102400) want = {2, 1, 2, 1};
+  else GTEST_SKIP() << "no expectations written for sm_" << d.compute_capability;
+  const cuda::AttentionChoice head_tile{cuda::AttentionKernel::head_tile};
+  const cuda::AttentionPlan bf16 = cuda::sparse_mla_plan(sparse_shape(DType::bf16, 64, 16, 2048), head_tile);
+  const cuda::AttentionPlan fp8 = cuda::sparse_mla_plan(sparse_shape(DType::fp8_ds_mla, 64, 16, 2048), head_tile);
+  EXPECT_EQ(bf16.stages, want.bf16_stages);
+  EXPECT_EQ(bf16.ctas_per_sm, want.bf16_ctas);
+  EXPECT_EQ(fp8.stages, want.fp8_stages);
+  EXPECT_EQ(fp8.ctas_per_sm, want.fp8_ctas);
+}
+
+// Shape-only indexer args: `tokens` fp8 queries of `heads` heads over an fp8 index cache.
+IndexerTopkArgs indexer_shape(int tokens, int heads) {
+  IndexerTopkArgs a;
+  a.q = TensorView(nullptr, {tokens, heads, 128}, DType::fp8_e4m3);
+  a.index_cache = TensorView(nullptr, {64, 64, 132}, DType::fp8_e4m3);
+  a.block_table = TensorView(nullptr, {tokens, 64}, DType::i32);
+  a.topk = TensorView(nullptr, {tokens, 2048}, DType::i32);
+  return a;
+}
+
+// Instruction choices follow the emulated arch: e4m3 mma.sync where SM89 and SM12x multiply fp8 natively, bf16
+// mma.sync on SM80/86, no wgmma and no thread block clusters off Hopper.
+TEST(CudaEmulation, InstructionChoicesFollowTheArch) {
+  const int cc = cuda::current_device().compute_capability;
+  const bool native_fp8 = cc == 89 || cc / 10 == 12;
+  for (int heads : {8, 32, 64}) {
+    SCOPED_TRACE("heads " + std::to_string(heads));
+    const cuda::ScoreMma used = cuda::resolve_score_mma(indexer_shape(4, heads));
+    if (native_fp8) EXPECT_EQ(used, cuda::ScoreMma::fp8);
+    else if (cc == 90 && cuda::indexer_wgmma_available() && heads > 16) EXPECT_EQ(used, cuda::ScoreMma::fp8_wgmma);
+    else EXPECT_EQ(used, cuda::ScoreMma::bf16);
+    if (cc < 89) EXPECT_THROW(cuda::resolve_score_mma(indexer_shape(4, heads), cuda::ScoreMma::fp8), Error);
+  }
+  if (cc < 90)
+    EXPECT_THROW(cuda::topk_scratch_bytes(indexer_shape(4, 8), cuda::TopkSplit::cluster), Error);
+  else
+    EXPECT_NO_THROW(cuda::topk_scratch_bytes(indexer_shape(4, 8), cuda::TopkSplit::cluster));
+}
+
+}  // namespace
+}  // namespace smla
