@@ -625,8 +625,8 @@ void bench_step(StepCaches& caches, int tokens, int context) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  // `bench_cuda attention|indexer|topk|step` runs one part; no argument: all. `bench_cuda sparse ...` one sparse
-  // config (below).
+  // `bench_cuda attention|indexer|topk|step` runs one part (`glm53f`: only GLM-5.3-Flash's attention rows); no
+  // argument: all. `bench_cuda sparse ...` one sparse config (below).
   // `bench_cuda indexer TOKENS HEADS CONTEXT [OPTION...]` runs one indexer decode config; options: bf16 (keys),
   // fp8q (fp8 queries), and to force how fp8 keys are multiplied: mma.sync or wgmma (as bf16), e4m3 or e4m3-wgmma
   // (fp8q only). `bench_cuda topk TOKENS
@@ -659,12 +659,13 @@ int main(int argc, char** argv) {
     bench_sparse("sparse", cache, std::atoi(argv[2]), std::atoi(argv[3]), std::atoi(argv[4]), c, kernel);
     return 0;
   }
-  if (part.empty() || part == "attention") {
+  if (part.empty() || part == "attention" || part == "glm53f") {
     std::printf("%-22s %-10s %-10s %6s %5s %6s %10s %9s %8s %7s %s\n", "config", "cache", "kernel", "tokens", "heads",
                 "keys", "us", "TFLOP/s", "GB/s", "ceil%", "bound");
     const int64_t slots = int64_t{1} << 20;  // 1.2 GB of bf16 rows: gathers miss L2
     const AttentionChoice head_tile{AttentionKernel::head_tile, 0};
     for (smla::DType kv : {smla::DType::bf16, smla::DType::fp8_ds_mla}) {
+      if (part == "glm53f") break;
       Cache cache(kv, slots);
       for (int t : {1, 8, 32, 64, 128}) bench_sparse("glm5-tp8 decode", cache, t, 8, 2048, c);
       for (int t : {1, 32, 128}) bench_sparse("dsv32-tp8 decode", cache, t, 16, 2048, c);
@@ -695,6 +696,12 @@ int main(int argc, char** argv) {
     for (smla::DType kv : {smla::DType::bf16, smla::DType::fp8_ds_mla, smla::DType::fp8_ds_mla_nope}) {
       Cache cache(kv, slots, smla::MlaHead{0});
       for (int t : {1, 8, 32, 64, 128}) bench_sparse("glm53f-tp8 decode", cache, t, 8, 2048 + 3, c);
+      for (int t : {1, 8, 32, 128}) {  // each kernel forced
+        bench_sparse("glm53f (head tile)", cache, t, 8, 2048 + 3, c, head_tile);
+        bench_sparse("glm53f (small heads)", cache, t, 8, 2048 + 3, c, {AttentionKernel::small_heads});
+      }
+      for (int stages : {2, 3, 4})
+        bench_sparse("glm53f (depth)", cache, 128, 8, 2048 + 3, c, {AttentionKernel::small_heads, stages});
     }
   }
   if (part.empty() || part == "indexer") {

@@ -437,6 +437,51 @@ TEST(CudaSparseMla, NoRopePartDtypesFormatsBlockSizes) {
       }
 }
 
+// The small-heads kernel forced on rope-free 512-wide heads (GLM-5.3-Flash): 16-bit rows of 1024 bytes, the
+// fp8_ds_mla envelope (its rope part NaN, never read) and the compact fp8_ds_mla_nope rows; every head count it
+// serves, top-k 1 to 2048, block sizes 1/16/64, each pipeline depth that fits, both head groupings and dim splits,
+// invalid indices, NaN-poisoned unused slots, topk_length, sinks, max_logits and strided queries.
+TEST(CudaSparseMlaSmallHeads, NoRopePartHeadsFormatsTopkBlockSizes) {
+  uint64_t seed = 650;
+  const DType forms[] = {DType::fp8_ds_mla, DType::bf16, DType::fp8_ds_mla_nope, DType::f16};
+  int n = 0;
+  for (int heads : {1, 8, 16, 20, 32})
+    for (DType kv : forms)
+      for (int topk : {1, 100, 2048}) {
+        const bool fp8 = kv != DType::bf16 && kv != DType::f16;
+        Problem p;
+        p.rope = 0;
+        p.kv_dtype = kv;
+        p.q_dtype = n % 5 == 4 ? DType::f16 : DType::bf16;
+        p.heads = heads;
+        p.topk = topk;
+        p.tokens = topk == 2048 ? 2 : 3;
+        p.block_size = std::array<int, 3>{1, 16, 64}[n % 3];
+        p.topk_length = n % 4 == 1;
+        p.sink = n % 5 == 2;
+        p.q_padded = n % 3 == 2;
+        // 16-bit rope-free stages fit 3 deep on an H200, fp8 ones 4.
+        p.kernel = {cuda::AttentionKernel::small_heads, fp8 ? 2 + n % 3 : 2 * (n % 2) + (n % 4 == 3),
+                    n % 4 >= 2 ? 8 : 0, n % 3};
+        p.max_logits = n % 2 == 0;
+        p.empty_lse_plus_inf = n % 7 == 3;
+        ++n;
+        run_sparse(p, seed++);
+      }
+  for (DType kv : forms) {  // GLM-5.3-Flash's TP8 decode shape, through the splits and the combine
+    Problem p;
+    p.rope = 0;
+    p.kv_dtype = kv;
+    p.tokens = 64;
+    p.heads = 8;
+    p.topk = 2048 + 3;
+    p.block_size = 64;
+    p.max_logits = true;
+    p.kernel = {cuda::AttentionKernel::small_heads, 0};
+    run_sparse(p, seed++);
+  }
+}
+
 TEST(CudaSparseMlaSmallHeads, F16AndQueryDtypes) {
   uint64_t seed = 700;
   for (DType q : {DType::bf16, DType::f16})
@@ -523,6 +568,11 @@ TEST(CudaPagedDecode, SmallHeadsKernel) {
   run_paged(DType::bf16, DType::bf16, 2, 2, 20, 64, true, seed++, kMlaRopeDim, {cuda::AttentionKernel::small_heads, 0, 8, 2});
   run_paged(DType::f16, DType::bf16, 4, 1, 4, 64, true, seed++, kMlaRopeDim, {cuda::AttentionKernel::small_heads, 3});
   run_paged(DType::bf16, DType::bf16, 2, 2, 16, 16, true, seed++, kMlaRopeDim, {cuda::AttentionKernel::head_tile, 0});
+  // Rope-free 512-wide heads, every cache form.
+  for (DType kv : {DType::bf16, DType::f16, DType::fp8_ds_mla, DType::fp8_ds_mla_nope})
+    for (int bs : {1, 16, 64})
+      run_paged(kv == DType::f16 ? DType::f16 : DType::bf16, kv, 3, 2, bs == 16 ? 20 : 8, bs, bs != 1, seed++, 0,
+                {cuda::AttentionKernel::small_heads, 0});
 }
 
 TEST(CudaSparseMla, NoRopePartDecodeBatchUsesSplits) {

@@ -149,9 +149,11 @@ const LaunchConfig& launch_config(CacheFormat f, int rope, bool paged) {
 // fill the GPU's resident slots in whole waves best (a last wave half full
 // leaves half the GPU idle: 384 CTAs on 264 slots ran at ~70%), the smallest
 // such count on ties (each split costs a partial row and a combine). Each
-// split keeps at least `min_chunks` chunks.
-int choose_splits(int64_t ctas, int chunks, int64_t slots, int min_chunks) {
-  const int most = std::max(1, std::min(chunks / min_chunks, mla::kMaxSplits));
+// split keeps at least two chunks: on an H200, 33 one-chunk splits of the
+// small-heads kernel (fp8, 8 rope-free heads, top-k 2051, 32 tokens) took
+// 117 us, 2.4x the 576-wide heads' 49 us at four chunks a split.
+int choose_splits(int64_t ctas, int chunks, int64_t slots) {
+  const int most = std::max(1, std::min(chunks / 2, mla::kMaxSplits));
   int best = 1;
   double best_fill = 0;
   for (int s = 1; s <= most && ctas * s <= 8 * slots + ctas; ++s) {
@@ -167,9 +169,9 @@ int choose_splits(int64_t ctas, int chunks, int64_t slots, int min_chunks) {
 
 // Which kernel runs and how launch() splits the keys of `tokens` x `heads` query rows: a function of the args, the
 // choice and the device only, so workspace_size() knows the partials' size before the call. The small-heads kernel
-// serves fp8_ds_mla caches with 576-wide heads, up to 32 heads from 16 query tokens on (memory-bound decode),
-// where the device fits it; the rest goes to the 16-head-tile kernel, which on an H200 ran bf16 decode and fp8
-// decode of 1-8 tokens faster (docs/performance.md).
+// serves fp8 caches (576-wide heads, or either fp8 form of rope-free 512-wide ones), up to 32 heads from 16 query
+// tokens on (64 rope-free; memory-bound decode), where the device fits it; the rest goes to the 16-head-tile kernel,
+// which on an H200 ran bf16 decode and fp8 decode of fewer tokens faster (docs/performance.md).
 struct Plan {
   const LaunchConfig* head_tile = nullptr;
   const mla::small::SmallHeadsConfig* small = nullptr;
@@ -184,12 +186,11 @@ Plan plan(CacheFormat f, int rope, bool paged, int64_t tokens, int heads, int nu
   Plan s;
   const mla::small::SmallHeadsShape shape{choice.stages, choice.heads_per_cta, choice.split_dims};
   if (choice.kernel == AttentionKernel::small_heads) {
-    if (rope != kMlaRopeDim)
-      throw Error(ErrorKind::unsupported, "MLA attention: the small-heads kernel is built for 576-wide heads");
-    s.small = &mla::small::small_heads_config(f, paged, heads, shape);
-  } else if (choice.kernel == AttentionKernel::automatic && f == CacheFormat::fp8_ds_mla && rope == kMlaRopeDim &&
-             heads <= mla::small::kMaxHeadsAutomatic && tokens >= mla::small::kMinTokensAutomatic) {
-    s.small = mla::small::find_small_heads_config(f, paged, heads, shape);
+    s.small = &mla::small::small_heads_config(f, rope, paged, heads, shape);
+  } else if (choice.kernel == AttentionKernel::automatic && f == CacheFormat::fp8_ds_mla &&
+             heads <= mla::small::kMaxHeadsAutomatic &&
+             tokens >= (rope ? mla::small::kMinTokensAutomatic : mla::small::kMinTokensAutomaticNoRope)) {
+    s.small = mla::small::find_small_heads_config(f, rope, paged, heads, shape);
   }
   if (s.small == nullptr) s.head_tile = &launch_config(f, rope, paged);
   const int heads_per_cta = s.small ? s.small->heads_per_cta : mla::kHeadsPerCta;
@@ -197,11 +198,9 @@ Plan plan(CacheFormat f, int rope, bool paged, int64_t tokens, int heads, int nu
   const int ctas_per_sm = s.small ? s.small->ctas_per_sm : s.head_tile->ctas_per_sm;
   s.ctas = tokens * ((heads + heads_per_cta - 1) / heads_per_cta);
   const int chunks = std::max(1, (num_keys + chunk_keys - 1) / chunk_keys);
-  // The small-heads kernel's 64-key chunks are worth a CTA each.
-  const int splits =
-      choice.splits > 0 ? std::min({choice.splits, chunks, mla::kMaxSplits})
-                        : choose_splits(s.ctas, chunks, static_cast<int64_t>(current_device().num_sms) * ctas_per_sm,
-                                        s.small ? 1 : 2);
+  const int splits = choice.splits > 0 ? std::min({choice.splits, chunks, mla::kMaxSplits})
+                                        : choose_splits(s.ctas, chunks,
+                                                        static_cast<int64_t>(current_device().num_sms) * ctas_per_sm);
   s.chunks_per_split = (chunks + splits - 1) / splits;
   s.num_splits = (chunks + s.chunks_per_split - 1) / s.chunks_per_split;
   return s;
@@ -242,8 +241,17 @@ void launch(AttentionParams& p, CacheFormat f, int rope, bool paged, int num_key
     check_launch("smla MLA attention kernel");
   }
   if (p.num_splits > 1) {
-    mla::combine_kernel<<<static_cast<unsigned>(p.num_tokens) * p.num_heads, mla::kThreads, 0, stream>>>(p);
-    check_launch("smla MLA combine kernel");
+    // From SM90 on the combine is a programmatic dependent launch: its launch overlaps the attention's tail.
+    cudaLaunchAttribute pdl{};
+    pdl.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    pdl.val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t config{};
+    config.gridDim = dim3(static_cast<unsigned>(p.num_tokens) * p.num_heads);
+    config.blockDim = dim3(mla::kThreads);
+    config.stream = stream;
+    config.attrs = &pdl;
+    config.numAttrs = current_device().compute_capability >= 90 ? 1 : 0;
+    check_cuda(cudaLaunchKernelEx(&config, mla::combine_kernel, p), "smla MLA combine kernel");
   }
 }
 

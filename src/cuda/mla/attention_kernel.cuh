@@ -117,18 +117,8 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const AttentionPara
   const int split = blockIdx.y;
   const int b = t / p.s_q, j = t % p.s_q;
 
-  // Keys this token may see; everything at or past `visible` is invalid.
-  int visible;
-  if constexpr (kPaged) {
-    const int seq = p.seq_lens[b];
-    visible = p.causal ? seq - p.s_q + j + 1 : seq;
-    visible = max(0, min(visible, p.max_blocks * p.block_size));
-  } else {
-    visible = p.topk_length ? max(0, min(p.topk_length[t * p.topk_length_stride], p.topk)) : p.topk;
-  }
-  const int total_chunks = (visible + kKeysPerChunk - 1) / kKeysPerChunk;
-  const int chunk_begin = split * p.chunks_per_split;
-  const int n_chunks = max(0, min(p.chunks_per_split, total_chunks - chunk_begin));
+  const ChunkRange range = chunk_range<kPaged>(p, t, b, j, split, kKeysPerChunk);
+  const int visible = range.visible, chunk_begin = range.begin, n_chunks = range.count;
 
   if (tid < kHeadsPerCta) {
     row_max[tid] = -INFINITY;
@@ -279,20 +269,29 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const AttentionPara
 
   // Queries, converted to the compute type, pass through shared memory (the
   // last key buffer, not yet in use) into registers; rows past the last head
-  // are zero.
+  // are zero. Each thread loads all its pieces before storing any: one memory
+  // round trip, not one per piece (it bounds the latency of few-chunk splits).
   T* sq = reinterpret_cast<T*>(smem + L.q);
   const uint16_t* q = p.q + b * p.q_stride_b + j * p.q_stride_s + h0 * p.q_stride_h;
-  for (int i = tid; i < kHeadsPerCta * kPieces; i += kThreads) {
-    const int row = i / kPieces, piece = i % kPieces;
-    uint4 raw = make_uint4(0, 0, 0, 0);
-    if (row < nh) raw = *reinterpret_cast<const uint4*>(q + row * p.q_stride_h + piece * 8);
-    const uint16_t* in = reinterpret_cast<const uint16_t*>(&raw);
-    uint4 conv;
-    uint32_t* outw = reinterpret_cast<uint32_t*>(&conv);
+  constexpr int kQPerThread = (kHeadsPerCta * kPieces + kThreads - 1) / kThreads;
+  uint4 q_raw[kQPerThread];
 #pragma unroll
-    for (int e = 0; e < 4; ++e)
-      outw[e] = pack2<T>(bits_to_float(in[2 * e], p.q_is_bf16), bits_to_float(in[2 * e + 1], p.q_is_bf16));
-    *reinterpret_cast<uint4*>(sq + row * kRowElems + piece * 8) = conv;
+  for (int r = 0; r < kQPerThread; ++r) {
+    const int i = tid + r * kThreads, row = i / kPieces;
+    q_raw[r] = i < kHeadsPerCta * kPieces && row < nh
+                   ? *reinterpret_cast<const uint4*>(q + row * p.q_stride_h + (i % kPieces) * 8)
+                   : make_uint4(0, 0, 0, 0);
+  }
+  auto convert = [&](uint32_t two) {
+    return pack2<T>(bits_to_float(static_cast<uint16_t>(two), p.q_is_bf16),
+                    bits_to_float(static_cast<uint16_t>(two >> 16), p.q_is_bf16));
+  };
+#pragma unroll
+  for (int r = 0; r < kQPerThread; ++r) {
+    const int i = tid + r * kThreads;
+    if (i < kHeadsPerCta * kPieces)
+      *reinterpret_cast<uint4*>(sq + (i / kPieces) * kRowElems + (i % kPieces) * 8) =
+          make_uint4(convert(q_raw[r].x), convert(q_raw[r].y), convert(q_raw[r].z), convert(q_raw[r].w));
   }
   __syncthreads();
 #pragma unroll
@@ -374,8 +373,13 @@ __device__ __forceinline__ float block_reduce(float v, bool is_max, float* scrat
   return v;
 }
 
-// static: the small-heads kernel's file includes this header too.
+// static: the small-heads kernel's file includes this header too. Launched
+// as a programmatic dependent of the attention kernel from SM90 on: its CTAs
+// start while the attention's last ones run and wait here for their results.
 static __global__ void __launch_bounds__(kThreads) combine_kernel(const AttentionParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
   __shared__ float weight[kMaxSplits];
   __shared__ float scratch[kThreads / 32];
   const int t = blockIdx.x / p.num_heads, h = blockIdx.x % p.num_heads;

@@ -19,36 +19,38 @@ constexpr int kMaxStages = 4;  // cp_async_wait_dynamic's deepest count is stage
 using Kernel = void (*)(AttentionParams, int);
 
 // Head groups x dim split compiled: 8 heads on 4 or 8 warps, 16 heads on 8.
-template <CacheFormat F, bool kPaged>
+template <CacheFormat F, bool kPaged, int kRope>
 Kernel kernel_for(int groups, int split_dims) {
-  if (groups == 2) return small_heads_kernel<F, kPaged, 2, 1>;
-  return split_dims == 2 ? small_heads_kernel<F, kPaged, 1, 2> : small_heads_kernel<F, kPaged, 1, 1>;
+  if (groups == 2) return small_heads_kernel<F, kPaged, 2, 1, kRope>;
+  return split_dims == 2 ? small_heads_kernel<F, kPaged, 1, 2, kRope> : small_heads_kernel<F, kPaged, 1, 1, kRope>;
 }
 
-Kernel select(CacheFormat f, bool paged, int groups, int split_dims) {
+template <CacheFormat F>
+Kernel kernel_for(bool paged, int rope, int groups, int split_dims) {
+  if (rope) return paged ? kernel_for<F, true, 64>(groups, split_dims) : kernel_for<F, false, 64>(groups, split_dims);
+  return paged ? kernel_for<F, true, 0>(groups, split_dims) : kernel_for<F, false, 0>(groups, split_dims);
+}
+
+Kernel select(CacheFormat f, bool paged, int rope, int groups, int split_dims) {
   switch (f) {
-    case CacheFormat::bf16:
-      return paged ? kernel_for<CacheFormat::bf16, true>(groups, split_dims)
-                   : kernel_for<CacheFormat::bf16, false>(groups, split_dims);
-    case CacheFormat::f16:
-      return paged ? kernel_for<CacheFormat::f16, true>(groups, split_dims)
-                   : kernel_for<CacheFormat::f16, false>(groups, split_dims);
-    case CacheFormat::fp8_ds_mla:
-      return paged ? kernel_for<CacheFormat::fp8_ds_mla, true>(groups, split_dims)
-                   : kernel_for<CacheFormat::fp8_ds_mla, false>(groups, split_dims);
+    case CacheFormat::bf16: return kernel_for<CacheFormat::bf16>(paged, rope, groups, split_dims);
+    case CacheFormat::f16: return kernel_for<CacheFormat::f16>(paged, rope, groups, split_dims);
+    case CacheFormat::fp8_ds_mla: return kernel_for<CacheFormat::fp8_ds_mla>(paged, rope, groups, split_dims);
   }
   return nullptr;
 }
 
-int smem_bytes(CacheFormat f, int groups, int stages) {
-  switch (f) {
-    case CacheFormat::fp8_ds_mla:
-      return groups == 1 ? Layout<CacheFormat::fp8_ds_mla, 64, 1>(stages).total
-                         : Layout<CacheFormat::fp8_ds_mla, 64, 2>(stages).total;
-    default:  // bf16 and f16 rows are laid out alike
-      return groups == 1 ? Layout<CacheFormat::bf16, 64, 1>(stages).total
-                         : Layout<CacheFormat::bf16, 64, 2>(stages).total;
-  }
+template <CacheFormat F, int kRope>
+int smem_bytes(int groups, int stages) {
+  return groups == 1 ? Layout<F, kRope, 1>(stages).total : Layout<F, kRope, 2>(stages).total;
+}
+
+int smem_bytes(CacheFormat f, int rope, int groups, int stages) {
+  if (f == CacheFormat::fp8_ds_mla)
+    return rope ? smem_bytes<CacheFormat::fp8_ds_mla, 64>(groups, stages)
+                : smem_bytes<CacheFormat::fp8_ds_mla, 0>(groups, stages);
+  // bf16 and f16 rows are laid out alike
+  return rope ? smem_bytes<CacheFormat::bf16, 64>(groups, stages) : smem_bytes<CacheFormat::bf16, 0>(groups, stages);
 }
 
 }  // namespace
@@ -57,7 +59,7 @@ namespace {
 
 // The deepest pipeline that keeps the most CTAs of `fn` resident per SM, or
 // exactly `stages` when > 0; fn null when none fits the device.
-SmallHeadsConfig deepest(Kernel fn, CacheFormat f, int groups, int split_dims, int stages) {
+SmallHeadsConfig deepest(Kernel fn, CacheFormat f, int rope, int groups, int split_dims, int stages) {
   const int threads = groups * kKeySlots * split_dims * 32;
   // The kernel is opted in to all the device allows once: configurations of
   // other depths, made in any order, then launch it with less.
@@ -65,7 +67,7 @@ SmallHeadsConfig deepest(Kernel fn, CacheFormat f, int groups, int split_dims, i
   SmallHeadsConfig best;
   for (int s = 2; s <= kMaxStages; ++s) {
     if (stages > 0 && s != stages) continue;
-    const int bytes = smem_bytes(f, groups, s);
+    const int bytes = smem_bytes(f, rope, groups, s);
     if (bytes > limit) continue;
     const int ctas = resident_ctas_per_sm(reinterpret_cast<const void*>(fn), threads, bytes);
     // Depths ascend: a deeper pipeline wins unless it costs resident CTAs.
@@ -77,35 +79,36 @@ SmallHeadsConfig deepest(Kernel fn, CacheFormat f, int groups, int split_dims, i
 
 }  // namespace
 
-const SmallHeadsConfig* find_small_heads_config(CacheFormat f, bool paged, int num_heads, SmallHeadsShape shape) {
+const SmallHeadsConfig* find_small_heads_config(CacheFormat f, int rope, bool paged, int num_heads,
+                                               SmallHeadsShape shape) {
   if ((shape.stages != 0 && (shape.stages < 2 || shape.stages > kMaxStages)) ||
       (shape.heads_per_cta != 0 && shape.heads_per_cta != 8 && shape.heads_per_cta != 16) ||
       (shape.split_dims != 0 && shape.split_dims != 1 && shape.split_dims != 2))
     throw Error(ErrorKind::invalid_argument, "MLA attention (small-heads kernel): stages must be 2-4, heads per CTA "
                                              "8 or 16, dim split 1 or 2 (0: as the kernel sees fit)");
-  using Key = std::tuple<int, CacheFormat, bool, int, int, int>;
+  using Key = std::tuple<int, CacheFormat, int, bool, int, int, int>;
   static std::mutex mu;
   static std::map<Key, SmallHeadsConfig> configs;  // nodes never move
   thread_local std::map<Key, const SmallHeadsConfig*> mine;  // no lock once seen
   const DeviceInfo& dev = current_device();
   const int groups = shape.heads_per_cta == 8 || (shape.heads_per_cta == 0 && num_heads <= kHeadsPerGroup) ? 1 : 2;
-  const Key key = std::make_tuple(dev.index, f, paged, groups, shape.split_dims, shape.stages);
+  const Key key = std::make_tuple(dev.index, f, rope, paged, groups, shape.split_dims, shape.stages);
   if (auto seen = mine.find(key); seen != mine.end()) return seen->second->fn != nullptr ? seen->second : nullptr;
   std::lock_guard<std::mutex> lock(mu);
   auto it = configs.find(key);
   if (it == configs.end()) {
     SmallHeadsConfig cfg;
     if (groups == 2) {
-      cfg = deepest(select(f, paged, 2, 1), f, 2, 1, shape.stages);
+      cfg = deepest(select(f, paged, rope, 2, 1), f, rope, 2, 1, shape.stages);
     } else if (shape.split_dims != 0) {
-      cfg = deepest(select(f, paged, 1, shape.split_dims), f, 1, shape.split_dims, shape.stages);
+      cfg = deepest(select(f, paged, rope, 1, shape.split_dims), f, rope, 1, shape.split_dims, shape.stages);
     } else {
       // Split the output dims (8 warps per CTA, scores computed twice) only
       // where unsplit CTAs leave fewer than 8 warps per SM: on an H200, 2 CTAs
       // of 4 warps ran fp8 decode 3% faster than 2 of 8.
-      cfg = deepest(select(f, paged, 1, 1), f, 1, 1, shape.stages);
+      cfg = deepest(select(f, paged, rope, 1, 1), f, rope, 1, 1, shape.stages);
       if (cfg.fn == nullptr || cfg.ctas_per_sm * kKeySlots < 8) {
-        const SmallHeadsConfig split = deepest(select(f, paged, 1, 2), f, 1, 2, shape.stages);
+        const SmallHeadsConfig split = deepest(select(f, paged, rope, 1, 2), f, rope, 1, 2, shape.stages);
         if (split.fn != nullptr && (cfg.fn == nullptr || split.ctas_per_sm * 2 > cfg.ctas_per_sm)) cfg = split;
       }
     }
@@ -115,13 +118,14 @@ const SmallHeadsConfig* find_small_heads_config(CacheFormat f, bool paged, int n
   return it->second.fn != nullptr ? &it->second : nullptr;
 }
 
-const SmallHeadsConfig& small_heads_config(CacheFormat f, bool paged, int num_heads, SmallHeadsShape shape) {
-  if (const SmallHeadsConfig* cfg = find_small_heads_config(f, paged, num_heads, shape)) return *cfg;
+const SmallHeadsConfig& small_heads_config(CacheFormat f, int rope, bool paged, int num_heads,
+                                           SmallHeadsShape shape) {
+  if (const SmallHeadsConfig* cfg = find_small_heads_config(f, rope, paged, num_heads, shape)) return *cfg;
   const int groups = shape.heads_per_cta == 8 || (shape.heads_per_cta == 0 && num_heads <= kHeadsPerGroup) ? 1 : 2;
   const int stages = shape.stages > 0 ? shape.stages : 2;
   throw Error(ErrorKind::unsupported, "MLA attention (small-heads kernel, " + std::to_string(stages) +
                                           " stages) needs " +
-                                          std::to_string(smem_bytes(f, groups, stages)) +
+                                          std::to_string(smem_bytes(f, rope, groups, stages)) +
                                           " bytes of shared memory per block; this device allows " +
                                           std::to_string(current_device().max_smem_per_block));
 }

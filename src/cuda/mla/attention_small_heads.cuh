@@ -7,7 +7,8 @@
 // keys of every chunk and all 512 output dims of its head group: it runs its
 // own online softmax with no barrier but the one per chunk of the cp.async
 // pipeline, and the warps of a group are merged once at the end. fp8_ds_mla
-// rows are dequantised from shared memory straight into mma fragments; their
+// rows are dequantised from shared memory straight into mma fragments (e4m3
+// pairs -> f16x2, one instruction from SM89 on, for both products); their
 // per-128-dim scales are applied to the fp32 scores and folded into P for
 // P V. Dims inside a thread's fragments are permuted (the dot products do not
 // care) so every operand is one 16-byte shared load; 16-byte pieces are
@@ -27,8 +28,12 @@ constexpr int kKeySlots = 4;       // warps of a group that own different keys o
 constexpr int kKeysPerWarp = 16;   // the mma's M
 constexpr int kChunkKeys = kKeySlots * kKeysPerWarp;
 // The running max of a head moves only when a score passes it by more than
-// this (log2 units): P stays <= 2^8, and O is rescaled rarely.
-constexpr float kMaxSlack = 8.f;
+// this (log2 units): P stays <= 2^8, and O is rescaled rarely. Only where P
+// is f16 (fp8 and f16 caches): a bf16 P of up to 2^8 rounds a key that
+// dominates the softmax by up to 2^-9 of its weight (the CPU backend's P of
+// that key is 1, exact), so with bf16 caches the base follows the max.
+template <CacheFormat F>
+constexpr float kMaxSlack = F == CacheFormat::bf16 ? 0.f : 8.f;
 
 // Row geometry for rope width kRope (64 for DeepSeek/GLM-5's MLA; 0 for a
 // rope-free 512-wide head): the 16-bit latent and rope values of a row take
@@ -110,13 +115,6 @@ __device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t codes) {
   return static_cast<uint32_t>(h.x) | static_cast<uint32_t>(h.y) << 16;
 #endif
 }
-// ... -> bf16x2, exactly.
-template <bool kHigh = false>
-__device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint32_t codes) {
-  const uint32_t h = e4m3x2_to_f16x2<kHigh>(codes);
-  const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
-  return pack2<__nv_bfloat16>(f.x, f.y);
-}
 __device__ __forceinline__ void cp_async_wait_dynamic(int pending) {
   switch (pending) {
     case 0: cp_async_wait<0>(); break;
@@ -161,17 +159,8 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
   const int split = blockIdx.y;
   const int b = t / p.s_q, j = t % p.s_q;
 
-  int visible;
-  if constexpr (kPaged) {
-    const int seq = p.seq_lens[b];
-    visible = p.causal ? seq - p.s_q + j + 1 : seq;
-    visible = max(0, min(visible, p.max_blocks * p.block_size));
-  } else {
-    visible = p.topk_length ? max(0, min(p.topk_length[t * p.topk_length_stride], p.topk)) : p.topk;
-  }
-  const int total_chunks = (visible + kChunkKeys - 1) / kChunkKeys;
-  const int chunk_begin = split * p.chunks_per_split;
-  const int n_chunks = max(0, min(p.chunks_per_split, total_chunks - chunk_begin));
+  const ChunkRange range = chunk_range<kPaged>(p, t, b, j, split, kChunkKeys);
+  const int visible = range.visible, chunk_begin = range.begin, n_chunks = range.count;
 
   // Gather: warp w copies rows w, w + kWarps, ... of each chunk, a row's
   // 16-byte pieces across the lanes (whole 128-byte lines per instruction).
@@ -227,26 +216,39 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
   // multiplied as f16 (e4m3 codes convert to f16 in one instruction), so each
   // head's latent query is scaled by a power of two that puts its largest
   // value in [2^14, 2^15): exact in f16 down to 2^-24 of that value.
+  // Entry e = (head group, k-step, lane) holds 4 values. Each thread loads
+  // all its entries before using any: one memory round trip per CTA, not one
+  // per entry (a split of few chunks is otherwise mostly this prologue).
   const uint16_t* q = p.q + b * p.q_stride_b + j * p.q_stride_s;
-  auto q_values = [&](int e, float (&v)[4]) {
-    const int l = e % 32, ks = (e / 32) % G::kQkSteps, gi = e / (32 * G::kQkSteps);
-    const int h = gi * kHeadsPerGroup + l / 4;
-    uint2 raw = make_uint2(0, 0);
-    if (h < nh) raw = *reinterpret_cast<const uint2*>(q + (h0 + h) * p.q_stride_h + score_dim<F>(ks, l % 4));
-    const uint16_t* in = reinterpret_cast<const uint16_t*>(&raw);
-    for (int k = 0; k < 4; ++k) v[k] = bits_to_float(in[k], p.q_is_bf16);
-  };
   constexpr int kQEntries = kGroups * G::kQkSteps * 32;
+  constexpr int kQPerThread = (kQEntries + kThreadsPerCta - 1) / kThreadsPerCta;
+  auto head_of = [](int e) { return (e / (32 * G::kQkSteps)) * kHeadsPerGroup + (e % 32) / 4; };
+  auto is_latent = [](int e) { return (e / 32) % G::kQkSteps < kLatentSteps; };
+  uint2 q_raw[kQPerThread];
+#pragma unroll
+  for (int r = 0; r < kQPerThread; ++r) {
+    const int e = tid + r * kThreadsPerCta, h = head_of(e);
+    q_raw[r] = e < kQEntries && h < nh ? *reinterpret_cast<const uint2*>(q + (h0 + h) * p.q_stride_h +
+                                                                          score_dim<F>((e / 32) % G::kQkSteps, e % 4))
+                                       : make_uint2(0, 0);
+  }
+  auto q_values = [&](uint2 raw, float (&v)[4]) {
+    v[0] = bits_to_float(static_cast<uint16_t>(raw.x), p.q_is_bf16);
+    v[1] = bits_to_float(static_cast<uint16_t>(raw.x >> 16), p.q_is_bf16);
+    v[2] = bits_to_float(static_cast<uint16_t>(raw.y), p.q_is_bf16);
+    v[3] = bits_to_float(static_cast<uint16_t>(raw.y >> 16), p.q_is_bf16);
+  };
   if constexpr (kFp8) {
     if (tid < kGroups * kHeadsPerGroup) q_scale[tid] = 0.f;  // the largest |q| first, as int bits
     __syncthreads();
-    for (int e = tid; e < kQEntries; e += kThreadsPerCta) {
-      if ((e / 32) % G::kQkSteps >= kLatentSteps) continue;
+#pragma unroll
+    for (int r = 0; r < kQPerThread; ++r) {
+      const int e = tid + r * kThreadsPerCta;
+      if (e >= kQEntries || !is_latent(e)) continue;
       float v[4];
-      q_values(e, v);
+      q_values(q_raw[r], v);
       const float m = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
-      atomicMax(reinterpret_cast<int*>(q_scale) + (e / (32 * G::kQkSteps)) * kHeadsPerGroup + (e % 32) / 4,
-                __float_as_int(m));
+      atomicMax(reinterpret_cast<int*>(q_scale) + head_of(e), __float_as_int(m));
     }
     __syncthreads();
     if (tid < kGroups * kHeadsPerGroup) {
@@ -255,11 +257,14 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
     }
     __syncthreads();
   }
-  for (int e = tid; e < kQEntries; e += kThreadsPerCta) {
+#pragma unroll
+  for (int r = 0; r < kQPerThread; ++r) {
+    const int e = tid + r * kThreadsPerCta;
+    if (e >= kQEntries) continue;
     float v[4];
-    q_values(e, v);
-    if (kFp8 && (e / 32) % G::kQkSteps < kLatentSteps) {
-      const float sc = q_scale[(e / (32 * G::kQkSteps)) * kHeadsPerGroup + (e % 32) / 4];
+    q_values(q_raw[r], v);
+    if (kFp8 && is_latent(e)) {
+      const float sc = q_scale[head_of(e)];
       qfrag[e] = make_uint2(pack2<__half>(v[0] * sc, v[1] * sc), pack2<__half>(v[2] * sc, v[3] * sc));
     } else {
       qfrag[e] = make_uint2(pack2<T>(v[0], v[1]), pack2<T>(v[2], v[3]));
@@ -281,6 +286,14 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
   // Heads 2c, 2c+1: the softmax's base (the running max, moved lazily), the
   // sum of this lane's P, the exact max score.
   float m[2] = {-INFINITY, -INFINITY}, l_part[2] = {0.f, 0.f}, top[2] = {-INFINITY, -INFINITY};
+  // fp8 P V runs in f16 with each key's scale folded into P over a power of
+  // two per 128-dim tile: P * scale * 2^(133 - e) for e the largest biased
+  // exponent of the tile's scales this warp has met (at least 6). With P <=
+  // 2^kMaxSlack<F> that stays below 2^15, inside f16's range; O's tiles hold
+  // O * 2^(133 - e) and are rescaled when e grows (rarely: scales settle).
+  int tile_exp[kScaleTiles];
+#pragma unroll
+  for (int tt = 0; tt < kScaleTiles; ++tt) tile_exp[tt] = 6;
 
   const int kr = slot_k * kKeysPerWarp;  // this warp's first row of each chunk
   // Byte offsets in a stage, fixed per thread, so the loads below take
@@ -366,7 +379,7 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
     s[3] = v1 ? s[3] * p.scale_log2 : -INFINITY;
 
     // Online softmax per head column, over the 16 keys of lanes with the same
-    // c; the max moves (and O is rescaled) only past kMaxSlack.
+    // c; the max moves (and O is rescaled) only past kMaxSlack<F>.
     float cmax[2];
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
@@ -374,7 +387,7 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
       for (int off = 4; off < 32; off *= 2) cmax[e] = fmaxf(cmax[e], __shfl_xor_sync(0xffffffffu, cmax[e], off));
       top[e] = fmaxf(top[e], cmax[e]);
     }
-    if (__any_sync(0xffffffffu, cmax[0] > m[0] + kMaxSlack || cmax[1] > m[1] + kMaxSlack)) {
+    if (__any_sync(0xffffffffu, cmax[0] > m[0] + kMaxSlack<F> || cmax[1] > m[1] + kMaxSlack<F>)) {
       float alpha[2];
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
@@ -401,16 +414,28 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
 
     // P^T as the B operand (keys x heads): P rows are keys here, so each 8x8
     // half is transposed in registers.
-    auto p_fragment = [&](float scale0, float scale1) {
-      return uint2{movmatrix_trans(pack2<T>(s[0] * scale0, s[1] * scale0)),
-                   movmatrix_trans(pack2<T>(s[2] * scale1, s[3] * scale1))};
+    auto p_fragment = [&](auto one, float scale0, float scale1) {
+      using U = decltype(one);
+      return uint2{movmatrix_trans(pack2<U>(s[0] * scale0, s[1] * scale0)),
+                   movmatrix_trans(pack2<U>(s[2] * scale1, s[3] * scale1))};
     };
     if constexpr (kFp8) {
       const float sc0v[4] = {sc0.x, sc0.y, sc0.z, sc0.w}, sc1v[4] = {sc1.x, sc1.y, sc1.z, sc1.w};
 #pragma unroll
       for (int tt = 0; tt < kScaleTiles; ++tt) {
         const int tile = half_d * kScaleTiles + tt;
-        const uint2 pt = p_fragment(sc0v[tile], sc1v[tile]);
+        // The tile's largest scale exponent over the warp's 16 keys (lanes of one g hold the same two keys).
+        int e = max(static_cast<int>(__float_as_uint(sc0v[tile]) >> 23 & 0xff),
+                    static_cast<int>(__float_as_uint(sc1v[tile]) >> 23 & 0xff));
+        for (int off = 4; off < 32; off *= 2) e = max(e, __shfl_xor_sync(0xffffffffu, e, off));
+        if (e > tile_exp[tt]) {  // warp-uniform
+          const float f = exp2f(static_cast<float>(tile_exp[tt] - e));
+#pragma unroll
+          for (int i = 8 * tt; i < 8 * tt + 8; ++i) o[i][0] *= f, o[i][1] *= f, o[i][2] *= f, o[i][3] *= f;
+          tile_exp[tt] = e;
+        }
+        const float up = __uint_as_float(static_cast<uint32_t>(260 - tile_exp[tt]) << 23);  // 2^(133 - e)
+        const uint2 pt = p_fragment(__half{}, sc0v[tile] * up, sc1v[tile] * up);
         // Rows 2c, 2c+1, 2c+8, 2c+9 at piece g of this tile: 16 dims of 4 keys.
         const uint4 x0 = load(v_off0 + 128 * tile), x1 = load(v_off1 + 128 * tile);
         const uint4 x2 = load(v_off0 + 128 * tile + 8 * G::kRowBytes);
@@ -422,16 +447,16 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
           // Byte pairs (key 2c, key 2c+1) per dim: dims 4k, 4k+1 then 4k+2, 4k+3.
           const uint32_t lo01 = byte_perm(w0[k], w1[k], 0x5140), hi01 = byte_perm(w0[k], w1[k], 0x7362);
           const uint32_t lo23 = byte_perm(w2[k], w3[k], 0x5140), hi23 = byte_perm(w2[k], w3[k], 0x7362);
-          mma_16816<T>(o[8 * tt + 2 * k], {e4m3x2_to_bf16x2(lo01), e4m3x2_to_bf16x2<true>(lo01),
-                                           e4m3x2_to_bf16x2(lo23), e4m3x2_to_bf16x2<true>(lo23)},
-                       {pt.x, pt.y});
-          mma_16816<T>(o[8 * tt + 2 * k + 1], {e4m3x2_to_bf16x2(hi01), e4m3x2_to_bf16x2<true>(hi01),
-                                               e4m3x2_to_bf16x2(hi23), e4m3x2_to_bf16x2<true>(hi23)},
-                       {pt.x, pt.y});
+          mma_16816<__half>(o[8 * tt + 2 * k], {e4m3x2_to_f16x2(lo01), e4m3x2_to_f16x2<true>(lo01),
+                                                e4m3x2_to_f16x2(lo23), e4m3x2_to_f16x2<true>(lo23)},
+                            {pt.x, pt.y});
+          mma_16816<__half>(o[8 * tt + 2 * k + 1], {e4m3x2_to_f16x2(hi01), e4m3x2_to_f16x2<true>(hi01),
+                                                    e4m3x2_to_f16x2(hi23), e4m3x2_to_f16x2<true>(hi23)},
+                            {pt.x, pt.y});
         }
       }
     } else {
-      const uint2 pt = p_fragment(1.f, 1.f);
+      const uint2 pt = p_fragment(T{}, 1.f, 1.f);
 #pragma unroll
       for (int i = 0; i < kMTiles; ++i) {
         uint32_t a[4];
@@ -485,8 +510,9 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
     const float f = m[e] == -INFINITY ? 0.f : exp2f(m[e] - mx);
 #pragma unroll
     for (int i = 0; i < kMTiles; ++i) {
-      o[i][e] *= f;
-      o[i][e + 2] *= f;
+      const float fi = kFp8 ? ldexpf(f, tile_exp[i / 8] - 133) : f;  // fp8: O's tile back from its power of two
+      o[i][e] *= fi;
+      o[i][e + 2] *= fi;
     }
   }
   // Slot s of this group: [8 heads][512 dims] fp32. o[i][e] sits at (dim, head):

@@ -9,8 +9,10 @@
 namespace smla::cuda::mla::small {
 
 constexpr int kSmallChunkKeys = 64;       // keys per pipeline stage (kChunkKeys)
-// The ops pick this kernel for fp8_ds_mla caches up to this many heads, from this many query tokens on.
-constexpr int kMaxHeadsAutomatic = 32, kMinTokensAutomatic = 16;
+// The ops pick this kernel for fp8 caches up to this many heads, from this many query tokens on (576-wide heads)
+// or from kMinTokensAutomaticNoRope (rope-free 512-wide ones; on an H200 at 8 heads the 16-head-tile kernel took
+// 42.1 against 46.3 us at 32 tokens, 75.3 against 64.2 at 64).
+constexpr int kMaxHeadsAutomatic = 32, kMinTokensAutomatic = 16, kMinTokensAutomaticNoRope = 64;
 
 struct SmallHeadsConfig {
   const void* fn = nullptr;
@@ -24,15 +26,19 @@ struct SmallHeadsShape {
   int stages = 0, heads_per_cta = 0, split_dims = 0;
 };
 
-// The configuration for `num_heads` heads of format `f` on the current device
-// (cached per device and shape): 8 heads per CTA up to 8 heads, else 16; the
+// The configuration for `num_heads` heads of format `f` and rope width `rope`
+// (64: 576-wide heads; 0: rope-free 512-wide ones, of whose fp8 rows only the
+// first 528 bytes are read, laid out alike in fp8_ds_mla and fp8_ds_mla_nope)
+// on the current device (cached per device and shape): 8 heads per CTA up to 8 heads, else 16; the
 // deepest pipeline that keeps the most CTAs resident per SM; at 8 heads the
 // output dims split between two warps where unsplit CTAs leave fewer than 8
 // warps per SM. Null when the device's shared memory cannot hold it (bf16 rows
-// need 157 KB); an invalid forced shape is an error.
-const SmallHeadsConfig* find_small_heads_config(CacheFormat f, bool paged, int num_heads, SmallHeadsShape shape = {});
+// need 157 KB, 140 KB rope-free); an invalid forced shape is an error.
+const SmallHeadsConfig* find_small_heads_config(CacheFormat f, int rope, bool paged, int num_heads,
+                                               SmallHeadsShape shape = {});
 // The same, an error where the device cannot run it.
-const SmallHeadsConfig& small_heads_config(CacheFormat f, bool paged, int num_heads, SmallHeadsShape shape = {});
+const SmallHeadsConfig& small_heads_config(CacheFormat f, int rope, bool paged, int num_heads,
+                                           SmallHeadsShape shape = {});
 
 // Launches one attention of `p` (its split fields filled) with `cfg` on `stream`.
 void launch_small_heads(const AttentionParams& p, const SmallHeadsConfig& cfg, cudaStream_t stream);

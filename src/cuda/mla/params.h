@@ -56,4 +56,27 @@ struct AttentionParams {
   float* partial_max;  // [num_splits, num_tokens, H], the split's max score, log2 units
 };
 
+#ifdef __CUDACC__
+// The keys query token t (request b, step j) may see (everything at or past `visible` is invalid) and the chunks
+// of `chunk_keys` keys of them that split `split` handles: [begin, begin + count).
+struct ChunkRange {
+  int visible, begin, count;
+};
+template <bool kPaged>
+__device__ __forceinline__ ChunkRange chunk_range(const AttentionParams& p, int t, int b, int j, int split,
+                                                  int chunk_keys) {
+  int visible;
+  if constexpr (kPaged) {
+    const int seq = p.seq_lens[b];
+    visible = p.causal ? seq - p.s_q + j + 1 : seq;
+    visible = max(0, min(visible, p.max_blocks * p.block_size));
+  } else {
+    visible = p.topk_length ? max(0, min(p.topk_length[t * p.topk_length_stride], p.topk)) : p.topk;
+  }
+  const int total_chunks = (visible + chunk_keys - 1) / chunk_keys;
+  const int begin = split * p.chunks_per_split;
+  return {visible, begin, max(0, min(p.chunks_per_split, total_chunks - begin))};
+}
+#endif
+
 }  // namespace smla::cuda::mla
