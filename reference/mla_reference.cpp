@@ -91,7 +91,10 @@ uint8_t nearest_e4m3(double x) {
     const double v = numeric::e4m3_to_float(static_cast<uint8_t>(code));
     if (std::isnan(v) || std::signbit(v) != std::signbit(x)) continue;
     const double error = std::fabs(v - x);
-    if (error < best_error || (error == best_error && code % 2 == 0)) best = static_cast<uint8_t>(code), best_error = error;
+    if (error < best_error || (error == best_error && code % 2 == 0)) {
+      best = static_cast<uint8_t>(code);
+      best_error = error;
+    }
   }
   return best;
 }
@@ -103,7 +106,8 @@ void ref_write_v4_token(const TensorView& cache, int64_t slot, const float* x) {
     for (int d = tile * 64; d < (tile + 1) * 64; ++d) amax = std::max(amax, std::fabs(double(x[d])));
     const int exponent = static_cast<int>(std::ceil(std::log2(std::max(amax / 448.0, 1e-4))));
     token.scales[tile] = static_cast<uint8_t>(exponent + 127);
-    for (int d = tile * 64; d < (tile + 1) * 64; ++d) token.values[d] = nearest_e4m3(std::ldexp(double(x[d]), -exponent));
+    for (int d = tile * 64; d < (tile + 1) * 64; ++d)
+      token.values[d] = nearest_e4m3(std::ldexp(double(x[d]), -exponent));
   }
   for (int d = 448; d < 512; ++d) {
     const uint16_t bits = numeric::float_to_bf16(x[d]);

@@ -83,7 +83,8 @@ Device detect_device();
 struct RunOptions {
   std::string device = "auto";          // auto | cpu | sm_XY | cuda[:N]
   std::string dtype = "bfloat16";       // bfloat16 | float16
-  std::string kv_cache_dtype = "auto";  // auto (= dtype) | bfloat16 | float16 | fp8_ds_mla | fp8_ds_mla_nope | fp8_ds_mla_v4
+  // auto (= dtype) | bfloat16 | float16 | fp8_ds_mla | fp8_ds_mla_nope | fp8_ds_mla_v4
+  std::string kv_cache_dtype = "auto";
   int block_size = 64;
   int tp = 1;
   std::string backend;  // empty: choose (SMLA_BACKEND still applies)

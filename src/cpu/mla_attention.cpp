@@ -162,7 +162,8 @@ void run_attention(const Problem& p, const Rows& rows) {
   Scratch& s = scratch();
   if (s.per_thread.size() < size_t(threads)) s.per_thread.resize(threads);
   s.thread_ptr.resize(s.per_thread.size());
-  for (int i = 0; i < threads; ++i) s.thread_ptr[i] = s.per_thread[i].reserve(ws_bytes + list_bytes + own_part_bytes + dequant_bytes);
+  for (int i = 0; i < threads; ++i)
+    s.thread_ptr[i] = s.per_thread[i].reserve(ws_bytes + list_bytes + own_part_bytes + dequant_bytes);
   float* partials =
       splits > 1 ? reinterpret_cast<float*>(s.partials.reserve(p.tokens * splits * part_floats * sizeof(float)))
                  : nullptr;

@@ -491,7 +491,8 @@ def test_model1_fp8_sparse_decode(rng, b, s_q, h_q, topk, extra_topk, block_size
     topk_length = rng.integers(0, topk + 1, size=(b,)).astype(np.int32)
     topk_length[0] = 0
     extra_topk_length = rng.integers(0, extra_topk + 1, size=(b, s_q)).astype(np.int32)
-    main_idx, extra_idx = counted(indices, topk_length, num_slots), counted(extra_indices, extra_topk_length, extra_slots)
+    main_idx = counted(indices, topk_length, num_slots)
+    extra_idx = counted(extra_indices, extra_topk_length, extra_slots)
     used = np.zeros(num_slots, bool)
     used[main_idx[main_idx >= 0]] = True
     extra_used = np.zeros(extra_slots, bool)

@@ -43,7 +43,7 @@ void check_job_fits(const JobOptions& o, const Resolved& res, const Memory& mem)
                                   std::to_string(bs) + "), more than the " + std::to_string(kMaxSlots) +
                                   " that int32 slot numbers reach; lower --batch or --context");
   const DType kv = res.run.resolved_kv_cache_dtype();
-  const double row = mla_row_bytes(kv, MlaHead{res.spec.qk_rope_head_dim}) +
+  const double row = mla_row_bytes(kv, spec_head(res.spec)) +
                      (res.spec.is_sparse() ? index_row_bytes(index_cache_dtype(kv)) : 0);
   const double bytes = double(slots) * row + other_bytes, have = mem.capacity_bytes();
   const std::string memory = mem.device().is_cpu() ? "host memory" : "GPU memory";
@@ -60,6 +60,12 @@ DType index_cache_dtype(DType kv_cache) {
   return is_fp8_mla_cache(kv_cache) || kv_cache == DType::fp8_ds_mla_v4 ? DType::fp8_e4m3 : DType::bf16;
 }
 int index_row_bytes(DType d) { return d == DType::bf16 ? 2 * kIndexHeadDim : kFp8IndexRowBytes; }
+MlaHead spec_head(const AttentionSpec& spec) {
+  const std::optional<MlaHead> head = mla_head_for_qk_dim(spec.absorbed_qk_dim());
+  require(head.has_value(), "--model: absorbed head size " + std::to_string(spec.absorbed_qk_dim()) +
+                                " is not one the attention ops take (576 or 512)");
+  return *head;
+}
 int mla_row_bytes(DType d, MlaHead head) {
   return static_cast<int>(head.cache_row(d) * (d == DType::bf16 || d == DType::f16 ? 2 : 1));
 }

@@ -77,11 +77,14 @@ inline TensorView first_rows(TensorView v, int64_t n) {
   return v;
 }
 
-// The index cache's type beside a latent cache of type `kv_cache`: fp8_e4m3 beside either fp8 form, else bf16.
+// The index cache's type beside a latent cache of type `kv_cache`: fp8_e4m3 beside an fp8 form, else bf16.
 DType index_cache_dtype(DType kv_cache);
 // Bytes one token's row (or one pool's, for a pooled index cache) takes in the index cache and in the latent cache.
 int index_row_bytes(DType index_cache);
 int mla_row_bytes(DType kv_cache, MlaHead head = MlaHead{});
+// The absorbed head the model's attention ops compute with: 576 or 512 wide (DeepSeek-V4's shared 448 + 64 head,
+// like a rope-free one, is 512).
+MlaHead spec_head(const AttentionSpec& spec);
 
 // The layer job's self-check prompt, tokens (at most top-k for DSA models).
 inline constexpr int kLayerCheckTokens = 16;

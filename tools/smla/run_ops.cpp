@@ -294,7 +294,7 @@ Report run_sparse(const JobOptions& o, const AttentionSpec& spec, const RunSpec&
     fail("--model: the pooled indexer selects whole pools: index_topk " + std::to_string(K) +
          " must be a multiple of index_kpool " + std::to_string(kpool));
   const DType kv = run.resolved_kv_cache_dtype();
-  const MlaHead head{spec.qk_rope_head_dim};
+  const MlaHead head = spec_head(spec);
   PagedCaches caches(mem, o, kv, head, true, kpool, rng);
   if (o.context > 1) caches.write(be, rng, B, 0, o.context - 1);
 
@@ -415,7 +415,7 @@ Report run_dense(const JobOptions& o, const AttentionSpec& spec, const RunSpec& 
   Random rng(o.seed);
   const int B = o.batch, H = heads_per_rank(spec, run);
   const DType kv = run.resolved_kv_cache_dtype();
-  const MlaHead head{spec.qk_rope_head_dim};
+  const MlaHead head = spec_head(spec);
   PagedCaches caches(mem, o, kv, head, false, 1, rng);
   if (o.context > 1) caches.write(be, rng, B, 0, o.context - 1);
   const auto t0 = Clock::now();
