@@ -2,6 +2,7 @@
 
 #include "smla/error.h"
 #include "smla/spec.h"
+#include "smla/types.h"
 
 namespace smla::cli {
 
@@ -13,7 +14,9 @@ void add_common_options(CLI::App& app, CommonOptions& o) {
   app.add_option("--device", o.run.device, "auto, cpu, cuda or cuda:N (this machine's GPU N), or a GPU architecture sm_80 / sm_86 / sm_89 / sm_90 / sm_100 / sm_120")
       ->capture_default_str();
   app.add_option("--dtype", o.run.dtype, "query dtype: bfloat16 or float16")->capture_default_str();
-  app.add_option("--kv-cache-dtype", o.run.kv_cache_dtype, "auto (= --dtype), bfloat16, float16, fp8_ds_mla or fp8_ds_mla_nope (no rope part)")
+  app.add_option("--kv-cache-dtype", o.run.kv_cache_dtype,
+                 "auto (= --dtype), " + dtype_names(kAllMlaCacheDTypes) +
+                     " (fp8_ds_mla_nope: heads with no rope part; fp8_ds_mla_v4: DeepSeek-V4's)")
       ->capture_default_str();
   app.add_option("--block-size", o.run.block_size, "tokens per KV-cache block")->capture_default_str();
   app.add_option("--tp", o.run.tp, "tensor-parallel size (heads per rank = heads / tp)")->capture_default_str();
