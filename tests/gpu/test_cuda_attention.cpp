@@ -7,10 +7,12 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <optional>
 #include <random>
@@ -693,6 +695,59 @@ TEST(CudaBackend, RefusesASecondCache) {
         << e.what();
   }
   EXPECT_EQ(out.download<uint16_t>(), sentinel);
+}
+
+// DeepSeek-V4's fp8 cache (fp8_ds_mla_v4) is the CPU backend's only: the CUDA backend does not declare it, so every
+// op given one refuses it as unsupported, naming the cache, and writes nothing.
+TEST(CudaBackend, RefusesTheV4Fp8Cache) {
+  const auto& dtypes = gpu().capabilities().kv_cache_dtypes;
+  ASSERT_EQ(std::find(dtypes.begin(), dtypes.end(), DType::fp8_ds_mla_v4), dtypes.end());
+  constexpr int64_t kTokens = 2, kHeads = 4, kBlocks = 2, kBlock = 16, kTopk = 8;
+  constexpr int64_t kRow = MlaV4CacheLayout::kRowBytes;
+  uint16_t dummy[8];
+  DeviceBuffer d(8 << 16);
+  char* base = static_cast<char*>(d.ptr);
+  const std::vector<uint16_t> sentinel(kTokens * kHeads * kMlaVDim, 0x7fc0);  // bf16 NaN
+  const std::vector<uint8_t> cache_bytes(kBlocks * kBlock * kRow, 0x7f);
+  DeviceBuffer out(sentinel), cache(cache_bytes);
+  const TensorView v4_cache = on_gpu(TensorView(dummy, {kBlocks, kBlock, kRow}, DType::fp8_ds_mla_v4), cache.ptr);
+  const auto expect_refused = [](const std::function<void()>& run, const std::string& needle) {
+    try {
+      run();
+      ADD_FAILURE() << "no error";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::unsupported);
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  SparseMlaArgs a;
+  a.q = on_gpu(TensorView(dummy, {kTokens, kHeads, kMlaLatentDim}, DType::bf16), base);
+  a.kv_cache = v4_cache;
+  a.indices = on_gpu(TensorView(dummy, {kTokens, kTopk}, DType::i32), base + (3 << 16));
+  a.out = on_gpu(TensorView(dummy, {kTokens, kHeads, kMlaVDim}, DType::bf16), out.ptr);
+  a.lse = on_gpu(TensorView(dummy, {kTokens, kHeads}, DType::f32), base + (6 << 16));
+  a.softmax_scale = 1.f;
+  expect_refused([&] { sparse_mla(a, &gpu()); },
+                 "sparse_mla: kv_cache: backend 'cuda_mma' does not read fp8_ds_mla_v4 caches");
+  PagedMlaDecodeArgs p;
+  p.q = on_gpu(TensorView(dummy, {kTokens, 1, kHeads, kMlaLatentDim}, DType::bf16), base);
+  p.kv_cache = v4_cache;
+  p.block_table = on_gpu(TensorView(dummy, {kTokens, kBlocks}, DType::i32), base + (3 << 16));
+  p.seq_lens = on_gpu(TensorView(dummy, {kTokens}, DType::i32), base + (4 << 16));
+  p.out = on_gpu(TensorView(dummy, {kTokens, 1, kHeads, kMlaVDim}, DType::bf16), out.ptr);
+  p.lse = on_gpu(TensorView(dummy, {kTokens, 1, kHeads}, DType::f32), base + (6 << 16));
+  p.softmax_scale = 1.f;
+  expect_refused([&] { paged_mla_decode(p, &gpu()); },
+                 "paged_mla_decode: kv_cache: backend 'cuda_mma' does not read fp8_ds_mla_v4 caches");
+  WriteMlaCacheArgs w;
+  w.latent = on_gpu(TensorView(dummy, {kTokens, kMlaLatentDim}, DType::bf16), base);
+  w.slot_mapping = on_gpu(TensorView(dummy, {kTokens}, DType::i64), base + (3 << 16));
+  w.cache = v4_cache;
+  expect_refused([&] { write_mla_cache(w, &gpu()); },
+                 "write_mla_cache: cache: backend 'cuda_mma' does not read fp8_ds_mla_v4 caches");
+  CUDA_OK(cudaDeviceSynchronize());
+  EXPECT_EQ(out.download<uint16_t>(), sentinel);
+  EXPECT_EQ(cache.download<uint8_t>(), cache_bytes);
 }
 
 }  // namespace
