@@ -95,6 +95,7 @@ std::vector<AttentionSpec> make_presets() {
                             .num_layers = 45,
                             .num_attention_layers = 11,
                             .rms_norm_eps = 1e-5,
+                            .rope = {},
                             .indexer = IndexerSpec{.heads = 32, .head_dim = 128, .topk = 2048,
                                                    .rope_style = RopeStyle::interleaved, .kpool = 4,
                                                    .always_select_tail = true}};
