@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import smla
-from reference import INVALID_INDICES, LATENT, QK, ROPE, V, attention, cache_rows, dequantize_ds_mla, quantize_ds_mla
+from reference import (INVALID_INDICES, LATENT, QK, ROPE, V, attention, cache_rows, dequantize_ds_mla, model1_view,
+                       quantize_ds_mla, quantize_model1)
 from smla.flash_mla import flash_mla_sparse_fwd, flash_mla_with_kvcache, get_mla_metadata
 
 torch = pytest.importorskip("torch")
@@ -532,6 +533,45 @@ def test_flash_mla_model1_torch_tensors_match_numpy(rng):
     assert isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16 and lse.shape == (3, 16, 2)
     np.testing.assert_array_equal(to_numpy(out).view(np.uint16), want_out.view(np.uint16))
     np.testing.assert_array_equal(to_numpy(lse), want_lse)
+
+
+def model1_fp8_case(rng, block_size=16, num_blocks=4):
+    """q (3, 2, 16, 512) and FlashMLA's fp8 MODEL1 k_cache (num_blocks, block_size, 1, 584) over padded blocks (a
+    numpy view), with indices (some invalid) and per-request lengths."""
+    rows = (rng.standard_normal((num_blocks * block_size, LATENT)) / 3).astype(ml_dtypes.bfloat16)
+    blocks = quantize_model1(rows, block_size)
+    q = np.clip(rng.standard_normal((3, 2, 16, LATENT)), -1, 1).astype(ml_dtypes.bfloat16)
+    indices = rng.integers(-1, num_blocks * block_size + 1, size=(3, 2, 32)).astype(np.int32)
+    topk_length = rng.integers(0, 33, size=3).astype(np.int32)
+    return q, blocks, model1_view(blocks, block_size), indices, topk_length
+
+
+def test_flash_mla_model1_fp8_torch_tensors_match_numpy(rng):
+    """FlashMLA's fp8 MODEL1 cache (fp8_ds_mla_v4) as a torch uint8 view of padded blocks: torch.ops.smla (one cache)
+    gives the numpy path's results bit for bit."""
+    q, blocks, k_cache, indices, topk_length = model1_fp8_case(rng)
+    want_out, want_lse = flash_mla_with_kvcache(q, k_cache, None, None, 512, get_mla_metadata()[0],
+                                                is_fp8_kvcache=True, indices=indices, topk_length=topk_length)
+    assert np.isfinite(want_out.astype(np.float32)).all()
+    t_blocks = torch.from_numpy(blocks)
+    t_cache = t_blocks[:, :k_cache.shape[1] * 584].view(k_cache.shape)
+    assert t_cache.stride(0) == blocks.shape[1]  # FlashMLA's padded blocks
+    out, lse = flash_mla_with_kvcache(to_torch(q), t_cache, None, None, 512, get_mla_metadata()[0],
+                                      is_fp8_kvcache=True, indices=to_torch(indices), topk_length=to_torch(topk_length))
+    assert isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16
+    np.testing.assert_array_equal(to_numpy(out).view(np.uint16), want_out.view(np.uint16))
+    np.testing.assert_array_equal(to_numpy(lse), want_lse)
+
+
+@cuda
+def test_flash_mla_model1_fp8_on_cuda_is_refused(rng):
+    """The CUDA backend does not read FlashMLA's fp8 MODEL1 cache (fp8_ds_mla_v4): an UnsupportedError naming it."""
+    q, blocks, k_cache, indices, topk_length = model1_fp8_case(rng)
+    t_cache = torch.from_numpy(blocks).cuda()[:, :k_cache.shape[1] * 584].view(k_cache.shape)
+    with pytest.raises(smla.UnsupportedError, match="backend 'cuda_mma' does not read fp8_ds_mla_v4 caches"):
+        flash_mla_with_kvcache(to_torch(q, "cuda"), t_cache, None, None, 512, get_mla_metadata()[0],
+                               is_fp8_kvcache=True, indices=to_torch(indices, "cuda"),
+                               topk_length=to_torch(topk_length, "cuda"))
 
 
 @cuda
