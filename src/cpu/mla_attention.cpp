@@ -124,8 +124,8 @@ struct Problem {
   int64_t max_logits_head_stride = 0;
   const float* sink;
   float scale;
-  DType cache_dtype;  // the rows' dtype as the kernels see them: bf16 for an fp8_ds_mla_v4 cache
-  bool dequantize;    // fp8_ds_mla_v4: each work item dequantises its rows into per-thread scratch
+  DType cache_dtype;        // the rows' dtype as the kernels see them: bf16 for an fp8_ds_mla_v4 cache
+  bool dequantize = false;  // fp8_ds_mla_v4: each work item dequantises its rows into per-thread scratch
   MlaHead head;
 };
 
