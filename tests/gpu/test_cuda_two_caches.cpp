@@ -352,6 +352,20 @@ TEST(CudaTwoCaches, WorkspaceTooSmallIsAnError) {
                      {"sparse_mla", "workspace", "too small"});
 }
 
+// The extra cache is held to the main cache's alignment, and the error names it.
+TEST(CudaTwoCaches, MisalignedExtraCacheIsAnError) {
+  TwoCaches p;
+  Inputs in;
+  make_inputs(p, 700, in);
+  OnGpu g(in);
+  DeviceBuffer shifted(g.extra_cache.bytes + 16);
+  g.args.extra_kv_cache.data = static_cast<char*>(shifted.ptr) + 2;
+  test::expect_error([&] { sparse_mla(g.args, &gpu()); }, ErrorKind::invalid_argument,
+                     {"sparse_mla", "extra_kv_cache", "16-byte aligned"});
+  const auto out = g.out.download<uint16_t>();
+  for (uint16_t v : out) ASSERT_EQ(v, 0x7fc1);
+}
+
 // Captured into a CUDA graph on a new non-blocking stream with a caller workspace: the replay equals an eager call
 // bit for bit, and a replay on new inputs (indices and lengths changed in place) equals the CPU on those.
 TEST(CudaTwoCaches, CapturedOnANewNonBlockingStream) {
