@@ -29,7 +29,7 @@ struct TwoCaches {
   DType q_dtype = DType::bf16;
   DType kv_dtype = DType::bf16;
   int rope = 0;  // 0: DeepSeek-V4's 512-wide head (the value the whole row); 64: 576-wide heads
-  int tokens = 3, heads = 8, topk = 128, extra_topk = 64, block_size = 16, extra_block_size = 64;
+  int tokens = 4, heads = 8, topk = 128, extra_topk = 64, block_size = 16, extra_block_size = 64;
   bool lengths = true, sink = false, max_logits = true, empty_lse_plus_inf = false;
   bool caller_workspace = false;
   cuda::AttentionChoice choice;  // forced (splits != 0): the op's CUDA function is called directly
@@ -114,7 +114,7 @@ void make_inputs(const TwoCaches& p, uint64_t seed, Inputs& in) {
     for (int k = 0; k < p.topk; ++k) in.main.indices[p.topk + k] = -1;
     for (int k = 0; k < p.extra_topk; ++k) in.extra.indices[p.extra_topk + k] = -1;
   }
-  if (p.tokens > 2 && p.lengths) {  // the last token's lengths are 0 in both lists: the same
+  if (p.tokens > 3 && p.lengths) {  // the last token's lengths are 0 in both lists: the same
     in.main.lengths[p.tokens - 1] = 0;
     in.extra.lengths[p.tokens - 1] = 0;
   }
@@ -201,11 +201,13 @@ cuda::AttentionPlan run_two_caches(const TwoCaches& p, uint64_t seed) {
   SCOPED_TRACE(what);
   Inputs in;
   make_inputs(p, seed, in);
-  // The empty rows hold the convention the CPU applies: a check that the comparison below is not vacuous there.
-  if (p.tokens > 1) {
-    for (int h = 0; h < p.heads; ++h)
-      EXPECT_EQ(in.lse[p.heads + h], p.empty_lse_plus_inf ? INFINITY : -INFINITY) << what;
-  }
+  // The empty rows hold the convention the CPU applies and the other rows attend keys: the comparison below is
+  // not vacuous.
+  const float empty = p.empty_lse_plus_inf ? INFINITY : -INFINITY;
+  for (int h = 0; h < p.heads && p.tokens > 1; ++h) EXPECT_EQ(in.lse[p.heads + h], empty) << what;
+  for (int h = 0; h < p.heads && p.tokens > 3 && p.lengths; ++h)
+    EXPECT_EQ(in.lse[(p.tokens - 1) * p.heads + h], empty) << what;
+  EXPECT_GT(std::count_if(in.lse.begin(), in.lse.end(), [](float l) { return std::isfinite(l); }), 0) << what;
   OnGpu g(in);
   const cuda::AttentionPlan plan = cuda::sparse_mla_plan(g.args, p.choice);
   EXPECT_EQ(plan.kernel, cuda::AttentionKernel::head_tile) << what;
@@ -238,7 +240,7 @@ TEST(CudaTwoCaches, HeadsAndTopks) {
         p.heads = heads;
         p.topk = topk;
         p.extra_topk = extra_topk;
-        p.tokens = heads >= 64 ? 2 : 3;
+        p.tokens = heads >= 64 && std::max(topk, extra_topk) == 2048 ? 3 : 6;
         p.caller_workspace = seed % 2 == 0;
         run_two_caches(p, seed++);
       }
