@@ -71,6 +71,46 @@ std::vector<std::vector<double>> query(const TensorView& q, int64_t offset, int6
   return heads_q;
 }
 
+// fp8_ds_mla_v4 (MlaV4CacheLayout, spelt out again): the block of `slot`, its token's 576 value bytes (448 e4m3, 64
+// bf16) at offset * 576, its 7 ue8m0 scale bytes at block_size * 576 + offset * 8.
+struct V4Token {
+  uint8_t* values;
+  uint8_t* scales;
+};
+V4Token v4_token(const TensorView& cache, int64_t slot) {
+  const int64_t block_size = cache.shape[1], offset = slot % block_size;
+  uint8_t* block = cache.ptr<uint8_t>() + (slot / block_size) * cache.strides[0];
+  return {block + offset * 576, block + block_size * 576 + offset * 8};
+}
+
+// The e4m3 byte nearest to x (|x| <= 448), ties to the even code, by search over all finite codes.
+uint8_t nearest_e4m3(double x) {
+  uint8_t best = 0;
+  double best_error = std::numeric_limits<double>::infinity();
+  for (int code = 0; code < 256; ++code) {
+    const double v = numeric::e4m3_to_float(static_cast<uint8_t>(code));
+    if (std::isnan(v) || std::signbit(v) != std::signbit(x)) continue;
+    const double error = std::fabs(v - x);
+    if (error < best_error || (error == best_error && code % 2 == 0)) best = static_cast<uint8_t>(code), best_error = error;
+  }
+  return best;
+}
+
+void ref_write_v4_token(const TensorView& cache, int64_t slot, const float* x) {
+  const V4Token token = v4_token(cache, slot);
+  for (int tile = 0; tile < 7; ++tile) {
+    double amax = 0;
+    for (int d = tile * 64; d < (tile + 1) * 64; ++d) amax = std::max(amax, std::fabs(double(x[d])));
+    const int exponent = static_cast<int>(std::ceil(std::log2(std::max(amax / 448.0, 1e-4))));
+    token.scales[tile] = static_cast<uint8_t>(exponent + 127);
+    for (int d = tile * 64; d < (tile + 1) * 64; ++d) token.values[d] = nearest_e4m3(std::ldexp(double(x[d]), -exponent));
+  }
+  for (int d = 448; d < 512; ++d) {
+    const uint16_t bits = numeric::float_to_bf16(x[d]);
+    std::memcpy(token.values + 448 + 2 * (d - 448), &bits, 2);
+  }
+}
+
 MlaHead head_of(const TensorView& q) { return MlaHead{static_cast<int>(q.shape[q.ndim - 1]) - kMlaLatentDim}; }
 
 }  // namespace
@@ -78,7 +118,18 @@ MlaHead head_of(const TensorView& q) { return MlaHead{static_cast<int>(q.shape[q
 std::vector<double> ref_cache_row(const TensorView& cache, int64_t slot, MlaHead head) {
   const uint8_t* row = cache_row_bytes(cache, slot);
   std::vector<double> v(head.qk_dim());
-  if (cache.dtype == DType::fp8_ds_mla || cache.dtype == DType::fp8_ds_mla_nope) {
+  if (cache.dtype == DType::fp8_ds_mla_v4) {
+    const V4Token token = v4_token(cache, slot);
+    for (int d = 0; d < 448; ++d) {
+      const uint8_t e = token.scales[d / 64];
+      v[d] = numeric::e4m3_to_float(token.values[d]) * (e == 255 ? std::nan("") : std::ldexp(1.0, e - 127));
+    }
+    for (int d = 448; d < 512; ++d) {
+      uint16_t bits;
+      std::memcpy(&bits, token.values + 448 + 2 * (d - 448), 2);
+      v[d] = numeric::bf16_to_float(bits);
+    }
+  } else if (cache.dtype == DType::fp8_ds_mla || cache.dtype == DType::fp8_ds_mla_nope) {
     float scales[4];
     std::memcpy(scales, row + kMlaLatentDim, sizeof scales);
     for (int d = 0; d < kMlaLatentDim; ++d) v[d] = double(numeric::e4m3_to_float(row[d])) * scales[d / 128];
@@ -106,6 +157,10 @@ void ref_write_mla_cache(const WriteMlaCacheArgs& a) {
     for (int d = 0; d < kMlaLatentDim; ++d) x[d] = float(read_value(a.latent, i * a.latent.strides[0] + d));
     for (int d = 0; d < head.rope_dim; ++d)
       x[kMlaLatentDim + d] = float(read_value(a.k_pe, i * a.k_pe.strides[0] + d));
+    if (a.cache.dtype == DType::fp8_ds_mla_v4) {
+      ref_write_v4_token(a.cache, slot, x);
+      continue;
+    }
     auto* row = const_cast<uint8_t*>(cache_row_bytes(a.cache, slot));
     if (a.cache.dtype != DType::fp8_ds_mla && a.cache.dtype != DType::fp8_ds_mla_nope) {
       for (int d = 0; d < head.qk_dim(); ++d) {
@@ -142,7 +197,7 @@ RefAttention ref_sparse_mla(const SparseMlaArgs& a) {
       if (slot >= 0 && slot < num_slots) rows.push_back(ref_cache_row(a.kv_cache, slot, head_of(a.q)));
     }
     // The extra cache's rows join the same softmax.
-    if (a.extra_kv_cache.defined()) {
+    if (a.extra_indices.defined()) {
       const int64_t extra_slots = a.extra_kv_cache.shape[0] * a.extra_kv_cache.shape[1];
       int64_t extra_len = a.extra_indices.shape[1];
       if (a.extra_topk_length.defined())

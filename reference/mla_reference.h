@@ -11,7 +11,8 @@
 namespace smla::reference {
 
 // Cache row `slot` as [c (512) | k_pe (head.rope_dim)]; fp8 rows dequantised as e4m3 * tile scale (a head
-// with no rope part never reads an fp8_ds_mla row's rope values).
+// with no rope part never reads an fp8_ds_mla row's rope values; fp8_ds_mla_v4's 512 are 448 e4m3 * 2^(e - 127)
+// and 64 bf16).
 std::vector<double> ref_cache_row(const TensorView& cache, int64_t slot, MlaHead head = {});
 
 // Writes the rows with a non-negative slot into args.cache (no k_pe: a head with no rope part, whose

@@ -17,9 +17,11 @@ namespace smla {
 // Element types. fp8_ds_mla is the packed MLA cache format (656 bytes per
 // token: 512 e4m3 latents, 4 fp32 tile scales, 64 bf16 rope values);
 // fp8_ds_mla_nope is the same without the rope part (528 bytes per token), for
-// heads with no rope part. Tensors of either are viewed as bytes, so their
+// heads with no rope part. fp8_ds_mla_v4 is DeepSeek-V4's (FlashMLA's MODEL1)
+// cache of its 512-wide heads (448 + 64 rope): 584 bytes per token, laid out per
+// block (MlaV4CacheLayout). Tensors of these are viewed as bytes, so their
 // element size is 1.
-enum class DType : uint8_t { f32, f16, bf16, fp8_e4m3, fp8_ds_mla, i32, i64, u8, fp8_ds_mla_nope };
+enum class DType : uint8_t { f32, f16, bf16, fp8_e4m3, fp8_ds_mla, i32, i64, u8, fp8_ds_mla_nope, fp8_ds_mla_v4 };
 
 // Bytes per element of a tensor of this dtype.
 size_t dtype_size(DType dtype);
@@ -41,6 +43,23 @@ inline constexpr int kFp8MlaScalesBytes = 4 * 4;               // one fp32 scale
 inline constexpr int kFp8DsMlaRowBytes = kMlaLatentDim + kFp8MlaScalesBytes + kMlaRopeDim * 2;  // 656
 inline constexpr int kFp8DsMlaNopeRowBytes = kMlaLatentDim + kFp8MlaScalesBytes;                 // 528
 
+// fp8_ds_mla_v4 (DeepSeek-V4, FlashMLA's MODEL1): a token's 512 values are 448 "nope" values as e4m3 in 7 tiles of
+// 64, each tile with a ue8m0 (power-of-two, stored as exponent + 127) scale, then 64 rope values as bf16. Within a
+// block, all tokens' 576-byte value parts come first (token t at t * 576), then all tokens' 8 scale bytes (7 scales
+// and a pad byte, token t at block_size * 576 + t * 8). The cache is viewed as [num_blocks, block_size, 584] bytes
+// with row stride 584; FlashMLA pads each block to a multiple of 576 bytes (the block stride).
+struct MlaV4CacheLayout {
+  static constexpr int kNopeDim = 448, kTile = 64, kTiles = kNopeDim / kTile, kRopeDim = 64;
+  static constexpr int kValueBytes = kNopeDim + 2 * kRopeDim;    // 576
+  static constexpr int kScaleBytes = kTiles + 1;                 // 8
+  static constexpr int kRowBytes = kValueBytes + kScaleBytes;    // 584
+  // Byte offsets of token `t`'s values and scales from its block's start.
+  static constexpr int64_t value_offset(int64_t t) { return t * kValueBytes; }
+  static constexpr int64_t scale_offset(int64_t block_size, int64_t t) {
+    return block_size * kValueBytes + t * kScaleBytes;
+  }
+};
+
 // One absorbed-head geometry: the rope width (64 or 0) fixes the rest. The
 // checks, the CPU kernels, the reference and the CUDA launch code all read it.
 struct MlaHead {
@@ -58,11 +77,14 @@ struct MlaHead {
       // The envelope engines allocate whatever the head: with rope 0 its rope part is never read.
       case DType::fp8_ds_mla: return kFp8DsMlaRowBytes;
       case DType::fp8_ds_mla_nope: return rope_dim == 0 ? kFp8DsMlaNopeRowBytes : 0;
+      // DeepSeek-V4's 512-wide head: its rope part is inside the 512 (the last 64 values), stored as bf16.
+      case DType::fp8_ds_mla_v4: return rope_dim == 0 ? MlaV4CacheLayout::kRowBytes : 0;
       default: return 0;
     }
   }
   // Bytes of one cache row of `cache_dtype` the kernels read (the envelope's rope part is skipped at rope 0).
   constexpr int64_t row_bytes_read(DType cache_dtype) const {
+    if (cache_dtype == DType::fp8_ds_mla_v4) return MlaV4CacheLayout::kRowBytes - 1;  // all but the pad byte
     return cache_dtype == DType::bf16 || cache_dtype == DType::f16 ? 2 * qk_dim()
                                                                     : kFp8DsMlaNopeRowBytes + 2 * rope_dim;
   }
@@ -75,13 +97,18 @@ constexpr std::optional<MlaHead> mla_head_for_qk_dim(int64_t qk_dim) {
     if (h.qk_dim() == qk_dim) return h;
   return std::nullopt;
 }
-// True for the MLA cache formats that store the latent as e4m3 with tile scales.
+// True for the MLA cache formats that store the latent as e4m3 with tile scales in each row (fp8_ds_mla_v4, laid
+// out per block, is not one of them).
 constexpr bool is_fp8_mla_cache(DType d) { return d == DType::fp8_ds_mla || d == DType::fp8_ds_mla_nope; }
-// Every MLA cache format the ops take (MlaHead::cache_row gives each one's row). The checks and the CLI read it;
-// backends declare theirs (Capabilities::kv_cache_dtypes) from it.
+// The MLA cache formats of rows (MlaHead::cache_row gives each one's row) every backend takes; backends declare
+// theirs (Capabilities::kv_cache_dtypes) from it.
 inline constexpr DType kMlaCacheDTypes[] = {DType::bf16, DType::f16, DType::fp8_ds_mla, DType::fp8_ds_mla_nope};
+// Every MLA cache format the ops' checks accept: those and DeepSeek-V4's fp8 cache, which only the CPU backend
+// declares so far. The CLI and the spec read it.
+inline constexpr DType kAllMlaCacheDTypes[] = {DType::bf16, DType::f16, DType::fp8_ds_mla, DType::fp8_ds_mla_nope,
+                                               DType::fp8_ds_mla_v4};
 constexpr bool is_mla_cache_dtype(DType d) {
-  for (DType c : kMlaCacheDTypes)
+  for (DType c : kAllMlaCacheDTypes)
     if (c == d) return true;
   return false;
 }

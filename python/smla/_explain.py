@@ -151,6 +151,7 @@ class BackendInfo:
     topk: Tuple[int, int]
     topk_multiple: int
     ops: Tuple[str, ...]
+    extra_cache: bool  # sparse attention over a second cache under one softmax (DeepSeek-V4's compressed cache)
     attn_sink: bool
 
 

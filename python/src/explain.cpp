@@ -38,6 +38,7 @@ nb::dict capabilities(const Capabilities& c) {
   nb::list ops;
   for (Op op : c.ops.list()) ops.append(std::string(op_name(op)));
   d["ops"] = ops;
+  d["extra_cache"] = c.extra_cache;
   d["attn_sink"] = c.attn_sink;
   return d;
 }

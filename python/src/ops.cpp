@@ -38,6 +38,22 @@ void attach_workspace(Importer& imp, nb::handle workspace, Args& a, const Backen
   if (bytes > 0) a.workspace = imp.output(workspace(bytes), "workspace");
 }
 
+// indexer_topk's arguments (stream aside), as indexer_topk and dsa_decode_step take them.
+IndexerTopkArgs import_indexer(Importer& imp, const IndexerQueryNames& names, nb::handle q, nb::handle q_scale,
+                               nb::handle weights, nb::handle index_cache, nb::handle request_ids,
+                               nb::handle block_table, nb::handle context_lens, nb::handle topk) {
+  IndexerTopkArgs a;
+  a.q = imp.input(q, names.q);
+  a.q_scale = imp.input(q_scale, names.q_scale);
+  a.weights = imp.input(weights, names.weights);
+  a.index_cache = imp.input(index_cache, "index_cache");
+  a.request_ids = imp.input(request_ids, "request_ids");
+  a.block_table = imp.input(block_table, "block_table");
+  a.context_lens = imp.input(context_lens, "context_lens");
+  a.topk = imp.output(topk, "topk");
+  return a;
+}
+
 }  // namespace
 
 void bind_ops(nb::module_& m) {
@@ -135,15 +151,8 @@ void bind_ops(nb::module_& m) {
          nb::handle block_table, nb::handle context_lens, nb::handle topk, uintptr_t stream,
          const std::string& backend, nb::handle workspace) {
         Importer imp;
-        IndexerTopkArgs a;
-        a.q = imp.input(q, "q");
-        a.q_scale = imp.input(q_scale, "q_scale");
-        a.weights = imp.input(weights, "weights");
-        a.index_cache = imp.input(index_cache, "index_cache");
-        a.request_ids = imp.input(request_ids, "request_ids");
-        a.block_table = imp.input(block_table, "block_table");
-        a.context_lens = imp.input(context_lens, "context_lens");
-        a.topk = imp.output(topk, "topk");
+        IndexerTopkArgs a = import_indexer(imp, kIndexerTopkNames, q, q_scale, weights, index_cache, request_ids,
+                                           block_table, context_lens, topk);
         a.stream = as_stream(stream);
         const Backend* be = backend_by_name(backend, a.q.device);
         attach_workspace(imp, workspace, a, be, a.q.device);
@@ -224,14 +233,8 @@ void bind_ops(nb::module_& m) {
          uintptr_t stream, const std::string& backend, nb::handle workspace) {
         Importer imp;
         DsaDecodeStepArgs a;
-        a.indexer.q = imp.input(index_q, "index_q");
-        a.indexer.q_scale = imp.input(index_q_scale, "index_q_scale");
-        a.indexer.weights = imp.input(index_weights, "index_weights");
-        a.indexer.index_cache = imp.input(index_cache, "index_cache");
-        a.indexer.request_ids = imp.input(request_ids, "request_ids");
-        a.indexer.block_table = imp.input(block_table, "block_table");
-        a.indexer.context_lens = imp.input(context_lens, "context_lens");
-        a.indexer.topk = imp.output(topk, "topk");
+        a.indexer = import_indexer(imp, kDecodeStepNames, index_q, index_q_scale, index_weights, index_cache,
+                                   request_ids, block_table, context_lens, topk);
         a.indexer.stream = as_stream(stream);
         a.slots = imp.output(slots, "slots");
         a.q = imp.input(q, "q");

@@ -197,15 +197,22 @@ void* stream_of(const Tensor& ref) {
   return nullptr;
 }
 
-// Scratch from torch's caching allocator (capture-safe), when the op needs any on a GPU; kept alive by `keep`
-// until the op has been enqueued (the allocator's stream semantics keep it for the kernels).
-template <class Args>
-void attach_workspace(Args& a, const Backend* be, const Tensor& ref, Tensor& keep) {
-  if (!ref.is_cuda()) return;  // the CPU backend needs none
-  const size_t bytes = workspace_size(a, be);
-  if (bytes == 0) return;
-  keep = at::empty({static_cast<int64_t>(bytes)}, ref.options().dtype(at::kByte));
-  a.workspace = view(keep, "workspace");
+// Runs `op(a, backend)` on torch's current stream of q's device, with scratch from torch's caching allocator
+// (capture-safe) when the op needs any on a GPU; the scratch tensor lives until the op has been enqueued (the
+// allocator's stream semantics keep it for the kernels).
+template <class Args, class Op>
+void run_on_stream(Args& a, const Tensor& q, std::string_view backend, Op op) {
+  a.stream = stream_of(q);
+  const Backend* be = backend_by_name(backend, a.q.device);
+  Tensor workspace;
+  if (q.is_cuda()) {  // the CPU backend needs none
+    const size_t bytes = workspace_size(a, be);
+    if (bytes > 0) {
+      workspace = at::empty({static_cast<int64_t>(bytes)}, q.options().dtype(at::kByte));
+      a.workspace = view(workspace, "workspace");
+    }
+  }
+  op(a, be);
 }
 
 // Runs `body`, turning smla::Error into the c10 error Python sees as ValueError / NotImplementedError /
@@ -256,11 +263,7 @@ void sparse_mla_into(const Tensor& q, const Tensor& kv_cache, const Tensor& indi
   a.lse = view(lse, "lse");
   a.max_logits = view(max_logits, "max_logits");
   a.empty_lse_plus_inf = empty_lse_plus_inf;
-  a.stream = stream_of(q);
-  const Backend* be = backend_by_name(backend, a.q.device);
-  Tensor workspace;
-  attach_workspace(a, be, q, workspace);
-  sparse_mla(a, be);
+  run_on_stream(a, q, backend, [](const auto& x, auto be) { sparse_mla(x, be); });
 }
 
 std::tuple<Tensor, Tensor> sparse_mla_kernel(const Tensor& q, const Tensor& kv_cache, const Tensor& indices,
@@ -291,11 +294,7 @@ void paged_mla_decode_into(const Tensor& q, const Tensor& kv_cache, const OptTen
   a.out = view(out, "out");
   a.lse = view(lse, "lse");
   a.empty_lse_plus_inf = empty_lse_plus_inf;
-  a.stream = stream_of(q);
-  const Backend* be = backend_by_name(backend, a.q.device);
-  Tensor workspace;
-  attach_workspace(a, be, q, workspace);
-  paged_mla_decode(a, be);
+  run_on_stream(a, q, backend, [](const auto& x, auto be) { paged_mla_decode(x, be); });
 }
 
 std::tuple<Tensor, Tensor> paged_mla_decode_kernel(const Tensor& q, const Tensor& kv_cache, const Tensor& block_table,
@@ -322,26 +321,33 @@ void write_index_cache_kernel(const Tensor& k, const Tensor& slot_mapping, const
   });
 }
 
+// indexer_topk's arguments (stream aside), as indexer_topk and dsa_decode_step take them: the cache read as
+// `index_cache_as`, top-k into `topk`.
+IndexerTopkArgs indexer_args(const IndexerQueryNames& names, const Tensor& q, const OptTensor& q_scale,
+                             const Tensor& weights, const Tensor& index_cache, std::optional<DType> index_cache_as,
+                             const Tensor& request_ids, const Tensor& block_table, const Tensor& context_lens,
+                             const Tensor& topk) {
+  IndexerTopkArgs a;
+  a.q = view(q, names.q, index_dtype(q, "auto", names.q));
+  a.q_scale = view(q_scale, names.q_scale);
+  a.weights = view(weights, names.weights);
+  a.index_cache = view(index_cache, "index_cache", index_cache_as);
+  a.request_ids = view(request_ids, "request_ids");
+  a.block_table = view(block_table, "block_table");
+  a.context_lens = view(context_lens, "context_lens");
+  a.topk = view(topk, "topk");
+  return a;
+}
+
 Tensor indexer_topk_kernel(const Tensor& q, const OptTensor& q_scale, const Tensor& weights, const Tensor& index_cache,
                            const Tensor& request_ids, const Tensor& block_table, const Tensor& context_lens,
                            int64_t topk, c10::string_view index_cache_dtype, c10::string_view backend) {
   return translated([&] {
     Tensor out = topk_out(q, topk);
-    IndexerTopkArgs a;
     const std::optional<DType> index_cache_as = index_dtype(index_cache, index_cache_dtype, "index_cache");
-    a.q = view(q, "q", index_dtype(q, "auto", "q"));
-    a.q_scale = view(q_scale, "q_scale");
-    a.weights = view(weights, "weights");
-    a.index_cache = view(index_cache, "index_cache", index_cache_as);
-    a.request_ids = view(request_ids, "request_ids");
-    a.block_table = view(block_table, "block_table");
-    a.context_lens = view(context_lens, "context_lens");
-    a.topk = view(out, "topk");
-    a.stream = stream_of(q);
-    const Backend* be = backend_by_name(backend, a.q.device);
-    Tensor workspace;
-    attach_workspace(a, be, q, workspace);
-    indexer_topk(a, be);
+    IndexerTopkArgs a = indexer_args(kIndexerTopkNames, q, q_scale, weights, index_cache, index_cache_as,
+                                     request_ids, block_table, context_lens, out);
+    run_on_stream(a, q, backend, [](const auto& x, auto be) { indexer_topk(x, be); });
     return out;
   });
 }
@@ -374,25 +380,16 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> dsa_decode_step_kernel(
     const std::optional<DType> index_cache_as = index_dtype(index_cache, index_cache_dtype, "index_cache");
     const std::optional<DType> cache_dtype = mla_cache_dtype(kv_cache, kv_cache_dtype, "kv_cache");
     a.softmax_scale = softmax_scale_of(softmax_scale);
-    a.indexer.q = view(index_q, "index_q", index_dtype(index_q, "auto", "index_q"));
-    a.indexer.q_scale = view(index_q_scale, "index_q_scale");
-    a.indexer.weights = view(index_weights, "index_weights");
-    a.indexer.index_cache = view(index_cache, "index_cache", index_cache_as);
-    a.indexer.request_ids = view(request_ids, "request_ids");
-    a.indexer.block_table = view(block_table, "block_table");
-    a.indexer.context_lens = view(context_lens, "context_lens");
-    a.indexer.topk = view(positions, "topk");
+    a.indexer = indexer_args(kDecodeStepNames, index_q, index_q_scale, index_weights, index_cache, index_cache_as,
+                             request_ids, block_table, context_lens, positions);
     a.slots = view(slots, "slots");
     a.q = view(q, "q");
     a.kv_cache = view(kv_cache, "kv_cache", cache_dtype);
     a.attn_sink = view(attn_sink, "attn_sink");
     a.out = view(out, "out");
     a.lse = view(lse, "lse");
-    a.stream = a.indexer.stream = stream_of(q);
-    const Backend* be = backend_by_name(backend, a.q.device);
-    Tensor workspace;
-    attach_workspace(a, be, q, workspace);
-    dsa_decode_step(a, be);
+    a.indexer.stream = stream_of(q);
+    run_on_stream(a, q, backend, [](const auto& x, auto be) { dsa_decode_step(x, be); });
     return std::make_tuple(out, lse, positions, slots);
   });
 }

@@ -22,4 +22,13 @@ TensorView view_of(DLTensor t, const char* name, std::optional<DType> as);
 // smla::Error for an unknown name or a backend of another device kind than `device`.
 const Backend* backend_by_name(std::string_view name, const Device& device);
 
+// What the indexer's query tensors are called: in indexer_topk, and in dsa_decode_step, whose attention has a q.
+struct IndexerQueryNames {
+  const char* q;
+  const char* q_scale;
+  const char* weights;
+};
+inline constexpr IndexerQueryNames kIndexerTopkNames{"q", "q_scale", "weights"};
+inline constexpr IndexerQueryNames kDecodeStepNames{"index_q", "index_q_scale", "index_weights"};
+
 }  // namespace smla::python

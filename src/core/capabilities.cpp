@@ -97,10 +97,14 @@ std::vector<std::string> validate(const Capabilities& c, const AttentionSpec& sp
         describe_head_sizes(c) + ")");
 
   // Geometry rules, not a backend's: a shared-KV head (DeepSeek-V4) keeps its rope dims inside the 512 and fp8
-  // caches it in its own 584-byte layout, which neither fp8_ds_mla form is; the compact one has no room for a rope part.
+  // caches it in its own 584-byte layout (fp8_ds_mla_v4), which neither fp8_ds_mla form is and which holds no other
+  // head; the compact one has no room for a rope part.
   if (spec.is_shared_kv() && is_fp8_mla_cache(kv))
     add("kv-cache dtype " + std::string(dtype_name(kv)) + " cannot hold a " + spec.model_type +
-        " head (its fp8 cache is FlashMLA's 584-byte MODEL1 layout, which smla does not implement yet; use bfloat16)");
+        " head (its fp8 cache is FlashMLA's 584-byte MODEL1 layout: use fp8_ds_mla_v4, or bfloat16)");
+  else if (!spec.is_shared_kv() && kv == DType::fp8_ds_mla_v4)
+    add("kv-cache dtype fp8_ds_mla_v4 is DeepSeek-V4's cache (a 512-wide head of 448 + 64 rope values); a " +
+        spec.model_type + " head is cached as fp8_ds_mla" + (spec.qk_rope_head_dim ? "" : " or fp8_ds_mla_nope"));
   else if (MlaHead{spec.qk_rope_head_dim}.cache_row(kv) == 0 && is_fp8_mla_cache(kv))
     add("kv-cache dtype " + std::string(dtype_name(kv)) + " has no rope part, the model's head has rope " +
         std::to_string(spec.qk_rope_head_dim) + " (use fp8_ds_mla)");

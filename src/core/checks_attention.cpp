@@ -34,26 +34,34 @@ std::string row_meaning(DType dtype, MlaHead head) {
     return head.rope_dim ? "fp8_ds_mla row: 512 e4m3 + 4 fp32 scales + 64 bf16 rope"
                          : "fp8_ds_mla row: 512 e4m3 + 4 fp32 scales + 64 bf16 rope (unused: no rope part)";
   if (dtype == DType::fp8_ds_mla_nope) return "fp8_ds_mla_nope row: 512 e4m3 + 4 fp32 scales";
+  if (dtype == DType::fp8_ds_mla_v4) return "fp8_ds_mla_v4 row: 448 e4m3 + 64 bf16 rope + 7 ue8m0 scales + 1 pad";
   return head.rope_dim ? "row: c (512) + k_pe (64)" : "row: c (512), no rope part";
 }
 
 // [num_blocks, block_size, row] with the row `head` implies for the cache's dtype (MlaHead::cache_row): bf16/f16
-// 576 or 512, fp8_ds_mla 656, fp8_ds_mla_nope 528 (rope-free heads only); rows and blocks may be padded.
+// 576 or 512, fp8_ds_mla 656, fp8_ds_mla_nope 528 and fp8_ds_mla_v4 584 (512-wide heads only); rows and blocks
+// may be padded, except fp8_ds_mla_v4's rows (its layout is per block: MlaV4CacheLayout).
 void check_cache(std::string_view op, std::string_view name, const TensorView& c, const Device& device, MlaHead head) {
   require_data(op, name, c);
   const auto a = arg(op, name, c);
-  a.rank(3, head.rope_dim ? "[num_blocks, block_size, 576 | 656]" : "[num_blocks, block_size, 512 | 656 | 528]")
-      .dtype_in(kMlaCacheDTypes)
+  a.rank(3, head.rope_dim ? "[num_blocks, block_size, 576 | 656]" : "[num_blocks, block_size, 512 | 656 | 528 | 584]")
+      .dtype_in(kAllMlaCacheDTypes)
       .on(device)
       .inner_contiguous()
       .dim_at_least(1, 1, "block_size");
   if (head.cache_row(c.dtype) == 0)
-    a.fail("fp8_ds_mla_nope has no rope part, but the head is " + std::to_string(head.qk_dim()) +
-           " wide (rope " + std::to_string(head.rope_dim) + "); use fp8_ds_mla, got " + c.describe());
+    a.fail((c.dtype == DType::fp8_ds_mla_v4 ? "fp8_ds_mla_v4 holds DeepSeek-V4's 512-wide heads (its rope part inside "
+                                              "the 512)"
+                                            : "fp8_ds_mla_nope has no rope part") +
+           std::string(", but the head is ") + std::to_string(head.qk_dim()) + " wide (rope " +
+           std::to_string(head.rope_dim) + "); use fp8_ds_mla, got " + c.describe());
   a.dim(2, head.cache_row(c.dtype), row_meaning(c.dtype, head));
   if (c.numel() == 0) return;  // no blocks: no layout to check (numpy gives zero strides), every index invalid
   const int64_t row = c.shape[2];
   const int64_t row_stride = c.shape[1] > 1 ? c.strides[1] : row;
+  if (c.dtype == DType::fp8_ds_mla_v4 && row_stride != row)
+    a.fail("row stride " + std::to_string(row_stride) + " must be 584: fp8_ds_mla_v4 lays its tokens out per block " +
+           "(values, then scales), so its rows cannot be padded (the block stride may be)");
   if (row_stride < row)
     a.fail("row stride " + std::to_string(row_stride) + " is smaller than the row (" + std::to_string(row) +
            " elements): rows would overlap");

@@ -54,6 +54,28 @@ void check_topk_matrix(std::string_view op, std::string_view name, const TensorV
     c.fail("dimension 1 (K) must be <= " + std::to_string(kMaxTopk) + ", got " + t.describe());
 }
 
+// An indexer query q: [T, H_I, 128] of one of `dtypes`, with 1 to 128 heads.
+void check_index_query(std::string_view op, const TensorView& q, std::initializer_list<DType> dtypes) {
+  const auto c = arg(op, "q", q);
+  c.defined().rank(3, "[T, H_I, 128]").dtype_in(dtypes).inner_contiguous();
+  c.dim_at_least(1, 1, "H_I").dim(2, kIndexHeadDim, "index head dim");
+  if (q.shape[1] > kMaxIndexHeads)
+    c.fail("dimension 1 (H_I) must be <= " + std::to_string(kMaxIndexHeads) + ", got " + q.describe());
+}
+
+// q_scale, one scale per token and head of `q` (named `q_name`): [T, H_I] float32 when q is fp8_e4m3, else absent.
+void check_q_scale(std::string_view op, const TensorView& q_scale, std::string_view q_name, const TensorView& q,
+                   const Device& device) {
+  const auto c = arg(op, "q_scale", q_scale);
+  if (q.dtype == DType::fp8_e4m3) {
+    c.defined().rank(2, "[T, H_I]").dtype_in({DType::f32}).dim(0, q.shape[0], "T").dim(1, q.shape[1], "H_I");
+    c.on(device);
+  } else if (q_scale.defined()) {
+    c.fail("must be absent unless " + std::string(q_name) + " is fp8_e4m3 (" + std::string(q_name) + " is " +
+           std::string(dtype_name(q.dtype)) + ")");
+  }
+}
+
 }  // namespace
 
 void check(const WriteIndexCacheArgs& a) {
@@ -70,20 +92,11 @@ void check(const WriteIndexCacheArgs& a) {
 void check(const IndexerTopkArgs& a) {
   constexpr std::string_view op = "indexer_topk";
   const Device device = a.q.device;
-  const auto q = arg(op, "q", a.q);
-  q.defined().rank(3, "[T, H_I, 128]").dtype_in({DType::bf16, DType::f16, DType::fp8_e4m3}).inner_contiguous();
-  q.dim_at_least(1, 1, "H_I").dim(2, kIndexHeadDim, "index head dim");
-  if (a.q.shape[1] > kMaxIndexHeads)
-    q.fail("dimension 1 (H_I) must be <= " + std::to_string(kMaxIndexHeads) + ", got " + a.q.describe());
+  check_index_query(op, a.q, {DType::bf16, DType::f16, DType::fp8_e4m3});
   const int64_t tokens = a.q.shape[0], heads = a.q.shape[1];
-
-  const auto qs = arg(op, "q_scale", a.q_scale);
-  if (a.q.dtype == DType::fp8_e4m3) {
-    qs.defined().rank(2, "[T, H_I]").dtype_in({DType::f32}).dim(0, tokens, "T").dim(1, heads, "H_I").on(device);
-    qs.inner_contiguous();
-  } else if (a.q_scale.defined()) {
-    qs.fail("must be absent unless q is fp8_e4m3 (q is " + std::string(dtype_name(a.q.dtype)) + ")");
-  }
+  check_q_scale(op, a.q_scale, "q", a.q, device);
+  // The CPU scorer reads a token's scales as a row (rotate_index_q writes through both strides).
+  if (a.q_scale.defined()) arg(op, "q_scale", a.q_scale).inner_contiguous();
   arg(op, "weights", a.weights).defined().rank(2, "[T, H_I]").dtype_in({DType::f32}).on(device).inner_contiguous();
   arg(op, "weights", a.weights).dim(0, tokens, "T").dim(1, heads, "H_I");
   check_index_cache(op, a.index_cache, device);
@@ -154,21 +167,12 @@ void check(const PoolsToPositionsArgs& a) {
 void check(const RotateIndexQArgs& a) {
   constexpr std::string_view op = "rotate_index_q";
   const Device device = a.q.device;
-  const auto q = arg(op, "q", a.q);
-  q.defined().rank(3, "[T, H_I, 128]").dtype_in({DType::f32, DType::f16, DType::bf16}).inner_contiguous();
-  q.dim_at_least(1, 1, "H_I").dim(2, kIndexHeadDim, "index head dim");
-  if (a.q.shape[1] > kMaxIndexHeads)
-    q.fail("dimension 1 (H_I) must be <= " + std::to_string(kMaxIndexHeads) + ", got " + a.q.describe());
+  check_index_query(op, a.q, {DType::f32, DType::f16, DType::bf16});
   const int64_t tokens = a.q.shape[0], heads = a.q.shape[1];
   const auto out = arg(op, "q_out", a.q_out);
   out.defined().rank(3, "[T, H_I, 128]").dtype_in({DType::bf16, DType::fp8_e4m3}).on(device).inner_contiguous();
   out.dim(0, tokens, "T, as q").dim(1, heads, "H_I, as q").dim(2, kIndexHeadDim, "index head dim");
-  const auto qs = arg(op, "q_scale", a.q_scale);
-  if (a.q_out.dtype == DType::fp8_e4m3) {
-    qs.defined().rank(2, "[T, H_I]").dtype_in({DType::f32}).dim(0, tokens, "T").dim(1, heads, "H_I").on(device);
-  } else if (a.q_scale.defined()) {
-    qs.fail("must be absent unless q_out is fp8_e4m3 (q_out is " + std::string(dtype_name(a.q_out.dtype)) + ")");
-  }
+  check_q_scale(op, a.q_scale, "q_out", a.q_out, device);
   checks::check_no_overlap(op, {{"q_out", a.q_out}, {"q_scale", a.q_scale}}, {{"q", a.q}});
 }
 

@@ -33,6 +33,17 @@ std::string ops_text(OpSet ops) {
   return s;
 }
 
+// A backend's ops with what it leaves out of them: "sparse attention (one cache), dense paged decode, indexer".
+std::string declared_ops_text(const Capabilities& c) {
+  std::string s;
+  for (Op op : c.ops.list()) {
+    s += (s.empty() ? "" : ", ") + std::string(op_name(op));
+    if (op == Op::sparse_mla && !c.extra_cache) s += " (one cache)";
+    if (op == Op::indexer && !c.pooled_indexer) s += " (not pooled)";
+  }
+  return s;
+}
+
 // "0.0625 (= 256^-0.5)" or "0.135234 (= 192^-0.5 x mscale^2 1.87385, YaRN factor 40)"
 std::string scale_text(const AttentionSpec& s) {
   const double plain = 1.0 / std::sqrt(static_cast<double>(s.qk_head_dim()));
@@ -218,8 +229,7 @@ std::string support_matrix_markdown(const Registry& registry) {
       << (c.device_kind == DeviceKind::cpu ? std::string("CPU") : describe_compute_capabilities(c.compute_capability))
       << " | " << describe_dtypes(c.q_dtypes) << " | " << describe_dtypes(c.kv_cache_dtypes) << " | "
       << describe_head_sizes(c) << " | " << describe_heads(c) << " | " << describe_block_sizes(c) << " | "
-      << describe_topk(c) << " | " << ops_text(c.ops)
-      << (c.ops.contains(Op::indexer) && !c.pooled_indexer ? " (not pooled)" : "") << " | "
+      << describe_topk(c) << " | " << declared_ops_text(c) << " | "
       << (c.attn_sink ? "yes" : "no") << " |\n";
   }
   return o.str();

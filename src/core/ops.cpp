@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "core/check_util.h"
 #include "smla/backend.h"
@@ -69,21 +70,37 @@ void dispatch_with_workspace(const char* op, const Args& args, const Device& dev
   if (!empty_batch(args)) run(be);
 }
 
+// The checks accept every MLA cache format; a backend runs those it declares (Capabilities::kv_cache_dtypes).
+void require_cache_dtype(const char* op, const char* name, const TensorView& cache, const Backend& be) {
+  const std::vector<DType>& dtypes = be.capabilities().kv_cache_dtypes;
+  if (std::find(dtypes.begin(), dtypes.end(), cache.dtype) == dtypes.end())
+    throw Error(ErrorKind::unsupported, std::string(op) + ": " + name + ": backend '" + be.name() +
+                                            "' does not read " + std::string(dtype_name(cache.dtype)) +
+                                            " caches (it reads " + dtype_names(dtypes) + ")");
+}
+
 }  // namespace
 
 void write_mla_cache(const WriteMlaCacheArgs& a, const Backend* b) {
-  dispatch("write_mla_cache", a, a.cache.device, b, [&](const Backend& be) { be.write_mla_cache(a); });
+  dispatch("write_mla_cache", a, a.cache.device, b, [&](const Backend& be) {
+    require_cache_dtype("write_mla_cache", "cache", a.cache, be);
+    be.write_mla_cache(a);
+  });
 }
 void sparse_mla(const SparseMlaArgs& a, const Backend* b) {
   dispatch_with_workspace("sparse_mla", a, a.q.device, b, [&](const Backend& be) {
-    if (a.extra_kv_cache.defined() && !be.capabilities().extra_cache)
+    require_cache_dtype("sparse_mla", "kv_cache", a.kv_cache, be);
+    if ((a.extra_kv_cache.defined() || a.extra_indices.defined()) && !be.capabilities().extra_cache)
       throw Error(ErrorKind::unsupported, "sparse_mla: extra_kv_cache: backend '" + be.name() +
                                               "' does not attend a second cache (Capabilities::extra_cache)");
     be.sparse_mla(a);
   });
 }
 void paged_mla_decode(const PagedMlaDecodeArgs& a, const Backend* b) {
-  dispatch_with_workspace("paged_mla_decode", a, a.q.device, b, [&](const Backend& be) { be.paged_mla_decode(a); });
+  dispatch_with_workspace("paged_mla_decode", a, a.q.device, b, [&](const Backend& be) {
+    require_cache_dtype("paged_mla_decode", "kv_cache", a.kv_cache, be);
+    be.paged_mla_decode(a);
+  });
 }
 void write_index_cache(const WriteIndexCacheArgs& a, const Backend* b) {
   dispatch("write_index_cache", a, a.cache.device, b, [&](const Backend& be) { be.write_index_cache(a); });
@@ -105,7 +122,10 @@ void rotate_index_q(const RotateIndexQArgs& a, const Backend* b) {
   dispatch("rotate_index_q", a, a.q.device, b, [&](const Backend& be) { be.rotate_index_q(a); });
 }
 void dsa_decode_step(const DsaDecodeStepArgs& a, const Backend* b) {
-  dispatch_with_workspace("dsa_decode_step", a, a.q.device, b, [&](const Backend& be) { be.dsa_decode_step(a); });
+  dispatch_with_workspace("dsa_decode_step", a, a.q.device, b, [&](const Backend& be) {
+    require_cache_dtype("dsa_decode_step", "kv_cache", a.kv_cache, be);
+    be.dsa_decode_step(a);
+  });
 }
 
 size_t workspace_size(const SparseMlaArgs& a, const Backend* b) {

@@ -223,7 +223,7 @@ RunSpec make_run_spec(const AttentionSpec& spec, const RunOptions& o, OptionName
   if (o.kv_cache_dtype != "auto") {
     const auto kv = parse_dtype(o.kv_cache_dtype);
     require(kv && is_mla_cache_dtype(*kv), name("kv_cache_dtype", "--kv-cache-dtype") + "expected auto, " +
-                                              dtype_names(kMlaCacheDTypes) + ", got '" + o.kv_cache_dtype + "'");
+                                              dtype_names(kAllMlaCacheDTypes) + ", got '" + o.kv_cache_dtype + "'");
     run.kv_cache_dtype = *kv;
   }
   require(o.block_size >= 1,

@@ -139,7 +139,7 @@ void validate(const AttentionSpec& spec, const RunSpec& run) {
   require(run.q_dtype == DType::bf16 || run.q_dtype == DType::f16,
           "dtype: query dtype must be bfloat16 or float16, got " + std::string(dtype_name(run.q_dtype)));
   const DType kv = run.resolved_kv_cache_dtype();
-  require(is_mla_cache_dtype(kv), "kv-cache-dtype: must be " + dtype_names(kMlaCacheDTypes) + ", got " +
+  require(is_mla_cache_dtype(kv), "kv-cache-dtype: must be " + dtype_names(kAllMlaCacheDTypes) + ", got " +
                                       std::string(dtype_name(kv)));
 }
 

@@ -1,10 +1,10 @@
 #include "smla/types.h"
 
 #include <algorithm>
-#include <cctype>
 #include <charconv>
 #include <sstream>
 
+#include "core/text.h"
 #include "smla/error.h"
 
 namespace smla {
@@ -21,7 +21,7 @@ constexpr DTypeInfo kDTypes[] = {
     {DType::f32, 4, "float32"},        {DType::f16, 2, "float16"}, {DType::bf16, 2, "bfloat16"},
     {DType::fp8_e4m3, 1, "fp8_e4m3"},  {DType::fp8_ds_mla, 1, "fp8_ds_mla"},
     {DType::i32, 4, "int32"},          {DType::i64, 8, "int64"},   {DType::u8, 1, "uint8"},
-    {DType::fp8_ds_mla_nope, 1, "fp8_ds_mla_nope"},
+    {DType::fp8_ds_mla_nope, 1, "fp8_ds_mla_nope"}, {DType::fp8_ds_mla_v4, 1, "fp8_ds_mla_v4"},
 };
 
 struct Alias {
@@ -41,19 +41,13 @@ const DTypeInfo& info(DType dtype) {
   throw Error(ErrorKind::internal, "unknown DType value " + std::to_string(static_cast<int>(dtype)));
 }
 
-std::string lower(std::string_view s) {
-  std::string out(s);
-  std::transform(out.begin(), out.end(), out.begin(), [](unsigned char c) { return std::tolower(c); });
-  return out;
-}
-
 }  // namespace
 
 size_t dtype_size(DType dtype) { return info(dtype).size; }
 std::string_view dtype_name(DType dtype) { return info(dtype).name; }
 
 std::optional<DType> parse_dtype(std::string_view name) {
-  const std::string n = lower(name);
+  const std::string n = lowercase(name);
   for (const auto& i : kDTypes)
     if (n == i.name) return i.dtype;
   for (const auto& a : kAliases)
@@ -77,7 +71,7 @@ std::string Device::name() const {
 }
 
 Device parse_device(std::string_view text, std::string_view what) {
-  const std::string t = lower(text);
+  const std::string t = lowercase(text);
   auto bad = [&]() -> Device {
     fail(std::string(what) + ": '" + std::string(text) +
          "' is not a device; expected cpu, cuda, cuda:N or sm_XY (e.g. sm_80, sm_90, sm_120)");
@@ -197,7 +191,8 @@ DLTensor TensorView::to_dlpack() {
     case DType::i32: t.dtype = {kDLInt, 32, 1}; break;
     case DType::i64: t.dtype = {kDLInt, 64, 1}; break;
     // DLPack 0.6 has no fp8 code: fp8 tensors travel as bytes.
-    case DType::fp8_e4m3: case DType::fp8_ds_mla: case DType::fp8_ds_mla_nope: case DType::u8:
+    case DType::fp8_e4m3: case DType::fp8_ds_mla: case DType::fp8_ds_mla_nope: case DType::fp8_ds_mla_v4:
+    case DType::u8:
       t.dtype = {kDLUInt, 8, 1};
       break;
   }

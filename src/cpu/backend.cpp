@@ -16,7 +16,7 @@ Capabilities cpu_capabilities() {
   c.description = "portable CPU kernels (OpenMP, AVX-512/AVX2 when present)";
   c.device_kind = DeviceKind::cpu;
   c.q_dtypes = {DType::bf16, DType::f16};
-  c.kv_cache_dtypes = {std::begin(kMlaCacheDTypes), std::end(kMlaCacheDTypes)};
+  c.kv_cache_dtypes = {std::begin(kAllMlaCacheDTypes), std::end(kAllMlaCacheDTypes)};
   c.heads = {1, kMaxHeads};
   c.qk_head_dims = {kMlaQkDim, kMlaLatentDim};
   c.block_size = {1, 1 << 20};

@@ -6,6 +6,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstddef>
 #include <cstring>
@@ -27,20 +28,45 @@ namespace {
 
 using attn::padded_heads;
 
+using V4 = MlaV4CacheLayout;
+
+// Token `offset` of an fp8_ds_mla_v4 block as 512 bf16 values, exactly: e4m3 times a power of two is a bf16 (the
+// writer's scales are >= 2^-14; a smaller stored one rounds, an exponent byte of 255 is NaN as in ue8m0).
+void dequantize_v4(const uint8_t* block, int64_t block_size, int64_t offset, uint16_t* dst) {
+  const uint8_t* values = block + V4::value_offset(offset);
+  const uint8_t* scales = block + V4::scale_offset(block_size, offset);
+  const auto& e4m3 = numeric::e4m3_table();
+  for (int tile = 0; tile < V4::kTiles; ++tile) {
+    const float scale = scales[tile] == 255 ? NAN : std::ldexp(1.f, int(scales[tile]) - 127);
+    for (int i = tile * V4::kTile; i < (tile + 1) * V4::kTile; ++i)
+      dst[i] = numeric::float_to_bf16(e4m3[values[i]] * scale);
+  }
+  std::memcpy(dst + V4::kNopeDim, values + V4::kNopeDim, 2 * V4::kRopeDim);
+}
+
 // Byte addressing of a [num_blocks, block_size, row] cache with padded strides.
 struct CacheLayout {
   uint8_t* base;
   int64_t num_blocks, block_size, block_stride, row_stride;  // strides in bytes
+  bool v4;  // fp8_ds_mla_v4: laid out per block, rows read through dequantize_v4
 
   explicit CacheLayout(const TensorView& c)
       : base(c.ptr<uint8_t>()),
         num_blocks(c.shape[0]),
         block_size(c.shape[1]),
         block_stride(c.strides[0] * static_cast<int64_t>(dtype_size(c.dtype))),
-        row_stride(c.strides[1] * static_cast<int64_t>(dtype_size(c.dtype))) {}
+        row_stride(c.strides[1] * static_cast<int64_t>(dtype_size(c.dtype))),
+        v4(c.dtype == DType::fp8_ds_mla_v4) {}
   int64_t num_slots() const { return num_blocks * block_size; }
   uint8_t* row(int64_t block, int64_t offset) const { return base + block * block_stride + offset * row_stride; }
   uint8_t* slot(int64_t s) const { return row(s / block_size, s % block_size); }
+  // The row the kernels read for token `offset` of `block`: the cache's own, or for fp8_ds_mla_v4 its bf16
+  // dequantisation, written to `dequantized` (kMlaVDim values).
+  const uint8_t* kernel_row(int64_t block, int64_t offset, uint16_t* dequantized) const {
+    if (!v4) return row(block, offset);
+    dequantize_v4(base + block * block_stride, block_size, offset, dequantized);
+    return reinterpret_cast<const uint8_t*>(dequantized);
+  }
 };
 
 // A grow-only, 64-byte aligned buffer: once warmed up, calls allocate nothing.
@@ -98,9 +124,13 @@ struct Problem {
   int64_t max_logits_head_stride = 0;
   const float* sink;
   float scale;
-  DType cache_dtype;
+  DType cache_dtype;  // the rows' dtype as the kernels see them: bf16 for an fp8_ds_mla_v4 cache
+  bool dequantize;    // fp8_ds_mla_v4: each work item dequantises its rows into per-thread scratch
   MlaHead head;
 };
+
+// The kernels' view of a cache of `dtype` (see Problem).
+DType kernel_cache_dtype(DType dtype) { return dtype == DType::fp8_ds_mla_v4 ? DType::bf16 : dtype; }
 
 // Work items per token: the fewest splits whose makespan, ceil(tokens * s / threads) / s,
 // is within 10% of tokens / threads, keeping >= 128 rows per split.
@@ -113,8 +143,9 @@ int choose_splits(int64_t tokens, int64_t max_rows, int threads) {
 }
 
 // Runs attention for every token; `rows.count(t)` is the number of positions of
-// token t and `rows.fill(t, k0, k1, list)` writes the valid rows among
-// positions [k0, k1) to `list`, returning how many.
+// token t and `rows.fill(t, k0, k1, list, dequantized)` writes the valid rows among
+// positions [k0, k1) to `list`, returning how many (fp8_ds_mla_v4 rows dequantised
+// into `dequantized`, kMlaVDim values per row; null for the other caches).
 template <class Rows>
 void run_attention(const Problem& p, const Rows& rows) {
   if (p.tokens == 0) return;
@@ -126,11 +157,12 @@ void run_attention(const Problem& p, const Rows& rows) {
   const size_t ws_bytes = round_up(kernels.workspace_bytes(p.heads), 64);
   const size_t list_bytes = round_up(sizeof(const uint8_t*) * std::max<int64_t>(p.max_rows, 1), 64);
   const size_t own_part_bytes = splits == 1 ? round_up(part_floats * sizeof(float), 64) : 0;
+  const size_t dequant_bytes = p.dequantize ? size_t(p.max_rows / splits + 1) * kMlaVDim * sizeof(uint16_t) : 0;
 
   Scratch& s = scratch();
   if (s.per_thread.size() < size_t(threads)) s.per_thread.resize(threads);
   s.thread_ptr.resize(s.per_thread.size());
-  for (int i = 0; i < threads; ++i) s.thread_ptr[i] = s.per_thread[i].reserve(ws_bytes + list_bytes + own_part_bytes);
+  for (int i = 0; i < threads; ++i) s.thread_ptr[i] = s.per_thread[i].reserve(ws_bytes + list_bytes + own_part_bytes + dequant_bytes);
   float* partials =
       splits > 1 ? reinterpret_cast<float*>(s.partials.reserve(p.tokens * splits * part_floats * sizeof(float)))
                  : nullptr;
@@ -162,6 +194,8 @@ void run_attention(const Problem& p, const Rows& rows) {
     std::byte* mine = thread_ptr[omp_get_thread_num()];
     auto* list = reinterpret_cast<const uint8_t**>(mine + ws_bytes);
     float* own_part = reinterpret_cast<float*>(mine + ws_bytes + list_bytes);
+    auto* dequantized =
+        p.dequantize ? reinterpret_cast<uint16_t*>(mine + ws_bytes + list_bytes + own_part_bytes) : nullptr;
 #pragma omp for schedule(dynamic)
     for (int64_t item = 0; item < p.tokens * splits; ++item) {
       const int64_t t = item / splits, split = item % splits;
@@ -175,7 +209,7 @@ void run_attention(const Problem& p, const Rows& rows) {
       j.head = p.head;
       j.cache_dtype = p.cache_dtype;
       j.rows = list;
-      j.n_rows = rows.fill(t, n_pos * split / splits, n_pos * (split + 1) / splits, list);
+      j.n_rows = rows.fill(t, n_pos * split / splits, n_pos * (split + 1) / splits, list, dequantized);
       j.scale = p.scale;
       j.acc = part;
       j.m = part + size_t(hp) * kMlaVDim;
@@ -208,12 +242,16 @@ struct SlotList {
   CacheLayout cache;
 
   int64_t count(int64_t t) const { return lengths ? lengths[t * length_stride] : topk; }
-  int64_t fill(int64_t t, int64_t k0, int64_t k1, const uint8_t** list) const {
+  int64_t fill(int64_t t, int64_t k0, int64_t k1, const uint8_t** list, uint16_t* dequantized) const {
     const int32_t* idx = indices + t * index_stride;
     const int64_t num_slots = cache.num_slots();
     int64_t n = 0;
     for (int64_t k = k0; k < k1; ++k)
-      if (idx[k] >= 0 && idx[k] < num_slots) list[n++] = cache.slot(idx[k]);
+      if (idx[k] >= 0 && idx[k] < num_slots) {
+        list[n] = cache.kernel_row(idx[k] / cache.block_size, idx[k] % cache.block_size,
+                                   dequantized ? dequantized + n * kMlaVDim : nullptr);
+        ++n;
+      }
     return n;
   }
 };
@@ -225,10 +263,12 @@ struct SparseRows {
   std::optional<SlotList> extra;
 
   int64_t count(int64_t t) const { return main.count(t) + (extra ? extra->count(t) : 0); }
-  int64_t fill(int64_t t, int64_t k0, int64_t k1, const uint8_t** list) const {
+  int64_t fill(int64_t t, int64_t k0, int64_t k1, const uint8_t** list, uint16_t* dequantized) const {
     const int64_t n_main = main.count(t);
-    int64_t n = main.fill(t, std::min(k0, n_main), std::min(k1, n_main), list);
-    if (extra) n += extra->fill(t, std::max(k0, n_main) - n_main, std::max(k1, n_main) - n_main, list + n);
+    int64_t n = main.fill(t, std::min(k0, n_main), std::min(k1, n_main), list, dequantized);
+    if (extra)
+      n += extra->fill(t, std::max(k0, n_main) - n_main, std::max(k1, n_main) - n_main, list + n,
+                       dequantized ? dequantized + n * kMlaVDim : nullptr);
     return n;
   }
 };
@@ -246,10 +286,11 @@ struct PagedRows {
     const int64_t len = seq_lens[(t / s_q) * seq_len_stride];
     return causal ? len - s_q + t % s_q + 1 : len;
   }
-  int64_t fill(int64_t t, int64_t k0, int64_t k1, const uint8_t** list) const {
+  int64_t fill(int64_t t, int64_t k0, int64_t k1, const uint8_t** list, uint16_t* dequantized) const {
     const int32_t* blocks = table + (t / s_q) * table_stride;
     for (int64_t pos = k0; pos < k1; ++pos)
-      list[pos - k0] = cache.row(blocks[pos / cache.block_size], pos % cache.block_size);
+      list[pos - k0] = cache.kernel_row(blocks[pos / cache.block_size], pos % cache.block_size,
+                                        dequantized ? dequantized + (pos - k0) * kMlaVDim : nullptr);
     return k1 - k0;
   }
 };
@@ -278,6 +319,29 @@ void write_row(DType cache_dtype, MlaHead head, const Get& get, uint8_t* dst) {
   for (int i = 0; i < head.rope_dim; ++i) {
     const uint16_t h = numeric::float_to_bf16(get(kMlaLatentDim + i));
     std::memcpy(dst + kMlaLatentDim + sizeof scales + 2 * i, &h, 2);
+  }
+}
+
+// One token of an fp8_ds_mla_v4 block (`get(i)`, i < 512, as in write_row): each tile of 64 of the first 448
+// values quantised with the power-of-two scale of its amax (fp8_ds_mla's rule), the last 64 rounded to bf16.
+// The pad byte after the 7 scales is left as it is (nothing reads it).
+template <class Get>
+void write_v4_token(const Get& get, uint8_t* block, int64_t block_size, int64_t offset) {
+  uint8_t* values = block + V4::value_offset(offset);
+  uint8_t* scales = block + V4::scale_offset(block_size, offset);
+  for (int tile = 0; tile < V4::kTiles; ++tile) {
+    float x[V4::kTile], amax = 0.f;
+    for (int i = 0; i < V4::kTile; ++i) {
+      x[i] = get(tile * V4::kTile + i);
+      amax = std::fmax(amax, std::fabs(x[i]));
+    }
+    const float scale = numeric::ds_mla_tile_scale(amax);
+    scales[tile] = static_cast<uint8_t>(std::bit_cast<uint32_t>(scale) >> 23);  // ue8m0: the exponent byte
+    for (int i = 0; i < V4::kTile; ++i) values[tile * V4::kTile + i] = numeric::float_to_e4m3(x[i] / scale);
+  }
+  for (int i = 0; i < V4::kRopeDim; ++i) {
+    const uint16_t h = numeric::float_to_bf16(get(V4::kNopeDim + i));
+    std::memcpy(values + V4::kNopeDim + 2 * i, &h, 2);
   }
 }
 
@@ -310,7 +374,10 @@ void write_mla_cache(const WriteMlaCacheArgs& a) {
     const auto get = [&](int d) {
       return d < kMlaLatentDim ? value_at(a.latent, lat + d) : value_at(a.k_pe, rope + d - kMlaLatentDim);
     };
-    write_row(a.cache.dtype, head, get, cache.slot(slot));
+    if (cache.v4)
+      write_v4_token(get, cache.row(slot / cache.block_size, 0), cache.block_size, slot % cache.block_size);
+    else
+      write_row(a.cache.dtype, head, get, cache.slot(slot));
   }
 }
 
@@ -338,7 +405,7 @@ void sparse_mla(const SparseMlaArgs& a) {
   const int64_t tokens = a.q.shape[0];
   SparseRows rows{slot_list(a.indices, a.topk_length, a.kv_cache, "topk_length", "K = indices.size(1)"),
                   std::nullopt};
-  if (a.extra_kv_cache.defined())
+  if (a.extra_indices.defined())  // with a cache of no blocks (null data) too: then every extra index is invalid
     rows.extra = slot_list(a.extra_indices, a.extra_topk_length, a.extra_kv_cache, "extra_topk_length",
                            "K2 = extra_indices.size(1)");
   Problem p;
@@ -362,7 +429,8 @@ void sparse_mla(const SparseMlaArgs& a) {
   }
   p.sink = a.attn_sink.defined() ? a.attn_sink.ptr<const float>() : nullptr;
   p.scale = a.softmax_scale;
-  p.cache_dtype = a.kv_cache.dtype;
+  p.cache_dtype = kernel_cache_dtype(a.kv_cache.dtype);
+  p.dequantize = a.kv_cache.dtype == DType::fp8_ds_mla_v4;
   p.head = *mla_head_for_qk_dim(a.q.shape[2]);
   run_attention(p, rows);
 }
@@ -409,7 +477,8 @@ void paged_mla_decode(const PagedMlaDecodeArgs& a) {
   p.empty_lse = a.empty_lse_plus_inf ? INFINITY : -INFINITY;
   p.sink = a.attn_sink.defined() ? a.attn_sink.ptr<const float>() : nullptr;
   p.scale = a.softmax_scale;
-  p.cache_dtype = a.kv_cache.dtype;
+  p.cache_dtype = kernel_cache_dtype(a.kv_cache.dtype);
+  p.dequantize = a.kv_cache.dtype == DType::fp8_ds_mla_v4;
   p.head = *mla_head_for_qk_dim(a.q.shape[3]);
   run_attention(p, PagedRows{table, table_stride, seq_lens, len_stride, s_q, a.causal, cache});
 }

@@ -3,7 +3,6 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
-#include <cctype>
 #include <cerrno>
 #include <cstdint>
 #include <filesystem>
@@ -16,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/text.h"
 #include "models/gguf.h"
 #include "smla/error.h"
 #include "smla/spec.h"
@@ -333,12 +333,6 @@ std::string parser_message(const json::exception& error) {
     text.erase(0, tag_end + 2);
   if (text.size() > 160) text = text.substr(0, 157) + "...";
   return text;
-}
-
-std::string lowercase(std::string_view text) {
-  std::string out(text);
-  for (char& c : out) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  return out;
 }
 
 }  // namespace

@@ -2,11 +2,11 @@
 // needs no file at run time. Each preset equals what spec_from_config_json gives for the model's config.json
 // (tests/data/configs), name aside; test_models checks this field by field.
 #include <algorithm>
-#include <cctype>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "core/text.h"
 #include "smla/spec.h"
 
 namespace smla {
@@ -137,12 +137,6 @@ std::vector<AttentionSpec> make_presets() {
 const std::vector<AttentionSpec>& all_presets() {
   static const std::vector<AttentionSpec> presets = make_presets();
   return presets;
-}
-
-std::string lowercase(std::string_view text) {
-  std::string out(text);
-  for (char& c : out) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  return out;
 }
 
 }  // namespace

@@ -205,6 +205,11 @@ const File& Checkpoint::shard(const std::string& file_name) {
   return shards_.emplace(file_name, std::pair(std::move(mapped), std::move(parsed))).first->second.second;
 }
 
+bool Checkpoint::contains(std::string_view name) {
+  if (indexed_) return weight_map_.contains(name);
+  return shard("model.safetensors").tensors.contains(name);
+}
+
 std::optional<WeightTensor> Checkpoint::read(std::string_view name) {
   std::string file_name = "model.safetensors";
   if (indexed_) {

@@ -41,6 +41,8 @@ class Checkpoint {
 
   // The tensor as float32; nullopt when the checkpoint has no tensor of that name.
   std::optional<WeightTensor> read(std::string_view name);
+  // Whether the checkpoint lists a tensor of that name (reads no values).
+  bool contains(std::string_view name);
   // The file that lists the tensors (the index, or the single file), for messages.
   const std::string& listing() const { return listing_; }
 

@@ -14,8 +14,8 @@ namespace smla::models {
 // Which layers of the geometry a tensor belongs to.
 enum class Needed { always, without_q_lora, with_q_lora, sparse, pooled };
 
-// A tensor of the layer: the field it fills, its name after "blk.N." in GGUF and after "model.layers.N.self_attn." in Hugging Face
-// checkpoints, the field it fills, and the shape the geometry gives it.
+// A tensor of the layer: the field it fills, its name after "blk.N." in GGUF and after "model.layers.N.self_attn."
+// in Hugging Face checkpoints, and the shape the geometry gives it.
 struct WeightSlot {
   const char* field_name;  // the AttentionWeights field ("q_b", "indexer.wk"), as MlaLayer's messages name it
   const char* gguf;

@@ -140,7 +140,14 @@ AttentionWeights load_gguf(const std::string& path, int layer) {
 AttentionWeights load_safetensors(const std::string& dir, int layer) {
   const AttentionSpec spec = spec_from_config_file((std::filesystem::path(dir) / "config.json").string());
   safetensors::Checkpoint checkpoint = safetensors::Checkpoint::open(dir);
-  return read_layer(spec, layer, checkpoint.listing(), "model.layers." + std::to_string(layer) + ".self_attn.", false,
+  // A multimodal checkpoint (GLM-5.3-Flash's Glm5NextForConditionalGeneration) holds its text model under
+  // model.language_model.
+  std::string prefix = "model.layers." + std::to_string(layer) + ".self_attn.";
+  const std::string nested = "model.language_model.layers." + std::to_string(layer) + ".self_attn.";
+  if (!checkpoint.contains(prefix + "kv_a_proj_with_mqa.weight") &&
+      checkpoint.contains(nested + "kv_a_proj_with_mqa.weight"))
+    prefix = nested;
+  return read_layer(spec, layer, checkpoint.listing(), prefix, false,
                     [&](const std::string& name) { return checkpoint.read(name); });
 }
 

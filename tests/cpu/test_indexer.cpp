@@ -58,18 +58,6 @@ void expect_error(const std::function<void()>& f, std::initializer_list<std::str
   test::expect_error(f, ErrorKind::invalid_argument, fragments);
 }
 
-// Values stored as `dtype` (bf16 / f16 / f32) in a byte buffer.
-std::vector<uint8_t> store(const std::vector<float>& values, DType dtype) {
-  std::vector<uint8_t> bytes(values.size() * dtype_size(dtype));
-  if (dtype == DType::f32) {
-    std::memcpy(bytes.data(), values.data(), bytes.size());
-  } else {
-    const auto bits = test::to_half_bits(values, dtype);
-    std::memcpy(bytes.data(), bits.data(), bytes.size());
-  }
-  return bytes;
-}
-
 // A paged index cache with padded blocks (and padded rows for bf16), every
 // byte 0xff (NaN) until written.
 struct IndexCache {
@@ -102,7 +90,7 @@ TEST(WriteIndexCache, MatchesReferenceBitForBit) {
         const int64_t blocks = 5, slots = blocks * block_size, n = 3 * block_size + 2;
         std::vector<float> values = test::random_floats(rng, n * 128, -3.f, 3.f);
         for (int64_t d = 0; d < 128; ++d) values[128 + d] *= 1e-3f;  // small amax: a different scale
-        std::vector<uint8_t> k = store(values, k_dtype);
+        std::vector<uint8_t> k = test::to_bytes(values, k_dtype);
         std::vector<int64_t> slot_mapping(n);
         std::vector<int64_t> perm(slots);
         std::iota(perm.begin(), perm.end(), 0);
@@ -249,7 +237,7 @@ Problem make_problem(Rng& rng, const ProblemSpec& spec) {
       for (int d = 0; d < 128; ++d) p.q[i * 128 + d] = numeric::float_to_e4m3(qv[i * 128 + d] / p.q_scale[i]);
     }
   } else {
-    p.q = store(qv, spec.q_dtype);
+    p.q = test::to_bytes(qv, spec.q_dtype);
   }
   p.weights = test::random_floats(rng, n);
   p.request_ids.assign(spec.request_of.begin(), spec.request_of.end());

@@ -142,16 +142,18 @@ INSTANTIATE_TEST_SUITE_P(Specs, LayerPaths,
                                            PathCase{"pooled_no_rope", test::tiny_pooled_spec()}),
                          [](const auto& info) { return std::string(info.param.name); });
 
+// `w` without its indexer: the same layer attending every position.
+AttentionWeights without_indexer(AttentionWeights w) {
+  w.spec.indexer.reset();
+  w.indexer = {};
+  return w;
+}
+
 TEST(Layer, DsaWithinTopkEqualsDense) {
   const AttentionSpec sparse = tiny_spec(true, 48, 16);
-  AttentionSpec dense = sparse;
-  dense.indexer.reset();
-  AttentionWeights dense_weights = random_weights(sparse, 9);
-  dense_weights.spec = dense;
-  dense_weights.indexer = {};
   const std::vector<float> hidden = random_hidden(4, 16, sparse.hidden_size);
   MlaLayer dsa(random_weights(sparse, 9), {.num_blocks = 8, .block_size = 4});
-  MlaLayer mla(std::move(dense_weights), {.num_blocks = 8, .block_size = 4});
+  MlaLayer mla(without_indexer(random_weights(sparse, 9)), {.num_blocks = 8, .block_size = 4});
   expect_close(prefill(mla, mla.add_request(), hidden), decode_steps(dsa, dsa.add_request(), hidden), 1e-3, 1 - 1e-7);
 }
 
@@ -168,13 +170,9 @@ TEST(Layer, Fp8CachesStayCloseToBf16) {
 TEST(Layer, DsaBeyondTopkAttendsFewerPositions) {
   // Past top-k the indexer drops positions, so the output differs from dense attention (and stays finite).
   const AttentionSpec sparse = tiny_spec(true, 48, 4);
-  AttentionSpec dense = sparse;
-  dense.indexer.reset();
-  AttentionWeights dense_weights = random_weights(sparse, 9);
-  dense_weights.spec = dense;
   const std::vector<float> hidden = random_hidden(4, 12, sparse.hidden_size);
   MlaLayer dsa(random_weights(sparse, 9), {.num_blocks = 8, .block_size = 4});
-  MlaLayer mla(std::move(dense_weights), {.num_blocks = 8, .block_size = 4});
+  MlaLayer mla(without_indexer(random_weights(sparse, 9)), {.num_blocks = 8, .block_size = 4});
   const std::vector<float> a = prefill(dsa, dsa.add_request(), hidden), b = prefill(mla, mla.add_request(), hidden);
   const int d = sparse.hidden_size;
   double first = 0, last = 0;
@@ -279,14 +277,9 @@ TEST(Layer, PooledAppendContextEqualsThePromptsForward) {
 TEST(Layer, PooledBeyondTopkAttendsFewerPositions) {
   // top-k 4 = one pool of 4 (plus the tail): at 12 tokens some pools are left out, so dense attention differs.
   const AttentionSpec pooled = test::tiny_pooled_spec(4);
-  AttentionSpec dense = pooled;
-  dense.indexer.reset();
-  AttentionWeights dense_weights = random_weights(pooled, 9);
-  dense_weights.spec = dense;
-  dense_weights.indexer = {};
   const std::vector<float> hidden = random_hidden(4, 12, pooled.hidden_size);
   MlaLayer dsa(random_weights(pooled, 9), {.num_blocks = 8, .block_size = 4});
-  MlaLayer mla(std::move(dense_weights), {.num_blocks = 8, .block_size = 4});
+  MlaLayer mla(without_indexer(random_weights(pooled, 9)), {.num_blocks = 8, .block_size = 4});
   const std::vector<float> a = prefill(dsa, dsa.add_request(), hidden), b = prefill(mla, mla.add_request(), hidden);
   const int d = pooled.hidden_size;
   double early = 0, last = 0;

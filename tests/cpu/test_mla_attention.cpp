@@ -161,6 +161,12 @@ void poison_envelope_rope(Tensor& cache) {
     }
 }
 
+// The block padding FlashMLA gives an fp8_ds_mla_v4 cache: each block's bytes rounded up to a multiple of 576.
+int64_t v4_block_pad(int64_t block_size) {
+  const int64_t bytes = block_size * MlaV4CacheLayout::kRowBytes;
+  return (bytes + 575) / 576 * 576 - bytes;
+}
+
 Tensor make_cache(Rng& rng, const CacheGeometry& g, const std::vector<int64_t>& slots) {
   const int64_t row = MlaHead{g.rope_dim}.cache_row(g.dtype);
   const int64_t row_stride = row + g.row_pad;
@@ -361,7 +367,8 @@ TEST_P(SparseMla, MatchesReference) {
 }
 
 std::string dtype_tag(DType d) {
-  return d == DType::bf16 ? "bf16" : d == DType::f16 ? "f16" : d == DType::fp8_ds_mla ? "fp8" : "fp8nope";
+  return d == DType::bf16 ? "bf16" : d == DType::f16 ? "f16" : d == DType::fp8_ds_mla ? "fp8"
+         : d == DType::fp8_ds_mla_v4 ? "fp8v4" : "fp8nope";
 }
 
 std::vector<SparseCase> sparse_cases() {
@@ -505,6 +512,44 @@ std::vector<SparseCase> sparse_cases() {
     c.extra_topk = g.extra_topk;
     c.topk_length = g.heads == 64;
     c.extra_topk_length = true;
+    c.sink = true;
+    cases.push_back(c);
+  }
+  // DeepSeek-V4's fp8 cache (fp8_ds_mla_v4, blocks padded as FlashMLA pads them; unused slots' e4m3 bytes NaN), one
+  // cache and two: every instruction set x q dtype ...
+  for (Isa isa : available_isas())
+    for (DType q : {DType::bf16, DType::f16})
+      for (bool two : {false, true}) {
+        SparseCase c;
+        c.name = "v4fp8_" + std::string(cpu::isa_name(isa)) + "_q" + dtype_tag(q) + (two ? "_two_caches" : "_one");
+        c.q_dtype = q;
+        c.cache = {DType::fp8_ds_mla_v4, 6, 61, 0, v4_block_pad(61), 0};
+        if (two) c.extra = CacheGeometry{DType::fp8_ds_mla_v4, 5, 2, 0, v4_block_pad(2) + 3, 0};
+        c.heads = 20;
+        c.tokens = 5;
+        c.topk = 64;
+        c.extra_topk = two ? 70 : 0;
+        c.topk_length = q == DType::bf16;
+        c.extra_topk_length = two && q == DType::f16;
+        c.sink = true;
+        c.strided = q == DType::f16;
+        c.isa = isa;
+        cases.push_back(c);
+      }
+  // ... and V4's sizes.
+  for (const TwoCaches& g : {TwoCaches{64, 2048, 64, 1, 576}, TwoCaches{128, 64, 576, 69, 64}}) {
+    SparseCase c;
+    c.name = "v4fp8_heads" + std::to_string(g.heads) + "_topk" + std::to_string(g.topk) + "_" +
+             std::to_string(g.extra_topk) + "_block" + std::to_string(g.block) + "_" + std::to_string(g.extra_block);
+    c.cache = {DType::fp8_ds_mla_v4, 4096 / g.block + 1, g.block, 0, v4_block_pad(g.block), 0};
+    c.extra = CacheGeometry{DType::fp8_ds_mla_v4, 1024 / g.extra_block + 1, g.extra_block, 0,
+                            v4_block_pad(g.extra_block), 0};
+    c.heads = g.heads;
+    c.tokens = 3;
+    c.topk = g.topk;
+    c.extra_topk = g.extra_topk;
+    c.topk_length = true;
+    c.extra_topk_length = g.heads == 128;
     c.sink = true;
     cases.push_back(c);
   }
@@ -686,8 +731,9 @@ PagedProblem make_paged(const PagedCase& c) {
     }
   }
   if (slots.empty()) slots.push_back(0);
+  const bool v4 = c.cache_dtype == DType::fp8_ds_mla_v4;  // rows that cannot be padded
   p.cache = make_cache(
-      rng, {c.cache_dtype, num_blocks, c.block_size, c.padded ? 4 : 0, c.padded ? 100 : 0, c.rope_dim}, slots);
+      rng, {c.cache_dtype, num_blocks, c.block_size, c.padded && !v4 ? 4 : 0, c.padded ? 100 : 0, c.rope_dim}, slots);
   p.q = make_q(rng, {c.batch, c.s_q}, c.heads, c.q_dtype, c.strided, MlaHead{c.rope_dim});
   p.args.q = p.q.view;
   p.args.kv_cache = p.cache.view;
@@ -794,6 +840,22 @@ std::vector<PagedCase> paged_cases() {
       c.strided = block_size == 1;
       cases.push_back(c);
     }
+  // DeepSeek-V4's fp8 cache (its rows are not padded; its blocks are, with `padded`).
+  for (int64_t block_size : {1, 16, 64}) {
+    PagedCase c;
+    c.name = "v4fp8_block" + std::to_string(block_size);
+    c.rope_dim = 0;
+    c.cache_dtype = DType::fp8_ds_mla_v4;
+    c.block_size = block_size;
+    c.max_blocks = 192 / block_size;
+    c.s_q = block_size == 16 ? 3 : 1;
+    c.heads = block_size == 64 ? 64 : 16;
+    c.q_dtype = block_size == 1 ? DType::f16 : DType::bf16;
+    c.sink = block_size != 1;
+    c.padded = block_size != 16;
+    c.strided = block_size == 1;
+    cases.push_back(c);
+  }
   for (Isa isa : available_isas()) {
     PagedCase c;
     c.name = std::string(cpu::isa_name(isa)) + "_f16cache";
@@ -910,6 +972,85 @@ TEST(WriteMlaCache, NoRopePartBitExact) {
     }
 }
 
+void expect_error(const std::function<void()>& run, const std::string& needle);
+
+// DeepSeek-V4's fp8 cache: bit-exact against the float64 reference writer (scales 2^ceil(log2(max(amax / 448,
+// 1e-4))) as ue8m0 bytes, e4m3 by nearest-value search), for block sizes whose parts fall anywhere in a padded
+// block; only each written token's 576 value bytes and 7 scale bytes change (its pad byte and the block padding
+// keep their poison); dequantised, every value is within e4m3's rounding of its input.
+TEST(WriteMlaCache, V4Fp8BitExact) {
+  using V4 = MlaV4CacheLayout;
+  for (int64_t block_size : {1, 3, 64})
+    for (DType in_dtype : {DType::f32, DType::f16, DType::bf16}) {
+      SCOPED_TRACE("block " + std::to_string(block_size) + " from " + std::string(dtype_name(in_dtype)));
+      Rng rng(seed_of("v4fp8" + std::to_string(block_size) + std::string(dtype_name(in_dtype))));
+      const int64_t n = 45;
+      const CacheGeometry g{DType::fp8_ds_mla_v4, 96 / block_size + 1, block_size, 0, v4_block_pad(block_size), 0};
+      Tensor latent = alloc({n, kMlaLatentDim}, in_dtype, {kMlaLatentDim + 8, 1});
+      std::vector<float> x(n * kMlaLatentDim);  // the values as written (after the input dtype's rounding)
+      for (int64_t i = 0; i < n; ++i) {
+        const auto c = test::random_floats(rng, kMlaLatentDim);
+        for (int d = 0; d < kMlaLatentDim; ++d) {
+          // Tile magnitudes from below the 1e-4 scale floor to large, changing tile by tile.
+          const float m = std::array<float, 6>{1e-7f, 2e-3f, 1.f, 30.f, 3000.f, 0.5f}[(i + d / V4::kTile) % 6];
+          float v = m * c[d];
+          if (d % V4::kTile == 5 && i % 4 == 1) v = 448.f * std::ldexp(1.f, int(i % 9) - 4);  // amax / 448 exactly 2^k
+          if (in_dtype != DType::f32) v = test::half_bits_to_float(test::to_half_bits({v}, in_dtype)[0], in_dtype);
+          x[i * kMlaLatentDim + d] = v;
+          if (in_dtype == DType::f32) latent.view.ptr<float>()[i * latent.view.strides[0] + d] = v;
+          else latent.view.ptr<uint16_t>()[i * latent.view.strides[0] + d] = test::to_half_bits({v}, in_dtype)[0];
+        }
+      }
+      Tensor mapping = alloc({n}, DType::i64);
+      std::vector<int64_t> slots(g.num_blocks * g.block_size);
+      std::iota(slots.begin(), slots.end(), 0);
+      std::shuffle(slots.begin(), slots.end(), rng);
+      for (int64_t i = 0; i < n; ++i) mapping.view.ptr<int64_t>()[i] = i % 6 == 4 ? -1 - i : slots[i];
+      const Tensor before = make_cache(rng, g, {});
+      Tensor expected = before, actual = before;
+      expected.view.data = expected.mem.data();
+      actual.view.data = actual.mem.data();
+      reference::ref_write_mla_cache({latent.view, TensorView(), mapping.view, expected.view});
+      write_mla_cache({latent.view, TensorView(), mapping.view, actual.view});
+      EXPECT_EQ(expected.mem, actual.mem);
+      // Exactly the written tokens' value and scale bytes changed.
+      const auto* old_bytes = reinterpret_cast<const uint8_t*>(before.mem.data());
+      const auto* new_bytes = reinterpret_cast<const uint8_t*>(actual.mem.data());
+      std::vector<bool> written(before.mem.size() * 8, false);
+      int64_t unchanged_tokens = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t slot = mapping.view.ptr<int64_t>()[i];
+        if (slot < 0) continue;
+        const int64_t block = (slot / block_size) * before.view.strides[0], t = slot % block_size;
+        const int64_t values = block + V4::value_offset(t), scales = block + V4::scale_offset(block_size, t);
+        for (int64_t b = 0; b < V4::kValueBytes; ++b) written[values + b] = true;
+        for (int64_t b = 0; b < V4::kTiles; ++b) written[scales + b] = true;
+        unchanged_tokens += std::memcmp(old_bytes + values, new_bytes + values, V4::kValueBytes) == 0;
+        // Dequantised (the reference's reading), within e4m3's rounding: half an ulp of 3 mantissa bits, or half
+        // the smallest subnormal (2^-10 of the scale); the rope part is bf16's rounding.
+        const auto row = reference::ref_cache_row(actual.view, slot, MlaHead{0});
+        for (int d = 0; d < kMlaLatentDim; ++d) {
+          const double v = x[i * kMlaLatentDim + d];
+          const double scale = std::ldexp(1.0, int(new_bytes[scales + d / V4::kTile]) - 127);
+          const double bound = d < V4::kNopeDim ? std::max(std::fabs(v) * 0x1p-4, scale * 0x1p-10)
+                                                : std::fabs(v) * 0x1p-8;
+          ASSERT_LE(std::fabs(row[d] - v), bound) << "row " << i << ", value " << d;
+        }
+      }
+      EXPECT_EQ(unchanged_tokens, 0);
+      int64_t changed_outside = 0;
+      for (size_t b = 0; b < written.size(); ++b) changed_outside += !written[b] && old_bytes[b] != new_bytes[b];
+      EXPECT_EQ(changed_outside, 0) << "bytes outside the written tokens' values and scales changed";
+      // A slot past the cache is refused before anything is written.
+      mapping.view.ptr<int64_t>()[3] = g.num_blocks * g.block_size;
+      Tensor untouched = before;
+      untouched.view.data = untouched.mem.data();
+      expect_error([&] { write_mla_cache({latent.view, TensorView(), mapping.view, untouched.view}); },
+                   "write_mla_cache: slot_mapping: row 3 holds slot " + std::to_string(g.num_blocks * g.block_size));
+      EXPECT_EQ(untouched.mem, before.mem);
+    }
+}
+
 // ---------------------------------------------------------------------------
 // Bad inputs: smla::Error whose message names the op and the argument.
 
@@ -978,6 +1119,28 @@ TEST(SparseMlaErrors, NameTheArgument) {
   for (TensorView* t : {&gpu.q, &gpu.kv_cache, &gpu.indices, &gpu.topk_length, &gpu.attn_sink, &gpu.out, &gpu.lse})
     t->device = Device::cuda(90);
   expect_error([&] { sparse_mla(gpu, &backend_for(Device::cpu())); }, "sparse_mla: backend 'cpu' does not run on sm_90");
+}
+
+// An extra cache of no blocks (null data, as frameworks hand out empty tensors): every extra index is invalid,
+// its lengths are still checked.
+TEST(SparseMlaExtraCache, NoBlocksMeansEveryExtraIndexInvalid) {
+  SparseCase c;
+  c.name = "extra_no_blocks";
+  c.cache.rope_dim = 0;
+  c.topk_length = true;
+  c.sink = true;
+  c.extra = CacheGeometry{DType::bf16, 2, 4, 0, 0, 0};
+  c.extra_topk = 12;
+  c.extra_topk_length = true;
+  SparseProblem p = make_sparse(c);
+  p.args.extra_kv_cache = TensorView(nullptr, {0, 4, kMlaLatentDim}, DType::bf16);
+  sparse_mla(p.args);
+  expect_written(p.o.out, "out");
+  SparseMlaArgs main_only = p.args;
+  main_only.extra_kv_cache = main_only.extra_indices = main_only.extra_topk_length = TensorView();
+  expect_close(reference::ref_sparse_mla(main_only), p.o.out, p.o.lse);
+  p.extra_topk_length.view.ptr<int32_t>()[0] = 13;
+  expect_error([&] { sparse_mla(p.args); }, "sparse_mla: extra_topk_length: row 0 is 13");
 }
 
 // The extra cache's arguments, and a backend that does not declare it refusing it.
@@ -1162,6 +1325,87 @@ TEST(SparseMlaErrors, NoRopePartGeometry) {
                "write_mla_cache: cache: fp8_ds_mla_nope has no rope part");
   expect_error([&] { write_mla_cache({latent.view, TensorView(), mapping.view, wide.view}); },
                "write_mla_cache: cache: dimension 2 (row: c (512), no rope part) must be 512");
+}
+
+// DeepSeek-V4's fp8 cache: 512-wide heads only, rows of exactly 584 bytes, the extra cache of the same form; a
+// backend that does not declare the dtype (the CUDA backend, so far) refuses it as unsupported.
+TEST(SparseMlaErrors, V4Fp8Geometry) {
+  SparseCase c;
+  c.name = "v4fp8_errors";
+  c.cache = {DType::fp8_ds_mla_v4, 4, 16, 0, v4_block_pad(16), 0};
+  c.extra = CacheGeometry{DType::fp8_ds_mla_v4, 3, 5, 0, 0, 0};
+  c.extra_topk = 8;
+  SparseProblem p = make_sparse(c);
+  ASSERT_NO_THROW(sparse_mla(p.args));
+  Rng rng(4);
+  SparseMlaArgs a = p.args;
+  Tensor wide_q = make_q(rng, {c.tokens}, c.heads, DType::bf16, false);
+  a.q = wide_q.view;
+  a.out = p.args.out;
+  expect_error([&] { sparse_mla(a); },
+               "sparse_mla: kv_cache: fp8_ds_mla_v4 holds DeepSeek-V4's 512-wide heads (its rope part inside the "
+               "512), but the head is 576 wide");
+  a = p.args;
+  a.kv_cache.shape[2] = kFp8DsMlaRowBytes;  // a 656-byte row declared fp8_ds_mla_v4
+  expect_error([&] { sparse_mla(a); }, "sparse_mla: kv_cache: dimension 2 (fp8_ds_mla_v4 row: 448 e4m3 + 64 bf16 "
+                                       "rope + 7 ue8m0 scales + 1 pad) must be 584");
+  Tensor padded_rows = alloc({4, 16, 584}, DType::fp8_ds_mla_v4, {16 * 600, 600, 1});
+  a = p.args;
+  a.kv_cache = padded_rows.view;
+  expect_error([&] { sparse_mla(a); }, "sparse_mla: kv_cache: row stride 600 must be 584");
+  Tensor bf16_extra = make_cache(rng, {DType::bf16, 3, 5, 0, 0, 0}, {});
+  a = p.args;
+  a.extra_kv_cache = bf16_extra.view;
+  expect_error([&] { sparse_mla(a); }, "sparse_mla: extra_kv_cache: must have kv_cache's dtype (fp8_ds_mla_v4)");
+
+  class NoV4 final : public Backend {
+   public:
+    NoV4() {
+      caps_ = backend_for(Device::cpu()).capabilities();
+      caps_.name = "no_v4";
+      caps_.kv_cache_dtypes = {std::begin(kMlaCacheDTypes), std::end(kMlaCacheDTypes)};
+    }
+    const Capabilities& capabilities() const override { return caps_; }
+    void write_mla_cache(const WriteMlaCacheArgs&) const override { ADD_FAILURE() << "write_mla_cache ran"; }
+    void sparse_mla(const SparseMlaArgs&) const override { ADD_FAILURE() << "sparse_mla ran"; }
+    void paged_mla_decode(const PagedMlaDecodeArgs&) const override { ADD_FAILURE() << "paged_mla_decode ran"; }
+    void write_index_cache(const WriteIndexCacheArgs&) const override {}
+    void indexer_topk(const IndexerTopkArgs&) const override {}
+    void positions_to_slots(const PositionsToSlotsArgs&) const override {}
+
+   private:
+    Capabilities caps_;
+  } no_v4;
+  const auto expect_unsupported = [](const std::function<void()>& run, const std::string& needle) {
+    try {
+      run();
+      ADD_FAILURE() << "no error";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::unsupported);
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  expect_unsupported([&] { sparse_mla(p.args, &no_v4); },
+                     "sparse_mla: kv_cache: backend 'no_v4' does not read fp8_ds_mla_v4 caches");
+  Tensor latent = alloc({2, kMlaLatentDim}, DType::f32), mapping = alloc({2}, DType::i64);
+  std::fill_n(latent.view.ptr<float>(), 2 * kMlaLatentDim, 0.5f);
+  mapping.view.ptr<int64_t>()[0] = 0;
+  mapping.view.ptr<int64_t>()[1] = 17;
+  expect_unsupported([&] { write_mla_cache({latent.view, TensorView(), mapping.view, p.cache.view}, &no_v4); },
+                     "write_mla_cache: cache: backend 'no_v4' does not read fp8_ds_mla_v4 caches");
+  PagedMlaDecodeArgs paged;
+  Tensor q = make_q(rng, {1, 1}, 4, DType::bf16, false, MlaHead{0}), table = alloc({1, 1}, DType::i32);
+  Tensor seq_lens = alloc({1}, DType::i32);
+  table.view.ptr<int32_t>()[0] = 1;
+  seq_lens.view.ptr<int32_t>()[0] = 3;
+  Outputs o = make_outputs({1, 1}, 4, DType::bf16, false);
+  paged = {q.view, p.cache.view, table.view, seq_lens.view, TensorView(), 0.2f, true, o.out.view, o.lse.view};
+  expect_unsupported([&] { paged_mla_decode(paged, &no_v4); },
+                     "paged_mla_decode: kv_cache: backend 'no_v4' does not read fp8_ds_mla_v4 caches");
+  // A k_pe (a 576-wide head) cannot be written to it.
+  Tensor k_pe = alloc({2, kMlaRopeDim}, DType::f32);
+  expect_error([&] { write_mla_cache({latent.view, k_pe.view, mapping.view, p.cache.view}); },
+               "write_mla_cache: cache: fp8_ds_mla_v4 holds DeepSeek-V4's 512-wide heads");
 }
 
 // Empty batches are valid: nothing is read or written.

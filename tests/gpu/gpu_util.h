@@ -36,6 +36,29 @@ struct DeviceBuffer {
   }
 };
 
+// The CUDA graph of what `enqueue()` puts on `stream`, captured in `mode` and instantiated; destroyed at scope exit.
+class CapturedGraph {
+ public:
+  template <class Enqueue>
+  CapturedGraph(cudaStream_t stream, cudaStreamCaptureMode mode, Enqueue enqueue) {
+    EXPECT_EQ(cudaStreamBeginCapture(stream, mode), cudaSuccess);
+    enqueue();
+    EXPECT_EQ(cudaStreamEndCapture(stream, &graph_), cudaSuccess);
+    EXPECT_EQ(cudaGraphInstantiate(&exec_, graph_, 0), cudaSuccess);
+  }
+  CapturedGraph(const CapturedGraph&) = delete;
+  CapturedGraph& operator=(const CapturedGraph&) = delete;
+  ~CapturedGraph() {
+    if (exec_) EXPECT_EQ(cudaGraphExecDestroy(exec_), cudaSuccess);
+    if (graph_) EXPECT_EQ(cudaGraphDestroy(graph_), cudaSuccess);
+  }
+  cudaGraphExec_t exec() const { return exec_; }
+
+ private:
+  cudaGraph_t graph_ = nullptr;
+  cudaGraphExec_t exec_ = nullptr;
+};
+
 // The same view, pointing at device memory.
 inline TensorView on_gpu(TensorView v, void* data) {
   v.data = data;

@@ -334,16 +334,11 @@ TEST(CudaCapture, EveryOpReplaysOnANewNonBlockingStreamWithACallerWorkspace) {
     // (allocation, synchronisation) invalidates the capture.
     cudaStream_t capturing = nullptr;
     CUDA_OK(cudaStreamCreateWithFlags(&capturing, cudaStreamNonBlocking));
-    cudaGraph_t graph = nullptr;
-    cudaGraphExec_t exec = nullptr;
-    CUDA_OK(cudaStreamBeginCapture(capturing, cudaStreamCaptureModeGlobal));
-    op->run(capturing, workspace);
-    CUDA_OK(cudaStreamEndCapture(capturing, &graph));
-    CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+    const CapturedGraph graph(capturing, cudaStreamCaptureModeGlobal, [&] { op->run(capturing, workspace); });
 
     op->load(true);
     op->poison();
-    CUDA_OK(cudaGraphLaunch(exec, capturing));
+    CUDA_OK(cudaGraphLaunch(graph.exec(), capturing));
     CUDA_OK(cudaStreamSynchronize(capturing));
     const auto replayed = op->outputs();
     op->poison();
@@ -353,8 +348,6 @@ TEST(CudaCapture, EveryOpReplaysOnANewNonBlockingStreamWithACallerWorkspace) {
     EXPECT_TRUE(replayed == eager) << "the replay differs from an eager call on the same inputs";
     EXPECT_FALSE(replayed == first) << "the replay did not read the new inputs";
 
-    CUDA_OK(cudaGraphExecDestroy(exec));
-    CUDA_OK(cudaGraphDestroy(graph));
     CUDA_OK(cudaStreamDestroy(capturing));
     CUDA_OK(cudaStreamDestroy(stream));
   }
@@ -375,20 +368,17 @@ TEST(CudaCapture, DefaultWorkspaceNeverAllocatesWhileCapturing) {
     CUDA_OK(cudaStreamSynchronize(warm));
 
     DeviceBuffer ws(op->size());
-    cudaGraph_t graph = nullptr;
-    cudaGraphExec_t exec = nullptr;
-    CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-    // (dsa_decode_step's first step to need scratch, indexer_topk, is the one to say so)
-    test::expect_error([&] { op->run(stream, TensorView{}); }, ErrorKind::invalid_argument,
-                       {": workspace: the stream is capturing a CUDA graph", "workspace_size"});
-    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-    CUDA_OK(cudaStreamIsCapturing(stream, &status));
-    EXPECT_EQ(status, cudaStreamCaptureStatusActive) << "the capture was invalidated";
-    op->run(stream, workspace_view(ws, op->size()));
-    CUDA_OK(cudaStreamEndCapture(stream, &graph));
-    CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+    const CapturedGraph graph(stream, cudaStreamCaptureModeGlobal, [&] {
+      // (dsa_decode_step's first step to need scratch, indexer_topk, is the one to say so)
+      test::expect_error([&] { op->run(stream, TensorView{}); }, ErrorKind::invalid_argument,
+                         {": workspace: the stream is capturing a CUDA graph", "workspace_size"});
+      cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+      CUDA_OK(cudaStreamIsCapturing(stream, &status));
+      EXPECT_EQ(status, cudaStreamCaptureStatusActive) << "the capture was invalidated";
+      op->run(stream, workspace_view(ws, op->size()));
+    });
     op->poison();
-    CUDA_OK(cudaGraphLaunch(exec, stream));
+    CUDA_OK(cudaGraphLaunch(graph.exec(), stream));
     CUDA_OK(cudaStreamSynchronize(stream));
     const auto replayed = op->outputs();
     op->poison();
@@ -397,8 +387,6 @@ TEST(CudaCapture, DefaultWorkspaceNeverAllocatesWhileCapturing) {
     EXPECT_TRUE(replayed == op->outputs());
     CUDA_OK(cudaGetLastError());
 
-    CUDA_OK(cudaGraphExecDestroy(exec));
-    CUDA_OK(cudaGraphDestroy(graph));
     CUDA_OK(cudaStreamDestroy(stream));
     CUDA_OK(cudaStreamDestroy(warm));
   }

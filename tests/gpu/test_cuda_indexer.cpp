@@ -567,12 +567,7 @@ TEST(CudaIndexer, DsaDecodeStepReplaysInACudaGraph) {
   CUDA_OK(cudaStreamSynchronize(stream));
   const DsaStepCase::Outputs first = c.download();
 
-  cudaGraph_t graph = nullptr;
-  cudaGraphExec_t exec = nullptr;
-  CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  dsa_decode_step(g, &gpu());
-  CUDA_OK(cudaStreamEndCapture(stream, &graph));
-  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  const CapturedGraph graph(stream, cudaStreamCaptureModeThreadLocal, [&] { dsa_decode_step(g, &gpu()); });
 
   // New queries for the indexer and for the attention, in the buffers the graph reads.
   IndexProblem other = DsaStepCase::problem();
@@ -583,7 +578,7 @@ TEST(CudaIndexer, DsaDecodeStepReplaysInACudaGraph) {
   CUDA_OK(cudaMemcpy(c.dq->ptr, q2.data(), q2.size() * 2, cudaMemcpyHostToDevice));
 
   c.poison_outputs();
-  CUDA_OK(cudaGraphLaunch(exec, stream));
+  CUDA_OK(cudaGraphLaunch(graph.exec(), stream));
   CUDA_OK(cudaStreamSynchronize(stream));
   const DsaStepCase::Outputs replayed = c.download();
   c.poison_outputs();
@@ -597,8 +592,6 @@ TEST(CudaIndexer, DsaDecodeStepReplaysInACudaGraph) {
   EXPECT_NE(replayed.out, first.out);  // the replay read the new queries
   EXPECT_EQ(first.topk, c.topk);    // and the first call was the CPU's step
 
-  CUDA_OK(cudaGraphExecDestroy(exec));
-  CUDA_OK(cudaGraphDestroy(graph));
   CUDA_OK(cudaStreamDestroy(stream));
 }
 
@@ -642,22 +635,15 @@ TEST(CudaIndexer, DsaDecodeStepEqualsItsOpsOnLongRows) {
     g.stream = stream;
     dsa_decode_step(g, &gpu());  // the default workspace is made before the capture
     CUDA_OK(cudaStreamSynchronize(stream));
-    cudaGraph_t graph = nullptr;
-    cudaGraphExec_t exec = nullptr;
-    CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    dsa_decode_step(g, &gpu());
-    CUDA_OK(cudaStreamEndCapture(stream, &graph));
-    CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+    const CapturedGraph graph(stream, cudaStreamCaptureModeThreadLocal, [&] { dsa_decode_step(g, &gpu()); });
     c.poison_outputs();
-    CUDA_OK(cudaGraphLaunch(exec, stream));
+    CUDA_OK(cudaGraphLaunch(graph.exec(), stream));
     CUDA_OK(cudaStreamSynchronize(stream));
     const DsaStepCase::Outputs replayed = c.download();
     EXPECT_EQ(replayed.topk, ops.topk);
     EXPECT_EQ(replayed.slots, ops.slots);
     EXPECT_EQ(replayed.out, ops.out);
     EXPECT_EQ(std::memcmp(replayed.lse.data(), ops.lse.data(), ops.lse.size() * sizeof(float)), 0);
-    CUDA_OK(cudaGraphExecDestroy(exec));
-    CUDA_OK(cudaGraphDestroy(graph));
     CUDA_OK(cudaStreamDestroy(stream));
   }
 }

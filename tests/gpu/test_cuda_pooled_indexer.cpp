@@ -6,7 +6,6 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <cstring>
 #include <numeric>
 #include <set>
 #include <string>
@@ -22,17 +21,6 @@ namespace {
 
 int64_t cache_row(DType c) { return c == DType::bf16 ? kIndexHeadDim : kFp8IndexRowBytes; }
 
-std::vector<uint8_t> stored(const std::vector<float>& values, DType dtype) {
-  std::vector<uint8_t> bytes(values.size() * dtype_size(dtype));
-  if (dtype == DType::f32) {
-    std::memcpy(bytes.data(), values.data(), bytes.size());
-  } else {
-    const auto bits = test::to_half_bits(values, dtype);
-    std::memcpy(bytes.data(), bits.data(), bytes.size());
-  }
-  return bytes;
-}
-
 TEST(CudaPooledIndexer, WritePooledIndexCacheMatchesCpu) {
   test::Rng rng(90);
   for (DType src : {DType::f32, DType::bf16, DType::f16})
@@ -46,7 +34,7 @@ TEST(CudaPooledIndexer, WritePooledIndexCacheMatchesCpu) {
           std::vector<float> kv = test::random_floats(rng, pools * pool_stride, -3.f, 3.f);
           std::vector<float> gv = test::random_floats(rng, pools * pool_stride, -4.f, 4.f);
           std::vector<float> ape = test::random_floats(rng, kpool * kIndexHeadDim, -2.f, 2.f);
-          const std::vector<uint8_t> k = stored(kv, src), gate = stored(gv, src);
+          const std::vector<uint8_t> k = test::to_bytes(kv, src), gate = test::to_bytes(gv, src);
           std::vector<int64_t> slots(pools);
           for (int i = 0; i < pools; ++i) slots[i] = i % 11 == 3 ? -1 : (i * 37) % (blocks * rows);
           // 0xff: NaN in bf16, in e4m3 and in the fp32 scales.
@@ -130,7 +118,7 @@ TEST(CudaPooledIndexer, RotateIndexQSameBytesAsCpu) {
       SCOPED_TRACE(std::string(dtype_name(src)) + " -> " + std::string(dtype_name(out_dtype)));
       std::vector<float> values = test::random_floats(rng, tokens * heads * head_stride, -6.f, 6.f);
       for (int d = 0; d < head_stride; ++d) values[d] *= 1e-4f;  // a tiny head: the 1e-4 floor of the scale
-      const std::vector<uint8_t> q = stored(values, src);
+      const std::vector<uint8_t> q = test::to_bytes(values, src);
       std::vector<uint8_t> want(tokens * heads * kIndexHeadDim * dtype_size(out_dtype), 0xab);
       std::vector<float> want_scale(tokens * heads, -1.f);
       RotateIndexQArgs a;
@@ -167,14 +155,15 @@ TEST(CudaPooledIndexer, PipelineMatchesCpu) {
     std::iota(perm.begin(), perm.end(), 0);
     std::shuffle(perm.begin(), perm.end(), rng);
     std::copy(perm.begin(), perm.begin() + max_blocks, table.begin());
-    const std::vector<uint8_t> k = stored(test::random_floats(rng, whole * kpool * kIndexHeadDim, -3.f, 3.f),
-                                          DType::bf16);
-    const std::vector<uint8_t> gate = stored(test::random_floats(rng, whole * kpool * kIndexHeadDim, -3.f, 3.f),
-                                             DType::bf16);
+    const std::vector<uint8_t> k =
+        test::to_bytes(test::random_floats(rng, whole * kpool * kIndexHeadDim, -3.f, 3.f), DType::bf16);
+    const std::vector<uint8_t> gate =
+        test::to_bytes(test::random_floats(rng, whole * kpool * kIndexHeadDim, -3.f, 3.f), DType::bf16);
     std::vector<float> ape = test::random_floats(rng, kpool * kIndexHeadDim, -1.f, 1.f);
     std::vector<int64_t> slots(whole);
     for (int p = 0; p < whole; ++p) slots[p] = int64_t{table[p * kpool / block_size]} * rows + p % rows;
-    const std::vector<uint8_t> q = stored(test::random_floats(rng, queries * heads * kIndexHeadDim), DType::bf16);
+    const std::vector<uint8_t> q =
+        test::to_bytes(test::random_floats(rng, queries * heads * kIndexHeadDim), DType::bf16);
     std::vector<float> weights = test::random_floats(rng, queries * heads, 0.1f, 1.f);
     std::vector<int32_t> req(queries, 0), ctx(queries), pool_ctx(queries);
     for (int j = 0; j < queries; ++j) {

@@ -119,7 +119,9 @@ def run_case(name, tmp_path, path="absorbed", kv_cache_dtype="bfloat16"):
     config_dict = config.to_dict()
     config_dict.update(indexer_rope_interleave=overrides.get("indexer_rope_interleave", False))
     (tmp_path / "config.json").write_text(json.dumps(config_dict))
-    tensors = {f"model.layers.0.self_attn.{k}": v.contiguous() for k, v in attention.state_dict().items()}
+    # GLM-5.3-Flash's checkpoint is multimodal: its text model's layers are under model.language_model.
+    prefix = "model.language_model.layers.0.self_attn." if model_type == "glm5_next" else "model.layers.0.self_attn."
+    tensors = {prefix + k: v.contiguous() for k, v in attention.state_dict().items()}
     safetensors_torch.save_file(tensors, str(tmp_path / "model.safetensors"))
     hidden[0].numpy().astype(np.float32).tofile(tmp_path / "hidden.f32")
     prefill = PREFILL if path == "absorbed" else TOKENS

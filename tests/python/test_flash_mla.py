@@ -352,6 +352,8 @@ def counted(indices, lengths, num_slots):
     (4, 1, 64, 64, 128, 64, 2, False),
     (3, 3, 128, 128, 64, 61, 576, True),
     (2, 2, 16, 576, 576, 1, 69, False),
+    (74, 3, 16, 64, 576, 64, 69, True),
+    (321, 1, 8, 64, 64, 2, 64, False),
 ])
 def test_model1_sparse_decode_two_caches(rng, b, s_q, h_q, topk, extra_topk, block_size, extra_block_size, per_token):
     num_blocks, extra_blocks = -(-1024 // block_size), -(-700 // extra_block_size)

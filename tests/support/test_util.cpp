@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <sstream>
 
 #include "core/numeric.h"
@@ -31,6 +32,17 @@ std::vector<uint16_t> to_half_bits(const std::vector<float>& values, DType dtype
     if (rounded) (*rounded)[i] = half_bits_to_float(bits[i], dtype);
   }
   return bits;
+}
+
+std::vector<uint8_t> to_bytes(const std::vector<float>& values, DType dtype) {
+  std::vector<uint8_t> bytes(values.size() * dtype_size(dtype));
+  if (dtype == DType::f32) {
+    std::memcpy(bytes.data(), values.data(), bytes.size());
+  } else {
+    const auto bits = to_half_bits(values, dtype);
+    std::memcpy(bytes.data(), bits.data(), bytes.size());
+  }
+  return bytes;
 }
 
 std::string compare(const std::vector<double>& expected, const std::vector<double>& actual, double abs_tol,

@@ -23,6 +23,8 @@ std::vector<float> random_floats(Rng& rng, size_t n, float lo = -1.f, float hi =
 // `values` rounded to `dtype`; `rounded` receives the values actually stored.
 std::vector<uint16_t> to_half_bits(const std::vector<float>& values, DType dtype, std::vector<float>* rounded = nullptr);
 float half_bits_to_float(uint16_t bits, DType dtype);
+// `values` stored as `dtype` (f32, or bf16 / f16 bits as to_half_bits rounds them) in a byte buffer.
+std::vector<uint8_t> to_bytes(const std::vector<float>& values, DType dtype);
 
 // FlashMLA-style comparison: every element |a - b| <= abs_tol + rel_tol * |b|
 // (NaN anywhere fails), and cosine similarity >= min_cos. Returns "" when it

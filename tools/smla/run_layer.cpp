@@ -5,7 +5,6 @@
 // phases. A short prompt through the layer (absorbed path) and through the same weights on the CPU's unabsorbed
 // path checks it.
 #include <algorithm>
-#include <cctype>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -14,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "core/text.h"
 #include "models/gguf.h"
 #include "run_job.h"
 #include "smla/error.h"
@@ -218,8 +218,7 @@ Resolved resolve_layer_job(const JobOptions& o) {
     const bool folder = std::filesystem::is_directory(o.weights, ec);
     if (!folder && !std::filesystem::exists(o.weights, ec))
       throw Error(ErrorKind::io, "--weights " + o.weights + ": no such file or folder");
-    std::string extension = std::filesystem::path(o.weights).extension().string();
-    std::ranges::transform(extension, extension.begin(), [](unsigned char c) { return char(std::tolower(c)); });
+    const std::string extension = lowercase(std::filesystem::path(o.weights).extension().string());
     require(folder || extension == ".gguf", "--weights " + o.weights +
                                                 ": expected a .gguf file or a folder holding config.json and "
                                                 "safetensors shards");

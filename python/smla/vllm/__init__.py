@@ -47,9 +47,13 @@ def register() -> None:
 
 
 def _install_pooled_indexer(major: int) -> None:
+    from . import indexer
+
+    if indexer.deep_gemm_runs(major):
+        return  # vLLM's own pooled indexer runs there; no need to import GLM-5.3-Flash's model code
     try:
         from . import pooled_indexer
-    except ImportError as e:  # a vLLM without GLM-5.3-Flash's model code
-        logger.info("smla: no pooled indexer with this vLLM (%s)", e)
+    except ImportError as e:  # a vLLM without (or with other) GLM-5.3-Flash model code
+        logger.warning("smla: GLM-5.3-Flash's pooled indexer stays vLLM's with this vLLM (%s)", e)
         return
     pooled_indexer.install(major)

@@ -15,9 +15,9 @@ def write_pools(k: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, position
                 pool_slots: torch.Tensor, tail_slots: torch.Tensor, kv_cache: torch.Tensor,
                 tail_cache: torch.Tensor, kpool: int) -> None:
     """Writes the pools this batch completes into ``kv_cache`` and keeps each request's last tokens in
-    ``tail_cache`` (smla.vllm.pooled_indexer's docstring says how). ``pool_slots`` [N] (pool slot, or -1) and ``tail_slots`` [N]
-    are vLLM's slot mappings of the two caches; the batch's first N rows of ``k``, ``gate`` (bf16 [*, 128]) and
-    ``positions`` are its tokens, each request's consecutive. No host sync."""
+    ``tail_cache`` (smla.vllm.pooled_indexer's docstring says how). ``pool_slots`` [N] (pool slot, or -1) and
+    ``tail_slots`` [N] are vLLM's slot mappings of the two caches; the batch's first N rows of ``k``, ``gate``
+    (bf16 [*, 128]) and ``positions`` are its tokens, each request's consecutive. No host sync."""
     n = pool_slots.shape[0]
     k, gate, positions, tail_slots = k[:n], gate[:n], positions[:n].long(), tail_slots[:n].long()
     ring = tail_cache.shape[2]

@@ -6,6 +6,8 @@
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
+#include <string>
+
 #include "cuda/common/runtime.h"
 #include "cuda/indexer/indexer_common.cuh"
 #include "cuda/kernels.h"
@@ -211,6 +213,26 @@ __global__ void positions_to_slots_kernel(const SlotsParams p) {
   p.slots[t * p.slots_stride + c] = p.map.slot(p.request_ids[t * p.req_stride], p.positions[t * p.pos_stride + c]);
 }
 
+// The cache a writer stores keys into; an fp8 one must have 4-byte aligned blocks for its fp32 scales.
+IndexCacheLayout writable_index_cache(const TensorView& cache, const char* op) {
+  const IndexCacheLayout layout = index_cache_layout(cache);
+  if (layout.fp8)
+    require(reinterpret_cast<uintptr_t>(layout.data) % 4 == 0 && layout.block_stride % 4 == 0,
+            std::string(op) + ": cache: the fp8 scales need 4-byte aligned blocks");
+  return layout;
+}
+
+// Launches `kernel(p)` on `stream` with a thread per item (a warp per row: 32 items a row), 256 threads a block;
+// no launch when there are no items.
+template <class Params>
+void launch_per_item(void (*kernel)(Params), const Params& p, int64_t items, void* stream, const char* what) {
+  if (items == 0) return;
+  constexpr int kThreads = 256;
+  const auto blocks = static_cast<unsigned>((items + kThreads - 1) / kThreads);
+  kernel<<<blocks, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(p);
+  check_launch(what);
+}
+
 }  // namespace
 
 void write_index_cache(const WriteIndexCacheArgs& a) {
@@ -222,15 +244,8 @@ void write_index_cache(const WriteIndexCacheArgs& a) {
   p.slot_stride = a.slot_mapping.stride(0);
   p.num_tokens = a.k.size(0);
   p.num_slots = a.cache.size(0) * a.cache.size(1);
-  p.cache = index_cache_layout(a.cache);
-  if (p.cache.fp8)
-    require(reinterpret_cast<uintptr_t>(p.cache.data) % 4 == 0 && p.cache.block_stride % 4 == 0,
-            "write_index_cache: cache: the fp8 scales need 4-byte aligned blocks");
-  if (p.num_tokens == 0) return;
-  constexpr int kThreads = 256;
-  write_index_cache_kernel<<<static_cast<unsigned>((p.num_tokens * 32 + kThreads - 1) / kThreads), kThreads, 0,
-                             static_cast<cudaStream_t>(a.stream)>>>(p);
-  check_launch("smla write_index_cache kernel");
+  p.cache = writable_index_cache(a.cache, "write_index_cache");
+  launch_per_item(write_index_cache_kernel, p, p.num_tokens * 32, a.stream, "smla write_index_cache kernel");
 }
 
 void write_pooled_index_cache(const WritePooledIndexCacheArgs& a) {
@@ -250,15 +265,9 @@ void write_pooled_index_cache(const WritePooledIndexCacheArgs& a) {
   p.slot_stride = a.slot_mapping.stride(0);
   p.num_pools = a.k.size(0);
   p.num_slots = a.cache.size(0) * a.cache.size(1);
-  p.cache = index_cache_layout(a.cache);
-  if (p.cache.fp8)
-    require(reinterpret_cast<uintptr_t>(p.cache.data) % 4 == 0 && p.cache.block_stride % 4 == 0,
-            "write_pooled_index_cache: cache: the fp8 scales need 4-byte aligned blocks");
-  if (p.num_pools == 0) return;
-  constexpr int kThreads = 256;
-  write_pooled_index_cache_kernel<<<static_cast<unsigned>((p.num_pools * 32 + kThreads - 1) / kThreads), kThreads,
-                                    0, static_cast<cudaStream_t>(a.stream)>>>(p);
-  check_launch("smla write_pooled_index_cache kernel");
+  p.cache = writable_index_cache(a.cache, "write_pooled_index_cache");
+  launch_per_item(write_pooled_index_cache_kernel, p, p.num_pools * 32, a.stream,
+                  "smla write_pooled_index_cache kernel");
 }
 
 void pools_to_positions(const PoolsToPositionsArgs& a) {
@@ -273,11 +282,7 @@ void pools_to_positions(const PoolsToPositionsArgs& a) {
   p.tokens = a.pools.size(0);
   p.kp = a.pools.size(1);
   p.width = a.positions.size(1);
-  if (p.tokens * p.width == 0) return;
-  constexpr int kThreads = 256;
-  pools_to_positions_kernel<<<static_cast<unsigned>((p.tokens * p.width + kThreads - 1) / kThreads), kThreads, 0,
-                              static_cast<cudaStream_t>(a.stream)>>>(p);
-  check_launch("smla pools_to_positions kernel");
+  launch_per_item(pools_to_positions_kernel, p, p.tokens * p.width, a.stream, "smla pools_to_positions kernel");
 }
 
 void rotate_index_q(const RotateIndexQArgs& a) {
@@ -297,11 +302,7 @@ void rotate_index_q(const RotateIndexQArgs& a) {
   }
   p.tokens = a.q.size(0);
   p.heads = a.q.size(1);
-  if (p.tokens * p.heads == 0) return;
-  constexpr int kThreads = 256;
-  rotate_index_q_kernel<<<static_cast<unsigned>((p.tokens * p.heads * 32 + kThreads - 1) / kThreads), kThreads, 0,
-                          static_cast<cudaStream_t>(a.stream)>>>(p);
-  check_launch("smla rotate_index_q kernel");
+  launch_per_item(rotate_index_q_kernel, p, p.tokens * p.heads * 32, a.stream, "smla rotate_index_q kernel");
 }
 
 void positions_to_slots(const PositionsToSlotsArgs& a) {
@@ -315,11 +316,7 @@ void positions_to_slots(const PositionsToSlotsArgs& a) {
   p.slots_stride = a.slots.stride(0);
   p.tokens = a.positions.size(0);
   p.k = a.positions.size(1);
-  if (p.tokens * p.k == 0) return;
-  constexpr int kThreads = 256;
-  positions_to_slots_kernel<<<static_cast<unsigned>((p.tokens * p.k + kThreads - 1) / kThreads), kThreads, 0,
-                              static_cast<cudaStream_t>(a.stream)>>>(p);
-  check_launch("smla positions_to_slots kernel");
+  launch_per_item(positions_to_slots_kernel, p, p.tokens * p.k, a.stream, "smla positions_to_slots kernel");
 }
 
 }  // namespace smla::cuda

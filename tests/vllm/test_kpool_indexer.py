@@ -11,6 +11,7 @@ import pytest
 import torch
 from vllm.config import VllmConfig, set_current_vllm_config
 from vllm.forward_context import set_forward_context
+from vllm.model_executor.custom_op import op_registry_oot
 from vllm.models.glm5next.sparse_indexer import SparseAttnIndexerKpool
 from vllm.v1.attention.backends.mla.indexer import (
     DeepseekV32IndexerMetadata,
@@ -22,6 +23,7 @@ from vllm.v1.attention.backends.mla.indexer import (
 from pooled_case import D, H_I, KPOOL, MAX_LEN, STEPS, STEPS_DONE, TOPK, Model, int32
 from smla.vllm import pooled_indexer
 
+OOT_NAME = SparseAttnIndexerKpool.__name__
 PREFIX, TAIL = "model.layers.0.self_attn.indexer.k_cache", "model.layers.0.self_attn.indexer.tail_cache"
 VLLM_CLASSES = SimpleNamespace(Metadata=DeepseekV32IndexerMetadata, Decode=DeepSeekV32IndexerDecodeMetadata,
                                Prefill=DeepseekV32IndexerPrefillMetadata, Chunk=DeepseekV32IndexerPrefillChunkMetadata)
@@ -29,8 +31,11 @@ VLLM_CLASSES = SimpleNamespace(Metadata=DeepseekV32IndexerMetadata, Decode=DeepS
 
 @pytest.fixture(scope="module")
 def installed():
-    assert not pooled_indexer.install(9) and not pooled_indexer.install(10)  # DeepGEMM's GPUs: vLLM's own
-    assert pooled_indexer.install(12)
+    if OOT_NAME not in op_registry_oot:  # the plugin's register() did not install it yet in this process
+        assert not pooled_indexer.install(9) and not pooled_indexer.install(10)  # DeepGEMM's GPUs: vLLM's own
+        assert OOT_NAME not in op_registry_oot
+        assert pooled_indexer.install(12)
+    assert op_registry_oot[OOT_NAME] is pooled_indexer.SmlaSparseAttnIndexerKpool
     assert not pooled_indexer.install(8)  # once per process
 
 
