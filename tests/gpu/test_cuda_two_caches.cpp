@@ -417,15 +417,11 @@ TEST(CudaTwoCaches, CapturedOnANewNonBlockingStream) {
   const auto eager_lse = g.lse.download<float>();
   expect_matches(p, first, g, "eager");
 
-  cudaGraph_t graph;
-  CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  sparse_mla(g.args, &gpu());
-  CUDA_OK(cudaStreamEndCapture(stream, &graph));
-  cudaGraphExec_t exec;
-  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  const CapturedGraph graph(stream, cudaStreamCaptureModeGlobal, [&] { sparse_mla(g.args, &gpu()); });
+  ASSERT_NE(graph.exec(), nullptr);
   CUDA_OK(cudaMemset(g.out.ptr, 0xff, g.out.bytes));
   CUDA_OK(cudaMemset(g.lse.ptr, 0xff, g.lse.bytes));
-  CUDA_OK(cudaGraphLaunch(exec, stream));
+  CUDA_OK(cudaGraphLaunch(graph.exec(), stream));
   CUDA_OK(cudaStreamSynchronize(stream));
   EXPECT_EQ(g.out.download<uint16_t>(), eager);
   const auto replay_lse = g.lse.download<float>();
@@ -435,13 +431,11 @@ TEST(CudaTwoCaches, CapturedOnANewNonBlockingStream) {
   CUDA_OK(cudaMemcpy(g.lengths.ptr, lengths.data(), g.lengths.bytes, cudaMemcpyHostToDevice));
   CUDA_OK(cudaMemcpy(g.extra_indices.ptr, extra_indices.data(), g.extra_indices.bytes, cudaMemcpyHostToDevice));
   CUDA_OK(cudaMemset(g.out.ptr, 0xff, g.out.bytes));
-  CUDA_OK(cudaGraphLaunch(exec, stream));
+  CUDA_OK(cudaGraphLaunch(graph.exec(), stream));
   CUDA_OK(cudaStreamSynchronize(stream));
   EXPECT_NE(g.out.download<uint16_t>(), eager);
   expect_matches(p, second, g, "replay on new indices");
 
-  CUDA_OK(cudaGraphExecDestroy(exec));
-  CUDA_OK(cudaGraphDestroy(graph));
   CUDA_OK(cudaStreamDestroy(stream));
 }
 

@@ -67,7 +67,8 @@ void require_aligned(const char* op, const char* arg, const void* ptr, int64_t b
          std::to_string(bytes_multiple) + "-byte aligned");
 }
 
-// The cache the kernel gathers keys from (`arg`: its name in errors).
+// The cache the kernel gathers keys from (`arg`: its name in errors). One of no slots is never read (an extra
+// cache of no blocks may have null data and any strides).
 void set_cache(AttentionParams& p, const char* op, const char* arg, const TensorView& cache) {
   const int64_t row_elem = is_fp8_mla_cache(cache.dtype) ? 1 : 2;
   p.cache = cache.ptr<uint8_t>();
@@ -76,7 +77,7 @@ void set_cache(AttentionParams& p, const char* op, const char* arg, const Tensor
   p.block_size = static_cast<int>(cache.size(1));
   p.num_blocks = static_cast<int>(cache.size(0));
   p.num_slots = cache.size(0) * cache.size(1);
-  require_aligned(op, arg, cache.data, 16, {p.block_stride, p.row_stride});
+  if (p.num_slots > 0) require_aligned(op, arg, cache.data, 16, {p.block_stride, p.row_stride});
 }
 
 // The fields both ops share: query, cache, outputs, scale. `b`/`s` strides
@@ -302,6 +303,9 @@ TwoCachePlan two_cache_plan(const SparseMlaArgs& a, AttentionChoice choice) {
                         static_cast<int>(a.indices.size(1)), static_cast<int>(a.extra_indices.size(1)), choice);
 }
 
+// The second cache is there when its indices are (a cache of no blocks may have null data: every index invalid).
+bool has_extra_cache(const SparseMlaArgs& a) { return a.extra_indices.defined(); }
+
 // `p`: filled for the main cache by sparse_mla.
 void sparse_mla_two_caches(AttentionParams& p, const SparseMlaArgs& a, AttentionChoice choice) {
   const cudaStream_t stream = static_cast<cudaStream_t>(a.stream);
@@ -341,7 +345,7 @@ AttentionPlan plan_of(CacheFormat f, int rope, bool paged, int64_t tokens, int h
 }  // namespace
 
 AttentionPlan sparse_mla_plan(const SparseMlaArgs& a, AttentionChoice choice) {
-  if (a.extra_kv_cache.defined()) {
+  if (has_extra_cache(a)) {
     const TwoCachePlan tp = two_cache_plan(a, choice);
     const LaunchConfig& c = *tp.main.head_tile;
     return {AttentionKernel::head_tile, c.stages, c.smem, c.ctas_per_sm, tp.num_splits()};
@@ -372,7 +376,7 @@ void sparse_mla(const SparseMlaArgs& a, AttentionChoice choice) {
     p.max_logits_stride_t = a.max_logits.stride(0);
     p.max_logits_stride_h = a.max_logits.stride(1);
   }
-  if (a.extra_kv_cache.defined()) {
+  if (has_extra_cache(a)) {
     if (p.num_tokens > 0) sparse_mla_two_caches(p, a, choice);
     return;
   }
@@ -381,7 +385,7 @@ void sparse_mla(const SparseMlaArgs& a, AttentionChoice choice) {
 }
 
 size_t sparse_mla_workspace_size(const SparseMlaArgs& a) {
-  if (a.extra_kv_cache.defined())
+  if (has_extra_cache(a))
     return a.q.size(0) == 0 ? 0 : two_cache_plan(a, {}).partial_bytes(a.q.size(0), static_cast<int>(a.q.size(1)));
   return partial_bytes(format_of(a.kv_cache.dtype), rope_of(a.q), false, a.q.size(0), static_cast<int>(a.q.size(1)),
                        static_cast<int>(a.indices.size(1)));
