@@ -370,6 +370,23 @@ TEST(CudaTwoCaches, MisalignedExtraCacheIsAnError) {
   for (uint16_t v : out) ASSERT_EQ(v, 0x7fc1);
 }
 
+// An extra cache of no blocks (null data, as frameworks hand out empty tensors): every extra index is invalid, the
+// result the CPU's on the same call.
+TEST(CudaTwoCaches, ExtraCacheOfNoBlocks) {
+  TwoCaches p;
+  p.sink = true;
+  Inputs in;
+  make_inputs(p, 800, in);
+  const TensorView none(nullptr, {0, p.extra_block_size, MlaHead{p.rope}.cache_row(p.kv_dtype)}, p.kv_dtype);
+  in.args.extra_kv_cache = none;
+  sparse_mla(in.args, &cpu());
+  OnGpu g(in);
+  g.args.extra_kv_cache = on_gpu(none, nullptr);
+  sparse_mla(g.args, &gpu());
+  CUDA_OK(cudaDeviceSynchronize());
+  expect_matches(p, in, g, "extra cache of no blocks");
+}
+
 // Captured into a CUDA graph on a new non-blocking stream with a caller workspace: the replay equals an eager call
 // bit for bit, and a replay on new inputs (indices and lengths changed in place) equals the CPU on those.
 TEST(CudaTwoCaches, CapturedOnANewNonBlockingStream) {
