@@ -32,6 +32,9 @@ Capabilities mma_capabilities() {
   c.ops = {Op::sparse_mla, Op::paged_mla_decode, Op::indexer};
   c.pooled_indexer = true;
   c.attn_sink = true;
+  // sparse_mla's second cache (DeepSeek-V4), in every cache format the kernel reads; FlashMLA's 584-byte fp8 MODEL1
+  // cache is no such format (the selector says so for every backend).
+  c.extra_cache = true;
 #ifndef SMLA_WITH_CUDA
   c.combination_rule = [](const AttentionSpec&, const RunSpec&) {
     return std::vector<std::string>{"not compiled into this build of smla (built without nvcc)"};

@@ -21,7 +21,8 @@ void sparse_mla(const SparseMlaArgs& args, AttentionChoice choice = {});
 void paged_mla_decode(const PagedMlaDecodeArgs& args, AttentionChoice choice = {});
 // What those launch for these args and choice on the current device (tests, benchmarks): the kernel (head_tile or
 // small_heads), its pipeline depth, dynamic shared memory and resident CTAs per SM, and how many splits each row's
-// keys take (> 1: partial results, then the combine kernel).
+// keys take (> 1: partial results, then the combine kernel; with sparse_mla's second cache, both caches' splits,
+// always at least 2).
 struct AttentionPlan {
   AttentionKernel kernel = AttentionKernel::automatic;
   int stages = 0, smem = 0, ctas_per_sm = 0, num_splits = 1;

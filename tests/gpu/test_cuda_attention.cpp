@@ -666,37 +666,6 @@ TEST(CudaBackend, RejectsMisalignedQueries) {
   }
 }
 
-// The CUDA backend does not declare Capabilities::extra_cache: a call with DeepSeek-V4's second cache is refused,
-// and nothing is written, rather than the extra cache being ignored.
-TEST(CudaBackend, RefusesASecondCache) {
-  ASSERT_FALSE(gpu().capabilities().extra_cache);
-  constexpr int64_t kTokens = 2, kHeads = 4, kBlocks = 2, kBlock = 16, kTopk = 8;
-  uint16_t dummy[8];
-  SparseMlaArgs a;
-  DeviceBuffer d(8 << 16);
-  char* base = static_cast<char*>(d.ptr);
-  const std::vector<uint16_t> sentinel(kTokens * kHeads * kMlaVDim, 0x7fc0);  // bf16 NaN
-  DeviceBuffer out(sentinel);
-  a.q = on_gpu(TensorView(dummy, {kTokens, kHeads, kMlaLatentDim}, DType::bf16), base);
-  a.kv_cache = on_gpu(TensorView(dummy, {kBlocks, kBlock, kMlaLatentDim}, DType::bf16), base + (1 << 16));
-  a.indices = on_gpu(TensorView(dummy, {kTokens, kTopk}, DType::i32), base + (3 << 16));
-  a.extra_kv_cache = on_gpu(TensorView(dummy, {kBlocks, 2, kMlaLatentDim}, DType::bf16), base + (4 << 16));
-  a.extra_indices = on_gpu(TensorView(dummy, {kTokens, kTopk}, DType::i32), base + (5 << 16));
-  a.out = on_gpu(TensorView(dummy, {kTokens, kHeads, kMlaVDim}, DType::bf16), out.ptr);
-  a.lse = on_gpu(TensorView(dummy, {kTokens, kHeads}, DType::f32), base + (6 << 16));
-  a.softmax_scale = 1.f;
-  try {
-    sparse_mla(a, &gpu());
-    FAIL() << "no error";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.kind(), ErrorKind::unsupported);
-    EXPECT_NE(std::string(e.what()).find("extra_kv_cache: backend 'cuda_mma' does not attend a second cache"),
-              std::string::npos)
-        << e.what();
-  }
-  EXPECT_EQ(out.download<uint16_t>(), sentinel);
-}
-
 // DeepSeek-V4's fp8 cache (fp8_ds_mla_v4) is the CPU backend's only: the CUDA backend does not declare it, so every
 // op given one refuses it as unsupported, naming the cache, and writes nothing.
 TEST(CudaBackend, RefusesTheV4Fp8Cache) {

@@ -115,7 +115,7 @@ def test_models():
 
 def test_deepseek_v4_flash():
     """DeepSeek-V4-Flash: a 512-wide shared-KV head (rope inside, the value the whole head), window + compressed
-    caches; the CPU attends both caches, the CUDA backend not yet, and neither fp8_ds_mla form holds its head."""
+    caches; the CPU and CUDA backends attend both caches, and neither fp8_ds_mla form holds its head."""
     spec = smla.load_model_spec(CONFIGS / "deepseek-v4-flash.json")
     assert (spec.kv_lora_rank, spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.v_head_dim) == (0, 448, 64, 512)
     assert (spec.absorbed_qk_dim, spec.absorbed_v_dim) == (512, 512)
@@ -124,8 +124,8 @@ def test_deepseek_v4_flash():
     assert len(e.model.compress_ratios) == 43 and e.model.compress_ratios[:4] == (0, 0, 4, 128)
     assert e.chosen == "cpu"
     cuda = smla.explain("deepseek-v4-flash", device="sm_90")
-    assert any("does not implement sparse attention over two caches" in r
-               for c in cuda.candidates if c.name == "cuda_mma" for r in c.reasons)
+    assert not any("two caches" in r for c in cuda.candidates if c.name == "cuda_mma" for r in c.reasons)
+    assert cuda.chosen == ("cuda_mma" if smla.with_cuda else None)
     assert "value 512 (the whole cached head, rope dims included)" in e.text
     fp8 = smla.explain("deepseek-v4-flash", device="cpu", kv_cache_dtype="fp8_ds_mla")
     assert fp8.chosen is None and any("584-byte MODEL1 layout" in r for r in fp8.candidates[0].reasons)
@@ -171,7 +171,7 @@ def test_backends_match_the_readme_support_matrix():
     cpu = next(b for b in smla.backends() if b.name == "cpu")
     assert cpu.device == "cpu" and cpu.compute_capability is None and "fp8_ds_mla" in cpu.kv_cache_dtypes
     cuda = next(b for b in smla.backends() if b.name == "cuda_mma")
-    assert cpu.extra_cache and not cuda.extra_cache  # DeepSeek-V4's two caches: the CPU only, today
+    assert cpu.extra_cache and cuda.extra_cache  # DeepSeek-V4's two caches
     readme = (ROOT / "README.md").read_text()
     table = re.search(r"<!-- support-matrix:begin.*?-->\n(.*?)<!-- support-matrix:end -->", readme, re.S).group(1)
     assert smla.support_matrix() == table

@@ -575,15 +575,19 @@ def test_flash_mla_model1_fp8_on_cuda_is_refused(rng):
 
 
 @cuda
-def test_flash_mla_model1_on_cuda_is_refused(rng):
-    """The CUDA backend does not attend a second cache yet: MODEL1 on CUDA tensors is an UnsupportedError, and the
-    same call without the extra cache runs."""
-    q, k_cache, indices, topk_length, extra_k_cache, extra_indices, _ = (
-        to_torch(a, "cuda") for a in model1_case(rng))
-    with pytest.raises(smla.UnsupportedError, match="extra_kv_cache: backend 'cuda_mma' does not attend a second"):
-        flash_mla_with_kvcache(q, k_cache, None, None, 512, get_mla_metadata()[0], indices=indices,
-                               topk_length=topk_length, extra_k_cache=extra_k_cache,
-                               extra_indices_in_kvcache=extra_indices)
-    out, _ = flash_mla_with_kvcache(q, k_cache, None, None, 512, get_mla_metadata()[0], indices=indices,
-                                    topk_length=topk_length)
-    assert out.is_cuda and torch.isfinite(out.float()).all()
+def test_flash_mla_model1_on_cuda_matches_cpu(rng):
+    """MODEL1 on CUDA tensors runs on the CUDA backend (both caches under one softmax, a sink) and matches the CPU
+    backend on the same inputs; out is fully written (NaN never survives)."""
+    case = model1_case(rng)
+    sink = rng.uniform(-2, 2, size=16).astype(np.float32)
+    kwargs = dict(indices=case[2], topk_length=case[3], extra_k_cache=case[4], extra_indices_in_kvcache=case[5],
+                  extra_topk_length=case[6], attn_sink=sink)
+    want_out, want_lse = flash_mla_with_kvcache(case[0], case[1], None, None, 512, get_mla_metadata()[0], **kwargs)
+    t = {k: to_torch(v, "cuda") for k, v in kwargs.items()}
+    out, lse = flash_mla_with_kvcache(to_torch(case[0], "cuda"), to_torch(case[1], "cuda"), None, None, 512,
+                                      get_mla_metadata()[0], **t)
+    assert out.is_cuda and lse.is_cuda and lse.shape == (3, 16, 2)
+    got = to_numpy(out).astype(np.float32)
+    assert not np.isnan(got).any()
+    np.testing.assert_allclose(got, want_out.astype(np.float32), atol=2e-3, rtol=2e-2)
+    np.testing.assert_allclose(to_numpy(lse), want_lse, atol=1e-3, rtol=1e-4)

@@ -67,24 +67,31 @@ void require_aligned(const char* op, const char* arg, const void* ptr, int64_t b
          std::to_string(bytes_multiple) + "-byte aligned");
 }
 
-// The fields both ops share: query, cache, outputs, scale. `b`/`s` strides
-// address (request, step); sparse attention passes s_q = 1.
-void fill_common(AttentionParams& p, const char* op, const TensorView& q, int64_t q_sb, int64_t q_ss, const TensorView& cache,
-                 const TensorView& out, int64_t o_sb, int64_t o_ss, const TensorView& lse, int64_t l_sb, int64_t l_ss,
-                 const TensorView& sink, float softmax_scale) {
+// The cache the kernel gathers keys from (`arg`: its name in errors). One of no slots is never read (an extra
+// cache of no blocks may have null data and any strides).
+void set_cache(AttentionParams& p, const char* op, const char* arg, const TensorView& cache) {
   const int64_t row_elem = is_fp8_mla_cache(cache.dtype) ? 1 : 2;
-  p.q = q.ptr<uint16_t>();
-  p.q_is_bf16 = q.dtype == DType::bf16;
-  p.q_stride_b = q_sb;
-  p.q_stride_s = q_ss;
-  p.q_stride_h = q.stride(-2);
-  p.num_heads = static_cast<int>(q.size(-2));
   p.cache = cache.ptr<uint8_t>();
   p.block_stride = cache.stride(0) * row_elem;
   p.row_stride = cache.stride(1) * row_elem;
   p.block_size = static_cast<int>(cache.size(1));
   p.num_blocks = static_cast<int>(cache.size(0));
   p.num_slots = cache.size(0) * cache.size(1);
+  if (p.num_slots > 0) require_aligned(op, arg, cache.data, 16, {p.block_stride, p.row_stride});
+}
+
+// The fields both ops share: query, cache, outputs, scale. `b`/`s` strides
+// address (request, step); sparse attention passes s_q = 1.
+void fill_common(AttentionParams& p, const char* op, const TensorView& q, int64_t q_sb, int64_t q_ss, const TensorView& cache,
+                 const TensorView& out, int64_t o_sb, int64_t o_ss, const TensorView& lse, int64_t l_sb, int64_t l_ss,
+                 const TensorView& sink, float softmax_scale) {
+  p.q = q.ptr<uint16_t>();
+  p.q_is_bf16 = q.dtype == DType::bf16;
+  p.q_stride_b = q_sb;
+  p.q_stride_s = q_ss;
+  p.q_stride_h = q.stride(-2);
+  p.num_heads = static_cast<int>(q.size(-2));
+  set_cache(p, op, "kv_cache", cache);
   p.attn_sink = sink.defined() ? sink.ptr<float>() : nullptr;
   p.scale_log2 = softmax_scale * 1.4426950408889634f;
   p.out = out.data;
@@ -97,7 +104,6 @@ void fill_common(AttentionParams& p, const char* op, const TensorView& q, int64_
   p.lse_stride_h = lse.stride(-1);
 
   require_aligned(op, "q", q.data, 16, {q_sb * 2, q_ss * 2, p.q_stride_h * 2});
-  require_aligned(op, "kv_cache", cache.data, 16, {p.block_stride, p.row_stride});
   require_aligned(op, "out", out.data, 8, {o_sb * 2, o_ss * 2, p.out_stride_h * 2});
 }
 
@@ -211,6 +217,41 @@ size_t partial_bytes(CacheFormat f, int rope, bool paged, int64_t tokens, int he
   return plan(f, rope, paged, tokens, heads, num_keys, {}).partial_bytes(tokens, heads);
 }
 
+// The caller's workspace was checked against the automatic plan; a forced choice may need more.
+void require_workspace(const TensorView& workspace, size_t bytes, const char* op) {
+  if (workspace.defined() && static_cast<size_t>(workspace.numel()) * dtype_size(workspace.dtype) < bytes)
+    throw Error(ErrorKind::invalid_argument,
+                std::string(op) + ": workspace: the forced kernel choice needs " + std::to_string(bytes) + " bytes");
+}
+
+// p.partial_* into `ws`: per split and row (token, head), the partial output, then the lses, then the maxima.
+void set_partials(AttentionParams& p, float* ws) {
+  const size_t rows = static_cast<size_t>(p.num_splits) * p.num_tokens * p.num_heads;
+  p.partial_out = ws;
+  p.partial_lse = ws + rows * mla::kVDim;
+  p.partial_max = p.partial_lse + rows;
+}
+
+void launch_head_tile(const LaunchConfig& config, const AttentionParams& p, int64_t ctas, int splits,
+                      cudaStream_t stream) {
+  config.fn<<<dim3(static_cast<unsigned>(ctas), splits), mla::kThreads, config.smem, stream>>>(p);
+  check_launch("smla MLA attention kernel");
+}
+
+void launch_combine(const AttentionParams& p, cudaStream_t stream) {
+  // From SM90 on the combine is a programmatic dependent launch: its launch overlaps the attention's tail.
+  cudaLaunchAttribute pdl{};
+  pdl.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  pdl.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(p.num_tokens) * p.num_heads);
+  config.blockDim = dim3(mla::kThreads);
+  config.stream = stream;
+  config.attrs = &pdl;
+  config.numAttrs = current_device().compute_capability >= 90 ? 1 : 0;
+  check_cuda(cudaLaunchKernelEx(&config, mla::combine_kernel, p), "smla MLA combine kernel");
+}
+
 // `workspace`: the caller's (checked to hold partial_bytes) or absent.
 void launch(AttentionParams& p, CacheFormat f, int rope, bool paged, int num_keys, const TensorView& workspace,
             const char* op, cudaStream_t stream, AttentionChoice choice) {
@@ -220,39 +261,86 @@ void launch(AttentionParams& p, CacheFormat f, int rope, bool paged, int num_key
   p.num_splits = split.num_splits;
   std::optional<DefaultWorkspace> own;
   if (p.num_splits > 1) {
-    // The caller's workspace was checked against the automatic plan; a forced one may need more.
-    if (workspace.defined() &&
-        static_cast<size_t>(workspace.numel()) * dtype_size(workspace.dtype) < split.partial_bytes(p.num_tokens, p.num_heads))
-      throw Error(ErrorKind::invalid_argument,
-                  std::string(op) + ": workspace: the forced kernel choice needs " +
-                      std::to_string(split.partial_bytes(p.num_tokens, p.num_heads)) + " bytes");
-    const size_t rows = static_cast<size_t>(p.num_splits) * p.num_tokens * p.num_heads;
-    auto* ws = static_cast<float*>(
-        workspace_or(workspace, own, stream, split.partial_bytes(p.num_tokens, p.num_heads), op));
-    p.partial_out = ws;
-    p.partial_lse = ws + rows * mla::kVDim;
-    p.partial_max = p.partial_lse + rows;
+    const size_t bytes = split.partial_bytes(p.num_tokens, p.num_heads);
+    require_workspace(workspace, bytes, op);
+    set_partials(p, static_cast<float*>(workspace_or(workspace, own, stream, bytes, op)));
   }
-  if (split.small) {
+  if (split.small)
     mla::small::launch_small_heads(p, *split.small, stream);
-  } else {
-    split.head_tile->fn<<<dim3(static_cast<unsigned>(split.ctas), p.num_splits), mla::kThreads,
-                          split.head_tile->smem, stream>>>(p);
-    check_launch("smla MLA attention kernel");
+  else
+    launch_head_tile(*split.head_tile, p, split.ctas, p.num_splits, stream);
+  if (p.num_splits > 1) launch_combine(p, stream);
+}
+
+// Sparse attention over two caches under one softmax (DeepSeek-V4's window cache and its compressed cache).
+// DeepSeek-V4's bf16 / f16 head is the 512-wide rope-free geometry exactly: its score is q.k over all 512 values
+// of the row (448 nope + 64 rope, which the score need not tell apart) and its value the whole row, so the kernels
+// serve it unchanged. Each cache's keys run as the splits of one launch of the head-tile kernel, the main cache's
+// splits first, then the extra cache's, all writing partial rows (out, lse, max) into one array that the combine
+// merges as one list of splits: the sink is applied once, and a row with no valid key in either cache gets out 0,
+// the empty lse and max_logits -inf, as with one cache. The kernel writes partials whenever num_splits > 1 (here
+// always, each cache having at least one split) at split blockIdx.y of its partial pointers, so the extra cache's
+// launch gets pointers past the main cache's splits.
+struct TwoCachePlan {
+  Plan main, extra;
+  int num_splits() const { return main.num_splits + extra.num_splits; }
+  size_t partial_bytes(int64_t tokens, int heads) const {
+    return static_cast<size_t>(num_splits()) * tokens * heads * (mla::kVDim + 2) * sizeof(float);
   }
-  if (p.num_splits > 1) {
-    // From SM90 on the combine is a programmatic dependent launch: its launch overlaps the attention's tail.
-    cudaLaunchAttribute pdl{};
-    pdl.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    pdl.val.programmaticStreamSerializationAllowed = 1;
-    cudaLaunchConfig_t config{};
-    config.gridDim = dim3(static_cast<unsigned>(p.num_tokens) * p.num_heads);
-    config.blockDim = dim3(mla::kThreads);
-    config.stream = stream;
-    config.attrs = &pdl;
-    config.numAttrs = current_device().compute_capability >= 90 ? 1 : 0;
-    check_cuda(cudaLaunchKernelEx(&config, mla::combine_kernel, p), "smla MLA combine kernel");
-  }
+};
+
+TwoCachePlan two_cache_plan(CacheFormat f, int rope, int64_t tokens, int heads, int keys, int extra_keys,
+                            AttentionChoice choice) {
+  if (choice.kernel == AttentionKernel::small_heads)
+    throw Error(ErrorKind::unsupported, "sparse_mla: the small-heads kernel does not attend a second cache");
+  choice.kernel = AttentionKernel::head_tile;
+  auto one = [&](int num_keys) {
+    Plan s = plan(f, rope, false, tokens, heads, num_keys, choice);
+    if (s.num_splits > mla::kMaxSplits / 2) {  // the combine merges at most kMaxSplits: half for each cache
+      AttentionChoice capped = choice;
+      capped.splits = mla::kMaxSplits / 2;
+      s = plan(f, rope, false, tokens, heads, num_keys, capped);
+    }
+    return s;
+  };
+  return {one(keys), one(extra_keys)};
+}
+
+TwoCachePlan two_cache_plan(const SparseMlaArgs& a, AttentionChoice choice) {
+  return two_cache_plan(format_of(a.kv_cache.dtype), rope_of(a.q), a.q.size(0), static_cast<int>(a.q.size(1)),
+                        static_cast<int>(a.indices.size(1)), static_cast<int>(a.extra_indices.size(1)), choice);
+}
+
+// The second cache is there when its indices are (a cache of no blocks may have null data: every index invalid).
+bool has_extra_cache(const SparseMlaArgs& a) { return a.extra_indices.defined(); }
+
+// `p`: filled for the main cache by sparse_mla.
+void sparse_mla_two_caches(AttentionParams& p, const SparseMlaArgs& a, AttentionChoice choice) {
+  const cudaStream_t stream = static_cast<cudaStream_t>(a.stream);
+  const TwoCachePlan tp = two_cache_plan(a, choice);
+  const size_t bytes = tp.partial_bytes(p.num_tokens, p.num_heads);
+  require_workspace(a.workspace, bytes, "sparse_mla");
+  std::optional<DefaultWorkspace> own;
+  p.num_splits = tp.num_splits();
+  set_partials(p, static_cast<float*>(workspace_or(a.workspace, own, stream, bytes, "sparse_mla")));
+  p.chunks_per_split = tp.main.chunks_per_split;
+
+  AttentionParams e = p;
+  set_cache(e, "sparse_mla", "extra_kv_cache", a.extra_kv_cache);
+  e.indices = a.extra_indices.ptr<int32_t>();
+  e.indices_stride = a.extra_indices.stride(0);
+  e.topk = static_cast<int>(a.extra_indices.size(1));
+  e.topk_length = a.extra_topk_length.defined() ? a.extra_topk_length.ptr<int32_t>() : nullptr;
+  e.topk_length_stride = a.extra_topk_length.defined() ? a.extra_topk_length.stride(0) : 0;
+  e.chunks_per_split = tp.extra.chunks_per_split;
+  const int64_t main_rows = static_cast<int64_t>(tp.main.num_splits) * p.num_tokens * p.num_heads;
+  e.partial_out += main_rows * mla::kVDim;
+  e.partial_lse += main_rows;
+  e.partial_max += main_rows;
+
+  launch_head_tile(*tp.main.head_tile, p, tp.main.ctas, tp.main.num_splits, stream);
+  launch_head_tile(*tp.extra.head_tile, e, tp.extra.ctas, tp.extra.num_splits, stream);
+  launch_combine(p, stream);
 }
 
 AttentionPlan plan_of(CacheFormat f, int rope, bool paged, int64_t tokens, int heads, int num_keys,
@@ -265,6 +353,11 @@ AttentionPlan plan_of(CacheFormat f, int rope, bool paged, int64_t tokens, int h
 }  // namespace
 
 AttentionPlan sparse_mla_plan(const SparseMlaArgs& a, AttentionChoice choice) {
+  if (has_extra_cache(a)) {
+    const TwoCachePlan tp = two_cache_plan(a, choice);
+    const LaunchConfig& c = *tp.main.head_tile;
+    return {AttentionKernel::head_tile, c.stages, c.smem, c.ctas_per_sm, tp.num_splits()};
+  }
   return plan_of(format_of(a.kv_cache.dtype), rope_of(a.q), false, a.q.size(0), static_cast<int>(a.q.size(1)),
                  static_cast<int>(a.indices.size(1)), choice);
 }
@@ -291,11 +384,17 @@ void sparse_mla(const SparseMlaArgs& a, AttentionChoice choice) {
     p.max_logits_stride_t = a.max_logits.stride(0);
     p.max_logits_stride_h = a.max_logits.stride(1);
   }
+  if (has_extra_cache(a)) {
+    if (p.num_tokens > 0) sparse_mla_two_caches(p, a, choice);
+    return;
+  }
   launch(p, format_of(a.kv_cache.dtype), rope_of(a.q), false, p.topk, a.workspace, "sparse_mla",
          static_cast<cudaStream_t>(a.stream), choice);
 }
 
 size_t sparse_mla_workspace_size(const SparseMlaArgs& a) {
+  if (has_extra_cache(a))
+    return a.q.size(0) == 0 ? 0 : two_cache_plan(a, {}).partial_bytes(a.q.size(0), static_cast<int>(a.q.size(1)));
   return partial_bytes(format_of(a.kv_cache.dtype), rope_of(a.q), false, a.q.size(0), static_cast<int>(a.q.size(1)),
                        static_cast<int>(a.indices.size(1)));
 }
