@@ -185,7 +185,9 @@ void expect_matches(const TwoCaches& p, const Inputs& in, const OnGpu& g, const 
     o[i] = test::half_bits_to_float(got[i], p.q_dtype);
     ASSERT_FALSE(std::isnan(o[i])) << what << ": out[" << i << "] not written";
   }
-  EXPECT_EQ(test::compare(r, o, 2e-3, 2e-2, 0.9999), "") << what << " (out)";
+  // The CPU backend rounds P to bf16 for P.V (2^-9 of each weight) where the GPU's per-cache splits keep a lone
+  // key's P exact: over values in [-2, 2] an output may differ by up to 2^-9 * 4 (seen on the H200: 2.5e-3).
+  EXPECT_EQ(test::compare(r, o, 8e-3, 2e-2, 0.9999), "") << what << " (out)";
   EXPECT_EQ(test::compare(doubles(in.lse), doubles(g.lse.download<float>()), 1e-3, 1e-4, 0.9999), "")
       << what << " (lse)";
   if (p.max_logits) {
