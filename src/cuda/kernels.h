@@ -36,8 +36,9 @@ void pools_to_positions(const PoolsToPositionsArgs& args);
 void rotate_index_q(const RotateIndexQArgs& args);
 void indexer_topk(const IndexerTopkArgs& args);
 // The step in three kernels: the indexer's scores; the top-k, which writes the slots as well (no
-// positions_to_slots kernel) and on SM90+ is launched as the scores kernel's programmatic dependent (its launch
-// overlaps the scores' last CTAs; it waits for them with griddepcontrol.wait); the attention.
+// positions_to_slots kernel) and on SM90+, unless its rows are split into slices, is launched as the scores
+// kernel's programmatic dependent (its launch overlaps the scores' last CTAs; it waits for them with
+// griddepcontrol.wait); the attention.
 void dsa_decode_step(const DsaDecodeStepArgs& args);
 
 // Bytes of `workspace` each op needs (Backend::workspace_size); the same args on the same device always give the
