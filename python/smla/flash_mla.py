@@ -25,8 +25,6 @@ Tensor = Any
 TILE_SCHEDULER_METADATA_SIZE = 8
 _HEAD_DIM_QK = 576
 _HEAD_DIM_V = 512
-#: Bytes per token of FlashMLA's fp8 MODEL1 cache (448 e4m3, 64 bf16 rope, 7 ue8m0 scales, a pad byte).
-_FP8_MODEL1_ROW_BYTES = 584
 
 
 @dataclasses.dataclass
@@ -306,7 +304,7 @@ def _kv_cache_dtype(k_cache: Tensor, is_fp8_kvcache: bool) -> str:
         if not _arrays.is_8bit(k_cache):
             raise _smla.InvalidArgumentError(
                 f"k_cache: is_fp8_kvcache=True needs 8-bit data (uint8, int8 or float8_e4m3fn rows of 656 bytes, or "
-                f"{_FP8_MODEL1_ROW_BYTES} for MODEL1), "
+                f"{_ops._FP8_V4_ROW_BYTES} for MODEL1), "
                 f"got {_arrays.dtype_name(k_cache)}")
         return _ops._fp8_mla_cache_dtype(k_cache)
     if _arrays.is_8bit(k_cache):

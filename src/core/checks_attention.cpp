@@ -130,6 +130,25 @@ void check(const WriteMlaCacheArgs& a) {
                            {{"latent", a.latent}, {"k_pe", a.k_pe}, {"slot_mapping", a.slot_mapping}});
 }
 
+// A cache's slots per token, indices [T, K] i32 with K (named `k`) in 1..kMaxTopk, and their optional lengths [T].
+void check_slot_list(std::string_view op, checks::Named indices, checks::Named lengths, std::string_view k,
+                     int64_t tokens, const Device& device) {
+  require_data(op, indices.name, indices.tensor);
+  const auto list = arg(op, indices.name, indices.tensor);
+  list.rank(2, "[T, " + std::string(k) + "]").dtype_in({DType::i32}).dim(0, tokens, "T, as q").on(device)
+      .inner_contiguous();
+  if (indices.tensor.shape[1] < 1 || indices.tensor.shape[1] > kMaxTopk)
+    list.fail("dimension 1 (" + std::string(k) + ") must be in 1.." + std::to_string(kMaxTopk) + ", got " +
+              indices.tensor.describe());
+  if (lengths.tensor.defined())
+    arg(op, lengths.name, lengths.tensor)
+        .rank(1, "[T]")
+        .dtype_in({DType::i32})
+        .dim(0, tokens, "T, as q")
+        .on(device)
+        .no_negative_strides();
+}
+
 void check(const SparseMlaArgs& a) {
   constexpr std::string_view op = "sparse_mla";
   const Device& device = a.q.device;
@@ -139,18 +158,7 @@ void check(const SparseMlaArgs& a) {
   check_heads(op, "q", a.q, 1);
   const int64_t tokens = a.q.shape[0], heads = a.q.shape[1];
   check_cache(op, "kv_cache", a.kv_cache, device, head);
-  require_data(op, "indices", a.indices);
-  const auto indices = arg(op, "indices", a.indices);
-  indices.rank(2, "[T, K]").dtype_in({DType::i32}).dim(0, tokens, "T, as q").on(device).inner_contiguous();
-  if (a.indices.shape[1] < 1 || a.indices.shape[1] > kMaxTopk)
-    indices.fail("dimension 1 (K) must be in 1.." + std::to_string(kMaxTopk) + ", got " + a.indices.describe());
-  if (a.topk_length.defined())
-    arg(op, "topk_length", a.topk_length)
-        .rank(1, "[T]")
-        .dtype_in({DType::i32})
-        .dim(0, tokens, "T, as q")
-        .on(device)
-        .no_negative_strides();
+  check_slot_list(op, {"indices", a.indices}, {"topk_length", a.topk_length}, "K", tokens, device);
   // The extra cache comes with its indices; its lengths need both.
   const bool extra = a.extra_kv_cache.defined() || a.extra_kv_cache.ndim > 0;
   if (extra || a.extra_indices.defined() || a.extra_indices.ndim > 0 || a.extra_topk_length.defined()) {
@@ -160,19 +168,8 @@ void check(const SparseMlaArgs& a) {
       arg(op, "extra_kv_cache", a.extra_kv_cache)
           .fail("must have kv_cache's dtype (" + std::string(dtype_name(a.kv_cache.dtype)) + "), got " +
                 a.extra_kv_cache.describe());
-    require_data(op, "extra_indices", a.extra_indices);
-    const auto extra_indices = arg(op, "extra_indices", a.extra_indices);
-    extra_indices.rank(2, "[T, K2]").dtype_in({DType::i32}).dim(0, tokens, "T, as q").on(device).inner_contiguous();
-    if (a.extra_indices.shape[1] < 1 || a.extra_indices.shape[1] > kMaxTopk)
-      extra_indices.fail("dimension 1 (K2) must be in 1.." + std::to_string(kMaxTopk) + ", got " +
-                         a.extra_indices.describe());
-    if (a.extra_topk_length.defined())
-      arg(op, "extra_topk_length", a.extra_topk_length)
-          .rank(1, "[T]")
-          .dtype_in({DType::i32})
-          .dim(0, tokens, "T, as q")
-          .on(device)
-          .no_negative_strides();
+    check_slot_list(op, {"extra_indices", a.extra_indices}, {"extra_topk_length", a.extra_topk_length}, "K2", tokens,
+                    device);
   }
   check_sink(op, a.attn_sink, heads, device);
   check_scale(op, a.softmax_scale);

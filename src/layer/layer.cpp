@@ -209,6 +209,8 @@ struct MlaLayer::State {
   void write_latents(const Staged& st, LayerProfile* prof);
   TensorView select_tokens(const Staged& st, AttentionPath path, LayerProfile* prof);
   TensorView select_pooled(const Staged& st, AttentionPath path, LayerProfile* prof);
+  void index_topk(const Staged& st, uint16_t* q, float* weights, const TensorView& context_lens,
+                  const TensorView& topk);
   void write_pooled_keys(const float* keys, int64_t n, const int64_t* token_slots, int64_t pools,
                          const int64_t* pool_token_slots, const TensorView& pool_slots);
   void attend_unabsorbed(const Staged& st, LayerProfile* prof);
@@ -225,7 +227,8 @@ MlaLayer::MlaLayer(AttentionWeights weights, const LayerOptions& options) : stat
   require(options.num_blocks > 0 && options.block_size > 0 && options.max_chunk_tokens > 0,
           "MlaLayer: options: num_blocks, block_size and max_chunk_tokens must be positive");
   const DType kv = options.kv_cache_dtype, ix = options.index_cache_dtype;
-  // The cache formats that hold the layer's head (fp8_ds_mla_nope only without a rope part).
+  // The cache formats that hold the layer's head (fp8_ds_mla_nope only without a rope part). Not fp8_ds_mla_v4:
+  // its 448 e4m3 + 64 bf16 split is DeepSeek-V4's head, which the layer does not run (V4 has no 512-wide latent).
   const MlaHead head{s.qk_rope_head_dim};
   std::vector<DType> caches;
   for (DType d : kMlaCacheDTypes)
@@ -596,21 +599,12 @@ TensorView MlaLayer::State::select_tokens(const Staged& st, AttentionPath path, 
   if (path != AttentionPath::absorbed) return {};
   const int64_t topk = ix.topk;
   uint16_t* const qi_half = buffer<uint16_t>(kIndexQHalf, n * hi * dim);
-  int32_t* const top = buffer<int32_t>(kTopk, n * topk);
+  const TensorView positions(buffer<int32_t>(kTopk, n * topk), {n, topk}, DType::i32, dev);
   const TensorView slots(buffer<int32_t>(kSlots, n * topk), {n, topk}, DType::i32, dev);
   phase(prof, &LayerProfile::topk, [&] {
     c.to_half(qi, qi_half, n * hi * dim, DType::bf16);
-    IndexerTopkArgs args;
-    args.q = TensorView(qi_half, {n, hi, dim}, DType::bf16, dev);
-    args.weights = TensorView(weights, {n, hi}, DType::f32, dev);
-    args.index_cache = index_view();
-    args.request_ids = st.request_ids;
-    args.block_table = st.block_table;
-    args.context_lens = st.context_lens;
-    args.topk = TensorView(top, {n, topk}, DType::i32, dev);
-    args.stream = c.stream();
-    indexer_topk(args, backend);
-    positions_to_slots({args.topk, st.request_ids, st.block_table, opt.block_size, slots, c.stream()}, backend);
+    index_topk(st, qi_half, weights, st.context_lens, positions);
+    positions_to_slots({positions, st.request_ids, st.block_table, opt.block_size, slots, c.stream()}, backend);
   });
   return slots;
 }
@@ -649,20 +643,29 @@ TensorView MlaLayer::State::select_pooled(const Staged& st, AttentionPath path, 
     rotate_index_q({TensorView(qi, {n, hi, dim}, DType::f32, dev), TensorView(qi_half, {n, hi, dim}, DType::bf16, dev),
                     TensorView(), c.stream()},
                    backend);
-    IndexerTopkArgs args;
-    args.q = TensorView(qi_half, {n, hi, dim}, DType::bf16, dev);
-    args.weights = TensorView(weights, {n, hi}, DType::f32, dev);
-    args.index_cache = index_view();
-    args.request_ids = st.request_ids;
-    args.block_table = st.block_table;
-    args.context_lens = st.pool_context_lens;
-    args.topk = pools;
-    args.stream = c.stream();
-    indexer_topk(args, backend);
+    index_topk(st, qi_half, weights, st.pool_context_lens, pools);
     pools_to_positions({pools, st.context_lens, int(kpool), positions, c.stream()}, backend);
     positions_to_slots({positions, st.request_ids, st.block_table, opt.block_size, slots, c.stream()}, backend);
   });
   return slots;
+}
+
+// The indexer's top-k over the index cache (tokens, or pools) for the chunk's rows: q [n, heads, head_dim] bf16,
+// weights [n, heads]; context_lens [n]: the cache rows each one sees.
+void MlaLayer::State::index_topk(const Staged& st, uint16_t* q, float* weights, const TensorView& context_lens,
+                                 const TensorView& topk) {
+  const IndexerSpec& ix = *spec.indexer;
+  const Device dev = compute->device();
+  IndexerTopkArgs args;
+  args.q = TensorView(q, {st.n, ix.heads, ix.head_dim}, DType::bf16, dev);
+  args.weights = TensorView(weights, {st.n, ix.heads}, DType::f32, dev);
+  args.index_cache = index_view();
+  args.request_ids = st.request_ids;
+  args.block_table = st.block_table;
+  args.context_lens = context_lens;
+  args.topk = topk;
+  args.stream = compute->stream();
+  indexer_topk(args, backend);
 }
 
 // keys [n, 256] (index key, gate scores) of tokens at token_slots go to pool_pending; then each completed pool's

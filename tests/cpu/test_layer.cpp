@@ -365,6 +365,16 @@ TEST(Layer, OptionsNameTheArgumentAtFault) {
   test::expect_error([&] { MlaLayer layer(random_weights(spec, 1), {.kv_cache_dtype = DType::fp8_ds_mla_nope}); },
                      ErrorKind::invalid_argument,
                      {"MlaLayer: options.kv_cache_dtype: expected bfloat16, float16 or fp8_ds_mla, got fp8_ds_mla_nope"});
+  // DeepSeek-V4's cache fits a rope-free head's row, but its 448 + 64 split is V4's head, which the layer does not
+  // run (it needs a 512-wide latent): refused even where fp8_ds_mla_nope is taken.
+  test::expect_error([&] { MlaLayer layer(random_weights(spec, 1), {.kv_cache_dtype = DType::fp8_ds_mla_v4}); },
+                     ErrorKind::invalid_argument,
+                     {"MlaLayer: options.kv_cache_dtype: expected bfloat16, float16 or fp8_ds_mla, got fp8_ds_mla_v4"});
+  test::expect_error(
+      [&] { MlaLayer layer(random_weights(test::tiny_pooled_spec(), 1), {.kv_cache_dtype = DType::fp8_ds_mla_v4}); },
+      ErrorKind::invalid_argument,
+      {"MlaLayer: options.kv_cache_dtype: expected bfloat16, float16, fp8_ds_mla or fp8_ds_mla_nope, "
+       "got fp8_ds_mla_v4"});
   EXPECT_EQ(attention_query_dtype(DType::f16), DType::f16);
   for (DType kv : {DType::bf16, DType::fp8_ds_mla}) EXPECT_EQ(attention_query_dtype(kv), DType::bf16);
   test::expect_error([&] { MlaLayer layer(random_weights(spec, 1), {.index_cache_dtype = DType::f16}); },
