@@ -164,13 +164,12 @@ def flash_mla_with_kvcache(
             raise _smla.InvalidArgumentError("topk_length: only valid with indices (sparse attention)")
         if block_table is None or cache_seqlens is None:
             raise _smla.InvalidArgumentError("block_table and cache_seqlens must be given for dense attention")
-    # torch.ops.smla has no extra cache: MODEL1 calls take the direct path (eager, not traced by torch.compile).
-    torch_ops = _ops._torch_ops(q) if extra is None else None
+    torch_ops = _ops._torch_ops(q)
     if torch_ops is not None:
-        # k_cache as given: the op takes FlashMLA's 4-D cache (a view less to make here)
+        # k_cache as given: the op takes FlashMLA's 4-D cache (a view less to make here); the extra cache as 3-D.
         return torch_ops.flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, indices, topk_length,
                                                 attn_sink, _ops._softmax_scale(softmax_scale), bool(causal),
-                                                kv_cache_dtype, backend or "")
+                                                kv_cache_dtype, backend or "", *(extra or (None, None, None)))
     out = _arrays.empty(q, (b, s_q, h_q, _HEAD_DIM_V))
     lse = _arrays.empty(q, (b, h_q, s_q), "float32")
     _with_kvcache_into(q, _cache_3d(k_cache, k_shape), block_table, cache_seqlens, indices, topk_length, attn_sink, softmax_scale, causal,

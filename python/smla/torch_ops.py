@@ -101,10 +101,11 @@ def _write_mla_cache(latent, k_pe, slot_mapping, cache, kv_cache_dtype="auto", b
     _ops._write_mla_cache(latent, k_pe, slot_mapping, cache, kv_cache_dtype, None, backend)
 
 
-def _sparse_mla(q, kv_cache, indices, topk_length, attn_sink, softmax_scale, kv_cache_dtype="auto", backend=""):
+def _sparse_mla(q, kv_cache, indices, topk_length, attn_sink, softmax_scale, kv_cache_dtype="auto", backend="",
+                extra_kv_cache=None, extra_indices=None, extra_topk_length=None):
     out, lse = _attention_out(q)
     _ops._sparse_mla(q, kv_cache, indices, topk_length, attn_sink, softmax_scale, out, lse, kv_cache_dtype, None,
-                     backend)
+                     backend, extra=(extra_kv_cache, extra_indices, extra_topk_length))
     return out, lse
 
 
@@ -169,11 +170,14 @@ def _dsa_decode_step(q, kv_cache, index_q, index_weights, index_cache, request_i
 
 # smla.flash_mla's two attention functions, with FlashMLA's output layouts written by the kernels.
 def _flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, indices, topk_length, attn_sink, softmax_scale,
-                            causal, kv_cache_dtype="auto", backend=""):
+                            causal, kv_cache_dtype="auto", backend="", extra_k_cache=None,
+                            extra_indices_in_kvcache=None, extra_topk_length=None):
     out, lse = _kvcache_out(q)
     k_cache = _flash_mla._cache_3d(k_cache, tuple(k_cache.shape))  # FlashMLA's 4-D cache too
+    extra = _flash_mla._extra_cache(int(q.shape[0]), int(q.shape[1]), indices, extra_k_cache,
+                                    extra_indices_in_kvcache, extra_topk_length)
     _flash_mla._with_kvcache_into(q, k_cache, block_table, cache_seqlens, indices, topk_length, attn_sink,
-                                  softmax_scale, causal, kv_cache_dtype, out, lse, backend)
+                                  softmax_scale, causal, kv_cache_dtype, out, lse, backend, extra)
     return out, lse
 
 
@@ -230,7 +234,8 @@ _OPS = [
     ("write_mla_cache(Tensor latent, Tensor k_pe, Tensor slot_mapping, Tensor(a!) cache, "
      "str kv_cache_dtype='auto', str backend='') -> ()", _write_mla_cache, _no_output_fake),
     ("sparse_mla(Tensor q, Tensor kv_cache, Tensor indices, Tensor? topk_length, Tensor? attn_sink, "
-     "float softmax_scale, str kv_cache_dtype='auto', str backend='') -> (Tensor, Tensor)",
+     "float softmax_scale, str kv_cache_dtype='auto', str backend='', Tensor? extra_kv_cache=None, "
+     "Tensor? extra_indices=None, Tensor? extra_topk_length=None) -> (Tensor, Tensor)",
      _sparse_mla, _attention_fake),
     ("paged_mla_decode(Tensor q, Tensor kv_cache, Tensor block_table, Tensor seq_lens, Tensor? attn_sink, "
      "float softmax_scale, bool causal=True, str kv_cache_dtype='auto', str backend='') -> (Tensor, Tensor)",
@@ -255,7 +260,8 @@ _OPS = [
      "-> (Tensor, Tensor, Tensor, Tensor)", _dsa_decode_step, _dsa_decode_step_fake),
     ("flash_mla_with_kvcache(Tensor q, Tensor k_cache, Tensor? block_table, Tensor? cache_seqlens, "
      "Tensor? indices, Tensor? topk_length, Tensor? attn_sink, float softmax_scale, bool causal, "
-     "str kv_cache_dtype='auto', str backend='') -> (Tensor, Tensor)",
+     "str kv_cache_dtype='auto', str backend='', Tensor? extra_k_cache=None, "
+     "Tensor? extra_indices_in_kvcache=None, Tensor? extra_topk_length=None) -> (Tensor, Tensor)",
      _flash_mla_with_kvcache, _flash_mla_with_kvcache_fake),
     ("flash_mla_sparse_fwd(Tensor q, Tensor kv, Tensor indices, Tensor? topk_length, Tensor? attn_sink, "
      "float sm_scale, str backend='') -> (Tensor, Tensor, Tensor)", _flash_mla_sparse_fwd, _flash_mla_sparse_fwd_fake),

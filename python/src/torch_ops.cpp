@@ -249,11 +249,16 @@ void write_mla_cache_kernel(const Tensor& latent, const Tensor& k_pe, const Tens
   });
 }
 
+// A second cache under the same softmax (SparseMlaArgs::extra_*), read as kv_cache is; all absent: none.
+struct ExtraCache {
+  OptTensor kv_cache, indices, topk_length;
+};
+
 // smla.ops._sparse_mla into out / lse (and max_logits) the caller allocated.
 void sparse_mla_into(const Tensor& q, const Tensor& kv_cache, const Tensor& indices, const OptTensor& topk_length,
                      const OptTensor& attn_sink, double softmax_scale, const Tensor& out, const Tensor& lse,
                      std::string_view kv_cache_dtype, std::string_view backend, const Tensor& max_logits = {},
-                     bool empty_lse_plus_inf = false) {
+                     bool empty_lse_plus_inf = false, const ExtraCache& extra = {}) {
   const std::optional<DType> cache_dtype = mla_cache_dtype(kv_cache, kv_cache_dtype, "kv_cache");
   SparseMlaArgs a;
   a.softmax_scale = softmax_scale_of(softmax_scale);
@@ -266,16 +271,21 @@ void sparse_mla_into(const Tensor& q, const Tensor& kv_cache, const Tensor& indi
   a.lse = view(lse, "lse");
   a.max_logits = view(max_logits, "max_logits");
   a.empty_lse_plus_inf = empty_lse_plus_inf;
+  if (extra.kv_cache) a.extra_kv_cache = view(*extra.kv_cache, "extra_kv_cache", cache_dtype);
+  a.extra_indices = view(extra.indices, "extra_indices");
+  a.extra_topk_length = view(extra.topk_length, "extra_topk_length");
   run_on_stream(a, q, backend, [](const auto& x, auto be) { sparse_mla(x, be); });
 }
 
 std::tuple<Tensor, Tensor> sparse_mla_kernel(const Tensor& q, const Tensor& kv_cache, const Tensor& indices,
                                              const OptTensor& topk_length, const OptTensor& attn_sink,
                                              double softmax_scale, c10::string_view kv_cache_dtype,
-                                             c10::string_view backend) {
+                                             c10::string_view backend, const OptTensor& extra_kv_cache,
+                                             const OptTensor& extra_indices, const OptTensor& extra_topk_length) {
   return translated([&] {
     auto [out, lse] = attention_out(q);
-    sparse_mla_into(q, kv_cache, indices, topk_length, attn_sink, softmax_scale, out, lse, kv_cache_dtype, backend);
+    sparse_mla_into(q, kv_cache, indices, topk_length, attn_sink, softmax_scale, out, lse, kv_cache_dtype, backend,
+                    {}, false, {extra_kv_cache, extra_indices, extra_topk_length});
     return std::make_tuple(out, lse);
   });
 }
@@ -404,6 +414,31 @@ std::string py_tuple(at::IntArrayRef sizes) {
   return s + (sizes.size() == 1 ? ",)" : ")");
 }
 
+// MODEL1's extra cache, checked as smla.flash_mla._extra_cache checks it, with its messages.
+ExtraCache flash_mla_extra_cache(int64_t b, int64_t s_q, const OptTensor& indices, const OptTensor& extra_k_cache,
+                                 const OptTensor& extra_indices, const OptTensor& extra_topk_length) {
+  if (!extra_k_cache && !extra_indices && !extra_topk_length) return {};
+  if (!extra_k_cache || !extra_indices)
+    fail("extra_k_cache and extra_indices_in_kvcache: give both or neither (extra_topk_length needs them too)");
+  if (!indices) fail("extra_k_cache: only valid with indices (sparse attention)");
+  if (extra_indices->dim() != 3 || extra_indices->size(0) != b || extra_indices->size(1) != s_q)
+    fail("extra_indices_in_kvcache: expected (batch_size, seq_len_q, topk) with q's batch_size " + std::to_string(b) +
+         " and seq_len_q " + std::to_string(s_q) + ", got " + py_tuple(extra_indices->sizes()));
+  if (extra_topk_length && !(extra_topk_length->dim() == 1 && extra_topk_length->size(0) == b) &&
+      !(extra_topk_length->dim() == 2 && extra_topk_length->size(0) == b && extra_topk_length->size(1) == s_q))
+    fail("extra_topk_length: expected (" + std::to_string(b) + ",) (per request) or (" + std::to_string(b) + ", " +
+         std::to_string(s_q) + ") (per query token), got " + py_tuple(extra_topk_length->sizes()));
+  if (extra_k_cache->dim() == 4 && extra_k_cache->size(2) != 1)
+    fail("extra_k_cache: num_heads_k must be 1 (MLA), got " + py_tuple(extra_k_cache->sizes()));
+  return {extra_k_cache->dim() == 4 ? extra_k_cache->select(2, 0) : *extra_k_cache, extra_indices,
+          extra_topk_length};
+}
+
+// A (b,) length list serves every new token j; a (b, s_q) one is taken per j.
+OptTensor lengths_of_token(const OptTensor& lengths, int64_t j) {
+  return lengths && lengths->dim() == 2 ? OptTensor(lengths->select(1, j)) : lengths;
+}
+
 // smla.flash_mla: out (b, s_q, h_q, 512) and lse (b, h_q, s_q), the kernels writing lse through a (b, s_q, h_q)
 // view, +inf where a query has nothing to attend. Sparse: one sparse_mla per new token j, whose tokens are the
 // requests; a per-request topk_length (b,) serves every j, a (b, s_q) one is taken per j. FlashMLA's 4-D cache
@@ -411,7 +446,8 @@ std::string py_tuple(at::IntArrayRef sizes) {
 std::tuple<Tensor, Tensor> flash_mla_with_kvcache_kernel(
     const Tensor& q, const Tensor& k_cache_arg, const OptTensor& block_table, const OptTensor& cache_seqlens,
     const OptTensor& indices, const OptTensor& topk_length, const OptTensor& attn_sink, double softmax_scale,
-    bool causal, c10::string_view kv_cache_dtype, c10::string_view backend) {
+    bool causal, c10::string_view kv_cache_dtype, c10::string_view backend, const OptTensor& extra_k_cache,
+    const OptTensor& extra_indices_in_kvcache, const OptTensor& extra_topk_length) {
   return translated([&] {
     if (k_cache_arg.dim() == 4 && k_cache_arg.size(2) != 1)
       fail("k_cache: num_heads_k must be 1 (MLA), got " + py_tuple(k_cache_arg.sizes()));
@@ -419,6 +455,8 @@ std::tuple<Tensor, Tensor> flash_mla_with_kvcache_kernel(
     require(q.dim() >= 3, "q: expected (batch_size, seq_len_q, num_heads_q, 576 | 512), got " +
                               py_tuple(q.sizes()));
     const int64_t b = q.size(0), s_q = q.size(1), h_q = q.size(2);
+    const ExtraCache extra =
+        flash_mla_extra_cache(b, s_q, indices, extra_k_cache, extra_indices_in_kvcache, extra_topk_length);
     Tensor out = at::empty({b, s_q, h_q, kLatentDim}, q.options());
     Tensor lse = at::empty({b, h_q, s_q}, q.options().dtype(at::kFloat));
     const Tensor lse_view = lse.transpose(-1, -2);
@@ -429,12 +467,13 @@ std::tuple<Tensor, Tensor> flash_mla_with_kvcache_kernel(
     }
     require(indices->dim() >= 2, "indices: expected (batch_size, seq_len_q, topk), got " +
                                      py_tuple(indices->sizes()));
-    const bool per_token_lengths = topk_length && topk_length->dim() == 2;
     for (int64_t j = 0; j < s_q; ++j) {
-      const OptTensor lengths = per_token_lengths ? OptTensor(topk_length->select(1, j)) : topk_length;
-      sparse_mla_into(q.select(1, j), k_cache, indices->select(1, j), lengths, attn_sink, softmax_scale,
-                      out.select(1, j), lse_view.select(1, j), kv_cache_dtype, backend, {},
-                      /*empty_lse_plus_inf=*/true);
+      ExtraCache extra_j;
+      if (extra.kv_cache)
+        extra_j = {extra.kv_cache, extra.indices->select(1, j), lengths_of_token(extra.topk_length, j)};
+      sparse_mla_into(q.select(1, j), k_cache, indices->select(1, j), lengths_of_token(topk_length, j), attn_sink,
+                      softmax_scale, out.select(1, j), lse_view.select(1, j), kv_cache_dtype, backend, {},
+                      /*empty_lse_plus_inf=*/true, extra_j);
     }
     return std::make_tuple(out, lse);
   });

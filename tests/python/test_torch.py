@@ -518,8 +518,8 @@ def model1_case(rng, b=3, s_q=2, h_q=16, topk=32, extra_topk=24):
 
 
 def test_flash_mla_model1_torch_tensors_match_numpy(rng):
-    """MODEL1 calls on torch tensors run through the binding (torch.ops.smla has no extra cache): bit-identical to
-    the numpy path."""
+    """MODEL1 calls on torch tensors run through torch.ops.smla (with the extra cache): bit-identical to the numpy
+    path."""
     case = model1_case(rng)
     q, k_cache, indices, topk_length, extra_k_cache, extra_indices, extra_topk_length = case
     want_out, want_lse = flash_mla_with_kvcache(q, k_cache, None, None, 512, get_mla_metadata()[0], indices=indices,
@@ -563,6 +563,82 @@ def test_flash_mla_model1_fp8_torch_tensors_match_numpy(rng):
     np.testing.assert_array_equal(to_numpy(lse), want_lse)
 
 
+@needs_custom_ops
+def test_flash_mla_model1_fp8_two_caches_torch_matches_numpy(rng):
+    """Both caches in FlashMLA's fp8 MODEL1 layout (blocks of 16 and of 5, padded), per-token lengths and a sink:
+    torch.ops.smla gives the numpy path's results bit for bit."""
+    q, blocks, k_cache, indices, _ = model1_fp8_case(rng)
+    rows = (rng.standard_normal((6 * 5, LATENT)) / 3).astype(ml_dtypes.bfloat16)
+    extra_blocks = quantize_model1(rows, 5)
+    extra_indices = rng.integers(-1, 31, size=(3, 2, 24)).astype(np.int32)
+    topk_length = rng.integers(0, 33, size=(3, 2)).astype(np.int32)
+    extra_topk_length = rng.integers(0, 25, size=(3, 2)).astype(np.int32)
+    sink = rng.uniform(-2, 2, size=16).astype(np.float32)
+    args = dict(indices=indices, topk_length=topk_length, attn_sink=sink, extra_indices_in_kvcache=extra_indices,
+                extra_topk_length=extra_topk_length)
+    want_out, want_lse = flash_mla_with_kvcache(q, k_cache, None, None, 512, get_mla_metadata()[0],
+                                                is_fp8_kvcache=True, extra_k_cache=model1_view(extra_blocks, 5), **args)
+    assert np.isfinite(want_out.astype(np.float32)).all()
+    t_cache = torch.from_numpy(blocks)[:, :16 * 584].view(k_cache.shape)
+    t_extra = torch.from_numpy(extra_blocks)[:, :5 * 584].view(6, 5, 1, 584)
+    out, lse = flash_mla_with_kvcache(to_torch(q), t_cache, None, None, 512, get_mla_metadata()[0],
+                                      is_fp8_kvcache=True, extra_k_cache=t_extra,
+                                      **{k: to_torch(v) for k, v in args.items()})
+    np.testing.assert_array_equal(to_numpy(out).view(np.uint16), want_out.view(np.uint16))
+    np.testing.assert_array_equal(to_numpy(lse), want_lse)
+
+
+@needs_custom_ops
+def test_model1_ops_pass_opcheck_and_trace(rng):
+    """sparse_mla and flash_mla_with_kvcache with the extra cache: schema, fake and kernel agree (opcheck), and
+    smla.flash_mla's MODEL1 call traces whole under torch.compile with the eager call's bits."""
+    case = [to_torch(a) for a in model1_case(rng)]
+    q, k_cache, indices, topk_length, extra_k_cache, extra_indices, extra_topk_length = case
+    opcheck = torch.library.opcheck
+    opcheck(torch.ops.smla.flash_mla_with_kvcache.default,
+            (q, k_cache, None, None, indices, topk_length, None, 0.05, False, "auto", "", extra_k_cache,
+             extra_indices, extra_topk_length))
+    opcheck(torch.ops.smla.sparse_mla.default,
+            (q[:, 0], k_cache[:, :, 0], indices[:, 0], topk_length, None, 0.05, "auto", "", extra_k_cache[:, :, 0],
+             extra_indices[:, 0], extra_topk_length))
+    meta = get_mla_metadata()[0]
+
+    def step(q, k_cache, indices, topk_length, extra_k_cache, extra_indices, extra_topk_length):
+        out, lse = flash_mla_with_kvcache(q * 2, k_cache, None, None, 512, meta, indices=indices,
+                                          topk_length=topk_length, extra_k_cache=extra_k_cache,
+                                          extra_indices_in_kvcache=extra_indices, extra_topk_length=extra_topk_length)
+        return out.float().sum(-1), lse
+
+    want = step(*case)  # initialises meta eagerly
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    for got, w in zip(compiled(*case), want):
+        assert torch.equal(got, w)
+
+
+def test_flash_mla_model1_errors_on_torch_tensors_are_numpys(rng):
+    """Bad extra-cache arguments on torch tensors (now through torch.ops.smla) raise what the numpy path raises."""
+    q, k_cache, indices, topk_length, extra_k_cache, extra_indices, extra_topk_length = model1_case(rng)
+    cases = [
+        dict(indices=indices, extra_k_cache=extra_k_cache),  # no extra indices
+        dict(indices=indices, extra_indices_in_kvcache=extra_indices),  # no extra cache
+        dict(extra_k_cache=extra_k_cache, extra_indices_in_kvcache=extra_indices),  # dense
+        dict(indices=indices, extra_k_cache=extra_k_cache, extra_indices_in_kvcache=extra_indices[:, :1]),
+        dict(indices=indices, extra_k_cache=extra_k_cache, extra_indices_in_kvcache=extra_indices,
+             extra_topk_length=extra_topk_length[:2]),
+        dict(indices=indices, extra_k_cache=np.repeat(extra_k_cache, 2, axis=2), extra_indices_in_kvcache=extra_indices),
+        dict(indices=indices, extra_k_cache=extra_k_cache, extra_indices_in_kvcache=extra_indices.astype(np.int64)),
+        dict(indices=indices, extra_k_cache=extra_k_cache[..., :448], extra_indices_in_kvcache=extra_indices),
+    ]
+    for kwargs in cases:
+        errors = []
+        for convert in (lambda a: a, to_torch):
+            with pytest.raises(smla.InvalidArgumentError) as e:
+                flash_mla_with_kvcache(convert(q), convert(k_cache), None, None, 512, get_mla_metadata()[0],
+                                       **{k: convert(v) for k, v in kwargs.items()})
+            errors.append(str(e.value))
+        assert errors[0] == errors[1], kwargs
+
+
 @cuda
 def test_flash_mla_model1_fp8_on_cuda_is_refused(rng):
     """The CUDA backend does not read FlashMLA's fp8 MODEL1 cache (fp8_ds_mla_v4): an UnsupportedError naming it."""
@@ -591,3 +667,37 @@ def test_flash_mla_model1_on_cuda_matches_cpu(rng):
     assert not np.isnan(got).any()
     np.testing.assert_allclose(got, want_out.astype(np.float32), atol=2e-3, rtol=2e-2)
     np.testing.assert_allclose(to_numpy(lse), want_lse, atol=1e-3, rtol=1e-4)
+
+
+@cuda
+@needs_custom_ops
+def test_flash_mla_model1_is_captured_in_a_cuda_graph(rng):
+    """MODEL1 (two caches) through torch.ops.smla on a side stream and in a CUDA graph: the scratch comes from
+    torch's allocator (capture-safe), the replay gives the eager bits, and new inputs copied in change the result."""
+    case = model1_case(rng, b=4, s_q=2, h_q=64, topk=2048, extra_topk=128)  # many keys: split, with scratch
+    q, k_cache, indices, topk_length, extra_k_cache, extra_indices, extra_topk_length = (to_torch(a, "cuda")
+                                                                                         for a in case)
+    meta = get_mla_metadata()[0]
+
+    def call():
+        return flash_mla_with_kvcache(q, k_cache, None, None, 512, meta, indices=indices, topk_length=topk_length,
+                                      extra_k_cache=extra_k_cache, extra_indices_in_kvcache=extra_indices,
+                                      extra_topk_length=extra_topk_length)
+
+    capture = torch.cuda.Stream()
+    capture.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(capture):
+        want_out, want_lse = call()
+    torch.cuda.current_stream().wait_stream(capture)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=capture):
+        g_out, g_lse = call()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(g_out, want_out) and torch.equal(g_lse, want_lse)
+    q.copy_(-q)
+    graph.replay()
+    eager_out, eager_lse = call()
+    torch.cuda.synchronize()
+    assert not torch.equal(g_out, want_out)
+    assert torch.equal(g_out, eager_out) and torch.equal(g_lse, eager_lse)

@@ -153,6 +153,38 @@ def test_flash_mla_ops_match_the_python_kernels():
     assert_same(torch.ops.smla.flash_mla_sparse_fwd(*args), torch_ops._flash_mla_sparse_fwd(*args))
 
 
+def model1_inputs(g, b=3, s_q=2, heads=16):
+    """DeepSeek-V4 (MODEL1): q (b, s_q, heads, 512) and two 512-wide bf16 caches, FlashMLA's 4-D ones (blocks of 16
+    and of 5), with indices (some skipped) into each."""
+    q = torch.randn(b, s_q, heads, V, generator=g).to(torch.bfloat16)
+    cache = torch.randn(4, 16, 1, V, generator=g).to(torch.bfloat16)
+    extra = torch.randn(6, 5, 1, V, generator=g).to(torch.bfloat16)
+    indices = sparse_indices(g, torch.arange(64), (b, s_q, 32), 64)
+    extra_indices = sparse_indices(g, torch.arange(30), (b, s_q, 24), 30)
+    return q, cache, indices, extra, extra_indices
+
+
+@native
+def test_model1_ops_match_the_python_kernels():
+    """The extra cache through sparse_mla and flash_mla_with_kvcache (per-request and per-token lengths, a sink):
+    the C++ kernels give the Python kernels' bits."""
+    g = gen()
+    q, cache, indices, extra, extra_indices = model1_inputs(g)
+    sink = torch.randn(16, generator=g)
+    lengths = [(None, None), (torch.tensor([32, 0, 9], dtype=torch.int32), torch.tensor([3, 24, 0], dtype=torch.int32)),
+               (torch.randint(0, 33, (3, 2), generator=g, dtype=torch.int32),
+                torch.randint(0, 25, (3, 2), generator=g, dtype=torch.int32))]
+    for topk_length, extra_topk_length in lengths:
+        for k_cache, extra_cache in ((cache, extra), (cache[:, :, 0], extra[:, :, 0])):  # FlashMLA's 4-D and 3-D
+            args = (q, k_cache, None, None, indices, topk_length, sink, 0.05, False, "auto", "", extra_cache,
+                    extra_indices, extra_topk_length)
+            assert_same(torch.ops.smla.flash_mla_with_kvcache(*args), torch_ops._flash_mla_with_kvcache(*args))
+        if topk_length is None or topk_length.dim() == 1:
+            args = (q[:, 0], cache[:, :, 0], indices[:, 0], topk_length, sink, 0.05, "auto", "", extra[:, :, 0],
+                    extra_indices[:, 0], extra_topk_length)
+            assert_same(torch.ops.smla.sparse_mla(*args), torch_ops._sparse_mla(*args))
+
+
 def indexer_inputs(g, cache_dtype):
     tokens, heads, blocks, block_size = 3, 8, 6, 16
     cache = torch.zeros(blocks, block_size, 128 if cache_dtype == torch.bfloat16 else 132, dtype=cache_dtype)
@@ -214,6 +246,21 @@ def test_errors_are_smlas_with_the_python_kernels_messages():
         ("sparse_mla", (q, bf16, idx, None, None, 0.05, "auto", "cuda_mma")),  # a GPU backend for CPU tensors
         ("flash_mla_with_kvcache", (q[:, None], bf16[:, :, None].expand(-1, -1, 2, -1), None, None, idx[:, None],
                                     None, None, 0.05, False, "auto")),  # two heads in the cache
+    ]
+    # MODEL1's extra cache, as smla.flash_mla._extra_cache and the core check it.
+    q1, cache1, idx1, extra1, extra_idx1 = model1_inputs(g)
+    q1_args = (q1, cache1, None, None, idx1, None, None, 0.05, False, "auto", "")
+    cases += [
+        ("flash_mla_with_kvcache", (*q1_args, extra1, None, None)),               # no extra indices
+        ("flash_mla_with_kvcache", (*q1_args, None, extra_idx1, None)),           # no extra cache
+        ("flash_mla_with_kvcache", (*q1_args[:4], None, *q1_args[5:], extra1, extra_idx1, None)),  # dense
+        ("flash_mla_with_kvcache", (*q1_args, extra1, extra_idx1[:, :1], None)),  # s_q 1, q's is 2
+        ("flash_mla_with_kvcache", (*q1_args, extra1, extra_idx1, torch.zeros(2, dtype=torch.int32))),
+        ("flash_mla_with_kvcache", (*q1_args, extra1.expand(-1, -1, 2, -1), extra_idx1, None)),  # two heads
+        ("flash_mla_with_kvcache", (*q1_args, extra1, extra_idx1.long(), None)),  # int64 extra indices
+        ("flash_mla_with_kvcache", (*q1_args, extra1[..., :448], extra_idx1, None)),  # rows of 448
+        ("sparse_mla", (q1[:, 0], cache1[:, :, 0], idx1[:, 0], None, None, 0.05, "auto", "", None,
+                        extra_idx1[:, 0], None)),  # extra indices without the extra cache
     ]
     kinds = set()
     for name, args in cases:
