@@ -277,7 +277,9 @@ def write_mla_cache(latent: Tensor, k_pe: Optional[Tensor], slot_mapping: Tensor
 def sparse_mla(q: Tensor, kv_cache: Tensor, indices: Tensor, *, softmax_scale: float,
                topk_length: Optional[Tensor] = None, attn_sink: Optional[Tensor] = None,
                kv_cache_dtype: Optional[str] = "auto", out: Optional[Tensor] = None, lse: Optional[Tensor] = None,
-               stream: Any = None, backend: Optional[str] = None) -> Tuple[Tensor, Tensor]:
+               stream: Any = None, backend: Optional[str] = None, extra_kv_cache: Optional[Tensor] = None,
+               extra_indices: Optional[Tensor] = None,
+               extra_topk_length: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """Sparse MLA: token t attends to the cache slots ``indices[t]`` (int32
     physical slots; negative or >= num_slots are skipped).
 
@@ -285,16 +287,20 @@ def sparse_mla(q: Tensor, kv_cache: Tensor, indices: Tensor, *, softmax_scale: f
     heads with no rope part (GLM-5.3-Flash): q [T, H, 512] over a cache of
     [..., 512] (16-bit), [..., 528] (fp8_ds_mla_nope) or [..., 656]
     (fp8_ds_mla, rope bytes never read). Optional topk_length [T] int32 and
-    attn_sink [H] float32. Returns
+    attn_sink [H] float32. DeepSeek-V4 (512-wide q and caches): a second
+    cache under the same softmax, extra_kv_cache [blocks2, block_size2, row]
+    (kv_cache's dtype and row) with extra_indices [T, K2] int32 slots of it
+    and optional extra_topk_length [T]. Returns
     (out [T, H, 512] in q's dtype, lse [T, H] float32, natural log, without
     the sink; -inf for a row with no valid index)."""
     ops = _torch_ops(q) if out is None and lse is None and stream is None else None
     if ops is not None:
         return ops.sparse_mla(q, kv_cache, indices, topk_length, attn_sink, _softmax_scale(softmax_scale),
-                              kv_cache_dtype or "auto", _backend(backend))
+                              kv_cache_dtype or "auto", _backend(backend), extra_kv_cache, extra_indices,
+                              extra_topk_length)
     out, lse = _attention_outputs(q, out, lse)
     _sparse_mla(q, kv_cache, indices, topk_length, attn_sink, softmax_scale, out, lse, kv_cache_dtype, stream,
-                backend)
+                backend, extra=(extra_kv_cache, extra_indices, extra_topk_length))
     return out, lse
 
 

@@ -639,6 +639,43 @@ def test_flash_mla_model1_errors_on_torch_tensors_are_numpys(rng):
         assert errors[0] == errors[1], kwargs
 
 
+def two_cache_reference(q, k_cache, indices, topk_length, extra_k_cache, extra_indices, extra_topk_length, scale,
+                        sink=None):
+    """Sparse attention over two caches under one softmax, in float64: both caches' rows stacked, the extra slots
+    offset past the first cache's, entries past each list's length or out of their cache set to -1."""
+    rows = np.concatenate([np.asarray(k_cache, np.float64).reshape(-1, LATENT),
+                           np.asarray(extra_k_cache, np.float64).reshape(-1, LATENT)])
+    n, n_extra = k_cache.shape[0] * k_cache.shape[1], extra_k_cache.shape[0] * extra_k_cache.shape[1]
+
+    def kept(idx, lengths, slots, offset):
+        valid = (idx >= 0) & (idx < slots) & (np.arange(idx.shape[1])[None, :] < lengths[:, None])
+        return np.where(valid, idx.astype(np.int64) + offset, -1)
+
+    both = np.concatenate([kept(indices, topk_length, n, 0), kept(extra_indices, extra_topk_length, n_extra, n)], 1)
+    return attention(np.asarray(q, np.float64), rows, both, scale, None, sink)
+
+
+def test_sparse_mla_extra_cache_matches_reference_and_numpy(rng):
+    """smla.sparse_mla's extra cache on torch tensors (torch.ops.smla) gives the numpy path's bits, and both match
+    the float64 reference of one softmax over the two caches (a sink, per-token lengths, invalid slots)."""
+    q, k_cache, indices, topk_length, extra_k_cache, extra_indices, extra_topk_length = model1_case(rng, b=5)
+    q, indices, extra_indices = q[:, 0], indices[:, 0], extra_indices[:, 0]  # 5 tokens
+    k_cache, extra_k_cache = k_cache[:, :, 0], extra_k_cache[:, :, 0]
+    sink = rng.uniform(-2, 2, size=16).astype(np.float32)
+    args = (q, k_cache, indices)
+    kwargs = dict(topk_length=topk_length, attn_sink=sink, extra_kv_cache=extra_k_cache, extra_indices=extra_indices,
+                  extra_topk_length=extra_topk_length)
+    want_out, want_lse = smla.sparse_mla(*args, softmax_scale=0.06, **kwargs)
+    out, lse = smla.sparse_mla(*(to_torch(a) for a in args), softmax_scale=0.06,
+                               **{k: to_torch(v) for k, v in kwargs.items()})
+    np.testing.assert_array_equal(to_numpy(out).view(np.uint16), want_out.view(np.uint16))
+    np.testing.assert_array_equal(to_numpy(lse), want_lse)
+    ref_out, ref_lse = two_cache_reference(q, k_cache, indices, topk_length, extra_k_cache, extra_indices,
+                                           extra_topk_length, 0.06, sink)
+    check("out", out, ref_out, 1e-3 + 2**-8, 2.01 / 128)
+    check("lse", lse, ref_lse, 1e-5, 1e-5)
+
+
 @cuda
 def test_flash_mla_model1_fp8_on_cuda_is_refused(rng):
     """The CUDA backend does not read FlashMLA's fp8 MODEL1 cache (fp8_ds_mla_v4): an UnsupportedError naming it."""
