@@ -80,6 +80,15 @@ void set_cache(AttentionParams& p, const char* op, const char* arg, const Tensor
   if (p.num_slots > 0) require_aligned(op, arg, cache.data, 16, {p.block_stride, p.row_stride});
 }
 
+// Sparse attention's slots in that cache: indices [T, K] and their optional lengths [T].
+void set_slot_list(AttentionParams& p, const TensorView& indices, const TensorView& topk_length) {
+  p.indices = indices.ptr<int32_t>();
+  p.indices_stride = indices.stride(0);
+  p.topk = static_cast<int>(indices.size(1));
+  p.topk_length = topk_length.defined() ? topk_length.ptr<int32_t>() : nullptr;
+  p.topk_length_stride = topk_length.defined() ? topk_length.stride(0) : 0;
+}
+
 // The fields both ops share: query, cache, outputs, scale. `b`/`s` strides
 // address (request, step); sparse attention passes s_q = 1.
 void fill_common(AttentionParams& p, const char* op, const TensorView& q, int64_t q_sb, int64_t q_ss, const TensorView& cache,
@@ -327,11 +336,7 @@ void sparse_mla_two_caches(AttentionParams& p, const SparseMlaArgs& a, Attention
 
   AttentionParams e = p;
   set_cache(e, "sparse_mla", "extra_kv_cache", a.extra_kv_cache);
-  e.indices = a.extra_indices.ptr<int32_t>();
-  e.indices_stride = a.extra_indices.stride(0);
-  e.topk = static_cast<int>(a.extra_indices.size(1));
-  e.topk_length = a.extra_topk_length.defined() ? a.extra_topk_length.ptr<int32_t>() : nullptr;
-  e.topk_length_stride = a.extra_topk_length.defined() ? a.extra_topk_length.stride(0) : 0;
+  set_slot_list(e, a.extra_indices, a.extra_topk_length);
   e.chunks_per_split = tp.extra.chunks_per_split;
   const int64_t main_rows = static_cast<int64_t>(tp.main.num_splits) * p.num_tokens * p.num_heads;
   e.partial_out += main_rows * mla::kVDim;
@@ -373,11 +378,7 @@ void sparse_mla(const SparseMlaArgs& a, AttentionChoice choice) {
               a.attn_sink, a.softmax_scale);
   p.num_tokens = static_cast<int>(a.q.size(0));
   p.s_q = 1;
-  p.indices = a.indices.ptr<int32_t>();
-  p.indices_stride = a.indices.stride(0);
-  p.topk = static_cast<int>(a.indices.size(1));
-  p.topk_length = a.topk_length.defined() ? a.topk_length.ptr<int32_t>() : nullptr;
-  p.topk_length_stride = a.topk_length.defined() ? a.topk_length.stride(0) : 0;
+  set_slot_list(p, a.indices, a.topk_length);
   p.empty_lse = a.empty_lse_plus_inf ? INFINITY : -INFINITY;
   if (a.max_logits.defined()) {
     p.max_logits = a.max_logits.ptr<float>();
