@@ -209,6 +209,7 @@ struct MlaLayer::State {
   void write_latents(const Staged& st, LayerProfile* prof);
   TensorView select_tokens(const Staged& st, AttentionPath path, LayerProfile* prof);
   TensorView select_pooled(const Staged& st, AttentionPath path, LayerProfile* prof);
+  void index_queries(const Staged& st, float* qi, float* weights);
   void index_topk(const Staged& st, uint16_t* q, float* weights, const TensorView& context_lens,
                   const TensorView& topk);
   void write_pooled_keys(const float* keys, int64_t n, const int64_t* token_slots, int64_t pools,
@@ -578,16 +579,14 @@ TensorView MlaLayer::State::select_tokens(const Staged& st, AttentionPath path, 
   layer::Compute& c = *compute;
   const Device dev = c.device();
   const IndexerSpec& ix = *s.indexer;
-  const int64_t n = st.n, hi = ix.heads, dim = ix.head_dim, q_lora = s.q_lora_rank, hidden_size = s.hidden_size;
-  const float* const qr = buffer<float>(kQr, n * q_lora);
+  const int64_t n = st.n, hi = ix.heads, dim = ix.head_dim, hidden_size = s.hidden_size;
   float* const qi = buffer<float>(kIndexQ, n * hi * dim);
   float* const ki = buffer<float>(kIndexK, n * dim);
   float* const weights = buffer<float>(kIndexWeights, n * hi);
   phase(prof, &LayerProfile::indexer, [&] {
-    c.linear(qr, q_lora, w.index_wq_b, qi, hi * dim, n);
+    index_queries(st, qi, weights);
     c.linear(st.x, hidden_size, w.index_wk, ki, dim, n);
     c.layer_norm(ki, n, dim, dim, w.index_k_norm, w.index_k_norm_bias, 1e-6);
-    c.linear(st.x, hidden_size, w.index_weights_proj, weights, hi, n, float(1.0 / std::sqrt(double(hi) * dim)));
     // Head layout [rope | nope]: rope first, unlike MLA's heads.
     c.rope(qi, n, hi, hi * dim, dim, st.positions, inv_freq, rope_pairs, ix.rope_style);
     c.rope(ki, n, 1, dim, 0, st.positions, inv_freq, rope_pairs, ix.rope_style);
@@ -616,17 +615,15 @@ TensorView MlaLayer::State::select_pooled(const Staged& st, AttentionPath path, 
   layer::Compute& c = *compute;
   const Device dev = c.device();
   const IndexerSpec& ix = *s.indexer;
-  const int64_t n = st.n, hi = ix.heads, dim = ix.head_dim, q_lora = s.q_lora_rank, hidden_size = s.hidden_size;
-  const float* const qr = buffer<float>(kQr, n * q_lora);
+  const int64_t n = st.n, hi = ix.heads, dim = ix.head_dim, hidden_size = s.hidden_size;
   float* const qi = buffer<float>(kIndexQ, n * hi * dim);
   float* const keys = buffer<float>(kIndexK, n * 2 * dim);  // per token: the key, then the gate scores
   float* const weights = buffer<float>(kIndexWeights, n * hi);
   phase(prof, &LayerProfile::indexer, [&] {
-    c.linear(qr, q_lora, w.index_wq_b, qi, hi * dim, n);
+    index_queries(st, qi, weights);
     c.linear(st.x, hidden_size, w.index_wk, keys, 2 * dim, n);
     c.layer_norm(keys, n, dim, 2 * dim, w.index_k_norm, w.index_k_norm_bias, 1e-6);
     c.linear(st.x, hidden_size, w.index_kpool_gate, keys + dim, 2 * dim, n);
-    c.linear(st.x, hidden_size, w.index_weights_proj, weights, hi, n, float(1.0 / std::sqrt(double(hi) * dim)));
   });
   phase(prof, &LayerProfile::cache_write, [&] {
     write_pooled_keys(keys, n, static_cast<const int64_t*>(st.slots.data), st.pool_slots.shape[0], st.pool_token_slots,
@@ -648,6 +645,16 @@ TensorView MlaLayer::State::select_pooled(const Staged& st, AttentionPath path, 
     positions_to_slots({positions, st.request_ids, st.block_table, opt.block_size, slots, c.stream()}, backend);
   });
   return slots;
+}
+
+// Both indexers' queries qi [n, heads, head_dim] (from q_a's normed rows) and head weights [n, heads] (scaled by
+// 1 / sqrt(heads * head_dim)).
+void MlaLayer::State::index_queries(const Staged& st, float* qi, float* weights) {
+  const IndexerSpec& ix = *spec.indexer;
+  const int64_t n = st.n, hi = ix.heads, dim = ix.head_dim, q_lora = spec.q_lora_rank;
+  compute->linear(buffer<float>(kQr, n * q_lora), q_lora, w.index_wq_b, qi, hi * dim, n);
+  compute->linear(st.x, spec.hidden_size, w.index_weights_proj, weights, hi, n,
+                  float(1.0 / std::sqrt(double(hi) * dim)));
 }
 
 // The indexer's top-k over the index cache (tokens, or pools) for the chunk's rows: q [n, heads, head_dim] bf16,
