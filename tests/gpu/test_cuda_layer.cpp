@@ -205,53 +205,43 @@ INSTANTIATE_TEST_SUITE_P(
                       LayerCase{"glm5_next_fp8_nope_fp8_index", glm5_next(), DType::fp8_ds_mla_nope, DType::fp8_e4m3}),
     [](const auto& info) { return std::string(info.param.name); });
 
-TEST(CudaLayerContext, ImportedContextThenDecodeMatchesCpu) {
-  const AttentionSpec spec = glm_moe_dsa();
-  const int d = spec.hidden_size, context = 28;  // + 3 steps: within top-k, so every position is attended
+// `context` imported tokens (random cache rows: the latent, k_pe where the head has a rope part, the index key and,
+// for a pooled indexer, its gate scores), then 3 decode steps of one token: the GPU layer's outputs match the CPU's
+// (every step's row flagged `may_swap`).
+void expect_imported_context_then_decode(const AttentionSpec& spec, int context, uint64_t rows_seed,
+                                         uint64_t hidden_seed, bool may_swap, const char* what) {
+  const int d = spec.hidden_size;
   const LayerOptions options{.num_blocks = 16, .block_size = 8};
   LayerOptions on_gpu = options;
   on_gpu.device = gpu_device();
   MlaLayer cpu(random_weights(spec, 5), options), gpu(random_weights(spec, 5), on_gpu);
-  test::Rng rng(8);
+  test::Rng rng(rows_seed);
+  const bool rope = spec.qk_rope_head_dim > 0;
+  const int index_width = (spec.indexer->kpool > 1 ? 2 : 1) * kIndexHeadDim;
   const std::vector<float> latent = test::random_floats(rng, context * 512),
-                           k_pe = test::random_floats(rng, context * 64),
-                           index_k = test::random_floats(rng, context * 128);
+                           k_pe = test::random_floats(rng, context * spec.qk_rope_head_dim),
+                           index_k = test::random_floats(rng, context * index_width);
   const DeviceBuffer latent_d(latent), k_pe_d(k_pe), index_k_d(index_k);
   const int a = cpu.add_request();
   ASSERT_EQ(gpu.add_request(), a);
-  cpu.append_context(a, context, latent.data(), k_pe.data(), index_k.data());
-  gpu.append_context(a, context, static_cast<const float*>(latent_d.ptr), static_cast<const float*>(k_pe_d.ptr),
-                     static_cast<const float*>(index_k_d.ptr));
+  cpu.append_context(a, context, latent.data(), rope ? k_pe.data() : nullptr, index_k.data());
+  gpu.append_context(a, context, static_cast<const float*>(latent_d.ptr),
+                     rope ? static_cast<const float*>(k_pe_d.ptr) : nullptr, static_cast<const float*>(index_k_d.ptr));
   std::vector<float> cpu_out, gpu_out;
   for (int step = 0; step < 3; ++step)
-    forward_both(cpu, gpu, {{a, 1}}, random_hidden(40 + step, 1, d), cpu_out, gpu_out);
+    forward_both(cpu, gpu, {{a, 1}}, random_hidden(hidden_seed + step, 1, d), cpu_out, gpu_out);
   EXPECT_EQ(gpu.context_length(a), context + 3);
-  expect_close_rows(cpu_out, gpu_out, d, std::vector<bool>(3, false), kTol, "imported context");
+  expect_close_rows(cpu_out, gpu_out, d, std::vector<bool>(3, may_swap), kTol, what);
+}
+
+TEST(CudaLayerContext, ImportedContextThenDecodeMatchesCpu) {
+  // 28 imported tokens + 3 steps: within top-k, so every position is attended.
+  expect_imported_context_then_decode(glm_moe_dsa(), 28, 8, 40, false, "imported context");
 }
 
 TEST(CudaLayerContext, PooledImportedContextThenDecodeMatchesCpu) {
   // 38 imported tokens (9 whole pools and a tail of 2 the decode steps complete), then 3 steps past top-k 32.
-  const AttentionSpec spec = glm5_next();
-  const int d = spec.hidden_size, context = 38;
-  const LayerOptions options{.num_blocks = 16, .block_size = 8};
-  LayerOptions on_gpu = options;
-  on_gpu.device = gpu_device();
-  MlaLayer cpu(random_weights(spec, 5), options), gpu(random_weights(spec, 5), on_gpu);
-  test::Rng rng(9);
-  // Per token the latent, and the index key then the gate scores.
-  const std::vector<float> latent = test::random_floats(rng, context * 512),
-                           index_k = test::random_floats(rng, context * 256);
-  const DeviceBuffer latent_d(latent), index_k_d(index_k);
-  const int a = cpu.add_request();
-  ASSERT_EQ(gpu.add_request(), a);
-  cpu.append_context(a, context, latent.data(), nullptr, index_k.data());
-  gpu.append_context(a, context, static_cast<const float*>(latent_d.ptr), nullptr,
-                     static_cast<const float*>(index_k_d.ptr));
-  std::vector<float> cpu_out, gpu_out;
-  for (int step = 0; step < 3; ++step)
-    forward_both(cpu, gpu, {{a, 1}}, random_hidden(50 + step, 1, d), cpu_out, gpu_out);
-  EXPECT_EQ(gpu.context_length(a), context + 3);
-  expect_close_rows(cpu_out, gpu_out, d, std::vector<bool>(3, true), kTol, "pooled imported context");
+  expect_imported_context_then_decode(glm5_next(), 38, 9, 50, true, "pooled imported context");
 }
 
 TEST(CudaLayerContext, ProfileSplitsTheStepAndChangesNothing) {
