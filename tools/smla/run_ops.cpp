@@ -470,6 +470,15 @@ Report run_dense(const JobOptions& o, const AttentionSpec& spec, const RunSpec& 
 }  // namespace
 
 int run_ops(const JobOptions& o, const Resolved& res, const Backend& be, Memory& mem) {
+  // This job times one cache per layer; DeepSeek-V4's step reads two (window + compressed) with layer-dependent
+  // compressed sizes, so its times and per-user line would be another model's: refused until the job models them.
+  if (res.spec.sliding_window > 0 || res.spec.has_compressed_cache())
+    throw Error(ErrorKind::unsupported,
+                "--model " + res.spec.name + ": smla run does not model this model's decode step yet: each layer "
+                "attends a window cache of its last " + std::to_string(res.spec.sliding_window) +
+                " tokens plus, in the layers whose compress ratio is above 0, a compressed cache (sparse_mla's "
+                "extra cache, one softmax over both), and this job times a single cache; `smla explain` shows its "
+                "caches and backends");
   const double bw = mem.bandwidth_gbs();
   if (!o.common.json)
     std::cout << "job        " << o.batch << " requests x " << o.context << " tokens of context, " << o.steps
