@@ -1059,6 +1059,32 @@ void expect_error(const std::function<void()>& run, const std::string& needle) {
   test::expect_error(run, ErrorKind::invalid_argument, {needle});
 }
 
+// An unsupported smla::Error, one line, containing `needle`.
+void expect_unsupported(const std::function<void()>& run, const std::string& needle) {
+  test::expect_error(run, ErrorKind::unsupported, {needle});
+}
+
+// The CPU backend's capabilities, named `name` and narrowed by `narrow`, with attention ops that must not run: the
+// ops refuse what a backend does not declare before calling it.
+class NarrowedCpuBackend final : public Backend {
+ public:
+  NarrowedCpuBackend(std::string name, const std::function<void(Capabilities&)>& narrow)
+      : caps_(backend_for(Device::cpu()).capabilities()) {
+    caps_.name = std::move(name);
+    narrow(caps_);
+  }
+  const Capabilities& capabilities() const override { return caps_; }
+  void write_mla_cache(const WriteMlaCacheArgs&) const override { ADD_FAILURE() << "write_mla_cache ran"; }
+  void sparse_mla(const SparseMlaArgs&) const override { ADD_FAILURE() << "sparse_mla ran"; }
+  void paged_mla_decode(const PagedMlaDecodeArgs&) const override { ADD_FAILURE() << "paged_mla_decode ran"; }
+  void write_index_cache(const WriteIndexCacheArgs&) const override {}
+  void indexer_topk(const IndexerTopkArgs&) const override {}
+  void positions_to_slots(const PositionsToSlotsArgs&) const override {}
+
+ private:
+  Capabilities caps_;
+};
+
 // bad(mutate, needle): `op` run on a copy of `good` that `mutate` changed is such an error.
 template <class Args>
 auto mutations_refused(const Args& good, void (*op)(const Args&, const Backend*)) {
@@ -1183,34 +1209,9 @@ TEST(SparseMlaErrors, ExtraCacheNamesTheArgument) {
   aliased.lse = TensorView(p.extra_indices.view.data, {c.tokens, c.heads}, DType::f32);
   expect_error([&] { sparse_mla(aliased); }, "sparse_mla: lse");
   // A backend that does not declare extra_cache refuses the second cache instead of ignoring it.
-  class OneCache final : public Backend {
-   public:
-    OneCache() {
-      caps_ = backend_for(Device::cpu()).capabilities();
-      caps_.name = "one_cache";
-      caps_.extra_cache = false;
-    }
-    const Capabilities& capabilities() const override { return caps_; }
-    void write_mla_cache(const WriteMlaCacheArgs&) const override {}
-    void sparse_mla(const SparseMlaArgs&) const override { ADD_FAILURE() << "sparse_mla ran"; }
-    void paged_mla_decode(const PagedMlaDecodeArgs&) const override {}
-    void write_index_cache(const WriteIndexCacheArgs&) const override {}
-    void indexer_topk(const IndexerTopkArgs&) const override {}
-    void positions_to_slots(const PositionsToSlotsArgs&) const override {}
-
-   private:
-    Capabilities caps_;
-  } one_cache;
-  try {
-    sparse_mla(good, &one_cache);
-    ADD_FAILURE() << "no error";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.kind(), ErrorKind::unsupported);
-    EXPECT_NE(std::string(e.what()).find("sparse_mla: extra_kv_cache: backend 'one_cache' does not attend a second "
-                                         "cache"),
-              std::string::npos)
-        << e.what();
-  }
+  const NarrowedCpuBackend one_cache("one_cache", [](Capabilities& c) { c.extra_cache = false; });
+  expect_unsupported([&] { sparse_mla(good, &one_cache); },
+                     "sparse_mla: extra_kv_cache: backend 'one_cache' does not attend a second cache");
 }
 
 TEST(PagedMlaDecodeErrors, NameTheArgument) {
@@ -1352,27 +1353,9 @@ TEST(SparseMlaErrors, V4Fp8Geometry) {
   a.extra_kv_cache = bf16_extra.view;
   expect_error([&] { sparse_mla(a); }, "sparse_mla: extra_kv_cache: must have kv_cache's dtype (fp8_ds_mla_v4)");
 
-  class NoV4 final : public Backend {
-   public:
-    NoV4() {
-      caps_ = backend_for(Device::cpu()).capabilities();
-      caps_.name = "no_v4";
-      caps_.kv_cache_dtypes = {std::begin(kMlaCacheDTypes), std::end(kMlaCacheDTypes)};
-    }
-    const Capabilities& capabilities() const override { return caps_; }
-    void write_mla_cache(const WriteMlaCacheArgs&) const override { ADD_FAILURE() << "write_mla_cache ran"; }
-    void sparse_mla(const SparseMlaArgs&) const override { ADD_FAILURE() << "sparse_mla ran"; }
-    void paged_mla_decode(const PagedMlaDecodeArgs&) const override { ADD_FAILURE() << "paged_mla_decode ran"; }
-    void write_index_cache(const WriteIndexCacheArgs&) const override {}
-    void indexer_topk(const IndexerTopkArgs&) const override {}
-    void positions_to_slots(const PositionsToSlotsArgs&) const override {}
-
-   private:
-    Capabilities caps_;
-  } no_v4;
-  const auto expect_unsupported = [](const std::function<void()>& run, const std::string& needle) {
-    test::expect_error(run, ErrorKind::unsupported, {needle});
-  };
+  const NarrowedCpuBackend no_v4("no_v4", [](Capabilities& c) {
+    c.kv_cache_dtypes = {std::begin(kMlaCacheDTypes), std::end(kMlaCacheDTypes)};
+  });
   expect_unsupported([&] { sparse_mla(p.args, &no_v4); },
                      "sparse_mla: kv_cache: backend 'no_v4' does not read fp8_ds_mla_v4 caches");
   Tensor latent = alloc({2, kMlaLatentDim}, DType::f32), mapping = alloc({2}, DType::i64);
