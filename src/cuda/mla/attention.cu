@@ -182,6 +182,12 @@ int choose_splits(int64_t ctas, int chunks, int64_t slots) {
   return best;
 }
 
+// Workspace bytes of `splits` splits' partials: per split and row, the output, lse and max score (fp32; laid out
+// by set_partials).
+size_t split_partial_bytes(int splits, int64_t tokens, int heads) {
+  return static_cast<size_t>(splits) * tokens * heads * (mla::kVDim + 2) * sizeof(float);
+}
+
 // Which kernel runs and how launch() splits the keys of `tokens` x `heads` query rows: a function of the args, the
 // choice and the device only, so workspace_size() knows the partials' size before the call. The small-heads kernel
 // serves fp8 caches (576-wide heads, or either fp8 form of rope-free 512-wide ones), up to 32 heads from 16 query
@@ -192,9 +198,9 @@ struct Plan {
   const mla::small::SmallHeadsConfig* small = nullptr;
   int chunks_per_split = 1, num_splits = 1;
   int64_t ctas = 0;  // per split
-  // Workspace bytes: per split and row, the partial output, lse and max score (fp32).
+  // Workspace bytes: split_partial_bytes, none for one split (it writes no partials).
   size_t partial_bytes(int64_t tokens, int heads) const {
-    return num_splits > 1 ? static_cast<size_t>(num_splits) * tokens * heads * (mla::kVDim + 2) * sizeof(float) : 0;
+    return num_splits > 1 ? split_partial_bytes(num_splits, tokens, heads) : 0;
   }
 };
 Plan plan(CacheFormat f, int rope, bool paged, int64_t tokens, int heads, int num_keys, AttentionChoice choice) {
@@ -293,9 +299,7 @@ void launch(AttentionParams& p, CacheFormat f, int rope, bool paged, int num_key
 struct TwoCachePlan {
   Plan main, extra;
   int num_splits() const { return main.num_splits + extra.num_splits; }
-  size_t partial_bytes(int64_t tokens, int heads) const {
-    return static_cast<size_t>(num_splits()) * tokens * heads * (mla::kVDim + 2) * sizeof(float);
-  }
+  size_t partial_bytes(int64_t tokens, int heads) const { return split_partial_bytes(num_splits(), tokens, heads); }
 };
 
 TwoCachePlan two_cache_plan(CacheFormat f, int rope, int64_t tokens, int heads, int keys, int extra_keys,
