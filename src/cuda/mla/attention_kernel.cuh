@@ -92,192 +92,230 @@ __device__ __forceinline__ int64_t slot_of(const AttentionParams& p, int t, int 
   }
 }
 
-// Gathers row `row` of chunk `chunk` into `dst` (rows `dst_row_bytes` apart):
-// this thread's 16-byte pieces (`part`, part + 4, ...) one cp.async each; an
-// invalid row is zero-filled, never read, and marked so in the chunk's set of
-// `valid`. The row's slot was loaded a chunk earlier (`next_slot`; this loads
-// the next chunk's when `has_next`), so the index load's latency is off the
-// critical path.
-template <bool kPaged>
-__device__ __forceinline__ void gather_chunk(const AttentionParams& p, int t, int b, int visible, int chunk,
-                                             bool has_next, int row, int part, int64_t& next_slot, uint8_t* dst,
-                                             int dst_row_bytes, int pieces, int* valid, int valid_sets) {
-  const int64_t slot = next_slot;
-  if (has_next) next_slot = slot_of<kPaged>(p, t, b, (chunk + 1) * kKeysPerChunk + row, visible);
-  const uint8_t* src = p.cache;
-  if (slot >= 0) src += (slot / p.block_size) * p.block_stride + (slot % p.block_size) * p.row_stride;
-  for (int piece = part; piece < pieces; piece += 4)
-    cp_async_16(dst + row * dst_row_bytes + piece * 16, src + piece * 16, slot >= 0);
-  if (part == 0) valid[(chunk % valid_sets) * kKeysPerChunk + row] = slot >= 0;
-}
-
-// Dequantises a chunk of fp8 rows (512 e4m3 latents, 4 fp32 tile scales, 64
-// bf16 rope values when kRope) into the key rows `keys`.
-template <typename T, int kRope>
-__device__ __forceinline__ void dequantise_chunk(const uint8_t* rows, T* keys, int tid) {
+template <CacheFormat F, int kRope, bool kPaged, int kStages>
+__global__ void __launch_bounds__(kThreads) attention_kernel(const AttentionParams p) {
+  using T = ComputeT<F>;
   using D = HeadDims<kRope>;
-  for (int i = tid; i < kKeysPerChunk * D::kPieces; i += kThreads) {
-    const int row = i / D::kPieces, piece = i % D::kPieces;
-    const uint8_t* src = rows + row * D::kFp8RowBytes;
-    uint4 out;
-    if (piece < kLatent / 8) {
-      const float scale = reinterpret_cast<const float*>(src + kLatent)[piece / 16];
-      const uint2 codes = *reinterpret_cast<const uint2*>(src + piece * 8);
-      const __nv_fp8x2_storage_t* c2 = reinterpret_cast<const __nv_fp8x2_storage_t*>(&codes);
-      uint32_t* ow = reinterpret_cast<uint32_t*>(&out);
-      for (int e = 0; e < 4; ++e) {
-        const float2 f = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(c2[e], __NV_E4M3)));
-        ow[e] = pack2<T>(f.x * scale, f.y * scale);
-      }
-    } else {
-      out = *reinterpret_cast<const uint4*>(src + kLatent + 16 + (piece - kLatent / 8) * 16);
-    }
-    *reinterpret_cast<uint4*>(keys + row * D::kRowElems + piece * 8) = out;
+  constexpr int kRowElems = D::kRowElems, kPieces = D::kPieces, kDimsPerWarp = D::kDimsPerWarp;
+  constexpr int kFp8RowBytes = D::kFp8RowBytes, kFp8Pieces = D::kFp8Pieces;
+  constexpr bool kFp8 = F == CacheFormat::fp8_ds_mla;
+  constexpr SmemLayout L(F, kStages, kRope);
+  extern __shared__ __align__(16) uint8_t smem[];
+  T* sk = reinterpret_cast<T*>(smem + L.k);
+  float* ss = reinterpret_cast<float*>(smem + L.s);
+  T* sp = reinterpret_cast<T*>(smem + L.p);
+  float* row_max = reinterpret_cast<float*>(smem + L.stats);
+  float* row_sum = row_max + kHeadsPerCta;
+  float* row_alpha = row_sum + kHeadsPerCta;
+  int* valid = reinterpret_cast<int*>(smem + L.valid);
+
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int head_groups = (p.num_heads + kHeadsPerCta - 1) / kHeadsPerCta;
+  const int t = blockIdx.x / head_groups;
+  const int h0 = (blockIdx.x % head_groups) * kHeadsPerCta;
+  const int nh = min(kHeadsPerCta, p.num_heads - h0);
+  const int split = blockIdx.y;
+  const int b = t / p.s_q, j = t % p.s_q;
+
+  const ChunkRange range = chunk_range<kPaged>(p, t, b, j, split, kKeysPerChunk);
+  const int visible = range.visible, chunk_begin = range.begin, n_chunks = range.count;
+
+  if (tid < kHeadsPerCta) {
+    row_max[tid] = -INFINITY;
+    row_sum[tid] = 0.f;
   }
-}
 
-// Two 16-bit query values (fp16 or bf16 as p.q_is_bf16 says) as a pair of T.
-template <typename T>
-__device__ __forceinline__ uint32_t query_pair(const AttentionParams& p, uint32_t two) {
-  return pack2<T>(bits_to_float(static_cast<uint16_t>(two), p.q_is_bf16),
-                  bits_to_float(static_cast<uint16_t>(two >> 16), p.q_is_bf16));
-}
+  // Gathers chunk `chunk` (its 32 rows) into `dst`: 4 threads per row, each
+  // 16-byte piece one cp.async; invalid rows are zero-filled, never read. The
+  // row's slot was loaded a chunk earlier (`next_slot`), so the index load's
+  // latency is off the critical path.
+  const int my_row = tid / 4, my_part = tid % 4;
+  auto slot_for = [&](int chunk) { return slot_of<kPaged>(p, t, b, chunk * kKeysPerChunk + my_row, visible); };
+  int64_t next_slot = n_chunks > 0 ? slot_for(chunk_begin) : -1;
+  auto gather = [&](int chunk, uint8_t* dst, int dst_row_bytes, int pieces) {
+    const int64_t slot = next_slot;
+    if (chunk + 1 < chunk_begin + n_chunks) next_slot = slot_for(chunk + 1);
+    const uint8_t* src = p.cache;
+    if (slot >= 0) src += (slot / p.block_size) * p.block_stride + (slot % p.block_size) * p.row_stride;
+    for (int piece = my_part; piece < pieces; piece += 4)
+      cp_async_16(dst + my_row * dst_row_bytes + piece * 16, src + piece * 16, slot >= 0);
+    if (my_part == 0) valid[(chunk % L.valid_sets) * kKeysPerChunk + my_row] = slot >= 0;
+  };
 
-// Stores the queries of heads h0 .. h0 + nh - 1, converted to T, as the 16
-// rows of `sq`; rows past the last head are zero. Each thread loads all its
-// pieces before storing any: one memory round trip, not one per piece (it
-// bounds the latency of few-chunk splits).
-template <typename T, int kRope>
-__device__ __forceinline__ void stage_queries(const AttentionParams& p, int b, int j, int h0, int nh, T* sq, int tid) {
-  using D = HeadDims<kRope>;
+  // fp8 rows: 512 e4m3 latents, 4 fp32 tile scales, 64 bf16 rope values (when kRope) -> bf16.
+  auto dequantise = [&](const uint8_t* rows) {
+    for (int i = tid; i < kKeysPerChunk * kPieces; i += kThreads) {
+      const int row = i / kPieces, piece = i % kPieces;
+      const uint8_t* src = rows + row * kFp8RowBytes;
+      uint4 out;
+      if (piece < kLatent / 8) {
+        const float scale = reinterpret_cast<const float*>(src + kLatent)[piece / 16];
+        const uint2 codes = *reinterpret_cast<const uint2*>(src + piece * 8);
+        const __nv_fp8x2_storage_t* c2 = reinterpret_cast<const __nv_fp8x2_storage_t*>(&codes);
+        uint32_t* ow = reinterpret_cast<uint32_t*>(&out);
+        for (int e = 0; e < 4; ++e) {
+          const float2 f = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(c2[e], __NV_E4M3)));
+          ow[e] = pack2<T>(f.x * scale, f.y * scale);
+        }
+      } else {
+        out = *reinterpret_cast<const uint4*>(src + kLatent + 16 + (piece - kLatent / 8) * 16);
+      }
+      *reinterpret_cast<uint4*>(sk + row * kRowElems + piece * 8) = out;
+    }
+  };
+
+  float o[16][4];  // this warp's 128 output columns (16 n-tiles), rows g and g+8
+#pragma unroll
+  for (int n = 0; n < 16; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+
+  // One chunk: scores, online softmax, O += P V, with keys in `kt` (row-major [32][kRowElems]).
+  uint32_t qa[kDimsPerWarp / 16][4];  // this warp's query fragments (A operand), loaded once
+
+  auto attend = [&](const T* kt, const int* vmask) {
+    float acc[4][4] = {};  // partial scores of keys 8n..8n+7 over this warp's dims
+#pragma unroll
+    for (int ks = 0; ks < kDimsPerWarp / 16; ++ks) {
+      const int dim = warp * kDimsPerWarp + ks * 16;
+#pragma unroll
+      for (int n = 0; n < 4; n += 2) {
+        uint32_t bk[4];  // keys 8n..8n+15, dims dim..dim+15
+        ldmatrix_x4(bk, kt + (n * 8 + lane % 8 + (lane / 16) * 8) * kRowElems + dim + ((lane / 8) % 2) * 8);
+        mma_16816<T>(acc[n], qa[ks], {bk[0], bk[1]});
+        mma_16816<T>(acc[n + 1], qa[ks], {bk[2], bk[3]});
+      }
+    }
+    const int g = lane / 4;
+    float* part = ss + warp * kHeadsPerCta * kSRow;
+#pragma unroll
+    for (int n = 0; n < 4; ++n) {
+      const int c = n * 8 + (lane % 4) * 2;
+      part[g * kSRow + c] = acc[n][0];
+      part[g * kSRow + c + 1] = acc[n][1];
+      part[(g + 8) * kSRow + c] = acc[n][2];
+      part[(g + 8) * kSRow + c + 1] = acc[n][3];
+    }
+    __syncthreads();
+
+    {  // 8 threads per head row, 4 keys each
+      const int r = tid / 8, c0 = (tid % 8) * 4;
+      float v[4], cmax = -INFINITY;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int at = r * kSRow + c0 + e;
+        const float score = (ss[at] + ss[at + kHeadsPerCta * kSRow]) + (ss[at + 2 * kHeadsPerCta * kSRow] + ss[at + 3 * kHeadsPerCta * kSRow]);
+        v[e] = vmask[c0 + e] ? score * p.scale_log2 : -INFINITY;
+        cmax = fmaxf(cmax, v[e]);
+      }
+#pragma unroll
+      for (int off = 1; off < 8; off *= 2) cmax = fmaxf(cmax, __shfl_xor_sync(0xffffffffu, cmax, off));
+      const float m_old = row_max[r];
+      const float m_new = fmaxf(m_old, cmax);
+      const float base = m_new == -INFINITY ? 0.f : m_new;  // a row with nothing valid yet stays at zero
+      float psum = 0.f;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        v[e] = exp2f(v[e] - base);
+        psum += v[e];
+      }
+#pragma unroll
+      for (int off = 1; off < 8; off *= 2) psum += __shfl_xor_sync(0xffffffffu, psum, off);
+      uint2 packed = make_uint2(pack2<T>(v[0], v[1]), pack2<T>(v[2], v[3]));
+      *reinterpret_cast<uint2*>(sp + r * kPRow + c0) = packed;
+      __syncwarp();
+      if (tid % 8 == 0) {
+        const float alpha = exp2f(m_old - base);
+        row_alpha[r] = alpha;
+        row_sum[r] = row_sum[r] * alpha + psum;
+        row_max[r] = m_new;
+      }
+    }
+    __syncthreads();
+
+    const float al0 = row_alpha[g], al1 = row_alpha[g + 8];
+#pragma unroll
+    for (int n = 0; n < 16; ++n) {
+      o[n][0] *= al0;
+      o[n][1] *= al0;
+      o[n][2] *= al1;
+      o[n][3] *= al1;
+    }
+#pragma unroll
+    for (int ks = 0; ks < kKeysPerChunk; ks += 16) {
+      uint32_t a[4];
+      ldmatrix_x4(a, sp + (lane % 16) * kPRow + ks + (lane / 16) * 8);
+#pragma unroll
+      for (int n2 = 0; n2 < 8; ++n2) {
+        const int col0 = warp * 128 + n2 * 16;
+        uint32_t bv[4];
+        ldmatrix_x4_trans(bv, kt + (ks + lane % 8 + ((lane / 8) % 2) * 8) * kRowElems + col0 + (lane / 16) * 8);
+        mma_16816<T>(o[2 * n2], a, {bv[0], bv[1]});
+        mma_16816<T>(o[2 * n2 + 1], a, {bv[2], bv[3]});
+      }
+    }
+  };
+
+  // Chunk c lives in buffer c % kStages (key buffers, or fp8 staging).
+  constexpr int kAhead = chunks_in_flight(F, kStages);
+  constexpr int kBufBytes = kFp8 ? kKeysPerChunk * kFp8RowBytes : kKeysPerChunk * kRowElems * 2;
+  uint8_t* const bufs = smem + (kFp8 ? L.staging : L.k);
+  auto issue = [&](int i) {  // chunk i of this split, if it exists
+    if (i < n_chunks)
+      gather(chunk_begin + i, bufs + (i % kStages) * kBufBytes, kFp8 ? kFp8RowBytes : kRowElems * 2,
+             kFp8 ? kFp8Pieces : kPieces);
+    cp_async_commit();  // empty groups keep the wait counts uniform
+  };
+#pragma unroll
+  for (int i = 0; i < kAhead; ++i) issue(i);
+
+  // Queries, converted to the compute type, pass through shared memory (the
+  // last key buffer, not yet in use) into registers; rows past the last head
+  // are zero. Each thread loads all its pieces before storing any: one memory
+  // round trip, not one per piece (it bounds the latency of few-chunk splits).
+  T* sq = reinterpret_cast<T*>(smem + L.q);
   const uint16_t* q = p.q + b * p.q_stride_b + j * p.q_stride_s + h0 * p.q_stride_h;
-  constexpr int kQPerThread = (kHeadsPerCta * D::kPieces + kThreads - 1) / kThreads;
+  constexpr int kQPerThread = (kHeadsPerCta * kPieces + kThreads - 1) / kThreads;
   uint4 q_raw[kQPerThread];
 #pragma unroll
   for (int r = 0; r < kQPerThread; ++r) {
-    const int i = tid + r * kThreads, row = i / D::kPieces;
-    q_raw[r] = i < kHeadsPerCta * D::kPieces && row < nh
-                   ? *reinterpret_cast<const uint4*>(q + row * p.q_stride_h + (i % D::kPieces) * 8)
+    const int i = tid + r * kThreads, row = i / kPieces;
+    q_raw[r] = i < kHeadsPerCta * kPieces && row < nh
+                   ? *reinterpret_cast<const uint4*>(q + row * p.q_stride_h + (i % kPieces) * 8)
                    : make_uint4(0, 0, 0, 0);
   }
+  auto convert = [&](uint32_t two) {
+    return pack2<T>(bits_to_float(static_cast<uint16_t>(two), p.q_is_bf16),
+                    bits_to_float(static_cast<uint16_t>(two >> 16), p.q_is_bf16));
+  };
 #pragma unroll
   for (int r = 0; r < kQPerThread; ++r) {
     const int i = tid + r * kThreads;
-    if (i < kHeadsPerCta * D::kPieces)
-      *reinterpret_cast<uint4*>(sq + (i / D::kPieces) * D::kRowElems + (i % D::kPieces) * 8) =
-          make_uint4(query_pair<T>(p, q_raw[r].x), query_pair<T>(p, q_raw[r].y), query_pair<T>(p, q_raw[r].z),
-                     query_pair<T>(p, q_raw[r].w));
+    if (i < kHeadsPerCta * kPieces)
+      *reinterpret_cast<uint4*>(sq + (i / kPieces) * kRowElems + (i % kPieces) * 8) =
+          make_uint4(convert(q_raw[r].x), convert(q_raw[r].y), convert(q_raw[r].z), convert(q_raw[r].w));
   }
-}
-
-// Scores, step 1: this warp's partial scores of the 16 heads x 32 keys of
-// `kt` (row-major [32][kRowElems]) over its quarter of the query dims (`qa`),
-// into its tile of `ss`. Four independent accumulator chains.
-template <typename T, int kRope>
-__device__ __forceinline__ void partial_scores(const T* kt, const uint32_t (&qa)[HeadDims<kRope>::kDimsPerWarp / 16][4],
-                                               float* ss, int warp, int lane) {
-  using D = HeadDims<kRope>;
-  float acc[4][4] = {};  // partial scores of keys 8n..8n+7 over this warp's dims
+  __syncthreads();
 #pragma unroll
-  for (int ks = 0; ks < D::kDimsPerWarp / 16; ++ks) {
-    const int dim = warp * D::kDimsPerWarp + ks * 16;
-#pragma unroll
-    for (int n = 0; n < 4; n += 2) {
-      uint32_t bk[4];  // keys 8n..8n+15, dims dim..dim+15
-      ldmatrix_x4(bk, kt + (n * 8 + lane % 8 + (lane / 16) * 8) * D::kRowElems + dim + ((lane / 8) % 2) * 8);
-      mma_16816<T>(acc[n], qa[ks], {bk[0], bk[1]});
-      mma_16816<T>(acc[n + 1], qa[ks], {bk[2], bk[3]});
+  for (int ks = 0; ks < kDimsPerWarp / 16; ++ks)
+    ldmatrix_x4(qa[ks], sq + (lane % 16) * kRowElems + warp * kDimsPerWarp + ks * 16 + (lane / 16) * 8);
+  // The loop's first barrier orders these reads before the buffer is reused.
+  for (int i = 0; i < n_chunks; ++i) {
+    cp_async_wait<kAhead - 1>();
+    __syncthreads();  // chunk i has landed; every warp is done with chunk i-1
+    const int* vmask = valid + ((chunk_begin + i) % L.valid_sets) * kKeysPerChunk;
+    if constexpr (kFp8) {
+      dequantise(bufs + (i % kStages) * kBufBytes);
+      __syncthreads();  // staging buffer i % kStages is free again
+      issue(i + kAhead);
+      attend(sk, vmask);
+    } else {
+      issue(i + kAhead);  // into the buffer chunk i-1 used
+      attend(reinterpret_cast<const T*>(bufs + (i % kStages) * kBufBytes), vmask);
     }
   }
+  cp_async_wait<0>();
+  __syncthreads();  // row statistics final (also when this split had no chunks)
+
   const int g = lane / 4;
-  float* part = ss + warp * kHeadsPerCta * kSRow;
-#pragma unroll
-  for (int n = 0; n < 4; ++n) {
-    const int c = n * 8 + (lane % 4) * 2;
-    part[g * kSRow + c] = acc[n][0];
-    part[g * kSRow + c + 1] = acc[n][1];
-    part[(g + 8) * kSRow + c] = acc[n][2];
-    part[(g + 8) * kSRow + c + 1] = acc[n][3];
-  }
-}
-
-// Scores, step 2, and the online softmax (log2 domain): sums the four warps'
-// partial scores, masks the invalid keys (`vmask`), writes the chunk's
-// probabilities to `sp` and updates the row statistics; `row_alpha` gets each
-// row's rescale factor for the output so far. 8 threads per head row, 4 keys each.
-template <typename T>
-__device__ __forceinline__ void online_softmax(const AttentionParams& p, const float* ss, const int* vmask, T* sp,
-                                               float* row_max, float* row_sum, float* row_alpha, int tid) {
-  const int r = tid / 8, c0 = (tid % 8) * 4;
-  float v[4], cmax = -INFINITY;
-#pragma unroll
-  for (int e = 0; e < 4; ++e) {
-    const int at = r * kSRow + c0 + e;
-    const float score = (ss[at] + ss[at + kHeadsPerCta * kSRow]) + (ss[at + 2 * kHeadsPerCta * kSRow] + ss[at + 3 * kHeadsPerCta * kSRow]);
-    v[e] = vmask[c0 + e] ? score * p.scale_log2 : -INFINITY;
-    cmax = fmaxf(cmax, v[e]);
-  }
-#pragma unroll
-  for (int off = 1; off < 8; off *= 2) cmax = fmaxf(cmax, __shfl_xor_sync(0xffffffffu, cmax, off));
-  const float m_old = row_max[r];
-  const float m_new = fmaxf(m_old, cmax);
-  const float base = m_new == -INFINITY ? 0.f : m_new;  // a row with nothing valid yet stays at zero
-  float psum = 0.f;
-#pragma unroll
-  for (int e = 0; e < 4; ++e) {
-    v[e] = exp2f(v[e] - base);
-    psum += v[e];
-  }
-#pragma unroll
-  for (int off = 1; off < 8; off *= 2) psum += __shfl_xor_sync(0xffffffffu, psum, off);
-  uint2 packed = make_uint2(pack2<T>(v[0], v[1]), pack2<T>(v[2], v[3]));
-  *reinterpret_cast<uint2*>(sp + r * kPRow + c0) = packed;
-  __syncwarp();
-  if (tid % 8 == 0) {
-    const float alpha = exp2f(m_old - base);
-    row_alpha[r] = alpha;
-    row_sum[r] = row_sum[r] * alpha + psum;
-    row_max[r] = m_new;
-  }
-}
-
-// O = O * alpha + P V for this warp's 128 output columns (16 n-tiles, rows g
-// and g + 8), with the values the first 512 columns of the keys `kt`.
-template <typename T, int kRope>
-__device__ __forceinline__ void accumulate_pv(float (&o)[16][4], const T* sp, const T* kt, const float* row_alpha,
-                                              int warp, int lane) {
-  using D = HeadDims<kRope>;
-  const int g = lane / 4;
-  const float al0 = row_alpha[g], al1 = row_alpha[g + 8];
-#pragma unroll
-  for (int n = 0; n < 16; ++n) {
-    o[n][0] *= al0;
-    o[n][1] *= al0;
-    o[n][2] *= al1;
-    o[n][3] *= al1;
-  }
-#pragma unroll
-  for (int ks = 0; ks < kKeysPerChunk; ks += 16) {
-    uint32_t a[4];
-    ldmatrix_x4(a, sp + (lane % 16) * kPRow + ks + (lane / 16) * 8);
-#pragma unroll
-    for (int n2 = 0; n2 < 8; ++n2) {
-      const int col0 = warp * 128 + n2 * 16;
-      uint32_t bv[4];
-      ldmatrix_x4_trans(bv, kt + (ks + lane % 8 + ((lane / 8) % 2) * 8) * D::kRowElems + col0 + (lane / 16) * 8);
-      mma_16816<T>(o[2 * n2], a, {bv[0], bv[1]});
-      mma_16816<T>(o[2 * n2 + 1], a, {bv[2], bv[3]});
-    }
-  }
-}
-
-// Writes this warp's output rows g and g + 8 (heads h0 + r, r < nh): with one
-// split the normalised output (sink applied), lse and max logits; with more,
-// this split's fp32 partial output and its lse / max in log2 for the combine.
-__device__ __forceinline__ void write_rows(const AttentionParams& p, const float (&o)[16][4], const float* row_max,
-                                           const float* row_sum, int t, int b, int j, int h0, int nh, int split,
-                                           int tid) {
-  const int lane = tid % 32, warp = tid / 32, g = lane / 4;
   const float ln2 = 0.6931471805599453f;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
@@ -314,97 +352,6 @@ __device__ __forceinline__ void write_rows(const AttentionParams& p, const float
       }
     }
   }
-}
-
-// The kernel: gather chunk i + kAhead while chunk i is attended to.
-template <CacheFormat F, int kRope, bool kPaged, int kStages>
-__global__ void __launch_bounds__(kThreads) attention_kernel(const AttentionParams p) {
-  using T = ComputeT<F>;
-  using D = HeadDims<kRope>;
-  constexpr int kRowElems = D::kRowElems, kPieces = D::kPieces, kDimsPerWarp = D::kDimsPerWarp;
-  constexpr bool kFp8 = F == CacheFormat::fp8_ds_mla;
-  constexpr SmemLayout L(F, kStages, kRope);
-  extern __shared__ __align__(16) uint8_t smem[];
-  T* sk = reinterpret_cast<T*>(smem + L.k);
-  float* ss = reinterpret_cast<float*>(smem + L.s);
-  T* sp = reinterpret_cast<T*>(smem + L.p);
-  float* row_max = reinterpret_cast<float*>(smem + L.stats);
-  float* row_sum = row_max + kHeadsPerCta;
-  float* row_alpha = row_sum + kHeadsPerCta;
-  int* valid = reinterpret_cast<int*>(smem + L.valid);
-
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  const int head_groups = (p.num_heads + kHeadsPerCta - 1) / kHeadsPerCta;
-  const int t = blockIdx.x / head_groups;
-  const int h0 = (blockIdx.x % head_groups) * kHeadsPerCta;
-  const int nh = min(kHeadsPerCta, p.num_heads - h0);
-  const int split = blockIdx.y;
-  const int b = t / p.s_q, j = t % p.s_q;
-
-  const ChunkRange range = chunk_range<kPaged>(p, t, b, j, split, kKeysPerChunk);
-  const int visible = range.visible, chunk_begin = range.begin, n_chunks = range.count;
-
-  if (tid < kHeadsPerCta) {
-    row_max[tid] = -INFINITY;
-    row_sum[tid] = 0.f;
-  }
-
-  float o[16][4];  // this warp's 128 output columns (16 n-tiles), rows g and g+8
-#pragma unroll
-  for (int n = 0; n < 16; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
-  uint32_t qa[kDimsPerWarp / 16][4];  // this warp's query fragments (A operand), loaded once
-
-  // Chunk c lives in buffer c % kStages (key buffers, or fp8 staging). Each
-  // thread gathers row tid / 4 of every chunk.
-  constexpr int kAhead = chunks_in_flight(F, kStages);
-  constexpr int kBufBytes = kFp8 ? kKeysPerChunk * D::kFp8RowBytes : kKeysPerChunk * kRowElems * 2;
-  uint8_t* const bufs = smem + (kFp8 ? L.staging : L.k);
-  const int my_row = tid / 4, my_part = tid % 4;
-  int64_t next_slot = n_chunks > 0 ? slot_of<kPaged>(p, t, b, chunk_begin * kKeysPerChunk + my_row, visible) : -1;
-  auto issue = [&](int i) {  // chunk i of this split, if it exists
-    if (i < n_chunks) {
-      const int chunk = chunk_begin + i;
-      gather_chunk<kPaged>(p, t, b, visible, chunk, chunk + 1 < chunk_begin + n_chunks, my_row, my_part, next_slot,
-                           bufs + (i % kStages) * kBufBytes, kFp8 ? D::kFp8RowBytes : kRowElems * 2,
-                           kFp8 ? D::kFp8Pieces : kPieces, valid, L.valid_sets);
-    }
-    cp_async_commit();  // empty groups keep the wait counts uniform
-  };
-#pragma unroll
-  for (int i = 0; i < kAhead; ++i) issue(i);
-
-  // The queries pass through shared memory (the last key buffer, not yet in
-  // use) into registers.
-  T* sq = reinterpret_cast<T*>(smem + L.q);
-  stage_queries<T, kRope>(p, b, j, h0, nh, sq, tid);
-  __syncthreads();
-#pragma unroll
-  for (int ks = 0; ks < kDimsPerWarp / 16; ++ks)
-    ldmatrix_x4(qa[ks], sq + (lane % 16) * kRowElems + warp * kDimsPerWarp + ks * 16 + (lane / 16) * 8);
-  // The loop's first barrier orders these reads before the buffer is reused.
-  for (int i = 0; i < n_chunks; ++i) {
-    cp_async_wait<kAhead - 1>();
-    __syncthreads();  // chunk i has landed; every warp is done with chunk i-1
-    const int* vmask = valid + ((chunk_begin + i) % L.valid_sets) * kKeysPerChunk;
-    const T* kt;
-    if constexpr (kFp8) {
-      dequantise_chunk<T, kRope>(bufs + (i % kStages) * kBufBytes, sk, tid);
-      __syncthreads();  // staging buffer i % kStages is free again
-      issue(i + kAhead);
-      kt = sk;
-    } else {
-      issue(i + kAhead);  // into the buffer chunk i-1 used
-      kt = reinterpret_cast<const T*>(bufs + (i % kStages) * kBufBytes);
-    }
-    partial_scores<T, kRope>(kt, qa, ss, warp, lane);
-    __syncthreads();
-    online_softmax<T>(p, ss, vmask, sp, row_max, row_sum, row_alpha, tid);
-    __syncthreads();
-    accumulate_pv<T, kRope>(o, sp, kt, row_alpha, warp, lane);
-  }
-  cp_async_wait<0>();
-  __syncthreads();  // row statistics final (also when this split had no chunks)
-  write_rows(p, o, row_max, row_sum, t, b, j, h0, nh, split, tid);
 }
 
 // Merges the splits of each (token, head): out = sum_s w_s * out_s with
