@@ -4,6 +4,18 @@ them while they are timed: the time is the host's alone. Also the same calls bac
 torch op (where the host time goes), and flash_mla_sparse_fwd against sparse_mla on a prefill (issue 17 item 4).
 
     python bench/host_overhead.py [--cpp build/bench/bench_host_overhead] [--json out.json] [--profile]
+    python bench/host_overhead.py --device cpu [--json out.json]
+
+Each call also gets the number of torch operators it dispatches (torch.profiler, nested ones included: an op's
+own torch.empty, select, transpose, ...), each of which costs host time. Every entry point is timed beside the bare
+torch op it ends in (smla.sparse_mla in torch.ops.smla.sparse_mla, smla.flash_mla.flash_mla_with_kvcache in
+torch.ops.smla.flash_mla_with_kvcache): the difference is its Python wrapper's cost. "no tokens" rows run the same
+calls on an empty batch (every check and allocation, no attention work).
+
+--device cpu measures the same calls on CPU tensors, on a machine without a GPU: the Python and dispatcher path up
+to the backend call is the same code as on CUDA tensors. There the time is the plain loop's (best of 7 rounds of
+2,000 calls; no stream to hold), and the one-token rows include the CPU backend's attention (tens of us), so the
+wrapper's cost is read from the no-tokens rows.
 
 Prints us/call for torch.ops.smla.sparse_mla, smla.sparse_mla on torch tensors and
 smla.flash_mla.flash_mla_with_kvcache (sparse), and the C++ API's (from bench_host_overhead, when given); says
@@ -13,6 +25,7 @@ kernel of sparse_mla called directly for comparison."""
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import subprocess
 import tempfile
@@ -54,6 +67,28 @@ def back_to_back_us(fn) -> float:
     return elapsed / CALLS * 1e6
 
 
+def cpu_us(fn) -> float:
+    """Time per call of the plain loop on CPU tensors: the best of 7 rounds of 2,000 calls (the least disturbed by
+    other work on the machine)."""
+    for _ in range(200):  # warm up
+        fn()
+    rounds = []
+    for _ in range(7):
+        start = time.perf_counter()
+        for _ in range(2000):
+            fn()
+        rounds.append((time.perf_counter() - start) / 2000 * 1e6)
+    return min(rounds)
+
+
+def dispatched_ops(fn) -> collections.Counter:
+    """The torch operators one call of `fn` dispatches, nested ones included (torch.profiler's CPU events)."""
+    fn()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return collections.Counter(event.name for event in prof.events())
+
+
 def gpu_ms(fn, reps: int = 10) -> float:
     """Median GPU time of `fn` in ms (CUDA events), after one warm-up call."""
     fn()
@@ -83,30 +118,49 @@ def sparse_fwd_against_sparse_mla() -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cpp", help="path of bench_host_overhead (the C++ API's figure)")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="where the tensors live")
+    parser.add_argument("--cpp", help="path of bench_host_overhead (the C++ API's figure; CUDA)")
     parser.add_argument("--json", help="write the figures here")
     parser.add_argument("--profile", action="store_true", help="print a cProfile of 2,000 torch-op calls")
     args = parser.parse_args()
+    device = args.device
+    cuda = device == "cuda"
 
     torch.manual_seed(0)
     heads, topk = 16, 64
-    q = torch.randn(1, heads, 576, device="cuda").bfloat16()
-    cache = torch.randn(4, 64, 576, device="cuda").bfloat16()
-    idx = torch.randint(0, 256, (1, topk), device="cuda", dtype=torch.int32)
-    meta = get_mla_metadata()[0]
+    q = torch.randn(1, heads, 576, device=device).bfloat16()
+    cache = torch.randn(4, 64, 576, device=device).bfloat16()
+    cache4 = cache[:, :, None]  # FlashMLA's 4-D cache, made once as an engine holds it
+    idx = torch.randint(0, 256, (1, topk), device=device, dtype=torch.int32)
+    meta, meta0 = get_mla_metadata()[0], get_mla_metadata()[0]
     q4, idx3 = q[:, None], idx[:, None]
+    q0, idx0, q40, idx30 = q[:0], idx[:0], q4[:0], idx3[:0]  # no tokens: checks and allocations, no attention
+    sparse_op, kvcache_op = torch.ops.smla.sparse_mla, torch.ops.smla.flash_mla_with_kvcache
     calls = {
-        "torch_ops_sparse_mla_us": lambda: torch.ops.smla.sparse_mla(q, cache, idx, None, None, 0.07),
+        "torch_ops_sparse_mla_us": lambda: sparse_op(q, cache, idx, None, None, 0.07),
         # the Python kernel torch.ops.smla ran before smla._torch_ops (and runs without it), without the dispatcher
         "python_kernel_sparse_mla_us": lambda: torch_ops._sparse_mla(q, cache, idx, None, None, 0.07),
         "smla_sparse_mla_torch_us": lambda: smla.sparse_mla(q, cache, idx, softmax_scale=0.07),
-        "flash_mla_with_kvcache_us": lambda: flash_mla_with_kvcache(q4, cache[:, :, None], None, None, 512, meta,
+        "torch_ops_flash_mla_with_kvcache_us": lambda: kvcache_op(q4, cache4, None, None, idx3, None, None, 0.07,
+                                                                  False),
+        "flash_mla_with_kvcache_us": lambda: flash_mla_with_kvcache(q4, cache4, None, None, 512, meta,
                                                                     softmax_scale=0.07, indices=idx3),
-        "torch_empty_us": lambda: torch.empty(512, device="cuda"),  # the floor: one caching-allocator tensor
+        "torch_ops_sparse_mla_no_tokens_us": lambda: sparse_op(q0, cache, idx0, None, None, 0.07),
+        "smla_sparse_mla_torch_no_tokens_us": lambda: smla.sparse_mla(q0, cache, idx0, softmax_scale=0.07),
+        "torch_ops_flash_mla_with_kvcache_no_tokens_us": lambda: kvcache_op(q40, cache4, None, None, idx30, None,
+                                                                            None, 0.07, False),
+        "flash_mla_with_kvcache_no_tokens_us": lambda: flash_mla_with_kvcache(q40, cache4, None, None, 512, meta0,
+                                                                              softmax_scale=0.07, indices=idx30),
+        "torch_empty_us": lambda: torch.empty(512, device=device),  # the floor: one caching-allocator tensor
     }
-    results = {"torch_ops_native": torch_ops.native()}
-    results.update({key: per_call_us(fn) for key, fn in calls.items()})
-    results.update({key.replace("_us", "_back_to_back_us"): back_to_back_us(fn) for key, fn in calls.items()})
+    results = {"device": device, "torch_ops_native": torch_ops.native()}
+    if cuda:
+        results.update({key: per_call_us(fn) for key, fn in calls.items()})
+        results.update({key.replace("_us", "_back_to_back_us"): back_to_back_us(fn) for key, fn in calls.items()})
+    else:
+        results.update({key: cpu_us(fn) for key, fn in calls.items()})
+    ops = {key: dispatched_ops(fn) for key, fn in calls.items()}
+    results.update({key.replace("_us", "_ops"): sum(counts.values()) for key, counts in ops.items()})
     if args.profile:
         import cProfile
         import pstats
@@ -116,9 +170,11 @@ def main() -> None:
         for _ in range(2000):
             calls["torch_ops_sparse_mla_us"]()
         profiler.disable()
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
         pstats.Stats(profiler).sort_stats("tottime").print_stats(14)
-    results.update(sparse_fwd_against_sparse_mla())
+    if cuda:
+        results.update(sparse_fwd_against_sparse_mla())
     if args.cpp:
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
             subprocess.run([args.cpp, f.name], check=True, stdout=subprocess.DEVNULL)
@@ -129,16 +185,30 @@ def main() -> None:
              "torch_ops_sparse_mla_us": "torch.ops.smla.sparse_mla",
              "python_kernel_sparse_mla_us": "its Python kernel (smla.torch_ops._sparse_mla)",
              "smla_sparse_mla_torch_us": "smla.sparse_mla (torch tensors)",
+             "torch_ops_flash_mla_with_kvcache_us": "torch.ops.smla.flash_mla_with_kvcache (sparse)",
              "flash_mla_with_kvcache_us": "smla.flash_mla.flash_mla_with_kvcache (sparse)",
-             "torch_empty_us": "torch.empty (one CUDA tensor, for scale)"}
-    print(f"torch.ops.smla kernels: {'C++ (smla._torch_ops)' if results['torch_ops_native'] else 'Python'}")
-    print(f"{'call (1 token, 16 heads, top-k 64)':50s} host us/call   back to back")
+             "torch_ops_sparse_mla_no_tokens_us": "torch.ops.smla.sparse_mla, no tokens",
+             "smla_sparse_mla_torch_no_tokens_us": "smla.sparse_mla (torch tensors), no tokens",
+             "torch_ops_flash_mla_with_kvcache_no_tokens_us": "torch.ops.smla.flash_mla_with_kvcache, no tokens",
+             "flash_mla_with_kvcache_no_tokens_us": "smla.flash_mla.flash_mla_with_kvcache, no tokens",
+             "torch_empty_us": f"torch.empty (one {device.upper()} tensor, for scale)"}
+    print(f"torch.ops.smla kernels: {'C++ (smla._torch_ops)' if results['torch_ops_native'] else 'Python'}; "
+          f"tensors on the {device.upper()}")
+    second = "back to back" if cuda else ""
+    print(f"{'call (1 token, 16 heads, top-k 64)':52s} {'host us/call':>12s} {second:>13s} torch ops/call")
     for key, label in names.items():
         if key in results:
-            print(f"{label:50s} {results[key]:7.2f} {results.get(key.replace('_us', '_back_to_back_us'), float('nan')):14.2f}")
-    fwd, plain = results["flash_mla_sparse_fwd_prefill_ms"], results["sparse_mla_prefill_ms"]
-    print(f"prefill 4096 x 64 heads x top-k 2048: flash_mla_sparse_fwd {fwd:.2f} ms, sparse_mla {plain:.2f} ms "
-          f"({(fwd / plain - 1) * 100:+.1f}%)")
+            ops_key = key.replace("_us", "_ops")
+            back = results.get(key.replace("_us", "_back_to_back_us"))
+            print(f"{label:52s} {results[key]:12.2f} {'' if back is None else f'{back:.2f}':>13s} "
+                  f"{results.get(ops_key, ''):>14}")
+    for key, counts in ops.items():
+        if sum(counts.values()) > 1:
+            print(f"  {key.replace('_us', '')}: {dict(counts)}")
+    if cuda:
+        fwd, plain = results["flash_mla_sparse_fwd_prefill_ms"], results["sparse_mla_prefill_ms"]
+        print(f"prefill 4096 x 64 heads x top-k 2048: flash_mla_sparse_fwd {fwd:.2f} ms, sparse_mla {plain:.2f} ms "
+              f"({(fwd / plain - 1) * 100:+.1f}%)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"calls": CALLS, **results}, f, indent=2)
