@@ -8,6 +8,7 @@
 // Errors: smla's bad-input errors leave as c10::ValueError (Python ValueError), unsupported ones as
 // c10::NotImplementedError, the rest as c10::Error (RuntimeError); python/smla/torch_ops.py turns the first two back
 // into smla.InvalidArgumentError / smla.UnsupportedError for smla's own functions.
+#include <ATen/core/DimVector.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
@@ -27,7 +28,7 @@
 #include <string>
 #include <string_view>
 #include <tuple>
-#include <vector>
+#include <utility>
 
 #include "smla/error.h"
 #include "smla/ops.h"
@@ -88,6 +89,28 @@ TensorView view(const Tensor& t, const char* name, std::optional<DType> as = std
   return view_of(d, name, as);
 }
 TensorView view(const OptTensor& t, const char* name) { return t ? view(*t, name) : TensorView{}; }
+
+// `v` with dimension `dim` fixed at `index`: torch's select without making a tensor (no dispatcher call, no
+// allocation: host time per call). An empty tensor's view has no data and keeps none, as torch's has.
+TensorView selected(TensorView v, int dim, int64_t index) {
+  if (v.data) v.data = static_cast<char*>(v.data) + index * v.strides[dim] * static_cast<int64_t>(dtype_size(v.dtype));
+  for (int d = dim; d + 1 < v.ndim; ++d) {
+    v.shape[d] = v.shape[d + 1];
+    v.strides[d] = v.strides[d + 1];
+  }
+  v.ndim -= 1;
+  return v;
+}
+
+// `v` with its last two dimensions swapped (torch's transpose(-1, -2), without making a tensor).
+TensorView transposed(TensorView v) {
+  std::swap(v.shape[v.ndim - 2], v.shape[v.ndim - 1]);
+  std::swap(v.strides[v.ndim - 2], v.strides[v.ndim - 1]);
+  return v;
+}
+
+// FlashMLA's 4-D cache (num_blocks, page_block_size, 1, d) as smla's 3-D one (its head count checked before).
+TensorView without_head_axis(const TensorView& cache) { return cache.ndim == 4 ? selected(cache, 2, 0) : cache; }
 
 // --- the checks smla.ops makes in Python before its C++ call, with its messages -----------------------------------
 
@@ -174,15 +197,10 @@ int64_t int_in(int64_t value, const char* name, int64_t low, int64_t high) {
 
 // --- outputs, scratch, streams ----------------------------------------------------------------------------------
 
-std::vector<int64_t> lead_shape(const Tensor& q) {
-  std::vector<int64_t> s(q.sizes().begin(), q.sizes().end());
-  if (!s.empty()) s.pop_back();
-  return s;
-}
-
 // smla.torch_ops._attention_out: out [..., 512] in q's dtype and lse [...] float32.
 std::tuple<Tensor, Tensor> attention_out(const Tensor& q) {
-  std::vector<int64_t> lead = lead_shape(q);
+  at::DimVector lead(q.sizes().begin(), q.sizes().end());  // on the stack: no allocation but the outputs'
+  if (!lead.empty()) lead.pop_back();
   Tensor lse = at::empty(lead, q.options().dtype(at::kFloat));
   lead.push_back(kLatentDim);
   return {at::empty(lead, q.options()), lse};
@@ -254,11 +272,10 @@ struct ExtraCache {
   OptTensor kv_cache, indices, topk_length;
 };
 
-// smla.ops._sparse_mla into out / lse (and max_logits) the caller allocated.
-void sparse_mla_into(const Tensor& q, const Tensor& kv_cache, const Tensor& indices, const OptTensor& topk_length,
-                     const OptTensor& attn_sink, double softmax_scale, const Tensor& out, const Tensor& lse,
-                     std::string_view kv_cache_dtype, std::string_view backend, const Tensor& max_logits = {},
-                     bool empty_lse_plus_inf = false, const ExtraCache& extra = {}) {
+// smla.ops._sparse_mla's arguments but its outputs (and stream), the caches read as kv_cache_dtype says.
+SparseMlaArgs sparse_mla_args(const Tensor& q, const Tensor& kv_cache, const Tensor& indices,
+                              const OptTensor& topk_length, const OptTensor& attn_sink, double softmax_scale,
+                              std::string_view kv_cache_dtype, const ExtraCache& extra = {}) {
   const std::optional<DType> cache_dtype = mla_cache_dtype(kv_cache, kv_cache_dtype, "kv_cache");
   SparseMlaArgs a;
   a.softmax_scale = softmax_scale_of(softmax_scale);
@@ -267,13 +284,13 @@ void sparse_mla_into(const Tensor& q, const Tensor& kv_cache, const Tensor& indi
   a.indices = view(indices, "indices");
   a.topk_length = view(topk_length, "topk_length");
   a.attn_sink = view(attn_sink, "attn_sink");
-  a.out = view(out, "out");
-  a.lse = view(lse, "lse");
-  a.max_logits = view(max_logits, "max_logits");
-  a.empty_lse_plus_inf = empty_lse_plus_inf;
   if (extra.kv_cache) a.extra_kv_cache = view(*extra.kv_cache, "extra_kv_cache", cache_dtype);
   a.extra_indices = view(extra.indices, "extra_indices");
   a.extra_topk_length = view(extra.topk_length, "extra_topk_length");
+  return a;
+}
+
+void run_sparse_mla(SparseMlaArgs& a, const Tensor& q, std::string_view backend) {
   run_on_stream(a, q, backend, [](const auto& x, auto be) { sparse_mla(x, be); });
 }
 
@@ -284,17 +301,19 @@ std::tuple<Tensor, Tensor> sparse_mla_kernel(const Tensor& q, const Tensor& kv_c
                                              const OptTensor& extra_indices, const OptTensor& extra_topk_length) {
   return translated([&] {
     auto [out, lse] = attention_out(q);
-    sparse_mla_into(q, kv_cache, indices, topk_length, attn_sink, softmax_scale, out, lse, kv_cache_dtype, backend,
-                    {}, false, {extra_kv_cache, extra_indices, extra_topk_length});
+    SparseMlaArgs a = sparse_mla_args(q, kv_cache, indices, topk_length, attn_sink, softmax_scale, kv_cache_dtype,
+                                      {extra_kv_cache, extra_indices, extra_topk_length});
+    a.out = view(out, "out");
+    a.lse = view(lse, "lse");
+    run_sparse_mla(a, q, backend);
     return std::make_tuple(out, lse);
   });
 }
 
-// smla.ops._paged_mla_decode into out / lse the caller allocated.
-void paged_mla_decode_into(const Tensor& q, const Tensor& kv_cache, const OptTensor& block_table,
-                           const OptTensor& seq_lens, const OptTensor& attn_sink, double softmax_scale, bool causal,
-                           const Tensor& out, const Tensor& lse, std::string_view kv_cache_dtype,
-                           std::string_view backend, bool empty_lse_plus_inf = false) {
+// smla.ops._paged_mla_decode's arguments but its outputs (and stream).
+PagedMlaDecodeArgs paged_mla_decode_args(const Tensor& q, const Tensor& kv_cache, const OptTensor& block_table,
+                                         const OptTensor& seq_lens, const OptTensor& attn_sink, double softmax_scale,
+                                         bool causal, std::string_view kv_cache_dtype) {
   const std::optional<DType> cache_dtype = mla_cache_dtype(kv_cache, kv_cache_dtype, "kv_cache");
   PagedMlaDecodeArgs a;
   a.softmax_scale = softmax_scale_of(softmax_scale);
@@ -304,9 +323,10 @@ void paged_mla_decode_into(const Tensor& q, const Tensor& kv_cache, const OptTen
   a.seq_lens = view(seq_lens, "seq_lens");
   a.attn_sink = view(attn_sink, "attn_sink");
   a.causal = causal;
-  a.out = view(out, "out");
-  a.lse = view(lse, "lse");
-  a.empty_lse_plus_inf = empty_lse_plus_inf;
+  return a;
+}
+
+void run_paged_mla_decode(PagedMlaDecodeArgs& a, const Tensor& q, std::string_view backend) {
   run_on_stream(a, q, backend, [](const auto& x, auto be) { paged_mla_decode(x, be); });
 }
 
@@ -316,8 +336,11 @@ std::tuple<Tensor, Tensor> paged_mla_decode_kernel(const Tensor& q, const Tensor
                                                    c10::string_view backend) {
   return translated([&] {
     auto [out, lse] = attention_out(q);
-    paged_mla_decode_into(q, kv_cache, block_table, seq_lens, attn_sink, softmax_scale, causal, out, lse,
-                          kv_cache_dtype, backend);
+    PagedMlaDecodeArgs a =
+        paged_mla_decode_args(q, kv_cache, block_table, seq_lens, attn_sink, softmax_scale, causal, kv_cache_dtype);
+    a.out = view(out, "out");
+    a.lse = view(lse, "lse");
+    run_paged_mla_decode(a, q, backend);
     return std::make_tuple(out, lse);
   });
 }
@@ -430,50 +453,62 @@ ExtraCache flash_mla_extra_cache(int64_t b, int64_t s_q, const OptTensor& indice
          std::to_string(s_q) + ") (per query token), got " + py_tuple(extra_topk_length->sizes()));
   if (extra_k_cache->dim() == 4 && extra_k_cache->size(2) != 1)
     fail("extra_k_cache: num_heads_k must be 1 (MLA), got " + py_tuple(extra_k_cache->sizes()));
-  return {extra_k_cache->dim() == 4 ? extra_k_cache->select(2, 0) : *extra_k_cache, extra_indices,
-          extra_topk_length};
+  return {extra_k_cache, extra_indices, extra_topk_length};  // a 4-D cache: without_head_axis of its view
 }
 
 // A (b,) length list serves every new token j; a (b, s_q) one is taken per j.
-OptTensor lengths_of_token(const OptTensor& lengths, int64_t j) {
-  return lengths && lengths->dim() == 2 ? OptTensor(lengths->select(1, j)) : lengths;
+TensorView lengths_of_token(const TensorView& lengths, int64_t j) {
+  return lengths.ndim == 2 ? selected(lengths, 1, j) : lengths;
 }
 
 // smla.flash_mla: out (b, s_q, h_q, 512) and lse (b, h_q, s_q), the kernels writing lse through a (b, s_q, h_q)
 // view, +inf where a query has nothing to attend. Sparse: one sparse_mla per new token j, whose tokens are the
 // requests; a per-request topk_length (b,) serves every j, a (b, s_q) one is taken per j. FlashMLA's 4-D cache
-// (num_blocks, page_block_size, 1, d) is viewed as smla's 3-D one (smla.flash_mla._cache_3d).
+// (num_blocks, page_block_size, 1, d) is viewed as smla's 3-D one (smla.flash_mla._cache_3d). The per-token
+// slices are views made here, not torch tensors: no dispatcher call but the two outputs' allocations.
 std::tuple<Tensor, Tensor> flash_mla_with_kvcache_kernel(
-    const Tensor& q, const Tensor& k_cache_arg, const OptTensor& block_table, const OptTensor& cache_seqlens,
+    const Tensor& q, const Tensor& k_cache, const OptTensor& block_table, const OptTensor& cache_seqlens,
     const OptTensor& indices, const OptTensor& topk_length, const OptTensor& attn_sink, double softmax_scale,
     bool causal, c10::string_view kv_cache_dtype, c10::string_view backend, const OptTensor& extra_k_cache,
     const OptTensor& extra_indices_in_kvcache, const OptTensor& extra_topk_length) {
   return translated([&] {
-    if (k_cache_arg.dim() == 4 && k_cache_arg.size(2) != 1)
-      fail("k_cache: num_heads_k must be 1 (MLA), got " + py_tuple(k_cache_arg.sizes()));
-    const Tensor k_cache = k_cache_arg.dim() == 4 ? k_cache_arg.select(2, 0) : k_cache_arg;
-    require(q.dim() >= 3, "q: expected (batch_size, seq_len_q, num_heads_q, 576 | 512), got " +
-                              py_tuple(q.sizes()));
+    if (k_cache.dim() == 4 && k_cache.size(2) != 1)
+      fail("k_cache: num_heads_k must be 1 (MLA), got " + py_tuple(k_cache.sizes()));
+    if (q.dim() < 3) fail("q: expected (batch_size, seq_len_q, num_heads_q, 576 | 512), got " + py_tuple(q.sizes()));
     const int64_t b = q.size(0), s_q = q.size(1), h_q = q.size(2);
     const ExtraCache extra =
         flash_mla_extra_cache(b, s_q, indices, extra_k_cache, extra_indices_in_kvcache, extra_topk_length);
     Tensor out = at::empty({b, s_q, h_q, kLatentDim}, q.options());
     Tensor lse = at::empty({b, h_q, s_q}, q.options().dtype(at::kFloat));
-    const Tensor lse_view = lse.transpose(-1, -2);
+    const TensorView out_view = view(out, "out"), lse_view = transposed(view(lse, "lse"));
     if (!indices) {
-      paged_mla_decode_into(q, k_cache, block_table, cache_seqlens, attn_sink, softmax_scale, causal, out, lse_view,
-                            kv_cache_dtype, backend, /*empty_lse_plus_inf=*/true);
+      PagedMlaDecodeArgs a = paged_mla_decode_args(q, k_cache, block_table, cache_seqlens, attn_sink, softmax_scale,
+                                                   causal, kv_cache_dtype);
+      a.kv_cache = without_head_axis(a.kv_cache);
+      a.out = out_view;
+      a.lse = lse_view;
+      a.empty_lse_plus_inf = true;
+      run_paged_mla_decode(a, q, backend);
       return std::make_tuple(out, lse);
     }
-    require(indices->dim() >= 2, "indices: expected (batch_size, seq_len_q, topk), got " +
-                                     py_tuple(indices->sizes()));
+    if (indices->dim() < 2) fail("indices: expected (batch_size, seq_len_q, topk), got " + py_tuple(indices->sizes()));
+    SparseMlaArgs all = sparse_mla_args(q, k_cache, *indices, topk_length, attn_sink, softmax_scale, kv_cache_dtype,
+                                        extra);
+    all.kv_cache = without_head_axis(all.kv_cache);
+    all.extra_kv_cache = without_head_axis(all.extra_kv_cache);
+    all.empty_lse_plus_inf = true;
     for (int64_t j = 0; j < s_q; ++j) {
-      ExtraCache extra_j;
-      if (extra.kv_cache)
-        extra_j = {extra.kv_cache, extra.indices->select(1, j), lengths_of_token(extra.topk_length, j)};
-      sparse_mla_into(q.select(1, j), k_cache, indices->select(1, j), lengths_of_token(topk_length, j), attn_sink,
-                      softmax_scale, out.select(1, j), lse_view.select(1, j), kv_cache_dtype, backend, {},
-                      /*empty_lse_plus_inf=*/true, extra_j);
+      SparseMlaArgs a = all;
+      a.q = selected(all.q, 1, j);
+      a.indices = selected(all.indices, 1, j);
+      a.topk_length = lengths_of_token(all.topk_length, j);
+      a.out = selected(out_view, 1, j);
+      a.lse = selected(lse_view, 1, j);
+      if (extra.kv_cache) {
+        a.extra_indices = selected(all.extra_indices, 1, j);
+        a.extra_topk_length = lengths_of_token(all.extra_topk_length, j);
+      }
+      run_sparse_mla(a, q, backend);
     }
     return std::make_tuple(out, lse);
   });
@@ -487,9 +522,14 @@ std::tuple<Tensor, Tensor, Tensor> flash_mla_sparse_fwd_kernel(const Tensor& q, 
   return translated([&] {
     auto [out, lse] = attention_out(q);
     Tensor max_logits = at::empty_like(lse);
-    require(indices.dim() >= 2, "indices: expected (s_q, h_kv, topk), got " + py_tuple(indices.sizes()));
-    sparse_mla_into(q, kv, indices.select(1, 0), topk_length, attn_sink, sm_scale, out, lse, "auto", backend,
-                    max_logits, /*empty_lse_plus_inf=*/true);
+    if (indices.dim() < 2) fail("indices: expected (s_q, h_kv, topk), got " + py_tuple(indices.sizes()));
+    SparseMlaArgs a = sparse_mla_args(q, kv, indices, topk_length, attn_sink, sm_scale, "auto");
+    a.indices = selected(a.indices, 1, 0);
+    a.out = view(out, "out");
+    a.lse = view(lse, "lse");
+    a.max_logits = view(max_logits, "max_logits");
+    a.empty_lse_plus_inf = true;
+    run_sparse_mla(a, q, backend);
     return std::make_tuple(out, max_logits, lse);
   });
 }

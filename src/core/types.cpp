@@ -140,11 +140,12 @@ std::string TensorView::describe() const {
 }
 
 TensorView TensorView::from_dlpack(const DLTensor& t, std::string_view what, std::optional<DType> reinterpret_as) {
-  const std::string w(what);
+  // Messages are built only on failure: this runs for every tensor of every call from Python (host time).
+  const auto w = [&] { return std::string(what); };
   TensorView v;
-  require(t.ndim >= 0 && t.ndim <= kMaxDims,
-          w + ": " + std::to_string(t.ndim) + " dimensions, at most " + std::to_string(kMaxDims) + " supported");
-  require(t.dtype.lanes == 1, w + ": vector dtypes (lanes != 1) are not supported");
+  if (t.ndim < 0 || t.ndim > kMaxDims)
+    fail(w() + ": " + std::to_string(t.ndim) + " dimensions, at most " + std::to_string(kMaxDims) + " supported");
+  if (t.dtype.lanes != 1) fail(w() + ": vector dtypes (lanes != 1) are not supported");
   const int bits = t.dtype.bits;
   std::optional<DType> dt;
   switch (t.dtype.code) {
@@ -154,17 +155,18 @@ TensorView TensorView::from_dlpack(const DLTensor& t, std::string_view what, std
     case kDLUInt: dt = bits == 8 ? std::optional(DType::u8) : std::nullopt; break;
     default: break;
   }
-  require(dt.has_value(), w + ": DLPack dtype (code " + std::to_string(t.dtype.code) + ", " + std::to_string(bits) +
-                              " bits) has no smla equivalent");
+  if (!dt)
+    fail(w() + ": DLPack dtype (code " + std::to_string(t.dtype.code) + ", " + std::to_string(bits) +
+         " bits) has no smla equivalent");
   if (reinterpret_as) {
-    require(dtype_size(*reinterpret_as) == dtype_size(*dt),
-            w + ": cannot view " + std::string(dtype_name(*dt)) + " as " + std::string(dtype_name(*reinterpret_as)));
+    if (dtype_size(*reinterpret_as) != dtype_size(*dt))
+      fail(w() + ": cannot view " + std::string(dtype_name(*dt)) + " as " + std::string(dtype_name(*reinterpret_as)));
     dt = reinterpret_as;
   }
   switch (t.device.device_type) {
     case kDLCPU: case kDLCUDAHost: v.device = Device::cpu(); break;
     case kDLCUDA: case kDLCUDAManaged: v.device = Device::cuda(0, t.device.device_id); break;
-    default: fail(w + ": DLPack device type " + std::to_string(t.device.device_type) + " is not cpu or cuda");
+    default: fail(w() + ": DLPack device type " + std::to_string(t.device.device_type) + " is not cpu or cuda");
   }
   v.dtype = *dt;
   v.ndim = t.ndim;
