@@ -13,9 +13,9 @@ torch.ops.smla.flash_mla_with_kvcache): the difference is its Python wrapper's c
 calls on an empty batch (every check and allocation, no attention work).
 
 --device cpu measures the same calls on CPU tensors, on a machine without a GPU: the Python and dispatcher path up
-to the backend call is the same code as on CUDA tensors. There the time is the plain loop's (best of 7 rounds of
-2,000 calls; no stream to hold), and the one-token rows include the CPU backend's attention (tens of us), so the
-wrapper's cost is read from the no-tokens rows.
+to the backend call is the same code as on CUDA tensors. There the time is the calling thread's CPU time in the
+plain loop (best of 7 rounds of 2,000 calls; no stream to hold), and the one-token rows include the CPU backend's
+attention (tens of us), so the wrappers' cost is read from the no-tokens rows.
 
 Prints us/call for torch.ops.smla.sparse_mla, smla.sparse_mla on torch tensors and
 smla.flash_mla.flash_mla_with_kvcache (sparse), and the C++ API's (from bench_host_overhead, when given); says
@@ -68,16 +68,17 @@ def back_to_back_us(fn) -> float:
 
 
 def cpu_us(fn) -> float:
-    """Time per call of the plain loop on CPU tensors: the best of 7 rounds of 2,000 calls (the least disturbed by
-    other work on the machine)."""
+    """CPU time of this thread per call of the plain loop on CPU tensors: the best of 7 rounds of 2,000 calls.
+    Thread time, not wall time, so that other work on a shared machine does not count (time the thread waits
+    for a core is not host time of the call)."""
     for _ in range(200):  # warm up
         fn()
     rounds = []
     for _ in range(7):
-        start = time.perf_counter()
+        start = time.thread_time()
         for _ in range(2000):
             fn()
-        rounds.append((time.perf_counter() - start) / 2000 * 1e6)
+        rounds.append((time.thread_time() - start) / 2000 * 1e6)
     return min(rounds)
 
 

@@ -44,8 +44,9 @@ def dtype_name(x: Any) -> str:
 def is_8bit(x: Any) -> bool:
     """True for byte-sized elements (uint8, int8, float8_*): how fp8 data arrives."""
     if is_torch(x):
+        dtype = x.dtype  # its size first: a 16-bit cache, the common case, is decided by it alone
         torch = sys.modules["torch"]
-        return x.dtype in (torch.uint8, torch.int8) or (x.dtype.itemsize == 1 and x.dtype.is_floating_point)
+        return dtype.itemsize == 1 and (dtype.is_floating_point or dtype in (torch.uint8, torch.int8))
     name = dtype_name(x)
     return name in ("uint8", "int8") or name.startswith("float8")
 

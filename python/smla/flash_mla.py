@@ -25,6 +25,7 @@ Tensor = Any
 TILE_SCHEDULER_METADATA_SIZE = 8
 _HEAD_DIM_QK = 576
 _HEAD_DIM_V = 512
+_NO_EXTRA = (None, None, None)  # flash_mla_with_kvcache's extra cache arguments when there is none
 
 
 @dataclasses.dataclass
@@ -135,16 +136,21 @@ def flash_mla_with_kvcache(
     Returns (out (b, s_q, h_q, 512) in q's dtype, lse (b, h_q, s_q)
     float32): natural log, without the sink, +inf where a query has nothing
     to attend (its out is 0). ``backend`` (smla only) forces a backend."""
+    # Host time per call matters here (a decode step calls this once per layer): shapes are read once, and the
+    # checks a torch call needs are the only Python steps before the op.
     if head_dim_v != _HEAD_DIM_V:
         raise _smla.InvalidArgumentError(f"head_dim_v: must be {_HEAD_DIM_V}, got {head_dim_v}")
     q_shape = _arrays.shape(q, "q")
     if len(q_shape) != 4:
         raise _smla.InvalidArgumentError(f"q: expected (batch_size, seq_len_q, num_heads_q, 576 | 512), got {q_shape}")
     b, s_q, h_q, d = q_shape
-    k_shape = _arrays.shape(k_cache, "k_cache")  # read once: shape lookups are the bulk of this function's time
+    k_shape = _arrays.shape(k_cache, "k_cache")
     _check_heads_k(k_shape)
     topk = _sparse_shapes(b, s_q, indices, topk_length) if indices is not None else None
-    extra = _extra_cache(b, s_q, indices, extra_k_cache, extra_indices_in_kvcache, extra_topk_length)
+    if extra_k_cache is None and extra_indices_in_kvcache is None and extra_topk_length is None:
+        extra = None
+    else:
+        extra = _extra_cache(b, s_q, indices, extra_k_cache, extra_indices_in_kvcache, extra_topk_length)
     if isinstance(tile_scheduler_metadata, FlashMLASchedMeta):
         if num_splits is not None:
             raise _smla.InvalidArgumentError("num_splits: must be None with a FlashMLASchedMeta")
@@ -167,9 +173,11 @@ def flash_mla_with_kvcache(
     torch_ops = _ops._torch_ops(q)
     if torch_ops is not None:
         # k_cache as given: the op takes FlashMLA's 4-D cache (a view less to make here); the extra cache as 3-D.
-        return torch_ops.flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, indices, topk_length,
-                                                attn_sink, _ops._softmax_scale(softmax_scale), bool(causal),
-                                                kv_cache_dtype, backend or "", *(extra or (None, None, None)))
+        # A float scale goes as it is: the op checks its range with _softmax_scale's message.
+        return torch_ops.flash_mla_with_kvcache(
+            q, k_cache, block_table, cache_seqlens, indices, topk_length, attn_sink,
+            softmax_scale if type(softmax_scale) is float else _ops._softmax_scale(softmax_scale), bool(causal),
+            kv_cache_dtype, backend or "", *(extra or _NO_EXTRA))
     out = _arrays.empty(q, (b, s_q, h_q, _HEAD_DIM_V))
     lse = _arrays.empty(q, (b, h_q, s_q), "float32")
     _with_kvcache_into(q, _cache_3d(k_cache, k_shape), block_table, cache_seqlens, indices, topk_length, attn_sink, softmax_scale, causal,

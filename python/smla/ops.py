@@ -295,8 +295,11 @@ def sparse_mla(q: Tensor, kv_cache: Tensor, indices: Tensor, *, softmax_scale: f
     the sink; -inf for a row with no valid index)."""
     ops = _torch_ops(q) if out is None and lse is None and stream is None else None
     if ops is not None:
-        return ops.sparse_mla(q, kv_cache, indices, topk_length, attn_sink, _softmax_scale(softmax_scale),
-                              kv_cache_dtype or "auto", _backend(backend), extra_kv_cache, extra_indices,
+        # The hot path (host time per call): a float scale goes as it is, the op checks its range with
+        # _softmax_scale's message.
+        return ops.sparse_mla(q, kv_cache, indices, topk_length, attn_sink,
+                              softmax_scale if type(softmax_scale) is float else _softmax_scale(softmax_scale),
+                              kv_cache_dtype or "auto", backend or "", extra_kv_cache, extra_indices,
                               extra_topk_length)
     out, lse = _attention_outputs(q, out, lse)
     _sparse_mla(q, kv_cache, indices, topk_length, attn_sink, softmax_scale, out, lse, kv_cache_dtype, stream,

@@ -215,6 +215,29 @@ def test_torch_topk_is_checked_first():
     assert tuple(empty.shape) == (0, 8)
 
 
+def test_torch_numbers_are_checked_as_given():
+    """On torch tensors smla.sparse_mla and flash_mla_with_kvcache hand a float scale to the op unchecked (host
+    time): the op's check must say what the Python one says; other types are still checked in Python."""
+    torch = pytest.importorskip("torch")
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 8, QK, generator=gen).bfloat16()
+    cache = torch.randn(4, 16, QK, generator=gen).bfloat16()
+    indices = torch.randint(0, 64, (2, 16), generator=gen, dtype=torch.int32)
+    calls = (lambda scale: smla.sparse_mla(q, cache, indices, softmax_scale=scale),
+             lambda scale: flash_mla.flash_mla_with_kvcache(q[:, None], cache[:, :, None], None, None, V, None,
+                                                            softmax_scale=scale, indices=indices[:, None]))
+    for call in calls:
+        for bad, shown in ((1e300, r"1e\+300"), (float("nan"), "nan"), (float("inf"), "inf"), (-0.0, "-0.0"),
+                           (0, "0")):
+            with pytest.raises(smla.InvalidArgumentError, match=rf"softmax_scale: must be finite, > 0 and at most "
+                                                                rf"3.402823e\+38 \(float32\), got {shown}$"):
+                call(bad)
+        with pytest.raises(smla.InvalidArgumentError, match="softmax_scale: expected a number, got str"):
+            call("0.1")
+        out, lse = call(np.float32(0.1))  # not a float: converted in Python
+        assert torch.equal(out, call(float(np.float32(0.1)))[0])
+
+
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_empty_batches_on_torch(device):
     """torch hands out empty tensors with null data: every op, through the torch custom ops and flash_mla."""
