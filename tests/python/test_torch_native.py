@@ -310,12 +310,22 @@ def test_cuda_kernels_match_the_python_kernels_on_a_side_stream_and_in_a_graph()
     q4 = torch.randn(2, 1, 16, QK, generator=g).to(torch.bfloat16)
     seq_lens = torch.tensor([40, 64], dtype=torch.int32)  # at most the 4 blocks of 16 a request has
     dsa = (*indexer_inputs(g, torch.uint8), 16)
+    # flash_mla_with_kvcache slices each new token out of q, indices, lengths, out and lse as views made in C++:
+    # two new tokens with per-token lengths over FlashMLA's 4-D cache, and the dense path through the 4-D cache.
+    q42 = torch.randn(2, 2, 16, QK, generator=g).to(torch.bfloat16)
+    idx2 = sparse_indices(g, slots, (2, 2, 2048), 128)
+    lengths2 = torch.tensor([[2048, 5], [0, 700]], dtype=torch.int32)
     to = lambda xs: tuple(x.cuda() if isinstance(x, torch.Tensor) else x for x in xs)  # noqa: E731
     calls = [("sparse_mla", to((q, fp8, idx, None, None, 0.05))),
              ("sparse_mla", to((q, bf16, idx, torch.tensor([2048, 7, 0], dtype=torch.int32), torch.randn(16), 0.05))),
              ("paged_mla_decode", to((q4, full, table, seq_lens, None, 0.05, True))),
              ("indexer_topk", to(dsa)),
-             ("flash_mla_with_kvcache", to((q4, fp8, None, None, idx[:2, None], None, None, 0.05, False, "auto")))]
+             ("flash_mla_with_kvcache", to((q4, fp8, None, None, idx[:2, None], None, None, 0.05, False, "auto"))),
+             ("flash_mla_with_kvcache", to((q42, bf16[:, :, None], None, None, idx2, lengths2, torch.randn(16), 0.05,
+                                            False, "auto"))),
+             ("flash_mla_with_kvcache", to((q42, full[:, :, None], table, seq_lens, None, None, None, 0.05, True,
+                                            "auto"))),
+             ("flash_mla_sparse_fwd", to((q, full.view(-1, 1, QK), idx[:, None], None, None, 0.05)))]
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
         for name, args in calls:
