@@ -57,7 +57,7 @@ class _Routed:
     as the Python kernels raise them."""
 
     def __getattr__(self, name: str) -> Callable:
-        op = getattr(torch.ops.smla, name)
+        op = getattr(torch.ops.smla, name).default  # the op's one overload: no overload resolution per call
 
         def call(*args):
             try:
