@@ -174,8 +174,10 @@ def _flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, indices, top
                             extra_indices_in_kvcache=None, extra_topk_length=None):
     out, lse = _kvcache_out(q)
     k_cache = _flash_mla._cache_3d(k_cache, tuple(k_cache.shape))  # FlashMLA's 4-D cache too
-    extra = _flash_mla._extra_cache(int(q.shape[0]), int(q.shape[1]), indices, extra_k_cache,
-                                    extra_indices_in_kvcache, extra_topk_length)
+    b, s_q = int(q.shape[0]), int(q.shape[1])
+    if indices is not None:
+        _flash_mla._sparse_shapes(b, s_q, indices, topk_length)
+    extra = _flash_mla._extra_cache(b, s_q, indices, extra_k_cache, extra_indices_in_kvcache, extra_topk_length)
     _flash_mla._with_kvcache_into(q, k_cache, block_table, cache_seqlens, indices, topk_length, attn_sink,
                                   softmax_scale, causal, kv_cache_dtype, out, lse, backend, extra)
     return out, lse

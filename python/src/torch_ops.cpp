@@ -437,6 +437,19 @@ std::string py_tuple(at::IntArrayRef sizes) {
   return s + (sizes.size() == 1 ? ",)" : ")");
 }
 
+// indices (b, s_q, topk) and topk_length (b,) or (b, s_q) against q's b and s_q, as smla.flash_mla._sparse_shapes
+// checks them, with its messages (the per-token loop below takes each list's column j without bounds checks).
+void check_sparse_shapes(int64_t b, int64_t s_q, const Tensor& indices, const OptTensor& lengths,
+                         const char* indices_name, const char* lengths_name) {
+  if (indices.dim() != 3 || indices.size(0) != b || indices.size(1) != s_q)
+    fail(std::string(indices_name) + ": expected (batch_size, seq_len_q, topk) with q's batch_size " +
+         std::to_string(b) + " and seq_len_q " + std::to_string(s_q) + ", got " + py_tuple(indices.sizes()));
+  if (lengths && !(lengths->dim() == 1 && lengths->size(0) == b) &&
+      !(lengths->dim() == 2 && lengths->size(0) == b && lengths->size(1) == s_q))
+    fail(std::string(lengths_name) + ": expected (" + std::to_string(b) + ",) (per request) or (" +
+         std::to_string(b) + ", " + std::to_string(s_q) + ") (per query token), got " + py_tuple(lengths->sizes()));
+}
+
 // MODEL1's extra cache, checked as smla.flash_mla._extra_cache checks it, with its messages.
 ExtraCache flash_mla_extra_cache(int64_t b, int64_t s_q, const OptTensor& indices, const OptTensor& extra_k_cache,
                                  const OptTensor& extra_indices, const OptTensor& extra_topk_length) {
@@ -444,13 +457,7 @@ ExtraCache flash_mla_extra_cache(int64_t b, int64_t s_q, const OptTensor& indice
   if (!extra_k_cache || !extra_indices)
     fail("extra_k_cache and extra_indices_in_kvcache: give both or neither (extra_topk_length needs them too)");
   if (!indices) fail("extra_k_cache: only valid with indices (sparse attention)");
-  if (extra_indices->dim() != 3 || extra_indices->size(0) != b || extra_indices->size(1) != s_q)
-    fail("extra_indices_in_kvcache: expected (batch_size, seq_len_q, topk) with q's batch_size " + std::to_string(b) +
-         " and seq_len_q " + std::to_string(s_q) + ", got " + py_tuple(extra_indices->sizes()));
-  if (extra_topk_length && !(extra_topk_length->dim() == 1 && extra_topk_length->size(0) == b) &&
-      !(extra_topk_length->dim() == 2 && extra_topk_length->size(0) == b && extra_topk_length->size(1) == s_q))
-    fail("extra_topk_length: expected (" + std::to_string(b) + ",) (per request) or (" + std::to_string(b) + ", " +
-         std::to_string(s_q) + ") (per query token), got " + py_tuple(extra_topk_length->sizes()));
+  check_sparse_shapes(b, s_q, *extra_indices, extra_topk_length, "extra_indices_in_kvcache", "extra_topk_length");
   if (extra_k_cache->dim() == 4 && extra_k_cache->size(2) != 1)
     fail("extra_k_cache: num_heads_k must be 1 (MLA), got " + py_tuple(extra_k_cache->sizes()));
   return {extra_k_cache, extra_indices, extra_topk_length};  // a 4-D cache: without_head_axis of its view
@@ -476,6 +483,7 @@ std::tuple<Tensor, Tensor> flash_mla_with_kvcache_kernel(
       fail("k_cache: num_heads_k must be 1 (MLA), got " + py_tuple(k_cache.sizes()));
     if (q.dim() < 3) fail("q: expected (batch_size, seq_len_q, num_heads_q, 576 | 512), got " + py_tuple(q.sizes()));
     const int64_t b = q.size(0), s_q = q.size(1), h_q = q.size(2);
+    if (indices) check_sparse_shapes(b, s_q, *indices, topk_length, "indices", "topk_length");
     const ExtraCache extra =
         flash_mla_extra_cache(b, s_q, indices, extra_k_cache, extra_indices_in_kvcache, extra_topk_length);
     Tensor out = at::empty({b, s_q, h_q, kLatentDim}, q.options());
@@ -491,7 +499,6 @@ std::tuple<Tensor, Tensor> flash_mla_with_kvcache_kernel(
       run_paged_mla_decode(a, q, backend);
       return std::make_tuple(out, lse);
     }
-    if (indices->dim() < 2) fail("indices: expected (batch_size, seq_len_q, topk), got " + py_tuple(indices->sizes()));
     SparseMlaArgs all = sparse_mla_args(q, k_cache, *indices, topk_length, attn_sink, softmax_scale, kv_cache_dtype,
                                         extra);
     all.kv_cache = without_head_axis(all.kv_cache);

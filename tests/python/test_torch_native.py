@@ -255,6 +255,8 @@ def test_errors_are_smlas_with_the_python_kernels_messages():
         ("flash_mla_with_kvcache", (*q1_args, None, extra_idx1, None)),           # no extra cache
         ("flash_mla_with_kvcache", (*q1_args[:4], None, *q1_args[5:], extra1, extra_idx1, None)),  # dense
         ("flash_mla_with_kvcache", (*q1_args, extra1, extra_idx1[:, :1], None)),  # s_q 1, q's is 2
+        ("flash_mla_with_kvcache", (*q1_args[:4], idx1[:, :1], *q1_args[5:])),  # the main indices' s_q too
+        ("flash_mla_with_kvcache", (*q1_args[:5], torch.full((3, 1), 8, dtype=torch.int32), *q1_args[6:])),  # (b, 1)
         ("flash_mla_with_kvcache", (*q1_args, extra1, extra_idx1, torch.zeros(2, dtype=torch.int32))),
         ("flash_mla_with_kvcache", (*q1_args, extra1.expand(-1, -1, 2, -1), extra_idx1, None)),  # two heads
         ("flash_mla_with_kvcache", (*q1_args, extra1, extra_idx1.long(), None)),  # int64 extra indices
