@@ -213,11 +213,6 @@ def flash_mla_sparse_fwd(
         raise _smla.InvalidArgumentError(f"d_v: must be {_HEAD_DIM_V}, got {d_v}")
     _arrays.shape(q, "q")
     sm_scale = _ops._softmax_scale(sm_scale, "sm_scale")
-    if len(_arrays.shape(kv, "kv")) != 3 or int(kv.shape[1]) != 1:
-        raise _smla.InvalidArgumentError(f"kv: expected (s_kv, 1, d_qk) (h_kv must be 1), got {tuple(kv.shape)}")
-    if len(_arrays.shape(indices, "indices")) != 3 or int(indices.shape[1]) != 1:
-        raise _smla.InvalidArgumentError(f"indices: expected (s_q, 1, topk) (h_kv must be 1), got "
-                                         f"{tuple(indices.shape)}")
     # kv is a paged cache of s_kv blocks of one token, so indices are its slots.
     torch_ops = _ops._torch_ops(q)
     if torch_ops is not None:
@@ -357,5 +352,10 @@ def _sparse_fwd_into(q: Tensor, kv: Tensor, indices: Tensor, topk_length: Option
                      attn_sink: Optional[Tensor], sm_scale: float, out: Tensor, max_logits: Tensor, lse: Tensor,
                      backend: Optional[str]) -> None:
     """flash_mla_sparse_fwd into out, max_logits and lse, all three from the kernel (+inf lse for empty rows)."""
+    if len(_arrays.shape(kv, "kv")) != 3 or int(kv.shape[1]) != 1:
+        raise _smla.InvalidArgumentError(f"kv: expected (s_kv, 1, d_qk) (h_kv must be 1), got {tuple(kv.shape)}")
+    if len(_arrays.shape(indices, "indices")) != 3 or int(indices.shape[1]) != 1:
+        raise _smla.InvalidArgumentError(f"indices: expected (s_q, 1, topk) (h_kv must be 1), got "
+                                         f"{tuple(indices.shape)}")
     _ops._sparse_mla(q, kv, _select(indices, 1, 0), topk_length, attn_sink, sm_scale, out, lse, "auto", None, backend,
                      max_logits=max_logits, empty_lse_plus_inf=True)

@@ -529,7 +529,11 @@ std::tuple<Tensor, Tensor, Tensor> flash_mla_sparse_fwd_kernel(const Tensor& q, 
   return translated([&] {
     auto [out, lse] = attention_out(q);
     Tensor max_logits = at::empty_like(lse);
-    if (indices.dim() < 2) fail("indices: expected (s_q, h_kv, topk), got " + py_tuple(indices.sizes()));
+    // As smla.flash_mla._sparse_fwd_into checks them: kv is read as s_kv blocks of one token.
+    if (kv.dim() != 3 || kv.size(1) != 1)
+      fail("kv: expected (s_kv, 1, d_qk) (h_kv must be 1), got " + py_tuple(kv.sizes()));
+    if (indices.dim() != 3 || indices.size(1) != 1)
+      fail("indices: expected (s_q, 1, topk) (h_kv must be 1), got " + py_tuple(indices.sizes()));
     SparseMlaArgs a = sparse_mla_args(q, kv, indices, topk_length, attn_sink, sm_scale, "auto");
     a.indices = selected(a.indices, 1, 0);
     a.out = view(out, "out");

@@ -256,6 +256,9 @@ def test_errors_are_smlas_with_the_python_kernels_messages():
         ("flash_mla_with_kvcache", (*q1_args[:4], None, *q1_args[5:], extra1, extra_idx1, None)),  # dense
         ("flash_mla_with_kvcache", (*q1_args, extra1, extra_idx1[:, :1], None)),  # s_q 1, q's is 2
         ("flash_mla_with_kvcache", (*q1_args[:4], idx1[:, :1], *q1_args[5:])),  # the main indices' s_q too
+        ("flash_mla_sparse_fwd", (q, bf16.reshape(-1, 2, QK), idx[:, None], None, None, 0.05)),  # kv's h_kv 2
+        ("flash_mla_sparse_fwd", (q, bf16.reshape(-1, 1, QK), idx[:, None].expand(-1, 2, -1), None, None, 0.05)),
+        ("flash_mla_sparse_fwd", (q, bf16.reshape(-1, 1, QK), idx.new_empty((2, 0, 64)), None, None, 0.05)),
         ("flash_mla_with_kvcache", (*q1_args[:5], torch.full((3, 1), 8, dtype=torch.int32), *q1_args[6:])),  # (b, 1)
         ("flash_mla_with_kvcache", (*q1_args, extra1, extra_idx1, torch.zeros(2, dtype=torch.int32))),
         ("flash_mla_with_kvcache", (*q1_args, extra1.expand(-1, -1, 2, -1), extra_idx1, None)),  # two heads
