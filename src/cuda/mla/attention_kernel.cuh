@@ -198,12 +198,16 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const AttentionPara
 
     {  // 8 threads per head row, 4 keys each
       const int r = tid / 8, c0 = (tid % 8) * 4;
+      // The 4 keys' valid flags as one 16-byte load: left to nvcc, whether it
+      // merged 4 scalar loads changed with unrelated declarations in the file.
+      const int4 keep4 = *reinterpret_cast<const int4*>(vmask + c0);
+      const int keep[4] = {keep4.x, keep4.y, keep4.z, keep4.w};
       float v[4], cmax = -INFINITY;
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int at = r * kSRow + c0 + e;
         const float score = (ss[at] + ss[at + kHeadsPerCta * kSRow]) + (ss[at + 2 * kHeadsPerCta * kSRow] + ss[at + 3 * kHeadsPerCta * kSRow]);
-        v[e] = vmask[c0 + e] ? score * p.scale_log2 : -INFINITY;
+        v[e] = keep[e] ? score * p.scale_log2 : -INFINITY;
         cmax = fmaxf(cmax, v[e]);
       }
 #pragma unroll
