@@ -92,6 +92,31 @@ __device__ __forceinline__ int64_t slot_of(const AttentionParams& p, int t, int 
   }
 }
 
+// Dequantises a chunk of fp8 rows (512 e4m3 latents, 4 fp32 tile scales, 64
+// bf16 rope values when kRope) into the key rows `keys`, all threads together.
+template <typename T, int kRope>
+__device__ __forceinline__ void dequantise_chunk(const uint8_t* rows, T* keys, int tid) {
+  using D = HeadDims<kRope>;
+  for (int i = tid; i < kKeysPerChunk * D::kPieces; i += kThreads) {
+    const int row = i / D::kPieces, piece = i % D::kPieces;
+    const uint8_t* src = rows + row * D::kFp8RowBytes;
+    uint4 out;
+    if (piece < kLatent / 8) {
+      const float scale = reinterpret_cast<const float*>(src + kLatent)[piece / 16];
+      const uint2 codes = *reinterpret_cast<const uint2*>(src + piece * 8);
+      const __nv_fp8x2_storage_t* c2 = reinterpret_cast<const __nv_fp8x2_storage_t*>(&codes);
+      uint32_t* ow = reinterpret_cast<uint32_t*>(&out);
+      for (int e = 0; e < 4; ++e) {
+        const float2 f = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(c2[e], __NV_E4M3)));
+        ow[e] = pack2<T>(f.x * scale, f.y * scale);
+      }
+    } else {
+      out = *reinterpret_cast<const uint4*>(src + kLatent + 16 + (piece - kLatent / 8) * 16);
+    }
+    *reinterpret_cast<uint4*>(keys + row * D::kRowElems + piece * 8) = out;
+  }
+}
+
 template <CacheFormat F, int kRope, bool kPaged, int kStages>
 __global__ void __launch_bounds__(kThreads) attention_kernel(const AttentionParams p) {
   using T = ComputeT<F>;
@@ -140,28 +165,6 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const AttentionPara
     for (int piece = my_part; piece < pieces; piece += 4)
       cp_async_16(dst + my_row * dst_row_bytes + piece * 16, src + piece * 16, slot >= 0);
     if (my_part == 0) valid[(chunk % L.valid_sets) * kKeysPerChunk + my_row] = slot >= 0;
-  };
-
-  // fp8 rows: 512 e4m3 latents, 4 fp32 tile scales, 64 bf16 rope values (when kRope) -> bf16.
-  auto dequantise = [&](const uint8_t* rows) {
-    for (int i = tid; i < kKeysPerChunk * kPieces; i += kThreads) {
-      const int row = i / kPieces, piece = i % kPieces;
-      const uint8_t* src = rows + row * kFp8RowBytes;
-      uint4 out;
-      if (piece < kLatent / 8) {
-        const float scale = reinterpret_cast<const float*>(src + kLatent)[piece / 16];
-        const uint2 codes = *reinterpret_cast<const uint2*>(src + piece * 8);
-        const __nv_fp8x2_storage_t* c2 = reinterpret_cast<const __nv_fp8x2_storage_t*>(&codes);
-        uint32_t* ow = reinterpret_cast<uint32_t*>(&out);
-        for (int e = 0; e < 4; ++e) {
-          const float2 f = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(c2[e], __NV_E4M3)));
-          ow[e] = pack2<T>(f.x * scale, f.y * scale);
-        }
-      } else {
-        out = *reinterpret_cast<const uint4*>(src + kLatent + 16 + (piece - kLatent / 8) * 16);
-      }
-      *reinterpret_cast<uint4*>(sk + row * kRowElems + piece * 8) = out;
-    }
   };
 
   float o[16][4];  // this warp's 128 output columns (16 n-tiles), rows g and g+8
@@ -307,7 +310,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const AttentionPara
     __syncthreads();  // chunk i has landed; every warp is done with chunk i-1
     const int* vmask = valid + ((chunk_begin + i) % L.valid_sets) * kKeysPerChunk;
     if constexpr (kFp8) {
-      dequantise(bufs + (i % kStages) * kBufBytes);
+      dequantise_chunk<T, kRope>(bufs + (i % kStages) * kBufBytes, sk, tid);
       __syncthreads();  // staging buffer i % kStages is free again
       issue(i + kAhead);
       attend(sk, vmask);
