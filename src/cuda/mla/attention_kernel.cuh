@@ -92,6 +92,32 @@ __device__ __forceinline__ int64_t slot_of(const AttentionParams& p, int t, int 
   }
 }
 
+// The kernel's steps, in the order it runs them. The scalars they share with
+// the kernel come as const references, as its lambdas captured them before:
+// passed by value, nvcc orders the index arithmetic differently and the SASS
+// of every instantiation changes (scripts/compare-sass.py shows it).
+
+// Gathers row `row` of chunk `chunk` into `dst` (rows `dst_row_bytes` apart):
+// this thread's 16-byte pieces (`part`, part + 4, ... below `pieces`) one
+// cp.async each; an invalid row is zero-filled, never read, and marked so in
+// the chunk's set of `valid`. The row's slot was loaded a chunk earlier
+// (`next_slot`; this loads the next chunk's, if the split has one), so the
+// index load's latency is off the critical path.
+template <bool kPaged>
+__device__ __forceinline__ void gather_row(const AttentionParams& p, const int& t, const int& b, const int& visible,
+                                           int chunk, const int& chunk_begin, const int& n_chunks, const int& row,
+                                           const int& part, int64_t& next_slot, uint8_t* dst, int dst_row_bytes,
+                                           int pieces, int* valid, int valid_sets) {
+  const int64_t slot = next_slot;
+  if (chunk + 1 < chunk_begin + n_chunks)
+    next_slot = slot_of<kPaged>(p, t, b, (chunk + 1) * kKeysPerChunk + row, visible);
+  const uint8_t* src = p.cache;
+  if (slot >= 0) src += (slot / p.block_size) * p.block_stride + (slot % p.block_size) * p.row_stride;
+  for (int piece = part; piece < pieces; piece += 4)
+    cp_async_16(dst + row * dst_row_bytes + piece * 16, src + piece * 16, slot >= 0);
+  if (part == 0) valid[(chunk % valid_sets) * kKeysPerChunk + row] = slot >= 0;
+}
+
 // Dequantises a chunk of fp8 rows (512 e4m3 latents, 4 fp32 tile scales, 64
 // bf16 rope values when kRope) into the key rows `keys`, all threads together.
 template <typename T, int kRope>
@@ -150,22 +176,9 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const AttentionPara
     row_sum[tid] = 0.f;
   }
 
-  // Gathers chunk `chunk` (its 32 rows) into `dst`: 4 threads per row, each
-  // 16-byte piece one cp.async; invalid rows are zero-filled, never read. The
-  // row's slot was loaded a chunk earlier (`next_slot`), so the index load's
-  // latency is off the critical path.
+  // Each thread gathers row tid / 4 of every chunk, its pieces tid % 4, + 4, ...
   const int my_row = tid / 4, my_part = tid % 4;
-  auto slot_for = [&](int chunk) { return slot_of<kPaged>(p, t, b, chunk * kKeysPerChunk + my_row, visible); };
-  int64_t next_slot = n_chunks > 0 ? slot_for(chunk_begin) : -1;
-  auto gather = [&](int chunk, uint8_t* dst, int dst_row_bytes, int pieces) {
-    const int64_t slot = next_slot;
-    if (chunk + 1 < chunk_begin + n_chunks) next_slot = slot_for(chunk + 1);
-    const uint8_t* src = p.cache;
-    if (slot >= 0) src += (slot / p.block_size) * p.block_stride + (slot % p.block_size) * p.row_stride;
-    for (int piece = my_part; piece < pieces; piece += 4)
-      cp_async_16(dst + my_row * dst_row_bytes + piece * 16, src + piece * 16, slot >= 0);
-    if (my_part == 0) valid[(chunk % L.valid_sets) * kKeysPerChunk + my_row] = slot >= 0;
-  };
+  int64_t next_slot = n_chunks > 0 ? slot_of<kPaged>(p, t, b, chunk_begin * kKeysPerChunk + my_row, visible) : -1;
 
   float o[16][4];  // this warp's 128 output columns (16 n-tiles), rows g and g+8
 #pragma unroll
@@ -267,8 +280,9 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const AttentionPara
   uint8_t* const bufs = smem + (kFp8 ? L.staging : L.k);
   auto issue = [&](int i) {  // chunk i of this split, if it exists
     if (i < n_chunks)
-      gather(chunk_begin + i, bufs + (i % kStages) * kBufBytes, kFp8 ? kFp8RowBytes : kRowElems * 2,
-             kFp8 ? kFp8Pieces : kPieces);
+      gather_row<kPaged>(p, t, b, visible, chunk_begin + i, chunk_begin, n_chunks, my_row, my_part, next_slot,
+                         bufs + (i % kStages) * kBufBytes, kFp8 ? kFp8RowBytes : kRowElems * 2,
+                         kFp8 ? kFp8Pieces : kPieces, valid, L.valid_sets);
     cp_async_commit();  // empty groups keep the wait counts uniform
   };
 #pragma unroll
