@@ -143,6 +143,37 @@ __device__ __forceinline__ void dequantise_chunk(const uint8_t* rows, T* keys, i
   }
 }
 
+// Scores, step 1: this warp's partial scores of the 16 heads x 32 keys of
+// `kt` (row-major [32][kRowElems]) over its quarter of the query dims (`qa`),
+// into its tile of `ss`. Four independent accumulator chains.
+template <typename T, int kRope>
+__device__ __forceinline__ void partial_scores(const T* kt, const uint32_t (&qa)[HeadDims<kRope>::kDimsPerWarp / 16][4],
+                                               float* ss, int warp, int lane) {
+  using D = HeadDims<kRope>;
+  float acc[4][4] = {};  // partial scores of keys 8n..8n+7 over this warp's dims
+#pragma unroll
+  for (int ks = 0; ks < D::kDimsPerWarp / 16; ++ks) {
+    const int dim = warp * D::kDimsPerWarp + ks * 16;
+#pragma unroll
+    for (int n = 0; n < 4; n += 2) {
+      uint32_t bk[4];  // keys 8n..8n+15, dims dim..dim+15
+      ldmatrix_x4(bk, kt + (n * 8 + lane % 8 + (lane / 16) * 8) * D::kRowElems + dim + ((lane / 8) % 2) * 8);
+      mma_16816<T>(acc[n], qa[ks], {bk[0], bk[1]});
+      mma_16816<T>(acc[n + 1], qa[ks], {bk[2], bk[3]});
+    }
+  }
+  const int g = lane / 4;
+  float* part = ss + warp * kHeadsPerCta * kSRow;
+#pragma unroll
+  for (int n = 0; n < 4; ++n) {
+    const int c = n * 8 + (lane % 4) * 2;
+    part[g * kSRow + c] = acc[n][0];
+    part[g * kSRow + c + 1] = acc[n][1];
+    part[(g + 8) * kSRow + c] = acc[n][2];
+    part[(g + 8) * kSRow + c + 1] = acc[n][3];
+  }
+}
+
 template <CacheFormat F, int kRope, bool kPaged, int kStages>
 __global__ void __launch_bounds__(kThreads) attention_kernel(const AttentionParams p) {
   using T = ComputeT<F>;
@@ -188,28 +219,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const AttentionPara
   uint32_t qa[kDimsPerWarp / 16][4];  // this warp's query fragments (A operand), loaded once
 
   auto attend = [&](const T* kt, const int* vmask) {
-    float acc[4][4] = {};  // partial scores of keys 8n..8n+7 over this warp's dims
-#pragma unroll
-    for (int ks = 0; ks < kDimsPerWarp / 16; ++ks) {
-      const int dim = warp * kDimsPerWarp + ks * 16;
-#pragma unroll
-      for (int n = 0; n < 4; n += 2) {
-        uint32_t bk[4];  // keys 8n..8n+15, dims dim..dim+15
-        ldmatrix_x4(bk, kt + (n * 8 + lane % 8 + (lane / 16) * 8) * kRowElems + dim + ((lane / 8) % 2) * 8);
-        mma_16816<T>(acc[n], qa[ks], {bk[0], bk[1]});
-        mma_16816<T>(acc[n + 1], qa[ks], {bk[2], bk[3]});
-      }
-    }
-    const int g = lane / 4;
-    float* part = ss + warp * kHeadsPerCta * kSRow;
-#pragma unroll
-    for (int n = 0; n < 4; ++n) {
-      const int c = n * 8 + (lane % 4) * 2;
-      part[g * kSRow + c] = acc[n][0];
-      part[g * kSRow + c + 1] = acc[n][1];
-      part[(g + 8) * kSRow + c] = acc[n][2];
-      part[(g + 8) * kSRow + c + 1] = acc[n][3];
-    }
+    partial_scores<T, kRope>(kt, qa, ss, warp, lane);
     __syncthreads();
 
     {  // 8 threads per head row, 4 keys each
@@ -251,6 +261,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const AttentionPara
     }
     __syncthreads();
 
+    const int g = lane / 4;
     const float al0 = row_alpha[g], al1 = row_alpha[g + 8];
 #pragma unroll
     for (int n = 0; n < 16; ++n) {
