@@ -92,10 +92,10 @@ __device__ __forceinline__ int64_t slot_of(const AttentionParams& p, int t, int 
   }
 }
 
-// The kernel's steps, in the order it runs them. The scalars they share with
-// the kernel come as const references, as its lambdas captured them before:
-// passed by value, nvcc orders the index arithmetic differently and the SASS
-// of every instantiation changes (scripts/compare-sass.py shows it).
+// The kernel's steps, in the order it runs them. Each compiles to the same
+// SASS as the code it replaced (scripts/compare-sass.py): gather_row's scalars
+// are const references, as the lambda before it captured them, because passed
+// by value nvcc ordered the index arithmetic differently in every kernel.
 
 // Gathers row `row` of chunk `chunk` into `dst` (rows `dst_row_bytes` apart):
 // this thread's 16-byte pieces (`part`, part + 4, ... below `pieces`) one
@@ -216,6 +216,9 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const AttentionPara
   for (int n = 0; n < 16; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
 
   // One chunk: scores, online softmax, O += P V, with keys in `kt` (row-major [32][kRowElems]).
+  // The softmax and P V stay inline: as device functions they changed the
+  // PTX with every signature tried (P V on every arch, the softmax on
+  // sm_100/120), as did the query staging and the output writes below.
   uint32_t qa[kDimsPerWarp / 16][4];  // this warp's query fragments (A operand), loaded once
 
   auto attend = [&](const T* kt, const int* vmask) {
@@ -224,16 +227,12 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const AttentionPara
 
     {  // 8 threads per head row, 4 keys each
       const int r = tid / 8, c0 = (tid % 8) * 4;
-      // The 4 keys' valid flags as one 16-byte load: left to nvcc, whether it
-      // merged 4 scalar loads changed with unrelated declarations in the file.
-      const int4 keep4 = *reinterpret_cast<const int4*>(vmask + c0);
-      const int keep[4] = {keep4.x, keep4.y, keep4.z, keep4.w};
       float v[4], cmax = -INFINITY;
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int at = r * kSRow + c0 + e;
         const float score = (ss[at] + ss[at + kHeadsPerCta * kSRow]) + (ss[at + 2 * kHeadsPerCta * kSRow] + ss[at + 3 * kHeadsPerCta * kSRow]);
-        v[e] = keep[e] ? score * p.scale_log2 : -INFINITY;
+        v[e] = vmask[c0 + e] ? score * p.scale_log2 : -INFINITY;
         cmax = fmaxf(cmax, v[e]);
       }
 #pragma unroll
