@@ -92,6 +92,88 @@ __device__ __forceinline__ int64_t slot_of(const AttentionParams& p, int t, int 
   }
 }
 
+// The kernel's steps, in the order it runs them. Each compiles to the same
+// SASS as the code it replaced (scripts/compare-sass.py): gather_row's scalars
+// are const references, as the lambda before it captured them, because passed
+// by value nvcc ordered the index arithmetic differently in every kernel.
+
+// Gathers row `row` of chunk `chunk` into `dst` (rows `dst_row_bytes` apart):
+// this thread's 16-byte pieces (`part`, part + 4, ... below `pieces`) one
+// cp.async each; an invalid row is zero-filled, never read, and marked so in
+// the chunk's set of `valid`. The row's slot was loaded a chunk earlier
+// (`next_slot`; this loads the next chunk's, if the split has one), so the
+// index load's latency is off the critical path.
+template <bool kPaged>
+__device__ __forceinline__ void gather_row(const AttentionParams& p, const int& t, const int& b, const int& visible,
+                                           int chunk, const int& chunk_begin, const int& n_chunks, const int& row,
+                                           const int& part, int64_t& next_slot, uint8_t* dst, int dst_row_bytes,
+                                           int pieces, int* valid, int valid_sets) {
+  const int64_t slot = next_slot;
+  if (chunk + 1 < chunk_begin + n_chunks)
+    next_slot = slot_of<kPaged>(p, t, b, (chunk + 1) * kKeysPerChunk + row, visible);
+  const uint8_t* src = p.cache;
+  if (slot >= 0) src += (slot / p.block_size) * p.block_stride + (slot % p.block_size) * p.row_stride;
+  for (int piece = part; piece < pieces; piece += 4)
+    cp_async_16(dst + row * dst_row_bytes + piece * 16, src + piece * 16, slot >= 0);
+  if (part == 0) valid[(chunk % valid_sets) * kKeysPerChunk + row] = slot >= 0;
+}
+
+// Dequantises a chunk of fp8 rows (512 e4m3 latents, 4 fp32 tile scales, 64
+// bf16 rope values when kRope) into the key rows `keys`, all threads together.
+template <typename T, int kRope>
+__device__ __forceinline__ void dequantise_chunk(const uint8_t* rows, T* keys, int tid) {
+  using D = HeadDims<kRope>;
+  for (int i = tid; i < kKeysPerChunk * D::kPieces; i += kThreads) {
+    const int row = i / D::kPieces, piece = i % D::kPieces;
+    const uint8_t* src = rows + row * D::kFp8RowBytes;
+    uint4 out;
+    if (piece < kLatent / 8) {
+      const float scale = reinterpret_cast<const float*>(src + kLatent)[piece / 16];
+      const uint2 codes = *reinterpret_cast<const uint2*>(src + piece * 8);
+      const __nv_fp8x2_storage_t* c2 = reinterpret_cast<const __nv_fp8x2_storage_t*>(&codes);
+      uint32_t* ow = reinterpret_cast<uint32_t*>(&out);
+      for (int e = 0; e < 4; ++e) {
+        const float2 f = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(c2[e], __NV_E4M3)));
+        ow[e] = pack2<T>(f.x * scale, f.y * scale);
+      }
+    } else {
+      out = *reinterpret_cast<const uint4*>(src + kLatent + 16 + (piece - kLatent / 8) * 16);
+    }
+    *reinterpret_cast<uint4*>(keys + row * D::kRowElems + piece * 8) = out;
+  }
+}
+
+// Scores, step 1: this warp's partial scores of the 16 heads x 32 keys of
+// `kt` (row-major [32][kRowElems]) over its quarter of the query dims (`qa`),
+// into its tile of `ss`. Four independent accumulator chains.
+template <typename T, int kRope>
+__device__ __forceinline__ void partial_scores(const T* kt, const uint32_t (&qa)[HeadDims<kRope>::kDimsPerWarp / 16][4],
+                                               float* ss, int warp, int lane) {
+  using D = HeadDims<kRope>;
+  float acc[4][4] = {};  // partial scores of keys 8n..8n+7 over this warp's dims
+#pragma unroll
+  for (int ks = 0; ks < D::kDimsPerWarp / 16; ++ks) {
+    const int dim = warp * D::kDimsPerWarp + ks * 16;
+#pragma unroll
+    for (int n = 0; n < 4; n += 2) {
+      uint32_t bk[4];  // keys 8n..8n+15, dims dim..dim+15
+      ldmatrix_x4(bk, kt + (n * 8 + lane % 8 + (lane / 16) * 8) * D::kRowElems + dim + ((lane / 8) % 2) * 8);
+      mma_16816<T>(acc[n], qa[ks], {bk[0], bk[1]});
+      mma_16816<T>(acc[n + 1], qa[ks], {bk[2], bk[3]});
+    }
+  }
+  const int g = lane / 4;
+  float* part = ss + warp * kHeadsPerCta * kSRow;
+#pragma unroll
+  for (int n = 0; n < 4; ++n) {
+    const int c = n * 8 + (lane % 4) * 2;
+    part[g * kSRow + c] = acc[n][0];
+    part[g * kSRow + c + 1] = acc[n][1];
+    part[(g + 8) * kSRow + c] = acc[n][2];
+    part[(g + 8) * kSRow + c + 1] = acc[n][3];
+  }
+}
+
 template <CacheFormat F, int kRope, bool kPaged, int kStages>
 __global__ void __launch_bounds__(kThreads) attention_kernel(const AttentionParams p) {
   using T = ComputeT<F>;
@@ -125,75 +207,22 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const AttentionPara
     row_sum[tid] = 0.f;
   }
 
-  // Gathers chunk `chunk` (its 32 rows) into `dst`: 4 threads per row, each
-  // 16-byte piece one cp.async; invalid rows are zero-filled, never read. The
-  // row's slot was loaded a chunk earlier (`next_slot`), so the index load's
-  // latency is off the critical path.
+  // Each thread gathers row tid / 4 of every chunk, its pieces tid % 4, + 4, ...
   const int my_row = tid / 4, my_part = tid % 4;
-  auto slot_for = [&](int chunk) { return slot_of<kPaged>(p, t, b, chunk * kKeysPerChunk + my_row, visible); };
-  int64_t next_slot = n_chunks > 0 ? slot_for(chunk_begin) : -1;
-  auto gather = [&](int chunk, uint8_t* dst, int dst_row_bytes, int pieces) {
-    const int64_t slot = next_slot;
-    if (chunk + 1 < chunk_begin + n_chunks) next_slot = slot_for(chunk + 1);
-    const uint8_t* src = p.cache;
-    if (slot >= 0) src += (slot / p.block_size) * p.block_stride + (slot % p.block_size) * p.row_stride;
-    for (int piece = my_part; piece < pieces; piece += 4)
-      cp_async_16(dst + my_row * dst_row_bytes + piece * 16, src + piece * 16, slot >= 0);
-    if (my_part == 0) valid[(chunk % L.valid_sets) * kKeysPerChunk + my_row] = slot >= 0;
-  };
-
-  // fp8 rows: 512 e4m3 latents, 4 fp32 tile scales, 64 bf16 rope values (when kRope) -> bf16.
-  auto dequantise = [&](const uint8_t* rows) {
-    for (int i = tid; i < kKeysPerChunk * kPieces; i += kThreads) {
-      const int row = i / kPieces, piece = i % kPieces;
-      const uint8_t* src = rows + row * kFp8RowBytes;
-      uint4 out;
-      if (piece < kLatent / 8) {
-        const float scale = reinterpret_cast<const float*>(src + kLatent)[piece / 16];
-        const uint2 codes = *reinterpret_cast<const uint2*>(src + piece * 8);
-        const __nv_fp8x2_storage_t* c2 = reinterpret_cast<const __nv_fp8x2_storage_t*>(&codes);
-        uint32_t* ow = reinterpret_cast<uint32_t*>(&out);
-        for (int e = 0; e < 4; ++e) {
-          const float2 f = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(c2[e], __NV_E4M3)));
-          ow[e] = pack2<T>(f.x * scale, f.y * scale);
-        }
-      } else {
-        out = *reinterpret_cast<const uint4*>(src + kLatent + 16 + (piece - kLatent / 8) * 16);
-      }
-      *reinterpret_cast<uint4*>(sk + row * kRowElems + piece * 8) = out;
-    }
-  };
+  int64_t next_slot = n_chunks > 0 ? slot_of<kPaged>(p, t, b, chunk_begin * kKeysPerChunk + my_row, visible) : -1;
 
   float o[16][4];  // this warp's 128 output columns (16 n-tiles), rows g and g+8
 #pragma unroll
   for (int n = 0; n < 16; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
 
   // One chunk: scores, online softmax, O += P V, with keys in `kt` (row-major [32][kRowElems]).
+  // The softmax and P V stay inline: as device functions they changed the
+  // PTX with every signature tried (P V on every arch, the softmax on
+  // sm_100/120), as did the query staging and the output writes below.
   uint32_t qa[kDimsPerWarp / 16][4];  // this warp's query fragments (A operand), loaded once
 
   auto attend = [&](const T* kt, const int* vmask) {
-    float acc[4][4] = {};  // partial scores of keys 8n..8n+7 over this warp's dims
-#pragma unroll
-    for (int ks = 0; ks < kDimsPerWarp / 16; ++ks) {
-      const int dim = warp * kDimsPerWarp + ks * 16;
-#pragma unroll
-      for (int n = 0; n < 4; n += 2) {
-        uint32_t bk[4];  // keys 8n..8n+15, dims dim..dim+15
-        ldmatrix_x4(bk, kt + (n * 8 + lane % 8 + (lane / 16) * 8) * kRowElems + dim + ((lane / 8) % 2) * 8);
-        mma_16816<T>(acc[n], qa[ks], {bk[0], bk[1]});
-        mma_16816<T>(acc[n + 1], qa[ks], {bk[2], bk[3]});
-      }
-    }
-    const int g = lane / 4;
-    float* part = ss + warp * kHeadsPerCta * kSRow;
-#pragma unroll
-    for (int n = 0; n < 4; ++n) {
-      const int c = n * 8 + (lane % 4) * 2;
-      part[g * kSRow + c] = acc[n][0];
-      part[g * kSRow + c + 1] = acc[n][1];
-      part[(g + 8) * kSRow + c] = acc[n][2];
-      part[(g + 8) * kSRow + c + 1] = acc[n][3];
-    }
+    partial_scores<T, kRope>(kt, qa, ss, warp, lane);
     __syncthreads();
 
     {  // 8 threads per head row, 4 keys each
@@ -231,6 +260,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const AttentionPara
     }
     __syncthreads();
 
+    const int g = lane / 4;
     const float al0 = row_alpha[g], al1 = row_alpha[g + 8];
 #pragma unroll
     for (int n = 0; n < 16; ++n) {
@@ -260,8 +290,9 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const AttentionPara
   uint8_t* const bufs = smem + (kFp8 ? L.staging : L.k);
   auto issue = [&](int i) {  // chunk i of this split, if it exists
     if (i < n_chunks)
-      gather(chunk_begin + i, bufs + (i % kStages) * kBufBytes, kFp8 ? kFp8RowBytes : kRowElems * 2,
-             kFp8 ? kFp8Pieces : kPieces);
+      gather_row<kPaged>(p, t, b, visible, chunk_begin + i, chunk_begin, n_chunks, my_row, my_part, next_slot,
+                         bufs + (i % kStages) * kBufBytes, kFp8 ? kFp8RowBytes : kRowElems * 2,
+                         kFp8 ? kFp8Pieces : kPieces, valid, L.valid_sets);
     cp_async_commit();  // empty groups keep the wait counts uniform
   };
 #pragma unroll
@@ -303,7 +334,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const AttentionPara
     __syncthreads();  // chunk i has landed; every warp is done with chunk i-1
     const int* vmask = valid + ((chunk_begin + i) % L.valid_sets) * kKeysPerChunk;
     if constexpr (kFp8) {
-      dequantise(bufs + (i % kStages) * kBufBytes);
+      dequantise_chunk<T, kRope>(bufs + (i % kStages) * kBufBytes, sk, tid);
       __syncthreads();  // staging buffer i % kStages is free again
       issue(i + kAhead);
       attend(sk, vmask);
