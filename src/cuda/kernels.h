@@ -35,7 +35,7 @@ void write_pooled_index_cache(const WritePooledIndexCacheArgs& args);
 void pools_to_positions(const PoolsToPositionsArgs& args);
 void rotate_index_q(const RotateIndexQArgs& args);
 void indexer_topk(const IndexerTopkArgs& args);
-// The step in three kernels: the indexer's scores (up to 64 tokens also counting each row's coarse histogram for
+// The step in three kernels: the indexer's scores (up to 8 tokens also counting each row's coarse histogram for
 // the top-k, TopkFusion::row_histograms); the top-k, which writes the slots as well (no
 // positions_to_slots kernel) and on SM90+, unless its rows are split into slices, is launched as the scores
 // kernel's programmatic dependent (its launch overlaps the scores' last CTAs; it waits for them with

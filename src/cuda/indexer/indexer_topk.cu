@@ -13,7 +13,7 @@
 //      toward the lower position — the CPU backend's result.
 // When the candidates do not fit in shared memory (many equal scores), the
 // exact radix select runs over the row itself instead (four more passes).
-// Inside indexer_topk and dsa_decode_step (up to 64 tokens) the scores kernel
+// Inside indexer_topk and dsa_decode_step (up to 8 tokens) the scores kernel
 // counts step 1's histogram as it writes the scores, into the workspace: the
 // top-k reads it instead of the scores, then zeroes it for the next call. It
 // takes it only where it adds up to the row and, after step 2, only if the
@@ -953,8 +953,9 @@ void select_topk(const IndexerTopkArgs& a, const float* scores, TopkSplit split,
 namespace {
 
 // The scores kernel counts each row's coarse histogram for the top-k (TopkFusion::row_histograms) for this many
-// tokens at most: the step's latency regime, 16 KB of workspace each; larger batches keep the top-k's own count.
-constexpr int64_t kMostCountedTokens = 64;
+// tokens at most: the step's latency regime (1-8 tokens, as bench_cuda step measures it; 16 KB of workspace
+// each). Larger batches keep the top-k's own count, unmeasured with the scores kernel's atomics.
+constexpr int64_t kMostCountedTokens = 8;
 
 // Bytes of row histograms the indexer keeps for these args (none where the top-k splits rows into slices).
 size_t row_histogram_bytes(const IndexerTopkArgs& a) {
