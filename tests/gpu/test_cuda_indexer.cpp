@@ -957,6 +957,7 @@ TEST(CudaTopk, ExactWithRowHistogramsOfAnyContent) {
                    std::to_string(static_cast<int>(counts)));
       check_crafted_rows(crafted_rows(), 2048, 110, split, true, counts);
       check_crafted_rows(crafted_rows(), 37, 111, split, true, counts);
+      check_crafted_rows(crafted_rows(), 8192, 113, split, true, counts);
       check_crafted_rows(nan_rows, 2048, 112, split, false, counts);
     }
 }
