@@ -47,8 +47,9 @@ void dsa_decode_step(const DsaDecodeStepArgs& args);
 size_t sparse_mla_workspace_size(const SparseMlaArgs& args);
 size_t paged_mla_decode_workspace_size(const PagedMlaDecodeArgs& args);
 size_t indexer_workspace_size(const IndexerTopkArgs& args);
-// dsa_decode_step's: the indexer's and the attention's share the start (one after the other), the scores kernel's
-// row histograms follow both, so that they stay zero from one step to the next (TopkFusion::row_histograms).
+// dsa_decode_step's: for 1-8 tokens the room of the scores kernel's row histograms first (128 KB, whatever the
+// other shapes: they stay zero from one call to the next, TopkFusion::row_histograms), then the indexer's part and
+// the attention's, which share it (one after the other). indexer_topk's starts with the same room.
 size_t dsa_decode_step_workspace_size(const DsaDecodeStepArgs& args);
 
 // indexer_topk's two stages, for benchmarks: scores of every visible position

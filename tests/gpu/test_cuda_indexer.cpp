@@ -649,30 +649,45 @@ TEST(CudaIndexer, DsaDecodeStepReplaysInACudaGraph) {
 }
 
 // The step on a caller's workspace that starts as garbage: the first call's row histograms are not the rows' (the
-// top-k counts itself), the second's are the scores kernel's counts (the first left them zero). Both give the CPU's
-// positions and the same outputs bit for bit, and leave the row histograms (16 KB per token at the workspace's
-// end, after the attention's part) zero; the workspace the attention alone needs ends before them.
+// top-k counts itself), the next ones' are the scores kernel's counts (the call before left them zero), also after
+// a step of other shapes (3 tokens, a wider block table) on the same workspace in between. Every call gives the
+// CPU's positions, the same outputs bit for bit, and leaves the row histograms (16 KB per token from the
+// workspace's start, where they are whatever the shapes) zero; the rest of their 128 KB is not written.
 TEST(CudaIndexer, DsaDecodeStepLeavesItsRowHistogramsZero) {
   DsaStepCase c;
-  const size_t bytes = workspace_size(c.gpu, &gpu());
-  const size_t histogram_bytes = static_cast<size_t>(c.pr.tokens) * cuda::kCoarseBins * sizeof(int32_t);
-  ASSERT_GE(bytes, histogram_bytes + workspace_size(attention_step(c.gpu), &gpu()));
+  IndexProblem other_shapes = DsaStepCase::problem();
+  other_shapes.tokens = 3;
+  other_shapes.max_blocks = 30;
+  DsaStepCase other(other_shapes);
+  constexpr size_t kRoom = 8 * cuda::kCoarseBins * sizeof(int32_t);
+  const size_t bytes = std::max(workspace_size(c.gpu, &gpu()), workspace_size(other.gpu, &gpu()));
+  ASSERT_GE(workspace_size(c.gpu, &gpu()), kRoom + workspace_size(attention_step(c.gpu), &gpu()));
   DeviceBuffer ws(bytes);
   CUDA_OK(cudaMemset(ws.ptr, 0xff, bytes));
-  DsaDecodeStepArgs g = c.gpu;
-  g.workspace = on_gpu(TensorView(nullptr, {static_cast<int64_t>(bytes)}, DType::u8), ws.ptr);
-  std::vector<DsaStepCase::Outputs> runs;
-  for (int call = 0; call < 2; ++call) {
-    c.poison_outputs();
+  const TensorView workspace = on_gpu(TensorView(nullptr, {static_cast<int64_t>(bytes)}, DType::u8), ws.ptr);
+  std::vector<DsaStepCase::Outputs> runs;  // of c
+  const auto run = [&](DsaStepCase& step, const char* what) {
+    SCOPED_TRACE(what);
+    DsaDecodeStepArgs g = step.gpu;
+    g.workspace = workspace;
+    step.poison_outputs();
     dsa_decode_step(g, &gpu());
     CUDA_OK(cudaDeviceSynchronize());
-    runs.push_back(c.download());
     const std::vector<uint8_t> left = ws.download<uint8_t>();
-    EXPECT_EQ(std::count(left.end() - histogram_bytes, left.end(), 0), static_cast<long>(histogram_bytes))
-        << "call " << call;
-    EXPECT_EQ(runs.back().topk, c.topk) << "call " << call;
-  }
+    const size_t counted = static_cast<size_t>(c.pr.tokens) * cuda::kCoarseBins * sizeof(int32_t);  // the most
+    EXPECT_EQ(std::count(left.begin(), left.begin() + counted, 0), static_cast<long>(counted));
+    EXPECT_EQ(std::count(left.begin() + counted, left.begin() + kRoom, 0xff), static_cast<long>(kRoom - counted));
+    const DsaStepCase::Outputs got = step.download();
+    EXPECT_EQ(got.topk, step.topk);
+    if (&step == &c) runs.push_back(got);
+  };
+  run(c, "first call");
+  run(c, "second call");
+  run(other, "other shapes");
+  run(c, "after the other shapes");
+  ASSERT_EQ(runs.size(), 3u);
   expect_identical(runs[1], runs[0], "the second call vs the first");
+  expect_identical(runs[2], runs[0], "the third call vs the first");
 }
 
 // The step's fused kernels (the top-k writing the slots, launched as the scores kernel's programmatic dependent on

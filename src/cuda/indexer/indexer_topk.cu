@@ -953,61 +953,71 @@ void select_topk(const IndexerTopkArgs& a, const float* scores, TopkSplit split,
 namespace {
 
 // The scores kernel counts each row's coarse histogram for the top-k (TopkFusion::row_histograms) for this many
-// tokens at most: the step's latency regime (1-8 tokens, as bench_cuda step measures it; 16 KB of workspace
-// each). Larger batches keep the top-k's own count, unmeasured with the scores kernel's atomics.
+// tokens at most: the step's latency regime (1-8 tokens, as bench_cuda step measures it). Larger batches keep the
+// top-k's own count, unmeasured with the scores kernel's atomics.
 constexpr int64_t kMostCountedTokens = 8;
 
-// Bytes of row histograms the indexer keeps for these args (none where the top-k splits rows into slices).
-size_t row_histogram_bytes(const IndexerTopkArgs& a) {
+// The row histograms' room: the workspace's first 128 KB for 1 to kMostCountedTokens tokens, whatever the args'
+// other shapes, so that calls of other shapes on the same workspace (another batch, a wider block table) leave
+// them as the last call left them: zero. Everything else the indexer (and dsa_decode_step's attention) keeps in
+// the workspace comes after it.
+constexpr size_t kRowHistogramRoom = kMostCountedTokens * kCoarseBins * sizeof(int);
+size_t row_histogram_room(const IndexerTopkArgs& a) {
   const int64_t tokens = a.q.size(0);
-  const bool counted = tokens > 0 && tokens <= kMostCountedTokens && index_capacity(a) > 0 &&
-                       plan_topk(a, TopkSplit::automatic).slices == 0;
-  return counted ? static_cast<size_t>(tokens) * kCoarseBins * sizeof(int) : 0;
+  return tokens > 0 && tokens <= kMostCountedTokens ? kRowHistogramRoom : 0;
+}
+// Whether the scores kernel counts them for these args: rows not split into slices (and a scores kernel runs).
+bool counts_row_histograms(const IndexerTopkArgs& a) {
+  return row_histogram_room(a) > 0 && index_capacity(a) > 0 && plan_topk(a, TopkSplit::automatic).slices == 0;
 }
 
-// Where the indexer's workspace holds what: the scores, then the top-k's scratch; the row histograms at
-// `histograms_at` (after both, and in dsa_decode_step after the attention's part too, so that nothing but the
-// scores kernel and the top-k, which leaves them zero, writes them from one call to the next).
 size_t scores_and_scratch_bytes(const IndexerTopkArgs& a) {
   return (score_bytes(a) + topk_scratch_bytes(a) + 15) / 16 * 16;
 }
 
-void scores_then_topk(const IndexerTopkArgs& a, TopkFusion fusion, size_t histograms_at, size_t workspace_bytes) {
-  std::optional<DefaultWorkspace> own;
-  auto* ws = static_cast<uint8_t*>(
-      workspace_or(a.workspace, own, static_cast<cudaStream_t>(a.stream), workspace_bytes, "indexer_topk"));
-  auto* scores = reinterpret_cast<float*>(ws);
-  int* histograms = row_histogram_bytes(a) > 0 ? reinterpret_cast<int*>(ws + histograms_at) : nullptr;
+// `ws`: the row histograms' room, then the scores and the top-k's scratch.
+void scores_then_topk(const IndexerTopkArgs& a, uint8_t* ws, TopkFusion fusion) {
+  uint8_t* rest = ws + row_histogram_room(a);
+  auto* scores = reinterpret_cast<float*>(rest);
+  int* histograms = counts_row_histograms(a) ? reinterpret_cast<int*>(ws) : nullptr;
   indexer_scores(a, scores, ScoreMma::automatic, histograms);
   fusion.after_scores = fusion.after_scores && a.q.size(0) > 0 && index_capacity(a) > 0;  // else no scores kernel ran
   fusion.row_histograms = histograms;
-  select_topk(a, scores, TopkSplit::automatic, ws + score_bytes(a), fusion);
-}
-
-// dsa_decode_step's row histograms: after the indexer's part and the attention's.
-size_t step_histograms_at(const DsaDecodeStepArgs& a) {
-  return (std::max(scores_and_scratch_bytes(indexer_step(a)), sparse_mla_workspace_size(attention_step(a))) + 15) /
-         16 * 16;
+  select_topk(a, scores, TopkSplit::automatic, rest + score_bytes(a), fusion);
 }
 
 }  // namespace
 
-size_t indexer_workspace_size(const IndexerTopkArgs& a) {
-  return scores_and_scratch_bytes(a) + row_histogram_bytes(a);
-}
+size_t indexer_workspace_size(const IndexerTopkArgs& a) { return row_histogram_room(a) + scores_and_scratch_bytes(a); }
 
 size_t dsa_decode_step_workspace_size(const DsaDecodeStepArgs& a) {
-  return step_histograms_at(a) + row_histogram_bytes(indexer_step(a));
+  const IndexerTopkArgs ix = indexer_step(a);
+  return row_histogram_room(ix) + std::max(scores_and_scratch_bytes(ix), sparse_mla_workspace_size(attention_step(a)));
 }
 
 void indexer_topk(const IndexerTopkArgs& a) {
-  scores_then_topk(a, {}, scores_and_scratch_bytes(a), indexer_workspace_size(a));
+  std::optional<DefaultWorkspace> own;
+  void* ws = workspace_or(a.workspace, own, static_cast<cudaStream_t>(a.stream), indexer_workspace_size(a),
+                          "indexer_topk");
+  scores_then_topk(a, static_cast<uint8_t*>(ws), {});
 }
 
 void dsa_decode_step(const DsaDecodeStepArgs& a) {
+  // One workspace for the steps (the caller's, else the library's for the stream): the row histograms' room, then
+  // the indexer's part, the attention's over it.
+  std::optional<DefaultWorkspace> own;
+  const size_t bytes = dsa_decode_step_workspace_size(a);
+  auto* ws = static_cast<uint8_t*>(
+      workspace_or(a.workspace, own, static_cast<cudaStream_t>(a.stream), bytes, "dsa_decode_step"));
+  const IndexerTopkArgs indexer = indexer_step(a);
   const PositionsToSlotsArgs slots = slots_step(a);
-  scores_then_topk(indexer_step(a), {&slots, true}, step_histograms_at(a), dsa_decode_step_workspace_size(a));
-  cuda::sparse_mla(attention_step(a));
+  scores_then_topk(indexer, ws, {&slots, true});
+  SparseMlaArgs attention = attention_step(a);
+  if (ws != nullptr) {
+    const size_t room = row_histogram_room(indexer);
+    attention.workspace = TensorView(ws + room, {static_cast<int64_t>(bytes - room)}, DType::u8, a.q.device);
+  }
+  cuda::sparse_mla(attention);
 }
 
 }  // namespace smla::cuda
