@@ -2,11 +2,12 @@
 // 16 heads (one mma row tile) and a range of 32-key chunks. The selected
 // cache rows are gathered with cp.async into shared memory (fp8 rows are
 // staged and dequantised there: fp8_ds_mla's, and fp8_ds_mla_v4's, whose
-// scales lie apart from the values at the block's end). The head is 576 wide (rope 64) or 512 (no rope part),
-// a template parameter. Scores: each warp holds a quarter of the query dims
-// in registers and computes partial scores for all 32 keys (four independent
-// accumulator chains, no query reloads); the partials are summed in the fp32
-// online softmax (log2 domain). P*V: each warp owns 128 output columns.
+// scales lie apart from the values at the block's end). The head is 576 wide
+// (rope 64) or 512 (no rope part), a template parameter. Scores: each warp
+// holds a quarter of the query dims in registers and computes partial scores
+// for all 32 keys (four independent accumulator chains, no query reloads); the
+// partials are summed in the fp32 online softmax (log2 domain). P*V: each warp
+// owns 128 output columns.
 #pragma once
 
 #include <cuda_fp8.h>
@@ -36,7 +37,7 @@ struct HeadDims {
   // The bytes of an fp8 row the kernel reads: 512 e4m3 | 4 fp32 scales | 64 bf16 rope when there is one
   // (656 | 528); with rope 0 an fp8_ds_mla row's rope part is never fetched.
   static constexpr int kFp8RowBytes = kLatent + 16 + 2 * kRope;  // 41 | 33 16-byte pieces
-  static constexpr int kDimsPerWarp = kQkDim / 4;       // 144 | 128 = 9 | 8 k-steps of 16
+  static constexpr int kDimsPerWarp = kQkDim / 4;                // 144 | 128 = 9 | 8 k-steps of 16
 };
 
 __host__ __device__ constexpr int row_elems(int rope) {
