@@ -4,7 +4,9 @@
 // token), GB/s of cache rows gathered and the fraction of the ceiling that
 // bounds it; and for the indexer, the scores' GB/s of index-cache bytes and
 // TFLOP/s (2*H_I*128 per position) and the top-k time per row. GLM-5.3-Flash
-// (glm53f: rope-free heads of 512, the pooled indexer) has rows of its own.
+// (glm53f: rope-free heads of 512, the pooled indexer) and DeepSeek-V4 (dsv4:
+// heads of 512 over a window cache and a compressed one, bf16 or the 584-byte
+// fp8_ds_mla_v4) have rows of their own.
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -172,20 +174,31 @@ struct Ceilings {
   double copy_gbs, gemm_tflops;
 };
 
-// One cache of `slots` rows shared by every config (random bf16 or fp8 rows) for heads of `head`'s width.
+// One cache of `slots` rows in blocks of `block_size` shared by every config (random bf16 or fp8 rows) for heads of
+// `head`'s width.
 struct Cache {
   smla::DType dtype;
   int64_t slots;
   smla::MlaHead head;
-  int block_size = 64;
+  int block_size;
   void* data = nullptr;
-  Cache(smla::DType d, int64_t n, smla::MlaHead mla_head = {}) : dtype(d), slots(n), head(mla_head) {
-    const size_t bytes = static_cast<size_t>(n) * row_stride_bytes();
+  Cache(smla::DType d, int64_t n, smla::MlaHead mla_head = {}, int block = 64)
+      : dtype(d), slots(n), head(mla_head), block_size(block) {
+    const size_t bytes = static_cast<size_t>(n / block_size) * block_stride_bytes();
     CHECK(cudaMalloc(&data, bytes));
     std::vector<uint8_t> h(bytes);
     std::mt19937 rng(2);
     // bf16 bytes of modest random values; fp8 rows: random codes < 0x70 and scale 2^-4.
-    for (int64_t r = 0; r < n; ++r) {
+    for (int64_t r = 0; r < n && d == smla::DType::fp8_ds_mla_v4; ++r) {  // per block: MlaV4CacheLayout
+      using V4 = smla::MlaV4CacheLayout;
+      uint8_t* block = h.data() + (r / block_size) * block_stride_bytes();
+      uint8_t* values = block + V4::value_offset(r % block_size);
+      for (int i = 0; i < V4::kNopeDim; ++i) values[i] = static_cast<uint8_t>(rng() % 0x70) | (rng() & 0x80);
+      for (int i = 0; i < V4::kRopeDim; ++i)
+        reinterpret_cast<uint16_t*>(values + V4::kNopeDim)[i] = 0x3c00 + (rng() % 256);
+      for (int i = 0; i < V4::kScaleBytes; ++i) block[V4::scale_offset(block_size, r % block_size) + i] = 127 - 4;
+    }
+    for (int64_t r = 0; r < n && d != smla::DType::fp8_ds_mla_v4; ++r) {
       uint8_t* row = h.data() + r * row_stride_bytes();
       if (d != smla::DType::bf16) {  // either fp8 form (the envelope's rope part is unused with a rope-free head)
         for (int i = 0; i < 512; ++i) row[i] = static_cast<uint8_t>(rng() % 0x70) | (rng() & 0x80);
@@ -200,14 +213,20 @@ struct Cache {
     CHECK(cudaMemcpy(data, h.data(), bytes, cudaMemcpyHostToDevice));
   }
   ~Cache() { cudaFree(data); }
-  // Bytes a row takes in memory, and the bytes of it the kernels read.
+  // Bytes a row and a block take in memory (fp8_ds_mla_v4's blocks padded as FlashMLA pads them, to a multiple of
+  // 576), and the bytes of a row the kernels read.
   int row_stride_bytes() const {
     return static_cast<int>(head.cache_row(dtype) * (dtype == smla::DType::bf16 ? 2 : 1));
   }
+  int64_t block_stride_bytes() const {
+    const int64_t bytes = static_cast<int64_t>(block_size) * row_stride_bytes();
+    return dtype == smla::DType::fp8_ds_mla_v4 ? (bytes + 575) / 576 * 576 : bytes;
+  }
   int row_bytes() const { return static_cast<int>(head.row_bytes_read(dtype)); }
   smla::TensorView view() const {
-    return smla::TensorView(data, {slots / block_size, block_size, head.cache_row(dtype)}, dtype,
-                            smla::Device::cuda(90));
+    const int64_t elem = dtype == smla::DType::bf16 ? 2 : 1;
+    return smla::TensorView(data, {slots / block_size, block_size, head.cache_row(dtype)},
+                            {block_stride_bytes() / elem, head.cache_row(dtype), 1}, dtype, smla::Device::cuda(90));
   }
 };
 
@@ -248,7 +267,7 @@ void report(const char* name, const char* kv, AttentionChoice kernel, int tokens
   const double tflops = 2.0 * heads * keys * (qk_dim + 512.0) * tokens / (ms * 1e-3) / 1e12;
   const double gbs = bytes / (ms * 1e-3) / 1e9;
   const double mem_frac = gbs / c.copy_gbs, compute_frac = tflops / c.gemm_tflops;
-  std::printf("%-22s %-10s %-10s %6d %5d %6d %10.1f %9.1f %8.1f %6.0f%% %s\n", name, kv, kernel_name(kernel).c_str(),
+  std::printf("%-22s %-13s %-10s %6d %5d %6d %10.1f %9.1f %8.1f %6.0f%% %s\n", name, kv, kernel_name(kernel).c_str(),
               tokens, heads, keys, ms * 1e3, tflops, gbs, 100 * std::max(mem_frac, compute_frac),
               mem_frac >= compute_frac ? "memory" : "compute");
   attention_rows.push_back(
@@ -268,28 +287,43 @@ bool timed(AttentionChoice kernel, Call&& call, double& ms) {
   }
 }
 
+// A second cache for sparse attention (DeepSeek-V4's compressed cache beside its window cache) and its top-k.
+struct ExtraCache {
+  const Cache* cache = nullptr;
+  int topk = 0;
+};
+
 // Sparse attention: each token's `topk` indices drawn from the first `context` slots (0: the whole cache,
-// so the gathers miss L2; a prefill's 32K context is shared by its tokens).
+// so the gathers miss L2; a prefill's 32K context is shared by its tokens); with `extra`, also `extra.topk` indices
+// into its whole cache, under one softmax (keys and bytes count both lists).
 void bench_sparse(const char* name, Cache& cache, int tokens, int heads, int topk, const Ceilings& c,
-                  AttentionChoice kernel = {}, int64_t context = 0) {
+                  AttentionChoice kernel = {}, int64_t context = 0, ExtraCache extra = {}) {
   const smla::Backend& be = *smla::Registry::global().find("cuda_mma");
-  std::vector<int32_t> idx(static_cast<size_t>(tokens) * topk);
+  const smla::Device dev = smla::Device::cuda(90);
   std::mt19937_64 rng(tokens * 131 + heads);
-  const int64_t range = context > 0 ? context : cache.slots;
-  for (auto& i : idx) i = static_cast<int32_t>(rng() % range);
-  int32_t* didx;
-  CHECK(cudaMalloc(&didx, idx.size() * 4));
-  CHECK(cudaMemcpy(didx, idx.data(), idx.size() * 4, cudaMemcpyHostToDevice));
+  auto device_indices = [&](int k, int64_t range) {
+    std::vector<int32_t> idx(static_cast<size_t>(tokens) * k);
+    for (auto& i : idx) i = static_cast<int32_t>(rng() % range);
+    int32_t* d;
+    CHECK(cudaMalloc(&d, idx.size() * 4));
+    CHECK(cudaMemcpy(d, idx.data(), idx.size() * 4, cudaMemcpyHostToDevice));
+    return d;
+  };
+  int32_t* didx = device_indices(topk, context > 0 ? context : cache.slots);
+  int32_t* dextra = extra.cache ? device_indices(extra.topk, extra.cache->slots) : nullptr;
   const int qk = cache.head.qk_dim();
   void* q = device_random_half(static_cast<size_t>(tokens) * heads * qk);
   void *out, *lse;
   CHECK(cudaMalloc(&out, static_cast<size_t>(tokens) * heads * 512 * 2));
   CHECK(cudaMalloc(&lse, static_cast<size_t>(tokens) * heads * 4));
-  const smla::Device dev = smla::Device::cuda(90);
   smla::SparseMlaArgs a;
   a.q = smla::TensorView(q, {tokens, heads, qk}, smla::DType::bf16, dev);
   a.kv_cache = cache.view();
   a.indices = smla::TensorView(didx, {tokens, topk}, smla::DType::i32, dev);
+  if (extra.cache) {
+    a.extra_kv_cache = extra.cache->view();
+    a.extra_indices = smla::TensorView(dextra, {tokens, extra.topk}, smla::DType::i32, dev);
+  }
   a.softmax_scale = 0.0625f;
   a.out = smla::TensorView(out, {tokens, heads, 512}, smla::DType::bf16, dev);
   a.lse = smla::TensorView(lse, {tokens, heads}, smla::DType::f32, dev);
@@ -299,9 +333,13 @@ void bench_sparse(const char* name, Cache& cache, int tokens, int heads, int top
     else smla::cuda::sparse_mla(a, kernel);
   }, ms);
   if (ran)
-    report(name, std::string(smla::dtype_name(cache.dtype)).c_str(), kernel, tokens, heads, topk, qk, ms,
-           static_cast<double>(tokens) * topk * cache.row_bytes(), c);
+    report(name, std::string(smla::dtype_name(cache.dtype)).c_str(), kernel, tokens, heads, topk + extra.topk, qk, ms,
+           static_cast<double>(tokens) *
+               (static_cast<double>(topk) * cache.row_bytes() +
+                (extra.cache ? static_cast<double>(extra.topk) * extra.cache->row_bytes() : 0.0)),
+           c);
   cudaFree(didx);
+  cudaFree(dextra);
   cudaFree(q);
   cudaFree(out);
   cudaFree(lse);
@@ -626,8 +664,8 @@ void bench_step(StepCaches& caches, int tokens, int context) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  // `bench_cuda attention|indexer|topk|step` runs one part (`glm53f`: only GLM-5.3-Flash's attention rows); no
-  // argument: all. `bench_cuda sparse ...` one sparse config (below).
+  // `bench_cuda attention|indexer|topk|step` runs one part (`glm53f`, `dsv4`: only GLM-5.3-Flash's, DeepSeek-V4's
+  // attention rows); no argument: all. `bench_cuda sparse ...` one sparse config (below).
   // `bench_cuda indexer TOKENS HEADS CONTEXT [OPTION...]` runs one indexer decode config; options: bf16 (keys),
   // fp8q (fp8 queries), and to force how fp8 keys are multiplied: mma.sync or wgmma (as bf16), e4m3 or e4m3-wgmma
   // (fp8q only). `bench_cuda topk TOKENS
@@ -660,13 +698,14 @@ int main(int argc, char** argv) {
     bench_sparse("sparse", cache, std::atoi(argv[2]), std::atoi(argv[3]), std::atoi(argv[4]), c, kernel);
     return 0;
   }
-  if (part.empty() || part == "attention" || part == "glm53f") {
-    std::printf("%-22s %-10s %-10s %6s %5s %6s %10s %9s %8s %7s %s\n", "config", "cache", "kernel", "tokens", "heads",
+  const bool all_attention = part.empty() || part == "attention";
+  if (all_attention || part == "glm53f" || part == "dsv4") {
+    std::printf("%-22s %-13s %-10s %6s %5s %6s %10s %9s %8s %7s %s\n", "config", "cache", "kernel", "tokens", "heads",
                 "keys", "us", "TFLOP/s", "GB/s", "ceil%", "bound");
     const int64_t slots = int64_t{1} << 20;  // 1.2 GB of bf16 rows: gathers miss L2
     const AttentionChoice head_tile{AttentionKernel::head_tile, 0};
     for (smla::DType kv : {smla::DType::bf16, smla::DType::fp8_ds_mla}) {
-      if (part == "glm53f") break;
+      if (!all_attention) break;
       Cache cache(kv, slots);
       for (int t : {1, 8, 32, 64, 128}) bench_sparse("glm5-tp8 decode", cache, t, 8, 2048, c);
       for (int t : {1, 32, 128}) bench_sparse("dsv32-tp8 decode", cache, t, 16, 2048, c);
@@ -695,6 +734,7 @@ int main(int argc, char** argv) {
     // GLM-5.3-Flash under TP 8: 8 rope-free heads of 512; its pooled top-k attends 2048 tokens of whole pools and
     // up to 3 of the incomplete last one.
     for (smla::DType kv : {smla::DType::bf16, smla::DType::fp8_ds_mla, smla::DType::fp8_ds_mla_nope}) {
+      if (part == "dsv4") break;
       Cache cache(kv, slots, smla::MlaHead{0});
       for (int t : {1, 8, 32, 64, 128}) bench_sparse("glm53f-tp8 decode", cache, t, 8, 2048 + 3, c);
       for (int t : {1, 8, 32, 128}) {  // each kernel forced
@@ -703,6 +743,21 @@ int main(int argc, char** argv) {
       }
       for (int stages : {2, 3, 4})
         bench_sparse("glm53f (depth)", cache, 128, 8, 2048 + 3, c, {AttentionKernel::small_heads, stages});
+    }
+    // DeepSeek-V4 decode as vLLM's deepseek_v4 runs it (FlashMLA's MODEL1 call): heads of 512 (64: V4-Flash; 128),
+    // the window cache's 128 entries (blocks of 64) beside a compressed cache: the ratio-4 one's indexer top-k 512
+    // (blocks of 256 / 4 = 64) or every entry of the ratio-128 one (1024 at 128K tokens, blocks of 256 / 128 = 2).
+    for (smla::DType kv : {smla::DType::bf16, smla::DType::fp8_ds_mla_v4}) {
+      if (part == "glm53f") break;
+      const smla::MlaHead v4{0};
+      Cache window(kv, slots, v4), c4(kv, slots, v4), c128(kv, slots / 4, v4, 2);
+      for (int h : {64, 128})
+        for (int t : {1, 32, 64, 128}) {
+          bench_sparse("dsv4 decode c4", window, t, h, 128, c, {}, 0, {&c4, 512});
+          bench_sparse("dsv4 decode c128", window, t, h, 128, c, {}, 0, {&c128, 1024});
+        }
+      for (int h : {64, 128}) bench_sparse("dsv4 decode window", window, 128, h, 128, c);
+      for (int h : {64, 128}) bench_sparse("dsv4 prefill c4", window, 4096, h, 128, c, {}, 0, {&c4, 512});
     }
   }
   if (part.empty() || part == "indexer") {

@@ -103,8 +103,8 @@ constexpr bool is_fp8_mla_cache(DType d) { return d == DType::fp8_ds_mla || d ==
 // The MLA cache formats of rows (MlaHead::cache_row gives each one's row) every backend takes; backends declare
 // theirs (Capabilities::kv_cache_dtypes) from it.
 inline constexpr DType kMlaCacheDTypes[] = {DType::bf16, DType::f16, DType::fp8_ds_mla, DType::fp8_ds_mla_nope};
-// Every MLA cache format the ops' checks accept: those and DeepSeek-V4's fp8 cache, which only the CPU backend
-// declares so far. The CLI and the spec read it.
+// Every MLA cache format the ops' checks accept: those and DeepSeek-V4's fp8 cache (the CPU and CUDA backends
+// declare it). The CLI and the spec read it.
 inline constexpr DType kAllMlaCacheDTypes[] = {DType::bf16, DType::f16, DType::fp8_ds_mla, DType::fp8_ds_mla_nope,
                                                DType::fp8_ds_mla_v4};
 constexpr bool is_mla_cache_dtype(DType d) {

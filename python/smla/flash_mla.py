@@ -129,9 +129,10 @@ def flash_mla_with_kvcache(
     ``is_fp8_kvcache=True`` both caches are FlashMLA's 584-byte fp8 MODEL1
     layout (fp8_ds_mla_v4: (num_blocks, page_block_size, 1, 584) bytes, each
     block's bytes padded to a multiple of 576 as FlashMLA's quantize_k_cache
-    makes them). The CPU and CUDA backends run the second cache in bf16/f16
-    (and in smla's fp8_ds_mla / fp8_ds_mla_nope rows); the fp8 MODEL1 cache
-    runs on the CPU only (the CUDA backend raises UnsupportedError).
+    makes them). The CPU and CUDA backends run the second cache in every
+    cache format they read: bf16/f16, smla's fp8_ds_mla / fp8_ds_mla_nope
+    rows and the fp8 MODEL1 cache (on CUDA its blocks 16-byte aligned, as
+    FlashMLA's padding keeps them).
 
     Returns (out (b, s_q, h_q, 512) in q's dtype, lse (b, h_q, s_q)
     float32): natural log, without the sink, +inf where a query has nothing

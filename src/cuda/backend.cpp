@@ -24,7 +24,7 @@ Capabilities mma_capabilities() {
   c.device_kind = DeviceKind::cuda;
   c.compute_capability = {80, 129};
   c.q_dtypes = {DType::bf16, DType::f16};
-  c.kv_cache_dtypes = {std::begin(kMlaCacheDTypes), std::end(kMlaCacheDTypes)};
+  c.kv_cache_dtypes = {std::begin(kAllMlaCacheDTypes), std::end(kAllMlaCacheDTypes)};  // DeepSeek-V4's fp8 too
   c.heads = {1, kMaxHeads};
   c.qk_head_dims = {kMlaQkDim, kMlaLatentDim};
   c.block_size = {1, 1 << 20};
@@ -32,8 +32,8 @@ Capabilities mma_capabilities() {
   c.ops = {Op::sparse_mla, Op::paged_mla_decode, Op::indexer};
   c.pooled_indexer = true;
   c.attn_sink = true;
-  // sparse_mla's second cache (DeepSeek-V4), in every cache format the kernel reads; FlashMLA's 584-byte fp8 MODEL1
-  // cache is no such format (the selector says so for every backend).
+  // sparse_mla's second cache (DeepSeek-V4), in every cache format the kernel reads, FlashMLA's 584-byte fp8 MODEL1
+  // cache (fp8_ds_mla_v4) included.
   c.extra_cache = true;
 #ifndef SMLA_WITH_CUDA
   c.combination_rule = [](const AttentionSpec&, const RunSpec&) {

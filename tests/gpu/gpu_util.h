@@ -59,6 +59,12 @@ class CapturedGraph {
   cudaGraphExec_t exec_ = nullptr;
 };
 
+// The block stride (bytes) FlashMLA gives an fp8_ds_mla_v4 cache of `block_size` tokens: block_size * 584 rounded
+// up to a multiple of 576 (so blocks are 16-byte aligned, as the CUDA backend needs).
+inline int64_t v4_block_stride(int64_t block_size) {
+  return (block_size * MlaV4CacheLayout::kRowBytes + 575) / 576 * 576;
+}
+
 // The same view, pointing at device memory.
 inline TensorView on_gpu(TensorView v, void* data) {
   v.data = data;

@@ -3,7 +3,7 @@
 // sizes, padded strides, invalid indices, NaN-poisoned unused slots, outputs
 // pre-filled with NaN and checked fully written, topk_length and sinks; heads
 // of 576 (rope 64) and of 512 (no rope part: the fp8_ds_mla envelope's rope
-// bytes NaN, never read).
+// bytes NaN, never read), DeepSeek-V4's 584-byte fp8_ds_mla_v4 cache among them.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -12,7 +12,6 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
-#include <functional>
 #include <limits>
 #include <optional>
 #include <random>
@@ -35,7 +34,7 @@ struct Problem {
   int tokens = 3, heads = 16, topk = 128, block_size = 16, num_blocks = 0, block_pad = 0;
   bool topk_length = false, sink = false, q_padded = false;
   bool max_logits = false, empty_lse_plus_inf = false;
-  int rope = kMlaRopeDim;  // 0: 512-wide heads (GLM-5.3-Flash)
+  int rope = kMlaRopeDim;  // 0: 512-wide heads (GLM-5.3-Flash, DeepSeek-V4)
   cuda::AttentionChoice kernel;  // forced: the op's CUDA function is called directly
   bool skip_beyond_device = true;  // a forced shape the device's shared memory cannot hold: skipped, not an error
   int qk() const { return MlaHead{rope}.qk_dim(); }
@@ -46,11 +45,14 @@ int row_elems(DType kv, int rope) { return static_cast<int>(MlaHead{rope}.cache_
 std::string nope_tag(const Problem& p) { return p.rope ? "" : " no-rope"; }
 
 // A paged cache: written through the CPU backend from random latents where
-// `used`, NaN (0xff bytes) everywhere else, including the block padding.
+// `used`, NaN (0xff bytes) everywhere else, including the block padding (an
+// fp8_ds_mla_v4 block's: FlashMLA's, then block_pad more bytes).
 std::vector<uint8_t> make_cache(test::Rng& rng, const Problem& pr, const std::vector<bool>& used, TensorView& view) {
   const int row = row_elems(pr.kv_dtype, pr.rope);
   const int64_t esz = dtype_size(pr.kv_dtype);
-  const int64_t block_stride = static_cast<int64_t>(pr.block_size) * row + pr.block_pad;
+  const int64_t block_stride = (pr.kv_dtype == DType::fp8_ds_mla_v4 ? v4_block_stride(pr.block_size)
+                                                                     : static_cast<int64_t>(pr.block_size) * row) +
+                               pr.block_pad;
   std::vector<uint8_t> cache(pr.num_blocks * block_stride * esz, 0xff);
   view = TensorView(cache.data(), {pr.num_blocks, pr.block_size, row}, {block_stride, row, 1}, pr.kv_dtype);
   std::vector<int64_t> slots;
@@ -605,8 +607,8 @@ TEST(CudaWriteMlaCache, SameBytesAsCpu) {
   test::Rng rng(500);
   for (int rope : {kMlaRopeDim, 0})
     for (DType src : {DType::f32, DType::bf16, DType::f16})
-      for (DType kv : {DType::bf16, DType::f16, DType::fp8_ds_mla, DType::fp8_ds_mla_nope}) {
-        if (MlaHead{rope}.cache_row(kv) == 0) continue;  // fp8_ds_mla_nope holds no rope part
+      for (DType kv : {DType::bf16, DType::f16, DType::fp8_ds_mla, DType::fp8_ds_mla_nope, DType::fp8_ds_mla_v4}) {
+        if (MlaHead{rope}.cache_row(kv) == 0) continue;  // fp8_ds_mla_nope and _v4 hold no separate rope part
         SCOPED_TRACE(std::string(dtype_name(src)) + " -> " + std::string(dtype_name(kv)) + " rope " +
                      std::to_string(rope));
         const int n = 77, num_blocks = 10, bs = 16;
@@ -666,51 +668,78 @@ TEST(CudaBackend, RejectsMisalignedQueries) {
   }
 }
 
-// DeepSeek-V4's fp8 cache (fp8_ds_mla_v4) is the CPU backend's only: the CUDA backend does not declare it, so every
-// op given one refuses it as unsupported, naming the cache, and writes nothing.
-TEST(CudaBackend, RefusesTheV4Fp8Cache) {
-  const auto& dtypes = gpu().capabilities().kv_cache_dtypes;
-  ASSERT_EQ(std::find(dtypes.begin(), dtypes.end(), DType::fp8_ds_mla_v4), dtypes.end());
-  constexpr int64_t kTokens = 2, kHeads = 4, kBlocks = 2, kBlock = 16, kTopk = 8;
-  constexpr int64_t kRow = MlaV4CacheLayout::kRowBytes;
-  uint16_t dummy[8];
-  DeviceBuffer d(8 << 16);
-  char* base = static_cast<char*>(d.ptr);
-  const std::vector<uint16_t> sentinel(kTokens * kHeads * kMlaVDim, 0x7fc0);  // bf16 NaN
-  const std::vector<uint8_t> cache_bytes(kBlocks * kBlock * kRow, 0x7f);
-  DeviceBuffer out(sentinel), cache(cache_bytes);
-  const TensorView v4_cache = on_gpu(TensorView(dummy, {kBlocks, kBlock, kRow}, DType::fp8_ds_mla_v4), cache.ptr);
-  const auto expect_refused = [](const std::function<void()>& run, const std::string& needle) {
-    test::expect_error(run, ErrorKind::unsupported, {needle});
-  };
-  SparseMlaArgs a;
-  a.q = on_gpu(TensorView(dummy, {kTokens, kHeads, kMlaLatentDim}, DType::bf16), base);
-  a.kv_cache = v4_cache;
-  a.indices = on_gpu(TensorView(dummy, {kTokens, kTopk}, DType::i32), base + (3 << 16));
-  a.out = on_gpu(TensorView(dummy, {kTokens, kHeads, kMlaVDim}, DType::bf16), out.ptr);
-  a.lse = on_gpu(TensorView(dummy, {kTokens, kHeads}, DType::f32), base + (6 << 16));
-  a.softmax_scale = 1.f;
-  expect_refused([&] { sparse_mla(a, &gpu()); },
-                 "sparse_mla: kv_cache: backend 'cuda_mma' does not read fp8_ds_mla_v4 caches");
-  PagedMlaDecodeArgs p;
-  p.q = on_gpu(TensorView(dummy, {kTokens, 1, kHeads, kMlaLatentDim}, DType::bf16), base);
-  p.kv_cache = v4_cache;
-  p.block_table = on_gpu(TensorView(dummy, {kTokens, kBlocks}, DType::i32), base + (3 << 16));
-  p.seq_lens = on_gpu(TensorView(dummy, {kTokens}, DType::i32), base + (4 << 16));
-  p.out = on_gpu(TensorView(dummy, {kTokens, 1, kHeads, kMlaVDim}, DType::bf16), out.ptr);
-  p.lse = on_gpu(TensorView(dummy, {kTokens, 1, kHeads}, DType::f32), base + (6 << 16));
-  p.softmax_scale = 1.f;
-  expect_refused([&] { paged_mla_decode(p, &gpu()); },
-                 "paged_mla_decode: kv_cache: backend 'cuda_mma' does not read fp8_ds_mla_v4 caches");
-  WriteMlaCacheArgs w;
-  w.latent = on_gpu(TensorView(dummy, {kTokens, kMlaLatentDim}, DType::bf16), base);
-  w.slot_mapping = on_gpu(TensorView(dummy, {kTokens}, DType::i64), base + (3 << 16));
-  w.cache = v4_cache;
-  expect_refused([&] { write_mla_cache(w, &gpu()); },
-                 "write_mla_cache: cache: backend 'cuda_mma' does not read fp8_ds_mla_v4 caches");
-  CUDA_OK(cudaDeviceSynchronize());
-  EXPECT_EQ(out.download<uint16_t>(), sentinel);
-  EXPECT_EQ(cache.download<uint8_t>(), cache_bytes);
+// DeepSeek-V4's fp8 cache (fp8_ds_mla_v4: per token 448 e4m3 in 7 tiles of 64 and 64 bf16, its 7 ue8m0 scales and a
+// pad byte at the block's end; blocks padded as FlashMLA pads them) on the 16-head-tile kernel against the CPU
+// backend: unused slots, pad bytes and block padding NaN, V4's head counts, top-k 64/576/2048 and block sizes
+// 1/2/61/64/69/576, lengths that cut the lists, sinks, max_logits.
+Problem v4_problem(int heads, int topk, int block_size) {
+  Problem p;
+  p.rope = 0;
+  p.kv_dtype = DType::fp8_ds_mla_v4;
+  p.heads = heads;
+  p.topk = topk;
+  p.block_size = block_size;
+  return p;
+}
+
+TEST(CudaSparseMlaV4, HeadsTopkBlockSizes) {
+  uint64_t seed = 1100;
+  const int block_sizes[] = {1, 2, 61, 64, 69, 576};
+  int i = 0;
+  for (int heads : {1, 16, 64, 128})
+    for (int topk : {64, 576, 2048}) {
+      Problem p = v4_problem(heads, topk, block_sizes[i++ % 6]);
+      p.tokens = heads >= 64 ? 4 : 6;
+      p.q_dtype = i % 4 == 0 ? DType::f16 : DType::bf16;
+      p.topk_length = i % 2 == 0;
+      p.sink = i % 3 == 0;
+      p.max_logits = true;
+      p.block_pad = i % 5 == 0 ? 576 : 0;  // a block stride past FlashMLA's padding
+      const std::optional<cuda::AttentionPlan> plan = run_sparse(p, seed++);
+      ASSERT_TRUE(plan.has_value());
+      EXPECT_EQ(plan->kernel, cuda::AttentionKernel::head_tile) << "the small-heads kernel does not read fp8_ds_mla_v4";
+    }
+}
+
+// Decode batches of 4 and 74 requests with s_q 1 and 3 (FlashMLA's q (b, s_q, h, 512) is b * s_q tokens here), and
+// the keys split (the combine) against the same problem unsplit.
+TEST(CudaSparseMlaV4, DecodeBatchesAndSplits) {
+  uint64_t seed = 1200;
+  for (int batch : {4, 74})
+    for (int s_q : {1, 3}) {
+      Problem p = v4_problem(batch == 4 ? 128 : 64, 2048, 64);
+      p.tokens = batch * s_q;
+      p.topk_length = true;
+      p.sink = s_q == 3;
+      run_sparse(p, seed++);
+    }
+  Problem split = v4_problem(16, 2048, 61);
+  split.tokens = 2;
+  split.sink = true;
+  expect_splits_run(split, seed++);
+}
+
+// Dense paged decode over an fp8_ds_mla_v4 cache: batches 4 and 74, s_q 1 and 3 (causal among them), block sizes.
+TEST(CudaPagedDecodeV4, MatchesCpu) {
+  uint64_t seed = 1300;
+  for (int batch : {4, 74})
+    for (int s_q : {1, 3})
+      for (int bs : {1, 61, 576})
+        run_paged(DType::bf16, DType::fp8_ds_mla_v4, batch, s_q, batch == 4 ? 64 : 16, bs, true, seed++, 0);
+  run_paged(DType::f16, DType::fp8_ds_mla_v4, 2, 2, 128, 2, false, seed++, 0);
+}
+
+// Forcing the small-heads kernel on an fp8_ds_mla_v4 cache is refused (it reads fp8_ds_mla rows only); blocks
+// that are not 16-byte aligned are refused, naming the cache.
+TEST(CudaSparseMlaV4, RefusesTheSmallHeadsKernelAndMisalignedBlocks) {
+  Problem small = v4_problem(8, 256, 64);
+  small.kernel = {cuda::AttentionKernel::small_heads, 0};
+  test::expect_error([&] { run_sparse(small, 1400); }, ErrorKind::unsupported,
+                     {"small-heads kernel", "does not read fp8_ds_mla_v4"});
+  Problem misaligned = v4_problem(8, 256, 61);
+  misaligned.block_pad = 8;  // 62 * 576 + 8 bytes a block
+  test::expect_error([&] { run_sparse(misaligned, 1401); }, ErrorKind::invalid_argument,
+                     {"sparse_mla", "kv_cache", "16-byte aligned"});
 }
 
 }  // namespace

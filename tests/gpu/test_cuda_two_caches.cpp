@@ -1,7 +1,7 @@
 // sparse_mla over two caches under one softmax (DeepSeek-V4's window cache and its compressed "extra" cache) on the
 // CUDA backend against the CPU backend (itself tested against the float64 reference): head counts, top-k and extra
-// top-k, each cache with its own block size, every cache format, invalid indices, NaN-poisoned unused slots and
-// block padding, outputs pre-filled with NaN and checked fully written, topk_length and extra_topk_length (0 for
+// top-k, each cache with its own block size, every cache format (DeepSeek-V4's 584-byte fp8_ds_mla_v4 too), invalid
+// indices, NaN-poisoned unused slots and block padding, outputs pre-filled with NaN and checked fully written, topk_length and extra_topk_length (0 for
 // both: the empty-row convention), sinks, max_logits, forced splits, a caller workspace poisoned with NaN, and a
 // CUDA graph captured on a new non-blocking stream.
 #include <cuda_runtime.h>
@@ -75,8 +75,11 @@ HostCache make_cache(test::Rng& rng, const TwoCaches& p, int topk, int block_siz
     }
   }
   const int row = static_cast<int>(MlaHead{p.rope}.cache_row(p.kv_dtype));
-  const int64_t pad = block_size % 2 == 0 ? 8 * 16 : 0;  // a padded block stride (elements), 16-byte aligned
-  const int64_t block_stride = static_cast<int64_t>(block_size) * row + pad;
+  // A padded block stride (elements), 16-byte aligned; fp8_ds_mla_v4's as FlashMLA pads it (its tokens' scale pad
+  // bytes stay NaN too).
+  const int64_t pad = block_size % 2 == 0 ? 8 * 16 : 0;
+  const int64_t block_stride = p.kv_dtype == DType::fp8_ds_mla_v4 ? v4_block_stride(block_size) + pad
+                                                                  : static_cast<int64_t>(block_size) * row + pad;
   c.bytes.assign(num_blocks * block_stride * dtype_size(p.kv_dtype), 0xff);
   c.view = TensorView(c.bytes.data(), {num_blocks, block_size, row}, {block_stride, row, 1}, p.kv_dtype);
   std::vector<int64_t> slots;
@@ -389,10 +392,77 @@ TEST(CudaTwoCaches, ExtraCacheOfNoBlocks) {
   expect_matches(p, in, g, "extra cache of no blocks");
 }
 
-// Captured into a CUDA graph on a new non-blocking stream with a caller workspace: the replay equals an eager call
-// bit for bit, and a replay on new inputs (indices and lengths changed in place) equals the CPU on those.
-TEST(CudaTwoCaches, CapturedOnANewNonBlockingStream) {
+// DeepSeek-V4's fp8 cache (fp8_ds_mla_v4) in both caches, against the CPU backend: block sizes 1/2/61/64/69/576
+// for each cache (each paired with another), top-k and extra top-k 64/576/2048, lengths that cut both lists (and
+// rows with every index invalid, or lengths 0, in both), sinks; NaN in unused slots, the tokens' scale pad bytes and
+// FlashMLA's block padding.
+TwoCaches v4_caches(int heads, int topk, int extra_topk, int block_size, int extra_block_size) {
   TwoCaches p;
+  p.kv_dtype = DType::fp8_ds_mla_v4;
+  p.rope = 0;
+  p.heads = heads;
+  p.topk = topk;
+  p.extra_topk = extra_topk;
+  p.block_size = block_size;
+  p.extra_block_size = extra_block_size;
+  return p;
+}
+
+TEST(CudaTwoCachesV4, BlockSizesPerCache) {
+  uint64_t seed = 1000;
+  const std::pair<int, int> block_sizes[] = {{1, 576}, {2, 69}, {61, 64}, {64, 61}, {69, 2}, {576, 1}};
+  for (auto [bs, extra_bs] : block_sizes) {
+    TwoCaches p = v4_caches(64, 576, 128, bs, extra_bs);
+    p.sink = bs % 2 == 1;
+    p.q_dtype = bs == 61 ? DType::f16 : DType::bf16;
+    run_two_caches(p, seed++);
+  }
+}
+
+TEST(CudaTwoCachesV4, TopksLengthsAndSinks) {
+  uint64_t seed = 1100;
+  for (int topk : {64, 576, 2048})
+    for (int extra_topk : {64, 576, 2048}) {
+      TwoCaches p = v4_caches(64, topk, extra_topk, 64, 2);
+      p.tokens = 5;
+      p.sink = (topk + extra_topk) % 3 != 0;
+      p.caller_workspace = topk == extra_topk;
+      run_two_caches(p, seed++);
+    }
+  TwoCaches no_lengths = v4_caches(128, 128, 512, 64, 64);
+  no_lengths.lengths = false;
+  no_lengths.sink = true;
+  no_lengths.empty_lse_plus_inf = true;
+  run_two_caches(no_lengths, seed++);
+}
+
+// V4's decode batches: 4 and 74 requests with s_q 1 and 3 (FlashMLA's q (b, s_q, h, 512) is b * s_q tokens here),
+// the window cache (top-k 128, blocks of 64) beside the ratio-4 compressed cache (the indexer's top-k 512, blocks of
+// 256 / 4 = 64 entries, as vLLM sizes them) or the ratio-128 one (every entry: 1024 at 128K tokens, blocks of
+// 256 / 128 = 2); and forced splits.
+TEST(CudaTwoCachesV4, DecodeBatchesAndSplits) {
+  uint64_t seed = 1200;
+  for (int batch : {4, 74})
+    for (int s_q : {1, 3}) {
+      const bool c4 = s_q == 1;
+      TwoCaches p = v4_caches(batch == 4 ? 128 : 64, 128, c4 ? 512 : 1024, 64, c4 ? 64 : 2);
+      p.tokens = batch * s_q;
+      p.sink = true;
+      run_two_caches(p, seed++);
+    }
+  for (int splits : {1, 5}) {
+    TwoCaches p = v4_caches(16, 2048, 640, 61, 69);
+    p.choice.splits = splits;
+    run_two_caches(p, seed++);
+  }
+}
+
+// Captured into a CUDA graph on a new non-blocking stream with a caller workspace (both caches `kv`): the replay
+// equals an eager call bit for bit, and a replay on new inputs (indices and lengths changed in place) equals the CPU
+// on those.
+void expect_capture_replays(DType kv) {
+  TwoCaches p;
+  p.kv_dtype = kv;
   p.tokens = 4;
   p.heads = 64;
   p.topk = 512;
@@ -457,6 +527,9 @@ TEST(CudaTwoCaches, CapturedOnANewNonBlockingStream) {
 
   CUDA_OK(cudaStreamDestroy(stream));
 }
+
+TEST(CudaTwoCaches, CapturedOnANewNonBlockingStream) { expect_capture_replays(DType::bf16); }
+TEST(CudaTwoCachesV4, CapturedOnANewNonBlockingStream) { expect_capture_replays(DType::fp8_ds_mla_v4); }
 
 }  // namespace
 }  // namespace smla

@@ -131,6 +131,9 @@ def test_deepseek_v4_flash():
     assert fp8.chosen is None and any("584-byte MODEL1 layout" in r for r in fp8.candidates[0].reasons)
     v4_fp8 = smla.explain("deepseek-v4-flash", device="cpu", kv_cache_dtype="fp8_ds_mla_v4")
     assert v4_fp8.chosen == "cpu"
+    for sm in ("sm_80", "sm_120"):  # the CUDA backend reads it on every arch
+        v4_fp8_cuda = smla.explain("deepseek-v4-flash", device=sm, kv_cache_dtype="fp8_ds_mla_v4")
+        assert v4_fp8_cuda.chosen == ("cuda_mma" if smla.with_cuda else None), v4_fp8_cuda.text
     glm5_v4_fp8 = smla.explain("glm-5", device="cpu", kv_cache_dtype="fp8_ds_mla_v4")
     assert glm5_v4_fp8.chosen is None and any("fp8_ds_mla_v4 is DeepSeek-V4's cache" in r
                                               for r in glm5_v4_fp8.candidates[0].reasons)

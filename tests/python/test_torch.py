@@ -677,14 +677,35 @@ def test_sparse_mla_extra_cache_matches_reference_and_numpy(rng):
 
 
 @cuda
-def test_flash_mla_model1_fp8_on_cuda_is_refused(rng):
-    """The CUDA backend does not read FlashMLA's fp8 MODEL1 cache (fp8_ds_mla_v4): an UnsupportedError naming it."""
+@pytest.mark.parametrize("two_caches", [False, True])
+def test_flash_mla_model1_fp8_on_cuda_matches_cpu(rng, two_caches):
+    """FlashMLA's fp8 MODEL1 cache (fp8_ds_mla_v4, padded blocks of 16; the extra cache's of 5) on CUDA tensors runs on
+    the CUDA backend, one cache or two with per-token lengths and a sink, and matches the CPU backend on the same
+    bytes; out is fully written."""
     q, blocks, k_cache, indices, topk_length = model1_fp8_case(rng)
+    kwargs = dict(indices=indices, topk_length=topk_length)
+    t_extra = {}
+    if two_caches:
+        extra_blocks = quantize_model1((rng.standard_normal((6 * 5, LATENT)) / 3).astype(ml_dtypes.bfloat16), 5)
+        kwargs.update(extra_indices_in_kvcache=rng.integers(-1, 31, size=(3, 2, 24)).astype(np.int32),
+                      extra_topk_length=rng.integers(0, 25, size=(3, 2)).astype(np.int32),
+                      attn_sink=rng.uniform(-2, 2, size=16).astype(np.float32))
+        t_extra = dict(extra_k_cache=torch.from_numpy(extra_blocks).cuda()[:, :5 * 584].view(6, 5, 1, 584))
+        kwargs_cpu = dict(kwargs, extra_k_cache=model1_view(extra_blocks, 5))
+    else:
+        kwargs_cpu = kwargs
+    want_out, want_lse = flash_mla_with_kvcache(q, k_cache, None, None, 512, get_mla_metadata()[0],
+                                                is_fp8_kvcache=True, **kwargs_cpu)
+    assert np.isfinite(want_out.astype(np.float32)).all()
     t_cache = torch.from_numpy(blocks).cuda()[:, :k_cache.shape[1] * 584].view(k_cache.shape)
-    with pytest.raises(smla.UnsupportedError, match="backend 'cuda_mma' does not read fp8_ds_mla_v4 caches"):
-        flash_mla_with_kvcache(to_torch(q, "cuda"), t_cache, None, None, 512, get_mla_metadata()[0],
-                               is_fp8_kvcache=True, indices=to_torch(indices, "cuda"),
-                               topk_length=to_torch(topk_length, "cuda"))
+    out, lse = flash_mla_with_kvcache(to_torch(q, "cuda"), t_cache, None, None, 512, get_mla_metadata()[0],
+                                      is_fp8_kvcache=True, **{k: to_torch(v, "cuda") for k, v in kwargs.items()},
+                                      **t_extra)
+    assert out.is_cuda and lse.is_cuda
+    got = to_numpy(out).astype(np.float32)
+    assert not np.isnan(got).any()
+    np.testing.assert_allclose(got, want_out.astype(np.float32), atol=2e-3, rtol=2e-2)
+    np.testing.assert_allclose(to_numpy(lse), want_lse, atol=1e-3, rtol=1e-4)
 
 
 @cuda

@@ -151,6 +151,11 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool v
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem),
                "r"(valid ? 16 : 0));
 }
+// 8-byte variant, for fp8_ds_mla_v4's scales (8 bytes per token, 8-byte aligned).
+__device__ __forceinline__ void cp_async_8(void* smem, const void* gmem, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem),
+               "r"(valid ? 8 : 0));
+}
 // 4-byte variant, for rows that are only 4-byte aligned (fp8 index caches
 // whose block size is not a multiple of 4).
 __device__ __forceinline__ void cp_async_4(void* smem, const void* gmem, bool valid) {

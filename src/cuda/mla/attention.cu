@@ -28,7 +28,7 @@ constexpr int kFp8Stages[] = {1, 2, 3};
 
 template <CacheFormat F, int kRope, bool kPaged>
 KernelFn kernel_for(int stages) {
-  constexpr const int* depths = F == CacheFormat::fp8_ds_mla ? kFp8Stages : kHalfStages;
+  constexpr const int* depths = mla::is_fp8(F) ? kFp8Stages : kHalfStages;
   if (stages == depths[0]) return mla::attention_kernel<F, kRope, kPaged, depths[0]>;
   if (stages == depths[1]) return mla::attention_kernel<F, kRope, kPaged, depths[1]>;
   return mla::attention_kernel<F, kRope, kPaged, depths[2]>;
@@ -36,7 +36,9 @@ KernelFn kernel_for(int stages) {
 
 template <CacheFormat F>
 KernelFn kernel_for(int rope, bool paged, int stages) {
-  if (rope) return paged ? kernel_for<F, kMlaRopeDim, true>(stages) : kernel_for<F, kMlaRopeDim, false>(stages);
+  if constexpr (F != CacheFormat::fp8_ds_mla_v4) {  // which holds 512-wide heads only (checked)
+    if (rope) return paged ? kernel_for<F, kMlaRopeDim, true>(stages) : kernel_for<F, kMlaRopeDim, false>(stages);
+  }
   return paged ? kernel_for<F, 0, true>(stages) : kernel_for<F, 0, false>(stages);
 }
 
@@ -45,14 +47,20 @@ KernelFn select_kernel(CacheFormat f, int rope, bool paged, int stages) {
     case CacheFormat::bf16: return kernel_for<CacheFormat::bf16>(rope, paged, stages);
     case CacheFormat::f16: return kernel_for<CacheFormat::f16>(rope, paged, stages);
     case CacheFormat::fp8_ds_mla: return kernel_for<CacheFormat::fp8_ds_mla>(rope, paged, stages);
+    case CacheFormat::fp8_ds_mla_v4: return kernel_for<CacheFormat::fp8_ds_mla_v4>(rope, paged, stages);
   }
   return nullptr;
 }
 
-// Both fp8 forms are read alike: with no rope part the kernel fetches only the first 528 bytes of a row, which
-// fp8_ds_mla and fp8_ds_mla_nope lay out the same way.
+// Both fp8_ds_mla forms are read alike: with no rope part the kernel fetches only the first 528 bytes of a row,
+// which fp8_ds_mla and fp8_ds_mla_nope lay out the same way.
 CacheFormat format_of(DType d) {
-  return d == DType::bf16 ? CacheFormat::bf16 : d == DType::f16 ? CacheFormat::f16 : CacheFormat::fp8_ds_mla;
+  switch (d) {
+    case DType::bf16: return CacheFormat::bf16;
+    case DType::f16: return CacheFormat::f16;
+    case DType::fp8_ds_mla_v4: return CacheFormat::fp8_ds_mla_v4;
+    default: return CacheFormat::fp8_ds_mla;
+  }
 }
 
 // The kernel's geometry, from q's last dimension (checked: 576 or 512).
@@ -68,16 +76,19 @@ void require_aligned(const char* op, const char* arg, const void* ptr, int64_t b
 }
 
 // The cache the kernel gathers keys from (`arg`: its name in errors). One of no slots is never read (an extra
-// cache of no blocks may have null data and any strides).
+// cache of no blocks may have null data and any strides). An fp8_ds_mla_v4 cache's rows are 584 bytes apart by
+// definition (the kernel addresses its values and scales per block), so only its blocks must be aligned.
 void set_cache(AttentionParams& p, const char* op, const char* arg, const TensorView& cache) {
-  const int64_t row_elem = is_fp8_mla_cache(cache.dtype) ? 1 : 2;
+  const int64_t elem = static_cast<int64_t>(dtype_size(cache.dtype));
   p.cache = cache.ptr<uint8_t>();
-  p.block_stride = cache.stride(0) * row_elem;
-  p.row_stride = cache.stride(1) * row_elem;
+  p.block_stride = cache.stride(0) * elem;
+  p.row_stride = cache.stride(1) * elem;
   p.block_size = static_cast<int>(cache.size(1));
   p.num_blocks = static_cast<int>(cache.size(0));
   p.num_slots = cache.size(0) * cache.size(1);
-  if (p.num_slots > 0) require_aligned(op, arg, cache.data, 16, {p.block_stride, p.row_stride});
+  if (p.num_slots == 0) return;
+  if (cache.dtype == DType::fp8_ds_mla_v4) require_aligned(op, arg, cache.data, 16, {p.block_stride});
+  else require_aligned(op, arg, cache.data, 16, {p.block_stride, p.row_stride});
 }
 
 // Sparse attention's slots in that cache: indices [T, K] and their optional lengths [T].
@@ -137,7 +148,7 @@ const LaunchConfig& launch_config(CacheFormat f, int rope, bool paged) {
   if (auto it = configs.find(key); it != configs.end()) return *(mine[key] = &it->second);
   std::vector<LaunchConfig> fits;
   int most = 0;
-  for (int stages : f == CacheFormat::fp8_ds_mla ? kFp8Stages : kHalfStages) {
+  for (int stages : mla::is_fp8(f) ? kFp8Stages : kHalfStages) {
     const int bytes = mla::SmemLayout(f, stages, rope).total;
     if (bytes > dev.max_smem_per_block) continue;
     KernelFn k = select_kernel(f, rope, paged, stages);
@@ -148,7 +159,7 @@ const LaunchConfig& launch_config(CacheFormat f, int rope, bool paged) {
     most = std::max(most, ctas);
   }
   if (fits.empty()) {
-    const int shallowest = (f == CacheFormat::fp8_ds_mla ? kFp8Stages : kHalfStages)[0];
+    const int shallowest = (mla::is_fp8(f) ? kFp8Stages : kHalfStages)[0];
     throw Error(ErrorKind::unsupported, "MLA attention needs " +
                                             std::to_string(mla::SmemLayout(f, shallowest, rope).total) +
                                             " bytes of shared memory per block; this device allows " +
@@ -190,9 +201,10 @@ size_t split_partial_bytes(int splits, int64_t tokens, int heads) {
 
 // Which kernel runs and how launch() splits the keys of `tokens` x `heads` query rows: a function of the args, the
 // choice and the device only, so workspace_size() knows the partials' size before the call. The small-heads kernel
-// serves fp8 caches (576-wide heads, or either fp8 form of rope-free 512-wide ones), up to 32 heads from 16 query
-// tokens on (64 rope-free; memory-bound decode), where the device fits it; the rest goes to the 16-head-tile kernel,
-// which on an H200 ran bf16 decode and fp8 decode of fewer tokens faster (docs/performance.md).
+// serves fp8_ds_mla caches (576-wide heads, or either fp8_ds_mla form of rope-free 512-wide ones), up to 32 heads
+// from 16 query tokens on (64 rope-free; memory-bound decode), where the device fits it; the rest goes to the
+// 16-head-tile kernel, which on an H200 ran bf16 decode and fp8 decode of fewer tokens faster
+// (docs/performance.md), and which alone reads fp8_ds_mla_v4 caches.
 struct Plan {
   const LaunchConfig* head_tile = nullptr;
   const mla::small::SmallHeadsConfig* small = nullptr;

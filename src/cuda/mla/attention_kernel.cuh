@@ -1,11 +1,13 @@
 // MLA attention on tensor cores (mma.sync, SM80+): one CTA = one query token,
 // 16 heads (one mma row tile) and a range of 32-key chunks. The selected
 // cache rows are gathered with cp.async into shared memory (fp8 rows are
-// dequantised there). The head is 576 wide (rope 64) or 512 (no rope part),
-// a template parameter. Scores: each warp holds a quarter of the query dims
-// in registers and computes partial scores for all 32 keys (four independent
-// accumulator chains, no query reloads); the partials are summed in the fp32
-// online softmax (log2 domain). P*V: each warp owns 128 output columns.
+// staged and dequantised there: fp8_ds_mla's, and fp8_ds_mla_v4's, whose
+// scales lie apart from the values at the block's end). The head is 576 wide
+// (rope 64) or 512 (no rope part), a template parameter. Scores: each warp
+// holds a quarter of the query dims in registers and computes partial scores
+// for all 32 keys (four independent accumulator chains, no query reloads); the
+// partials are summed in the fp32 online softmax (log2 domain). P*V: each warp
+// owns 128 output columns.
 #pragma once
 
 #include <cuda_fp8.h>
@@ -14,6 +16,7 @@
 
 #include "cuda/common/mma.cuh"
 #include "cuda/mla/params.h"
+#include "smla/types.h"
 
 namespace smla::cuda::mla {
 
@@ -33,9 +36,8 @@ struct HeadDims {
   static constexpr int kPieces = kQkDim * 2 / 16;  // 16-byte pieces of a 16-bit row (72 | 64)
   // The bytes of an fp8 row the kernel reads: 512 e4m3 | 4 fp32 scales | 64 bf16 rope when there is one
   // (656 | 528); with rope 0 an fp8_ds_mla row's rope part is never fetched.
-  static constexpr int kFp8RowBytes = kLatent + 16 + 2 * kRope;
-  static constexpr int kFp8Pieces = kFp8RowBytes / 16;  // 41 | 33
-  static constexpr int kDimsPerWarp = kQkDim / 4;       // 144 | 128 = 9 | 8 k-steps of 16
+  static constexpr int kFp8RowBytes = kLatent + 16 + 2 * kRope;  // 41 | 33 16-byte pieces
+  static constexpr int kDimsPerWarp = kQkDim / 4;                // 144 | 128 = 9 | 8 k-steps of 16
 };
 
 __host__ __device__ constexpr int row_elems(int rope) {
@@ -48,12 +50,44 @@ __host__ __device__ constexpr int fp8_row_bytes(int rope) {
 template <CacheFormat F>
 using ComputeT = std::conditional_t<F == CacheFormat::f16, __half, __nv_bfloat16>;
 
+__host__ __device__ constexpr bool is_fp8(CacheFormat f) {
+  return f == CacheFormat::fp8_ds_mla || f == CacheFormat::fp8_ds_mla_v4;
+}
+
+// How an fp8 row is staged in shared memory and dequantised: the first kE4m3 dims are e4m3 codes (byte d is dim
+// d), each scaled by scale(row, d); the rest are 16-bit values from byte kTail. kStagedBytes: a staged row.
+template <CacheFormat F, int kRope>
+struct Fp8Row;
+// fp8_ds_mla: the row's first fp8_row_bytes, as in the cache: 512 e4m3 | 4 fp32 scales | 64 bf16 rope (if kRope).
+template <int kRope>
+struct Fp8Row<CacheFormat::fp8_ds_mla, kRope> {
+  static constexpr int kE4m3 = kLatent, kTail = kLatent + 16, kStagedBytes = HeadDims<kRope>::kFp8RowBytes;
+  __device__ static float scale(const uint8_t* row, int dim) {
+    return reinterpret_cast<const float*>(row + kLatent)[dim / 128];
+  }
+};
+// fp8_ds_mla_v4 (512-wide heads): the token's 576 value bytes (448 e4m3 | 64 bf16 rope), then its 8 scale bytes
+// (7 ue8m0 and the pad), gathered from the block's end into one more 16-byte piece.
+template <>
+struct Fp8Row<CacheFormat::fp8_ds_mla_v4, 0> {
+  using V4 = MlaV4CacheLayout;
+  static constexpr int kE4m3 = V4::kNopeDim, kTail = V4::kNopeDim, kStagedBytes = V4::kValueBytes + 16;
+  // ue8m0: 2^(e - 127) (e = 0 the denormal 2^-127), 255 NaN, as the CPU backend reads it.
+  __device__ static float scale(const uint8_t* row, int dim) {
+    const uint32_t e = row[V4::kValueBytes + dim / V4::kTile];
+    return __uint_as_float(e == 255 ? 0x7fc00000u : e == 0 ? 0x00400000u : e << 23);
+  }
+};
+__host__ __device__ constexpr int staged_row_bytes(CacheFormat f, int rope) {
+  return f == CacheFormat::fp8_ds_mla_v4 ? Fp8Row<CacheFormat::fp8_ds_mla_v4, 0>::kStagedBytes : fp8_row_bytes(rope);
+}
+
 // Pipeline depth: 16-bit caches are gathered straight into `stages` key
 // buffers (stages - 1 chunks in flight while one is used); fp8 rows land in
 // `stages` staging buffers and are dequantised into one key buffer (stages
 // chunks in flight).
 __host__ __device__ constexpr int chunks_in_flight(CacheFormat f, int stages) {
-  return f == CacheFormat::fp8_ds_mla ? stages : stages - 1;
+  return is_fp8(f) ? stages : stages - 1;
 }
 
 // Shared-memory layout, in bytes from the start (all offsets 16-byte aligned).
@@ -61,11 +95,11 @@ __host__ __device__ constexpr int chunks_in_flight(CacheFormat f, int stages) {
 struct SmemLayout {
   int k = 0, staging = 0, s = 0, p = 0, stats = 0, valid = 0, valid_sets = 0, total = 0, q = 0;
   __host__ __device__ constexpr SmemLayout(CacheFormat f, int stages, int rope) {
-    const bool fp8 = f == CacheFormat::fp8_ds_mla;
+    const bool fp8 = is_fp8(f);
     const int k_buffers = fp8 ? 1 : stages;
     q = (k_buffers - 1) * kKeysPerChunk * row_elems(rope) * 2;
     staging = k + k_buffers * kKeysPerChunk * row_elems(rope) * 2;
-    s = staging + (fp8 ? stages * kKeysPerChunk * fp8_row_bytes(rope) : 0);
+    s = staging + (fp8 ? stages * kKeysPerChunk * staged_row_bytes(f, rope) : 0);
     p = s + 4 * kHeadsPerCta * kSRow * 4;  // one partial-score tile per warp
     stats = p + kHeadsPerCta * kPRow * 2;
     valid = stats + 3 * kHeadsPerCta * 4;
@@ -99,36 +133,52 @@ __device__ __forceinline__ int64_t slot_of(const AttentionParams& p, int t, int 
 
 // Gathers row `row` of chunk `chunk` into `dst` (rows `dst_row_bytes` apart):
 // this thread's 16-byte pieces (`part`, part + 4, ... below `pieces`) one
-// cp.async each; an invalid row is zero-filled, never read, and marked so in
-// the chunk's set of `valid`. The row's slot was loaded a chunk earlier
-// (`next_slot`; this loads the next chunk's, if the split has one), so the
-// index load's latency is off the critical path.
-template <bool kPaged>
+// cp.async each (fp8_ds_mla_v4: the last piece is the token's 8 scale bytes,
+// from the block's end); an invalid row is zero-filled, never read, and
+// marked so in the chunk's set of `valid`. The row's slot was loaded a chunk
+// earlier (`next_slot`; this loads the next chunk's, if the split has one), so
+// the index load's latency is off the critical path.
+template <CacheFormat F, bool kPaged>
 __device__ __forceinline__ void gather_row(const AttentionParams& p, const int& t, const int& b, const int& visible,
                                            int chunk, const int& chunk_begin, const int& n_chunks, const int& row,
                                            const int& part, int64_t& next_slot, uint8_t* dst, int dst_row_bytes,
                                            int pieces, int* valid, int valid_sets) {
+  constexpr bool kV4 = F == CacheFormat::fp8_ds_mla_v4;
   const int64_t slot = next_slot;
   if (chunk + 1 < chunk_begin + n_chunks)
     next_slot = slot_of<kPaged>(p, t, b, (chunk + 1) * kKeysPerChunk + row, visible);
-  const uint8_t* src = p.cache;
-  if (slot >= 0) src += (slot / p.block_size) * p.block_stride + (slot % p.block_size) * p.row_stride;
-  for (int piece = part; piece < pieces; piece += 4)
-    cp_async_16(dst + row * dst_row_bytes + piece * 16, src + piece * 16, slot >= 0);
+  const uint8_t *src = p.cache, *scales = p.cache;  // the row (fp8_ds_mla_v4: the values, and the scales)
+  if (slot >= 0) {
+    if constexpr (kV4) {
+      using V4 = MlaV4CacheLayout;
+      const int64_t offset = slot % p.block_size;
+      src += (slot / p.block_size) * p.block_stride;
+      scales = src + p.block_size * V4::kValueBytes + offset * V4::kScaleBytes;
+      src += offset * V4::kValueBytes;
+    } else {
+      src += (slot / p.block_size) * p.block_stride + (slot % p.block_size) * p.row_stride;
+    }
+  }
+  for (int piece = part; piece < pieces; piece += 4) {
+    uint8_t* to = dst + row * dst_row_bytes + piece * 16;
+    if (kV4 && piece == pieces - 1) cp_async_8(to, scales, slot >= 0);
+    else cp_async_16(to, src + piece * 16, slot >= 0);
+  }
   if (part == 0) valid[(chunk % valid_sets) * kKeysPerChunk + row] = slot >= 0;
 }
 
-// Dequantises a chunk of fp8 rows (512 e4m3 latents, 4 fp32 tile scales, 64
-// bf16 rope values when kRope) into the key rows `keys`, all threads together.
-template <typename T, int kRope>
+// Dequantises a chunk of staged fp8 rows into the key rows `keys`, all threads
+// together (Fp8Row: e4m3 codes times their tile's scale, then the 16-bit values).
+template <CacheFormat F, typename T, int kRope>
 __device__ __forceinline__ void dequantise_chunk(const uint8_t* rows, T* keys, int tid) {
   using D = HeadDims<kRope>;
+  using R = Fp8Row<F, kRope>;
   for (int i = tid; i < kKeysPerChunk * D::kPieces; i += kThreads) {
     const int row = i / D::kPieces, piece = i % D::kPieces;
-    const uint8_t* src = rows + row * D::kFp8RowBytes;
+    const uint8_t* src = rows + row * R::kStagedBytes;
     uint4 out;
-    if (piece < kLatent / 8) {
-      const float scale = reinterpret_cast<const float*>(src + kLatent)[piece / 16];
+    if (piece < R::kE4m3 / 8) {
+      const float scale = R::scale(src, piece * 8);
       const uint2 codes = *reinterpret_cast<const uint2*>(src + piece * 8);
       const __nv_fp8x2_storage_t* c2 = reinterpret_cast<const __nv_fp8x2_storage_t*>(&codes);
       uint32_t* ow = reinterpret_cast<uint32_t*>(&out);
@@ -137,7 +187,7 @@ __device__ __forceinline__ void dequantise_chunk(const uint8_t* rows, T* keys, i
         ow[e] = pack2<T>(f.x * scale, f.y * scale);
       }
     } else {
-      out = *reinterpret_cast<const uint4*>(src + kLatent + 16 + (piece - kLatent / 8) * 16);
+      out = *reinterpret_cast<const uint4*>(src + R::kTail + (piece - R::kE4m3 / 8) * 16);
     }
     *reinterpret_cast<uint4*>(keys + row * D::kRowElems + piece * 8) = out;
   }
@@ -179,8 +229,9 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const AttentionPara
   using T = ComputeT<F>;
   using D = HeadDims<kRope>;
   constexpr int kRowElems = D::kRowElems, kPieces = D::kPieces, kDimsPerWarp = D::kDimsPerWarp;
-  constexpr int kFp8RowBytes = D::kFp8RowBytes, kFp8Pieces = D::kFp8Pieces;
-  constexpr bool kFp8 = F == CacheFormat::fp8_ds_mla;
+  constexpr bool kFp8 = is_fp8(F), kV4 = F == CacheFormat::fp8_ds_mla_v4;
+  static_assert(!kV4 || kRope == 0, "fp8_ds_mla_v4 holds 512-wide heads");
+  constexpr int kFp8RowBytes = kFp8 ? staged_row_bytes(F, kRope) : 0, kFp8Pieces = kFp8RowBytes / 16;
   constexpr SmemLayout L(F, kStages, kRope);
   extern __shared__ __align__(16) uint8_t smem[];
   T* sk = reinterpret_cast<T*>(smem + L.k);
@@ -290,7 +341,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const AttentionPara
   uint8_t* const bufs = smem + (kFp8 ? L.staging : L.k);
   auto issue = [&](int i) {  // chunk i of this split, if it exists
     if (i < n_chunks)
-      gather_row<kPaged>(p, t, b, visible, chunk_begin + i, chunk_begin, n_chunks, my_row, my_part, next_slot,
+      gather_row<F, kPaged>(p, t, b, visible, chunk_begin + i, chunk_begin, n_chunks, my_row, my_part, next_slot,
                          bufs + (i % kStages) * kBufBytes, kFp8 ? kFp8RowBytes : kRowElems * 2,
                          kFp8 ? kFp8Pieces : kPieces, valid, L.valid_sets);
     cp_async_commit();  // empty groups keep the wait counts uniform
@@ -334,7 +385,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const AttentionPara
     __syncthreads();  // chunk i has landed; every warp is done with chunk i-1
     const int* vmask = valid + ((chunk_begin + i) % L.valid_sets) * kKeysPerChunk;
     if constexpr (kFp8) {
-      dequantise_chunk<T, kRope>(bufs + (i % kStages) * kBufBytes, sk, tid);
+      dequantise_chunk<F, T, kRope>(bufs + (i % kStages) * kBufBytes, sk, tid);
       __syncthreads();  // staging buffer i % kStages is free again
       issue(i + kAhead);
       attend(sk, vmask);

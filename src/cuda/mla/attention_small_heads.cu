@@ -36,6 +36,7 @@ Kernel select(CacheFormat f, bool paged, int rope, int groups, int split_dims) {
     case CacheFormat::bf16: return kernel_for<CacheFormat::bf16>(paged, rope, groups, split_dims);
     case CacheFormat::f16: return kernel_for<CacheFormat::f16>(paged, rope, groups, split_dims);
     case CacheFormat::fp8_ds_mla: return kernel_for<CacheFormat::fp8_ds_mla>(paged, rope, groups, split_dims);
+    case CacheFormat::fp8_ds_mla_v4: break;  // not read: find_small_heads_config never asks
   }
   return nullptr;
 }
@@ -86,6 +87,7 @@ const SmallHeadsConfig* find_small_heads_config(CacheFormat f, int rope, bool pa
       (shape.split_dims != 0 && shape.split_dims != 1 && shape.split_dims != 2))
     throw Error(ErrorKind::invalid_argument, "MLA attention (small-heads kernel): stages must be 2-4, heads per CTA "
                                              "8 or 16, dim split 1 or 2 (0: as the kernel sees fit)");
+  if (f == CacheFormat::fp8_ds_mla_v4) return nullptr;
   using Key = std::tuple<int, CacheFormat, int, bool, int, int, int>;
   static std::mutex mu;
   static std::map<Key, SmallHeadsConfig> configs;  // nodes never move
@@ -121,6 +123,8 @@ const SmallHeadsConfig* find_small_heads_config(CacheFormat f, int rope, bool pa
 const SmallHeadsConfig& small_heads_config(CacheFormat f, int rope, bool paged, int num_heads,
                                            SmallHeadsShape shape) {
   if (const SmallHeadsConfig* cfg = find_small_heads_config(f, rope, paged, num_heads, shape)) return *cfg;
+  if (f == CacheFormat::fp8_ds_mla_v4)
+    throw Error(ErrorKind::unsupported, "MLA attention (small-heads kernel) does not read fp8_ds_mla_v4 caches");
   const int groups = shape.heads_per_cta == 8 || (shape.heads_per_cta == 0 && num_heads <= kHeadsPerGroup) ? 1 : 2;
   const int stages = shape.stages > 0 ? shape.stages : 2;
   throw Error(ErrorKind::unsupported, "MLA attention (small-heads kernel, " + std::to_string(stages) +

@@ -33,7 +33,8 @@ struct SmallHeadsShape {
 // deepest pipeline that keeps the most CTAs resident per SM; at 8 heads the
 // output dims split between two warps where unsplit CTAs leave fewer than 8
 // warps per SM. Null when the device's shared memory cannot hold it (bf16 rows
-// need 157 KB, 140 KB rope-free); an invalid forced shape is an error.
+// need 157 KB, 140 KB rope-free) and for fp8_ds_mla_v4 caches, which it does
+// not read; an invalid forced shape is an error.
 const SmallHeadsConfig* find_small_heads_config(CacheFormat f, int rope, bool paged, int num_heads,
                                                SmallHeadsShape shape = {});
 // The same, an error where the device cannot run it.

@@ -7,9 +7,11 @@
 namespace smla::cuda::mla {
 
 // Latent cache formats the kernel reads. Scores and values are computed in
-// the cache's 16-bit type (bf16 for fp8_ds_mla, whose values are dequantised
-// to bf16 in shared memory); queries of the other 16-bit type are converted.
-enum class CacheFormat { bf16, f16, fp8_ds_mla };
+// the cache's 16-bit type (bf16 for the fp8 formats, whose values are
+// dequantised to bf16 in shared memory); queries of the other 16-bit type are
+// converted. fp8_ds_mla_v4 is DeepSeek-V4's 584-byte cache (MlaV4CacheLayout),
+// of 512-wide heads only.
+enum class CacheFormat { bf16, f16, fp8_ds_mla, fp8_ds_mla_v4 };
 
 struct AttentionParams {
   // Query token t is (request b, step j) with b = t / s_q, j = t % s_q. For
