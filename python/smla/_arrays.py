@@ -21,18 +21,20 @@ def framework(x: Any) -> str:
     return root if root in ("numpy", "torch", "cupy") else "other"
 
 
-_torch_tensor: Any = None  # torch.Tensor once torch is imported (by anyone): is_torch runs on every argument
+# The torch module once it is imported (by anyone): is_torch runs on every argument. The functions below that
+# only run for torch tensors use it too, not sys.modules: torch.compile traces them, and Dynamo reading
+# sys.modules walks the whole dict, which raised "dictionary changed size during iteration" on the H200.
+_torch: Any = None
 
 
 def is_torch(x: Any) -> bool:
     """True for a torch.Tensor (without importing torch)."""
-    global _torch_tensor
-    if _torch_tensor is None:
-        torch = sys.modules.get("torch")
-        if torch is None:
+    global _torch
+    if _torch is None:
+        _torch = sys.modules.get("torch")
+        if _torch is None:
             return False
-        _torch_tensor = torch.Tensor
-    return isinstance(x, _torch_tensor)
+    return isinstance(x, _torch.Tensor)
 
 
 def dtype_name(x: Any) -> str:
@@ -45,8 +47,7 @@ def is_8bit(x: Any) -> bool:
     """True for byte-sized elements (uint8, int8, float8_*): how fp8 data arrives."""
     if is_torch(x):
         dtype = x.dtype  # its size first: a 16-bit cache, the common case, is decided by it alone
-        torch = sys.modules["torch"]
-        return dtype.itemsize == 1 and (dtype.is_floating_point or dtype in (torch.uint8, torch.int8))
+        return dtype.itemsize == 1 and (dtype.is_floating_point or dtype in (_torch.uint8, _torch.int8))
     name = dtype_name(x)
     return name in ("uint8", "int8") or name.startswith("float8")
 
@@ -89,7 +90,7 @@ def _export_torch(x: Any, as_dtype: Optional[str]) -> Exported:
     """A torch tensor as a DLPack capsule of the legacy exporter: torch's __dlpack__() would make the legacy
     default stream wait on the current one (breaking CUDA-graph capture; the op runs on torch's current stream,
     so an exporter that never synchronises is right), and costs several times more host time."""
-    torch = sys.modules["torch"]  # imported: x is a torch tensor
+    torch = _torch  # x is a torch tensor
     dtype = x.dtype
     if dtype.itemsize == 1 and dtype.is_floating_point:
         # Older torch cannot export fp8 through DLPack; bytes always work.
@@ -194,7 +195,7 @@ def workspace_allocator(ref: Any) -> Any:
         index = ref.get_device()
         allocate = _torch_allocators.get(index)
         if allocate is None:
-            torch = sys.modules["torch"]
+            torch = _torch
             device = torch.device("cuda", index)
             allocate = _torch_allocators[index] = lambda n: torch.utils.dlpack.to_dlpack(
                 torch.empty(n, dtype=torch.uint8, device=device))
