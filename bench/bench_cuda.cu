@@ -555,12 +555,12 @@ void bench_topk(int tokens, int context) {
 
 // The whole DSA decode step of GLM-5 under TP 8 (8 attention heads, 32 indexer heads with fp8 queries, top-k 2048,
 // fp8 index keys of 132 B, an fp8_ds_mla cache), `tokens` requests of `context` positions each, over a shared block
-// table of shuffled blocks with random keys (distinct scores). Each stage alone, indexer_topk (the scores, then the
-// top-k, which takes the scores kernel's row histograms), and the step, replayed from a CUDA graph; the three ops as
-// separate calls (indexer_topk, positions_to_slots, sparse_mla) in a graph; and the step as single cold calls.
+// table of shuffled blocks with random keys (distinct scores). Each stage alone and the step, replayed from a CUDA
+// graph; the three ops as separate calls (indexer_topk, positions_to_slots, sparse_mla) in a graph; and the step as
+// single cold calls.
 struct StepRow {
   int tokens, context;
-  double scores_us, topk_us, indexer_us, attention_us, ops_us, step_us, cold_us;
+  double scores_us, topk_us, attention_us, ops_us, step_us, cold_us;
 };
 std::vector<StepRow> step_rows;
 
@@ -643,7 +643,6 @@ void bench_step(StepCaches& caches, int tokens, int context) {
   StepRow r{tokens, context};
   r.scores_us = graph_us([&](cudaStream_t s) { smla::cuda::indexer_scores(smla::indexer_step(on(s)), scores); });
   r.topk_us = graph_us([&](cudaStream_t s) { smla::cuda::select_topk(smla::indexer_step(on(s)), scores); });
-  r.indexer_us = graph_us([&](cudaStream_t s) { smla::indexer_topk(smla::indexer_step(on(s)), &be); });
   smla::dsa_decode_step(on(nullptr), &be);  // slots for the attention alone
   r.attention_us = graph_us([&](cudaStream_t s) { smla::sparse_mla(smla::attention_step(on(s)), &be); });
   r.ops_us = graph_us([&](cudaStream_t s) {
@@ -654,8 +653,8 @@ void bench_step(StepCaches& caches, int tokens, int context) {
   });
   r.step_us = graph_us([&](cudaStream_t s) { smla::dsa_decode_step(on(s), &be); });
   r.cold_us = cold_us([&](cudaStream_t s) { smla::dsa_decode_step(on(s), &be); });
-  std::printf("%6d %7d %9.1f %9.1f %9.1f %9.1f %9.1f %9.1f %9.1f %12.0f\n", tokens, context, r.scores_us, r.topk_us,
-              r.indexer_us, r.attention_us, r.ops_us, r.step_us, r.cold_us, 1e6 / (78 * r.step_us));
+  std::printf("%6d %7d %9.1f %9.1f %9.1f %9.1f %9.1f %9.1f %12.0f\n", tokens, context, r.scores_us, r.topk_us,
+              r.attention_us, r.ops_us, r.step_us, r.cold_us, 1e6 / (78 * r.step_us));
   step_rows.push_back(r);
   for (void* ptr : {dtable, dreq, dctx, dq_index, dw, dq_scale, q, dtopk, dslots, out, lse, static_cast<void*>(scores)})
     cudaFree(ptr);
@@ -826,9 +825,9 @@ int main(int argc, char** argv) {
   if (part.empty() || part == "step") {
     std::printf("\ndsa_decode_step, GLM-5 TP8 (8 heads, 32 indexer heads fp8 q, top-k 2048, fp8 index keys, "
                 "fp8_ds_mla cache); us per call from a CUDA graph replayed back to back, unless cold; 3 ops: "
-                "indexer_topk + positions_to_slots + sparse_mla as separate calls; indexer: indexer_topk alone\n");
-    std::printf("%6s %7s %9s %9s %9s %9s %9s %9s %9s %12s\n", "tokens", "context", "scores", "top-k", "indexer",
-                "attention", "3 ops", "step", "cold step", "tok/s 78 L");
+                "indexer_topk + positions_to_slots + sparse_mla as separate calls\n");
+    std::printf("%6s %7s %9s %9s %9s %9s %9s %9s %12s\n", "tokens", "context", "scores", "top-k", "attention",
+                "3 ops", "step", "cold step", "tok/s 78 L");
     StepCaches caches;
     for (int context : {8192, 131072})
       for (int tokens : {1, 8}) bench_step(caches, tokens, context);
@@ -867,10 +866,9 @@ int main(int argc, char** argv) {
       const StepRow& r = step_rows[i];
       std::fprintf(f,
                    "    {\"config\": \"glm5-tp8 fp8\", \"tokens\": %d, \"context\": %d, \"scores_us\": %.2f, "
-                   "\"topk_us\": %.2f, \"indexer_topk_us\": %.2f, \"attention_us\": %.2f, \"three_ops_us\": %.2f, "
-                   "\"step_us\": %.2f, \"step_cold_us\": %.2f}%s\n",
-                   r.tokens, r.context, r.scores_us, r.topk_us, r.indexer_us, r.attention_us, r.ops_us, r.step_us,
-                   r.cold_us,
+                   "\"topk_us\": %.2f, \"attention_us\": %.2f, \"three_ops_us\": %.2f, \"step_us\": %.2f, "
+                   "\"step_cold_us\": %.2f}%s\n",
+                   r.tokens, r.context, r.scores_us, r.topk_us, r.attention_us, r.ops_us, r.step_us, r.cold_us,
                    i + 1 < step_rows.size() ? "," : "");
     }
     std::fprintf(f, "  ]\n}\n");

@@ -99,10 +99,7 @@ class MmaBackend final : public Backend {
     DeviceGuard g(a.q.device);
     return cuda::indexer_workspace_size(a);
   }
-  size_t workspace_size(const DsaDecodeStepArgs& a) const override {
-    DeviceGuard g(a.q.device);
-    return cuda::dsa_decode_step_workspace_size(a);
-  }
+  using Backend::workspace_size;  // dsa_decode_step: the default, the largest of its steps'
 #else
   void write_mla_cache(const WriteMlaCacheArgs&) const override { not_built(); }
   void sparse_mla(const SparseMlaArgs&) const override { not_built(); }

@@ -35,8 +35,7 @@ void write_pooled_index_cache(const WritePooledIndexCacheArgs& args);
 void pools_to_positions(const PoolsToPositionsArgs& args);
 void rotate_index_q(const RotateIndexQArgs& args);
 void indexer_topk(const IndexerTopkArgs& args);
-// The step in three kernels: the indexer's scores (up to 8 tokens also counting each row's coarse histogram for
-// the top-k, TopkFusion::row_histograms); the top-k, which writes the slots as well (no
+// The step in three kernels: the indexer's scores; the top-k, which writes the slots as well (no
 // positions_to_slots kernel) and on SM90+, unless its rows are split into slices, is launched as the scores
 // kernel's programmatic dependent (its launch overlaps the scores' last CTAs; it waits for them with
 // griddepcontrol.wait); the attention.
@@ -47,10 +46,6 @@ void dsa_decode_step(const DsaDecodeStepArgs& args);
 size_t sparse_mla_workspace_size(const SparseMlaArgs& args);
 size_t paged_mla_decode_workspace_size(const PagedMlaDecodeArgs& args);
 size_t indexer_workspace_size(const IndexerTopkArgs& args);
-// dsa_decode_step's: for 1-8 tokens the room of the scores kernel's row histograms first (128 KB, whatever the
-// other shapes: they stay zero from one call to the next, TopkFusion::row_histograms), then the indexer's part and
-// the attention's, which share it (one after the other). indexer_topk's starts with the same room.
-size_t dsa_decode_step_workspace_size(const DsaDecodeStepArgs& args);
 
 // indexer_topk's two stages, for benchmarks: scores of every visible position
 // into `scores` (fp32 device memory, 16-byte aligned, T rows
@@ -67,12 +62,7 @@ bool indexer_wgmma_available();
 // What `mma` comes to for these args on the current device (automatic resolved; bf16 keys and fp8 keys converted
 // for mma.sync are both `bf16`); a forced kind they cannot take is an error, as in indexer_scores.
 ScoreMma resolve_score_mma(const IndexerTopkArgs& args, ScoreMma mma = ScoreMma::automatic);
-// The top-k's coarse bins of a score (coarse_bin in indexer_common.cuh).
-inline constexpr int kCoarseBins = 4096;
-// `row_histograms` (null: none): per token kCoarseBins ints, 16-byte aligned, to which the kernel adds one for the
-// coarse bin of each score it writes (TopkFusion::row_histograms).
-void indexer_scores(const IndexerTopkArgs& args, float* scores, ScoreMma mma = ScoreMma::automatic,
-                    int* row_histograms = nullptr);
+void indexer_scores(const IndexerTopkArgs& args, float* scores, ScoreMma mma = ScoreMma::automatic);
 // How select_topk shares a row among CTAs: as it sees fit, or forced (tests, benchmarks): one CTA per row,
 // slices of the row in more kernels passing through global memory, or the CTAs of a thread block cluster (SM90+).
 enum class TopkSplit { automatic, one_cta, slices, cluster };
@@ -82,15 +72,10 @@ size_t topk_scratch_bytes(const IndexerTopkArgs& args, TopkSplit split = TopkSpl
 // What select_topk does besides the positions, inside dsa_decode_step: `slots` (null: nothing) receives the
 // slots of the chosen positions as positions_to_slots would map them (its positions must be args.topk, its request
 // ids args.request_ids); `after_scores`: the scores kernel was the last launched on the stream, so the top-k may
-// be launched as its programmatic dependent (SM90+, rows not split into slices). `row_histograms` (null: none; not
-// with TopkSplit::slices): each token's coarse histogram of its scores as indexer_scores counts it, so the top-k
-// need not count it itself. Whatever they hold, the selection stays exact: it takes them only where they add up to
-// the row (every bin in [0, n], n in all) and its lists then hold the counts they promised, else it counts (or
-// selects over the row) itself. It zeroes them once read, ready for the next call's scores kernel to count into.
+// be launched as its programmatic dependent (SM90+, rows not split into slices).
 struct TopkFusion {
   const PositionsToSlotsArgs* slots = nullptr;
   bool after_scores = false;
-  int* row_histograms = nullptr;
 };
 void select_topk(const IndexerTopkArgs& args, const float* scores, TopkSplit split = TopkSplit::automatic,
                  void* scratch = nullptr, const TopkFusion& fusion = {});

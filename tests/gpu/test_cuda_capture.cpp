@@ -369,7 +369,7 @@ TEST(CudaCapture, DefaultWorkspaceNeverAllocatesWhileCapturing) {
 
     DeviceBuffer ws(op->size());
     const CapturedGraph graph(stream, cudaStreamCaptureModeGlobal, [&] {
-      // (dsa_decode_step asks for its three steps' workspace at once, as itself)
+      // (dsa_decode_step's first step to need scratch, indexer_topk, is the one to say so)
       test::expect_error([&] { op->run(stream, TensorView{}); }, ErrorKind::invalid_argument,
                          {": workspace: the stream is capturing a CUDA graph", "workspace_size"});
       cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;

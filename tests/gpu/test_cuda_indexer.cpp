@@ -34,13 +34,6 @@ struct IndexProblem {
 
 int cache_row(DType d) { return d == DType::bf16 ? kIndexHeadDim : kFp8IndexRowBytes; }
 
-// The coarse bin of a score as the GPU's top-k bins it (coarse_bin in indexer_common.cuh): the top 12 bits of the
-// order key of the score rounded to fp16. Not for NaN (the GPU's conversion makes a NaN of its own).
-int coarse_bin(float v) {
-  const uint32_t h = numeric::float_to_f16(v + 0.0f);
-  return static_cast<int>(((h & 0x8000u) ? (~h & 0xffffu) : (h | 0x8000u)) >> 4);
-}
-
 // Host tensors of one indexer problem, written through the CPU backend.
 struct IndexData {
   IndexProblem pr;
@@ -313,45 +306,6 @@ TEST(CudaIndexer, WgmmaScoresEqualMmaSyncOnLongRows) {
       ++compared;
     }
     EXPECT_GT(compared, 80 * 8192);  // the 80 tokens of full context, at least
-  }
-}
-
-// The scores kernel's row histograms (TopkFusion::row_histograms), each way it multiplies: it adds to them one
-// count in the coarse bin of each score it writes, for the token's visible positions only (mixed contexts; the
-// second call adds as much again).
-TEST(CudaIndexer, ScoresKernelCountsEachRowsCoarseBins) {
-  IndexProblem pr;
-  pr.q_dtype = pr.cache_dtype = DType::fp8_e4m3;
-  pr.block_size = 64;
-  pr.max_blocks = 40;
-  pr.k = 1000;
-  IndexData d(pr, 120);
-  std::vector<int32_t> unused;
-  IndexerTopkArgs a = d.args(unused);
-  IndexInputsOnGpu on(d, a);
-  const int64_t stride = cuda::score_row_stride(a);
-  std::vector<cuda::ScoreMma> kinds = {cuda::ScoreMma::bf16, cuda::ScoreMma::automatic};
-  if (cuda::current_device().compute_capability >= 89) kinds.push_back(cuda::ScoreMma::fp8);
-  if (cuda::indexer_wgmma_available()) kinds.insert(kinds.end(), {cuda::ScoreMma::bf16_wgmma, cuda::ScoreMma::fp8_wgmma});
-  for (cuda::ScoreMma mma : kinds) {
-    SCOPED_TRACE("mma " + std::to_string(static_cast<int>(mma)));
-    DeviceBuffer scores(std::vector<float>(static_cast<size_t>(pr.tokens) * stride, NAN));
-    DeviceBuffer histograms(std::vector<int32_t>(static_cast<size_t>(pr.tokens) * cuda::kCoarseBins, 0));
-    for (int call = 1; call <= 2; ++call) {
-      cuda::indexer_scores(on.args, static_cast<float*>(scores.ptr), mma, static_cast<int*>(histograms.ptr));
-      CUDA_OK(cudaDeviceSynchronize());
-      const std::vector<float> got = scores.download<float>();
-      const std::vector<int32_t> counted = histograms.download<int32_t>();
-      for (int t = 0; t < pr.tokens; ++t) {
-        std::vector<int32_t> want(cuda::kCoarseBins, 0);
-        for (int64_t i = 0; i < d.context[t]; ++i) {
-          ASSERT_FALSE(std::isnan(got[t * stride + i])) << "token " << t << " position " << i;
-          want[coarse_bin(got[t * stride + i])] += call;
-        }
-        EXPECT_TRUE(std::equal(want.begin(), want.end(), counted.begin() + t * cuda::kCoarseBins))
-            << "token " << t << " (context " << d.context[t] << "), call " << call;
-      }
-    }
   }
 }
 
@@ -648,48 +602,6 @@ TEST(CudaIndexer, DsaDecodeStepReplaysInACudaGraph) {
   CUDA_OK(cudaStreamDestroy(stream));
 }
 
-// The step on a caller's workspace that starts as garbage: the first call's row histograms are not the rows' (the
-// top-k counts itself), the next ones' are the scores kernel's counts (the call before left them zero), also after
-// a step of other shapes (3 tokens, a wider block table) on the same workspace in between. Every call gives the
-// CPU's positions, the same outputs bit for bit, and leaves the row histograms (16 KB per token from the
-// workspace's start, where they are whatever the shapes) zero; the rest of their 128 KB is not written.
-TEST(CudaIndexer, DsaDecodeStepLeavesItsRowHistogramsZero) {
-  DsaStepCase c;
-  IndexProblem other_shapes = DsaStepCase::problem();
-  other_shapes.tokens = 3;
-  other_shapes.max_blocks = 30;
-  DsaStepCase other(other_shapes);
-  constexpr size_t kRoom = 8 * cuda::kCoarseBins * sizeof(int32_t);
-  const size_t bytes = std::max(workspace_size(c.gpu, &gpu()), workspace_size(other.gpu, &gpu()));
-  ASSERT_GE(workspace_size(c.gpu, &gpu()), kRoom + workspace_size(attention_step(c.gpu), &gpu()));
-  DeviceBuffer ws(bytes);
-  CUDA_OK(cudaMemset(ws.ptr, 0xff, bytes));
-  const TensorView workspace = on_gpu(TensorView(nullptr, {static_cast<int64_t>(bytes)}, DType::u8), ws.ptr);
-  std::vector<DsaStepCase::Outputs> runs;  // of c
-  const auto run = [&](DsaStepCase& step, const char* what) {
-    SCOPED_TRACE(what);
-    DsaDecodeStepArgs g = step.gpu;
-    g.workspace = workspace;
-    step.poison_outputs();
-    dsa_decode_step(g, &gpu());
-    CUDA_OK(cudaDeviceSynchronize());
-    const std::vector<uint8_t> left = ws.download<uint8_t>();
-    const size_t counted = static_cast<size_t>(c.pr.tokens) * cuda::kCoarseBins * sizeof(int32_t);  // the most
-    EXPECT_EQ(std::count(left.begin(), left.begin() + counted, 0), static_cast<long>(counted));
-    EXPECT_EQ(std::count(left.begin() + counted, left.begin() + kRoom, 0xff), static_cast<long>(kRoom - counted));
-    const DsaStepCase::Outputs got = step.download();
-    EXPECT_EQ(got.topk, step.topk);
-    if (&step == &c) runs.push_back(got);
-  };
-  run(c, "first call");
-  run(c, "second call");
-  run(other, "other shapes");
-  run(c, "after the other shapes");
-  ASSERT_EQ(runs.size(), 3u);
-  expect_identical(runs[1], runs[0], "the second call vs the first");
-  expect_identical(runs[2], runs[0], "the third call vs the first");
-}
-
 // The step's fused kernels (the top-k writing the slots, launched as the scores kernel's programmatic dependent on
 // SM90+) against its three ops run one by one on the GPU (each checked against the CPU above), on rows of 40960
 // positions, for 1 and 8 tokens: the same positions, slots, out and lse, bit for bit, eager and replayed from a CUDA
@@ -753,12 +665,6 @@ struct CraftedRow {
   std::function<float(int64_t, test::Rng&)> score;
 };
 
-// What the row histograms given to the top-k (TopkFusion::row_histograms) hold: none given; each row's own (as the
-// scores kernel counts them); or what a caller's workspace may hold there that is not the row's: the row's with one
-// count of the k-th largest's bin moved to the bin beside it (every bin in [0, n], n in all: only the compaction's
-// counts tell it from the row's), n spread evenly over the bins, or -1 in every bin.
-enum class RowCounts { none, rows_own, kth_moved, spread, garbage };
-
 std::vector<int32_t> expected_topk(const std::vector<float>& row, int64_t n, int k) {
   std::vector<int32_t> order(n);
   std::iota(order.begin(), order.end(), 0);
@@ -772,12 +678,8 @@ std::vector<int32_t> expected_topk(const std::vector<float>& row, int64_t n, int
 // positions of the row, as many as it has up to k, then -1. The top-k also writes the slots of its positions (as
 // dsa_decode_step has it do) through a shuffled block table with holes: they must be the CPU's positions_to_slots
 // of the positions it chose.
-//
-// With row histograms (counts): whatever they hold, the result must be the same, and they must be zero afterwards
-// (ready for the next call's scores kernel).
 void check_crafted_rows(const std::vector<CraftedRow>& rows, int k, uint64_t seed,
-                        cuda::TopkSplit split = cuda::TopkSplit::automatic, bool exact = true,
-                        RowCounts counts = RowCounts::none) {
+                        cuda::TopkSplit split = cuda::TopkSplit::automatic, bool exact = true) {
   test::Rng rng(seed);
   const int tokens = static_cast<int>(rows.size()), bs = 64;
   int64_t longest = 1;
@@ -796,7 +698,7 @@ void check_crafted_rows(const std::vector<CraftedRow>& rows, int k, uint64_t see
   a.block_table = TensorView(table.data(), {tokens, max_blocks}, DType::i32);
   const int64_t stride = cuda::score_row_stride(a);
   std::vector<float> scores(static_cast<size_t>(tokens) * stride, NAN);  // NaN past each row's context
-  std::vector<int32_t> want, histograms(static_cast<size_t>(tokens) * cuda::kCoarseBins, 0);
+  std::vector<int32_t> want;
   for (int t = 0; t < tokens; ++t) {
     context[t] = static_cast<int32_t>(rows[t].n);
     std::vector<float> row(rows[t].n);
@@ -804,23 +706,6 @@ void check_crafted_rows(const std::vector<CraftedRow>& rows, int k, uint64_t see
     std::copy(row.begin(), row.end(), scores.begin() + t * stride);
     const std::vector<int32_t> w = expected_topk(row, rows[t].n, k);
     want.insert(want.end(), w.begin(), w.end());
-    int32_t* hist = histograms.data() + static_cast<size_t>(t) * cuda::kCoarseBins;
-    if (counts == RowCounts::rows_own || counts == RowCounts::kth_moved) {
-      // NaN in the top bin, where the GPU's canonical NaN (0x7fff) falls (were it not: the top-k counts itself).
-      for (float v : row) ++hist[std::isnan(v) ? cuda::kCoarseBins - 1 : coarse_bin(v)];
-      const int64_t wanted = std::min<int64_t>(k, rows[t].n);
-      if (counts == RowCounts::kth_moved && wanted > 0) {
-        int bin = cuda::kCoarseBins - 1;
-        for (int64_t above = hist[bin]; above < wanted; above += hist[--bin]) {}
-        --hist[bin];
-        ++hist[bin < cuda::kCoarseBins - 1 ? bin + 1 : bin - 1];
-      }
-    } else if (counts == RowCounts::spread) {
-      for (int b = 0; b < cuda::kCoarseBins; ++b)
-        hist[b] = static_cast<int32_t>(rows[t].n / cuda::kCoarseBins + (b < rows[t].n % cuda::kCoarseBins));
-    } else if (counts == RowCounts::garbage) {
-      std::fill(hist, hist + cuda::kCoarseBins, -1);
-    }
   }
   DeviceBuffer dscores(scores), dreq(request_ids), dctx(context), dtable(table), dout(std::vector<int32_t>(out.size(), 777)),
       dslots(std::vector<int32_t>(out.size(), 777));
@@ -834,16 +719,9 @@ void check_crafted_rows(const std::vector<CraftedRow>& rows, int k, uint64_t see
   to_slots.block_table = a.block_table;
   to_slots.block_size = bs;
   to_slots.slots = on_gpu(a.topk, dslots.ptr);
-  DeviceBuffer dhistograms(histograms);
-  int* row_histograms = counts == RowCounts::none ? nullptr : static_cast<int*>(dhistograms.ptr);
-  cuda::select_topk(a, static_cast<const float*>(dscores.ptr), split, nullptr, {&to_slots, false, row_histograms});
+  cuda::select_topk(a, static_cast<const float*>(dscores.ptr), split, nullptr, {&to_slots, false});
   CUDA_OK(cudaDeviceSynchronize());
   const std::vector<int32_t> got = dout.download<int32_t>(), got_slots = dslots.download<int32_t>();
-  if (row_histograms) {
-    const std::vector<int32_t> left = dhistograms.download<int32_t>();
-    EXPECT_EQ(std::count(left.begin(), left.end(), 0), static_cast<long>(left.size()))
-        << "row histograms not zeroed; counts " << static_cast<int>(counts) << ", split " << static_cast<int>(split);
-  }
   std::vector<int32_t> positions = got, want_slots(got.size());
   PositionsToSlotsArgs on_cpu;
   on_cpu.positions = TensorView(positions.data(), {tokens, k}, DType::i32);
@@ -953,28 +831,6 @@ TEST(CudaTopk, NanScoresGiveValidPositions) {
     check_crafted_rows(rows, 2048, 106, split, false);
     check_crafted_rows(rows, 37, 107, split, false);
   }
-}
-
-// The top-k given row histograms (as indexer_topk and dsa_decode_step have the scores kernel count them), in one
-// CTA per row and in a cluster's CTAs (SM90+; rows are never split into slices with them): the rows' own, and
-// histograms that are not the rows' (any path must stay exact; the one-off count at the k-th's bin would drop or
-// duplicate a position if the compaction's counts were not checked against them).
-TEST(CudaTopk, ExactWithRowHistogramsOfAnyContent) {
-  std::vector<cuda::TopkSplit> splits = {cuda::TopkSplit::one_cta};
-  if (cuda::current_device().compute_capability >= 90) splits.push_back(cuda::TopkSplit::cluster);
-  const auto some_nan = [](int64_t i, test::Rng& rng) {
-    return i % 5 == 0 ? NAN : static_cast<float>(rng() % 1000) / 7.f;
-  };
-  const std::vector<CraftedRow> nan_rows = {{"a fifth NaN", 131072, some_nan}, {"a fifth NaN, short", 5000, some_nan}};
-  for (cuda::TopkSplit split : splits)
-    for (RowCounts counts : {RowCounts::rows_own, RowCounts::kth_moved, RowCounts::spread, RowCounts::garbage}) {
-      SCOPED_TRACE("split " + std::to_string(static_cast<int>(split)) + ", counts " +
-                   std::to_string(static_cast<int>(counts)));
-      check_crafted_rows(crafted_rows(), 2048, 110, split, true, counts);
-      check_crafted_rows(crafted_rows(), 37, 111, split, true, counts);
-      check_crafted_rows(crafted_rows(), 8192, 113, split, true, counts);
-      check_crafted_rows(nan_rows, 2048, 112, split, false, counts);
-    }
 }
 
 TEST(CudaTopk, ExactWithK8192) {

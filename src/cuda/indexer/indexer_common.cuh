@@ -2,8 +2,6 @@
 // the block table a token reads and how many positions it sees.
 #pragma once
 
-#include <cuda_fp16.h>
-
 #include <cstdint>
 
 #include "cuda/kernels.h"
@@ -26,16 +24,6 @@ inline IndexCacheLayout index_cache_layout(const TensorView& cache) {
   return {cache.ptr<uint8_t>(),     fp8, cache.stride(0) * elem, cache.stride(1) * elem,
           static_cast<int>(cache.size(1)), static_cast<int>(cache.size(0))};
 }
-
-// The top-k's kCoarseBins coarse bins: the top 12 bits of the order key of the score rounded to fp16 (16 bits).
-// Rounding is monotone, so a higher bin never holds a lower score. The scores kernel can count them as it writes
-// the scores (row histograms, see TopkFusion); the top-k counts them itself otherwise: both through coarse_bin.
-static_assert(kCoarseBins == 1 << 12, "a bin is 12 bits of the fp16 key");
-__device__ __forceinline__ uint32_t half_key(float v) {
-  const uint32_t u = __half_as_ushort(__float2half_rn(v + 0.0f));
-  return (u & 0x8000u) ? (~u & 0xffffu) : (u | 0x8000u);
-}
-__device__ __forceinline__ int coarse_bin(float v) { return static_cast<int>(half_key(v) >> 4); }
 
 // Programmatic dependent launch between the step's kernels (griddepcontrol, SM90+; no-ops below, where the host
 // never asks for it): a kernel lets the one launched after it as its dependent start before it ends; the dependent

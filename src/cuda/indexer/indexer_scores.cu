@@ -80,7 +80,6 @@ struct ScoreParams {
   int tiles_per_cta;
   float* scores;
   int64_t score_stride;
-  int* row_histograms;  // null, or per token kCoarseBins counts to add the written scores' coarse bins to
 };
 
 // The key dimensions lane (g, c) (g = lane / 4, c = lane % 4) multiplies in
@@ -437,11 +436,7 @@ __global__ void __launch_bounds__(kScoreThreads, 4) index_scores_kernel(const Sc
     if (c < 2) {  // lane c = 0 writes row g, c = 1 row g + 8
       const int row = warp * 16 + g + 8 * c, pos = begin + i * kTile + row;
       const float sc = s.scale[slot][row];
-      if (pos < ctx) {
-        const float v = sc < 0.f ? -INFINITY : (c == 0 ? score[0] : score[1]) * sc;
-        p.scores[t * p.score_stride + pos] = v;
-        if (p.row_histograms) atomicAdd(&p.row_histograms[t * kCoarseBins + coarse_bin(v)], 1);
-      }
+      if (pos < ctx) p.scores[t * p.score_stride + pos] = sc < 0.f ? -INFINITY : (c == 0 ? score[0] : score[1]) * sc;
     }
   }
 }
@@ -534,7 +529,7 @@ ScoreMma resolve_score_mma(const IndexerTopkArgs& args, ScoreMma mma) {
 
 bool indexer_wgmma_available() { return wgmma_available(current_device().compute_capability); }
 
-void indexer_scores(const IndexerTopkArgs& a, float* scores, ScoreMma mma, int* row_histograms) {
+void indexer_scores(const IndexerTopkArgs& a, float* scores, ScoreMma mma) {
   const int tokens = static_cast<int>(a.q.size(0));
   ScoreParams p{};
   p.q = a.q.data;
@@ -557,7 +552,6 @@ void indexer_scores(const IndexerTopkArgs& a, float* scores, ScoreMma mma, int* 
   p.table_stride = a.block_table.stride(0);
   p.scores = scores;
   p.score_stride = score_row_stride(a);
-  p.row_histograms = row_histograms;
   require(reinterpret_cast<uintptr_t>(p.cache.data) % 16 == 0 &&
               (p.cache.fp8 ? p.cache.block_stride % 4 == 0
                            : p.cache.block_stride % 16 == 0 && p.cache.row_stride % 16 == 0),

@@ -13,12 +13,6 @@
 //      toward the lower position — the CPU backend's result.
 // When the candidates do not fit in shared memory (many equal scores), the
 // exact radix select runs over the row itself instead (four more passes).
-// Inside indexer_topk and dsa_decode_step (up to 8 tokens) the scores kernel
-// counts step 1's histogram as it writes the scores, into the workspace: the
-// top-k reads it instead of the scores, then zeroes it for the next call. It
-// takes it only where it adds up to the row and, after step 2, only if the
-// lists hold what it counted (else the exact select over the row): whatever
-// the workspace held there, the result is the same.
 // Long rows of tokens too few to fill the GPU with one CTA each share steps
 // 1-2 among CTAs that each take a slice of the row. On SM90+ the CTAs (ranks)
 // of a thread block cluster share it through distributed shared memory: each
@@ -34,6 +28,7 @@
 #include <cooperative_groups.h>
 #include <cub/block/block_radix_sort.cuh>
 #include <cub/block/block_scan.cuh>
+#include <cuda_fp16.h>
 
 #include <algorithm>
 #include <optional>
@@ -48,6 +43,7 @@ namespace smla::cuda {
 namespace {
 
 constexpr int kThreads = 512;
+constexpr int kCoarseBins = 4096;                // 12 bits of the fp16-rounded score
 constexpr int kFineCopies = 8, kFineBins = 257;  // 8-bit radix digits; 8 copies (thread % 8) cut same-address atomics
 constexpr int kRun = 16;                         // consecutive positions per thread per compaction chunk
 constexpr int kFewCopies = 2;                    // of a run's, read again rather than tested in registers
@@ -86,6 +82,15 @@ __device__ __forceinline__ uint32_t order_key(float v) {
   const uint32_t u = __float_as_uint(v + 0.0f);
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
+
+// The order key of the score rounded to fp16 (16 bits), and its top 12 bits,
+// the score's coarse bin: rounding is monotone, so a higher bin never holds a
+// lower score.
+__device__ __forceinline__ uint32_t half_key(float v) {
+  const uint32_t u = __half_as_ushort(__float2half_rn(v + 0.0f));
+  return (u & 0x8000u) ? (~u & 0xffffu) : (u | 0x8000u);
+}
+__device__ __forceinline__ int coarse_bin(float v) { return static_cast<int>(half_key(v) >> 4); }
 
 // Calls f(value) for the row's n scores: each thread loads kBatch 16-byte
 // pieces (those the row has) before it uses the first (f's shared-memory
@@ -166,15 +171,15 @@ struct ListSource {
 using WarpTotals = int[2][kThreads / 32];
 
 // Copies, in source order, the entries whose items `classify` puts in class
-// 1 to first[] and those in class 2 to second[] (only the first first_limit
-// and second_limit of them). Each thread classifies its run of kRun consecutive items into two
+// 1 to first[] and those in class 2 to second[] (only the first second_limit
+// of them). Each thread classifies its run of kRun consecutive items into two
 // bit masks (no branches); a scan over the warp's lanes (shuffles) and the
 // warps' totals give each run its place. The caller synchronises before it
 // reads the copies or calls again. Returns how many items of each class
 // there were (all of class 2, beyond second_limit too).
 template <class Source, class Classify>
-__device__ int2 compact(const Source& src, Classify classify, Entry* first, int first_limit, Entry* second,
-                        int second_limit, WarpTotals& totals) {
+__device__ int2 compact(const Source& src, Classify classify, Entry* first, Entry* second, int second_limit,
+                        WarpTotals& totals) {
   constexpr int kChunk = kRun * kThreads, kWarps = kThreads / 32;
   static_assert(kChunk < (1 << 16), "a chunk's counts of both classes fit in one int");
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, mine = kRun * threadIdx.x;
@@ -215,8 +220,7 @@ __device__ int2 compact(const Source& src, Classify classify, Entry* first, int 
     const auto copy = [&](int j, const typename Source::Item& v) {
       const Entry e = src.entry(base + mine + j, v);
       if ((ones >> j) & 1) {
-        if (at1 < first_limit) first[at1] = e;
-        ++at1;
+        first[at1++] = e;
       } else {
         if (at2 < second_limit) second[at2] = e;
         ++at2;
@@ -249,14 +253,14 @@ constexpr int kPlanInts = sizeof(RowPlan) / sizeof(int);
 
 // Compacts a row's scores in bins above plan.bin to first[] and those in it to second[] (bin b holds the half
 // keys b * 16 .. b * 16 + 15).
-__device__ int2 compact_by_bin(const RowSource& src, const RowPlan& plan, Entry* first, int first_limit,
-                               Entry* second, int second_limit, WarpTotals& totals) {
+__device__ int2 compact_by_bin(const RowSource& src, const RowPlan& plan, Entry* first, Entry* second,
+                               int second_limit, WarpTotals& totals) {
   const uint32_t lowest_in = static_cast<uint32_t>(plan.bin) << 4, lowest_above = lowest_in + 16;
   const auto by_bin = [&](float v) {
     const uint32_t key = half_key(v);
     return key >= lowest_above ? 1 : key >= lowest_in ? 2 : 0;
   };
-  return compact(src, by_bin, first, first_limit, second, second_limit, totals);
+  return compact(src, by_bin, first, second, second_limit, totals);
 }
 
 // The bin of hist[0, bins) in which the want-th largest falls, counting from
@@ -283,31 +287,6 @@ __device__ RowPlan plan_from_histogram(const int* hist, int want, int list_capac
   find_from_top(hist, kCoarseBins, want, scan, result);
   const int bin = result[0];
   return {bin, result[1], hist[bin], want + hist[bin] <= list_capacity};
-}
-
-// Token t's coarse histogram as the scores kernel counted it (TopkFusion::row_histograms) into hist; true (in
-// every thread) when it can be the row's: every bin in [0, n], n in all (so the plan finds a bin). The caller's
-// workspace may hold anything there: what passes is checked again against the compaction's counts.
-__device__ bool load_row_histogram(const int* from, int64_t n, int* hist, long long* warp_sums) {
-  static_assert(kCoarseBins == 8 * kThreads, "a thread's bins are two 16-byte pieces");
-  const int4* src = reinterpret_cast<const int4*>(from);
-  const int4 low = src[threadIdx.x], high = src[threadIdx.x + kThreads];
-  reinterpret_cast<int4*>(hist)[threadIdx.x] = low;
-  reinterpret_cast<int4*>(hist)[threadIdx.x + kThreads] = high;
-  const int c[8] = {low.x, low.y, low.z, low.w, high.x, high.y, high.z, high.w};
-  bool ok = true;
-  long long sum = 0;
-#pragma unroll
-  for (int b = 0; b < 8; ++b) {
-    ok = ok && c[b] >= 0 && c[b] <= n;
-    sum += c[b];
-  }
-  for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-  if (threadIdx.x % 32 == 0) warp_sums[threadIdx.x / 32] = sum;
-  if (!__syncthreads_and(ok)) return false;
-  long long total = 0;
-  for (int w = 0; w < kThreads / 32; ++w) total += warp_sums[w];
-  return total == n;
 }
 
 // Exact radix select, 8 bits at a time from the top: the key of the want-th
@@ -433,7 +412,6 @@ struct TopkParams {
   SlotMap slot_map;
   int list_capacity;  // entries of the dynamic shared memory
   int ranks = 1;      // CTAs per token: a cluster's when more than one
-  int* row_histograms = nullptr;  // TopkFusion's (not with slices): read, then zeroed
   // The split path (slices > 0): per token, `slices` histograms of kCoarseBins, a plan (RowPlan then two
   // offsets per slice) and a list of entries (the selected, then from kMaxIndexerTopk on the candidates).
   int slices;
@@ -521,8 +499,7 @@ __global__ void __launch_bounds__(kThreads, 2) slice_compact_kernel(const TopkPa
   Entry* list = p.lists + t * p.list_stride;
   compact_by_bin(
       RowSource{p.scores + t * p.score_stride, static_cast<int>(min(p.slice_len, n - first)), static_cast<int>(first)},
-      row, list + selected_before, row.above - selected_before, list + kMaxIndexerTopk + candidates_before,
-      row.in_bin - candidates_before, totals);
+      row, list + selected_before, list + kMaxIndexerTopk + candidates_before, row.in_bin - candidates_before, totals);
 }
 
 // One CTA per SM (its list takes the shared memory), told to ptxas so that it does not cap the registers lower
@@ -541,7 +518,6 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
   __shared__ int counts[2];          // a cluster rank's selected and candidates
   __shared__ uint32_t candidate_range[2];  // the lowest and highest key of the candidates
   __shared__ int largest_bucket;           // place_by_counting's
-  __shared__ long long warp_sums[kThreads / 32];  // load_row_histogram's
   if (threadIdx.x == 0) {
     key_range[0] = candidate_range[0] = 0xffffffffu;
     key_range[1] = candidate_range[1] = 0;
@@ -556,59 +532,43 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
   const int want = static_cast<int>(min(static_cast<int64_t>(p.k), n));
   int32_t* out = p.out + t * p.out_stride;
   int32_t* slots = p.slots + t * p.slots_stride;
-  // The scores kernel's counts of the row (TopkFusion::row_histograms), zeroed for its next call once read.
-  int4* counted_row = p.row_histograms ? reinterpret_cast<int4*>(p.row_histograms + t * kCoarseBins) : nullptr;
   if (want == 0) {
-    if (rank == 0) {
+    if (rank == 0)
       for (int i = threadIdx.x; i < p.k; i += kThreads) {
         out[i] = -1;
         if (p.slots) slots[i] = -1;
       }
-      if (counted_row)
-        for (int i = threadIdx.x; i < kCoarseBins / 4; i += kThreads) counted_row[i] = make_int4(0, 0, 0, 0);
-    }
     return;
   }
   const int64_t len = ((n + p.ranks - 1) / p.ranks + 3) / 4 * 4, first = min(n, rank * len);
   const RowSource whole{row, static_cast<int>(n)}, slice{row, static_cast<int>(min(n, first + len) - first),
                                                          static_cast<int>(first)};
 
-  // 1. Coarse histogram: the bin of the want-th largest (the split path's plan has it; the scores kernel may have
-  // counted it: every rank reads the same counts, so all take them or none).
+  // 1. Coarse histogram: the bin of the want-th largest (the split path's plan has it).
   RowPlan plan;
   if (p.slices > 0) {
     plan = *reinterpret_cast<const RowPlan*>(p.plan(t));
   } else {
+    for (int i = threadIdx.x; i < kCoarseBins; i += kThreads) hist[i] = 0;
+    __syncthreads();
+    for_each_score(row + slice.first, slice.count, [&](float v) { atomicAdd(&hist[coarse_bin(v)], 1); });
     const int* total = hist;
-    const bool counted = counted_row && load_row_histogram(p.row_histograms + t * kCoarseBins, n, hist, warp_sums);
-    if (!counted) {
-      for (int i = threadIdx.x; i < kCoarseBins; i += kThreads) hist[i] = 0;
-      __syncthreads();
-      for_each_score(row + slice.first, slice.count, [&](float v) { atomicAdd(&hist[coarse_bin(v)], 1); });
-      if (p.ranks > 1) {
-        cluster_sync();  // every rank's histogram is complete
-        // The sum of all ranks' histograms, into every rank's list memory (unused until step 2): each rank sums
-        // its share of the bins over the ranks and writes the sums to all of them (an eighth of the traffic of
-        // every rank reading every histogram).
-        int* summed = reinterpret_cast<int*>(list);
-        const int share = (kCoarseBins + p.ranks - 1) / p.ranks;
-        for (int b = rank * share + threadIdx.x; b < min((rank + 1) * share, kCoarseBins); b += kThreads) {
-          int sum = 0;
-          for (int r = 0; r < p.ranks; ++r) sum += rank_shared(hist, r)[b];
-          for (int r = 0; r < p.ranks; ++r) rank_shared(summed, r)[b] = sum;
-        }
-        total = summed;
-        cluster_sync();  // every share delivered; no rank rewrites or leaves its hist while another reads it
-      } else {
-        __syncthreads();
+    if (p.ranks > 1) {
+      cluster_sync();  // every rank's histogram is complete
+      // The sum of all ranks' histograms, into every rank's list memory (unused until step 2): each rank sums
+      // its share of the bins over the ranks and writes the sums to all of them (an eighth of the traffic of
+      // every rank reading every histogram).
+      int* summed = reinterpret_cast<int*>(list);
+      const int share = (kCoarseBins + p.ranks - 1) / p.ranks;
+      for (int b = rank * share + threadIdx.x; b < min((rank + 1) * share, kCoarseBins); b += kThreads) {
+        int sum = 0;
+        for (int r = 0; r < p.ranks; ++r) sum += rank_shared(hist, r)[b];
+        for (int r = 0; r < p.ranks; ++r) rank_shared(summed, r)[b] = sum;
       }
-    }
-    if (counted_row) {
-      // Zeroed once every rank has read them (past a cluster barrier: the counting's above, else this one); one
-      // CTA zeroes the pieces each thread read itself.
-      if (counted && p.ranks > 1) cluster_sync();
-      for (int i = rank * kThreads + threadIdx.x; i < kCoarseBins / 4; i += p.ranks * kThreads)
-        counted_row[i] = make_int4(0, 0, 0, 0);
+      total = summed;
+      cluster_sync();  // every share delivered; no rank rewrites or leaves its hist while another reads it
+    } else {
+      __syncthreads();
     }
     plan = plan_from_histogram(total, want, p.list_capacity, scan, result);
     __syncthreads();  // hist, result and the list are reused below
@@ -618,9 +578,6 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
   // The chosen entries end up in list[0, listed) and rest[0, want - listed).
   Entry* rest;
   int listed = above;
-  // Whether the lists hold what the plan counted: always, but for row histograms that were not the row's (then
-  // the exact select over the row, below).
-  bool as_planned = plan.fits;
   if (plan.fits) {
     // 2. Higher bins: selected; the bin itself: candidates.
     Entry* candidates = list + above;
@@ -630,8 +587,7 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
       for (int i = threadIdx.x; i < in_bin; i += kThreads) candidates[i] = listed_by_slices[kMaxIndexerTopk + i];
     } else {
       // Every rank lists its slice at the same places (a slice has at most `above` selected).
-      const int2 wrote = compact_by_bin(slice, plan, list, above, candidates, in_bin, totals);
-      int2 row_counts = wrote;
+      const int2 wrote = compact_by_bin(slice, plan, list, candidates, in_bin, totals);
       if (p.ranks > 1) {
         if (threadIdx.x == 0) {
           counts[0] = wrote.x;
@@ -640,18 +596,12 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
         cluster_sync();  // every rank's counts are known
         // Each rank pushes its lists into rank 0's after those of the ranks before it: position order.
         int selected_before = 0, candidates_before = 0;
-        row_counts = make_int2(0, 0);
-        for (int r = 0; r < p.ranks; ++r) {
+        for (int r = 0; r < rank; ++r) {
           const int* their_counts = rank_shared(counts, r);
-          if (r < rank) {
-            selected_before += their_counts[0];
-            candidates_before += their_counts[1];
-          }
-          row_counts.x += their_counts[0];
-          row_counts.y += their_counts[1];
+          selected_before += their_counts[0];
+          candidates_before += their_counts[1];
         }
-        as_planned = row_counts.x == above && row_counts.y == in_bin;
-        if (rank > 0 && as_planned) {
+        if (rank > 0) {
           Entry* to = rank_shared(list, 0);
           for (int i = threadIdx.x; i < wrote.x; i += kThreads) to[selected_before + i] = list[i];
           for (int i = threadIdx.x; i < wrote.y; i += kThreads) to[above + candidates_before + i] = candidates[i];
@@ -659,11 +609,7 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
         cluster_sync();  // rank 0 has every list
         if (rank != 0) return;
       }
-      as_planned = row_counts.x == above && row_counts.y == in_bin;
     }
-  }
-  if (as_planned) {
-    Entry* candidates = list + above;
     __syncthreads();
     // 3. The candidates that complete the want: few (one a thread or less), each ranked by counting those that go
     // before it (a higher key, or the same at a lower position), the need best put in that order (equal keys in
@@ -707,12 +653,12 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
       rest = candidates + in_bin;
       compact(
           cand, [&](const Entry& e) { return e.key > threshold ? 1 : e.key == threshold ? 2 : 0; }, rest,
-          need - remaining, rest + (need - remaining), remaining, totals);
+          rest + (need - remaining), remaining, totals);
       __syncthreads();
     }
   } else {
-    // Too many candidates for shared memory, or lists not as planned: the exact select over the row, by rank 0
-    // alone (past step 1's last cluster barrier, no rank reads another's shared memory).
+    // Too many candidates for shared memory: the exact select over the row, by rank 0 alone (past step 1's last
+    // cluster barrier, no rank reads another's shared memory).
     if (rank != 0) return;
     uint32_t threshold;
     int remaining;
@@ -722,7 +668,7 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
       const uint32_t key = order_key(v);
       return key > threshold ? 1 : key == threshold ? 2 : 0;
     };
-    compact(whole, by_threshold, list, want - remaining, list + (want - remaining), remaining, totals);
+    compact(whole, by_threshold, list, list + (want - remaining), remaining, totals);
     __syncthreads();
     listed = want;
     rest = list + want;
@@ -933,10 +879,6 @@ void select_topk(const IndexerTopkArgs& a, const float* scores, TopkSplit split,
     p.slots_stride = s.slots.stride(0);
     p.slot_map = slot_map(s);
   }
-  require(fusion.row_histograms == nullptr ||
-              (p.slices == 0 && reinterpret_cast<uintptr_t>(fusion.row_histograms) % 16 == 0),
-          "select_topk: row histograms must be 16-byte aligned and do not go with rows split into slices");
-  p.row_histograms = fusion.row_histograms;
   if (tokens == 0) return;
   p.scores = scores;
   p.out = a.topk.ptr<int32_t>();
@@ -950,74 +892,29 @@ void select_topk(const IndexerTopkArgs& a, const float* scores, TopkSplit split,
   else launch_topk<kMaxIndexerTopk / kThreads>(p, tokens, min_ranks, after_scores, stream, bytes);
 }
 
+size_t indexer_workspace_size(const IndexerTopkArgs& a) { return score_bytes(a) + topk_scratch_bytes(a); }
+
 namespace {
 
-// The scores kernel counts each row's coarse histogram for the top-k (TopkFusion::row_histograms) for this many
-// tokens at most: the step's latency regime (1-8 tokens, as bench_cuda step measures it). Larger batches keep the
-// top-k's own count, unmeasured with the scores kernel's atomics.
-constexpr int64_t kMostCountedTokens = 8;
-
-// The row histograms' room: the workspace's first 128 KB for 1 to kMostCountedTokens tokens, whatever the args'
-// other shapes, so that calls of other shapes on the same workspace (another batch, a wider block table) leave
-// them as the last call left them: zero. Everything else the indexer (and dsa_decode_step's attention) keeps in
-// the workspace comes after it.
-constexpr size_t kRowHistogramRoom = kMostCountedTokens * kCoarseBins * sizeof(int);
-size_t row_histogram_room(const IndexerTopkArgs& a) {
-  const int64_t tokens = a.q.size(0);
-  return tokens > 0 && tokens <= kMostCountedTokens ? kRowHistogramRoom : 0;
-}
-// Whether the scores kernel counts them for these args: rows not split into slices (and a scores kernel runs).
-bool counts_row_histograms(const IndexerTopkArgs& a) {
-  return row_histogram_room(a) > 0 && index_capacity(a) > 0 && plan_topk(a, TopkSplit::automatic).slices == 0;
-}
-
-size_t scores_and_scratch_bytes(const IndexerTopkArgs& a) {
-  return (score_bytes(a) + topk_scratch_bytes(a) + 15) / 16 * 16;
-}
-
-// `ws`: the row histograms' room, then the scores and the top-k's scratch.
-void scores_then_topk(const IndexerTopkArgs& a, uint8_t* ws, TopkFusion fusion) {
-  uint8_t* rest = ws + row_histogram_room(a);
-  auto* scores = reinterpret_cast<float*>(rest);
-  int* histograms = counts_row_histograms(a) ? reinterpret_cast<int*>(ws) : nullptr;
-  indexer_scores(a, scores, ScoreMma::automatic, histograms);
-  fusion.after_scores = fusion.after_scores && a.q.size(0) > 0 && index_capacity(a) > 0;  // else no scores kernel ran
-  fusion.row_histograms = histograms;
-  select_topk(a, scores, TopkSplit::automatic, rest + score_bytes(a), fusion);
+void scores_then_topk(const IndexerTopkArgs& a, const TopkFusion& fusion) {
+  std::optional<DefaultWorkspace> own;
+  auto* ws = static_cast<uint8_t*>(
+      workspace_or(a.workspace, own, static_cast<cudaStream_t>(a.stream), indexer_workspace_size(a), "indexer_topk"));
+  auto* scores = reinterpret_cast<float*>(ws);
+  indexer_scores(a, scores);
+  TopkFusion f = fusion;
+  f.after_scores = f.after_scores && a.q.size(0) > 0 && index_capacity(a) > 0;  // else no scores kernel ran
+  select_topk(a, scores, TopkSplit::automatic, ws + score_bytes(a), f);
 }
 
 }  // namespace
 
-size_t indexer_workspace_size(const IndexerTopkArgs& a) { return row_histogram_room(a) + scores_and_scratch_bytes(a); }
-
-size_t dsa_decode_step_workspace_size(const DsaDecodeStepArgs& a) {
-  const IndexerTopkArgs ix = indexer_step(a);
-  return row_histogram_room(ix) + std::max(scores_and_scratch_bytes(ix), sparse_mla_workspace_size(attention_step(a)));
-}
-
-void indexer_topk(const IndexerTopkArgs& a) {
-  std::optional<DefaultWorkspace> own;
-  void* ws = workspace_or(a.workspace, own, static_cast<cudaStream_t>(a.stream), indexer_workspace_size(a),
-                          "indexer_topk");
-  scores_then_topk(a, static_cast<uint8_t*>(ws), {});
-}
+void indexer_topk(const IndexerTopkArgs& a) { scores_then_topk(a, {}); }
 
 void dsa_decode_step(const DsaDecodeStepArgs& a) {
-  // One workspace for the steps (the caller's, else the library's for the stream): the row histograms' room, then
-  // the indexer's part, the attention's over it.
-  std::optional<DefaultWorkspace> own;
-  const size_t bytes = dsa_decode_step_workspace_size(a);
-  auto* ws = static_cast<uint8_t*>(
-      workspace_or(a.workspace, own, static_cast<cudaStream_t>(a.stream), bytes, "dsa_decode_step"));
-  const IndexerTopkArgs indexer = indexer_step(a);
   const PositionsToSlotsArgs slots = slots_step(a);
-  scores_then_topk(indexer, ws, {&slots, true});
-  SparseMlaArgs attention = attention_step(a);
-  if (ws != nullptr) {
-    const size_t room = row_histogram_room(indexer);
-    attention.workspace = TensorView(ws + room, {static_cast<int64_t>(bytes - room)}, DType::u8, a.q.device);
-  }
-  cuda::sparse_mla(attention);
+  scores_then_topk(indexer_step(a), {&slots, true});
+  cuda::sparse_mla(attention_step(a));
 }
 
 }  // namespace smla::cuda
