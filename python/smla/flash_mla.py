@@ -174,11 +174,9 @@ def flash_mla_with_kvcache(
     torch_ops = _ops._torch_ops(q)
     if torch_ops is not None:
         # k_cache as given: the op takes FlashMLA's 4-D cache (a view less to make here); the extra cache as 3-D.
-        # A float scale goes as it is: the op checks its range with _softmax_scale's message.
         return torch_ops.flash_mla_with_kvcache(
             q, k_cache, block_table, cache_seqlens, indices, topk_length, attn_sink,
-            softmax_scale if type(softmax_scale) is float else _ops._softmax_scale(softmax_scale), bool(causal),
-            kv_cache_dtype, backend or "", *(extra or _NO_EXTRA))
+            _ops._op_softmax_scale(softmax_scale), bool(causal), kv_cache_dtype, backend or "", *(extra or _NO_EXTRA))
     out = _arrays.empty(q, (b, s_q, h_q, _HEAD_DIM_V))
     lse = _arrays.empty(q, (b, h_q, s_q), "float32")
     _with_kvcache_into(q, _cache_3d(k_cache, k_shape), block_table, cache_seqlens, indices, topk_length, attn_sink, softmax_scale, causal,

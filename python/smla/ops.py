@@ -75,6 +75,12 @@ def _softmax_scale(value: Any, name: str = "softmax_scale") -> float:
     return scale
 
 
+def _op_softmax_scale(value: Any) -> float:
+    """softmax_scale for a torch.ops.smla op on the per-call path: a float goes as it is (the op checks its range
+    with _softmax_scale's message), anything else through _softmax_scale."""
+    return value if type(value) is float else _softmax_scale(value)
+
+
 def _int_in(value: Any, name: str, low: int, high: int) -> int:
     """An int argument within [low, high], checked before anything is allocated with it."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
@@ -295,10 +301,8 @@ def sparse_mla(q: Tensor, kv_cache: Tensor, indices: Tensor, *, softmax_scale: f
     the sink; -inf for a row with no valid index)."""
     ops = _torch_ops(q) if out is None and lse is None and stream is None else None
     if ops is not None:
-        # The hot path (host time per call): a float scale goes as it is, the op checks its range with
-        # _softmax_scale's message.
-        return ops.sparse_mla(q, kv_cache, indices, topk_length, attn_sink,
-                              softmax_scale if type(softmax_scale) is float else _softmax_scale(softmax_scale),
+        # The hot path (host time per call).
+        return ops.sparse_mla(q, kv_cache, indices, topk_length, attn_sink, _op_softmax_scale(softmax_scale),
                               kv_cache_dtype or "auto", backend or "", extra_kv_cache, extra_indices,
                               extra_topk_length)
     out, lse = _attention_outputs(q, out, lse)
