@@ -25,7 +25,6 @@ Tensor = Any
 TILE_SCHEDULER_METADATA_SIZE = 8
 _HEAD_DIM_QK = 576
 _HEAD_DIM_V = 512
-_NO_EXTRA = (None, None, None)  # flash_mla_with_kvcache's extra cache arguments when there is none
 
 
 @dataclasses.dataclass
@@ -148,10 +147,7 @@ def flash_mla_with_kvcache(
     k_shape = _arrays.shape(k_cache, "k_cache")
     _check_heads_k(k_shape)
     topk = _sparse_shapes(b, s_q, indices, topk_length) if indices is not None else None
-    if extra_k_cache is None and extra_indices_in_kvcache is None and extra_topk_length is None:
-        extra = None
-    else:
-        extra = _extra_cache(b, s_q, indices, extra_k_cache, extra_indices_in_kvcache, extra_topk_length)
+    extra = _extra_cache(b, s_q, indices, extra_k_cache, extra_indices_in_kvcache, extra_topk_length)
     if isinstance(tile_scheduler_metadata, FlashMLASchedMeta):
         if num_splits is not None:
             raise _smla.InvalidArgumentError("num_splits: must be None with a FlashMLASchedMeta")
@@ -173,10 +169,11 @@ def flash_mla_with_kvcache(
             raise _smla.InvalidArgumentError("block_table and cache_seqlens must be given for dense attention")
     torch_ops = _ops._torch_ops(q)
     if torch_ops is not None:
-        # k_cache as given: the op takes FlashMLA's 4-D cache (a view less to make here); the extra cache as 3-D.
+        # The caches as given: the op takes FlashMLA's 4-D caches (views less to make here).
         return torch_ops.flash_mla_with_kvcache(
             q, k_cache, block_table, cache_seqlens, indices, topk_length, attn_sink,
-            _ops._op_softmax_scale(softmax_scale), bool(causal), kv_cache_dtype, backend or "", *(extra or _NO_EXTRA))
+            _ops._op_softmax_scale(softmax_scale), bool(causal), kv_cache_dtype, backend or "", extra_k_cache,
+            extra_indices_in_kvcache, extra_topk_length)
     out = _arrays.empty(q, (b, s_q, h_q, _HEAD_DIM_V))
     lse = _arrays.empty(q, (b, h_q, s_q), "float32")
     _with_kvcache_into(q, _cache_3d(k_cache, k_shape), block_table, cache_seqlens, indices, topk_length, attn_sink, softmax_scale, causal,
