@@ -369,6 +369,19 @@ TEST(CudaSparseMlaSmallHeads, DepthsInAnyOrder) {
   }
 }
 
+// Case n of a small-heads sweep: the block size (1/16/64), topk_length, sink, strided queries, max_logits, empty
+// rows' lse and the kernel's head grouping (as picked or 8) and output-dim split (as picked, unsplit or in 2) cycle
+// with n at periods of 2 to 7, so that a sweep meets many combinations; `stages`: the pipeline depth forced.
+void vary_small_heads_case(Problem& p, int n, int stages) {
+  p.block_size = std::array<int, 3>{1, 16, 64}[n % 3];
+  p.topk_length = n % 4 == 1;
+  p.sink = n % 5 == 2;
+  p.q_padded = n % 3 == 2;
+  p.kernel = {cuda::AttentionKernel::small_heads, stages, n % 4 >= 2 ? 8 : 0, n % 3};
+  p.max_logits = n % 2 == 0;  // the exact max score, whatever the softmax's lazily moved base
+  p.empty_lse_plus_inf = n % 7 == 3;
+}
+
 // The small-heads kernel forced (keys on the mma's M side, heads on N, per-warp
 // online softmax): every head count it serves, both cache formats and f16,
 // top-k 1 to 4096, block sizes 1/16/64, each pipeline depth, invalid indices,
@@ -384,16 +397,9 @@ TEST(CudaSparseMlaSmallHeads, HeadsFormatsTopkBlockSizes) {
         p.heads = heads;
         p.topk = topk;
         p.tokens = topk == 4096 ? 2 : 3;
-        p.block_size = std::array<int, 3>{1, 16, 64}[n % 3];
-        p.topk_length = n % 4 == 1;
-        p.sink = n % 5 == 2;
-        p.q_padded = n % 3 == 2;
-        // fp8 stages are small enough for every depth on an H200; bf16 ones as picked, or 2. Heads per CTA as
-        // picked or 8 (16 heads and more: several CTAs per token); output dims as picked, unsplit or split in 2.
-        p.kernel = {cuda::AttentionKernel::small_heads, kv == DType::fp8_ds_mla ? 2 + n % 3 : 2 * (n % 2),
-                    n % 4 >= 2 ? 8 : 0, n % 3};
-        p.max_logits = n % 2 == 0;  // the exact max score, whatever the softmax's lazily moved base
-        p.empty_lse_plus_inf = n % 7 == 3;
+        // fp8 stages are small enough for every depth on an H200; bf16 ones as picked, or 2. (16 heads and more
+        // with 8 heads per CTA: several CTAs per token.)
+        vary_small_heads_case(p, n, kv == DType::fp8_ds_mla ? 2 + n % 3 : 2 * (n % 2));
         ++n;
         run_sparse(p, seed++);
       }
@@ -460,15 +466,8 @@ TEST(CudaSparseMlaSmallHeads, NoRopePartHeadsFormatsTopkBlockSizes) {
         p.heads = heads;
         p.topk = topk;
         p.tokens = topk == 2048 ? 2 : 3;
-        p.block_size = std::array<int, 3>{1, 16, 64}[n % 3];
-        p.topk_length = n % 4 == 1;
-        p.sink = n % 5 == 2;
-        p.q_padded = n % 3 == 2;
         // 16-bit rope-free stages fit 3 deep on an H200, fp8 ones 4.
-        p.kernel = {cuda::AttentionKernel::small_heads, fp8 ? 2 + n % 3 : 2 * (n % 2) + (n % 4 == 3),
-                    n % 4 >= 2 ? 8 : 0, n % 3};
-        p.max_logits = n % 2 == 0;
-        p.empty_lse_plus_inf = n % 7 == 3;
+        vary_small_heads_case(p, n, fp8 ? 2 + n % 3 : 2 * (n % 2) + (n % 4 == 3));
         ++n;
         run_sparse(p, seed++);
       }
