@@ -82,15 +82,29 @@ const DeviceInfo& device_info(int index) {
   return it->second;
 }
 
-const DeviceInfo& current_device() {
+namespace {
+
+// The device of this thread's innermost DeviceGuard (current while the guard lives), -1 outside any: inside an op
+// current_device() needs no cudaGetDevice.
+thread_local int guarded_device = -1;
+
+// device_info through this thread's last answer: no lock when it asks for the same device again.
+const DeviceInfo& device_info_here(int index) {
   thread_local int my_index = -1;
   thread_local const DeviceInfo* mine = nullptr;
-  int dev = 0;
-  check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
-  if (dev == my_index) return *mine;
-  mine = &device_info(dev);
-  my_index = dev;
+  if (index != my_index) {
+    mine = &device_info(index);
+    my_index = index;
+  }
   return *mine;
+}
+
+}  // namespace
+
+const DeviceInfo& current_device() {
+  int dev = guarded_device;
+  if (dev < 0) check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
+  return device_info_here(dev);
 }
 
 void allow_dynamic_smem(const void* kernel, int bytes) {
@@ -188,7 +202,7 @@ void give_up(StreamBuffer& b) {
 DefaultWorkspace::DefaultWorkspace(cudaStream_t stream, size_t bytes, const char* op) {
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   check_cuda(cudaStreamIsCapturing(stream, &capture), "cudaStreamIsCapturing");
-  check_cuda(cudaGetDevice(&device_), "cudaGetDevice");
+  device_ = current_device().index;
   std::lock_guard<std::mutex> lock(workspace_mu);
   std::vector<StreamBuffer>& buffers = workspace_buffers[device_];
   auto it = std::find_if(buffers.begin(), buffers.end(), [&](const StreamBuffer& b) { return b.stream == stream; });
@@ -238,13 +252,15 @@ DefaultWorkspace::~DefaultWorkspace() {
 
 namespace smla::cuda {
 
-DeviceGuard::DeviceGuard(const Device& device) {
+DeviceGuard::DeviceGuard(const Device& device) : outer_(guarded_device) {
   check_cuda(cudaGetDevice(&previous_), "cudaGetDevice");
   if (device.index != previous_) check_cuda(cudaSetDevice(device.index), "cudaSetDevice");
   else previous_ = -1;
+  guarded_device = device.index;
 }
 
 DeviceGuard::~DeviceGuard() {
+  guarded_device = outer_;
   if (previous_ >= 0) cudaSetDevice(previous_);
 }
 

@@ -19,6 +19,15 @@ inline void check_cuda(cudaError_t e, const char* what) {
 }
 // After a launch: configuration errors surface here, not at the next sync.
 inline void check_launch(const char* kernel) { check_cuda(cudaGetLastError(), kernel); }
+// The same for a launch through cudaLaunchKernel / cudaLaunchKernelEx, from its result: no cudaGetLastError on
+// success (<<<>>> pushes and pops its configuration around a cudaLaunchKernel: per call, three runtime calls
+// and check_launch's fourth become one). A failed launch's error is cleared from cudaGetLastError as check_launch
+// clears it.
+inline void check_launched(cudaError_t e, const char* kernel) {
+  if (e == cudaSuccess) return;
+  cudaGetLastError();
+  check_cuda(e, kernel);
+}
 
 // What the launch code knows of a device: under the emulated-arch test mode (cuda/emulation.h) the emulated
 // arch's compute capability and limits, with the running GPU's SM count (a product's, not an arch's).
@@ -32,7 +41,8 @@ struct DeviceInfo {
   int max_ctas_per_sm = 0;
   int native_compute_capability = 0;  // the running GPU's, when another arch is emulated; else 0
 };
-// The current device's properties (cached per device).
+// The current device's properties (cached per device; inside a DeviceGuard, the guard's device, not asked of the
+// driver).
 const DeviceInfo& current_device();
 // Device `index`'s (cached alike).
 const DeviceInfo& device_info(int index);
