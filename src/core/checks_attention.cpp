@@ -2,6 +2,7 @@
 // paged_mla_decode). They read metadata only, never tensor data (GPU memory is
 // not host-readable): index values are the backends' business.
 #include <cmath>
+#include <span>
 #include <string>
 #include <string_view>
 
@@ -85,6 +86,38 @@ void check_scale(std::string_view op, float scale) {
 void check_sink(std::string_view op, const TensorView& sink, int64_t heads, const Device& device) {
   if (!sink.defined()) return;
   arg(op, "attn_sink", sink).rank(1, "[H]").dtype_in({DType::f32}).dim(0, heads, "heads").on(device).inner_contiguous();
+}
+
+// One of q's leading dimensions as an output repeats it: its size, and what it is in messages ("T, as q").
+struct LeadingDim {
+  int64_t size;
+  std::string_view meaning;
+};
+
+// t's first dims.size() dimensions are q's leading ones (its rank already checked).
+void check_leading_dims(const checks::ArgCheck& t, std::span<const LeadingDim> dims) {
+  for (size_t d = 0; d < dims.size(); ++d) t.dim(static_cast<int>(d), dims[d].size, dims[d].meaning);
+}
+
+// An attention op's out [<q's leading dimensions>, 512] in q's dtype; `pattern`: its shape in messages.
+void check_out(std::string_view op, const TensorView& out, DType q_dtype, std::string_view pattern,
+               std::span<const LeadingDim> dims, const Device& device) {
+  require_data(op, "out", out);
+  const auto a = arg(op, "out", out);
+  a.rank(static_cast<int>(dims.size()) + 1, pattern).dtype_in({q_dtype});
+  check_leading_dims(a, dims);
+  a.dim(static_cast<int>(dims.size()), kMlaVDim, "value size").on(device).inner_contiguous();
+}
+
+// A float32 statistic per query row and head (lse, max_logits) [<q's leading dimensions>], with any strides
+// (FlashMLA's layouts are views of ours).
+void check_row_stat(std::string_view op, std::string_view name, const TensorView& t, std::string_view pattern,
+                    std::span<const LeadingDim> dims, const Device& device) {
+  require_data(op, name, t);
+  const auto a = arg(op, name, t);
+  a.rank(static_cast<int>(dims.size()), pattern).dtype_in({DType::f32});
+  check_leading_dims(a, dims);
+  a.on(device).no_negative_strides();
 }
 
 }  // namespace
@@ -173,34 +206,11 @@ void check(const SparseMlaArgs& a) {
   }
   check_sink(op, a.attn_sink, heads, device);
   check_scale(op, a.softmax_scale);
-  require_data(op, "out", a.out);
-  arg(op, "out", a.out)
-      .rank(3, "[T, H, 512]")
-      .dtype_in({a.q.dtype})
-      .dim(0, tokens, "T, as q")
-      .dim(1, heads, "H, as q")
-      .dim(2, kMlaVDim, "value size")
-      .on(device)
-      .inner_contiguous();
-  // lse and max_logits may have any strides (FlashMLA's layouts are views of ours).
-  require_data(op, "lse", a.lse);
-  arg(op, "lse", a.lse)
-      .rank(2, "[T, H]")
-      .dtype_in({DType::f32})
-      .dim(0, tokens, "T, as q")
-      .dim(1, heads, "H, as q")
-      .on(device)
-      .no_negative_strides();
-  if (a.max_logits.defined() || a.max_logits.ndim > 0) {
-    require_data(op, "max_logits", a.max_logits);
-    arg(op, "max_logits", a.max_logits)
-        .rank(2, "[T, H]")
-        .dtype_in({DType::f32})
-        .dim(0, tokens, "T, as q")
-        .dim(1, heads, "H, as q")
-        .on(device)
-        .no_negative_strides();
-  }
+  const LeadingDim rows[] = {{tokens, "T, as q"}, {heads, "H, as q"}};
+  check_out(op, a.out, a.q.dtype, "[T, H, 512]", rows, device);
+  check_row_stat(op, "lse", a.lse, "[T, H]", rows, device);
+  if (a.max_logits.defined() || a.max_logits.ndim > 0)
+    check_row_stat(op, "max_logits", a.max_logits, "[T, H]", rows, device);
   checks::check_no_overlap(
       op, {{"out", a.out}, {"lse", a.lse}, {"max_logits", a.max_logits}, {"workspace", a.workspace}},
       {{"q", a.q}, {"kv_cache", a.kv_cache}, {"indices", a.indices}, {"topk_length", a.topk_length},
@@ -229,25 +239,9 @@ void check(const PagedMlaDecodeArgs& a) {
       .inner_contiguous();
   check_sink(op, a.attn_sink, heads, device);
   check_scale(op, a.softmax_scale);
-  require_data(op, "out", a.out);
-  arg(op, "out", a.out)
-      .rank(4, "[B, s_q, H, 512]")
-      .dtype_in({a.q.dtype})
-      .dim(0, batch, "B, as q")
-      .dim(1, s_q, "s_q, as q")
-      .dim(2, heads, "H, as q")
-      .dim(3, kMlaVDim, "value size")
-      .on(device)
-      .inner_contiguous();
-  require_data(op, "lse", a.lse);
-  arg(op, "lse", a.lse)
-      .rank(3, "[B, s_q, H]")
-      .dtype_in({DType::f32})
-      .dim(0, batch, "B, as q")
-      .dim(1, s_q, "s_q, as q")
-      .dim(2, heads, "H, as q")
-      .on(device)
-      .no_negative_strides();
+  const LeadingDim rows[] = {{batch, "B, as q"}, {s_q, "s_q, as q"}, {heads, "H, as q"}};
+  check_out(op, a.out, a.q.dtype, "[B, s_q, H, 512]", rows, device);
+  check_row_stat(op, "lse", a.lse, "[B, s_q, H]", rows, device);
   checks::check_no_overlap(op, {{"out", a.out}, {"lse", a.lse}, {"workspace", a.workspace}},
                            {{"q", a.q}, {"kv_cache", a.kv_cache}, {"block_table", a.block_table},
                             {"seq_lens", a.seq_lens}, {"attn_sink", a.attn_sink}});

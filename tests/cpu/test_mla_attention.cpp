@@ -1140,6 +1140,14 @@ TEST(SparseMlaErrors, NameTheArgument) {
   bad([](auto& a) { a.indices.ndim = 3; }, "sparse_mla: indices: expected 2 dimensions");
   bad([](auto& a) { a.out.data = nullptr; }, "sparse_mla: out: is required");
   bad([](auto& a) { a.lse.device = Device::cuda(90); }, "sparse_mla: lse: is on sm_90");
+  bad([](auto& a) { a.lse.strides[0] = -a.lse.strides[0]; }, "sparse_mla: lse: negative strides");
+  bad([](auto& a) { a.out.shape[0] = 2; }, "sparse_mla: out: dimension 0 (T, as q)");
+  // max_logits (optional) is checked as lse is: here a copy of lse's view, changed so that a check fails first.
+  bad([](auto& a) { a.max_logits = a.lse; a.max_logits.shape[1] = 9; }, "sparse_mla: max_logits: dimension 1 (H, as");
+  bad([](auto& a) { a.max_logits = a.lse; a.max_logits.dtype = DType::f16; }, "sparse_mla: max_logits: expected dtype");
+  bad([](auto& a) { a.max_logits = a.lse; a.max_logits.ndim = 3; }, "sparse_mla: max_logits: expected 2 dimensions");
+  bad([](auto& a) { a.max_logits = a.lse; a.max_logits.data = nullptr; }, "sparse_mla: max_logits: is required");
+  bad([](auto& a) { a.max_logits = a.lse; }, "sparse_mla: max_logits: overlaps output lse");
   // Values only the CPU can read.
   p.topk_length.view.ptr<int32_t>()[1] = -1;
   expect_error([&] { sparse_mla(good); }, "sparse_mla: topk_length: row 1 is -1");
@@ -1238,6 +1246,8 @@ TEST(PagedMlaDecodeErrors, NameTheArgument) {
   bad([](auto& a) { a.seq_lens.dtype = DType::i64; }, "paged_mla_decode: seq_lens: expected dtype");
   bad([](auto& a) { a.out.dtype = DType::f32; }, "paged_mla_decode: out: expected dtype");
   bad([](auto& a) { a.lse.dtype = DType::bf16; }, "paged_mla_decode: lse: expected dtype");
+  bad([](auto& a) { a.out.shape[3] = 576; }, "paged_mla_decode: out: dimension 3 (value size)");
+  bad([](auto& a) { a.lse.ndim = 2; }, "paged_mla_decode: lse: expected 3 dimensions");
   int32_t* lens = p.seq_lens.view.ptr<int32_t>();
   int32_t* table = p.table.view.ptr<int32_t>();
   const int32_t len0 = lens[0], capacity = static_cast<int32_t>(c.max_blocks * c.block_size);
