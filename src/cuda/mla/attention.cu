@@ -137,11 +137,10 @@ struct LaunchConfig {
 // to two CTAs with shallow ones (a lone CTA's softmax barriers idle the SM),
 // so the rule is: the deepest pipeline that still fits two CTAs per SM (or
 // the most the device allows).
-const LaunchConfig& launch_config(CacheFormat f, int rope, bool paged) {
+const LaunchConfig& launch_config(const DeviceInfo& dev, CacheFormat f, int rope, bool paged) {
   static std::mutex mu;
   static std::map<std::tuple<int, CacheFormat, int, bool>, LaunchConfig> configs;  // nodes never move
   thread_local std::map<std::tuple<int, CacheFormat, int, bool>, const LaunchConfig*> mine;  // no lock once seen
-  const DeviceInfo& dev = current_device();
   const auto key = std::make_tuple(dev.index, f, rope, paged);
   if (auto it = mine.find(key); it != mine.end()) return *it->second;
   std::lock_guard<std::mutex> lock(mu);
@@ -180,6 +179,7 @@ const LaunchConfig& launch_config(CacheFormat f, int rope, bool paged) {
 // 117 us, 2.4x the 576-wide heads' 49 us at four chunks a split.
 int choose_splits(int64_t ctas, int chunks, int64_t slots) {
   const int most = std::max(1, std::min(chunks / 2, mla::kMaxSplits));
+  if (ctas * most <= slots) return most;  // one wave whatever the count: the loop's answer, without its divisions
   int best = 1;
   double best_fill = 0;
   for (int s = 1; s <= most && ctas * s <= 8 * slots + ctas; ++s) {
@@ -216,6 +216,7 @@ struct Plan {
   }
 };
 Plan plan(CacheFormat f, int rope, bool paged, int64_t tokens, int heads, int num_keys, AttentionChoice choice) {
+  const DeviceInfo& dev = current_device();
   Plan s;
   const mla::small::SmallHeadsShape shape{choice.stages, choice.heads_per_cta, choice.split_dims};
   if (choice.kernel == AttentionKernel::small_heads) {
@@ -225,15 +226,15 @@ Plan plan(CacheFormat f, int rope, bool paged, int64_t tokens, int heads, int nu
              tokens >= (rope ? mla::small::kMinTokensAutomatic : mla::small::kMinTokensAutomaticNoRope)) {
     s.small = mla::small::find_small_heads_config(f, rope, paged, heads, shape);
   }
-  if (s.small == nullptr) s.head_tile = &launch_config(f, rope, paged);
+  if (s.small == nullptr) s.head_tile = &launch_config(dev, f, rope, paged);
   const int heads_per_cta = s.small ? s.small->heads_per_cta : mla::kHeadsPerCta;
   const int chunk_keys = s.small ? mla::small::kSmallChunkKeys : mla::kKeysPerChunk;
   const int ctas_per_sm = s.small ? s.small->ctas_per_sm : s.head_tile->ctas_per_sm;
   s.ctas = tokens * ((heads + heads_per_cta - 1) / heads_per_cta);
   const int chunks = std::max(1, (num_keys + chunk_keys - 1) / chunk_keys);
+  const int64_t slots = static_cast<int64_t>(dev.num_sms) * ctas_per_sm;
   const int splits = choice.splits > 0 ? std::min({choice.splits, chunks, mla::kMaxSplits})
-                                        : choose_splits(s.ctas, chunks,
-                                                        static_cast<int64_t>(current_device().num_sms) * ctas_per_sm);
+                                        : choose_splits(s.ctas, chunks, slots);
   s.chunks_per_split = (chunks + splits - 1) / splits;
   s.num_splits = (chunks + s.chunks_per_split - 1) / s.chunks_per_split;
   return s;
@@ -261,8 +262,10 @@ void set_partials(AttentionParams& p, float* ws) {
 
 void launch_head_tile(const LaunchConfig& config, const AttentionParams& p, int64_t ctas, int splits,
                       cudaStream_t stream) {
-  config.fn<<<dim3(static_cast<unsigned>(ctas), splits), mla::kThreads, config.smem, stream>>>(p);
-  check_launch("smla MLA attention kernel");
+  void* args[] = {const_cast<AttentionParams*>(&p)};
+  check_launched(cudaLaunchKernel(config.fn, dim3(static_cast<unsigned>(ctas), splits), dim3(mla::kThreads), args,
+                                  config.smem, stream),
+                 "smla MLA attention kernel");
 }
 
 void launch_combine(const AttentionParams& p, cudaStream_t stream) {
@@ -276,7 +279,7 @@ void launch_combine(const AttentionParams& p, cudaStream_t stream) {
   config.stream = stream;
   config.attrs = &pdl;
   config.numAttrs = current_device().compute_capability >= 90 ? 1 : 0;
-  check_cuda(cudaLaunchKernelEx(&config, mla::combine_kernel, p), "smla MLA combine kernel");
+  check_launched(cudaLaunchKernelEx(&config, mla::combine_kernel, p), "smla MLA combine kernel");
 }
 
 // `workspace`: the caller's (checked to hold partial_bytes) or absent.
