@@ -29,5 +29,10 @@ class Error : public std::runtime_error {
 inline void require(bool condition, const std::string& message) {
   if (!condition) fail(message);
 }
+// The same for a literal message: its std::string is made only on failure (ops call require on every call; a
+// message built from parts is built on every call too: write `if (!condition) fail(...)` for those).
+inline void require(bool condition, const char* message) {
+  if (!condition) fail(message);
+}
 
 }  // namespace smla

@@ -99,7 +99,7 @@ Device parse_device(std::string_view text, std::string_view what) {
 
 TensorView::TensorView(void* data_, std::initializer_list<int64_t> shape_, DType dtype_, Device device_)
     : data(data_), dtype(dtype_), device(device_) {
-  require(shape_.size() <= kMaxDims, "TensorView: at most " + std::to_string(kMaxDims) + " dimensions");
+  if (shape_.size() > kMaxDims) fail("TensorView: at most " + std::to_string(kMaxDims) + " dimensions");
   ndim = static_cast<int>(shape_.size());
   std::copy(shape_.begin(), shape_.end(), shape.begin());
   int64_t s = 1;

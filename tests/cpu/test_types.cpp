@@ -54,6 +54,14 @@ TEST(TensorView, ContiguousStridesAndDescribe) {
   EXPECT_FALSE(s.is_contiguous());
 }
 
+// The constructors' checks (a message built from parts, and require's literal one): clear errors.
+TEST(TensorView, ConstructorsRefuseTooManyDimsAndMismatchedStrides) {
+  test::expect_error([] { TensorView(nullptr, {1, 2, 3, 4, 5, 6, 7}, DType::f32); }, ErrorKind::invalid_argument,
+                     {"TensorView: at most 6 dimensions"});
+  test::expect_error([] { TensorView(nullptr, {2, 3}, {3}, DType::f32); }, ErrorKind::invalid_argument,
+                     {"TensorView: strides and shape differ in length"});
+}
+
 TEST(TensorView, DlpackRoundTrip) {
   uint16_t x[2 * 8 * 576];
   TensorView v(x + 8, {2, 8, 576}, {8 * 576 + 16, 576, 1}, DType::bf16);

@@ -216,9 +216,8 @@ __global__ void positions_to_slots_kernel(const SlotsParams p) {
 // The cache a writer stores keys into; an fp8 one must have 4-byte aligned blocks for its fp32 scales.
 IndexCacheLayout writable_index_cache(const TensorView& cache, const char* op) {
   const IndexCacheLayout layout = index_cache_layout(cache);
-  if (layout.fp8)
-    require(reinterpret_cast<uintptr_t>(layout.data) % 4 == 0 && layout.block_stride % 4 == 0,
-            std::string(op) + ": cache: the fp8 scales need 4-byte aligned blocks");
+  if (layout.fp8 && (reinterpret_cast<uintptr_t>(layout.data) % 4 != 0 || layout.block_stride % 4 != 0))
+    fail(std::string(op) + ": cache: the fp8 scales need 4-byte aligned blocks");
   return layout;
 }
 

@@ -803,8 +803,9 @@ void launch_topk(TopkParams p, int tokens, int min_ranks, bool after_scores, cud
 TopkParams plan_topk(const IndexerTopkArgs& a, TopkSplit split) {
   const int tokens = static_cast<int>(a.q.size(0));
   const int k = static_cast<int>(a.topk.size(1));
-  require(k <= kMaxIndexerTopk, "indexer_topk: topk: the CUDA backend selects at most " +
-                                    std::to_string(kMaxIndexerTopk) + " positions per token, got " + std::to_string(k));
+  if (k > kMaxIndexerTopk)
+    fail("indexer_topk: topk: the CUDA backend selects at most " + std::to_string(kMaxIndexerTopk) +
+         " positions per token, got " + std::to_string(k));
   TopkParams p{};
   p.score_stride = score_row_stride(a);
   p.rows = index_rows(a);
@@ -824,9 +825,9 @@ TopkParams plan_topk(const IndexerTopkArgs& a, TopkSplit split) {
   const DeviceInfo& dev = current_device();
   const int sms = dev.num_sms;
   const bool clusters = dev.compute_capability >= 90;
-  require(split != TopkSplit::cluster || clusters,
-          "select_topk: TopkSplit::cluster needs thread block clusters (SM90 or newer); the device is sm_" +
-              std::to_string(dev.compute_capability));
+  if (split == TopkSplit::cluster && !clusters)
+    fail("select_topk: TopkSplit::cluster needs thread block clusters (SM90 or newer); the device is sm_" +
+         std::to_string(dev.compute_capability));
   if (split == TopkSplit::automatic) {
     if (clusters) {
       p.ranks = static_cast<int>(
