@@ -27,13 +27,13 @@ TEST(CudaLaunchPath, CurrentDeviceIsTheGuardsInsideAndTheDriversAfter) {
   CUDA_OK(cudaSetDevice(1));
   EXPECT_EQ(cuda::current_device().index, 1);
   {
-    const cuda::DeviceGuard outer(Device::cuda(0, 0));
+    const cuda::DeviceGuard outer(Device::cuda(0, 0));  // device 0 (any compute capability: the guard reads the index)
     int now = -1;
     CUDA_OK(cudaGetDevice(&now));
     EXPECT_EQ(now, 0);
     EXPECT_EQ(cuda::current_device().index, 0);
     {
-      const cuda::DeviceGuard inner(Device::cuda(1, 0));
+      const cuda::DeviceGuard inner(Device::cuda(0, 1));  // device 1
       EXPECT_EQ(cuda::current_device().index, 1);
     }
     EXPECT_EQ(cuda::current_device().index, 0);  // the outer guard's again
