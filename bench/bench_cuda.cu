@@ -720,6 +720,7 @@ int main(int argc, char** argv) {
           bench_sparse("decode (depth)", cache, 128, h, 2048, c, {AttentionKernel::small_heads, stages});
       for (int t : {32, 128}) {
         bench_sparse("decode (dims unsplit)", cache, t, 8, 2048, c, {AttentionKernel::small_heads, 0, 8, 1});
+        bench_sparse("decode (dims split)", cache, t, 8, 2048, c, {AttentionKernel::small_heads, 0, 8, 2});
         bench_sparse("decode (8 heads/CTA)", cache, t, 16, 2048, c, {AttentionKernel::small_heads, 0, 8, 0});
         bench_sparse("decode (16 heads/CTA)", cache, t, 16, 2048, c, {AttentionKernel::small_heads, 0, 16, 0});
       }
@@ -742,6 +743,8 @@ int main(int argc, char** argv) {
       }
       for (int stages : {2, 3, 4})
         bench_sparse("glm53f (depth)", cache, 128, 8, 2048 + 3, c, {AttentionKernel::small_heads, stages});
+      for (int split_dims : {1, 2})
+        bench_sparse("glm53f (dims)", cache, 128, 8, 2048 + 3, c, {AttentionKernel::small_heads, 0, 8, split_dims});
     }
     // DeepSeek-V4 decode as vLLM's deepseek_v4 runs it (FlashMLA's MODEL1 call): heads of 512 (64: V4-Flash; 128),
     // the window cache's 128 entries (blocks of 64) beside a compressed cache: the ratio-4 one's indexer top-k 512

@@ -42,16 +42,18 @@ Kernel select(CacheFormat f, bool paged, int rope, int groups, int split_dims) {
 }
 
 template <CacheFormat F, int kRope>
-int smem_bytes(int groups, int stages) {
-  return groups == 1 ? Layout<F, kRope, 1>(stages).total : Layout<F, kRope, 2>(stages).total;
+int smem_bytes(int groups, int split_dims, int stages) {
+  if (groups == 2) return Layout<F, kRope, 2, 1>(stages).total;
+  return split_dims == 2 ? Layout<F, kRope, 1, 2>(stages).total : Layout<F, kRope, 1, 1>(stages).total;
 }
 
-int smem_bytes(CacheFormat f, int rope, int groups, int stages) {
+int smem_bytes(CacheFormat f, int rope, int groups, int split_dims, int stages) {
   if (f == CacheFormat::fp8_ds_mla)
-    return rope ? smem_bytes<CacheFormat::fp8_ds_mla, 64>(groups, stages)
-                : smem_bytes<CacheFormat::fp8_ds_mla, 0>(groups, stages);
+    return rope ? smem_bytes<CacheFormat::fp8_ds_mla, 64>(groups, split_dims, stages)
+                : smem_bytes<CacheFormat::fp8_ds_mla, 0>(groups, split_dims, stages);
   // bf16 and f16 rows are laid out alike
-  return rope ? smem_bytes<CacheFormat::bf16, 64>(groups, stages) : smem_bytes<CacheFormat::bf16, 0>(groups, stages);
+  return rope ? smem_bytes<CacheFormat::bf16, 64>(groups, split_dims, stages)
+              : smem_bytes<CacheFormat::bf16, 0>(groups, split_dims, stages);
 }
 
 }  // namespace
@@ -68,7 +70,7 @@ SmallHeadsConfig deepest(Kernel fn, CacheFormat f, int rope, int groups, int spl
   SmallHeadsConfig best;
   for (int s = 2; s <= kMaxStages; ++s) {
     if (stages > 0 && s != stages) continue;
-    const int bytes = smem_bytes(f, rope, groups, s);
+    const int bytes = smem_bytes(f, rope, groups, split_dims, s);
     if (bytes > limit) continue;
     const int ctas = resident_ctas_per_sm(reinterpret_cast<const void*>(fn), threads, bytes);
     // Depths ascend: a deeper pipeline wins unless it costs resident CTAs.
@@ -129,7 +131,7 @@ const SmallHeadsConfig& small_heads_config(CacheFormat f, int rope, bool paged, 
   const int stages = shape.stages > 0 ? shape.stages : 2;
   throw Error(ErrorKind::unsupported, "MLA attention (small-heads kernel, " + std::to_string(stages) +
                                           " stages) needs " +
-                                          std::to_string(smem_bytes(f, rope, groups, stages)) +
+                                          std::to_string(smem_bytes(f, rope, groups, shape.split_dims == 2 ? 2 : 1, stages)) +
                                           " bytes of shared memory per block; this device allows " +
                                           std::to_string(current_device().max_smem_per_block));
 }
