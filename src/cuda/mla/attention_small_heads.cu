@@ -107,14 +107,14 @@ const SmallHeadsConfig* find_small_heads_config(CacheFormat f, int rope, bool pa
     } else if (shape.split_dims != 0) {
       cfg = deepest(select(f, paged, rope, 1, shape.split_dims), f, rope, 1, shape.split_dims, shape.stages);
     } else {
-      // Split the output dims (8 warps per CTA, scores computed twice) only
-      // where unsplit CTAs leave fewer than 8 warps per SM: on an H200, 2 CTAs
-      // of 4 warps ran fp8 decode 3% faster than 2 of 8.
+      // Split the output dims (8 warps per CTA, each key slot's two warps
+      // sharing the scores' dims) wherever that keeps as many CTAs per SM, so
+      // twice the warps and the same rows in flight: on an H200 (2 CTAs per SM
+      // either way) fp8 decode at 8 heads took 40.5 against 43.9 µs at 32
+      // tokens, 92.7 against 93.4 at 128 (docs/performance.md).
       cfg = deepest(select(f, paged, rope, 1, 1), f, rope, 1, 1, shape.stages);
-      if (cfg.fn == nullptr || cfg.ctas_per_sm * kKeySlots < 8) {
-        const SmallHeadsConfig split = deepest(select(f, paged, rope, 1, 2), f, rope, 1, 2, shape.stages);
-        if (split.fn != nullptr && (cfg.fn == nullptr || split.ctas_per_sm * 2 > cfg.ctas_per_sm)) cfg = split;
-      }
+      const SmallHeadsConfig split = deepest(select(f, paged, rope, 1, 2), f, rope, 1, 2, shape.stages);
+      if (split.fn != nullptr && (cfg.fn == nullptr || split.ctas_per_sm >= cfg.ctas_per_sm)) cfg = split;
     }
     it = configs.emplace(key, cfg).first;
   }
@@ -129,9 +129,9 @@ const SmallHeadsConfig& small_heads_config(CacheFormat f, int rope, bool paged, 
     throw Error(ErrorKind::unsupported, "MLA attention (small-heads kernel) does not read fp8_ds_mla_v4 caches");
   const int groups = shape.heads_per_cta == 8 || (shape.heads_per_cta == 0 && num_heads <= kHeadsPerGroup) ? 1 : 2;
   const int stages = shape.stages > 0 ? shape.stages : 2;
+  const int bytes = smem_bytes(f, rope, groups, shape.split_dims == 2 ? 2 : 1, stages);
   throw Error(ErrorKind::unsupported, "MLA attention (small-heads kernel, " + std::to_string(stages) +
-                                          " stages) needs " +
-                                          std::to_string(smem_bytes(f, rope, groups, shape.split_dims == 2 ? 2 : 1, stages)) +
+                                          " stages) needs " + std::to_string(bytes) +
                                           " bytes of shared memory per block; this device allows " +
                                           std::to_string(current_device().max_smem_per_block));
 }
