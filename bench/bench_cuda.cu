@@ -251,7 +251,8 @@ std::vector<AttentionRow> attention_rows;
 using smla::cuda::AttentionChoice;
 using smla::cuda::AttentionKernel;
 
-// "small/s3/h8/d2": the small-heads kernel forced to 3 stages, 8 heads per CTA, output dims split in 2.
+// "small/s3/h8/d2": the small-heads kernel forced to 3 stages, 8 heads per CTA, output dims split in 2; "/k8": the
+// keys split 8 ways.
 std::string kernel_name(AttentionChoice k) {
   std::string n = k.kernel == AttentionKernel::automatic   ? "auto"
                   : k.kernel == AttentionKernel::head_tile ? "head-tile"
@@ -259,6 +260,7 @@ std::string kernel_name(AttentionChoice k) {
   if (k.stages > 0) n += "/s" + std::to_string(k.stages);
   if (k.heads_per_cta > 0) n += "/h" + std::to_string(k.heads_per_cta);
   if (k.split_dims > 0) n += "/d" + std::to_string(k.split_dims);
+  if (k.splits > 0) n += "/k" + std::to_string(k.splits);
   return n;
 }
 
@@ -686,13 +688,13 @@ int main(int argc, char** argv) {
   std::printf("ceilings measured now: copy %.0f GB/s (read+write), cuBLAS bf16 GEMM %.0f TFLOP/s\n\n", c.copy_gbs,
               c.gemm_tflops);
   if (part == "sparse" && argc >= 6) {
-    // `bench_cuda sparse TOKENS HEADS TOPK bf16|fp8 [auto|small|head-tile] [STAGES [HEADS_PER_CTA [SPLIT]]]`:
-    // one sparse config.
+    // `bench_cuda sparse TOKENS HEADS TOPK bf16|fp8 [auto|small|head-tile] [STAGES [HEADS_PER_CTA [SPLIT_DIMS
+    // [SPLITS]]]]`: one sparse config (0: as the op picks).
     const std::string k = argc > 6 ? argv[6] : "auto";
     const AttentionChoice kernel{k == "small" ? AttentionKernel::small_heads
                                  : k == "head-tile" ? AttentionKernel::head_tile : AttentionKernel::automatic,
                                  argc > 7 ? std::atoi(argv[7]) : 0, argc > 8 ? std::atoi(argv[8]) : 0,
-                                 argc > 9 ? std::atoi(argv[9]) : 0};
+                                 argc > 9 ? std::atoi(argv[9]) : 0, argc > 10 ? std::atoi(argv[10]) : 0};
     Cache cache(std::string(argv[5]) == "fp8" ? smla::DType::fp8_ds_mla : smla::DType::bf16, int64_t{1} << 20);
     bench_sparse("sparse", cache, std::atoi(argv[2]), std::atoi(argv[3]), std::atoi(argv[4]), c, kernel);
     return 0;
@@ -720,9 +722,12 @@ int main(int argc, char** argv) {
           bench_sparse("decode (depth)", cache, 128, h, 2048, c, {AttentionKernel::small_heads, stages});
       for (int t : {32, 128}) {
         bench_sparse("decode (dims unsplit)", cache, t, 8, 2048, c, {AttentionKernel::small_heads, 0, 8, 1});
+        bench_sparse("decode (dims split)", cache, t, 8, 2048, c, {AttentionKernel::small_heads, 0, 8, 2});
         bench_sparse("decode (8 heads/CTA)", cache, t, 16, 2048, c, {AttentionKernel::small_heads, 0, 8, 0});
         bench_sparse("decode (16 heads/CTA)", cache, t, 16, 2048, c, {AttentionKernel::small_heads, 0, 16, 0});
       }
+      // One token's latency against the number of key splits (the op picks 32 for 2048 keys: 64 chunks of 32).
+      for (int splits : {1, 4, 8, 16, 32}) bench_sparse("1 token (splits)", cache, 1, 8, 2048, c, {{}, 0, 0, 0, splits});
       for (int h : {64, 128}) bench_sparse("decode (compute)", cache, 64, h, 2048, c);
       for (int h : {8, 16}) bench_sparse("prefill 32K", cache, 4096, h, 2048, c, {}, 32768);
       if (kv == smla::DType::bf16)
@@ -742,6 +747,8 @@ int main(int argc, char** argv) {
       }
       for (int stages : {2, 3, 4})
         bench_sparse("glm53f (depth)", cache, 128, 8, 2048 + 3, c, {AttentionKernel::small_heads, stages});
+      for (int split_dims : {1, 2})
+        bench_sparse("glm53f (dims)", cache, 128, 8, 2048 + 3, c, {AttentionKernel::small_heads, 0, 8, split_dims});
     }
     // DeepSeek-V4 decode as vLLM's deepseek_v4 runs it (FlashMLA's MODEL1 call): heads of 512 (64: V4-Flash; 128),
     // the window cache's 128 entries (blocks of 64) beside a compressed cache: the ratio-4 one's indexer top-k 512

@@ -436,16 +436,17 @@ TEST(CudaTwoCachesV4, TopksLengthsAndSinks) {
   run_two_caches(no_lengths, seed++);
 }
 
-// V4's decode batches: 4 and 74 requests with s_q 1 and 3 (FlashMLA's q (b, s_q, h, 512) is b * s_q tokens here),
-// the window cache (top-k 128, blocks of 64) beside the ratio-4 compressed cache (the indexer's top-k 512, blocks of
-// 256 / 4 = 64 entries, as vLLM sizes them) or the ratio-128 one (every entry: 1024 at 128K tokens, blocks of
-// 256 / 128 = 2); and forced splits.
+// V4's decode batches: 4, 74 and 321 requests with s_q 1 and 3 (FlashMLA's q (b, s_q, h, 512) is b * s_q tokens
+// here; 321 requests with s_q 1 and 16 heads, V4-Flash under TP 4), the window cache (top-k 128, blocks of 64)
+// beside the ratio-4 compressed cache (the indexer's top-k 512, blocks of 256 / 4 = 64 entries, as vLLM sizes them)
+// or the ratio-128 one (every entry: 1024 at 128K tokens, blocks of 256 / 128 = 2); and forced splits.
 TEST(CudaTwoCachesV4, DecodeBatchesAndSplits) {
   uint64_t seed = 1200;
-  for (int batch : {4, 74})
+  for (int batch : {4, 74, 321})
     for (int s_q : {1, 3}) {
+      if (batch == 321 && s_q == 3) continue;
       const bool c4 = s_q == 1;
-      TwoCaches p = v4_caches(batch == 4 ? 128 : 64, 128, c4 ? 512 : 1024, 64, c4 ? 64 : 2);
+      TwoCaches p = v4_caches(batch == 4 ? 128 : batch == 74 ? 64 : 16, 128, c4 ? 512 : 1024, 64, c4 ? 64 : 2);
       p.tokens = batch * s_q;
       p.sink = true;
       run_two_caches(p, seed++);

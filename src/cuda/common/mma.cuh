@@ -162,6 +162,10 @@ __device__ __forceinline__ void cp_async_4(void* smem, const void* gmem, bool va
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem),
                "r"(valid ? 4 : 0));
 }
+// Barrier `id` (1-15; 0 is __syncthreads') among `threads` threads (a multiple of 32), each of which reaches it.
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {

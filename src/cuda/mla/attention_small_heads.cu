@@ -42,16 +42,18 @@ Kernel select(CacheFormat f, bool paged, int rope, int groups, int split_dims) {
 }
 
 template <CacheFormat F, int kRope>
-int smem_bytes(int groups, int stages) {
-  return groups == 1 ? Layout<F, kRope, 1>(stages).total : Layout<F, kRope, 2>(stages).total;
+int smem_bytes(int groups, int split_dims, int stages) {
+  if (groups == 2) return Layout<F, kRope, 2, 1>(stages).total;
+  return split_dims == 2 ? Layout<F, kRope, 1, 2>(stages).total : Layout<F, kRope, 1, 1>(stages).total;
 }
 
-int smem_bytes(CacheFormat f, int rope, int groups, int stages) {
+int smem_bytes(CacheFormat f, int rope, int groups, int split_dims, int stages) {
   if (f == CacheFormat::fp8_ds_mla)
-    return rope ? smem_bytes<CacheFormat::fp8_ds_mla, 64>(groups, stages)
-                : smem_bytes<CacheFormat::fp8_ds_mla, 0>(groups, stages);
+    return rope ? smem_bytes<CacheFormat::fp8_ds_mla, 64>(groups, split_dims, stages)
+                : smem_bytes<CacheFormat::fp8_ds_mla, 0>(groups, split_dims, stages);
   // bf16 and f16 rows are laid out alike
-  return rope ? smem_bytes<CacheFormat::bf16, 64>(groups, stages) : smem_bytes<CacheFormat::bf16, 0>(groups, stages);
+  return rope ? smem_bytes<CacheFormat::bf16, 64>(groups, split_dims, stages)
+              : smem_bytes<CacheFormat::bf16, 0>(groups, split_dims, stages);
 }
 
 }  // namespace
@@ -68,7 +70,7 @@ SmallHeadsConfig deepest(Kernel fn, CacheFormat f, int rope, int groups, int spl
   SmallHeadsConfig best;
   for (int s = 2; s <= kMaxStages; ++s) {
     if (stages > 0 && s != stages) continue;
-    const int bytes = smem_bytes(f, rope, groups, s);
+    const int bytes = smem_bytes(f, rope, groups, split_dims, s);
     if (bytes > limit) continue;
     const int ctas = resident_ctas_per_sm(reinterpret_cast<const void*>(fn), threads, bytes);
     // Depths ascend: a deeper pipeline wins unless it costs resident CTAs.
@@ -105,14 +107,14 @@ const SmallHeadsConfig* find_small_heads_config(CacheFormat f, int rope, bool pa
     } else if (shape.split_dims != 0) {
       cfg = deepest(select(f, paged, rope, 1, shape.split_dims), f, rope, 1, shape.split_dims, shape.stages);
     } else {
-      // Split the output dims (8 warps per CTA, scores computed twice) only
-      // where unsplit CTAs leave fewer than 8 warps per SM: on an H200, 2 CTAs
-      // of 4 warps ran fp8 decode 3% faster than 2 of 8.
+      // Split the output dims (8 warps per CTA, each key slot's two warps
+      // sharing the scores' dims) wherever that keeps as many CTAs per SM, so
+      // twice the warps and the same rows in flight: on an H200 (2 CTAs per SM
+      // either way) fp8 decode at 8 heads took 40.5 against 43.9 µs at 32
+      // tokens, 92.7 against 93.4 at 128 (docs/performance.md).
       cfg = deepest(select(f, paged, rope, 1, 1), f, rope, 1, 1, shape.stages);
-      if (cfg.fn == nullptr || cfg.ctas_per_sm * kKeySlots < 8) {
-        const SmallHeadsConfig split = deepest(select(f, paged, rope, 1, 2), f, rope, 1, 2, shape.stages);
-        if (split.fn != nullptr && (cfg.fn == nullptr || split.ctas_per_sm * 2 > cfg.ctas_per_sm)) cfg = split;
-      }
+      const SmallHeadsConfig split = deepest(select(f, paged, rope, 1, 2), f, rope, 1, 2, shape.stages);
+      if (split.fn != nullptr && (cfg.fn == nullptr || split.ctas_per_sm >= cfg.ctas_per_sm)) cfg = split;
     }
     it = configs.emplace(key, cfg).first;
   }
@@ -127,9 +129,9 @@ const SmallHeadsConfig& small_heads_config(CacheFormat f, int rope, bool paged, 
     throw Error(ErrorKind::unsupported, "MLA attention (small-heads kernel) does not read fp8_ds_mla_v4 caches");
   const int groups = shape.heads_per_cta == 8 || (shape.heads_per_cta == 0 && num_heads <= kHeadsPerGroup) ? 1 : 2;
   const int stages = shape.stages > 0 ? shape.stages : 2;
+  const int bytes = smem_bytes(f, rope, groups, shape.split_dims == 2 ? 2 : 1, stages);
   throw Error(ErrorKind::unsupported, "MLA attention (small-heads kernel, " + std::to_string(stages) +
-                                          " stages) needs " +
-                                          std::to_string(smem_bytes(f, rope, groups, stages)) +
+                                          " stages) needs " + std::to_string(bytes) +
                                           " bytes of shared memory per block; this device allows " +
                                           std::to_string(current_device().max_smem_per_block));
 }

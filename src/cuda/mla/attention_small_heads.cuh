@@ -52,20 +52,24 @@ struct Geometry {
 };
 
 // Shared memory: `stages` pipeline stages (the merge buffers reuse them once
-// the loop is done), then the query fragments and the warps' softmax stats.
-template <CacheFormat F, int kRope, int kGroups>
+// the loop is done), then the query fragments, the warps' softmax stats and,
+// when the output dims are split, the two halves' partial scores.
+template <CacheFormat F, int kRope, int kGroups, int kSplitDims>
 struct Layout {
   using G = Geometry<F, kRope>;
   static constexpr int kMergeBytes = kGroups * (kKeySlots / 2) * kHeadsPerGroup * kVDim * 4;
   static constexpr int kQBytes = kGroups * G::kQkSteps * 32 * 8;
   static constexpr int kQScaleBytes = kGroups * kHeadsPerGroup * 4;
   static constexpr int kStatBytes = kGroups * kKeySlots * kHeadsPerGroup * 3 * 4;
-  int q = 0, q_scale = 0, stats = 0, total = 0;
+  // Per warp of a split: its lanes' 4 partial scores (16 keys x 8 heads).
+  static constexpr int kExchangeBytes = kSplitDims == 2 ? kGroups * kKeySlots * 2 * 32 * 16 : 0;
+  int q = 0, q_scale = 0, stats = 0, exchange = 0, total = 0;
   __host__ __device__ constexpr explicit Layout(int stages) {
     q = stages * G::kStageBytes > kMergeBytes ? stages * G::kStageBytes : kMergeBytes;
     q_scale = q + kQBytes;
     stats = q_scale + kQScaleBytes;
-    total = stats + kStatBytes;
+    exchange = stats + kStatBytes;
+    total = exchange + kExchangeBytes;
   }
 };
 
@@ -125,8 +129,10 @@ __device__ __forceinline__ void cp_async_wait_dynamic(int pending) {
 }
 
 // kSplitDims 2: the warps of a group are 4 key slots x 2 halves of the output
-// dims; both warps of a key slot compute the same scores (cheap next to P V)
-// and each keeps half of O^T, so twice the warps fit in the registers.
+// dims. The two warps of a key slot each compute the scores over half the
+// query dims and add the other's partial sums (through shared memory, a
+// barrier of the pair); each keeps half of O^T, so twice the warps fit in the
+// registers for about the same instructions in all.
 template <CacheFormat F, bool kPaged, int kGroups, int kSplitDims, int kRope = 64>
 __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitDims == 2 ? 2 : 1)
     small_heads_kernel(const AttentionParams p, int stages) {
@@ -140,7 +146,7 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
   constexpr int kMTiles = kVDim / 16 / kSplitDims;  // this warp's 16-dim tiles of O^T
   constexpr int kScaleTiles = 4 / kSplitDims;       // ... and its fp8 128-dim scale tiles
   static_assert(kRowsPerWarp >= 1 && kRowsPerWarp <= 32, "a lane holds each of its warp's rows");
-  const Layout<F, kRope, kGroups> L(stages);
+  const Layout<F, kRope, kGroups, kSplitDims> L(stages);
   extern __shared__ __align__(16) uint8_t smem[];
   uint2* qfrag = reinterpret_cast<uint2*>(smem + L.q);
   float* q_scale = reinterpret_cast<float*>(smem + L.q_scale);  // [group][head]: fp8 queries' power of two
@@ -309,55 +315,64 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
 #pragma unroll
   for (int q4 = 0; q4 < 4; ++q4)
     ld_off[q4] = piece_offset(ld_row * G::kRowBytes, ld_row, 2 * q4 + (lane / 8) % 2) + half_d * (kMTiles / 4) * 128;
+  // The score dims this warp sums: the latent's 128-dim tiles tile0 .. tile0 + kScoreTiles - 1 and 32-dim halves
+  // rope_half0 .. of each 64-dim rope group (all of them, or its half's when the dims are split).
+  constexpr int kScoreTiles = 4 / kSplitDims, kRopeHalves = 2 / kSplitDims;
+  const int tile0 = half_d * kScoreTiles, rope_half0 = half_d * kRopeHalves;
+  const int s_lat = s_off + tile0 * (G::kLatentBytes / 4);       // a tile is 1 (fp8) or 2 (16-bit) 128-byte groups
+  const uint2* const q_lat = my_q + tile0 * (kLatentSteps / 4) * 32;  // ... and kLatentSteps / 4 k-steps
   auto attend = [&](const uint8_t* stage) {
     const uint8_t* rows = stage;
     const float* scales = reinterpret_cast<const float*>(stage + kChunkKeys * G::kRowBytes);
     const int* valid = reinterpret_cast<const int*>(stage + kChunkKeys * (G::kRowBytes + G::kScaleBytes));
     auto load = [&](int offset) { return *reinterpret_cast<const uint4*>(rows + offset); };
-    // Piece 4h + c of 128-byte group `grp` of row kr+g (second: kr+g+8); piece slots XOR 4 = byte offsets XOR 64.
-    auto score_piece = [&](int grp, int h, bool second) {
-      return load((h ? s_off ^ 64 : s_off) + 128 * grp + (second ? 8 * G::kRowBytes : 0));
+    // Piece 4h + c of 128-byte group `grp` (from `base`) of row kr+g (second: kr+g+8); piece slots XOR 4 = byte
+    // offsets XOR 64.
+    auto score_piece = [&](int base, int grp, int h, bool second) {
+      return load((h ? base ^ 64 : base) + 128 * grp + (second ? 8 * G::kRowBytes : 0));
     };
-    // Scores: acc[0..3] the latent's 128-dim tiles (each with its fp8 scale), acc[4] the rope.
-    float acc[5][4] = {};
-    auto step = [&](float (&d)[4], const uint32_t (&a)[4], int ks) {
-      const uint2 qb = my_q[ks * 32];
-      if (kFp8 && ks < kLatentSteps) mma_16816<__half>(d, a, {qb.x, qb.y});
+    // Scores: acc[0 .. kScoreTiles - 1] this warp's latent tiles (each with its fp8 scale), acc[kScoreTiles] the rope.
+    float acc[kScoreTiles + 1][4] = {};
+    auto latent_step = [&](float (&d)[4], const uint32_t (&a)[4], int ks) {  // ks: from the warp's first tile
+      const uint2 qb = q_lat[ks * 32];
+      if constexpr (kFp8) mma_16816<__half>(d, a, {qb.x, qb.y});
       else mma_16816<T>(d, a, {qb.x, qb.y});
     };
     const int r0 = kr + g, r1 = kr + g + 8;
     if constexpr (kFp8) {
 #pragma unroll
-      for (int tile = 0; tile < 4; ++tile)
+      for (int tt = 0; tt < kScoreTiles; ++tt)
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-          const uint4 x0 = score_piece(tile, half, false), x1 = score_piece(tile, half, true);
+          const uint4 x0 = score_piece(s_lat, tt, half, false), x1 = score_piece(s_lat, tt, half, true);
           const uint32_t w0[4] = {x0.x, x0.y, x0.z, x0.w}, w1[4] = {x1.x, x1.y, x1.z, x1.w};
 #pragma unroll
           for (int k = 0; k < 4; ++k) {
             const uint32_t a[4] = {e4m3x2_to_f16x2(w0[k]), e4m3x2_to_f16x2(w1[k]), e4m3x2_to_f16x2<true>(w0[k]),
                                    e4m3x2_to_f16x2<true>(w1[k])};
-            step(acc[tile], a, 8 * tile + 4 * half + k);
+            latent_step(acc[tt], a, 8 * tt + 4 * half + k);
           }
         }
     } else {
 #pragma unroll
-      for (int grp = 0; grp < kLatent / 64; ++grp)
+      for (int grp = 0; grp < 2 * kScoreTiles; ++grp)
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-          const uint4 x0 = score_piece(grp, half, false), x1 = score_piece(grp, half, true);
-          step(acc[grp / 2], {x0.x, x1.x, x0.y, x1.y}, 4 * grp + 2 * half);
-          step(acc[grp / 2], {x0.z, x1.z, x0.w, x1.w}, 4 * grp + 2 * half + 1);
+          const uint4 x0 = score_piece(s_lat, grp, half, false), x1 = score_piece(s_lat, grp, half, true);
+          latent_step(acc[grp / 2], {x0.x, x1.x, x0.y, x1.y}, 4 * grp + 2 * half);
+          latent_step(acc[grp / 2], {x0.z, x1.z, x0.w, x1.w}, 4 * grp + 2 * half + 1);
         }
     }
 #pragma unroll
     for (int grp = 0; grp < kRope / 64; ++grp)
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const uint4 x0 = score_piece(G::kLatentBytes / 128 + grp, half, false);
-        const uint4 x1 = score_piece(G::kLatentBytes / 128 + grp, half, true);
-        step(acc[4], {x0.x, x1.x, x0.y, x1.y}, kLatentSteps + 4 * grp + 2 * half);
-        step(acc[4], {x0.z, x1.z, x0.w, x1.w}, kLatentSteps + 4 * grp + 2 * half + 1);
+      for (int rh = 0; rh < kRopeHalves; ++rh) {
+        const int half = rope_half0 + rh;
+        const uint4 x0 = score_piece(s_off + G::kLatentBytes, grp, half, false);
+        const uint4 x1 = score_piece(s_off + G::kLatentBytes, grp, half, true);
+        const uint2* qk = my_q + (kLatentSteps + 4 * grp + 2 * half) * 32;
+        mma_16816<T>(acc[kScoreTiles], {x0.x, x1.x, x0.y, x1.y}, {qk[0].x, qk[0].y});
+        mma_16816<T>(acc[kScoreTiles], {x0.z, x1.z, x0.w, x1.w}, {qk[32].x, qk[32].y});
       }
 
     // s[0..1]: key r0, heads 2c, 2c+1; s[2..3]: key r1.
@@ -367,10 +382,25 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
       sc0 = *reinterpret_cast<const float4*>(scales + r0 * 4);
       sc1 = *reinterpret_cast<const float4*>(scales + r1 * 4);
     }
+    const float sc0v[4] = {sc0.x, sc0.y, sc0.z, sc0.w}, sc1v[4] = {sc1.x, sc1.y, sc1.z, sc1.w};
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const float4 sc = e < 2 ? sc0 : sc1;
-      s[e] = (acc[0][e] * sc.x + acc[1][e] * sc.y + acc[2][e] * sc.z + acc[3][e] * sc.w) * q_unscale[e % 2] + acc[4][e];
+      const float* sc = e < 2 ? sc0v : sc1v;
+      float latent = acc[0][e] * sc[tile0];
+#pragma unroll
+      for (int tt = 1; tt < kScoreTiles; ++tt) latent += acc[tt][e] * sc[tile0 + tt];
+      s[e] = latent * q_unscale[e % 2] + acc[kScoreTiles][e];
+    }
+    if constexpr (kSplitDims == 2) {  // add the other half's partial scores (lane l of both holds the same keys, heads)
+      float4* mine =
+          reinterpret_cast<float4*>(smem + L.exchange) + ((group * kKeySlots + slot_k) * 2 + half_d) * 32 + lane;
+      *mine = make_float4(s[0], s[1], s[2], s[3]);
+      named_barrier_sync(1 + group * kKeySlots + slot_k, 64);  // the key slot's two warps
+      const float4 other = *(half_d ? mine - 32 : mine + 32);
+      s[0] += other.x;
+      s[1] += other.y;
+      s[2] += other.z;
+      s[3] += other.w;
     }
     const bool v0 = valid[r0], v1 = valid[r1];
     s[0] = v0 ? s[0] * p.scale_log2 : -INFINITY;
@@ -420,7 +450,6 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
                    movmatrix_trans(pack2<U>(s[2] * scale1, s[3] * scale1))};
     };
     if constexpr (kFp8) {
-      const float sc0v[4] = {sc0.x, sc0.y, sc0.z, sc0.w}, sc1v[4] = {sc1.x, sc1.y, sc1.z, sc1.w};
 #pragma unroll
       for (int tt = 0; tt < kScaleTiles; ++tt) {
         const int tile = half_d * kScaleTiles + tt;

@@ -31,8 +31,8 @@ struct SmallHeadsShape {
 // first 528 bytes are read, laid out alike in fp8_ds_mla and fp8_ds_mla_nope)
 // on the current device (cached per device and shape): 8 heads per CTA up to 8 heads, else 16; the
 // deepest pipeline that keeps the most CTAs resident per SM; at 8 heads the
-// output dims split between two warps where unsplit CTAs leave fewer than 8
-// warps per SM. Null when the device's shared memory cannot hold it (bf16 rows
+// output dims split between two warps wherever that keeps as many CTAs per SM
+// (every arch today: twice the warps). Null when the device's shared memory cannot hold it (bf16 rows
 // need 157 KB, 140 KB rope-free) and for fp8_ds_mla_v4 caches, which it does
 // not read; an invalid forced shape is an error.
 const SmallHeadsConfig* find_small_heads_config(CacheFormat f, int rope, bool paged, int num_heads,
