@@ -139,8 +139,10 @@ const SmallHeadsConfig& small_heads_config(CacheFormat f, int rope, bool paged, 
 void launch_small_heads(const AttentionParams& p, const SmallHeadsConfig& cfg, cudaStream_t stream) {
   const int head_blocks = (p.num_heads + cfg.heads_per_cta - 1) / cfg.heads_per_cta;
   const dim3 grid(static_cast<unsigned>(static_cast<int64_t>(p.num_tokens) * head_blocks), p.num_splits);
-  reinterpret_cast<Kernel>(const_cast<void*>(cfg.fn))<<<grid, cfg.threads, cfg.smem, stream>>>(p, cfg.stages);
-  check_launch("smla MLA attention kernel (small heads)");
+  int stages = cfg.stages;
+  void* args[] = {const_cast<AttentionParams*>(&p), &stages};
+  check_launched(cudaLaunchKernel(cfg.fn, grid, dim3(cfg.threads), args, cfg.smem, stream),
+                 "smla MLA attention kernel (small heads)");
 }
 
 }  // namespace smla::cuda::mla::small
