@@ -276,6 +276,12 @@ void report(const char* name, const char* kv, AttentionChoice kernel, int tokens
       {name, kv, kernel_name(kernel), tokens, heads, keys, ms * 1e3, tflops, gbs, mem_frac, compute_frac});
 }
 
+// The op's own choices: the benchmarks call the public op then, else the CUDA function with the choice forced.
+bool is_automatic(AttentionChoice k) {
+  return k.kernel == AttentionKernel::automatic && k.stages == 0 && k.heads_per_cta == 0 && k.split_dims == 0 &&
+         k.splits == 0;
+}
+
 // Times `call` (the op as the backend runs it, or its CUDA function with a forced kernel); a forced kernel
 // the device cannot run prints why instead.
 template <class Call>
@@ -331,7 +337,7 @@ void bench_sparse(const char* name, Cache& cache, int tokens, int heads, int top
   a.lse = smla::TensorView(lse, {tokens, heads}, smla::DType::f32, dev);
   double ms = 0;
   const bool ran = timed(kernel, [&] {
-    if (kernel.kernel == AttentionKernel::automatic && kernel.stages == 0) smla::sparse_mla(a, &be);
+    if (is_automatic(kernel)) smla::sparse_mla(a, &be);
     else smla::cuda::sparse_mla(a, kernel);
   }, ms);
   if (ran)
@@ -375,7 +381,7 @@ void bench_paged(const char* name, Cache& cache, int batch, int context, int hea
   a.lse = smla::TensorView(lse, {batch, 1, heads}, smla::DType::f32, dev);
   double ms = 0;
   const bool ran = timed(kernel, [&] {
-    if (kernel.kernel == AttentionKernel::automatic && kernel.stages == 0) smla::paged_mla_decode(a, &be);
+    if (is_automatic(kernel)) smla::paged_mla_decode(a, &be);
     else smla::cuda::paged_mla_decode(a, kernel);
   }, ms);
   if (ran)
