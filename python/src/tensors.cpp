@@ -24,7 +24,7 @@ Split split(nb::handle obj, const char* name) {
           std::string(name) + ": expected a tensor or a (tensor, dtype name) pair");
   const std::string dtype = nb::cast<std::string>(t[1]);
   auto dt = parse_dtype(dtype);
-  require(dt.has_value(), std::string(name) + ": unknown dtype '" + dtype + "'");
+  if (!dt) fail(std::string(name) + ": unknown dtype '" + dtype + "'");
   return {t[0], dt};
 }
 

@@ -154,7 +154,7 @@ void check_name(std::string_view value, const char* name, Names allowed) {
 
 DType parsed(const std::string& name, const char* arg) {
   const auto d = parse_dtype(name);
-  require(d.has_value(), std::string(arg) + ": unknown dtype '" + name + "'");
+  if (!d) fail(std::string(arg) + ": unknown dtype '" + name + "'");
   return *d;
 }
 

@@ -18,7 +18,7 @@ namespace smla::layer {
 namespace {
 
 using cuda::check_cuda;
-using cuda::check_launch;
+using cuda::launch_kernel;
 
 void check_cublas(cublasStatus_t status, const char* what) {
   if (status != CUBLAS_STATUS_SUCCESS)
@@ -219,51 +219,51 @@ class CudaCompute final : public Compute {
   void rms_norm(float* x, int64_t rows, int64_t dim, int64_t stride, const float* weight, double eps) override {
     if (rows == 0) return;
     const cuda::DeviceGuard guard(device_);
-    rms_norm_kernel<<<unsigned(rows), kThreads, 0, stream_>>>(x, dim, stride, weight, float(eps));
-    check_launch("MlaLayer: rms_norm_kernel");
+    launch_kernel(rms_norm_kernel, unsigned(rows), kThreads, 0, stream_, "MlaLayer: rms_norm_kernel", x, dim, stride,
+                  weight, float(eps));
   }
   void layer_norm(float* x, int64_t rows, int64_t dim, int64_t stride, const float* weight, const float* bias,
                   double eps) override {
     if (rows == 0) return;
     const cuda::DeviceGuard guard(device_);
-    layer_norm_kernel<<<unsigned(rows), kThreads, 0, stream_>>>(x, dim, stride, weight, bias, float(eps));
-    check_launch("MlaLayer: layer_norm_kernel");
+    launch_kernel(layer_norm_kernel, unsigned(rows), kThreads, 0, stream_, "MlaLayer: layer_norm_kernel", x, dim,
+                  stride, weight, bias, float(eps));
   }
   void rope(float* x, int64_t tokens, int64_t heads, int64_t token_stride, int64_t head_stride,
             const int32_t* positions, const float* inv_freq, int64_t pairs, RopeStyle style) override {
     const int64_t total = tokens * heads * pairs;
     if (total == 0) return;
     const cuda::DeviceGuard guard(device_);
-    rope_kernel<<<blocks_for(total), kThreads, 0, stream_>>>(x, tokens, heads, token_stride, head_stride, positions,
-                                                               inv_freq, pairs, style == RopeStyle::interleaved);
-    check_launch("MlaLayer: rope_kernel");
+    launch_kernel(rope_kernel, blocks_for(total), kThreads, 0, stream_, "MlaLayer: rope_kernel", x, tokens, heads,
+                  token_stride, head_stride, positions, inv_freq, pairs, style == RopeStyle::interleaved);
   }
 
   void to_half(const float* x, void* y, int64_t count, DType half) override {
     if (count == 0) return;
     const cuda::DeviceGuard guard(device_);
     if (half == DType::f16)
-      to_half_kernel<<<blocks_for(count), kThreads, 0, stream_>>>(x, count, static_cast<__half*>(y), 1, count);
+      launch_kernel(to_half_kernel<__half>, blocks_for(count), kThreads, 0, stream_, "MlaLayer: to_half_kernel", x,
+                    count, static_cast<__half*>(y), 1, count);
     else
-      to_half_kernel<<<blocks_for(count), kThreads, 0, stream_>>>(x, count, static_cast<__nv_bfloat16*>(y), 1, count);
-    check_launch("MlaLayer: to_half_kernel");
+      launch_kernel(to_half_kernel<__nv_bfloat16>, blocks_for(count), kThreads, 0, stream_,
+                    "MlaLayer: to_half_kernel", x, count, static_cast<__nv_bfloat16*>(y), 1, count);
   }
   void to_float(const void* x, DType half, float* y, int64_t count) override {
     if (count == 0) return;
     const cuda::DeviceGuard guard(device_);
     if (half == DType::f16)
-      to_float_kernel<<<blocks_for(count), kThreads, 0, stream_>>>(static_cast<const __half*>(x), y, count);
+      launch_kernel(to_float_kernel<__half>, blocks_for(count), kThreads, 0, stream_, "MlaLayer: to_float_kernel",
+                    static_cast<const __half*>(x), y, count);
     else
-      to_float_kernel<<<blocks_for(count), kThreads, 0, stream_>>>(static_cast<const __nv_bfloat16*>(x), y, count);
-    check_launch("MlaLayer: to_float_kernel");
+      launch_kernel(to_float_kernel<__nv_bfloat16>, blocks_for(count), kThreads, 0, stream_,
+                    "MlaLayer: to_float_kernel", static_cast<const __nv_bfloat16*>(x), y, count);
   }
   void copy_indexed_rows(const float* src, int64_t src_ld, const int64_t* src_rows, float* dst, int64_t dst_ld,
                          const int64_t* dst_rows, int64_t count, int64_t cols) override {
     if (count == 0 || cols == 0) return;
     const cuda::DeviceGuard guard(device_);
-    copy_indexed_rows_kernel<<<blocks_for(count * cols), kThreads, 0, stream_>>>(src, src_ld, src_rows, dst, dst_ld,
-                                                                                 dst_rows, count, cols);
-    check_launch("MlaLayer: copy_indexed_rows_kernel");
+    launch_kernel(copy_indexed_rows_kernel, blocks_for(count * cols), kThreads, 0, stream_,
+                  "MlaLayer: copy_indexed_rows_kernel", src, src_ld, src_rows, dst, dst_ld, dst_rows, count, cols);
   }
   void copy_rows(const float* src, int64_t src_ld, float* dst, int64_t dst_ld, int64_t rows, int64_t cols) override {
     if (rows == 0) return;
@@ -289,8 +289,8 @@ class CudaCompute final : public Compute {
   // x[rows, cols] (rows ldx apart) as contiguous bf16, the products' input type.
   const __nv_bfloat16* to_bf16(const float* x, int64_t ldx, int64_t rows, int64_t cols) {
     auto* y = static_cast<__nv_bfloat16*>(gemm_input_.reserve(rows * cols * sizeof(__nv_bfloat16), stream_));
-    to_half_kernel<<<blocks_for(rows * cols), kThreads, 0, stream_>>>(x, ldx, y, rows, cols);
-    check_launch("MlaLayer: to_half_kernel (product input)");
+    launch_kernel(to_half_kernel<__nv_bfloat16>, blocks_for(rows * cols), kThreads, 0, stream_,
+                  "MlaLayer: to_half_kernel (product input)", x, ldx, y, rows, cols);
     return y;
   }
   // Per head h: y_h = x_h @ op(W_h), as one strided-batched product. Column-major, that is y_h^T = op(W_h)^T x_h^T

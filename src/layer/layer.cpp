@@ -384,15 +384,16 @@ void MlaLayer::forward(std::span<const LayerSegment> segments, const float* hidd
   std::vector<bool> seen(st.requests.size());
   for (const LayerSegment& seg : segments) {
     const State::Request& r = st.request(seg.request, "forward: segments");
-    require(!seen[seg.request], "MlaLayer: forward: request " + std::to_string(seg.request) + " appears twice");
+    if (seen[seg.request]) fail("MlaLayer: forward: request " + std::to_string(seg.request) + " appears twice");
     seen[seg.request] = true;
     require(seg.num_tokens >= 0, "MlaLayer: forward: segments: negative num_tokens");
     if (path == AttentionPath::unabsorbed) {
-      require(r.length == 0, "MlaLayer: forward: the unabsorbed path runs new prompts only; request " +
-                                 std::to_string(seg.request) + " has " + std::to_string(r.length) + " tokens");
-      require(!s.is_sparse() || seg.num_tokens <= s.indexer->topk,
-              "MlaLayer: forward: the unabsorbed path is dense; a DSA prompt must fit in top-k (" +
-                  std::to_string(s.indexer->topk) + "), got " + std::to_string(seg.num_tokens) + " tokens");
+      if (r.length != 0)
+        fail("MlaLayer: forward: the unabsorbed path runs new prompts only; request " + std::to_string(seg.request) +
+             " has " + std::to_string(r.length) + " tokens");
+      if (s.is_sparse() && seg.num_tokens > s.indexer->topk)
+        fail("MlaLayer: forward: the unabsorbed path is dense; a DSA prompt must fit in top-k (" +
+             std::to_string(s.indexer->topk) + "), got " + std::to_string(seg.num_tokens) + " tokens");
     }
     tokens += seg.num_tokens;
   }

@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <optional>
 #include <string>
+#include <type_traits>
 
 #include "smla/error.h"
 #include "smla/types.h"
@@ -27,6 +28,13 @@ inline void check_launched(cudaError_t e, const char* kernel) {
   if (e == cudaSuccess) return;
   cudaGetLastError();
   check_cuda(e, kernel);
+}
+// kernel<<<grid, block, smem, stream>>>(params...) through cudaLaunchKernel, checked by check_launched.
+template <class... Params>
+void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                   const char* what, std::type_identity_t<Params>... params) {
+  void* args[] = {&params...};
+  check_launched(cudaLaunchKernel(reinterpret_cast<const void*>(kernel), grid, block, args, smem, stream), what);
 }
 
 // What the launch code knows of a device: under the emulated-arch test mode (cuda/emulation.h) the emulated

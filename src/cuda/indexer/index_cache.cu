@@ -228,8 +228,7 @@ void launch_per_item(void (*kernel)(Params), const Params& p, int64_t items, voi
   if (items == 0) return;
   constexpr int kThreads = 256;
   const auto blocks = static_cast<unsigned>((items + kThreads - 1) / kThreads);
-  kernel<<<blocks, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(p);
-  check_launch(what);
+  launch_kernel(kernel, blocks, kThreads, 0, static_cast<cudaStream_t>(stream), what, p);
 }
 
 }  // namespace

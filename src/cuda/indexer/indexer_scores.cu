@@ -460,8 +460,7 @@ void launch(const ScoreParams& p, int tokens, int64_t capacity, cudaStream_t str
   ScoreParams q = p;
   q.tiles_per_cta = static_cast<int>(ceil_div(token_tiles, ctas_per_token));
   const dim3 grid(static_cast<unsigned>(ceil_div(token_tiles, q.tiles_per_cta)), tokens);
-  kernel<<<grid, kScoreThreads, smem, stream>>>(q);
-  check_launch("smla indexer scores kernel");
+  launch_kernel(kernel, grid, kScoreThreads, smem, stream, "smla indexer scores kernel", q);
 }
 
 template <int kNTiles, int kGroups, Mma kMma>
@@ -506,8 +505,8 @@ Mma pick_mma(const IndexerTopkArgs& a, ScoreMma mma) {
   if (mma == ScoreMma::bf16_wgmma || mma == ScoreMma::fp8_wgmma)
     require(wgmma, "indexer_scores: wgmma needs an fp8 index cache, 17 to 64 heads and a Hopper GPU (the library "
                    "built with sm_90a code)");
-  if (mma == ScoreMma::fp8_wgmma)
-    require(fp8_pair, "indexer_scores: e4m3 wgmma needs fp8 queries, got " + std::string(dtype_name(a.q.dtype)));
+  if (mma == ScoreMma::fp8_wgmma && !fp8_pair)
+    fail("indexer_scores: e4m3 wgmma needs fp8 queries, got " + std::string(dtype_name(a.q.dtype)));
   const bool automatic = mma == ScoreMma::automatic;
   if (!fp8_keys) return Mma::bf16;
   if (fp8_pair && (mma == ScoreMma::fp8 || (automatic && fp8_mma_native(cc)))) return Mma::fp8;

@@ -138,8 +138,8 @@ void write_mla_cache(const WriteMlaCacheArgs& a) {
   if (p.num_tokens == 0) return;
   constexpr int kThreads = 256;
   const int64_t blocks = (p.num_tokens * 32 + kThreads - 1) / kThreads;
-  write_mla_cache_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, static_cast<cudaStream_t>(a.stream)>>>(p);
-  check_launch("smla write_mla_cache kernel");
+  launch_kernel(write_mla_cache_kernel, static_cast<unsigned>(blocks), kThreads, 0, static_cast<cudaStream_t>(a.stream),
+                "smla write_mla_cache kernel", p);
 }
 
 }  // namespace smla::cuda
