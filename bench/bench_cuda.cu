@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda/common/mma.cuh"
 #include "cuda/kernels.h"
 #include "smla/error.h"
 #include "smla/select.h"
@@ -170,8 +171,39 @@ double gemm_tflops() {
   return 2.0 * n * n * n / (ms * 1e-3) / 1e12;
 }
 
+// The mma.sync ceiling (issue 19's yardstick for the mma.sync kernel family): bf16 m16n8k16 with fp32
+// accumulators on registers only, kPeakChains independent accumulators per warp so the tensor pipe never waits
+// on a result; each thread's sums are stored so nothing is optimised away.
+constexpr int kPeakChains = 8, kPeakWarps = 8, kPeakIters = 4096;
+__global__ void __launch_bounds__(kPeakWarps * 32) mma_peak_kernel(float* sums) {
+  uint32_t a[4], b[2];
+  for (int i = 0; i < 4; ++i) a[i] = 0x3f803f80u ^ ((threadIdx.x * 2654435761u >> (8 * i)) & 0x007f007fu);  // ~1
+  b[0] = a[1] ^ 0x00010001u;
+  b[1] = a[2] ^ 0x00020002u;
+  float d[kPeakChains][4] = {};
+  for (int it = 0; it < kPeakIters; ++it)
+#pragma unroll
+    for (int c = 0; c < kPeakChains; ++c) smla::cuda::mma_16816<__nv_bfloat16>(d[c], a, b);
+  float sum = 0;
+  for (int c = 0; c < kPeakChains; ++c) sum += d[c][0] + d[c][1] + d[c][2] + d[c][3];
+  sums[blockIdx.x * blockDim.x + threadIdx.x] = sum;
+}
+
+double mma_sync_tflops() {
+  int sms = 0;
+  CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  const int ctas = 4 * sms;  // 32 warps per SM
+  float* sums;
+  CHECK(cudaMalloc(&sums, sizeof(float) * ctas * kPeakWarps * 32));
+  const double ms = time_ms([&] { mma_peak_kernel<<<ctas, kPeakWarps * 32>>>(sums); }, 10);
+  CHECK(cudaGetLastError());
+  CHECK(cudaFree(sums));
+  const double mmas = double(ctas) * kPeakWarps * kPeakIters * kPeakChains;
+  return mmas * 2 * 16 * 8 * 16 / (ms * 1e-3) / 1e12;
+}
+
 struct Ceilings {
-  double copy_gbs, gemm_tflops;
+  double copy_gbs, gemm_tflops, mma_tflops;
 };
 
 // One cache of `slots` rows in blocks of `block_size` shared by every config (random bf16 or fp8 rows) for heads of
@@ -689,10 +721,11 @@ int main(int argc, char** argv) {
   const std::string part = argc > 1 ? argv[1] : "";
   cudaDeviceProp prop;
   CHECK(cudaGetDeviceProperties(&prop, 0));
-  const Ceilings c{copy_bandwidth_gbs(), gemm_tflops()};
+  const Ceilings c{copy_bandwidth_gbs(), gemm_tflops(), mma_sync_tflops()};
   std::printf("device: %s (sm_%d%d, %d SMs)\n", prop.name, prop.major, prop.minor, prop.multiProcessorCount);
-  std::printf("ceilings measured now: copy %.0f GB/s (read+write), cuBLAS bf16 GEMM %.0f TFLOP/s\n\n", c.copy_gbs,
-              c.gemm_tflops);
+  std::printf("ceilings measured now: copy %.0f GB/s (read+write), cuBLAS bf16 GEMM %.0f TFLOP/s, mma.sync bf16 %.0f "
+              "TFLOP/s\n\n",
+              c.copy_gbs, c.gemm_tflops, c.mma_tflops);
   if (part == "sparse" && argc >= 6) {
     // `bench_cuda sparse TOKENS HEADS TOPK bf16|fp8 [auto|small|head-tile] [STAGES [HEADS_PER_CTA [SPLIT_DIMS
     // [SPLITS]]]]`: one sparse config (0: as the op picks).
@@ -734,7 +767,8 @@ int main(int argc, char** argv) {
       }
       // One token's latency against the number of key splits (the op picks 32 for 2048 keys: 64 chunks of 32).
       for (int splits : {1, 4, 8, 16, 32}) bench_sparse("1 token (splits)", cache, 1, 8, 2048, c, {{}, 0, 0, 0, splits});
-      for (int h : {64, 128}) bench_sparse("decode (compute)", cache, 64, h, 2048, c);
+      for (int h : {64, 128})
+        for (int t : {64, 128}) bench_sparse("decode (compute)", cache, t, h, 2048, c);
       for (int h : {8, 16}) bench_sparse("prefill 32K", cache, 4096, h, 2048, c, {}, 32768);
       if (kv == smla::DType::bf16)
         for (int h : {64, 128}) bench_sparse("prefill", cache, 4096, h, 2048, c);
@@ -850,7 +884,8 @@ int main(int argc, char** argv) {
     if (!f) return std::fprintf(stderr, "bench_cuda: cannot write %s\n", json_path.c_str()), 1;
     std::fprintf(f, "{\n  \"device\": \"%s\", \"sm\": %d, \"sms\": %d,\n", prop.name, prop.major * 10 + prop.minor,
                  prop.multiProcessorCount);
-    std::fprintf(f, "  \"ceilings\": {\"copy_gbs\": %.1f, \"gemm_tflops\": %.1f},\n", c.copy_gbs, c.gemm_tflops);
+    std::fprintf(f, "  \"ceilings\": {\"copy_gbs\": %.1f, \"gemm_tflops\": %.1f, \"mma_sync_tflops\": %.1f},\n",
+                 c.copy_gbs, c.gemm_tflops, c.mma_tflops);
     std::fprintf(f, "  \"units\": {\"us\": \"median microseconds per call\", "
                     "\"graph_us\": \"microseconds per call replayed from a CUDA graph\", "
                     "\"gbs\": \"cache rows gathered (tokens * keys * row "
