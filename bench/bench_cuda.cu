@@ -539,10 +539,11 @@ void bench_indexer(const IndexerConfig& cfg, const Ceilings& c) {
 // The top-k stage alone on distinct random scores, `tokens` rows of `context`
 // positions: one CTA per row, rows split into slices, rows shared by a
 // cluster's CTAs ("-" below SM90), and as select_topk decides (calls queued
-// back to back, and replayed from a CUDA graph).
+// back to back, and replayed from a CUDA graph; also unsorted, the positions
+// in position order, replayed from a graph).
 struct TopkRow {
   int tokens, context;
-  double unsplit_us, split_us, cluster_us, picked_us, graph_us;  // cluster -1: no clusters
+  double unsplit_us, split_us, cluster_us, picked_us, graph_us, unsorted_graph_us;  // cluster -1: no clusters
 };
 std::vector<TopkRow> topk_rows;
 
@@ -580,14 +581,19 @@ void bench_topk(int tokens, int context) {
   char cluster[16] = "-";
   if (major >= 9) std::snprintf(cluster, sizeof cluster, "%.1f", us(TopkSplit::cluster));
   const double picked = us(TopkSplit::automatic);
-  const double graph = graph_us([&](cudaStream_t s) {
-    a.stream = s;
-    smla::cuda::select_topk(a, scores);
-  });
+  const auto graph_with = [&](bool sorted) {
+    a.sorted = sorted;
+    return graph_us([&](cudaStream_t s) {
+      a.stream = s;
+      smla::cuda::select_topk(a, scores);
+    });
+  };
+  const double graph = graph_with(true), unsorted = graph_with(false);
   a.stream = nullptr;
-  std::printf("%6d %7d %10.1f %10.1f %10s %10.1f %10.1f %12.2f\n", tokens, context, one_cta, slices, cluster, picked,
-              graph, picked / tokens);
-  topk_rows.push_back({tokens, context, one_cta, slices, major >= 9 ? std::atof(cluster) : -1, picked, graph});
+  std::printf("%6d %7d %10.1f %10.1f %10s %10.1f %10.1f %10.1f %12.2f\n", tokens, context, one_cta, slices, cluster,
+              picked, graph, unsorted, picked / tokens);
+  topk_rows.push_back(
+      {tokens, context, one_cta, slices, major >= 9 ? std::atof(cluster) : -1, picked, graph, unsorted});
   for (void* ptr : {static_cast<void*>(dreq), static_cast<void*>(dctx), static_cast<void*>(dtable),
                     static_cast<void*>(dout), static_cast<void*>(scores)})
     cudaFree(ptr);
@@ -596,11 +602,11 @@ void bench_topk(int tokens, int context) {
 // The whole DSA decode step of GLM-5 under TP 8 (8 attention heads, 32 indexer heads with fp8 queries, top-k 2048,
 // fp8 index keys of 132 B, an fp8_ds_mla cache), `tokens` requests of `context` positions each, over a shared block
 // table of shuffled blocks with random keys (distinct scores). Each stage alone and the step, replayed from a CUDA
-// graph; the three ops as separate calls (indexer_topk, positions_to_slots, sparse_mla) in a graph; and the step as
-// single cold calls.
+// graph; the three ops as separate calls (indexer_topk, positions_to_slots, sparse_mla) in a graph; the step as
+// single cold calls; and the step replayed with sorted = false (the positions in position order).
 struct StepRow {
   int tokens, context;
-  double scores_us, topk_us, attention_us, ops_us, step_us, cold_us;
+  double scores_us, topk_us, attention_us, ops_us, step_us, cold_us, unsorted_step_us;
 };
 std::vector<StepRow> step_rows;
 
@@ -693,8 +699,10 @@ void bench_step(StepCaches& caches, int tokens, int context) {
   });
   r.step_us = graph_us([&](cudaStream_t s) { smla::dsa_decode_step(on(s), &be); });
   r.cold_us = cold_us([&](cudaStream_t s) { smla::dsa_decode_step(on(s), &be); });
-  std::printf("%6d %7d %9.1f %9.1f %9.1f %9.1f %9.1f %9.1f %12.0f\n", tokens, context, r.scores_us, r.topk_us,
-              r.attention_us, r.ops_us, r.step_us, r.cold_us, 1e6 / (78 * r.step_us));
+  a.indexer.sorted = false;
+  r.unsorted_step_us = graph_us([&](cudaStream_t s) { smla::dsa_decode_step(on(s), &be); });
+  std::printf("%6d %7d %9.1f %9.1f %9.1f %9.1f %9.1f %9.1f %9.1f %12.0f\n", tokens, context, r.scores_us, r.topk_us,
+              r.attention_us, r.ops_us, r.step_us, r.cold_us, r.unsorted_step_us, 1e6 / (78 * r.step_us));
   step_rows.push_back(r);
   for (void* ptr : {dtable, dreq, dctx, dq_index, dw, dq_scale, q, dtopk, dslots, out, lse, static_cast<void*>(scores)})
     cudaFree(ptr);
@@ -860,8 +868,8 @@ int main(int argc, char** argv) {
   if (part.empty() || part == "topk") {
     std::printf("\ntop-k 2048 of distinct random scores: one CTA per row, rows split among CTAs, rows shared by a "
                 "cluster's CTAs (SM90+), as select_topk picks\n");
-    std::printf("%6s %7s %10s %10s %10s %10s %10s %12s\n", "tokens", "context", "unsplit us", "split us",
-                "cluster us", "picked us", "graph us", "us/row");
+    std::printf("%6s %7s %10s %10s %10s %10s %10s %10s %12s\n", "tokens", "context", "unsplit us", "split us",
+                "cluster us", "picked us", "graph us", "unsorted", "us/row");
     if (argc >= 4) {
       bench_topk(std::atoi(argv[2]), std::atoi(argv[3]));
       return 0;
@@ -872,9 +880,10 @@ int main(int argc, char** argv) {
   if (part.empty() || part == "step") {
     std::printf("\ndsa_decode_step, GLM-5 TP8 (8 heads, 32 indexer heads fp8 q, top-k 2048, fp8 index keys, "
                 "fp8_ds_mla cache); us per call from a CUDA graph replayed back to back, unless cold; 3 ops: "
-                "indexer_topk + positions_to_slots + sparse_mla as separate calls\n");
-    std::printf("%6s %7s %9s %9s %9s %9s %9s %9s %12s\n", "tokens", "context", "scores", "top-k", "attention",
-                "3 ops", "step", "cold step", "tok/s 78 L");
+                "indexer_topk + positions_to_slots + sparse_mla as separate calls; step unsorted: sorted = false "
+                "(graph)\n");
+    std::printf("%6s %7s %9s %9s %9s %9s %9s %9s %9s %12s\n", "tokens", "context", "scores", "top-k", "attention",
+                "3 ops", "step", "cold step", "unsorted", "tok/s 78 L");
     StepCaches caches;
     for (int context : {8192, 131072})
       for (int tokens : {1, 8}) bench_step(caches, tokens, context);
@@ -905,9 +914,9 @@ int main(int argc, char** argv) {
       const TopkRow& r = topk_rows[i];
       std::fprintf(f,
                    "    {\"tokens\": %d, \"context\": %d, \"unsplit_us\": %.2f, \"split_us\": %.2f, "
-                   "\"cluster_us\": %.2f, \"picked_us\": %.2f, \"graph_us\": %.2f}%s\n",
+                   "\"cluster_us\": %.2f, \"picked_us\": %.2f, \"graph_us\": %.2f, \"unsorted_graph_us\": %.2f}%s\n",
                    r.tokens, r.context, r.unsplit_us, r.split_us, r.cluster_us, r.picked_us, r.graph_us,
-                   i + 1 < topk_rows.size() ? "," : "");
+                   r.unsorted_graph_us, i + 1 < topk_rows.size() ? "," : "");
     }
     std::fprintf(f, "  ],\n  \"dsa_decode_step\": [\n");
     for (size_t i = 0; i < step_rows.size(); ++i) {
@@ -915,9 +924,9 @@ int main(int argc, char** argv) {
       std::fprintf(f,
                    "    {\"config\": \"glm5-tp8 fp8\", \"tokens\": %d, \"context\": %d, \"scores_us\": %.2f, "
                    "\"topk_us\": %.2f, \"attention_us\": %.2f, \"three_ops_us\": %.2f, \"step_us\": %.2f, "
-                   "\"step_cold_us\": %.2f}%s\n",
+                   "\"step_cold_us\": %.2f, \"step_unsorted_us\": %.2f}%s\n",
                    r.tokens, r.context, r.scores_us, r.topk_us, r.attention_us, r.ops_us, r.step_us, r.cold_us,
-                   i + 1 < step_rows.size() ? "," : "");
+                   r.unsorted_step_us, i + 1 < step_rows.size() ? "," : "");
     }
     std::fprintf(f, "  ]\n}\n");
     std::fclose(f);

@@ -96,7 +96,9 @@ struct IndexerTopkArgs {
   TensorView request_ids;   // [T] i32: row of block_table of each token
   TensorView block_table;   // [R, max_blocks] i32
   TensorView context_lens;  // [T] i32: token t sees logical positions [0, context_lens[t])
-  TensorView topk;          // [T, K] i32 out: logical positions, best first; -1 padded
+  TensorView topk;          // [T, K] i32 out: logical positions, best first (or see `sorted`); -1 padded
+  bool sorted = true;       // false: the same positions in ascending position order (attention needs no order;
+                            // the GPU then skips ordering them by score)
   TensorView workspace;     // optional, see above
   void* stream = nullptr;
 };

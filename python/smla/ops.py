@@ -180,12 +180,12 @@ def _write_index_cache(k, slot_mapping, cache, index_cache_dtype, stream, backen
 
 
 def _indexer_topk(q, q_scale, weights, index_cache, request_ids, block_table, context_lens, topk_out,
-                  index_cache_dtype, stream, backend, workspace=None) -> None:
+                  index_cache_dtype, stream, backend, workspace=None, sorted=True) -> None:
     _smla.indexer_topk(
         _arrays.export(q, _index_dtype(q, None)), _arrays.export(q_scale), _arrays.export(weights),
         _arrays.export(index_cache, _index_dtype(index_cache, index_cache_dtype)), _arrays.export(request_ids),
         _arrays.export(block_table), _arrays.export(context_lens), _arrays.export(topk_out),
-        _arrays.resolve_stream(q, stream), _backend(backend), _workspace(q, workspace))
+        _arrays.resolve_stream(q, stream), _backend(backend), _workspace(q, workspace), bool(sorted))
 
 
 def _positions_to_slots(positions, request_ids, block_table, block_size, slots, stream, backend) -> None:
@@ -227,7 +227,7 @@ def _rotate_index_q(q, q_out, q_scale, stream, backend) -> None:
 
 def _dsa_decode_step(q, kv_cache, index_q, index_weights, index_cache, request_ids, block_table, context_lens,
                      index_q_scale, attn_sink, softmax_scale, out, lse, topk_out, slots, kv_cache_dtype,
-                     index_cache_dtype, stream, backend, workspace=None) -> None:
+                     index_cache_dtype, stream, backend, workspace=None, sorted=True) -> None:
     _smla.dsa_decode_step(
         _arrays.export(index_q, _index_dtype(index_q, None)), _arrays.export(index_q_scale),
         _arrays.export(index_weights), _arrays.export(index_cache, _index_dtype(index_cache, index_cache_dtype)),
@@ -235,7 +235,7 @@ def _dsa_decode_step(q, kv_cache, index_q, index_weights, index_cache, request_i
         _arrays.export(topk_out), _arrays.export(slots), _arrays.export(q),
         _arrays.export(kv_cache, _mla_cache_dtype(kv_cache, kv_cache_dtype)), _arrays.export(attn_sink),
         _softmax_scale(softmax_scale), _arrays.export(out), _arrays.export(lse), _arrays.resolve_stream(q, stream),
-        _backend(backend), _workspace(q, workspace))
+        _backend(backend), _workspace(q, workspace), bool(sorted))
 
 
 def _attention_outputs(q: Tensor, out: Optional[Tensor], lse: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
@@ -347,22 +347,23 @@ def write_index_cache(k: Tensor, slot_mapping: Tensor, cache: Tensor, *, index_c
 def indexer_topk(q: Tensor, weights: Tensor, index_cache: Tensor, request_ids: Tensor, block_table: Tensor,
                  context_lens: Tensor, *, topk: Optional[int] = None, q_scale: Optional[Tensor] = None,
                  index_cache_dtype: Optional[str] = "auto", out: Optional[Tensor] = None, stream: Any = None,
-                 backend: Optional[str] = None) -> Tensor:
+                 backend: Optional[str] = None, sorted: bool = True) -> Tensor:
     """Lightning-indexer scores and exact top-k over each token's visible
     context [0, context_lens[t]). q [T, H_I, 128] bf16/f16 or 8-bit (fp8_e4m3,
     then q_scale [T, H_I] float32), weights [T, H_I] float32. Returns the
-    logical positions [T, topk] int32, best first, -1 padded. ``topk`` (1 to
-    65536) is required unless ``out=`` [T, K] is given: then it defaults to K
-    and, when given, must equal it."""
+    logical positions [T, topk] int32, best first (``sorted=False``: the same
+    positions in ascending order, which the GPU finds faster), -1 padded.
+    ``topk`` (1 to 65536) is required unless ``out=`` [T, K] is given: then it
+    defaults to K and, when given, must equal it."""
     topk = _topk_columns(topk, out)
     ops = _torch_ops(q) if out is None and stream is None else None
     if ops is not None:
         return ops.indexer_topk(q, q_scale, weights, index_cache, request_ids, block_table, context_lens,
-                                topk, index_cache_dtype or "auto", _backend(backend))
+                                topk, index_cache_dtype or "auto", _backend(backend), bool(sorted))
     if out is None:
         out = _arrays.empty(q, (_tokens(q), topk), "int32")
     _indexer_topk(q, q_scale, weights, index_cache, request_ids, block_table, context_lens, out,
-                  index_cache_dtype, stream, backend)
+                  index_cache_dtype, stream, backend, sorted=sorted)
     return out
 
 
@@ -441,22 +442,25 @@ def dsa_decode_step(q: Tensor, kv_cache: Tensor, index_q: Tensor, index_weights:
                     softmax_scale: float, index_q_scale: Optional[Tensor] = None,
                     attn_sink: Optional[Tensor] = None, kv_cache_dtype: Optional[str] = "auto",
                     index_cache_dtype: Optional[str] = "auto", stream: Any = None,
-                    backend: Optional[str] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+                    backend: Optional[str] = None, sorted: bool = True) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """One DSA decode step: indexer_topk -> positions_to_slots -> sparse_mla.
     The MLA cache and the index cache share ``block_table`` and the block
     size. Returns (out [T, H, 512], lse [T, H], positions [T, topk] (logical,
-    what the indexer chose), slots [T, topk] (physical, what was attended))."""
+    what the indexer chose, best first; ``sorted=False``: in ascending
+    order, as indexer_topk), slots [T, topk] (physical, what was attended, in
+    the positions' order))."""
     topk = _topk_columns(topk)
     ops = _torch_ops(q) if stream is None else None
     if ops is not None:
         return ops.dsa_decode_step(q, kv_cache, index_q, index_weights, index_cache, request_ids, block_table,
                                    context_lens, index_q_scale, attn_sink, topk, _softmax_scale(softmax_scale),
-                                   kv_cache_dtype or "auto", index_cache_dtype or "auto", _backend(backend))
+                                   kv_cache_dtype or "auto", index_cache_dtype or "auto", _backend(backend),
+                                   bool(sorted))
     out, lse = _attention_outputs(q, None, None)
     tokens = _tokens(q)
     positions = _arrays.empty(q, (tokens, topk), "int32")
     slots = _arrays.empty(q, (tokens, topk), "int32")
     _dsa_decode_step(q, kv_cache, index_q, index_weights, index_cache, request_ids, block_table, context_lens,
                      index_q_scale, attn_sink, softmax_scale, out, lse, positions, slots, kv_cache_dtype,
-                     index_cache_dtype, stream, backend)
+                     index_cache_dtype, stream, backend, sorted=sorted)
     return out, lse, positions, slots

@@ -122,10 +122,10 @@ def _write_index_cache(k, slot_mapping, cache, index_cache_dtype="auto", backend
 
 
 def _indexer_topk(q, q_scale, weights, index_cache, request_ids, block_table, context_lens, topk,
-                  index_cache_dtype="auto", backend=""):
+                  index_cache_dtype="auto", backend="", sorted=True):
     out = _topk_out(q, topk)
     _ops._indexer_topk(q, q_scale, weights, index_cache, request_ids, block_table, context_lens, out,
-                       index_cache_dtype, None, backend)
+                       index_cache_dtype, None, backend, sorted=sorted)
     return out
 
 
@@ -159,12 +159,12 @@ def _rotate_index_q(q, fp8=True, backend=""):
 
 def _dsa_decode_step(q, kv_cache, index_q, index_weights, index_cache, request_ids, block_table, context_lens,
                      index_q_scale, attn_sink, topk, softmax_scale, kv_cache_dtype="auto", index_cache_dtype="auto",
-                     backend=""):
+                     backend="", sorted=True):
     out, lse = _attention_out(q)
     positions, slots = _topk_out(q, topk), _topk_out(q, topk)
     _ops._dsa_decode_step(q, kv_cache, index_q, index_weights, index_cache, request_ids, block_table, context_lens,
                           index_q_scale, attn_sink, softmax_scale, out, lse, positions, slots, kv_cache_dtype,
-                          index_cache_dtype, None, backend)
+                          index_cache_dtype, None, backend, sorted=sorted)
     return out, lse, positions, slots
 
 
@@ -245,7 +245,8 @@ _OPS = [
     ("write_index_cache(Tensor k, Tensor slot_mapping, Tensor(a!) cache, str index_cache_dtype='auto', "
      "str backend='') -> ()", _write_index_cache, _no_output_fake),
     ("indexer_topk(Tensor q, Tensor? q_scale, Tensor weights, Tensor index_cache, Tensor request_ids, "
-     "Tensor block_table, Tensor context_lens, int topk, str index_cache_dtype='auto', str backend='') -> Tensor",
+     "Tensor block_table, Tensor context_lens, int topk, str index_cache_dtype='auto', str backend='', "
+     "bool sorted=True) -> Tensor",
      _indexer_topk, _indexer_topk_fake),
     ("positions_to_slots(Tensor positions, Tensor request_ids, Tensor block_table, int block_size, "
      "str backend='') -> Tensor", _positions_to_slots, _positions_to_slots_fake),
@@ -258,8 +259,8 @@ _OPS = [
      _rotate_index_q, _rotate_index_q_fake),
     ("dsa_decode_step(Tensor q, Tensor kv_cache, Tensor index_q, Tensor index_weights, Tensor index_cache, "
      "Tensor request_ids, Tensor block_table, Tensor context_lens, Tensor? index_q_scale, Tensor? attn_sink, "
-     "int topk, float softmax_scale, str kv_cache_dtype='auto', str index_cache_dtype='auto', str backend='') "
-     "-> (Tensor, Tensor, Tensor, Tensor)", _dsa_decode_step, _dsa_decode_step_fake),
+     "int topk, float softmax_scale, str kv_cache_dtype='auto', str index_cache_dtype='auto', str backend='', "
+     "bool sorted=True) -> (Tensor, Tensor, Tensor, Tensor)", _dsa_decode_step, _dsa_decode_step_fake),
     ("flash_mla_with_kvcache(Tensor q, Tensor k_cache, Tensor? block_table, Tensor? cache_seqlens, "
      "Tensor? indices, Tensor? topk_length, Tensor? attn_sink, float softmax_scale, bool causal, "
      "str kv_cache_dtype='auto', str backend='', Tensor? extra_k_cache=None, "

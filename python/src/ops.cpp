@@ -149,17 +149,19 @@ void bind_ops(nb::module_& m) {
       "indexer_topk",
       [](nb::handle q, nb::handle q_scale, nb::handle weights, nb::handle index_cache, nb::handle request_ids,
          nb::handle block_table, nb::handle context_lens, nb::handle topk, uintptr_t stream,
-         const std::string& backend, nb::handle workspace) {
+         const std::string& backend, nb::handle workspace, bool sorted) {
         Importer imp;
         IndexerTopkArgs a = import_indexer(imp, kIndexerTopkNames, q, q_scale, weights, index_cache, request_ids,
                                            block_table, context_lens, topk);
+        a.sorted = sorted;
         a.stream = as_stream(stream);
         const Backend* be = backend_by_name(backend, a.q.device);
         attach_workspace(imp, workspace, a, be, a.q.device);
         run(a, be, [](const auto& x, auto b) { indexer_topk(x, b); });
       },
       arg("q"), obj("q_scale"), arg("weights"), arg("index_cache"), arg("request_ids"), arg("block_table"),
-      arg("context_lens"), arg("topk"), arg("stream") = 0, arg("backend") = "", obj("workspace") = nb::none());
+      arg("context_lens"), arg("topk"), arg("stream") = 0, arg("backend") = "", obj("workspace") = nb::none(),
+      arg("sorted") = true);
 
   m.def(
       "positions_to_slots",
@@ -230,11 +232,12 @@ void bind_ops(nb::module_& m) {
       [](nb::handle index_q, nb::handle index_q_scale, nb::handle index_weights, nb::handle index_cache,
          nb::handle request_ids, nb::handle block_table, nb::handle context_lens, nb::handle topk, nb::handle slots,
          nb::handle q, nb::handle kv_cache, nb::handle attn_sink, float softmax_scale, nb::handle out, nb::handle lse,
-         uintptr_t stream, const std::string& backend, nb::handle workspace) {
+         uintptr_t stream, const std::string& backend, nb::handle workspace, bool sorted) {
         Importer imp;
         DsaDecodeStepArgs a;
         a.indexer = import_indexer(imp, kDecodeStepNames, index_q, index_q_scale, index_weights, index_cache,
                                    request_ids, block_table, context_lens, topk);
+        a.indexer.sorted = sorted;
         a.indexer.stream = as_stream(stream);
         a.slots = imp.output(slots, "slots");
         a.q = imp.input(q, "q");
@@ -251,7 +254,7 @@ void bind_ops(nb::module_& m) {
       arg("index_q"), obj("index_q_scale"), arg("index_weights"), arg("index_cache"), arg("request_ids"),
       arg("block_table"), arg("context_lens"), arg("topk"), arg("slots"), arg("q"), arg("kv_cache"),
       obj("attn_sink"), arg("softmax_scale"), arg("out"), arg("lse"), arg("stream") = 0, arg("backend") = "",
-      obj("workspace") = nb::none());
+      obj("workspace") = nb::none(), arg("sorted") = true);
 
   m.def("tensor_info", &tensor_info, arg("tensor"),
         "What C++ sees of a tensor: data pointer, shape, strides (elements), dtype, device.");

@@ -377,12 +377,13 @@ IndexerTopkArgs indexer_args(const IndexerQueryNames& names, const Tensor& q, co
 
 Tensor indexer_topk_kernel(const Tensor& q, const OptTensor& q_scale, const Tensor& weights, const Tensor& index_cache,
                            const Tensor& request_ids, const Tensor& block_table, const Tensor& context_lens,
-                           int64_t topk, c10::string_view index_cache_dtype, c10::string_view backend) {
+                           int64_t topk, c10::string_view index_cache_dtype, c10::string_view backend, bool sorted) {
   return translated([&] {
     Tensor out = topk_out(q, topk);
     const std::optional<DType> index_cache_as = index_dtype(index_cache, index_cache_dtype, "index_cache");
     IndexerTopkArgs a = indexer_args(kIndexerTopkNames, q, q_scale, weights, index_cache, index_cache_as,
                                      request_ids, block_table, context_lens, out);
+    a.sorted = sorted;
     run_on_stream(a, q, backend, [](const auto& x, auto be) { indexer_topk(x, be); });
     return out;
   });
@@ -408,7 +409,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> dsa_decode_step_kernel(
     const Tensor& q, const Tensor& kv_cache, const Tensor& index_q, const Tensor& index_weights,
     const Tensor& index_cache, const Tensor& request_ids, const Tensor& block_table, const Tensor& context_lens,
     const OptTensor& index_q_scale, const OptTensor& attn_sink, int64_t topk, double softmax_scale,
-    c10::string_view kv_cache_dtype, c10::string_view index_cache_dtype, c10::string_view backend) {
+    c10::string_view kv_cache_dtype, c10::string_view index_cache_dtype, c10::string_view backend, bool sorted) {
   return translated([&] {
     auto [out, lse] = attention_out(q);
     Tensor positions = topk_out(q, topk), slots = topk_out(q, topk);
@@ -418,6 +419,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> dsa_decode_step_kernel(
     a.softmax_scale = softmax_scale_of(softmax_scale);
     a.indexer = indexer_args(kDecodeStepNames, index_q, index_q_scale, index_weights, index_cache, index_cache_as,
                              request_ids, block_table, context_lens, positions);
+    a.indexer.sorted = sorted;
     a.slots = view(slots, "slots");
     a.q = view(q, "q");
     a.kv_cache = view(kv_cache, "kv_cache", cache_dtype);

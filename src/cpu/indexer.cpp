@@ -101,7 +101,7 @@ uint64_t* sort_by_key_descending(uint64_t* a, uint64_t* b, int64_t count) {
 
 }  // namespace
 
-void select_topk(const uint32_t* keys, int64_t n, int64_t k, int32_t* out) {
+void select_topk(const uint32_t* keys, int64_t n, int64_t k, int32_t* out, bool sorted) {
   const int64_t m = std::min(k, n);
   std::fill(out + m, out + k, -1);
   if (m == 0) return;
@@ -126,8 +126,9 @@ void select_topk(const uint32_t* keys, int64_t n, int64_t k, int32_t* out) {
     }
     std::swap(a, b);
   }
-  const uint64_t* sorted = sort_by_key_descending(a, b, m);
-  for (int64_t i = 0; i < m; ++i) out[i] = static_cast<int32_t>(sorted[i] & 0xffffffffu);
+  // The survivors are in position order: unsorted, that is the order wanted.
+  const uint64_t* chosen = sorted ? sort_by_key_descending(a, b, m) : a;
+  for (int64_t i = 0; i < m; ++i) out[i] = static_cast<int32_t>(chosen[i] & 0xffffffffu);
 }
 
 }  // namespace indexer
@@ -373,7 +374,7 @@ void indexer_topk(const IndexerTopkArgs& a) {
 #pragma omp for schedule(dynamic, 1)
       for (int64_t b = 0; b < batch; ++b)
         indexer::select_topk(kbuf + kstart[b], context_lens[t0 + b], k,
-                             a.topk.ptr<int32_t>() + (t0 + b) * a.topk.strides[0]);
+                             a.topk.ptr<int32_t>() + (t0 + b) * a.topk.strides[0], a.sorted);
     }
     t0 = t1;
   }

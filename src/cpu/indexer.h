@@ -15,10 +15,11 @@ inline uint32_t order_key(float score) {
 }
 
 // Writes the positions of the min(k, n) largest keys of keys[0, n) to out,
-// largest first, equal keys by ascending position; out[min(k, n), k) = -1.
+// largest first, equal keys by ascending position (sorted = false: the same
+// positions in ascending order); out[min(k, n), k) = -1.
 // Exact and never sorts the whole row: keys under a floor estimated from a
 // sample are dropped in one pass, a radix select finds the m-th largest of
-// the rest, and only the m survivors are (radix) sorted.
-void select_topk(const uint32_t* keys, int64_t n, int64_t k, int32_t* out);
+// the rest, and only the m survivors are (radix) sorted, if sorted.
+void select_topk(const uint32_t* keys, int64_t n, int64_t k, int32_t* out, bool sorted = true);
 
 }  // namespace smla::cpu::indexer

@@ -402,6 +402,45 @@ TEST(IndexerTopk, LargeKOnALongContext) {
   expect_matches_reference(p);
 }
 
+// A best-first top-k row in ascending position order, its -1 padding left last: what sorted = false returns.
+std::vector<int32_t> by_position(std::vector<int32_t> row) {
+  std::sort(row.begin(), std::find(row.begin(), row.end(), -1));
+  return row;
+}
+
+TEST(IndexerTopk, UnsortedIsTheSortedSetByPosition) {
+  // Exact ties (a palette of 6 keys), rows shorter than K, empty, K larger than every row, and rows long enough
+  // for the sampled floor (over 4096 positions), with every kernel.
+  for (const auto& [k, palette] : {std::pair<int64_t, int>{50, 6}, {64, 0}, {2048, 0}, {7000, 3}}) {
+    SCOPED_TRACE("k " + std::to_string(k) + " palette " + std::to_string(palette));
+    Rng rng(static_cast<uint64_t>(k + palette));
+    ProblemSpec spec;
+    spec.heads = 8;
+    spec.k = k;
+    spec.palette = palette;
+    spec.contexts = {0, 1, 49, 300, 1100, 5000};
+    spec.request_of = {0, 1, 2, 3, 4, 4};
+    Problem p = make_problem(rng, spec);
+    for (Isa isa : supported_isas()) {
+      SCOPED_TRACE("kernel " + std::string(cpu::isa_name(isa)));
+      ForceIsa force(isa);
+      IndexerTopkArgs a = p.args();
+      std::fill(p.topk.begin(), p.topk.end(), 12345);
+      indexer_topk(a, &cpu_backend());
+      const std::vector<int32_t> sorted = p.topk;
+      std::fill(p.topk.begin(), p.topk.end(), 12345);
+      a.sorted = false;
+      indexer_topk(a, &cpu_backend());
+      for (int64_t t = 0; t < p.tokens(); ++t) {
+        const auto row = [&](const std::vector<int32_t>& v) {
+          return std::vector<int32_t>(v.begin() + t * k, v.begin() + (t + 1) * k);
+        };
+        EXPECT_EQ(row(p.topk), by_position(row(sorted))) << "token " << t;
+      }
+    }
+  }
+}
+
 TEST(IndexerTopk, KernelsAgreeOnStridedQuery) {
   // q and weights with padded rows: the packers follow strides.
   Rng rng(9);
@@ -489,6 +528,9 @@ TEST(SelectTopk, ExactWithHeavyTiesAndAllSizes) {
         std::vector<int32_t> got(k, 7);
         cpu::indexer::select_topk(keys.data(), n, k, got.data());
         ASSERT_EQ(got, order) << "n " << n << " k " << k << " range " << range;
+        std::fill(got.begin(), got.end(), 7);
+        cpu::indexer::select_topk(keys.data(), n, k, got.data(), /*sorted=*/false);
+        ASSERT_EQ(got, by_position(order)) << "unsorted: n " << n << " k " << k << " range " << range;
       }
     }
 }
@@ -507,6 +549,30 @@ TEST(SelectTopk, ExactWhenTheSampledFloorIsTooHigh) {
   std::vector<int32_t> got(k);
   cpu::indexer::select_topk(keys.data(), n, k, got.data());
   EXPECT_EQ(got, order);
+  cpu::indexer::select_topk(keys.data(), n, k, got.data(), /*sorted=*/false);
+  EXPECT_EQ(got, by_position(order));
+}
+
+TEST(SelectTopk, NaNScoresKeepTheirKeyOrderUnsortedToo) {
+  // NaN scores are ordered by their order keys as any other (positive NaNs above +inf, negative ones below -inf).
+  Rng rng(21);
+  const int64_t n = 9000;
+  std::vector<float> scores = test::random_floats(rng, n);
+  for (int64_t i = 0; i < n; i += 7) scores[i] = std::bit_cast<float>(0x7fc00000u + static_cast<uint32_t>(i % 3));
+  for (int64_t i = 3; i < n; i += 11) scores[i] = -NAN;
+  std::vector<uint32_t> keys(n);
+  for (int64_t i = 0; i < n; ++i) keys[i] = cpu::indexer::order_key(scores[i]);
+  for (int64_t k : {100, 2048, 10000}) {
+    std::vector<int32_t> order(n);
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return keys[a] > keys[b]; });
+    order.resize(k, -1);
+    std::vector<int32_t> got(k, 7);
+    cpu::indexer::select_topk(keys.data(), n, k, got.data());
+    EXPECT_EQ(got, order) << "k " << k;
+    cpu::indexer::select_topk(keys.data(), n, k, got.data(), /*sorted=*/false);
+    EXPECT_EQ(got, by_position(order)) << "unsorted: k " << k;
+  }
 }
 
 TEST(SelectTopk, OrderKeyOrdersFloatsAndTiesSignedZeros) {

@@ -674,12 +674,20 @@ std::vector<int32_t> expected_topk(const std::vector<float>& row, int64_t n, int
   return order;
 }
 
+// A best-first top-k row in ascending position order, its -1 padding left last: what sorted = false returns.
+std::vector<int32_t> by_position(std::vector<int32_t> row) {
+  std::sort(row.begin(), std::find(row.begin(), row.end(), -1));
+  return row;
+}
+
 // exact: the result must be the reference's; else (NaN scores: an unspecified order) only valid: distinct
 // positions of the row, as many as it has up to k, then -1. The top-k also writes the slots of its positions (as
 // dsa_decode_step has it do) through a shuffled block table with holes: they must be the CPU's positions_to_slots
-// of the positions it chose.
+// of the positions it chose. sorted = false: the reference in position order (the CPU backend's unsorted result, as
+// tests/cpu/test_indexer.cpp checks), and every row (NaN ones too) must be the GPU's own sorted selection in
+// position order.
 void check_crafted_rows(const std::vector<CraftedRow>& rows, int k, uint64_t seed,
-                        cuda::TopkSplit split = cuda::TopkSplit::automatic, bool exact = true) {
+                        cuda::TopkSplit split = cuda::TopkSplit::automatic, bool exact = true, bool sorted = true) {
   test::Rng rng(seed);
   const int tokens = static_cast<int>(rows.size()), bs = 64;
   int64_t longest = 1;
@@ -704,7 +712,8 @@ void check_crafted_rows(const std::vector<CraftedRow>& rows, int k, uint64_t see
     std::vector<float> row(rows[t].n);
     for (int64_t i = 0; i < rows[t].n; ++i) row[i] = rows[t].score(i, rng);
     std::copy(row.begin(), row.end(), scores.begin() + t * stride);
-    const std::vector<int32_t> w = expected_topk(row, rows[t].n, k);
+    std::vector<int32_t> w = expected_topk(row, rows[t].n, k);
+    if (!sorted) w = by_position(w);
     want.insert(want.end(), w.begin(), w.end());
   }
   DeviceBuffer dscores(scores), dreq(request_ids), dctx(context), dtable(table), dout(std::vector<int32_t>(out.size(), 777)),
@@ -713,6 +722,14 @@ void check_crafted_rows(const std::vector<CraftedRow>& rows, int k, uint64_t see
   a.context_lens = on_gpu(TensorView(context.data(), {tokens}, DType::i32), dctx.ptr);
   a.block_table = on_gpu(a.block_table, dtable.ptr);
   a.topk = on_gpu(TensorView(out.data(), {tokens, k}, DType::i32), dout.ptr);
+  std::vector<int32_t> sorted_by_gpu;
+  if (!sorted) {  // the GPU's own sorted selection first, into the same buffer
+    cuda::select_topk(a, static_cast<const float*>(dscores.ptr), split);
+    CUDA_OK(cudaDeviceSynchronize());
+    sorted_by_gpu = dout.download<int32_t>();
+    CUDA_OK(cudaMemset(dout.ptr, 0x5a, dout.bytes));
+    a.sorted = false;
+  }
   PositionsToSlotsArgs to_slots;
   to_slots.positions = a.topk;
   to_slots.request_ids = a.request_ids;
@@ -734,7 +751,12 @@ void check_crafted_rows(const std::vector<CraftedRow>& rows, int k, uint64_t see
   EXPECT_NE(std::count(got_slots.begin(), got_slots.end(), -1), static_cast<long>(got_slots.size()));
   for (int t = 0; t < tokens; ++t) {
     const std::string what = std::string(rows[t].what) + " (n = " + std::to_string(rows[t].n) +
-                             ", k = " + std::to_string(k) + ", split " + std::to_string(static_cast<int>(split)) + ")";
+                             ", k = " + std::to_string(k) + ", split " + std::to_string(static_cast<int>(split)) +
+                             (sorted ? ")" : ", unsorted)");
+    if (!sorted)
+      EXPECT_EQ(std::vector<int32_t>(got.begin() + t * k, got.begin() + (t + 1) * k),
+                by_position(std::vector<int32_t>(sorted_by_gpu.begin() + t * k, sorted_by_gpu.begin() + (t + 1) * k)))
+          << what << ": not the sorted selection in position order";
     if (exact) {
       EXPECT_TRUE(std::equal(got.begin() + t * k, got.begin() + (t + 1) * k, want.begin() + t * k)) << what;
       continue;
@@ -837,6 +859,112 @@ TEST(CudaTopk, ExactWithK8192) {
   std::vector<CraftedRow> rows = crafted_rows();
   rows.push_back({"many ties, 300K", 300000, [](int64_t, test::Rng& rng) { return static_cast<float>(rng() % 99991); }});
   for (cuda::TopkSplit split : forced_splits()) check_crafted_rows(rows, 8192, 102, split);
+}
+
+// sorted = false on every path (one CTA, slices, cluster, automatic): the CPU backend's unsorted positions (the
+// reference in position order) and their slots bit for bit, and the GPU's sorted selection in position order; NaN rows (no reference order) against
+// the GPU's sorted selection alone.
+TEST(CudaTopk, UnsortedOnCraftedRows) {
+  std::vector<CraftedRow> short_rows;
+  for (const CraftedRow& r : crafted_rows())
+    if (r.n < 32768) short_rows.push_back(r);
+  const auto some_nan = [](int64_t i, test::Rng& rng) {
+    return i % 5 == 0 ? (i % 10 == 0 ? NAN : -NAN) : static_cast<float>(rng() % 1000) / 7.f;
+  };
+  const std::vector<CraftedRow> nan_rows = {
+      {"a fifth NaN", 131072, some_nan},
+      {"a fifth NaN, short", 5000, some_nan},
+      {"all NaN", 70000, [](int64_t, test::Rng&) { return NAN; }},
+  };
+  std::vector<cuda::TopkSplit> splits = forced_splits();
+  splits.push_back(cuda::TopkSplit::automatic);
+  for (cuda::TopkSplit split : splits) {
+    check_crafted_rows(crafted_rows(), 2048, 200, split, true, false);
+    check_crafted_rows(crafted_rows(), 37, 201, split, true, false);
+    check_crafted_rows(short_rows, 8192, 202, split, true, false);
+    check_crafted_rows(nan_rows, 2048, 203, split, false, false);
+  }
+}
+
+// sorted = false at decode batch sizes (1, 8 and 128 tokens) and contexts (8K, 32K, 128K), each path forced: rows of
+// distinct scores, of exact ties among few candidates, of four values (too many candidates: the select over the row)
+// and a short one, in turn.
+TEST(CudaTopk, UnsortedAtDecodeShapes) {
+  const auto uniform = [](test::Rng& rng) { return static_cast<float>(rng() % 1000000007) / 1e9f; };
+  for (int64_t n : {8192, 32768, 131072})
+    for (int tokens : {1, 8, 128}) {
+      SCOPED_TRACE("context " + std::to_string(n) + ", tokens " + std::to_string(tokens));
+      std::vector<CraftedRow> rows;
+      for (int t = 0; t < tokens; ++t) {
+        const int64_t len = n - 61 * t;
+        switch (t % 4) {
+          case 0: rows.push_back({"distinct", len, [uniform](int64_t, test::Rng& rng) { return uniform(rng); }}); break;
+          case 1: rows.push_back({"ties", len, [](int64_t, test::Rng& rng) { return static_cast<float>(rng() % 3000); }}); break;
+          case 2: rows.push_back({"four values", len, [](int64_t, test::Rng& rng) { return static_cast<float>(rng() % 4); }}); break;
+          default: rows.push_back({"short", 1500 + t, [uniform](int64_t, test::Rng& rng) { return uniform(rng); }});
+        }
+      }
+      for (cuda::TopkSplit split : forced_splits()) check_crafted_rows(rows, 2048, 300 + tokens, split, true, false);
+    }
+}
+
+// The step with sorted = false against the step with sorted = true: per token the same positions in position order,
+// the slots of those positions, and the attention within fp32 rounding (the sum runs in another order); short mixed
+// contexts (also against the CPU's unsorted step), and long rows for 1 and 8 tokens (a cluster's on SM90+).
+TEST(CudaIndexer, DsaDecodeStepUnsortedEqualsTheSortedStep) {
+  for (int tokens : {5, 1, 8}) {
+    SCOPED_TRACE("tokens " + std::to_string(tokens));
+    IndexProblem pr = DsaStepCase::problem();
+    pr.tokens = tokens;
+    if (tokens != 5) {
+      pr.k = 2048;
+      pr.max_blocks = 640;  // 40960 positions
+    }
+    DsaStepCase c(pr, false);
+    if (tokens != 5) {  // long rows, each its own length
+      std::vector<int32_t> context(tokens);
+      for (int t = 0; t < tokens; ++t) context[t] = pr.max_blocks * pr.block_size - 977 * t;
+      CUDA_OK(cudaMemcpy(c.on->context.ptr, context.data(), context.size() * 4, cudaMemcpyHostToDevice));
+    }
+    c.poison_outputs();
+    dsa_decode_step(c.gpu, &gpu());
+    CUDA_OK(cudaDeviceSynchronize());
+    const DsaStepCase::Outputs want = c.download();
+    c.poison_outputs();
+    DsaDecodeStepArgs unsorted = c.gpu;
+    unsorted.indexer.sorted = false;
+    dsa_decode_step(unsorted, &gpu());
+    CUDA_OK(cudaDeviceSynchronize());
+    const DsaStepCase::Outputs got = c.download();
+    const int k = pr.k;
+    for (int t = 0; t < tokens; ++t) {
+      // (position, slot) pairs of the sorted step, in position order, must be the unsorted step's.
+      std::vector<std::pair<int32_t, int32_t>> pairs, got_pairs;
+      for (int i = t * k; i < (t + 1) * k; ++i) {
+        if (want.topk[i] >= 0) pairs.emplace_back(want.topk[i], want.slots[i]);
+        got_pairs.emplace_back(got.topk[i], got.slots[i]);
+      }
+      std::sort(pairs.begin(), pairs.end());
+      pairs.resize(k, {-1, -1});
+      EXPECT_EQ(got_pairs, pairs) << "token " << t;
+    }
+    if (tokens == 5) {  // short mixed contexts: the CPU's unsorted step chooses the same, in the same order
+      DsaDecodeStepArgs host = c.host;
+      host.indexer.sorted = false;
+      dsa_decode_step(host, &cpu());
+      EXPECT_EQ(got.topk, c.topk);
+      EXPECT_EQ(got.slots, c.slots);
+    }
+    std::vector<double> out_want(want.out.size()), out_got(got.out.size());
+    for (size_t i = 0; i < out_want.size(); ++i) {
+      out_want[i] = numeric::bf16_to_float(want.out[i]);
+      out_got[i] = numeric::bf16_to_float(got.out[i]);
+    }
+    EXPECT_EQ(test::compare(out_want, out_got, 1e-4, 8e-3, 0.99999), "");  // a bf16 rounding step apart at most
+    EXPECT_EQ(test::compare(std::vector<double>(want.lse.begin(), want.lse.end()),
+                            std::vector<double>(got.lse.begin(), got.lse.end()), 1e-5, 1e-5, 0.99999),
+              "");
+  }
 }
 
 }  // namespace

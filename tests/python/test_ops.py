@@ -242,6 +242,29 @@ def test_indexer_topk_matches_reference(rng, q_kind, cache_kind):
         np.testing.assert_allclose(scores[chosen], best, rtol=1e-5, atol=1e-6)
 
 
+def by_position(rows: np.ndarray) -> np.ndarray:
+    """Best-first top-k rows in ascending position order, their -1 padding left last: what sorted=False gives."""
+    out = rows.copy()
+    for row in out:
+        n = int(np.count_nonzero(row >= 0))
+        row[:n] = np.sort(row[:n])
+    return out
+
+
+@pytest.mark.parametrize("cache_kind", ["bfloat16", "fp8_e4m3"])
+def test_indexer_topk_unsorted_is_the_sorted_set_by_position(rng, cache_kind):
+    c = indexer_case(rng, "bfloat16", cache_kind)
+    args = (c["q"], c["weights"], c["cache"], c["request_ids"], c["block_table"], c["context_lens"])
+    for topk in (16, 64):  # rows longer and shorter than k; all shorter
+        want = smla.indexer_topk(*args, topk=topk)
+        got = smla.indexer_topk(*args, topk=topk, sorted=False)
+        assert np.any(want != got) or topk == 64  # k = 16 of 40 positions: best first is not position order
+        np.testing.assert_array_equal(got, by_position(want))
+        out = np.full_like(got, 777)
+        assert smla.indexer_topk(*args, out=out, sorted=False) is out
+        np.testing.assert_array_equal(out, got)
+
+
 def test_positions_to_slots():
     block_table = np.array([[3, 1, -2], [0, 2, 5]], np.int32)
     positions = np.array([[0, 5, 4, -1, 9], [8, 7, 2, 100, 4]], np.int32)
@@ -268,6 +291,17 @@ def test_dsa_decode_step_is_the_three_ops(rng, kv, index_kind):
     np.testing.assert_array_equal(slots, want_slots)
     np.testing.assert_array_equal(out.view(np.uint16), want_out.view(np.uint16))
     np.testing.assert_array_equal(lse, want_lse)
+
+    # Unsorted: the positions in ascending order, their slots, and the attention of those slots in that order.
+    out_u, lse_u, positions_u, slots_u = smla.dsa_decode_step(q, mla_cache, c["q"], c["weights"], c["cache"], *args,
+                                                              topk=16, softmax_scale=0.07, sorted=False)
+    np.testing.assert_array_equal(positions_u, by_position(want_pos))
+    np.testing.assert_array_equal(slots_u, smla.positions_to_slots(positions_u, c["request_ids"], c["block_table"],
+                                                                   block_size=bs))
+    want_out, want_lse = smla.sparse_mla(q, mla_cache, slots_u, softmax_scale=0.07)
+    np.testing.assert_array_equal(out_u.view(np.uint16), want_out.view(np.uint16))
+    np.testing.assert_array_equal(lse_u, want_lse)
+    np.testing.assert_allclose(lse_u, lse, rtol=1e-5)
 
 
 # --- zero copy -------------------------------------------------------------------

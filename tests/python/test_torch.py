@@ -371,16 +371,36 @@ def test_cuda_torch_compile(rng):
         assert torch.equal(got, want)
 
 
-@cuda
-def test_cuda_indexer_ops_follow_the_declared_capabilities():
+def torch_indexer_args():
     gen = torch.Generator().manual_seed(7)
     tokens, heads, blocks, block_size = 3, 8, 6, 16
     keys = torch.randn(blocks * block_size, 128, generator=gen)
     cache = torch.zeros(blocks, block_size, 128, dtype=torch.bfloat16)
     smla.write_index_cache(keys, torch.arange(blocks * block_size), cache)
     q = torch.randn(tokens, heads, 128, generator=gen).to(torch.bfloat16)
-    args = (q, torch.randn(tokens, heads, generator=gen), cache, torch.tensor([0, 1, 1], dtype=torch.int32),
+    return (q, torch.randn(tokens, heads, generator=gen), cache, torch.tensor([0, 1, 1], dtype=torch.int32),
             torch.tensor([[0, 2, 4], [1, 3, 5]], dtype=torch.int32), torch.tensor([40, 7, 48], dtype=torch.int32))
+
+
+def by_position(rows):
+    """Best-first top-k rows in ascending position order, the -1 padding left last: what sorted=False gives."""
+    valid = rows >= 0
+    big = torch.iinfo(torch.int32).max
+    return torch.where(valid, rows, big).sort(dim=1).values.masked_fill(~valid.sort(dim=1, descending=True).values, -1)
+
+
+def test_indexer_topk_unsorted_on_torch_tensors():
+    args = torch_indexer_args()
+    want = smla.indexer_topk(*args, topk=16)
+    got = smla.indexer_topk(*args, topk=16, sorted=False)
+    assert not torch.equal(got, want)
+    assert torch.equal(got, by_position(want))
+    assert torch.equal(got[1, 7:], torch.full((9,), -1, dtype=torch.int32))  # 7 positions, then padding
+
+
+@cuda
+def test_cuda_indexer_ops_follow_the_declared_capabilities():
+    args = torch_indexer_args()
     gpu_args = [a.cuda() for a in args]
     gpu = next(b for b in smla.backends() if b.name == "cuda_mma")
     if "indexer" not in gpu.ops:
@@ -390,6 +410,7 @@ def test_cuda_indexer_ops_follow_the_declared_capabilities():
     want = smla.indexer_topk(*args, topk=16)
     got = smla.indexer_topk(*gpu_args, topk=16).cpu()
     assert torch.equal(got.sort(dim=1).values, want.sort(dim=1).values)
+    assert torch.equal(smla.indexer_topk(*gpu_args, topk=16, sorted=False).cpu(), by_position(got))
 
 
 # --- FlashMLA's API, called the way FlashMLA's tests call it ------------------------

@@ -202,6 +202,9 @@ def test_indexer_and_decode_step_match_the_python_kernels():
         args = (*indexer_inputs(g, cache_dtype), 16)
         positions = torch.ops.smla.indexer_topk(*args)
         assert_same(positions, torch_ops._indexer_topk(*args))
+        unsorted = torch.ops.smla.indexer_topk(*args, sorted=False)
+        assert_same(unsorted, torch_ops._indexer_topk(*args, sorted=False))
+        assert not torch.equal(unsorted, positions)  # 16 of 40 and 48 positions: best first is not position order
         slot_args = (positions, args[4], args[5], 16)
         assert_same(torch.ops.smla.positions_to_slots(*slot_args), torch_ops._positions_to_slots(*slot_args))
 
@@ -210,6 +213,7 @@ def test_indexer_and_decode_step_match_the_python_kernels():
     q = torch.randn(3, 16, QK, generator=g).to(torch.bfloat16)
     args = (q, fp8, iq, weights, index_cache, request_ids, table, context_lens, None, torch.randn(16), 16, 0.05)
     assert_same(torch.ops.smla.dsa_decode_step(*args), torch_ops._dsa_decode_step(*args))
+    assert_same(torch.ops.smla.dsa_decode_step(*args, sorted=False), torch_ops._dsa_decode_step(*args, sorted=False))
 
 
 def error_of(call):

@@ -10,7 +10,9 @@
 //   3. an exact radix select over the candidates' fp32 order keys picks the
 //      ones that complete the k (equal scores: the lowest positions);
 //   4. a stable radix sort by key orders the k best first, equal scores
-//      toward the lower position — the CPU backend's result.
+//      toward the lower position — the CPU backend's result; or, unsorted,
+//      a merge of the chosen (runs each in position order) puts them in
+//      position order.
 // When the candidates do not fit in shared memory (many equal scores), the
 // exact radix select runs over the row itself instead (four more passes).
 // Long rows of tokens too few to fill the GPU with one CTA each share steps
@@ -397,6 +399,44 @@ __device__ bool place_by_counting(const uint32_t (&keys)[kSortItems], const int3
   return true;
 }
 
+// Step 4 for sorted = false. The chosen, at(0 .. want - 1), are three runs [0, second), [second, third), [third,
+// want), each in position order, no position twice: an entry's place among all in position order is its index in
+// its run plus, for each other run, how many entries there lie at lower positions (a binary search). The places go
+// through `ordered` (want ints, overwriting the runs once all are read) so that write(place, position) is called for
+// places 0 .. want - 1 in order (thread i the places i, i + kThreads, ...: coalesced stores).
+template <int kItems, class At, class Write>
+__device__ void place_by_position(At at, int want, int second, int third, int* ordered, Write write) {
+  const int starts[4] = {0, second, third, want};
+  int place[kItems], position[kItems];
+#pragma unroll
+  for (int j = 0; j < kItems; ++j) {
+    const int i = j * kThreads + threadIdx.x;
+    if (i >= want) continue;
+    position[j] = at(i).pos;
+    place[j] = 0;
+#pragma unroll
+    for (int r = 0; r < 3; ++r) {
+      int lo = starts[r], hi = starts[r + 1];
+      if (lo <= i && i < hi) {
+        place[j] += i - lo;
+        continue;
+      }
+      while (lo < hi) {
+        const int mid = (lo + hi) / 2;
+        if (at(mid).pos < position[j]) lo = mid + 1;
+        else hi = mid;
+      }
+      place[j] += lo - starts[r];
+    }
+  }
+  __syncthreads();  // every run read
+#pragma unroll
+  for (int j = 0; j < kItems; ++j)
+    if (j * kThreads + threadIdx.x < want) ordered[place[j]] = position[j];
+  __syncthreads();
+  for (int i = threadIdx.x; i < want; i += kThreads) write(i, ordered[i]);
+}
+
 constexpr int kMinSlice = 16384;  // positions per CTA of a shared row, at least (unless forced)
 constexpr int kMaxRanks = 8;      // CTAs per cluster: the portable maximum
 
@@ -412,6 +452,7 @@ struct TopkParams {
   SlotMap slot_map;
   int list_capacity;  // entries of the dynamic shared memory
   int ranks = 1;      // CTAs per token: a cluster's when more than one
+  bool sorted = true;  // false: the chosen in position order (IndexerTopkArgs::sorted)
   // The split path (slices > 0): per token, `slices` histograms of kCoarseBins, a plan (RowPlan then two
   // offsets per slice) and a list of entries (the selected, then from kMaxIndexerTopk on the candidates).
   int slices;
@@ -575,9 +616,10 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
   }
   const int above = plan.above, in_bin = plan.in_bin;
 
-  // The chosen entries end up in list[0, listed) and rest[0, want - listed).
+  // The chosen entries end up in list[0, listed) and rest[0, want - listed), in that order three runs each in
+  // position order: [0, second_run), [second_run, third_run), [third_run, want) (see place_by_position).
   Entry* rest;
-  int listed = above;
+  int listed = above, second_run = above, third_run = want;
   if (plan.fits) {
     // 2. Higher bins: selected; the bin itself: candidates.
     Entry* candidates = list + above;
@@ -618,15 +660,23 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
     rest = candidates;
     if (need < in_bin && in_bin <= kThreads) {
       rest = candidates + in_bin;
+      Entry e{0, -1};
+      int rank = need;  // threads without a candidate: not chosen
       if (threadIdx.x < in_bin) {
-        const Entry e = candidates[threadIdx.x];
-        int rank = 0;
+        e = candidates[threadIdx.x];
+        rank = 0;
 #pragma unroll 8  // loads in flight together: one at a time, 59 candidates took ~1 µs, 175 ~2.5 µs (H200)
         for (int m = 0; m < in_bin; ++m) {
           const Entry other = candidates[m];
           rank += other.key > e.key || (other.key == e.key && other.pos < e.pos);
         }
+      }
+      if (p.sorted) {
         if (rank < need) rest[rank] = e;
+      } else {  // in the candidates' (position) order: each after the chosen before it
+        int place;
+        Scan(scan).ExclusiveSum(static_cast<int>(rank < need), place);
+        if (rank < need) rest[place] = e;
       }
       __syncthreads();
     } else if (need < in_bin) {
@@ -655,6 +705,7 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
           cand, [&](const Entry& e) { return e.key > threshold ? 1 : e.key == threshold ? 2 : 0; }, rest,
           rest + (need - remaining), remaining, totals);
       __syncthreads();
+      third_run = above + need - remaining;
     }
   } else {
     // Too many candidates for shared memory: the exact select over the row, by rank 0 alone (past step 1's last
@@ -672,6 +723,19 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
     __syncthreads();
     listed = want;
     rest = list + want;
+    second_run = want - remaining;
+  }
+
+  const int32_t request = p.rows.request(t);
+  const auto write = [&](int nth, int32_t position) {
+    out[nth] = position;
+    if (p.slots) slots[nth] = p.slot_map.slot(request, position);
+  };
+  if (!p.sorted) {
+    place_by_position<kSortItems>([&](int i) { return i < listed ? list[i] : rest[i - listed]; }, want, second_run,
+                                  third_run, reinterpret_cast<int*>(list), write);
+    for (int nth = want + threadIdx.x; nth < p.k; nth += kThreads) write(nth, -1);
+    return;
   }
 
   // 4. Best first: by counting where no bucket of close keys holds many (k <= 2048), else by a radix sort. Equal
@@ -700,11 +764,6 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
   }
   __syncthreads();  // the key range is known; the counting's or the sort's scratch overwrites the list
   const int bits = max(1, 32 - __clz(static_cast<int>(key_range[1] - key_range[0])));
-  const int32_t request = p.rows.request(t);
-  const auto write = [&](int nth, int32_t position) {
-    out[nth] = position;
-    if (p.slots) slots[nth] = p.slot_map.slot(request, position);
-  };
   if constexpr (kSortItems * kThreads <= 2048) {
     if (place_by_counting(keys, positions, want, key_range[0], bits, hist, scan, &largest_bucket, list,
                           reinterpret_cast<int*>(list + kSortItems * kThreads), write)) {
@@ -811,6 +870,7 @@ TopkParams plan_topk(const IndexerTopkArgs& a, TopkSplit split) {
   p.rows = index_rows(a);
   p.k = k;
   p.out_stride = a.topk.stride(0);
+  p.sorted = a.sorted;
   // The list takes what shared memory is left (at least 8192 entries on every arch from SM80 on).
   p.list_capacity = max_dynamic_smem(topk_kernel_for(k)) / static_cast<int>(sizeof(Entry));
   require(p.list_capacity >= kMaxIndexerTopk, "indexer_topk: the device has too little shared memory per block");
