@@ -909,8 +909,9 @@ TEST(CudaTopk, UnsortedAtDecodeShapes) {
 }
 
 // The step with sorted = false against the step with sorted = true: per token the same positions in position order,
-// the slots of those positions, and the attention within fp32 rounding (the sum runs in another order); short mixed
-// contexts (also against the CPU's unsorted step), and long rows for 1 and 8 tokens (a cluster's on SM90+).
+// the slots of those positions, and the attention within the attention tests' tolerance (the sum runs in another
+// order); short mixed contexts (also against the CPU's unsorted step), and long rows for 1 and 8 tokens (a
+// cluster's on SM90+).
 TEST(CudaIndexer, DsaDecodeStepUnsortedEqualsTheSortedStep) {
   for (int tokens : {5, 1, 8}) {
     SCOPED_TRACE("tokens " + std::to_string(tokens));
@@ -960,7 +961,9 @@ TEST(CudaIndexer, DsaDecodeStepUnsortedEqualsTheSortedStep) {
       out_want[i] = numeric::bf16_to_float(want.out[i]);
       out_got[i] = numeric::bf16_to_float(got.out[i]);
     }
-    EXPECT_EQ(test::compare(out_want, out_got, 1e-4, 8e-3, 0.99999), "");  // a bf16 rounding step apart at most
+    // The attention tests' tolerance against the float64 reference: the order moves where the running max of
+    // the softmax steps, so fp8 rows' f16 P rounds elsewhere (on the H200 up to ~1.5e-4 on outputs of ~3e-3).
+    EXPECT_EQ(test::compare(out_want, out_got, 2e-3, 2e-2, 0.9999), "");
     EXPECT_EQ(test::compare(std::vector<double>(want.lse.begin(), want.lse.end()),
                             std::vector<double>(got.lse.begin(), got.lse.end()), 1e-5, 1e-5, 0.99999),
               "");
