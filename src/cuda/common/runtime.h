@@ -18,12 +18,10 @@ inline void check_cuda(cudaError_t e, const char* what) {
   if (e != cudaSuccess)
     throw Error(ErrorKind::internal, std::string(what) + ": " + cudaGetErrorName(e) + ": " + cudaGetErrorString(e));
 }
-// After a launch: configuration errors surface here, not at the next sync.
-inline void check_launch(const char* kernel) { check_cuda(cudaGetLastError(), kernel); }
-// The same for a launch through cudaLaunchKernel / cudaLaunchKernelEx, from its result: no cudaGetLastError on
-// success (<<<>>> pushes and pops its configuration around a cudaLaunchKernel: per call, three runtime calls
-// and check_launch's fourth become one). A failed launch's error is cleared from cudaGetLastError as check_launch
-// clears it.
+// After a launch through cudaLaunchKernel / cudaLaunchKernelEx, from its result: configuration errors surface
+// here, not at the next sync, and no cudaGetLastError is made on success (<<<>>> pushes and pops its
+// configuration around a cudaLaunchKernel, and checking it takes cudaGetLastError, which would also take an error
+// the caller left pending). A failed launch's error is cleared from cudaGetLastError.
 inline void check_launched(cudaError_t e, const char* kernel) {
   if (e == cudaSuccess) return;
   cudaGetLastError();

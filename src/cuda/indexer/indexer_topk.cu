@@ -437,7 +437,9 @@ __device__ void place_by_position(At at, int want, int second, int third, int* o
   for (int i = threadIdx.x; i < want; i += kThreads) write(i, ordered[i]);
 }
 
-constexpr int kMinSlice = 16384;  // positions per CTA of a shared row, at least (unless forced)
+constexpr int kMinSlice = 16384;      // positions per slice CTA of a shared row, at least (unless forced)
+constexpr int kMinSharedRow = 32768;  // positions of a row a cluster shares, at least (unless forced)
+constexpr int kMinRankSlice = 4096;   // positions per rank of a cluster, at least
 constexpr int kMaxRanks = 8;      // CTAs per cluster: the portable maximum
 
 struct TopkParams {
@@ -824,12 +826,9 @@ void launch_topk(TopkParams p, int tokens, int min_ranks, bool after_scores, cud
     p.plans = reinterpret_cast<int*>(scratch + layout.plans);
     p.lists = reinterpret_cast<Entry*>(scratch + layout.lists);
     const dim3 slices(p.slices, tokens);
-    slice_histogram_kernel<<<slices, kThreads, 0, stream>>>(p);
-    check_launch("smla indexer top-k histogram kernel");
-    row_plan_kernel<<<tokens, kThreads, 0, stream>>>(p);
-    check_launch("smla indexer top-k plan kernel");
-    slice_compact_kernel<<<slices, kThreads, 0, stream>>>(p);
-    check_launch("smla indexer top-k compaction kernel");
+    launch_kernel(slice_histogram_kernel, slices, kThreads, 0, stream, "smla indexer top-k histogram kernel", p);
+    launch_kernel(row_plan_kernel, tokens, kThreads, 0, stream, "smla indexer top-k plan kernel", p);
+    launch_kernel(slice_compact_kernel, slices, kThreads, 0, stream, "smla indexer top-k compaction kernel", p);
   }
   // All ranks of a cluster get the same shared memory. No cluster attribute on one CTA per token (below SM90 too);
   // the dependent launch only straight after the scores (not after the slice kernels).
@@ -853,7 +852,7 @@ void launch_topk(TopkParams p, int tokens, int min_ranks, bool after_scores, cud
   config.stream = stream;
   config.attrs = attrs;
   config.numAttrs = num_attrs;
-  check_cuda(cudaLaunchKernelEx(&config, kernel, p), "smla indexer top-k kernel");
+  check_launched(cudaLaunchKernelEx(&config, kernel, p), "smla indexer top-k kernel");
 }
 
 // How select_topk shares each row among CTAs for these args on the current device, with the sizes that follow
@@ -875,9 +874,10 @@ TopkParams plan_topk(const IndexerTopkArgs& a, TopkSplit split) {
   p.list_capacity = max_dynamic_smem(topk_kernel_for(k)) / static_cast<int>(sizeof(Entry));
   require(p.list_capacity >= kMaxIndexerTopk, "indexer_topk: the device has too little shared memory per block");
   if (tokens == 0) return p;
-  // Sharing rows pays when the rows are long and one CTA per token leaves most SMs idle. On SM90+: a cluster of
-  // up to one CTA per SM per token, with at least kMinSlice positions per rank (forced: at least 2 ranks, one per
-  // 4096 positions, so tests reach the cluster path on short rows too), as many as run at once. Below SM90,
+  // Sharing rows pays when the rows are long and one CTA per token leaves most SMs idle. On SM90+: rows of at
+  // least kMinSharedRow positions by a cluster of up to one CTA per SM per token, at least kMinRankSlice positions
+  // per rank (forced: at least 2 ranks, so tests reach the cluster path on short rows too), as many as run at once
+  // (H200, one token: a 32K row 28.0 µs on 2 ranks, 24.4 on 8; an 8K row 12.8 on one CTA, 15.9 on 2). Below SM90,
   // slices (measured on an H200 before clusters: rows of 128K for 1-32 tokens 34-42 µs split against 57-58
   // unsplit, for 64 tokens 63 against 58; rows of 32K or less never faster split) of at least kMinSlice positions,
   // about two CTAs per SM in all.
@@ -890,15 +890,17 @@ TopkParams plan_topk(const IndexerTopkArgs& a, TopkSplit split) {
          std::to_string(dev.compute_capability));
   if (split == TopkSplit::automatic) {
     if (clusters) {
-      p.ranks = static_cast<int>(
-          std::clamp<int64_t>(std::min<int64_t>(sms / tokens, capacity / kMinSlice), 1, kMaxRanks));
+      p.ranks = capacity < kMinSharedRow ? 1
+                                         : static_cast<int>(std::clamp<int64_t>(
+                                               std::min<int64_t>(sms / tokens, capacity / kMinRankSlice), 1, kMaxRanks));
       split = p.ranks > 1 ? TopkSplit::cluster : TopkSplit::one_cta;
     } else {
       split = capacity >= 65536 && 4 * tokens <= sms ? TopkSplit::slices : TopkSplit::one_cta;
     }
   } else if (split == TopkSplit::cluster) {
     p.ranks = static_cast<int>(
-        std::clamp<int64_t>(std::min<int64_t>(sms / tokens, (capacity + 4095) / 4096), 2, kMaxRanks));
+        std::clamp<int64_t>(std::min<int64_t>(sms / tokens, (capacity + kMinRankSlice - 1) / kMinRankSlice), 2,
+                            kMaxRanks));
   }
   if (split == TopkSplit::slices) {
     const int64_t most = std::max<int64_t>(1, (capacity + kMinSlice - 1) / kMinSlice);
