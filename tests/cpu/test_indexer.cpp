@@ -514,6 +514,15 @@ TEST(IndexerTopk, BadIndexValuesNameTheArgumentAndRow) {
 
 // ---------------------------------------------------------------- select_topk
 
+// The k best positions of `keys`, best first, equal keys toward the lower position; -1 past the row's end.
+std::vector<int32_t> best_first(const std::vector<uint32_t>& keys, int64_t k) {
+  std::vector<int32_t> order(keys.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return keys[a] > keys[b]; });
+  order.resize(k, -1);
+  return order;
+}
+
 TEST(SelectTopk, ExactWithHeavyTiesAndAllSizes) {
   Rng rng(13);
   for (int64_t n : {1, 2, 7, 100, 4096, 70000})
@@ -521,10 +530,7 @@ TEST(SelectTopk, ExactWithHeavyTiesAndAllSizes) {
       for (uint32_t range : {3u, 1000u, 0xffffffffu}) {
         std::vector<uint32_t> keys(n);
         for (auto& key : keys) key = range == 0xffffffffu ? static_cast<uint32_t>(rng()) : rng() % range + 0x80000000u;
-        std::vector<int32_t> order(n);
-        std::iota(order.begin(), order.end(), 0);
-        std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return keys[a] > keys[b]; });
-        order.resize(k, -1);
+        const std::vector<int32_t> order = best_first(keys, k);
         std::vector<int32_t> got(k, 7);
         cpu::indexer::select_topk(keys.data(), n, k, got.data());
         ASSERT_EQ(got, order) << "n " << n << " k " << k << " range " << range;
@@ -542,10 +548,7 @@ TEST(SelectTopk, ExactWhenTheSampledFloorIsTooHigh) {
   std::vector<uint32_t> keys(n);
   for (int64_t s = 0; s < n; ++s) keys[s] = 1000 + static_cast<uint32_t>(s % 977);
   for (int64_t i = 0; i < 1024; ++i) keys[i * n / 1024] = 1u << 30;
-  std::vector<int32_t> order(n);
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return keys[a] > keys[b]; });
-  order.resize(k);
+  const std::vector<int32_t> order = best_first(keys, k);
   std::vector<int32_t> got(k);
   cpu::indexer::select_topk(keys.data(), n, k, got.data());
   EXPECT_EQ(got, order);
@@ -563,10 +566,7 @@ TEST(SelectTopk, NaNScoresKeepTheirKeyOrderUnsortedToo) {
   std::vector<uint32_t> keys(n);
   for (int64_t i = 0; i < n; ++i) keys[i] = cpu::indexer::order_key(scores[i]);
   for (int64_t k : {100, 2048, 10000}) {
-    std::vector<int32_t> order(n);
-    std::iota(order.begin(), order.end(), 0);
-    std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return keys[a] > keys[b]; });
-    order.resize(k, -1);
+    const std::vector<int32_t> order = best_first(keys, k);
     std::vector<int32_t> got(k, 7);
     cpu::indexer::select_topk(keys.data(), n, k, got.data());
     EXPECT_EQ(got, order) << "k " << k;
