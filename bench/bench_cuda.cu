@@ -540,10 +540,12 @@ void bench_indexer(const IndexerConfig& cfg, const Ceilings& c) {
 // positions: one CTA per row, rows split into slices, rows shared by a
 // cluster's CTAs ("-" below SM90), and as select_topk decides (calls queued
 // back to back, and replayed from a CUDA graph; also unsorted, the positions
-// in position order, replayed from a graph).
+// in position order, replayed from a graph); and by clusters of 16 CTAs
+// (non-portable, Hopper; "-" elsewhere), queued and replayed from a graph.
 struct TopkRow {
   int tokens, context;
   double unsplit_us, split_us, cluster_us, picked_us, graph_us, unsorted_graph_us;  // cluster -1: no clusters
+  double cluster16_us, cluster16_graph_us;                                          // -1: no clusters of 16
 };
 std::vector<TopkRow> topk_rows;
 
@@ -581,19 +583,29 @@ void bench_topk(int tokens, int context) {
   char cluster[16] = "-";
   if (major >= 9) std::snprintf(cluster, sizeof cluster, "%.1f", us(TopkSplit::cluster));
   const double picked = us(TopkSplit::automatic);
-  const auto graph_with = [&](bool sorted) {
+  const auto graph_with = [&](bool sorted, TopkSplit split) {
     a.sorted = sorted;
     return graph_us([&](cudaStream_t s) {
       a.stream = s;
-      smla::cuda::select_topk(a, scores);
+      smla::cuda::select_topk(a, scores, split);
     });
   };
-  const double graph = graph_with(true), unsorted = graph_with(false);
+  const double graph = graph_with(true, TopkSplit::automatic), unsorted = graph_with(false, TopkSplit::automatic);
+  double cluster16 = -1, cluster16_graph = -1;
+  char cluster16_cols[2][16] = {"-", "-"};
+  if (smla::cuda::topk_max_cluster_ranks(topk) >= 16) {
+    a.sorted = true;
+    a.stream = nullptr;
+    cluster16 = us(TopkSplit::cluster16);
+    cluster16_graph = graph_with(true, TopkSplit::cluster16);
+    std::snprintf(cluster16_cols[0], sizeof cluster16_cols[0], "%.1f", cluster16);
+    std::snprintf(cluster16_cols[1], sizeof cluster16_cols[1], "%.1f", cluster16_graph);
+  }
   a.stream = nullptr;
-  std::printf("%6d %7d %10.1f %10.1f %10s %10.1f %10.1f %10.1f %12.2f\n", tokens, context, one_cta, slices, cluster,
-              picked, graph, unsorted, picked / tokens);
-  topk_rows.push_back(
-      {tokens, context, one_cta, slices, major >= 9 ? std::atof(cluster) : -1, picked, graph, unsorted});
+  std::printf("%6d %7d %10.1f %10.1f %10s %10.1f %10.1f %10.1f %12.2f %10s %10s\n", tokens, context, one_cta, slices,
+              cluster, picked, graph, unsorted, picked / tokens, cluster16_cols[0], cluster16_cols[1]);
+  topk_rows.push_back({tokens, context, one_cta, slices, major >= 9 ? std::atof(cluster) : -1, picked, graph,
+                       unsorted, cluster16, cluster16_graph});
   for (void* ptr : {static_cast<void*>(dreq), static_cast<void*>(dctx), static_cast<void*>(dtable),
                     static_cast<void*>(dout), static_cast<void*>(scores)})
     cudaFree(ptr);
@@ -716,7 +728,8 @@ int main(int argc, char** argv) {
   // `bench_cuda indexer TOKENS HEADS CONTEXT [OPTION...]` runs one indexer decode config; options: bf16 (keys),
   // fp8q (fp8 queries), and to force how fp8 keys are multiplied: mma.sync or wgmma (as bf16), e4m3 or e4m3-wgmma
   // (fp8q only). `bench_cuda topk TOKENS
-  // CONTEXT` one top-k config (unsplit, split, cluster, picked: in that order, each warmed up and timed).
+  // CONTEXT` one top-k config (unsplit, split, cluster, picked, then cluster16: in that order, each warmed up and
+  // timed).
   // `--json PATH` (anywhere) also writes the ceilings and the attention, top-k and step rows as JSON.
   std::string json_path;
   for (int i = 1; i + 1 < argc; ++i)
@@ -867,9 +880,9 @@ int main(int argc, char** argv) {
   }
   if (part.empty() || part == "topk") {
     std::printf("\ntop-k 2048 of distinct random scores: one CTA per row, rows split among CTAs, rows shared by a "
-                "cluster's CTAs (SM90+), as select_topk picks\n");
-    std::printf("%6s %7s %10s %10s %10s %10s %10s %10s %12s\n", "tokens", "context", "unsplit us", "split us",
-                "cluster us", "picked us", "graph us", "unsorted", "us/row");
+                "cluster's CTAs (SM90+), as select_topk picks; by clusters of 16 CTAs (Hopper), queued and graph\n");
+    std::printf("%6s %7s %10s %10s %10s %10s %10s %10s %12s %10s %10s\n", "tokens", "context", "unsplit us", "split us",
+                "cluster us", "picked us", "graph us", "unsorted", "us/row", "cl16 us", "cl16 graph");
     if (argc >= 4) {
       bench_topk(std::atoi(argv[2]), std::atoi(argv[3]));
       return 0;
@@ -914,9 +927,10 @@ int main(int argc, char** argv) {
       const TopkRow& r = topk_rows[i];
       std::fprintf(f,
                    "    {\"tokens\": %d, \"context\": %d, \"unsplit_us\": %.2f, \"split_us\": %.2f, "
-                   "\"cluster_us\": %.2f, \"picked_us\": %.2f, \"graph_us\": %.2f, \"unsorted_graph_us\": %.2f}%s\n",
+                   "\"cluster_us\": %.2f, \"picked_us\": %.2f, \"graph_us\": %.2f, \"unsorted_graph_us\": %.2f, "
+                   "\"cluster16_us\": %.2f, \"cluster16_graph_us\": %.2f}%s\n",
                    r.tokens, r.context, r.unsplit_us, r.split_us, r.cluster_us, r.picked_us, r.graph_us,
-                   r.unsorted_graph_us, i + 1 < topk_rows.size() ? "," : "");
+                   r.unsorted_graph_us, r.cluster16_us, r.cluster16_graph_us, i + 1 < topk_rows.size() ? "," : "");
     }
     std::fprintf(f, "  ],\n  \"dsa_decode_step\": [\n");
     for (size_t i = 0; i < step_rows.size(); ++i) {

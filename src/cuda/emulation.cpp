@@ -14,14 +14,15 @@ struct NamedArch {
   bool emulated;  // the test mode offers it (Hopper and SM100 are the GPUs it runs on, not archs it stands in for)
 };
 // The CUDA programming guide's table: opt-in shared memory per block, shared memory per SM, resident threads and
-// CTAs per SM.
+// CTAs per SM; and CTAs per cluster (none before SM90; 8 portable, 16 on the data-center GPUs that allow non-portable
+// sizes: on a real GPU the driver's answer counts, this only for an emulated arch).
 constexpr NamedArch kArchs[] = {
-    {"sm_80", {80, 166912, 167936, 2048, 32}, true},   // A100: 163 KB per block, 164 KB per SM
-    {"sm_86", {86, 101376, 102400, 1536, 16}, true},   // RTX 30xx, A10, A40: 99 KB, 100 KB
-    {"sm_89", {89, 101376, 102400, 1536, 24}, true},   // RTX 40xx, L4, L40S
-    {"sm_90", {90, 232448, 233472, 2048, 32}, false},  // H100, H200: 227 KB, 228 KB
-    {"sm_100", {100, 232448, 233472, 2048, 32}, false},
-    {"sm_120", {120, 101376, 102400, 1536, 32}, true},  // RTX 50xx, RTX PRO 6000 Blackwell
+    {"sm_80", {80, 166912, 167936, 2048, 32, 1}, true},   // A100: 163 KB per block, 164 KB per SM
+    {"sm_86", {86, 101376, 102400, 1536, 16, 1}, true},   // RTX 30xx, A10, A40: 99 KB, 100 KB
+    {"sm_89", {89, 101376, 102400, 1536, 24, 1}, true},   // RTX 40xx, L4, L40S
+    {"sm_90", {90, 232448, 233472, 2048, 32, 16}, false},  // H100, H200: 227 KB, 228 KB
+    {"sm_100", {100, 232448, 233472, 2048, 32, 16}, false},
+    {"sm_120", {120, 101376, 102400, 1536, 32, 8}, true},  // RTX 50xx, RTX PRO 6000 Blackwell
 };
 
 std::string arch_name(int cc) { return "sm_" + std::to_string(cc); }

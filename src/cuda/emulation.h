@@ -22,6 +22,7 @@ struct ArchLimits {
   int max_smem_per_sm = 0;     // bytes
   int max_threads_per_sm = 0;
   int max_ctas_per_sm = 0;
+  int max_cluster_ranks = 1;  // CTAs per thread block cluster, at most: 1 below SM90, 8 (portable), 16 (non-portable)
 };
 
 // The limits of the arch named `name` ("sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120"); an Error naming the

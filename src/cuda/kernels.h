@@ -64,8 +64,12 @@ bool indexer_wgmma_available();
 ScoreMma resolve_score_mma(const IndexerTopkArgs& args, ScoreMma mma = ScoreMma::automatic);
 void indexer_scores(const IndexerTopkArgs& args, float* scores, ScoreMma mma = ScoreMma::automatic);
 // How select_topk shares a row among CTAs: as it sees fit, or forced (tests, benchmarks): one CTA per row,
-// slices of the row in more kernels passing through global memory, or the CTAs of a thread block cluster (SM90+).
-enum class TopkSplit { automatic, one_cta, slices, cluster };
+// slices of the row in more kernels passing through global memory, the CTAs of a thread block cluster (SM90+; 2-8,
+// portable sizes), or of a cluster of exactly 16 (non-portable: where topk_max_cluster_ranks says 16, Hopper).
+enum class TopkSplit { automatic, one_cta, slices, cluster, cluster16 };
+// The most CTAs per cluster select_topk's kernel for top-`k` runs with on the current device: 1 below SM90, 8 where
+// only portable sizes run (SM120, also emulated), 16 on Hopper.
+int topk_max_cluster_ranks(int k);
 // Scratch select_topk needs for `split` (the slices' candidate lists; 0 for the other splits). `scratch` holds that
 // many bytes, 16-byte aligned; null: the library's own for the args' stream.
 size_t topk_scratch_bytes(const IndexerTopkArgs& args, TopkSplit split = TopkSplit::automatic);

@@ -42,6 +42,10 @@ TEST(Emulation, ArchLimitsFromTheProgrammingGuide) {
   EXPECT_EQ(arch_limits("sm_120").max_ctas_per_sm, 32);
   EXPECT_EQ(arch_limits("sm_120").compute_capability, 120);
   EXPECT_EQ(kH200.max_smem_per_block, 227 * 1024);
+  // CTAs per cluster: none before SM90, non-portable 16 on Hopper, the portable 8 on SM120.
+  for (const char* name : {"sm_80", "sm_86", "sm_89"}) EXPECT_EQ(arch_limits(name).max_cluster_ranks, 1) << name;
+  EXPECT_EQ(kH200.max_cluster_ranks, 16);
+  EXPECT_EQ(arch_limits("sm_120").max_cluster_ranks, 8);
   EXPECT_NE(error_of([] { arch_limits("sm_75"); }, ErrorKind::invalid_argument).find("sm_80, sm_86"),
             std::string::npos);
 }

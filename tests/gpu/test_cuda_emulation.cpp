@@ -51,6 +51,7 @@ TEST(CudaEmulation, DeviceIsWhatTheEnvironmentSays) {
   EXPECT_EQ(d.max_smem_per_sm, want.max_smem_per_sm);
   EXPECT_EQ(d.max_threads_per_sm, want.max_threads_per_sm);
   EXPECT_EQ(d.max_ctas_per_sm, want.max_ctas_per_sm);
+  if (!name.empty()) EXPECT_EQ(d.max_cluster_ranks, want.max_cluster_ranks);
   EXPECT_EQ(d.native_compute_capability, name.empty() ? 0 : native.compute_capability);
   // The registry and `explain` see the same arch.
   const std::optional<Device> seen = cuda::device_at(d.index);
@@ -191,6 +192,21 @@ TEST(CudaEmulation, InstructionChoicesFollowTheArch) {
     EXPECT_THROW(cuda::topk_scratch_bytes(indexer_shape(4, 8), cuda::TopkSplit::cluster), Error);
   else
     EXPECT_NO_THROW(cuda::topk_scratch_bytes(indexer_shape(4, 8), cuda::TopkSplit::cluster));
+  // Clusters of 16 (non-portable) on Hopper, never for an emulated arch (SM120: the portable 8; none below SM90).
+  const int ranks = cuda::topk_max_cluster_ranks(2048);
+  if (cc < 90) EXPECT_EQ(ranks, 1);
+  else if (!emulated_name().empty()) EXPECT_EQ(ranks, cuda::arch_limits(emulated_name()).max_cluster_ranks);
+  else if (cc == 90) EXPECT_EQ(ranks, 16);
+  if (ranks < 16) {
+    try {
+      cuda::topk_scratch_bytes(indexer_shape(4, 8), cuda::TopkSplit::cluster16);
+      ADD_FAILURE() << "cluster16 accepted on a device that runs clusters of at most " << ranks;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("cluster16"), std::string::npos) << e.what();
+    }
+  } else {
+    EXPECT_NO_THROW(cuda::topk_scratch_bytes(indexer_shape(4, 8), cuda::TopkSplit::cluster16));
+  }
 }
 
 }  // namespace

@@ -801,10 +801,12 @@ std::vector<CraftedRow> crafted_rows() {
 }
 
 // The ways to force select_topk to share rows, and not: thread block clusters only where the device has them
-// (SM90+; elsewhere select_topk refuses them), so they are skipped on older devices.
+// (SM90+; elsewhere select_topk refuses them), so they are skipped on older devices; clusters of 16 likewise only
+// where they run (Hopper).
 std::vector<cuda::TopkSplit> forced_splits() {
   std::vector<cuda::TopkSplit> splits = {cuda::TopkSplit::one_cta, cuda::TopkSplit::slices};
   if (cuda::current_device().compute_capability >= 90) splits.push_back(cuda::TopkSplit::cluster);
+  if (cuda::topk_max_cluster_ranks(2048) >= 16) splits.push_back(cuda::TopkSplit::cluster16);
   return splits;
 }
 
@@ -905,6 +907,34 @@ TEST(CudaTopk, UnsortedAtDecodeShapes) {
         }
       }
       for (cuda::TopkSplit split : forced_splits()) check_crafted_rows(rows, 2048, 300 + tokens, split, true, false);
+    }
+}
+
+// Clusters of 16 ranks forced (non-portable, Hopper), at the decode shapes issue 23 is about: 1 and 8 tokens of
+// rows of 32K (2048 positions per rank) and 128K, sorted and unsorted, with the fused slots; distinct scores, exact
+// ties, four values (the select over the row by rank 0) and a row so short most ranks have nothing (test_cuda_emulation
+// checks where cluster16 is refused).
+TEST(CudaTopk, SixteenRanksAtDecodeShapes) {
+  if (cuda::topk_max_cluster_ranks(2048) < 16)
+    GTEST_SKIP() << "the device runs clusters of at most " << cuda::topk_max_cluster_ranks(2048) << " CTAs";
+  const auto uniform = [](test::Rng& rng) { return static_cast<float>(rng() % 1000000007) / 1e9f; };
+  for (int64_t n : {32768, 131072})
+    for (int tokens : {1, 8}) {
+      SCOPED_TRACE("context " + std::to_string(n) + ", tokens " + std::to_string(tokens));
+      std::vector<CraftedRow> rows;
+      for (int t = 0; t < tokens; ++t) {
+        const int64_t len = n - 61 * t;
+        switch (t % 4) {
+          case 0: rows.push_back({"distinct", len, [uniform](int64_t, test::Rng& rng) { return uniform(rng); }}); break;
+          case 1: rows.push_back({"ties", len, [](int64_t, test::Rng& rng) { return static_cast<float>(rng() % 3000); }}); break;
+          case 2: rows.push_back({"four values", len, [](int64_t, test::Rng& rng) { return static_cast<float>(rng() % 4); }}); break;
+          default: rows.push_back({"short", 1500 + t, [uniform](int64_t, test::Rng& rng) { return uniform(rng); }});
+        }
+      }
+      for (bool sorted : {true, false}) {
+        check_crafted_rows(rows, 2048, 400 + tokens, cuda::TopkSplit::cluster16, true, sorted);
+        check_crafted_rows(rows, 37, 410 + tokens, cuda::TopkSplit::cluster16, true, sorted);
+      }
     }
 }
 

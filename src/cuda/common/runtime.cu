@@ -52,6 +52,7 @@ DeviceInfo query_device(int dev) {
   d.max_smem_per_sm = attribute(cudaDevAttrMaxSharedMemoryPerMultiprocessor);
   d.max_threads_per_sm = attribute(cudaDevAttrMaxThreadsPerMultiProcessor);
   d.max_ctas_per_sm = attribute(cudaDevAttrMaxBlocksPerMultiprocessor);
+  d.max_cluster_ranks = d.compute_capability >= 90 ? 16 : 1;  // the driver tells each kernel's (max_cluster_ranks)
   static const char* const emulate = std::getenv(kEmulateEnv);  // read once
   const ArchLimits native{d.compute_capability, d.max_smem_per_block, d.max_smem_per_sm, d.max_threads_per_sm,
                           d.max_ctas_per_sm};
@@ -67,6 +68,7 @@ DeviceInfo query_device(int dev) {
     d.max_smem_per_sm = e->max_smem_per_sm;
     d.max_threads_per_sm = e->max_threads_per_sm;
     d.max_ctas_per_sm = e->max_ctas_per_sm;
+    d.max_cluster_ranks = e->max_cluster_ranks;
   }
   return d;
 }
@@ -172,6 +174,25 @@ int max_active_clusters(const void* kernel, int threads, int smem, int ranks) {
     int n = 0;
     check_cuda(cudaOccupancyMaxActiveClusters(&n, kernel, &config), "cudaOccupancyMaxActiveClusters");
     return n;
+  });
+}
+
+int max_cluster_ranks(const void* kernel, int threads, int smem) {
+  static std::mutex mu;
+  static std::map<std::tuple<int, const void*, int, int>, int> sizes;
+  const DeviceInfo& dev = current_device();
+  return remembered(sizes, mu, std::make_tuple(dev.index, kernel, threads, smem), [&] {
+    if (dev.max_cluster_ranks <= 1) return 1;
+    if (dev.max_cluster_ranks > kPortableClusterRanks)
+      check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1),
+                 "cudaFuncSetAttribute(NonPortableClusterSizeAllowed)");
+    cudaLaunchConfig_t config{};  // no cluster dimension (the call ignores it); the grid: one of the largest
+    config.gridDim = dim3(static_cast<unsigned>(dev.max_cluster_ranks));
+    config.blockDim = dim3(static_cast<unsigned>(threads));
+    config.dynamicSmemBytes = static_cast<size_t>(smem);
+    int n = 0;
+    check_cuda(cudaOccupancyMaxPotentialClusterSize(&n, kernel, &config), "cudaOccupancyMaxPotentialClusterSize");
+    return std::clamp(n, 1, dev.max_cluster_ranks);
   });
 }
 

@@ -45,6 +45,9 @@ struct DeviceInfo {
   int max_smem_per_sm = 0;
   int max_threads_per_sm = 0;
   int max_ctas_per_sm = 0;
+  // CTAs per thread block cluster the arch may allow: 1 below SM90; SM90 on 16, of which a kernel gets what the
+  // driver says (max_cluster_ranks()); an emulated arch's limit (8 on SM120).
+  int max_cluster_ranks = 1;
   int native_compute_capability = 0;  // the running GPU's, when another arch is emulated; else 0
 };
 // The current device's properties (cached per device; inside a DeviceGuard, the guard's device, not asked of the
@@ -66,6 +69,11 @@ int resident_ctas_per_sm(const void* kernel, int threads, int smem);
 // How many clusters of `ranks` such CTAs the current device (SM90 on) runs at
 // once: clusters must fit in one GPC, so this can be less than SMs / ranks.
 int max_active_clusters(const void* kernel, int threads, int smem, int ranks);
+// The most CTAs per cluster of such CTAs the current device runs: 1 below SM90, else the driver's answer, at most
+// DeviceInfo::max_cluster_ranks. Past the portable 8 (Hopper: 16), `kernel` is let launch non-portable cluster sizes
+// (once per device and kernel), which max_active_clusters and launches of more than 8 ranks need.
+inline constexpr int kPortableClusterRanks = 8;
+int max_cluster_ranks(const void* kernel, int threads, int smem);
 
 // Scratch for an op called without a `workspace`: a buffer of at least
 // `bytes` (null for 0) for `stream` on the current device, lent until the

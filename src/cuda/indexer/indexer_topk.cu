@@ -440,7 +440,10 @@ __device__ void place_by_position(At at, int want, int second, int third, int* o
 constexpr int kMinSlice = 16384;      // positions per slice CTA of a shared row, at least (unless forced)
 constexpr int kMinSharedRow = 32768;  // positions of a row a cluster shares, at least (unless forced)
 constexpr int kMinRankSlice = 4096;   // positions per rank of a cluster, at least
-constexpr int kMaxRanks = 8;      // CTAs per cluster: the portable maximum
+// Whether the automatic split takes clusters past the portable 8 ranks where the device runs them (16 on Hopper,
+// non-portable): off until measured faster (issue 23). TopkSplit::cluster16 forces 16.
+constexpr bool kAutoNonPortableRanks = false;
+constexpr int kWideRanks = 16;  // TopkSplit::cluster16's
 
 struct TopkParams {
   const float* scores;
@@ -599,7 +602,7 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
     if (p.ranks > 1) {
       cluster_sync();  // every rank's histogram is complete
       // The sum of all ranks' histograms, into every rank's list memory (unused until step 2): each rank sums
-      // its share of the bins over the ranks and writes the sums to all of them (an eighth of the traffic of
+      // its share of the bins over the ranks and writes the sums to all of them (1 / ranks of the traffic of
       // every rank reading every histogram).
       int* summed = reinterpret_cast<int*>(list);
       const int share = (kCoarseBins + p.ranks - 1) / p.ranks;
@@ -871,13 +874,16 @@ TopkParams plan_topk(const IndexerTopkArgs& a, TopkSplit split) {
   p.out_stride = a.topk.stride(0);
   p.sorted = a.sorted;
   // The list takes what shared memory is left (at least 8192 entries on every arch from SM80 on).
-  p.list_capacity = max_dynamic_smem(topk_kernel_for(k)) / static_cast<int>(sizeof(Entry));
+  const void* kernel = topk_kernel_for(k);
+  const int smem = max_dynamic_smem(kernel);
+  p.list_capacity = smem / static_cast<int>(sizeof(Entry));
   require(p.list_capacity >= kMaxIndexerTopk, "indexer_topk: the device has too little shared memory per block");
   if (tokens == 0) return p;
   // Sharing rows pays when the rows are long and one CTA per token leaves most SMs idle. On SM90+: rows of at
   // least kMinSharedRow positions by a cluster of up to one CTA per SM per token, at least kMinRankSlice positions
   // per rank (forced: at least 2 ranks, so tests reach the cluster path on short rows too), as many as run at once
-  // (H200, one token: a 32K row 28.0 µs on 2 ranks, 24.4 on 8; an 8K row 12.8 on one CTA, 15.9 on 2). Below SM90,
+  // (H200, one token: a 32K row 28.0 µs on 2 ranks, 24.4 on 8; an 8K row 12.8 on one CTA, 15.9 on 2), at most the
+  // portable 8 (kAutoNonPortableRanks: the device's most; cluster16: exactly 16, even in a second wave). Below SM90,
   // slices (measured on an H200 before clusters: rows of 128K for 1-32 tokens 34-42 µs split against 57-58
   // unsplit, for 64 tokens 63 against 58; rows of 32K or less never faster split) of at least kMinSlice positions,
   // about two CTAs per SM in all.
@@ -885,14 +891,18 @@ TopkParams plan_topk(const IndexerTopkArgs& a, TopkSplit split) {
   const DeviceInfo& dev = current_device();
   const int sms = dev.num_sms;
   const bool clusters = dev.compute_capability >= 90;
-  if (split == TopkSplit::cluster && !clusters)
-    fail("select_topk: TopkSplit::cluster needs thread block clusters (SM90 or newer); the device is sm_" +
-         std::to_string(dev.compute_capability));
+  if ((split == TopkSplit::cluster || split == TopkSplit::cluster16) && !clusters)
+    fail(std::string("select_topk: TopkSplit::") + (split == TopkSplit::cluster ? "cluster" : "cluster16") +
+         " needs thread block clusters (SM90 or newer); the device is sm_" + std::to_string(dev.compute_capability));
+  // The most ranks the device runs a cluster of this kernel with (Hopper: 16, 8 of them portable).
+  const int most_ranks = clusters ? max_cluster_ranks(kernel, kThreads, smem) : 1;
+  const int portable_ranks = std::min(most_ranks, kPortableClusterRanks);
   if (split == TopkSplit::automatic) {
     if (clusters) {
+      const int ranks_cap = kAutoNonPortableRanks ? most_ranks : portable_ranks;
       p.ranks = capacity < kMinSharedRow ? 1
                                          : static_cast<int>(std::clamp<int64_t>(
-                                               std::min<int64_t>(sms / tokens, capacity / kMinRankSlice), 1, kMaxRanks));
+                                               std::min<int64_t>(sms / tokens, capacity / kMinRankSlice), 1, ranks_cap));
       split = p.ranks > 1 ? TopkSplit::cluster : TopkSplit::one_cta;
     } else {
       split = capacity >= 65536 && 4 * tokens <= sms ? TopkSplit::slices : TopkSplit::one_cta;
@@ -900,7 +910,13 @@ TopkParams plan_topk(const IndexerTopkArgs& a, TopkSplit split) {
   } else if (split == TopkSplit::cluster) {
     p.ranks = static_cast<int>(
         std::clamp<int64_t>(std::min<int64_t>(sms / tokens, (capacity + kMinRankSlice - 1) / kMinRankSlice), 2,
-                            kMaxRanks));
+                            portable_ranks));
+  } else if (split == TopkSplit::cluster16) {
+    if (most_ranks < kWideRanks)
+      fail("select_topk: TopkSplit::cluster16 needs clusters of " + std::to_string(kWideRanks) +
+           " CTAs (non-portable: Hopper); the device (sm_" + std::to_string(dev.compute_capability) + ") runs at most " +
+           std::to_string(most_ranks));
+    p.ranks = kWideRanks;
   }
   if (split == TopkSplit::slices) {
     const int64_t most = std::max<int64_t>(1, (capacity + kMinSlice - 1) / kMinSlice);
@@ -922,6 +938,12 @@ size_t score_bytes(const IndexerTopkArgs& a) {
 
 int64_t index_capacity(const IndexerTopkArgs& a) { return a.block_table.size(1) * a.index_cache.size(1); }
 int64_t score_row_stride(const IndexerTopkArgs& a) { return (index_capacity(a) + 3) / 4 * 4; }
+
+int topk_max_cluster_ranks(int k) {
+  if (current_device().compute_capability < 90) return 1;
+  const void* kernel = topk_kernel_for(k);
+  return max_cluster_ranks(kernel, kThreads, max_dynamic_smem(kernel));
+}
 
 size_t topk_scratch_bytes(const IndexerTopkArgs& a, TopkSplit split) {
   return scratch_layout(plan_topk(a, split), static_cast<int>(a.q.size(0))).total;
@@ -949,7 +971,7 @@ void select_topk(const IndexerTopkArgs& a, const float* scores, TopkSplit split,
   std::optional<DefaultWorkspace> own;
   if (scratch == nullptr) scratch = workspace_or(TensorView{}, own, stream, scratch_layout(p, tokens).total, "indexer_topk");
   auto* bytes = static_cast<uint8_t*>(scratch);
-  const int min_ranks = split == TopkSplit::cluster ? 2 : 1;
+  const int min_ranks = split == TopkSplit::cluster16 ? kWideRanks : split == TopkSplit::cluster ? 2 : 1;
   const bool after_scores = fusion.after_scores && current_device().compute_capability >= 90;
   if (p.k <= 2048) launch_topk<2048 / kThreads>(p, tokens, min_ranks, after_scores, stream, bytes);
   else launch_topk<kMaxIndexerTopk / kThreads>(p, tokens, min_ranks, after_scores, stream, bytes);
