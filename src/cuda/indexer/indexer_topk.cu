@@ -910,7 +910,7 @@ TopkParams plan_topk(const IndexerTopkArgs& a, TopkSplit split) {
   } else if (split == TopkSplit::cluster) {
     p.ranks = static_cast<int>(
         std::clamp<int64_t>(std::min<int64_t>(sms / tokens, (capacity + kMinRankSlice - 1) / kMinRankSlice), 2,
-                            portable_ranks));
+                            std::max(2, portable_ranks)));
   } else if (split == TopkSplit::cluster16) {
     if (most_ranks < kWideRanks)
       fail("select_topk: TopkSplit::cluster16 needs clusters of " + std::to_string(kWideRanks) +
