@@ -274,7 +274,8 @@ void launch_combine(const AttentionParams& p, cudaStream_t stream) {
   pdl.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   pdl.val.programmaticStreamSerializationAllowed = 1;
   cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>(p.num_tokens) * p.num_heads);
+  const int64_t rows = static_cast<int64_t>(p.num_tokens) * p.num_heads;
+  config.gridDim = dim3(static_cast<unsigned>(rows), mla::combine_column_blocks(rows, current_device().num_sms));
   config.blockDim = dim3(mla::kThreads);
   config.stream = stream;
   config.attrs = &pdl;
