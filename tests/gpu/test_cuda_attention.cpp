@@ -329,6 +329,33 @@ TEST(CudaSparseMla, CombineOfForcedSplits) {
   expect_splits_run(many, seed++);
 }
 
+// One 32-key chunk per split (the most splits a row's keys can take), for one and three tokens, both cache
+// formats, 8 and 16 heads; the small-heads kernel's 64-key chunks likewise.
+TEST(CudaSparseMla, OneChunkSplits) {
+  uint64_t seed = 1400;
+  for (DType kv : {DType::bf16, DType::fp8_ds_mla})
+    for (int heads : {8, 16})
+      for (int tokens : {1, 3})
+        for (int topk : {100, 2048}) {
+          Problem p;
+          p.kv_dtype = kv;
+          p.tokens = tokens;
+          p.heads = heads;
+          p.topk = topk;
+          p.block_size = 64;
+          p.sink = tokens == 3;
+          p.max_logits = true;
+          p.kernel = {cuda::AttentionKernel::head_tile, 0, 0, 0, 64};
+          const std::optional<cuda::AttentionPlan> plan = run_sparse(p, seed++);
+          ASSERT_TRUE(plan.has_value());
+          EXPECT_EQ(plan->num_splits, (topk + 31) / 32) << "one split per chunk";
+          if (kv != DType::fp8_ds_mla) continue;
+          p.kernel = {cuda::AttentionKernel::small_heads, 0, 0, 0, 64};
+          const std::optional<cuda::AttentionPlan> small = run_sparse(p, seed++);
+          if (small) EXPECT_EQ(small->num_splits, (topk + 63) / 64) << "one split per 64-key chunk";
+        }
+}
+
 void run_paged(DType q_dtype, DType kv, int batch, int s_q, int heads, int block_size, bool causal, uint64_t seed,
                int rope = kMlaRopeDim, cuda::AttentionChoice kernel = {}) {
   SCOPED_TRACE("paged kv=" + std::string(dtype_name(kv)) + " B=" + std::to_string(batch) + " s_q=" +

@@ -176,8 +176,12 @@ const LaunchConfig& launch_config(const DeviceInfo& dev, CacheFormat f, int rope
 // such count on ties (each split costs a partial row and a combine). Each
 // split keeps at least two chunks: on an H200, 33 one-chunk splits of the
 // small-heads kernel (fp8, 8 rope-free heads, top-k 2051, 32 tokens) took
-// 117 us, 2.4x the 576-wide heads' 49 us at four chunks a split.
+// 117 us, 2.4x the 576-wide heads' 49 us at four chunks a split (several waves).
+// Where one chunk per split still fits in one wave (one token: 64 splits of a 32-key chunk), whether to take it is
+// kOneChunkSplitsInOneWave, to be set from the H200's "1 token (splits)" rows of bench_cuda (64 against 32).
+constexpr bool kOneChunkSplitsInOneWave = false;
 int choose_splits(int64_t ctas, int chunks, int64_t slots) {
+  if (kOneChunkSplitsInOneWave && ctas * chunks <= slots) return std::min(chunks, mla::kMaxSplits);
   const int most = std::max(1, std::min(chunks / 2, mla::kMaxSplits));
   if (ctas * most <= slots) return most;  // one wave whatever the count: the loop's answer, without its divisions
   int best = 1;
