@@ -61,6 +61,25 @@ int resident_ctas_per_sm(const void* kernel, int threads, int smem);
 // once: clusters must fit in one GPC, so this can be less than SMs / ranks.
 int max_active_clusters(const void* kernel, int threads, int smem, int ranks);
 
+// Launches `kernel` (its args as cudaLaunchKernel takes them), from SM90 on (current_device()) as the
+// programmatic dependent of the kernel before it on `stream` when `dependent`: it may start while that kernel
+// runs, and must wait (griddepcontrol.wait) before touching anything that kernel writes. Only ever after a
+// kernel of the library's own in the same call, never after a caller's stream work.
+inline cudaError_t launch_kernel(const void* kernel, dim3 grid, dim3 block, void** args, int smem, cudaStream_t stream,
+                                 bool dependent) {
+  cudaLaunchAttribute pdl{};
+  pdl.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  pdl.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = static_cast<size_t>(smem);
+  config.stream = stream;
+  config.attrs = &pdl;
+  config.numAttrs = dependent && current_device().compute_capability >= 90 ? 1 : 0;
+  return cudaLaunchKernelExC(&config, kernel, args);
+}
+
 // Scratch for an op called without a `workspace`: a buffer of at least
 // `bytes` (null for 0) for `stream` on the current device, lent until the
 // object is destroyed (after the op's launches). A stream's buffer is

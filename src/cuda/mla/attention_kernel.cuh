@@ -126,6 +126,14 @@ __device__ __forceinline__ int64_t slot_of(const AttentionParams& p, int t, int 
   }
 }
 
+// Programmatic dependent launch (SM90+): a kernel launched as the dependent of the one before it on the stream
+// starts early and waits here for that kernel's completion and memory; without such a launch it returns at once.
+__device__ __forceinline__ void wait_for_previous_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 // The kernel's steps, in the order it runs them. Each compiles to the same
 // SASS as the code it replaced (scripts/compare-sass.py): gather_row's scalars
 // are const references, as the lambda before it captured them, because passed
@@ -250,13 +258,27 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const AttentionPara
   const int split = blockIdx.y;
   const int b = t / p.s_q, j = t % p.s_q;
 
-  const ChunkRange range = chunk_range<kPaged>(p, t, b, j, split, kKeysPerChunk);
-  const int visible = range.visible, chunk_begin = range.begin, n_chunks = range.count;
-
+  // The queries' loads first, each thread all its pieces before storing any (one memory round trip, which bounds
+  // the latency of few-chunk splits), issued before the wait below; they are converted after the gather starts.
+  const uint16_t* q = p.q + b * p.q_stride_b + j * p.q_stride_s + h0 * p.q_stride_h;
+  constexpr int kQPerThread = (kHeadsPerCta * kPieces + kThreads - 1) / kThreads;
+  uint4 q_raw[kQPerThread];
+#pragma unroll
+  for (int r = 0; r < kQPerThread; ++r) {
+    const int i = tid + r * kThreads, row = i / kPieces;
+    q_raw[r] = i < kHeadsPerCta * kPieces && row < nh
+                   ? *reinterpret_cast<const uint4*>(q + row * p.q_stride_h + (i % kPieces) * 8)
+                   : make_uint4(0, 0, 0, 0);
+  }
   if (tid < kHeadsPerCta) {
     row_max[tid] = -INFINITY;
     row_sum[tid] = 0.f;
   }
+  // Everything from here reads what the kernel before may write (indices, cache) when dsa_decode_step launches
+  // this one as the top-k's programmatic dependent; without that launch the wait returns at once.
+  wait_for_previous_grid();
+  const ChunkRange range = chunk_range<kPaged>(p, t, b, j, split, kKeysPerChunk);
+  const int visible = range.visible, chunk_begin = range.begin, n_chunks = range.count;
 
   // Each thread gathers row tid / 4 of every chunk, its pieces tid % 4, + 4, ...
   const int my_row = tid / 4, my_part = tid % 4;
@@ -351,19 +373,8 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const AttentionPara
 
   // Queries, converted to the compute type, pass through shared memory (the
   // last key buffer, not yet in use) into registers; rows past the last head
-  // are zero. Each thread loads all its pieces before storing any: one memory
-  // round trip, not one per piece (it bounds the latency of few-chunk splits).
+  // are zero.
   T* sq = reinterpret_cast<T*>(smem + L.q);
-  const uint16_t* q = p.q + b * p.q_stride_b + j * p.q_stride_s + h0 * p.q_stride_h;
-  constexpr int kQPerThread = (kHeadsPerCta * kPieces + kThreads - 1) / kThreads;
-  uint4 q_raw[kQPerThread];
-#pragma unroll
-  for (int r = 0; r < kQPerThread; ++r) {
-    const int i = tid + r * kThreads, row = i / kPieces;
-    q_raw[r] = i < kHeadsPerCta * kPieces && row < nh
-                   ? *reinterpret_cast<const uint4*>(q + row * p.q_stride_h + (i % kPieces) * 8)
-                   : make_uint4(0, 0, 0, 0);
-  }
   auto convert = [&](uint32_t two) {
     return pack2<T>(bits_to_float(static_cast<uint16_t>(two), p.q_is_bf16),
                     bits_to_float(static_cast<uint16_t>(two >> 16), p.q_is_bf16));
@@ -457,9 +468,7 @@ inline int combine_column_blocks(int64_t rows, int num_sms) {
 // as a programmatic dependent of the attention kernel from SM90 on: its CTAs
 // start while the attention's last ones run and wait here for their results.
 static __global__ void __launch_bounds__(kThreads) combine_kernel(const AttentionParams p) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
+  wait_for_previous_grid();
   constexpr int kMaxGroups = kMaxColumnBlocks;  // 512 / 8 columns = 16 float4s: 8 groups of 16 threads
   __shared__ float4 group_acc[kThreads];
   __shared__ float group_max[kMaxGroups], group_sum[kMaxGroups], group_logit[kMaxGroups];
