@@ -126,11 +126,18 @@ __device__ __forceinline__ int64_t slot_of(const AttentionParams& p, int t, int 
   }
 }
 
-// Programmatic dependent launch (SM90+): a kernel launched as the dependent of the one before it on the stream
-// starts early and waits here for that kernel's completion and memory; without such a launch it returns at once.
+// Programmatic dependent launch (SM90+; no-ops below): a kernel launched as the dependent of the one before it on
+// the stream starts early and waits (wait_for_previous_grid) for that kernel's completion and memory; without such
+// a launch the wait returns at once. A kernel lets its dependent launch once all its CTAs have called
+// let_dependent_launch (or exited); the dependent still waits for all of it.
 __device__ __forceinline__ void wait_for_previous_grid() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void let_dependent_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
 }
 
@@ -407,6 +414,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const AttentionPara
   }
   cp_async_wait<0>();
   __syncthreads();  // row statistics final (also when this split had no chunks)
+  if (p.num_splits > 1) let_dependent_launch();  // the combine: placed while the partials are written
 
   const int g = lane / 4;
   const float ln2 = 0.6931471805599453f;
