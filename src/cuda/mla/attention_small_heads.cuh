@@ -165,24 +165,10 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
   const int split = blockIdx.y;
   const int b = t / p.s_q, j = t % p.s_q;
 
-  // The queries' loads first, each thread all of its entries before using any: one memory round trip per CTA, not
-  // one per entry (a split of few chunks is otherwise mostly this prologue), and issued before the wait below.
-  const uint16_t* q = p.q + b * p.q_stride_b + j * p.q_stride_s;
-  constexpr int kQEntries = kGroups * G::kQkSteps * 32;
-  constexpr int kQPerThread = (kQEntries + kThreadsPerCta - 1) / kThreadsPerCta;
-  auto head_of = [](int e) { return (e / (32 * G::kQkSteps)) * kHeadsPerGroup + (e % 32) / 4; };
-  auto is_latent = [](int e) { return (e / 32) % G::kQkSteps < kLatentSteps; };
-  uint2 q_raw[kQPerThread];
-#pragma unroll
-  for (int r = 0; r < kQPerThread; ++r) {
-    const int e = tid + r * kThreadsPerCta, h = head_of(e);
-    q_raw[r] = e < kQEntries && h < nh ? *reinterpret_cast<const uint2*>(q + (h0 + h) * p.q_stride_h +
-                                                                          score_dim<F>((e / 32) % G::kQkSteps, e % 4))
-                                       : make_uint2(0, 0);
-  }
   // Everything from here reads what the kernel before may write (indices, cache) when dsa_decode_step launches
-  // this one as the top-k's programmatic dependent; without that launch the wait returns at once.
-  wait_for_previous_grid();
+  // this one as the top-k's programmatic dependent; without that launch the wait returns at once. Paged decode is
+  // never launched so (and its fp8 form spilled more with the wait).
+  if constexpr (!kPaged) wait_for_previous_grid();
   const ChunkRange range = chunk_range<kPaged>(p, t, b, j, split, kChunkKeys);
   const int visible = range.visible, chunk_begin = range.begin, n_chunks = range.count;
 
@@ -240,7 +226,24 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
   // multiplied as f16 (e4m3 codes convert to f16 in one instruction), so each
   // head's latent query is scaled by a power of two that puts its largest
   // value in [2^14, 2^15): exact in f16 down to 2^-24 of that value.
-  // Entry e = (head group, k-step, lane) holds 4 values. The query loads were issued first (above).
+  // Entry e = (head group, k-step, lane) holds 4 values. Each thread loads
+  // all its entries before using any: one memory round trip per CTA, not one
+  // per entry (a split of few chunks is otherwise mostly this prologue). Here,
+  // after the gather's first chunks are issued, not before the wait above:
+  // held across the gather's set-up they cost the split-dims kernels spills.
+  const uint16_t* q = p.q + b * p.q_stride_b + j * p.q_stride_s;
+  constexpr int kQEntries = kGroups * G::kQkSteps * 32;
+  constexpr int kQPerThread = (kQEntries + kThreadsPerCta - 1) / kThreadsPerCta;
+  auto head_of = [](int e) { return (e / (32 * G::kQkSteps)) * kHeadsPerGroup + (e % 32) / 4; };
+  auto is_latent = [](int e) { return (e / 32) % G::kQkSteps < kLatentSteps; };
+  uint2 q_raw[kQPerThread];
+#pragma unroll
+  for (int r = 0; r < kQPerThread; ++r) {
+    const int e = tid + r * kThreadsPerCta, h = head_of(e);
+    q_raw[r] = e < kQEntries && h < nh ? *reinterpret_cast<const uint2*>(q + (h0 + h) * p.q_stride_h +
+                                                                          score_dim<F>((e / 32) % G::kQkSteps, e % 4))
+                                       : make_uint2(0, 0);
+  }
   auto q_values = [&](uint2 raw, float (&v)[4]) {
     v[0] = bits_to_float(static_cast<uint16_t>(raw.x), p.q_is_bf16);
     v[1] = bits_to_float(static_cast<uint16_t>(raw.x >> 16), p.q_is_bf16);
