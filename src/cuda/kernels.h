@@ -19,7 +19,7 @@ struct AttentionChoice {
 };
 // How sparse_mla's attention kernel follows the work before it on the stream: in order (every caller's call), or
 // as the programmatic dependent of the kernel before it (SM90+; dsa_decode_step alone, where that kernel is its own
-// top-k): its query loads overlap that kernel's tail, and it waits for it before reading indices or the cache.
+// top-k): it starts as that kernel ends and waits for it before reading indices or the cache.
 enum class AttentionLaunch { in_order, after_own_kernel };
 void sparse_mla(const SparseMlaArgs& args, AttentionChoice choice = {}, AttentionLaunch how = AttentionLaunch::in_order);
 void paged_mla_decode(const PagedMlaDecodeArgs& args, AttentionChoice choice = {});
