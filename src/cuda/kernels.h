@@ -17,7 +17,11 @@ struct AttentionChoice {
   AttentionKernel kernel = AttentionKernel::automatic;
   int stages = 0, heads_per_cta = 0, split_dims = 0, splits = 0;
 };
-void sparse_mla(const SparseMlaArgs& args, AttentionChoice choice = {});
+// How sparse_mla's attention kernel follows the work before it on the stream: in order (every caller's call), or
+// as the programmatic dependent of the kernel before it (SM90+; dsa_decode_step alone, where that kernel is its own
+// top-k): it starts as that kernel ends and waits for it before reading indices or the cache.
+enum class AttentionLaunch { in_order, after_own_kernel };
+void sparse_mla(const SparseMlaArgs& args, AttentionChoice choice = {}, AttentionLaunch how = AttentionLaunch::in_order);
 void paged_mla_decode(const PagedMlaDecodeArgs& args, AttentionChoice choice = {});
 // What those launch for these args and choice on the current device (tests, benchmarks): the kernel (head_tile or
 // small_heads), its pipeline depth, dynamic shared memory and resident CTAs per SM, and how many splits each row's
@@ -38,7 +42,7 @@ void indexer_topk(const IndexerTopkArgs& args);
 // The step in three kernels: the indexer's scores; the top-k, which writes the slots as well (no
 // positions_to_slots kernel) and on SM90+, unless its rows are split into slices, is launched as the scores
 // kernel's programmatic dependent (its launch overlaps the scores' last CTAs; it waits for them with
-// griddepcontrol.wait); the attention.
+// griddepcontrol.wait); the attention, from SM90 on the top-k's programmatic dependent (AttentionLaunch).
 void dsa_decode_step(const DsaDecodeStepArgs& args);
 
 // Bytes of `workspace` each op needs (Backend::workspace_size); the same args on the same device always give the

@@ -34,6 +34,9 @@ struct Problem {
   int tokens = 3, heads = 16, topk = 128, block_size = 16, num_blocks = 0, block_pad = 0;
   bool topk_length = false, sink = false, q_padded = false;
   bool max_logits = false, empty_lse_plus_inf = false;
+  // Whole runs of keys invalid, so that whole splits are empty: token 0's first half, the last token's second half
+  // (from 3 tokens; token 1 has no valid key at all).
+  bool empty_halves = false;
   int rope = kMlaRopeDim;  // 0: 512-wide heads (GLM-5.3-Flash, DeepSeek-V4)
   cuda::AttentionChoice kernel;  // forced: the op's CUDA function is called directly
   bool skip_beyond_device = true;  // a forced shape the device's shared memory cannot hold: skipped, not an error
@@ -159,6 +162,10 @@ std::optional<cuda::AttentionPlan> run_sparse(const Problem& pr, uint64_t seed,
   }
   if (p.tokens > 1)  // one row with nothing valid: out 0, lse -inf
     for (int k = 0; k < p.topk; ++k) idx[p.topk + k] = -1;
+  if (p.empty_halves) {
+    std::fill(idx.begin(), idx.begin() + p.topk / 2, -1);
+    if (p.tokens > 2) std::fill(idx.end() - (p.topk - p.topk / 2), idx.end(), -1);
+  }
   TensorView cache_view;
   auto cache = make_cache(rng, p, used, cache_view);
 
@@ -285,6 +292,68 @@ TEST(CudaSparseMla, DecodeBatchUsesSplits) {
   p.topk = 2048;
   p.block_size = 64;
   expect_splits_run(p, 300);
+}
+
+// The combine for every forced split count from 1 to one split per 32-key chunk, with sinks and max_logits, whole
+// splits empty (empty_halves) and a row with no valid key: 1, 3 and 9 tokens of 8 heads spread each row's columns
+// over 8, 8 and 2 CTAs on a 132-SM H200 (combine_column_blocks), 64 tokens of 16 heads over one.
+TEST(CudaSparseMla, CombineOfForcedSplits) {
+  uint64_t seed = 1300;
+  for (DType kv : {DType::bf16, DType::fp8_ds_mla})
+    for (int tokens : {1, 3, 9})
+      for (int splits : {1, 2, 3, 31, 64}) {
+        Problem p;
+        p.kv_dtype = kv;
+        p.tokens = tokens;
+        p.heads = 8;
+        p.topk = splits == 31 ? 1970 : 2048;  // 62 chunks: 31 splits of 2 (of 64 chunks, 31 would give 22 of 3)
+        p.block_size = 64;
+        p.sink = true;
+        p.max_logits = true;
+        p.empty_halves = true;
+        p.kernel = {cuda::AttentionKernel::head_tile, 0, 0, 0, splits};
+        SCOPED_TRACE("splits " + std::to_string(splits) + " tokens " + std::to_string(tokens));
+        const std::optional<cuda::AttentionPlan> plan = run_sparse(p, seed++);
+        ASSERT_TRUE(plan.has_value());
+        EXPECT_EQ(plan->num_splits, splits);
+      }
+  Problem many;
+  many.tokens = 64;
+  many.heads = 16;
+  many.topk = 1970;
+  many.block_size = 16;
+  many.sink = true;
+  many.max_logits = true;
+  many.empty_halves = true;
+  many.kernel = {cuda::AttentionKernel::head_tile, 0, 0, 0, 31};
+  expect_splits_run(many, seed++);
+}
+
+// One 32-key chunk per split (the most splits a row's keys can take), for one and three tokens, both cache
+// formats, 8 and 16 heads; the small-heads kernel's 64-key chunks likewise.
+TEST(CudaSparseMla, OneChunkSplits) {
+  uint64_t seed = 1400;
+  for (DType kv : {DType::bf16, DType::fp8_ds_mla})
+    for (int heads : {8, 16})
+      for (int tokens : {1, 3})
+        for (int topk : {100, 2048}) {
+          Problem p;
+          p.kv_dtype = kv;
+          p.tokens = tokens;
+          p.heads = heads;
+          p.topk = topk;
+          p.block_size = 64;
+          p.sink = tokens == 3;
+          p.max_logits = true;
+          p.kernel = {cuda::AttentionKernel::head_tile, 0, 0, 0, 64};
+          const std::optional<cuda::AttentionPlan> plan = run_sparse(p, seed++);
+          ASSERT_TRUE(plan.has_value());
+          EXPECT_EQ(plan->num_splits, (topk + 31) / 32) << "one split per chunk";
+          if (kv != DType::fp8_ds_mla) continue;
+          p.kernel = {cuda::AttentionKernel::small_heads, 0, 0, 0, 64};
+          const std::optional<cuda::AttentionPlan> small = run_sparse(p, seed++);
+          if (small) EXPECT_EQ(small->num_splits, (topk + 63) / 64) << "one split per 64-key chunk";
+        }
 }
 
 void run_paged(DType q_dtype, DType kv, int batch, int s_q, int heads, int block_size, bool causal, uint64_t seed,

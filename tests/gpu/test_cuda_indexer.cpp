@@ -14,6 +14,7 @@
 #include <numeric>
 #include <random>
 #include <set>
+#include <utility>
 
 #include "core/numeric.h"
 #include "cuda/common/runtime.h"
@@ -440,7 +441,7 @@ TEST(CudaIndexer, PositionsToSlotsMatchesCpu) {
 }
 
 // One DSA decode step's inputs (random keys, latents and queries; by default 5 tokens of mixed contexts, shuffled
-// blocks), its CPU result (`host`, run at construction unless cpu_step is false), and the same inputs on the GPU
+// blocks, a bf16 latent cache), its CPU result (`host`, run at construction unless cpu_step is false), and the same inputs on the GPU
 // with poisoned outputs (`gpu`).
 struct DsaStepCase {
   static constexpr int kHeads = 8;
@@ -465,11 +466,13 @@ struct DsaStepCase {
     return pr;
   }
 
-  explicit DsaStepCase(const IndexProblem& problem_to_run = problem(), bool cpu_step = true)
+  explicit DsaStepCase(const IndexProblem& problem_to_run = problem(), bool cpu_step = true,
+                       DType kv_dtype = DType::bf16)
       : pr(problem_to_run), d(pr, 90) {
     test::Rng rng(91);
-    mla.assign(static_cast<size_t>(d.num_blocks) * pr.block_size * kMlaQkDim * 2, 0xff);
-    TensorView mla_view(mla.data(), {d.num_blocks, pr.block_size, kMlaQkDim}, DType::bf16);
+    const int64_t row = MlaHead{}.cache_row(kv_dtype);
+    mla.assign(static_cast<size_t>(d.num_blocks) * pr.block_size * row * dtype_size(kv_dtype), 0xff);
+    TensorView mla_view(mla.data(), {d.num_blocks, pr.block_size, row}, kv_dtype);
     std::vector<int64_t> mapping;
     for (int32_t b : d.table)
       for (int o = 0; o < pr.block_size; ++o) mapping.push_back(static_cast<int64_t>(b) * pr.block_size + o);
@@ -603,18 +606,21 @@ TEST(CudaIndexer, DsaDecodeStepReplaysInACudaGraph) {
 }
 
 // The step's fused kernels (the top-k writing the slots, launched as the scores kernel's programmatic dependent on
-// SM90+) against its three ops run one by one on the GPU (each checked against the CPU above), on rows of 40960
-// positions, for 1 and 8 tokens: the same positions, slots, out and lse, bit for bit, eager and replayed from a CUDA
-// graph. On SM90+ the automatic split gives rows this long to a cluster's CTAs (plan_topk's rule); the test does not
-// check that it did (select_topk does not report its split), only that the step and its ops agree.
+// SM90+, and the attention as the top-k's) against its three ops run one by one on the GPU (each checked against
+// the CPU above), on rows of 40960 positions, for 1 and 8 tokens over a bf16 and an fp8_ds_mla cache (the
+// 16-head-tile kernel, split, and the combine) and 16 tokens over fp8_ds_mla (the small-heads kernel, where the device holds it): the same
+// positions, slots, out and lse, bit for bit, eager and replayed from a CUDA graph. On SM90+ the automatic split
+// gives rows this long to a cluster's CTAs (plan_topk's rule); the test does not check that it did (select_topk
+// does not report its split), only that the step and its ops agree.
 TEST(CudaIndexer, DsaDecodeStepEqualsItsOpsOnLongRows) {
-  for (int tokens : {1, 8}) {
-    SCOPED_TRACE("tokens " + std::to_string(tokens));
+  for (auto [tokens, kv] : {std::pair{1, DType::bf16}, {8, DType::bf16}, {1, DType::fp8_ds_mla},
+                            {8, DType::fp8_ds_mla}, {16, DType::fp8_ds_mla}}) {
+    SCOPED_TRACE("tokens " + std::to_string(tokens) + " cache " + std::string(dtype_name(kv)));
     IndexProblem pr = DsaStepCase::problem();
     pr.tokens = tokens;
     pr.k = 2048;
     pr.max_blocks = 640;  // 40960 positions
-    DsaStepCase c(pr, false);
+    DsaStepCase c(pr, false, kv);
     std::vector<int32_t> context(tokens);
     for (int t = 0; t < tokens; ++t) context[t] = pr.max_blocks * pr.block_size - 977 * t;  // long, each its own
     CUDA_OK(cudaMemcpy(c.on->context.ptr, context.data(), context.size() * 4, cudaMemcpyHostToDevice));

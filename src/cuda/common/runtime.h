@@ -27,14 +27,6 @@ inline void check_launched(cudaError_t e, const char* kernel) {
   cudaGetLastError();
   check_cuda(e, kernel);
 }
-// kernel<<<grid, block, smem, stream>>>(params...) through cudaLaunchKernel, checked by check_launched.
-template <class... Params>
-void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
-                   const char* what, std::type_identity_t<Params>... params) {
-  void* args[] = {&params...};
-  check_launched(cudaLaunchKernel(reinterpret_cast<const void*>(kernel), grid, block, args, smem, stream), what);
-}
-
 // What the launch code knows of a device: under the emulated-arch test mode (cuda/emulation.h) the emulated
 // arch's compute capability and limits, with the running GPU's SM count (a product's, not an arch's).
 struct DeviceInfo {
@@ -74,6 +66,32 @@ int max_active_clusters(const void* kernel, int threads, int smem, int ranks);
 // (once per device and kernel), which max_active_clusters and launches of more than 8 ranks need.
 inline constexpr int kPortableClusterRanks = 8;
 int max_cluster_ranks(const void* kernel, int threads, int smem);
+
+// Launches `kernel` (its args as cudaLaunchKernel takes them), checked by check_launched; from SM90 on
+// (current_device()) as the programmatic dependent of the kernel before it on `stream` when `dependent`: it may
+// start while that kernel runs, and must wait (griddepcontrol.wait) before touching anything that kernel writes.
+// Only ever after a kernel of the library's own in the same call, never after a caller's stream work.
+inline void launch_kernel_args(const void* kernel, dim3 grid, dim3 block, void** args, size_t smem,
+                               cudaStream_t stream, bool dependent, const char* what) {
+  cudaLaunchAttribute pdl{};
+  pdl.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  pdl.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = &pdl;
+  config.numAttrs = dependent && current_device().compute_capability >= 90 ? 1 : 0;
+  check_launched(cudaLaunchKernelExC(&config, kernel, args), what);
+}
+// kernel<<<grid, block, smem, stream>>>(params...), checked by check_launched.
+template <class... Params>
+void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                   const char* what, std::type_identity_t<Params>... params) {
+  void* args[] = {&params...};
+  launch_kernel_args(reinterpret_cast<const void*>(kernel), grid, block, args, smem, stream, false, what);
+}
 
 // Scratch for an op called without a `workspace`: a buffer of at least
 // `bytes` (null for 0) for `stream` on the current device, lent until the

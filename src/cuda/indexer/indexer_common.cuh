@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "cuda/common/griddep.cuh"
 #include "cuda/kernels.h"
 #include "smla/ops.h"
 
@@ -23,20 +24,6 @@ inline IndexCacheLayout index_cache_layout(const TensorView& cache) {
   const int64_t elem = fp8 ? 1 : 2;
   return {cache.ptr<uint8_t>(),     fp8, cache.stride(0) * elem, cache.stride(1) * elem,
           static_cast<int>(cache.size(1)), static_cast<int>(cache.size(0))};
-}
-
-// Programmatic dependent launch between the step's kernels (griddepcontrol, SM90+; no-ops below, where the host
-// never asks for it): a kernel lets the one launched after it as its dependent start before it ends; the dependent
-// waits for it (its completion and its memory) before reading what it writes. Both are no-ops without PDL.
-__device__ __forceinline__ void let_dependents_launch() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void wait_for_prerequisites() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
 }
 
 struct IndexRows {

@@ -999,7 +999,8 @@ void indexer_topk(const IndexerTopkArgs& a) { scores_then_topk(a, {}); }
 void dsa_decode_step(const DsaDecodeStepArgs& a) {
   const PositionsToSlotsArgs slots = slots_step(a);
   scores_then_topk(indexer_step(a), {&slots, true});
-  cuda::sparse_mla(attention_step(a));
+  // The top-k kernel just launched (for any token) is the attention's predecessor: a programmatic dependent of it.
+  cuda::sparse_mla(attention_step(a), {}, AttentionLaunch::after_own_kernel);
 }
 
 }  // namespace smla::cuda

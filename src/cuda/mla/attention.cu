@@ -176,8 +176,12 @@ const LaunchConfig& launch_config(const DeviceInfo& dev, CacheFormat f, int rope
 // such count on ties (each split costs a partial row and a combine). Each
 // split keeps at least two chunks: on an H200, 33 one-chunk splits of the
 // small-heads kernel (fp8, 8 rope-free heads, top-k 2051, 32 tokens) took
-// 117 us, 2.4x the 576-wide heads' 49 us at four chunks a split.
+// 117 us, 2.4x the 576-wide heads' 49 us at four chunks a split (several waves).
+// Where one chunk per split still fits in one wave (one token: 64 splits of a 32-key chunk), whether to take it is
+// kOneChunkSplitsInOneWave, to be set from the H200's "1 token (splits)" rows of bench_cuda (64 against 32).
+constexpr bool kOneChunkSplitsInOneWave = false;
 int choose_splits(int64_t ctas, int chunks, int64_t slots) {
+  if (kOneChunkSplitsInOneWave && ctas * chunks <= slots) return std::min(chunks, mla::kMaxSplits);
   const int most = std::max(1, std::min(chunks / 2, mla::kMaxSplits));
   if (ctas * most <= slots) return most;  // one wave whatever the count: the loop's answer, without its divisions
   int best = 1;
@@ -261,30 +265,25 @@ void set_partials(AttentionParams& p, float* ws) {
 }
 
 void launch_head_tile(const LaunchConfig& config, const AttentionParams& p, int64_t ctas, int splits,
-                      cudaStream_t stream) {
+                      cudaStream_t stream, AttentionLaunch how = AttentionLaunch::in_order) {
   void* args[] = {const_cast<AttentionParams*>(&p)};
-  check_launched(cudaLaunchKernel(config.fn, dim3(static_cast<unsigned>(ctas), splits), dim3(mla::kThreads), args,
-                                  config.smem, stream),
-                 "smla MLA attention kernel");
+  launch_kernel_args(reinterpret_cast<const void*>(config.fn), dim3(static_cast<unsigned>(ctas), splits),
+                     dim3(mla::kThreads), args, config.smem, stream, how == AttentionLaunch::after_own_kernel,
+                     "smla MLA attention kernel");
 }
 
 void launch_combine(const AttentionParams& p, cudaStream_t stream) {
   // From SM90 on the combine is a programmatic dependent launch: its launch overlaps the attention's tail.
-  cudaLaunchAttribute pdl{};
-  pdl.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  pdl.val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>(p.num_tokens) * p.num_heads);
-  config.blockDim = dim3(mla::kThreads);
-  config.stream = stream;
-  config.attrs = &pdl;
-  config.numAttrs = current_device().compute_capability >= 90 ? 1 : 0;
-  check_launched(cudaLaunchKernelEx(&config, mla::combine_kernel, p), "smla MLA combine kernel");
+  const int64_t rows = static_cast<int64_t>(p.num_tokens) * p.num_heads;
+  void* args[] = {const_cast<AttentionParams*>(&p)};
+  launch_kernel_args(reinterpret_cast<const void*>(mla::combine_kernel),
+                     dim3(static_cast<unsigned>(rows), mla::combine_column_blocks(rows, current_device().num_sms)),
+                     dim3(mla::kThreads), args, 0, stream, true, "smla MLA combine kernel");
 }
 
 // `workspace`: the caller's (checked to hold partial_bytes) or absent.
 void launch(AttentionParams& p, CacheFormat f, int rope, bool paged, int num_keys, const TensorView& workspace,
-            const char* op, cudaStream_t stream, AttentionChoice choice) {
+            const char* op, cudaStream_t stream, AttentionChoice choice, AttentionLaunch how = AttentionLaunch::in_order) {
   if (p.num_tokens == 0) return;
   const Plan split = plan(f, rope, paged, p.num_tokens, p.num_heads, num_keys, choice);
   p.chunks_per_split = split.chunks_per_split;
@@ -296,9 +295,9 @@ void launch(AttentionParams& p, CacheFormat f, int rope, bool paged, int num_key
     set_partials(p, static_cast<float*>(workspace_or(workspace, own, stream, bytes, op)));
   }
   if (split.small)
-    mla::small::launch_small_heads(p, *split.small, stream);
+    mla::small::launch_small_heads(p, *split.small, stream, how == AttentionLaunch::after_own_kernel);
   else
-    launch_head_tile(*split.head_tile, p, split.ctas, p.num_splits, stream);
+    launch_head_tile(*split.head_tile, p, split.ctas, p.num_splits, stream, how);
   if (p.num_splits > 1) launch_combine(p, stream);
 }
 
@@ -343,7 +342,7 @@ TwoCachePlan two_cache_plan(const SparseMlaArgs& a, AttentionChoice choice) {
 bool has_extra_cache(const SparseMlaArgs& a) { return a.extra_indices.defined(); }
 
 // `p`: filled for the main cache by sparse_mla.
-void sparse_mla_two_caches(AttentionParams& p, const SparseMlaArgs& a, AttentionChoice choice) {
+void sparse_mla_two_caches(AttentionParams& p, const SparseMlaArgs& a, AttentionChoice choice, AttentionLaunch how) {
   const cudaStream_t stream = static_cast<cudaStream_t>(a.stream);
   const TwoCachePlan tp = two_cache_plan(a, choice);
   const size_t bytes = tp.partial_bytes(p.num_tokens, p.num_heads);
@@ -362,7 +361,7 @@ void sparse_mla_two_caches(AttentionParams& p, const SparseMlaArgs& a, Attention
   e.partial_lse += main_rows;
   e.partial_max += main_rows;
 
-  launch_head_tile(*tp.main.head_tile, p, tp.main.ctas, tp.main.num_splits, stream);
+  launch_head_tile(*tp.main.head_tile, p, tp.main.ctas, tp.main.num_splits, stream, how);
   launch_head_tile(*tp.extra.head_tile, e, tp.extra.ctas, tp.extra.num_splits, stream);
   launch_combine(p, stream);
 }
@@ -391,7 +390,7 @@ AttentionPlan paged_mla_decode_plan(const PagedMlaDecodeArgs& a, AttentionChoice
                  static_cast<int>(a.q.size(2)), static_cast<int>(a.block_table.size(1) * a.kv_cache.size(1)), choice);
 }
 
-void sparse_mla(const SparseMlaArgs& a, AttentionChoice choice) {
+void sparse_mla(const SparseMlaArgs& a, AttentionChoice choice, AttentionLaunch how) {
   AttentionParams p{};
   fill_common(p, "sparse_mla", a.q, a.q.stride(0), 0, a.kv_cache, a.out, a.out.stride(0), 0, a.lse, a.lse.stride(0), 0,
               a.attn_sink, a.softmax_scale);
@@ -405,11 +404,11 @@ void sparse_mla(const SparseMlaArgs& a, AttentionChoice choice) {
     p.max_logits_stride_h = a.max_logits.stride(1);
   }
   if (has_extra_cache(a)) {
-    if (p.num_tokens > 0) sparse_mla_two_caches(p, a, choice);
+    if (p.num_tokens > 0) sparse_mla_two_caches(p, a, choice, how);
     return;
   }
   launch(p, format_of(a.kv_cache.dtype), rope_of(a.q), false, p.topk, a.workspace, "sparse_mla",
-         static_cast<cudaStream_t>(a.stream), choice);
+         static_cast<cudaStream_t>(a.stream), choice, how);
 }
 
 size_t sparse_mla_workspace_size(const SparseMlaArgs& a) {

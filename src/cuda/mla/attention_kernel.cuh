@@ -14,6 +14,7 @@
 
 #include <cfloat>
 
+#include "cuda/common/griddep.cuh"
 #include "cuda/common/mma.cuh"
 #include "cuda/mla/params.h"
 #include "smla/types.h"
@@ -250,13 +251,27 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const AttentionPara
   const int split = blockIdx.y;
   const int b = t / p.s_q, j = t % p.s_q;
 
-  const ChunkRange range = chunk_range<kPaged>(p, t, b, j, split, kKeysPerChunk);
-  const int visible = range.visible, chunk_begin = range.begin, n_chunks = range.count;
-
+  // The queries' loads first, each thread all its pieces before storing any (one memory round trip, which bounds
+  // the latency of few-chunk splits), issued before the wait below; they are converted after the gather starts.
+  const uint16_t* q = p.q + b * p.q_stride_b + j * p.q_stride_s + h0 * p.q_stride_h;
+  constexpr int kQPerThread = (kHeadsPerCta * kPieces + kThreads - 1) / kThreads;
+  uint4 q_raw[kQPerThread];
+#pragma unroll
+  for (int r = 0; r < kQPerThread; ++r) {
+    const int i = tid + r * kThreads, row = i / kPieces;
+    q_raw[r] = i < kHeadsPerCta * kPieces && row < nh
+                   ? *reinterpret_cast<const uint4*>(q + row * p.q_stride_h + (i % kPieces) * 8)
+                   : make_uint4(0, 0, 0, 0);
+  }
   if (tid < kHeadsPerCta) {
     row_max[tid] = -INFINITY;
     row_sum[tid] = 0.f;
   }
+  // Everything from here reads what the kernel before may write (indices, cache) when dsa_decode_step launches
+  // this one as the top-k's programmatic dependent; without that launch the wait returns at once.
+  wait_for_prerequisites();
+  const ChunkRange range = chunk_range<kPaged>(p, t, b, j, split, kKeysPerChunk);
+  const int visible = range.visible, chunk_begin = range.begin, n_chunks = range.count;
 
   // Each thread gathers row tid / 4 of every chunk, its pieces tid % 4, + 4, ...
   const int my_row = tid / 4, my_part = tid % 4;
@@ -351,19 +366,8 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const AttentionPara
 
   // Queries, converted to the compute type, pass through shared memory (the
   // last key buffer, not yet in use) into registers; rows past the last head
-  // are zero. Each thread loads all its pieces before storing any: one memory
-  // round trip, not one per piece (it bounds the latency of few-chunk splits).
+  // are zero.
   T* sq = reinterpret_cast<T*>(smem + L.q);
-  const uint16_t* q = p.q + b * p.q_stride_b + j * p.q_stride_s + h0 * p.q_stride_h;
-  constexpr int kQPerThread = (kHeadsPerCta * kPieces + kThreads - 1) / kThreads;
-  uint4 q_raw[kQPerThread];
-#pragma unroll
-  for (int r = 0; r < kQPerThread; ++r) {
-    const int i = tid + r * kThreads, row = i / kPieces;
-    q_raw[r] = i < kHeadsPerCta * kPieces && row < nh
-                   ? *reinterpret_cast<const uint4*>(q + row * p.q_stride_h + (i % kPieces) * 8)
-                   : make_uint4(0, 0, 0, 0);
-  }
   auto convert = [&](uint32_t two) {
     return pack2<T>(bits_to_float(static_cast<uint16_t>(two), p.q_is_bf16),
                     bits_to_float(static_cast<uint16_t>(two >> 16), p.q_is_bf16));
@@ -396,6 +400,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const AttentionPara
   }
   cp_async_wait<0>();
   __syncthreads();  // row statistics final (also when this split had no chunks)
+  if (p.num_splits > 1) let_dependents_launch();  // the combine: placed while the partials are written
 
   const int g = lane / 4;
   const float ln2 = 0.6931471805599453f;
@@ -437,61 +442,92 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const AttentionPara
 }
 
 // Merges the splits of each (token, head): out = sum_s w_s * out_s with
-// w_s = 2^(lse_s - lse), lse = log2 sum_s 2^lse_s; applies the sink. The
-// weights go through shared memory first so the partial rows are then read
-// with independent loads (a loop of dependent ones cost ~0.7 us per split).
-constexpr int kMaxSplits = 1024;  // K <= 65536 keys -> <= 2048 chunks, >= 2 chunks per split
+// w_s = 2^(lse_s - lse), lse = log2 sum_s 2^lse_s; applies the sink.
+constexpr int kMaxSplits = 1024;  // the most the ops make: K <= 65536 keys, and at most 1024 splits of them
+// A row's 512 columns go to gridDim.y CTAs (1, 2, 4 or 8: combine_column_blocks); a CTA's threads are split into
+// groups that each cover its columns, one float4 per thread, and merge every groups-th split. A thread issues the
+// loads of kCombineBatch splits (partial row, lse, max) before using any, so at 8 splits per thread a row's whole
+// merge is one round trip to memory (32 splits one after another took ~0.7 us each); the groups' online-softmax
+// states then meet in shared memory.
+constexpr int kCombineBatch = 8, kMaxColumnBlocks = 8;
 
-__device__ __forceinline__ float block_reduce(float v, bool is_max, float* scratch) {
-  for (int off = 16; off > 0; off /= 2) {
-    const float o = __shfl_xor_sync(0xffffffffu, v, off);
-    v = is_max ? fmaxf(v, o) : v + o;
-  }
-  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = v;
-  __syncthreads();
-  v = scratch[0];
-  for (int w = 1; w < kThreads / 32; ++w) v = is_max ? fmaxf(v, scratch[w]) : v + scratch[w];
-  __syncthreads();
-  return v;
+// Column blocks per row for `rows` rows on `num_sms` SMs: spread the columns while the rows alone leave SMs idle.
+inline int combine_column_blocks(int64_t rows, int num_sms) {
+  int blocks = 1;
+  while (blocks < kMaxColumnBlocks && rows * blocks < num_sms) blocks *= 2;
+  return blocks;
 }
 
 // static: the small-heads kernel's file includes this header too. Launched
 // as a programmatic dependent of the attention kernel from SM90 on: its CTAs
 // start while the attention's last ones run and wait here for their results.
 static __global__ void __launch_bounds__(kThreads) combine_kernel(const AttentionParams p) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-  __shared__ float weight[kMaxSplits];
-  __shared__ float scratch[kThreads / 32];
+  wait_for_prerequisites();
+  constexpr int kMaxGroups = kMaxColumnBlocks;  // 512 / 8 columns = 16 float4s: 8 groups of 16 threads
+  __shared__ float4 group_acc[kThreads];
+  __shared__ float group_max[kMaxGroups], group_sum[kMaxGroups], group_logit[kMaxGroups];
   const int t = blockIdx.x / p.num_heads, h = blockIdx.x % p.num_heads;
   const int b = t / p.s_q, j = t % p.s_q;
   const int64_t stride = static_cast<int64_t>(p.num_tokens) * p.num_heads;
   const int64_t row = static_cast<int64_t>(t) * p.num_heads + h;
+  const int quads = kVDim / 4 / gridDim.y;  // float4 columns per CTA = threads per group
+  const int groups = kThreads / quads, group = threadIdx.x / quads;
+  const int col = blockIdx.y * quads * 4 + threadIdx.x % quads * 4;
 
-  float local_max = -INFINITY;
-  for (int s = threadIdx.x; s < p.num_splits; s += kThreads) {
-    weight[s] = p.partial_lse[s * stride + row];
-    local_max = fmaxf(local_max, weight[s]);
-  }
-  const float gmax = block_reduce(local_max, true, scratch);
-  float local_sum = 0.f;
-  for (int s = threadIdx.x; s < p.num_splits; s += kThreads) {
-    weight[s] = gmax == -INFINITY ? 0.f : exp2f(weight[s] - gmax);  // empty splits weigh 0
-    local_sum += weight[s];
-  }
-  const float wsum = block_reduce(local_sum, false, scratch);  // its barriers publish `weight`
-
-  const int col = threadIdx.x * 4;
+  // This thread's online softmax over splits group, group + groups, ...: max (m), sum of 2^(lse - m) (l), and the
+  // partial rows weighted alike (acc); `logit`: their largest score, for max_logits.
+  float m = -INFINITY, l = 0.f, logit = -INFINITY;
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 8
-  for (int s = 0; s < p.num_splits; ++s) {
-    const float w = weight[s];
-    const float4 v = *reinterpret_cast<const float4*>(p.partial_out + (s * stride + row) * kVDim + col);
-    acc.x += w * v.x;
-    acc.y += w * v.y;
-    acc.z += w * v.z;
-    acc.w += w * v.w;
+  for (int s0 = group; s0 < p.num_splits; s0 += kCombineBatch * groups) {
+    float lse[kCombineBatch], top[kCombineBatch];
+    float4 v[kCombineBatch];
+#pragma unroll
+    for (int i = 0; i < kCombineBatch; ++i) {
+      const int s = s0 + i * groups;
+      const bool in = s < p.num_splits;
+      lse[i] = in ? p.partial_lse[s * stride + row] : -INFINITY;
+      top[i] = in && p.max_logits ? p.partial_max[s * stride + row] : -INFINITY;
+      v[i] = in ? *reinterpret_cast<const float4*>(p.partial_out + (s * stride + row) * kVDim + col)
+                : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    float m_new = m;
+#pragma unroll
+    for (int i = 0; i < kCombineBatch; ++i) m_new = fmaxf(m_new, lse[i]);
+    const float base = m_new == -INFINITY ? 0.f : m_new;  // empty splits (lse -inf) weigh 0
+    const float alpha = exp2f(m - base);
+    l *= alpha;
+    acc = make_float4(acc.x * alpha, acc.y * alpha, acc.z * alpha, acc.w * alpha);
+#pragma unroll
+    for (int i = 0; i < kCombineBatch; ++i) {
+      const float w = exp2f(lse[i] - base);
+      l += w;
+      acc = make_float4(acc.x + w * v[i].x, acc.y + w * v[i].y, acc.z + w * v[i].z, acc.w + w * v[i].w);
+      logit = fmaxf(logit, top[i]);
+    }
+    m = m_new;
+  }
+  group_acc[threadIdx.x] = acc;
+  if (threadIdx.x % quads == 0) {  // a group's threads merged the same splits: the same m, l and logit
+    group_max[group] = m;
+    group_sum[group] = l;
+    group_logit[group] = logit;
+  }
+  __syncthreads();
+  if (threadIdx.x >= quads) return;
+
+  float gmax = -INFINITY, max_score = -INFINITY;
+  for (int g = 0; g < groups; ++g) {
+    gmax = fmaxf(gmax, group_max[g]);
+    max_score = fmaxf(max_score, group_logit[g]);
+  }
+  const float base = gmax == -INFINITY ? 0.f : gmax;
+  float wsum = 0.f;
+  acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int g = 0; g < groups; ++g) {
+    const float w = exp2f(group_max[g] - base);
+    const float4 a = group_acc[g * quads + threadIdx.x];
+    wsum += w * group_sum[g];
+    acc = make_float4(acc.x + w * a.x, acc.y + w * a.y, acc.z + w * a.z, acc.w + w * a.w);
   }
   const float ln2 = 0.6931471805599453f;
   const float lse2 = wsum > 0.f ? gmax + log2f(wsum) : -INFINITY;
@@ -503,13 +539,9 @@ static __global__ void __launch_bounds__(kThreads) combine_kernel(const Attentio
   const uint32_t hi = p.q_is_bf16 ? pack2<__nv_bfloat16>(acc.z * scale, acc.w * scale)
                                   : pack2<__half>(acc.z * scale, acc.w * scale);
   *reinterpret_cast<uint2*>(out) = make_uint2(lo, hi);
-  if (threadIdx.x == 0)
+  if (blockIdx.y == 0 && threadIdx.x == 0) {
     p.lse[b * p.lse_stride_b + j * p.lse_stride_s + h * p.lse_stride_h] = wsum > 0.f ? lse2 * ln2 : p.empty_lse;
-  if (p.max_logits) {  // the same for the whole block: its barriers are safe
-    float local = -INFINITY;
-    for (int s = threadIdx.x; s < p.num_splits; s += kThreads) local = fmaxf(local, p.partial_max[s * stride + row]);
-    const float max_score = block_reduce(local, true, scratch);
-    if (threadIdx.x == 0) p.max_logits[t * p.max_logits_stride_t + h * p.max_logits_stride_h] = max_score * ln2;
+    if (p.max_logits) p.max_logits[t * p.max_logits_stride_t + h * p.max_logits_stride_h] = max_score * ln2;
   }
 }
 

@@ -136,13 +136,13 @@ const SmallHeadsConfig& small_heads_config(CacheFormat f, int rope, bool paged, 
                                           std::to_string(current_device().max_smem_per_block));
 }
 
-void launch_small_heads(const AttentionParams& p, const SmallHeadsConfig& cfg, cudaStream_t stream) {
+void launch_small_heads(const AttentionParams& p, const SmallHeadsConfig& cfg, cudaStream_t stream, bool dependent) {
   const int head_blocks = (p.num_heads + cfg.heads_per_cta - 1) / cfg.heads_per_cta;
   const dim3 grid(static_cast<unsigned>(static_cast<int64_t>(p.num_tokens) * head_blocks), p.num_splits);
   int stages = cfg.stages;
   void* args[] = {const_cast<AttentionParams*>(&p), &stages};
-  check_launched(cudaLaunchKernel(cfg.fn, grid, dim3(cfg.threads), args, cfg.smem, stream),
-                 "smla MLA attention kernel (small heads)");
+  launch_kernel_args(cfg.fn, grid, dim3(cfg.threads), args, cfg.smem, stream, dependent,
+                     "smla MLA attention kernel (small heads)");
 }
 
 }  // namespace smla::cuda::mla::small

@@ -165,6 +165,10 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
   const int split = blockIdx.y;
   const int b = t / p.s_q, j = t % p.s_q;
 
+  // Everything from here reads what the kernel before may write (indices, cache) when dsa_decode_step launches
+  // this one as the top-k's programmatic dependent; without that launch the wait returns at once. Paged decode is
+  // never launched so (and its fp8 form spilled more with the wait).
+  if constexpr (!kPaged) wait_for_prerequisites();
   const ChunkRange range = chunk_range<kPaged>(p, t, b, j, split, kChunkKeys);
   const int visible = range.visible, chunk_begin = range.begin, n_chunks = range.count;
 
@@ -224,7 +228,9 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
   // value in [2^14, 2^15): exact in f16 down to 2^-24 of that value.
   // Entry e = (head group, k-step, lane) holds 4 values. Each thread loads
   // all its entries before using any: one memory round trip per CTA, not one
-  // per entry (a split of few chunks is otherwise mostly this prologue).
+  // per entry (a split of few chunks is otherwise mostly this prologue). Here,
+  // after the gather's first chunks are issued, not before the wait above:
+  // held across the gather's set-up they cost the split-dims kernels spills.
   const uint16_t* q = p.q + b * p.q_stride_b + j * p.q_stride_s;
   constexpr int kQEntries = kGroups * G::kQkSteps * 32;
   constexpr int kQPerThread = (kQEntries + kThreadsPerCta - 1) / kThreadsPerCta;
@@ -502,6 +508,7 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
     if (group_active) attend(smem + (i % stages) * G::kStageBytes);
   }
   cp_async_wait<0>();
+  if (p.num_splits > 1) let_dependents_launch();  // the combine: placed while the key slots merge
 
   // Merge the group's key slots: each warp scales its O^T to the group's max,
   // then a tree of adds through shared memory leaves the sum in merge slot 0

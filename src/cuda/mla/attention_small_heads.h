@@ -41,7 +41,8 @@ const SmallHeadsConfig* find_small_heads_config(CacheFormat f, int rope, bool pa
 const SmallHeadsConfig& small_heads_config(CacheFormat f, int rope, bool paged, int num_heads,
                                            SmallHeadsShape shape = {});
 
-// Launches one attention of `p` (its split fields filled) with `cfg` on `stream`.
-void launch_small_heads(const AttentionParams& p, const SmallHeadsConfig& cfg, cudaStream_t stream);
+// Launches one attention of `p` (its split fields filled) with `cfg` on `stream`; `dependent`: as the
+// programmatic dependent of the kernel before it (launch_kernel).
+void launch_small_heads(const AttentionParams& p, const SmallHeadsConfig& cfg, cudaStream_t stream, bool dependent);
 
 }  // namespace smla::cuda::mla::small
