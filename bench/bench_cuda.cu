@@ -786,8 +786,7 @@ int main(int argc, char** argv) {
         bench_sparse("decode (8 heads/CTA)", cache, t, 16, 2048, c, {AttentionKernel::small_heads, 0, 8, 0});
         bench_sparse("decode (16 heads/CTA)", cache, t, 16, 2048, c, {AttentionKernel::small_heads, 0, 16, 0});
       }
-      // One token's latency against the number of key splits (the op picks 32 for 2048 keys: 64 chunks of 32; 64
-      // is one chunk per split, attention.cu's kOneChunkSplitsInOneWave).
+      // One token's latency against the number of key splits (the op picks 64 for 2048 keys: one chunk of 32 each).
       for (int splits : {1, 4, 8, 16, 32, 64}) bench_sparse("1 token (splits)", cache, 1, 8, 2048, c, {{}, 0, 0, 0, splits});
       for (int h : {64, 128})
         for (int t : {64, 128}) bench_sparse("decode (compute)", cache, t, h, 2048, c);

@@ -170,19 +170,18 @@ const LaunchConfig& launch_config(const DeviceInfo& dev, CacheFormat f, int rope
   return *(mine[key] = &configs.emplace(key, best).first->second);
 }
 
-// How many ways to split each (token, head group)'s keys: the count whose CTAs
-// fill the GPU's resident slots in whole waves best (a last wave half full
-// leaves half the GPU idle: 384 CTAs on 264 slots ran at ~70%), the smallest
-// such count on ties (each split costs a partial row and a combine). Each
-// split keeps at least two chunks: on an H200, 33 one-chunk splits of the
-// small-heads kernel (fp8, 8 rope-free heads, top-k 2051, 32 tokens) took
-// 117 us, 2.4x the 576-wide heads' 49 us at four chunks a split (several waves).
-// Where one chunk per split still fits in one wave (one token: 64 splits of a 32-key chunk), whether to take it is
-// kOneChunkSplitsInOneWave, to be set from the H200's "1 token (splits)" rows of bench_cuda (64 against 32).
-constexpr bool kOneChunkSplitsInOneWave = false;
+// How many ways to split each (token, head group)'s keys. Keys of fewer than four chunks stay whole (a split of
+// fewer than two chunks costs its combine more than it saves). Where a split of one chunk each still fits in one
+// wave (one token: 64 splits of a 32-key chunk), that: latency is all there is (H200, one token of 8 heads, top-k
+// 2048: 64 one-chunk splits 10.0 us fp8 / 8.8 bf16, 32 two-chunk splits 12.8 / 10.4). Otherwise the count whose CTAs
+// fill the GPU's resident slots in whole waves best (a last wave half full leaves half the GPU idle: 384 CTAs on
+// 264 slots ran at ~70%), the smallest such count on ties (each split costs a partial row and a combine), each
+// split keeping at least two chunks: on an H200, 33 one-chunk splits of the small-heads kernel (fp8, 8 rope-free
+// heads, top-k 2051, 32 tokens: several waves) took 117 us, 2.4x the 576-wide heads' 49 us at four chunks a split.
 int choose_splits(int64_t ctas, int chunks, int64_t slots) {
-  if (kOneChunkSplitsInOneWave && ctas * chunks <= slots) return std::min(chunks, mla::kMaxSplits);
   const int most = std::max(1, std::min(chunks / 2, mla::kMaxSplits));
+  if (most == 1) return 1;
+  if (ctas * chunks <= slots) return std::min(chunks, mla::kMaxSplits);
   if (ctas * most <= slots) return most;  // one wave whatever the count: the loop's answer, without its divisions
   int best = 1;
   double best_fill = 0;
