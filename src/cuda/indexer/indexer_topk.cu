@@ -440,10 +440,7 @@ __device__ void place_by_position(At at, int want, int second, int third, int* o
 constexpr int kMinSlice = 16384;      // positions per slice CTA of a shared row, at least (unless forced)
 constexpr int kMinSharedRow = 32768;  // positions of a row a cluster shares, at least (unless forced)
 constexpr int kMinRankSlice = 4096;   // positions per rank of a cluster, at least
-// Whether the automatic split takes clusters past the portable 8 ranks where the device runs them (16 on Hopper,
-// non-portable): off until measured faster (issue 23). TopkSplit::cluster16 forces 16.
-constexpr bool kAutoNonPortableRanks = false;
-constexpr int kWideRanks = 16;  // TopkSplit::cluster16's
+constexpr int kWideRanks = 16;  // a non-portable cluster (Hopper): TopkSplit::cluster16's, and see plan_topk
 
 struct TopkParams {
   const float* scores;
@@ -883,7 +880,10 @@ TopkParams plan_topk(const IndexerTopkArgs& a, TopkSplit split) {
   // least kMinSharedRow positions by a cluster of up to one CTA per SM per token, at least kMinRankSlice positions
   // per rank (forced: at least 2 ranks, so tests reach the cluster path on short rows too), as many as run at once
   // (H200, one token: a 32K row 28.0 µs on 2 ranks, 24.4 on 8; an 8K row 12.8 on one CTA, 15.9 on 2), at most the
-  // portable 8 (kAutoNonPortableRanks: the device's most; cluster16: exactly 16, even in a second wave). Below SM90,
+  // portable 8; kWideRanks (16) where the device runs them, the row has 16 x kMinRankSlice positions and every
+  // token's cluster of 16 runs at once (H200, graph-timed: one token's 128K row 21.5 µs on 16 ranks, 23.5 on 8;
+  // eight tokens' clusters of 16 take two waves, 32.7 against 23.9; a 32K row 23.9 against 23.2). cluster16:
+  // exactly 16, even in a second wave. Below SM90,
   // slices (measured on an H200 before clusters: rows of 128K for 1-32 tokens 34-42 µs split against 57-58
   // unsplit, for 64 tokens 63 against 58; rows of 32K or less never faster split) of at least kMinSlice positions,
   // about two CTAs per SM in all.
@@ -899,10 +899,13 @@ TopkParams plan_topk(const IndexerTopkArgs& a, TopkSplit split) {
   const int portable_ranks = std::min(most_ranks, kPortableClusterRanks);
   if (split == TopkSplit::automatic) {
     if (clusters) {
-      const int ranks_cap = kAutoNonPortableRanks ? most_ranks : portable_ranks;
       p.ranks = capacity < kMinSharedRow ? 1
                                          : static_cast<int>(std::clamp<int64_t>(
-                                               std::min<int64_t>(sms / tokens, capacity / kMinRankSlice), 1, ranks_cap));
+                                               std::min<int64_t>(sms / tokens, capacity / kMinRankSlice), 1,
+                                               portable_ranks));
+      if (most_ranks >= kWideRanks && capacity / kMinRankSlice >= kWideRanks && sms / tokens >= kWideRanks &&
+          tokens <= max_active_clusters(kernel, kThreads, smem, kWideRanks))
+        p.ranks = kWideRanks;
       split = p.ranks > 1 ? TopkSplit::cluster : TopkSplit::one_cta;
     } else {
       split = capacity >= 65536 && 4 * tokens <= sms ? TopkSplit::slices : TopkSplit::one_cta;
