@@ -55,7 +55,7 @@ DeviceInfo query_device(int dev) {
   d.max_cluster_ranks = d.compute_capability >= 90 ? 16 : 1;  // the driver tells each kernel's (max_cluster_ranks)
   static const char* const emulate = std::getenv(kEmulateEnv);  // read once
   const ArchLimits native{d.compute_capability, d.max_smem_per_block, d.max_smem_per_sm, d.max_threads_per_sm,
-                          d.max_ctas_per_sm};
+                          d.max_ctas_per_sm, d.max_cluster_ranks};
   if (const std::optional<ArchLimits> e = emulated_arch(emulate, native)) {
     std::fprintf(stderr,
                  "smla: %s=%s: TEST MODE, not for serving: device %d (sm_%d) runs the launch decisions of sm_%d "

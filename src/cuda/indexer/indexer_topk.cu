@@ -894,8 +894,8 @@ TopkParams plan_topk(const IndexerTopkArgs& a, TopkSplit split) {
   if ((split == TopkSplit::cluster || split == TopkSplit::cluster16) && !clusters)
     fail(std::string("select_topk: TopkSplit::") + (split == TopkSplit::cluster ? "cluster" : "cluster16") +
          " needs thread block clusters (SM90 or newer); the device is sm_" + std::to_string(dev.compute_capability));
-  // The most ranks the device runs a cluster of this kernel with (Hopper: 16, 8 of them portable).
-  const int most_ranks = clusters ? max_cluster_ranks(kernel, kThreads, smem) : 1;
+  // The most ranks the device runs a cluster of this kernel with (Hopper: 16, 8 of them portable; 1 below SM90).
+  const int most_ranks = max_cluster_ranks(kernel, kThreads, smem);
   const int portable_ranks = std::min(most_ranks, kPortableClusterRanks);
   if (split == TopkSplit::automatic) {
     if (clusters) {
@@ -943,7 +943,6 @@ int64_t index_capacity(const IndexerTopkArgs& a) { return a.block_table.size(1) 
 int64_t score_row_stride(const IndexerTopkArgs& a) { return (index_capacity(a) + 3) / 4 * 4; }
 
 int topk_max_cluster_ranks(int k) {
-  if (current_device().compute_capability < 90) return 1;
   const void* kernel = topk_kernel_for(k);
   return max_cluster_ranks(kernel, kThreads, max_dynamic_smem(kernel));
 }

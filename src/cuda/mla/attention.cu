@@ -263,12 +263,12 @@ void set_partials(AttentionParams& p, float* ws) {
   p.partial_max = p.partial_lse + rows;
 }
 
+// `dependent`: as the programmatic dependent of the kernel before it (launch_kernel_args).
 void launch_head_tile(const LaunchConfig& config, const AttentionParams& p, int64_t ctas, int splits,
-                      cudaStream_t stream, AttentionLaunch how = AttentionLaunch::in_order) {
+                      cudaStream_t stream, bool dependent = false) {
   void* args[] = {const_cast<AttentionParams*>(&p)};
   launch_kernel_args(reinterpret_cast<const void*>(config.fn), dim3(static_cast<unsigned>(ctas), splits),
-                     dim3(mla::kThreads), args, config.smem, stream, how == AttentionLaunch::after_own_kernel,
-                     "smla MLA attention kernel");
+                     dim3(mla::kThreads), args, config.smem, stream, dependent, "smla MLA attention kernel");
 }
 
 void launch_combine(const AttentionParams& p, cudaStream_t stream) {
@@ -282,7 +282,7 @@ void launch_combine(const AttentionParams& p, cudaStream_t stream) {
 
 // `workspace`: the caller's (checked to hold partial_bytes) or absent.
 void launch(AttentionParams& p, CacheFormat f, int rope, bool paged, int num_keys, const TensorView& workspace,
-            const char* op, cudaStream_t stream, AttentionChoice choice, AttentionLaunch how = AttentionLaunch::in_order) {
+            const char* op, cudaStream_t stream, AttentionChoice choice, bool dependent = false) {
   if (p.num_tokens == 0) return;
   const Plan split = plan(f, rope, paged, p.num_tokens, p.num_heads, num_keys, choice);
   p.chunks_per_split = split.chunks_per_split;
@@ -294,9 +294,9 @@ void launch(AttentionParams& p, CacheFormat f, int rope, bool paged, int num_key
     set_partials(p, static_cast<float*>(workspace_or(workspace, own, stream, bytes, op)));
   }
   if (split.small)
-    mla::small::launch_small_heads(p, *split.small, stream, how == AttentionLaunch::after_own_kernel);
+    mla::small::launch_small_heads(p, *split.small, stream, dependent);
   else
-    launch_head_tile(*split.head_tile, p, split.ctas, p.num_splits, stream, how);
+    launch_head_tile(*split.head_tile, p, split.ctas, p.num_splits, stream, dependent);
   if (p.num_splits > 1) launch_combine(p, stream);
 }
 
@@ -341,7 +341,7 @@ TwoCachePlan two_cache_plan(const SparseMlaArgs& a, AttentionChoice choice) {
 bool has_extra_cache(const SparseMlaArgs& a) { return a.extra_indices.defined(); }
 
 // `p`: filled for the main cache by sparse_mla.
-void sparse_mla_two_caches(AttentionParams& p, const SparseMlaArgs& a, AttentionChoice choice, AttentionLaunch how) {
+void sparse_mla_two_caches(AttentionParams& p, const SparseMlaArgs& a, AttentionChoice choice, bool dependent) {
   const cudaStream_t stream = static_cast<cudaStream_t>(a.stream);
   const TwoCachePlan tp = two_cache_plan(a, choice);
   const size_t bytes = tp.partial_bytes(p.num_tokens, p.num_heads);
@@ -360,7 +360,7 @@ void sparse_mla_two_caches(AttentionParams& p, const SparseMlaArgs& a, Attention
   e.partial_lse += main_rows;
   e.partial_max += main_rows;
 
-  launch_head_tile(*tp.main.head_tile, p, tp.main.ctas, tp.main.num_splits, stream, how);
+  launch_head_tile(*tp.main.head_tile, p, tp.main.ctas, tp.main.num_splits, stream, dependent);
   launch_head_tile(*tp.extra.head_tile, e, tp.extra.ctas, tp.extra.num_splits, stream);
   launch_combine(p, stream);
 }
@@ -402,12 +402,13 @@ void sparse_mla(const SparseMlaArgs& a, AttentionChoice choice, AttentionLaunch 
     p.max_logits_stride_t = a.max_logits.stride(0);
     p.max_logits_stride_h = a.max_logits.stride(1);
   }
+  const bool dependent = how == AttentionLaunch::after_own_kernel;
   if (has_extra_cache(a)) {
-    if (p.num_tokens > 0) sparse_mla_two_caches(p, a, choice, how);
+    if (p.num_tokens > 0) sparse_mla_two_caches(p, a, choice, dependent);
     return;
   }
   launch(p, format_of(a.kv_cache.dtype), rope_of(a.q), false, p.topk, a.workspace, "sparse_mla",
-         static_cast<cudaStream_t>(a.stream), choice, how);
+         static_cast<cudaStream_t>(a.stream), choice, dependent);
 }
 
 size_t sparse_mla_workspace_size(const SparseMlaArgs& a) {

@@ -42,7 +42,7 @@ const SmallHeadsConfig& small_heads_config(CacheFormat f, int rope, bool paged, 
                                            SmallHeadsShape shape = {});
 
 // Launches one attention of `p` (its split fields filled) with `cfg` on `stream`; `dependent`: as the
-// programmatic dependent of the kernel before it (launch_kernel).
+// programmatic dependent of the kernel before it (launch_kernel_args).
 void launch_small_heads(const AttentionParams& p, const SmallHeadsConfig& cfg, cudaStream_t stream, bool dependent);
 
 }  // namespace smla::cuda::mla::small
