@@ -894,24 +894,30 @@ TEST(CudaTopk, UnsortedOnCraftedRows) {
   }
 }
 
-// sorted = false at decode batch sizes (1, 8 and 128 tokens) and contexts (8K, 32K, 128K), each path forced: rows of
-// distinct scores, of exact ties among few candidates, of four values (too many candidates: the select over the row)
-// and a short one, in turn.
-TEST(CudaTopk, UnsortedAtDecodeShapes) {
+// `tokens` rows of about `n` positions (61 fewer per token), in turn of distinct scores, of exact ties among few
+// candidates, of four values (too many candidates: the select over the row) and a short one.
+std::vector<CraftedRow> decode_shape_rows(int64_t n, int tokens) {
   const auto uniform = [](test::Rng& rng) { return static_cast<float>(rng() % 1000000007) / 1e9f; };
+  std::vector<CraftedRow> rows;
+  for (int t = 0; t < tokens; ++t) {
+    const int64_t len = n - 61 * t;
+    switch (t % 4) {
+      case 0: rows.push_back({"distinct", len, [uniform](int64_t, test::Rng& rng) { return uniform(rng); }}); break;
+      case 1: rows.push_back({"ties", len, [](int64_t, test::Rng& rng) { return static_cast<float>(rng() % 3000); }}); break;
+      case 2: rows.push_back({"four values", len, [](int64_t, test::Rng& rng) { return static_cast<float>(rng() % 4); }}); break;
+      default: rows.push_back({"short", 1500 + t, [uniform](int64_t, test::Rng& rng) { return uniform(rng); }});
+    }
+  }
+  return rows;
+}
+
+// sorted = false at decode batch sizes (1, 8 and 128 tokens) and contexts (8K, 32K, 128K), each path forced, on
+// decode_shape_rows.
+TEST(CudaTopk, UnsortedAtDecodeShapes) {
   for (int64_t n : {8192, 32768, 131072})
     for (int tokens : {1, 8, 128}) {
       SCOPED_TRACE("context " + std::to_string(n) + ", tokens " + std::to_string(tokens));
-      std::vector<CraftedRow> rows;
-      for (int t = 0; t < tokens; ++t) {
-        const int64_t len = n - 61 * t;
-        switch (t % 4) {
-          case 0: rows.push_back({"distinct", len, [uniform](int64_t, test::Rng& rng) { return uniform(rng); }}); break;
-          case 1: rows.push_back({"ties", len, [](int64_t, test::Rng& rng) { return static_cast<float>(rng() % 3000); }}); break;
-          case 2: rows.push_back({"four values", len, [](int64_t, test::Rng& rng) { return static_cast<float>(rng() % 4); }}); break;
-          default: rows.push_back({"short", 1500 + t, [uniform](int64_t, test::Rng& rng) { return uniform(rng); }});
-        }
-      }
+      const std::vector<CraftedRow> rows = decode_shape_rows(n, tokens);
       for (cuda::TopkSplit split : forced_splits()) check_crafted_rows(rows, 2048, 300 + tokens, split, true, false);
     }
 }
@@ -923,20 +929,10 @@ TEST(CudaTopk, UnsortedAtDecodeShapes) {
 TEST(CudaTopk, SixteenRanksAtDecodeShapes) {
   if (cuda::topk_max_cluster_ranks(2048) < 16)
     GTEST_SKIP() << "the device runs clusters of at most " << cuda::topk_max_cluster_ranks(2048) << " CTAs";
-  const auto uniform = [](test::Rng& rng) { return static_cast<float>(rng() % 1000000007) / 1e9f; };
   for (int64_t n : {32768, 131072})
     for (int tokens : {1, 8}) {
       SCOPED_TRACE("context " + std::to_string(n) + ", tokens " + std::to_string(tokens));
-      std::vector<CraftedRow> rows;
-      for (int t = 0; t < tokens; ++t) {
-        const int64_t len = n - 61 * t;
-        switch (t % 4) {
-          case 0: rows.push_back({"distinct", len, [uniform](int64_t, test::Rng& rng) { return uniform(rng); }}); break;
-          case 1: rows.push_back({"ties", len, [](int64_t, test::Rng& rng) { return static_cast<float>(rng() % 3000); }}); break;
-          case 2: rows.push_back({"four values", len, [](int64_t, test::Rng& rng) { return static_cast<float>(rng() % 4); }}); break;
-          default: rows.push_back({"short", 1500 + t, [uniform](int64_t, test::Rng& rng) { return uniform(rng); }});
-        }
-      }
+      const std::vector<CraftedRow> rows = decode_shape_rows(n, tokens);
       for (bool sorted : {true, false}) {
         check_crafted_rows(rows, 2048, 400 + tokens, cuda::TopkSplit::cluster16, true, sorted);
         check_crafted_rows(rows, 37, 410 + tokens, cuda::TopkSplit::cluster16, true, sorted);
