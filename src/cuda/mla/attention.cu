@@ -213,6 +213,7 @@ struct Plan {
   const mla::small::SmallHeadsConfig* small = nullptr;
   int chunks_per_split = 1, num_splits = 1;
   int64_t ctas = 0;  // per split
+  bool one_wave = false;  // every split's CTAs resident at once
   // Workspace bytes: split_partial_bytes, none for one split (it writes no partials).
   size_t partial_bytes(int64_t tokens, int heads) const {
     return num_splits > 1 ? split_partial_bytes(num_splits, tokens, heads) : 0;
@@ -240,6 +241,7 @@ Plan plan(CacheFormat f, int rope, bool paged, int64_t tokens, int heads, int nu
                                         : choose_splits(s.ctas, chunks, slots);
   s.chunks_per_split = (chunks + splits - 1) / splits;
   s.num_splits = (chunks + s.chunks_per_split - 1) / s.chunks_per_split;
+  s.one_wave = s.ctas * s.num_splits <= slots;
   return s;
 }
 
@@ -274,10 +276,13 @@ void launch_head_tile(const LaunchConfig& config, const AttentionParams& p, int6
 void launch_combine(const AttentionParams& p, cudaStream_t stream) {
   // From SM90 on the combine is a programmatic dependent launch: its launch overlaps the attention's tail.
   const int64_t rows = static_cast<int64_t>(p.num_tokens) * p.num_heads;
+  const int sms = current_device().num_sms, column_blocks = mla::combine_column_blocks(rows, sms);
+  const void* fn = rows * column_blocks <= int64_t{mla::kFewRowsCtasPerSm} * sms
+                       ? reinterpret_cast<const void*>(mla::combine_kernel<mla::kFewRowsBatch>)
+                       : reinterpret_cast<const void*>(mla::combine_kernel<mla::kManyRowsBatch>);
   void* args[] = {const_cast<AttentionParams*>(&p)};
-  launch_kernel_args(reinterpret_cast<const void*>(mla::combine_kernel),
-                     dim3(static_cast<unsigned>(rows), mla::combine_column_blocks(rows, current_device().num_sms)),
-                     dim3(mla::kThreads), args, 0, stream, true, "smla MLA combine kernel");
+  launch_kernel_args(fn, dim3(static_cast<unsigned>(rows), column_blocks), dim3(mla::kThreads), args, 0, stream, true,
+                     "smla MLA combine kernel");
 }
 
 // `workspace`: the caller's (checked to hold partial_bytes) or absent.
@@ -287,6 +292,7 @@ void launch(AttentionParams& p, CacheFormat f, int rope, bool paged, int num_key
   const Plan split = plan(f, rope, paged, p.num_tokens, p.num_heads, num_keys, choice);
   p.chunks_per_split = split.chunks_per_split;
   p.num_splits = split.num_splits;
+  p.early_combine = p.num_splits > 1 && split.one_wave;
   std::optional<DefaultWorkspace> own;
   if (p.num_splits > 1) {
     const size_t bytes = split.partial_bytes(p.num_tokens, p.num_heads);
@@ -355,6 +361,7 @@ void sparse_mla_two_caches(AttentionParams& p, const SparseMlaArgs& a, Attention
   set_cache(e, "sparse_mla", "extra_kv_cache", a.extra_kv_cache);
   set_slot_list(e, a.extra_indices, a.extra_topk_length);
   e.chunks_per_split = tp.extra.chunks_per_split;
+  e.early_combine = tp.extra.one_wave;  // the combine is the extra cache's kernel's dependent, not the main one's
   const int64_t main_rows = static_cast<int64_t>(tp.main.num_splits) * p.num_tokens * p.num_heads;
   e.partial_out += main_rows * mla::kVDim;
   e.partial_lse += main_rows;

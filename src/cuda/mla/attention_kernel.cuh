@@ -400,7 +400,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const AttentionPara
   }
   cp_async_wait<0>();
   __syncthreads();  // row statistics final (also when this split had no chunks)
-  if (p.num_splits > 1) let_dependents_launch();  // the combine: placed while the partials are written
+  if (p.early_combine) let_dependents_launch();  // the combine: placed while the partials are written
 
   const int g = lane / 4;
   const float ln2 = 0.6931471805599453f;
@@ -446,10 +446,15 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const AttentionPara
 constexpr int kMaxSplits = 1024;  // the most the ops make: K <= 65536 keys, and at most 1024 splits of them
 // A row's 512 columns go to gridDim.y CTAs (1, 2, 4 or 8: combine_column_blocks); a CTA's threads are split into
 // groups that each cover its columns, one float4 per thread, and merge every groups-th split. A thread issues the
-// loads of kCombineBatch splits (partial row, lse, max) before using any, so at 8 splits per thread a row's whole
-// merge is one round trip to memory (32 splits one after another took ~0.7 us each); the groups' online-softmax
-// states then meet in shared memory.
-constexpr int kCombineBatch = 8, kMaxColumnBlocks = 8;
+// loads of kBatch splits (partial row, lse, max) before using any, so at 8 splits per thread a row's whole merge is
+// one round trip to memory (32 splits one after another took ~0.7 us each); the groups' online-softmax states then
+// meet in shared memory. kBatch 8 takes 64 registers a thread, so an SM holds half the threads it could: rows too
+// many to be resident at once take kBatch 2 at 40 registers (H200, DeepSeek-V4 decode of 128 tokens x 64 heads over
+// two caches: 169.6 us with batches of 8, 157.2 with the earlier combine's one split at a time at 32 registers).
+constexpr int kMaxColumnBlocks = 8, kFewRowsBatch = 8, kManyRowsBatch = 2;
+// Resident CTAs an SM is asked to hold (registers: 64 | 40 a thread): the few rows' batches of 8 run while every
+// CTA is resident at once.
+constexpr int kFewRowsCtasPerSm = 8, kManyRowsCtasPerSm = 12;
 
 // Column blocks per row for `rows` rows on `num_sms` SMs: spread the columns while the rows alone leave SMs idle.
 inline int combine_column_blocks(int64_t rows, int num_sms) {
@@ -461,7 +466,9 @@ inline int combine_column_blocks(int64_t rows, int num_sms) {
 // static: the small-heads kernel's file includes this header too. Launched
 // as a programmatic dependent of the attention kernel from SM90 on: its CTAs
 // start while the attention's last ones run and wait here for their results.
-static __global__ void __launch_bounds__(kThreads) combine_kernel(const AttentionParams p) {
+template <int kBatch>
+static __global__ void __launch_bounds__(kThreads, kBatch == kManyRowsBatch ? kManyRowsCtasPerSm : kFewRowsCtasPerSm)
+    combine_kernel(const AttentionParams p) {
   wait_for_prerequisites();
   constexpr int kMaxGroups = kMaxColumnBlocks;  // 512 / 8 columns = 16 float4s: 8 groups of 16 threads
   __shared__ float4 group_acc[kThreads];
@@ -478,11 +485,11 @@ static __global__ void __launch_bounds__(kThreads) combine_kernel(const Attentio
   // partial rows weighted alike (acc); `logit`: their largest score, for max_logits.
   float m = -INFINITY, l = 0.f, logit = -INFINITY;
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  for (int s0 = group; s0 < p.num_splits; s0 += kCombineBatch * groups) {
-    float lse[kCombineBatch], top[kCombineBatch];
-    float4 v[kCombineBatch];
+  for (int s0 = group; s0 < p.num_splits; s0 += kBatch * groups) {
+    float lse[kBatch], top[kBatch];
+    float4 v[kBatch];
 #pragma unroll
-    for (int i = 0; i < kCombineBatch; ++i) {
+    for (int i = 0; i < kBatch; ++i) {
       const int s = s0 + i * groups;
       const bool in = s < p.num_splits;
       lse[i] = in ? p.partial_lse[s * stride + row] : -INFINITY;
@@ -492,13 +499,13 @@ static __global__ void __launch_bounds__(kThreads) combine_kernel(const Attentio
     }
     float m_new = m;
 #pragma unroll
-    for (int i = 0; i < kCombineBatch; ++i) m_new = fmaxf(m_new, lse[i]);
+    for (int i = 0; i < kBatch; ++i) m_new = fmaxf(m_new, lse[i]);
     const float base = m_new == -INFINITY ? 0.f : m_new;  // empty splits (lse -inf) weigh 0
     const float alpha = exp2f(m - base);
     l *= alpha;
     acc = make_float4(acc.x * alpha, acc.y * alpha, acc.z * alpha, acc.w * alpha);
 #pragma unroll
-    for (int i = 0; i < kCombineBatch; ++i) {
+    for (int i = 0; i < kBatch; ++i) {
       const float w = exp2f(lse[i] - base);
       l += w;
       acc = make_float4(acc.x + w * v[i].x, acc.y + w * v[i].y, acc.z + w * v[i].z, acc.w + w * v[i].w);
