@@ -887,7 +887,7 @@ int main(int argc, char** argv) {
       bench_topk(std::atoi(argv[2]), std::atoi(argv[3]));
       return 0;
     }
-    for (int context : {8192, 32768, 131072})
+    for (int context : {8192, 16384, 32768, 131072})
       for (int tokens : {1, 8, 16, 32, 64, 128}) bench_topk(tokens, context);
   }
   if (part.empty() || part == "step") {

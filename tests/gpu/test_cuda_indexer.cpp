@@ -922,6 +922,62 @@ TEST(CudaTopk, UnsortedAtDecodeShapes) {
     }
 }
 
+// Rows one CTA holds in registers (at most 16384 positions; indexer_topk.cu's HeldRow), at the lengths around its
+// pieces (a 16-byte piece per thread is 2048 positions) and limits: 1, 2047, 2048, 2049 (k more, equal, fewer than
+// the row), 4096, 8192, 16384 (the longest held) and 16385 (the row read twice from memory again, on the same rows),
+// each length with distinct scores, exact ties, four values, all equal, one fp16 bin, signs with zeros and -inf, and
+// a row a third as long (fewer visible than the table holds), sorted and unsorted, k 2048, 37 and 8192, with the fused
+// slots; NaN rows give valid positions. One CTA forced and as select_topk picks (one CTA for rows this short).
+TEST(CudaTopk, RowsHeldInRegisters) {
+  const auto uniform = [](test::Rng& rng) { return static_cast<float>(rng() % 1000000007) / 1e9f; };
+  const auto some_nan = [](int64_t i, test::Rng& rng) {
+    return i % 5 == 0 ? (i % 10 == 0 ? NAN : -NAN) : static_cast<float>(rng() % 1000) / 7.f;
+  };
+  for (int64_t n : {1, 2047, 2048, 2049, 4096, 8192, 16384, 16385}) {
+    SCOPED_TRACE("n " + std::to_string(n));
+    const std::vector<CraftedRow> rows = {
+        {"distinct", n, [uniform](int64_t, test::Rng& rng) { return uniform(rng); }},
+        {"exact ties", n, [](int64_t, test::Rng& rng) { return static_cast<float>(rng() % 3000); }},
+        {"four values", n, [](int64_t, test::Rng& rng) { return static_cast<float>(rng() % 4); }},
+        {"all equal", n, [](int64_t, test::Rng&) { return -1.5f; }},
+        {"one fp16 bin", n, [](int64_t, test::Rng& rng) { return 1.f + 1e-7f * static_cast<float>(rng() % 5000); }},
+        {"signs, zeros, -inf", n,
+         [uniform](int64_t i, test::Rng& rng) {
+           switch (i % 7) {
+             case 0: return 0.f;
+             case 1: return -0.f;
+             case 2: return -INFINITY;
+             default: {
+               const float mag = std::ldexp(uniform(rng) + 0.5f, static_cast<int>(rng() % 120) - 60);
+               return rng() % 2 ? mag : -mag;
+             }
+           }
+         }},
+        {"a third as long", n / 3 + 1, [uniform](int64_t, test::Rng& rng) { return uniform(rng); }},
+    };
+    const std::vector<CraftedRow> nan_rows = {
+        {"a fifth NaN", n, some_nan},
+        {"all NaN", n, [](int64_t, test::Rng&) { return NAN; }},
+        {"NaN and -inf", n, [](int64_t i, test::Rng&) { return i % 2 ? NAN : -INFINITY; }},
+    };
+    for (cuda::TopkSplit split : {cuda::TopkSplit::one_cta, cuda::TopkSplit::automatic})
+      for (bool sorted : {true, false}) {
+        check_crafted_rows(rows, 2048, 500, split, true, sorted);
+        check_crafted_rows(rows, 37, 501, split, true, sorted);
+        check_crafted_rows(rows, 8192, 502, split, true, sorted);
+        check_crafted_rows(nan_rows, 2048, 503, split, false, sorted);
+      }
+  }
+  // decode_shape_rows at 1 and 8 tokens of 8K and of 16K, sorted and unsorted.
+  for (int64_t n : {8192, 16384})
+    for (int tokens : {1, 8}) {
+      SCOPED_TRACE("context " + std::to_string(n) + ", tokens " + std::to_string(tokens));
+      const std::vector<CraftedRow> rows = decode_shape_rows(n, tokens);
+      for (cuda::TopkSplit split : {cuda::TopkSplit::one_cta, cuda::TopkSplit::automatic})
+        for (bool sorted : {true, false}) check_crafted_rows(rows, 2048, 510 + tokens, split, true, sorted);
+    }
+}
+
 // Clusters of 16 ranks forced (non-portable, Hopper), at the decode shapes issue 23 is about: 1 and 8 tokens of
 // rows of 32K (2048 positions per rank) and 128K, sorted and unsorted, with the fused slots; distinct scores, exact
 // ties, four values (the select over the row by rank 0) and a row so short most ranks have nothing (test_cuda_emulation

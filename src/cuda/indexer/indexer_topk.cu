@@ -13,6 +13,10 @@
 //      toward the lower position — the CPU backend's result; or, unsorted,
 //      a merge of the chosen (runs each in position order) puts them in
 //      position order.
+// A row of at most kHeldRow (16384) positions that one CTA has alone is read
+// from memory once, into registers (HeldRow): steps 1 and 2 take the scores
+// from there (the compaction by per-thread counts and one scan), not from two
+// passes over the row.
 // When the candidates do not fit in shared memory (many equal scores), the
 // exact radix select runs over the row itself instead (four more passes).
 // Long rows of tokens too few to fill the GPU with one CTA each share steps
@@ -49,6 +53,8 @@ constexpr int kCoarseBins = 4096;                // 12 bits of the fp16-rounded 
 constexpr int kFineCopies = 8, kFineBins = 257;  // 8-bit radix digits; 8 copies (thread % 8) cut same-address atomics
 constexpr int kRun = 16;                         // consecutive positions per thread per compaction chunk
 constexpr int kFewCopies = 2;                    // of a run's, read again rather than tested in registers
+constexpr int kHeldPieces = 8;                   // 16-byte pieces of a held row per thread
+constexpr int kHeldRow = 4 * kHeldPieces * kThreads;  // the longest row one CTA holds in registers (16384)
 static_assert(kFineCopies * kFineBins <= kCoarseBins, "the fine histograms reuse the coarse one's memory");
 
 using Scan = cub::BlockScan<int, kThreads>;
@@ -263,6 +269,95 @@ __device__ int2 compact_by_bin(const RowSource& src, const RowPlan& plan, Entry*
     return key >= lowest_above ? 1 : key >= lowest_in ? 2 : 0;
   };
   return compact(src, by_bin, first, second, second_limit, totals);
+}
+
+// A row of at most kHeldRow scores, read once into registers (one CTA per row): thread i holds the 16-byte pieces
+// i, i + kThreads, ... (piece g: positions 4 * (g * kThreads + i) .. + 3), so the loads are coalesced and a
+// position's order is that of (piece, thread, item). Every load is issued before any is used.
+struct HeldRow {
+  float4 piece[kHeldPieces];
+  int n;
+
+  __device__ __forceinline__ HeldRow(const float* row, int count) : n(count) {
+#pragma unroll
+    for (int g = 0; g < kHeldPieces; ++g) {
+      piece[g] = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (position(g, 0) < n) piece[g] = reinterpret_cast<const float4*>(row)[g * kThreads + threadIdx.x];
+    }
+  }
+  __device__ __forceinline__ static int position(int g, int c) { return 4 * (g * kThreads + threadIdx.x) + c; }
+  __device__ __forceinline__ float score(int g, int c) const {
+    const float4& v = piece[g];
+    return c == 0 ? v.x : c == 1 ? v.y : c == 2 ? v.z : v.w;
+  }
+  // Pieces any thread holds (the same for the whole CTA).
+  __device__ __forceinline__ int pieces() const { return (n + 4 * kThreads - 1) / (4 * kThreads); }
+};
+
+// The coarse histogram of a held row (hist zeroed).
+__device__ __forceinline__ void held_histogram(const HeldRow& r, int* hist) {
+#pragma unroll
+  for (int g = 0; g < kHeldPieces; ++g)
+#pragma unroll
+    for (int c = 0; c < 4; ++c)
+      if (HeldRow::position(g, c) < r.n) atomicAdd(&hist[coarse_bin(r.score(g, c))], 1);
+}
+
+// compact_by_bin for a held row, from the registers. A thread counts each piece's items of either class (16-bit
+// fields: class 1 low, class 2 high; a class's count over the CTA for one piece is at most 2048, over the row at
+// most kHeldRow); one scan over the warp's lanes and the warps' totals (through `totals`, kThreads / 32 rows of
+// kHeldPieces words) give each piece its places: those of the pieces before it, then those of the threads before it.
+// The caller synchronises before it reads the copies.
+__device__ void compact_held(const HeldRow& r, const RowPlan& plan, Entry* first, Entry* second,
+                             uint32_t (*totals)[kHeldPieces]) {
+  constexpr int kWarps = kThreads / 32;
+  const uint32_t lowest_in = static_cast<uint32_t>(plan.bin) << 4, lowest_above = lowest_in + 16;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, pieces = r.pieces();
+  uint32_t classes[kHeldPieces], counts[kHeldPieces], upto[kHeldPieces];  // classes: bit c class 1, 4 + c class 2
+#pragma unroll
+  for (int g = 0; g < kHeldPieces; ++g) {
+    classes[g] = 0;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const uint32_t key = half_key(r.score(g, c));
+      const bool valid = HeldRow::position(g, c) < r.n;
+      classes[g] |= static_cast<uint32_t>(valid && key >= lowest_above) << c |
+                    static_cast<uint32_t>(valid && key >= lowest_in && key < lowest_above) << (4 + c);
+    }
+    counts[g] = upto[g] = __popc(classes[g] & 0xfu) | __popc(classes[g] >> 4) << 16;
+  }
+#pragma unroll
+  for (int d = 1; d < 32; d *= 2)
+#pragma unroll
+    for (int g = 0; g < kHeldPieces; ++g) {
+      if (g >= pieces) break;  // the same for the whole CTA
+      const uint32_t v = __shfl_up_sync(0xffffffffu, upto[g], d);
+      if (lane >= d) upto[g] += v;
+    }
+  if (lane == 31)
+#pragma unroll
+    for (int g = 0; g < kHeldPieces; ++g) totals[warp][g] = upto[g];
+  __syncthreads();
+  uint32_t places = 0;  // of this piece's first item of either class: the pieces' before it, then the warps'
+#pragma unroll
+  for (int g = 0; g < kHeldPieces; ++g) {
+    if (g >= pieces) break;
+    uint32_t before = upto[g] - counts[g], total = 0;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const uint32_t t = totals[w][g];
+      total += t;
+      before += w < warp ? t : 0;
+    }
+    int at1 = (places + before) & 0xffffu, at2 = (places + before) >> 16;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const Entry e{order_key(r.score(g, c)), HeldRow::position(g, c)};
+      if ((classes[g] >> c) & 1) first[at1++] = e;
+      else if ((classes[g] >> (4 + c)) & 1) second[at2++] = e;
+    }
+    places += total;
+  }
 }
 
 // The bin of hist[0, bins) in which the want-th largest falls, counting from
@@ -565,7 +660,12 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
     key_range[0] = candidate_range[0] = 0xffffffffu;
     key_range[1] = candidate_range[1] = 0;
   }
+  // The coarse histogram zeroed while the scores kernel may still run (16-byte stores).
+  for (int i = threadIdx.x; i < kCoarseBins / 4; i += kThreads) reinterpret_cast<int4*>(hist)[i] = make_int4(0, 0, 0, 0);
   wait_for_prerequisites();  // launched as the scores kernel's dependent: every score written
+  // The attention, the step's next kernel, may launch now (its CTAs wait for this kernel's end): its launch
+  // overlaps this one.
+  let_dependents_launch();
 
   // Token t's row is shared by p.ranks CTAs (a cluster's when more than one),
   // rank r taking positions [r * len, (r + 1) * len) (maybe none).
@@ -586,14 +686,24 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
   const int64_t len = ((n + p.ranks - 1) / p.ranks + 3) / 4 * 4, first = min(n, rank * len);
   const RowSource whole{row, static_cast<int>(n)}, slice{row, static_cast<int>(min(n, first + len) - first),
                                                          static_cast<int>(first)};
+  // A row one CTA has alone and that fits in registers is read once, into them: steps 1 and 2 take it from there.
+  const bool held = p.ranks == 1 && p.slices == 0 && n <= kHeldRow;
 
   // 1. Coarse histogram: the bin of the want-th largest (the split path's plan has it).
   RowPlan plan;
   if (p.slices > 0) {
     plan = *reinterpret_cast<const RowPlan*>(p.plan(t));
-  } else {
-    for (int i = threadIdx.x; i < kCoarseBins; i += kThreads) hist[i] = 0;
+  } else if (held) {
+    const HeldRow scores(row, static_cast<int>(n));
+    __syncthreads();  // hist zeroed
+    held_histogram(scores, hist);
     __syncthreads();
+    plan = plan_from_histogram(hist, want, p.list_capacity, scan, result);
+    __syncthreads();  // hist (the compaction's warp totals) and result are reused below
+    if (plan.fits)  // 2., here while the scores are in registers
+      compact_held(scores, plan, list, list + plan.above, reinterpret_cast<uint32_t(*)[kHeldPieces]>(hist));
+  } else {
+    __syncthreads();  // hist zeroed
     for_each_score(row + slice.first, slice.count, [&](float v) { atomicAdd(&hist[coarse_bin(v)], 1); });
     const int* total = hist;
     if (p.ranks > 1) {
@@ -629,7 +739,7 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
       const Entry* listed_by_slices = p.lists + t * p.list_stride;
       for (int i = threadIdx.x; i < above; i += kThreads) list[i] = listed_by_slices[i];
       for (int i = threadIdx.x; i < in_bin; i += kThreads) candidates[i] = listed_by_slices[kMaxIndexerTopk + i];
-    } else {
+    } else if (!held) {  // (a held row's were compacted in step 1)
       // Every rank lists its slice at the same places (a slice has at most `above` selected).
       const int2 wrote = compact_by_bin(slice, plan, list, candidates, in_bin, totals);
       if (p.ranks > 1) {
