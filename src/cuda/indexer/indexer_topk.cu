@@ -306,14 +306,16 @@ __device__ __forceinline__ void held_histogram(const HeldRow& r, int* hist) {
 // compact_by_bin for a held row, from the registers. A thread counts each piece's items of either class (16-bit
 // fields: class 1 low, class 2 high; a class's count over the CTA for one piece is at most 2048, over the row at
 // most kHeldRow); one scan over the warp's lanes and the warps' totals (through `totals`, kThreads / 32 rows of
-// kHeldPieces words) give each piece its places: those of the pieces before it, then those of the threads before it.
-// The caller synchronises before it reads the copies.
+// kHeldPieces words; a warp's lanes sum them) give each piece its places: those of the pieces before it, then those
+// of the threads before it. The caller synchronises before it reads the copies.
 __device__ void compact_held(const HeldRow& r, const RowPlan& plan, Entry* first, Entry* second,
                              uint32_t (*totals)[kHeldPieces]) {
   constexpr int kWarps = kThreads / 32;
+  static_assert(kWarps <= 32, "a warp's lanes take the warps' totals");
   const uint32_t lowest_in = static_cast<uint32_t>(plan.bin) << 4, lowest_above = lowest_in + 16;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, pieces = r.pieces();
-  uint32_t classes[kHeldPieces], counts[kHeldPieces], upto[kHeldPieces];  // classes: bit c class 1, 4 + c class 2
+  uint32_t classes[kHeldPieces], upto[kHeldPieces];  // classes: bit c class 1, bit 4 + c class 2
+  const auto counts = [&](int g) { return __popc(classes[g] & 0xfu) | __popc(classes[g] >> 4) << 16; };
 #pragma unroll
   for (int g = 0; g < kHeldPieces; ++g) {
     classes[g] = 0;
@@ -324,7 +326,7 @@ __device__ void compact_held(const HeldRow& r, const RowPlan& plan, Entry* first
       classes[g] |= static_cast<uint32_t>(valid && key >= lowest_above) << c |
                     static_cast<uint32_t>(valid && key >= lowest_in && key < lowest_above) << (4 + c);
     }
-    counts[g] = upto[g] = __popc(classes[g] & 0xfu) | __popc(classes[g] >> 4) << 16;
+    upto[g] = counts(g);
   }
 #pragma unroll
   for (int d = 1; d < 32; d *= 2)
@@ -338,18 +340,14 @@ __device__ void compact_held(const HeldRow& r, const RowPlan& plan, Entry* first
 #pragma unroll
     for (int g = 0; g < kHeldPieces; ++g) totals[warp][g] = upto[g];
   __syncthreads();
-  uint32_t places = 0;  // of this piece's first item of either class: the pieces' before it, then the warps'
+  uint32_t places = 0;  // of the pieces before this one
 #pragma unroll
   for (int g = 0; g < kHeldPieces; ++g) {
     if (g >= pieces) break;
-    uint32_t before = upto[g] - counts[g], total = 0;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
-      const uint32_t t = totals[w][g];
-      total += t;
-      before += w < warp ? t : 0;
-    }
-    int at1 = (places + before) & 0xffffu, at2 = (places + before) >> 16;
+    const uint32_t t = lane < kWarps ? totals[lane][g] : 0;  // warp `lane`'s
+    const uint32_t total = __reduce_add_sync(0xffffffffu, t);
+    const uint32_t at = places + __reduce_add_sync(0xffffffffu, lane < warp ? t : 0) + upto[g] - counts(g);
+    int at1 = at & 0xffffu, at2 = at >> 16;
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       const Entry e{order_key(r.score(g, c)), HeldRow::position(g, c)};
