@@ -100,6 +100,12 @@ __device__ __forceinline__ uint32_t half_key(float v) {
 }
 __device__ __forceinline__ int coarse_bin(float v) { return static_cast<int>(half_key(v) >> 4); }
 
+// hist[0, kCoarseBins) = 0 (hist 16-byte aligned), by 16-byte stores.
+__device__ __forceinline__ void zero_bins(int* hist) {
+  int4* bins = reinterpret_cast<int4*>(hist);
+  for (int i = threadIdx.x; i < kCoarseBins / 4; i += kThreads) bins[i] = make_int4(0, 0, 0, 0);
+}
+
 // Calls f(value) for the row's n scores: each thread loads kBatch 16-byte
 // pieces (those the row has) before it uses the first (f's shared-memory
 // atomics would otherwise keep the next load from being issued: one load in
@@ -315,7 +321,7 @@ __device__ void compact_held(const HeldRow& r, const RowPlan& plan, Entry* first
   const uint32_t lowest_in = static_cast<uint32_t>(plan.bin) << 4, lowest_above = lowest_in + 16;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, pieces = r.pieces();
   uint32_t classes[kHeldPieces], upto[kHeldPieces];  // classes: bit c class 1, bit 4 + c class 2
-  const auto counts = [&](int g) { return __popc(classes[g] & 0xfu) | __popc(classes[g] >> 4) << 16; };
+  const auto counts = [](uint32_t bits) -> uint32_t { return __popc(bits & 0xfu) | __popc(bits >> 4) << 16; };
 #pragma unroll
   for (int g = 0; g < kHeldPieces; ++g) {
     classes[g] = 0;
@@ -326,7 +332,7 @@ __device__ void compact_held(const HeldRow& r, const RowPlan& plan, Entry* first
       classes[g] |= static_cast<uint32_t>(valid && key >= lowest_above) << c |
                     static_cast<uint32_t>(valid && key >= lowest_in && key < lowest_above) << (4 + c);
     }
-    upto[g] = counts(g);
+    upto[g] = counts(classes[g]);
   }
 #pragma unroll
   for (int d = 1; d < 32; d *= 2)
@@ -346,7 +352,7 @@ __device__ void compact_held(const HeldRow& r, const RowPlan& plan, Entry* first
     if (g >= pieces) break;
     const uint32_t t = lane < kWarps ? totals[lane][g] : 0;  // warp `lane`'s
     const uint32_t total = __reduce_add_sync(0xffffffffu, t);
-    const uint32_t at = places + __reduce_add_sync(0xffffffffu, lane < warp ? t : 0) + upto[g] - counts(g);
+    const uint32_t at = places + __reduce_add_sync(0xffffffffu, lane < warp ? t : 0) + upto[g] - counts(classes[g]);
     int at1 = at & 0xffffu, at2 = at >> 16;
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
@@ -434,7 +440,7 @@ __device__ bool place_by_counting(const uint32_t (&keys)[kSortItems], const int3
   constexpr int kPer = kCoarseBins / kThreads;
   static_assert(kPer == 8, "a thread's buckets are two 16-byte pieces");
   const int shift = max(0, bits - 12);  // (key - lowest) >> shift < 2^12
-  for (int b = threadIdx.x; b < kCoarseBins; b += kThreads) hist[b] = 0;
+  zero_bins(hist);
   if (threadIdx.x == 0) *largest = 0;
   __syncthreads();
   int bucket[kSortItems];
@@ -658,8 +664,8 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
     key_range[0] = candidate_range[0] = 0xffffffffu;
     key_range[1] = candidate_range[1] = 0;
   }
-  // The coarse histogram zeroed while the scores kernel may still run (16-byte stores).
-  for (int i = threadIdx.x; i < kCoarseBins / 4; i += kThreads) reinterpret_cast<int4*>(hist)[i] = make_int4(0, 0, 0, 0);
+  // The coarse histogram zeroed while the scores kernel may still run.
+  zero_bins(hist);
   wait_for_prerequisites();  // launched as the scores kernel's dependent: every score written
   // The attention, the step's next kernel, may launch now (its CTAs wait for this kernel's end): its launch
   // overlaps this one.
@@ -770,23 +776,29 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
     rest = candidates;
     if (need < in_bin && in_bin <= kThreads) {
       rest = candidates + in_bin;
+      // Each candidate is ranked by `share` neighbouring lanes (a power of 2 up to 32, as many as the CTA has
+      // threads for), each counting over every share-th candidate: one lane counting all, 59 candidates took
+      // ~1 µs, 175 ~2.5 µs (H200).
+      const int share = 1 << (31 - __clz(min(32, kThreads / in_bin)));
+      const int mine = threadIdx.x / share;
       Entry e{0, -1};
-      int rank = need;  // threads without a candidate: not chosen
-      if (threadIdx.x < in_bin) {
-        e = candidates[threadIdx.x];
-        rank = 0;
-#pragma unroll 8  // loads in flight together: one at a time, 59 candidates took ~1 µs, 175 ~2.5 µs (H200)
-        for (int m = 0; m < in_bin; ++m) {
+      int rank = 0;
+      if (mine < in_bin) {
+        e = candidates[mine];
+#pragma unroll 8  // loads in flight together
+        for (int m = threadIdx.x % share; m < in_bin; m += share) {
           const Entry other = candidates[m];
           rank += other.key > e.key || (other.key == e.key && other.pos < e.pos);
         }
       }
+      for (int o = share / 2; o > 0; o /= 2) rank += __shfl_xor_sync(0xffffffffu, rank, o);  // a share's lanes
+      const bool chosen = mine < in_bin && threadIdx.x % share == 0 && rank < need;
       if (p.sorted) {
-        if (rank < need) rest[rank] = e;
+        if (chosen) rest[rank] = e;
       } else {  // in the candidates' (position) order: each after the chosen before it
         int place;
-        Scan(scan).ExclusiveSum(static_cast<int>(rank < need), place);
-        if (rank < need) rest[place] = e;
+        Scan(scan).ExclusiveSum(static_cast<int>(chosen), place);
+        if (chosen) rest[place] = e;
       }
       __syncthreads();
     } else if (need < in_bin) {
