@@ -320,19 +320,22 @@ __device__ void compact_held(const HeldRow& r, const RowPlan& plan, Entry* first
   static_assert(kWarps <= 32, "a warp's lanes take the warps' totals");
   const uint32_t lowest_in = static_cast<uint32_t>(plan.bin) << 4, lowest_above = lowest_in + 16;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, pieces = r.pieces();
-  uint32_t classes[kHeldPieces], upto[kHeldPieces];  // classes: bit c class 1, bit 4 + c class 2
-  const auto counts = [](uint32_t bits) -> uint32_t { return __popc(bits & 0xfu) | __popc(bits >> 4) << 16; };
+  // Piece g's classes: bits 8g + c, class 1; bits 8g + 4 + c, class 2 (packed: fewer registers).
+  static_assert(kHeldPieces <= 8, "a piece's classes take a byte of one 64-bit word");
+  uint64_t classes = 0;
+  uint32_t upto[kHeldPieces];
+  const auto bits = [&](int g) { return static_cast<uint32_t>(classes >> (8 * g)) & 0xffu; };
+  const auto counts = [&](int g) -> uint32_t { return __popc(bits(g) & 0xfu) | __popc(bits(g) >> 4) << 16; };
 #pragma unroll
   for (int g = 0; g < kHeldPieces; ++g) {
-    classes[g] = 0;
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       const uint32_t key = half_key(r.score(g, c));
       const bool valid = HeldRow::position(g, c) < r.n;
-      classes[g] |= static_cast<uint32_t>(valid && key >= lowest_above) << c |
-                    static_cast<uint32_t>(valid && key >= lowest_in && key < lowest_above) << (4 + c);
+      classes |= static_cast<uint64_t>(valid && key >= lowest_above) << (8 * g + c) |
+                 static_cast<uint64_t>(valid && key >= lowest_in && key < lowest_above) << (8 * g + 4 + c);
     }
-    upto[g] = counts(classes[g]);
+    upto[g] = counts(g);
   }
 #pragma unroll
   for (int d = 1; d < 32; d *= 2)
@@ -352,13 +355,13 @@ __device__ void compact_held(const HeldRow& r, const RowPlan& plan, Entry* first
     if (g >= pieces) break;
     const uint32_t t = lane < kWarps ? totals[lane][g] : 0;  // warp `lane`'s
     const uint32_t total = __reduce_add_sync(0xffffffffu, t);
-    const uint32_t at = places + __reduce_add_sync(0xffffffffu, lane < warp ? t : 0) + upto[g] - counts(classes[g]);
+    const uint32_t at = places + __reduce_add_sync(0xffffffffu, lane < warp ? t : 0) + upto[g] - counts(g);
     int at1 = at & 0xffffu, at2 = at >> 16;
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       const Entry e{order_key(r.score(g, c)), HeldRow::position(g, c)};
-      if ((classes[g] >> c) & 1) first[at1++] = e;
-      else if ((classes[g] >> (4 + c)) & 1) second[at2++] = e;
+      if ((bits(g) >> c) & 1) first[at1++] = e;
+      else if ((bits(g) >> (4 + c)) & 1) second[at2++] = e;
     }
     places += total;
   }
@@ -425,18 +428,31 @@ __device__ void radix_select(ForEachKey for_each_key, int want, int* hist, Scan:
 
 constexpr int kMaxBucket = 64;  // the most entries in one bucket that place_by_counting takes
 
+// store(in_order) with in_order[j] = ordered[j * kThreads + threadIdx.x], -1 from want on.
+template <int kItems, class Store>
+__device__ __forceinline__ void store_striped(const int* ordered, int want, Store store) {
+  int32_t in_order[kItems];
+#pragma unroll
+  for (int j = 0; j < kItems; ++j) {
+    const int i = j * kThreads + threadIdx.x;
+    in_order[j] = i < want ? ordered[i] : -1;
+  }
+  store(in_order);
+}
+
 // Step 4 without radix passes, where that pays: the chosen entries (keys[j], positions[j] of blocked items i <
 // want) fall in kCoarseBins buckets by the top bits of their key less `lowest` (the lowest chosen; `bits`: the
 // width of the highest less it). A bucket's place is the count of chosen in higher buckets; an entry's, its
 // bucket's plus the count of its bucket's entries that go before it (a higher key, or the same key at a lower
-// position: the order of the stable sort). Calls write(place, position) for places 0 .. want - 1 in order (thread
-// i the places i, i + kThreads, ...: coalesced stores); returns false, having written nothing, when a bucket holds
-// more than kMaxBucket (many equal or close keys: the radix sort costs less then). Uses hist (16-byte aligned) and
-// scan, and in the free list memory `bucketed` (want entries) and `cursor` (kCoarseBins ints, then want more).
-template <int kSortItems, class Write>
+// position: the order of the stable sort). Calls store(in_order) with the positions in their places, striped
+// (thread i the places i, i + kThreads, ...: coalesced stores; -1 from want on); returns false, having stored
+// nothing, when a bucket holds more than kMaxBucket (many equal or close keys: the radix sort costs less then).
+// Uses hist (16-byte aligned) and scan, and in the free list memory `bucketed` (want entries) and `cursor`
+// (kCoarseBins ints, then want more).
+template <int kSortItems, class Store>
 __device__ bool place_by_counting(const uint32_t (&keys)[kSortItems], const int32_t (&positions)[kSortItems], int want,
                                   uint32_t lowest, int bits, int* hist, Scan::TempStorage& scan, int* largest,
-                                  Entry* bucketed, int* cursor, Write write) {
+                                  Entry* bucketed, int* cursor, Store store) {
   constexpr int kPer = kCoarseBins / kThreads;
   static_assert(kPer == 8, "a thread's buckets are two 16-byte pieces");
   const int shift = max(0, bits - 12);  // (key - lowest) >> shift < 2^12
@@ -494,17 +510,16 @@ __device__ bool place_by_counting(const uint32_t (&keys)[kSortItems], const int3
     ordered[place] = positions[j];
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < want; i += kThreads) write(i, ordered[i]);
+  store_striped<kSortItems>(ordered, want, store);
   return true;
 }
 
 // Step 4 for sorted = false. The chosen, at(0 .. want - 1), are three runs [0, second), [second, third), [third,
 // want), each in position order, no position twice: an entry's place among all in position order is its index in
 // its run plus, for each other run, how many entries there lie at lower positions (a binary search). The places go
-// through `ordered` (want ints, overwriting the runs once all are read) so that write(place, position) is called for
-// places 0 .. want - 1 in order (thread i the places i, i + kThreads, ...: coalesced stores).
-template <int kItems, class At, class Write>
-__device__ void place_by_position(At at, int want, int second, int third, int* ordered, Write write) {
+// through `ordered` (want ints, overwriting the runs once all are read) to store(in_order) as in place_by_counting.
+template <int kItems, class At, class Store>
+__device__ void place_by_position(At at, int want, int second, int third, int* ordered, Store store) {
   const int starts[4] = {0, second, third, want};
   int place[kItems], position[kItems];
 #pragma unroll
@@ -533,7 +548,7 @@ __device__ void place_by_position(At at, int want, int second, int third, int* o
   for (int j = 0; j < kItems; ++j)
     if (j * kThreads + threadIdx.x < want) ordered[place[j]] = position[j];
   __syncthreads();
-  for (int i = threadIdx.x; i < want; i += kThreads) write(i, ordered[i]);
+  store_striped<kItems>(ordered, want, store);
 }
 
 constexpr int kMinSlice = 16384;      // positions per slice CTA of a shared row, at least (unless forced)
@@ -848,15 +863,24 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
     second_run = want - remaining;
   }
 
+  // Stores the positions of ranks j * kThreads + threadIdx.x (every rank < p.k: k <= kSortItems * kThreads) and,
+  // fused, their slots: every block-table load issued before the first slot store (a store might alias the table).
   const int32_t request = p.rows.request(t);
-  const auto write = [&](int nth, int32_t position) {
-    out[nth] = position;
-    if (p.slots) slots[nth] = p.slot_map.slot(request, position);
+  const auto store = [&](const int32_t (&position)[kSortItems]) {
+#pragma unroll
+    for (int j = 0; j < kSortItems; ++j)
+      if (j * kThreads + threadIdx.x < p.k) out[j * kThreads + threadIdx.x] = position[j];
+    if (p.slots == nullptr) return;
+    int32_t slot[kSortItems];
+#pragma unroll
+    for (int j = 0; j < kSortItems; ++j) slot[j] = p.slot_map.slot(request, position[j]);
+#pragma unroll
+    for (int j = 0; j < kSortItems; ++j)
+      if (j * kThreads + threadIdx.x < p.k) slots[j * kThreads + threadIdx.x] = slot[j];
   };
   if (!p.sorted) {
     place_by_position<kSortItems>([&](int i) { return i < listed ? list[i] : rest[i - listed]; }, want, second_run,
-                                  third_run, reinterpret_cast<int*>(list), write);
-    for (int nth = want + threadIdx.x; nth < p.k; nth += kThreads) write(nth, -1);
+                                  third_run, reinterpret_cast<int*>(list), store);
     return;
   }
 
@@ -888,20 +912,17 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
   const int bits = max(1, 32 - __clz(static_cast<int>(key_range[1] - key_range[0])));
   if constexpr (kSortItems * kThreads <= 2048) {
     if (place_by_counting(keys, positions, want, key_range[0], bits, hist, scan, &largest_bucket, list,
-                          reinterpret_cast<int*>(list + kSortItems * kThreads), write)) {
-      for (int nth = want + threadIdx.x; nth < p.k; nth += kThreads) write(nth, -1);
+                          reinterpret_cast<int*>(list + kSortItems * kThreads), store))
       return;
-    }
   }
 #pragma unroll
   for (int j = 0; j < kSortItems; ++j) keys[j] = threadIdx.x * kSortItems + j < want ? keys[j] - key_range[0] : 0;
   Sort(*reinterpret_cast<typename Sort::TempStorage*>(smem_raw))
       .SortDescendingBlockedToStriped(keys, positions, 0, bits);
 #pragma unroll
-  for (int j = 0; j < kSortItems; ++j) {
-    const int nth = j * kThreads + threadIdx.x;
-    if (nth < p.k) write(nth, nth < want ? positions[j] : -1);
-  }
+  for (int j = 0; j < kSortItems; ++j)
+    if (j * kThreads + threadIdx.x >= want) positions[j] = -1;
+  store(positions);
 }
 
 // Where the split path's scratch goes: per token, the slice histograms, then the plans, then (16-byte aligned)
