@@ -679,21 +679,21 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
     key_range[0] = candidate_range[0] = 0xffffffffu;
     key_range[1] = candidate_range[1] = 0;
   }
-  // The coarse histogram zeroed while the scores kernel may still run.
-  zero_bins(hist);
-  wait_for_prerequisites();  // launched as the scores kernel's dependent: every score written
-  // The attention, the step's next kernel, may launch now (its CTAs wait for this kernel's end): its launch
-  // overlaps this one.
-  let_dependents_launch();
-
   // Token t's row is shared by p.ranks CTAs (a cluster's when more than one),
-  // rank r taking positions [r * len, (r + 1) * len) (maybe none).
+  // rank r taking positions [r * len, (r + 1) * len) (maybe none). Its length and request are read while the
+  // scores kernel may still run: they are not its output (it was launched once the stream's earlier work was done).
   const int t = blockIdx.x / p.ranks, rank = blockIdx.x % p.ranks;
   const float* row = p.scores + t * p.score_stride;
   const int64_t n = p.rows.visible(t);
   const int want = static_cast<int>(min(static_cast<int64_t>(p.k), n));
   int32_t* out = p.out + t * p.out_stride;
   int32_t* slots = p.slots + t * p.slots_stride;
+  // The coarse histogram zeroed while the scores kernel may still run.
+  zero_bins(hist);
+  wait_for_prerequisites();  // launched as the scores kernel's dependent: every score written
+  // The attention, the step's next kernel, may launch now (its CTAs wait for this kernel's end): its launch
+  // overlaps this one.
+  let_dependents_launch();
   if (want == 0) {
     if (rank == 0)
       for (int i = threadIdx.x; i < p.k; i += kThreads) {
