@@ -611,18 +611,22 @@ TEST(CudaIndexer, DsaDecodeStepReplaysInACudaGraph) {
 // 16-head-tile kernel, split, and the combine) and 16 tokens over fp8_ds_mla (the small-heads kernel, where the device holds it): the same
 // positions, slots, out and lse, bit for bit, eager and replayed from a CUDA graph. On SM90+ the automatic split
 // gives rows this long to a cluster's CTAs (plan_topk's rule); the test does not check that it did (select_topk
-// does not report its split), only that the step and its ops agree.
+// does not report its split), only that the step and its ops agree. Also 1 and 8 tokens of 8192 positions over
+// fp8_ds_mla (issue 23's shape: one CTA per row, the row held in registers).
 TEST(CudaIndexer, DsaDecodeStepEqualsItsOpsOnLongRows) {
-  for (auto [tokens, kv] : {std::pair{1, DType::bf16}, {8, DType::bf16}, {1, DType::fp8_ds_mla},
-                            {8, DType::fp8_ds_mla}, {16, DType::fp8_ds_mla}}) {
-    SCOPED_TRACE("tokens " + std::to_string(tokens) + " cache " + std::string(dtype_name(kv)));
+  for (auto [tokens, kv, blocks] :
+       {std::tuple{1, DType::bf16, 640}, {8, DType::bf16, 640}, {1, DType::fp8_ds_mla, 640},
+        {8, DType::fp8_ds_mla, 640}, {16, DType::fp8_ds_mla, 640}, {1, DType::fp8_ds_mla, 128},
+        {8, DType::fp8_ds_mla, 128}}) {
+    SCOPED_TRACE("tokens " + std::to_string(tokens) + " cache " + std::string(dtype_name(kv)) + " blocks " +
+                 std::to_string(blocks));
     IndexProblem pr = DsaStepCase::problem();
     pr.tokens = tokens;
     pr.k = 2048;
-    pr.max_blocks = 640;  // 40960 positions
+    pr.max_blocks = blocks;  // 640: 40960 positions; 128: 8192
     DsaStepCase c(pr, false, kv);
     std::vector<int32_t> context(tokens);
-    for (int t = 0; t < tokens; ++t) context[t] = pr.max_blocks * pr.block_size - 977 * t;  // long, each its own
+    for (int t = 0; t < tokens; ++t) context[t] = pr.max_blocks * pr.block_size - 61 * t;  // long, each its own
     CUDA_OK(cudaMemcpy(c.on->context.ptr, context.data(), context.size() * 4, cudaMemcpyHostToDevice));
 
     c.poison_outputs();
