@@ -611,18 +611,22 @@ TEST(CudaIndexer, DsaDecodeStepReplaysInACudaGraph) {
 // 16-head-tile kernel, split, and the combine) and 16 tokens over fp8_ds_mla (the small-heads kernel, where the device holds it): the same
 // positions, slots, out and lse, bit for bit, eager and replayed from a CUDA graph. On SM90+ the automatic split
 // gives rows this long to a cluster's CTAs (plan_topk's rule); the test does not check that it did (select_topk
-// does not report its split), only that the step and its ops agree.
+// does not report its split), only that the step and its ops agree. Also 1 and 8 tokens of 8192 positions over
+// fp8_ds_mla (issue 23's shape: one CTA per row, the row held in registers).
 TEST(CudaIndexer, DsaDecodeStepEqualsItsOpsOnLongRows) {
-  for (auto [tokens, kv] : {std::pair{1, DType::bf16}, {8, DType::bf16}, {1, DType::fp8_ds_mla},
-                            {8, DType::fp8_ds_mla}, {16, DType::fp8_ds_mla}}) {
-    SCOPED_TRACE("tokens " + std::to_string(tokens) + " cache " + std::string(dtype_name(kv)));
+  for (auto [tokens, kv, blocks] :
+       {std::tuple{1, DType::bf16, 640}, {8, DType::bf16, 640}, {1, DType::fp8_ds_mla, 640},
+        {8, DType::fp8_ds_mla, 640}, {16, DType::fp8_ds_mla, 640}, {1, DType::fp8_ds_mla, 128},
+        {8, DType::fp8_ds_mla, 128}}) {
+    SCOPED_TRACE("tokens " + std::to_string(tokens) + " cache " + std::string(dtype_name(kv)) + " blocks " +
+                 std::to_string(blocks));
     IndexProblem pr = DsaStepCase::problem();
     pr.tokens = tokens;
     pr.k = 2048;
-    pr.max_blocks = 640;  // 40960 positions
+    pr.max_blocks = blocks;  // 640: 40960 positions; 128: 8192
     DsaStepCase c(pr, false, kv);
     std::vector<int32_t> context(tokens);
-    for (int t = 0; t < tokens; ++t) context[t] = pr.max_blocks * pr.block_size - 977 * t;  // long, each its own
+    for (int t = 0; t < tokens; ++t) context[t] = pr.max_blocks * pr.block_size - 61 * t;  // long, each its own
     CUDA_OK(cudaMemcpy(c.on->context.ptr, context.data(), context.size() * 4, cudaMemcpyHostToDevice));
 
     c.poison_outputs();
@@ -919,6 +923,62 @@ TEST(CudaTopk, UnsortedAtDecodeShapes) {
       SCOPED_TRACE("context " + std::to_string(n) + ", tokens " + std::to_string(tokens));
       const std::vector<CraftedRow> rows = decode_shape_rows(n, tokens);
       for (cuda::TopkSplit split : forced_splits()) check_crafted_rows(rows, 2048, 300 + tokens, split, true, false);
+    }
+}
+
+// Rows one CTA holds in registers (at most 16384 positions; indexer_topk.cu's HeldRow), at the lengths around its
+// pieces (a 16-byte piece per thread is 2048 positions) and limits: 1, 2047, 2048, 2049 (k more, equal, fewer than
+// the row), 4096, 8192, 16384 (the longest held) and 16385 (the row read twice from memory again, on the same rows),
+// each length with distinct scores, exact ties, four values, all equal, one fp16 bin, signs with zeros and -inf, and
+// a row a third as long (fewer visible than the table holds), sorted and unsorted, k 2048, 37 and 8192, with the fused
+// slots; NaN rows give valid positions. One CTA forced and as select_topk picks (one CTA for rows this short).
+TEST(CudaTopk, RowsHeldInRegisters) {
+  const auto uniform = [](test::Rng& rng) { return static_cast<float>(rng() % 1000000007) / 1e9f; };
+  const auto some_nan = [](int64_t i, test::Rng& rng) {
+    return i % 5 == 0 ? (i % 10 == 0 ? NAN : -NAN) : static_cast<float>(rng() % 1000) / 7.f;
+  };
+  for (int64_t n : {1, 2047, 2048, 2049, 4096, 8192, 16384, 16385}) {
+    SCOPED_TRACE("n " + std::to_string(n));
+    const std::vector<CraftedRow> rows = {
+        {"distinct", n, [uniform](int64_t, test::Rng& rng) { return uniform(rng); }},
+        {"exact ties", n, [](int64_t, test::Rng& rng) { return static_cast<float>(rng() % 3000); }},
+        {"four values", n, [](int64_t, test::Rng& rng) { return static_cast<float>(rng() % 4); }},
+        {"all equal", n, [](int64_t, test::Rng&) { return -1.5f; }},
+        {"one fp16 bin", n, [](int64_t, test::Rng& rng) { return 1.f + 1e-7f * static_cast<float>(rng() % 5000); }},
+        {"signs, zeros, -inf", n,
+         [uniform](int64_t i, test::Rng& rng) {
+           switch (i % 7) {
+             case 0: return 0.f;
+             case 1: return -0.f;
+             case 2: return -INFINITY;
+             default: {
+               const float mag = std::ldexp(uniform(rng) + 0.5f, static_cast<int>(rng() % 120) - 60);
+               return rng() % 2 ? mag : -mag;
+             }
+           }
+         }},
+        {"a third as long", n / 3 + 1, [uniform](int64_t, test::Rng& rng) { return uniform(rng); }},
+    };
+    const std::vector<CraftedRow> nan_rows = {
+        {"a fifth NaN", n, some_nan},
+        {"all NaN", n, [](int64_t, test::Rng&) { return NAN; }},
+        {"NaN and -inf", n, [](int64_t i, test::Rng&) { return i % 2 ? NAN : -INFINITY; }},
+    };
+    for (cuda::TopkSplit split : {cuda::TopkSplit::one_cta, cuda::TopkSplit::automatic})
+      for (bool sorted : {true, false}) {
+        check_crafted_rows(rows, 2048, 500, split, true, sorted);
+        check_crafted_rows(rows, 37, 501, split, true, sorted);
+        check_crafted_rows(rows, 8192, 502, split, true, sorted);
+        check_crafted_rows(nan_rows, 2048, 503, split, false, sorted);
+      }
+  }
+  // decode_shape_rows at 1 and 8 tokens of 8K and of 16K, sorted and unsorted.
+  for (int64_t n : {8192, 16384})
+    for (int tokens : {1, 8}) {
+      SCOPED_TRACE("context " + std::to_string(n) + ", tokens " + std::to_string(tokens));
+      const std::vector<CraftedRow> rows = decode_shape_rows(n, tokens);
+      for (cuda::TopkSplit split : {cuda::TopkSplit::one_cta, cuda::TopkSplit::automatic})
+        for (bool sorted : {true, false}) check_crafted_rows(rows, 2048, 510 + tokens, split, true, sorted);
     }
 }
 

@@ -13,6 +13,10 @@
 //      toward the lower position — the CPU backend's result; or, unsorted,
 //      a merge of the chosen (runs each in position order) puts them in
 //      position order.
+// A row of at most kHeldRow (16384) positions that one CTA has alone is read
+// from memory once, into registers (HeldRow): steps 1 and 2 take the scores
+// from there (the compaction by per-thread counts and one scan), not from two
+// passes over the row.
 // When the candidates do not fit in shared memory (many equal scores), the
 // exact radix select runs over the row itself instead (four more passes).
 // Long rows of tokens too few to fill the GPU with one CTA each share steps
@@ -49,6 +53,8 @@ constexpr int kCoarseBins = 4096;                // 12 bits of the fp16-rounded 
 constexpr int kFineCopies = 8, kFineBins = 257;  // 8-bit radix digits; 8 copies (thread % 8) cut same-address atomics
 constexpr int kRun = 16;                         // consecutive positions per thread per compaction chunk
 constexpr int kFewCopies = 2;                    // of a run's, read again rather than tested in registers
+constexpr int kHeldPieces = 8;                   // 16-byte pieces of a held row per thread
+constexpr int kHeldRow = 4 * kHeldPieces * kThreads;  // the longest row one CTA holds in registers (16384)
 static_assert(kFineCopies * kFineBins <= kCoarseBins, "the fine histograms reuse the coarse one's memory");
 
 using Scan = cub::BlockScan<int, kThreads>;
@@ -93,6 +99,12 @@ __device__ __forceinline__ uint32_t half_key(float v) {
   return (u & 0x8000u) ? (~u & 0xffffu) : (u | 0x8000u);
 }
 __device__ __forceinline__ int coarse_bin(float v) { return static_cast<int>(half_key(v) >> 4); }
+
+// hist[0, kCoarseBins) = 0 (hist 16-byte aligned), by 16-byte stores.
+__device__ __forceinline__ void zero_bins(int* hist) {
+  int4* bins = reinterpret_cast<int4*>(hist);
+  for (int i = threadIdx.x; i < kCoarseBins / 4; i += kThreads) bins[i] = make_int4(0, 0, 0, 0);
+}
 
 // Calls f(value) for the row's n scores: each thread loads kBatch 16-byte
 // pieces (those the row has) before it uses the first (f's shared-memory
@@ -265,6 +277,96 @@ __device__ int2 compact_by_bin(const RowSource& src, const RowPlan& plan, Entry*
   return compact(src, by_bin, first, second, second_limit, totals);
 }
 
+// A row of at most kHeldRow scores, read once into registers (one CTA per row): thread i holds the 16-byte pieces
+// i, i + kThreads, ... (piece g: positions 4 * (g * kThreads + i) .. + 3), so the loads are coalesced and a
+// position's order is that of (piece, thread, item). Every load is issued before any is used.
+struct HeldRow {
+  float4 piece[kHeldPieces];
+  int n;
+
+  __device__ __forceinline__ HeldRow(const float* row, int count) : n(count) {
+#pragma unroll
+    for (int g = 0; g < kHeldPieces; ++g) {
+      piece[g] = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (position(g, 0) < n) piece[g] = reinterpret_cast<const float4*>(row)[g * kThreads + threadIdx.x];
+    }
+  }
+  __device__ __forceinline__ static int position(int g, int c) { return 4 * (g * kThreads + threadIdx.x) + c; }
+  __device__ __forceinline__ float score(int g, int c) const {
+    const float4& v = piece[g];
+    return c == 0 ? v.x : c == 1 ? v.y : c == 2 ? v.z : v.w;
+  }
+  // Pieces any thread holds (the same for the whole CTA).
+  __device__ __forceinline__ int pieces() const { return (n + 4 * kThreads - 1) / (4 * kThreads); }
+};
+
+// The coarse histogram of a held row (hist zeroed).
+__device__ __forceinline__ void held_histogram(const HeldRow& r, int* hist) {
+#pragma unroll
+  for (int g = 0; g < kHeldPieces; ++g)
+#pragma unroll
+    for (int c = 0; c < 4; ++c)
+      if (HeldRow::position(g, c) < r.n) atomicAdd(&hist[coarse_bin(r.score(g, c))], 1);
+}
+
+// compact_by_bin for a held row, from the registers. A thread counts each piece's items of either class (16-bit
+// fields: class 1 low, class 2 high; a class's count over the CTA for one piece is at most 2048, over the row at
+// most kHeldRow); one scan over the warp's lanes and the warps' totals (through `totals`, kThreads / 32 rows of
+// kHeldPieces words; a warp's lanes sum them) give each piece its places: those of the pieces before it, then those
+// of the threads before it. The caller synchronises before it reads the copies.
+__device__ void compact_held(const HeldRow& r, const RowPlan& plan, Entry* first, Entry* second,
+                             uint32_t (*totals)[kHeldPieces]) {
+  constexpr int kWarps = kThreads / 32;
+  static_assert(kWarps <= 32, "a warp's lanes take the warps' totals");
+  const uint32_t lowest_in = static_cast<uint32_t>(plan.bin) << 4, lowest_above = lowest_in + 16;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, pieces = r.pieces();
+  // Piece g's classes: bits 8g + c, class 1; bits 8g + 4 + c, class 2 (packed: fewer registers).
+  static_assert(kHeldPieces <= 8, "a piece's classes take a byte of one 64-bit word");
+  uint64_t classes = 0;
+  uint32_t upto[kHeldPieces];
+  const auto bits = [&](int g) { return static_cast<uint32_t>(classes >> (8 * g)) & 0xffu; };
+  const auto counts = [&](int g) -> uint32_t { return __popc(bits(g) & 0xfu) | __popc(bits(g) >> 4) << 16; };
+#pragma unroll
+  for (int g = 0; g < kHeldPieces; ++g) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const uint32_t key = half_key(r.score(g, c));
+      const bool valid = HeldRow::position(g, c) < r.n;
+      classes |= static_cast<uint64_t>(valid && key >= lowest_above) << (8 * g + c) |
+                 static_cast<uint64_t>(valid && key >= lowest_in && key < lowest_above) << (8 * g + 4 + c);
+    }
+    upto[g] = counts(g);
+  }
+#pragma unroll
+  for (int d = 1; d < 32; d *= 2)
+#pragma unroll
+    for (int g = 0; g < kHeldPieces; ++g) {
+      if (g >= pieces) break;  // the same for the whole CTA
+      const uint32_t v = __shfl_up_sync(0xffffffffu, upto[g], d);
+      if (lane >= d) upto[g] += v;
+    }
+  if (lane == 31)
+#pragma unroll
+    for (int g = 0; g < kHeldPieces; ++g) totals[warp][g] = upto[g];
+  __syncthreads();
+  uint32_t places = 0;  // of the pieces before this one
+#pragma unroll
+  for (int g = 0; g < kHeldPieces; ++g) {
+    if (g >= pieces) break;
+    const uint32_t t = lane < kWarps ? totals[lane][g] : 0;  // warp `lane`'s
+    const uint32_t total = __reduce_add_sync(0xffffffffu, t);
+    const uint32_t at = places + __reduce_add_sync(0xffffffffu, lane < warp ? t : 0) + upto[g] - counts(g);
+    int at1 = at & 0xffffu, at2 = at >> 16;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const Entry e{order_key(r.score(g, c)), HeldRow::position(g, c)};
+      if ((bits(g) >> c) & 1) first[at1++] = e;
+      else if ((bits(g) >> (4 + c)) & 1) second[at2++] = e;
+    }
+    places += total;
+  }
+}
+
 // The bin of hist[0, bins) in which the want-th largest falls, counting from
 // the top, and how many lie in the bins above it: result[0], result[1].
 __device__ void find_from_top(const int* hist, int bins, int want, Scan::TempStorage& scan, int* result) {
@@ -326,22 +428,35 @@ __device__ void radix_select(ForEachKey for_each_key, int want, int* hist, Scan:
 
 constexpr int kMaxBucket = 64;  // the most entries in one bucket that place_by_counting takes
 
+// store(in_order) with in_order[j] = ordered[j * kThreads + threadIdx.x], -1 from want on.
+template <int kItems, class Store>
+__device__ __forceinline__ void store_striped(const int* ordered, int want, Store store) {
+  int32_t in_order[kItems];
+#pragma unroll
+  for (int j = 0; j < kItems; ++j) {
+    const int i = j * kThreads + threadIdx.x;
+    in_order[j] = i < want ? ordered[i] : -1;
+  }
+  store(in_order);
+}
+
 // Step 4 without radix passes, where that pays: the chosen entries (keys[j], positions[j] of blocked items i <
 // want) fall in kCoarseBins buckets by the top bits of their key less `lowest` (the lowest chosen; `bits`: the
 // width of the highest less it). A bucket's place is the count of chosen in higher buckets; an entry's, its
 // bucket's plus the count of its bucket's entries that go before it (a higher key, or the same key at a lower
-// position: the order of the stable sort). Calls write(place, position) for places 0 .. want - 1 in order (thread
-// i the places i, i + kThreads, ...: coalesced stores); returns false, having written nothing, when a bucket holds
-// more than kMaxBucket (many equal or close keys: the radix sort costs less then). Uses hist (16-byte aligned) and
-// scan, and in the free list memory `bucketed` (want entries) and `cursor` (kCoarseBins ints, then want more).
-template <int kSortItems, class Write>
+// position: the order of the stable sort). Calls store(in_order) with the positions in their places, striped
+// (thread i the places i, i + kThreads, ...: coalesced stores; -1 from want on); returns false, having stored
+// nothing, when a bucket holds more than kMaxBucket (many equal or close keys: the radix sort costs less then).
+// Uses hist (16-byte aligned) and scan, and in the free list memory `bucketed` (want entries) and `cursor`
+// (kCoarseBins ints, then want more).
+template <int kSortItems, class Store>
 __device__ bool place_by_counting(const uint32_t (&keys)[kSortItems], const int32_t (&positions)[kSortItems], int want,
                                   uint32_t lowest, int bits, int* hist, Scan::TempStorage& scan, int* largest,
-                                  Entry* bucketed, int* cursor, Write write) {
+                                  Entry* bucketed, int* cursor, Store store) {
   constexpr int kPer = kCoarseBins / kThreads;
   static_assert(kPer == 8, "a thread's buckets are two 16-byte pieces");
   const int shift = max(0, bits - 12);  // (key - lowest) >> shift < 2^12
-  for (int b = threadIdx.x; b < kCoarseBins; b += kThreads) hist[b] = 0;
+  zero_bins(hist);
   if (threadIdx.x == 0) *largest = 0;
   __syncthreads();
   int bucket[kSortItems];
@@ -395,17 +510,16 @@ __device__ bool place_by_counting(const uint32_t (&keys)[kSortItems], const int3
     ordered[place] = positions[j];
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < want; i += kThreads) write(i, ordered[i]);
+  store_striped<kSortItems>(ordered, want, store);
   return true;
 }
 
 // Step 4 for sorted = false. The chosen, at(0 .. want - 1), are three runs [0, second), [second, third), [third,
 // want), each in position order, no position twice: an entry's place among all in position order is its index in
 // its run plus, for each other run, how many entries there lie at lower positions (a binary search). The places go
-// through `ordered` (want ints, overwriting the runs once all are read) so that write(place, position) is called for
-// places 0 .. want - 1 in order (thread i the places i, i + kThreads, ...: coalesced stores).
-template <int kItems, class At, class Write>
-__device__ void place_by_position(At at, int want, int second, int third, int* ordered, Write write) {
+// through `ordered` (want ints, overwriting the runs once all are read) to store(in_order) as in place_by_counting.
+template <int kItems, class At, class Store>
+__device__ void place_by_position(At at, int want, int second, int third, int* ordered, Store store) {
   const int starts[4] = {0, second, third, want};
   int place[kItems], position[kItems];
 #pragma unroll
@@ -434,7 +548,7 @@ __device__ void place_by_position(At at, int want, int second, int third, int* o
   for (int j = 0; j < kItems; ++j)
     if (j * kThreads + threadIdx.x < want) ordered[place[j]] = position[j];
   __syncthreads();
-  for (int i = threadIdx.x; i < want; i += kThreads) write(i, ordered[i]);
+  store_striped<kItems>(ordered, want, store);
 }
 
 constexpr int kMinSlice = 16384;      // positions per slice CTA of a shared row, at least (unless forced)
@@ -565,16 +679,21 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
     key_range[0] = candidate_range[0] = 0xffffffffu;
     key_range[1] = candidate_range[1] = 0;
   }
-  wait_for_prerequisites();  // launched as the scores kernel's dependent: every score written
-
   // Token t's row is shared by p.ranks CTAs (a cluster's when more than one),
-  // rank r taking positions [r * len, (r + 1) * len) (maybe none).
+  // rank r taking positions [r * len, (r + 1) * len) (maybe none). Its length and request are read while the
+  // scores kernel may still run: they are not its output (it was launched once the stream's earlier work was done).
   const int t = blockIdx.x / p.ranks, rank = blockIdx.x % p.ranks;
   const float* row = p.scores + t * p.score_stride;
   const int64_t n = p.rows.visible(t);
   const int want = static_cast<int>(min(static_cast<int64_t>(p.k), n));
   int32_t* out = p.out + t * p.out_stride;
   int32_t* slots = p.slots + t * p.slots_stride;
+  // The coarse histogram zeroed while the scores kernel may still run.
+  zero_bins(hist);
+  wait_for_prerequisites();  // launched as the scores kernel's dependent: every score written
+  // The attention, the step's next kernel, may launch now (its CTAs wait for this kernel's end): its launch
+  // overlaps this one.
+  let_dependents_launch();
   if (want == 0) {
     if (rank == 0)
       for (int i = threadIdx.x; i < p.k; i += kThreads) {
@@ -586,14 +705,24 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
   const int64_t len = ((n + p.ranks - 1) / p.ranks + 3) / 4 * 4, first = min(n, rank * len);
   const RowSource whole{row, static_cast<int>(n)}, slice{row, static_cast<int>(min(n, first + len) - first),
                                                          static_cast<int>(first)};
+  // A row one CTA has alone and that fits in registers is read once, into them: steps 1 and 2 take it from there.
+  const bool held = p.ranks == 1 && p.slices == 0 && n <= kHeldRow;
 
   // 1. Coarse histogram: the bin of the want-th largest (the split path's plan has it).
   RowPlan plan;
   if (p.slices > 0) {
     plan = *reinterpret_cast<const RowPlan*>(p.plan(t));
-  } else {
-    for (int i = threadIdx.x; i < kCoarseBins; i += kThreads) hist[i] = 0;
+  } else if (held) {
+    const HeldRow scores(row, static_cast<int>(n));
+    __syncthreads();  // hist zeroed
+    held_histogram(scores, hist);
     __syncthreads();
+    plan = plan_from_histogram(hist, want, p.list_capacity, scan, result);
+    __syncthreads();  // hist (the compaction's warp totals) and result are reused below
+    if (plan.fits)  // 2., here while the scores are in registers
+      compact_held(scores, plan, list, list + plan.above, reinterpret_cast<uint32_t(*)[kHeldPieces]>(hist));
+  } else {
+    __syncthreads();  // hist zeroed
     for_each_score(row + slice.first, slice.count, [&](float v) { atomicAdd(&hist[coarse_bin(v)], 1); });
     const int* total = hist;
     if (p.ranks > 1) {
@@ -629,7 +758,7 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
       const Entry* listed_by_slices = p.lists + t * p.list_stride;
       for (int i = threadIdx.x; i < above; i += kThreads) list[i] = listed_by_slices[i];
       for (int i = threadIdx.x; i < in_bin; i += kThreads) candidates[i] = listed_by_slices[kMaxIndexerTopk + i];
-    } else {
+    } else if (!held) {  // (a held row's were compacted in step 1)
       // Every rank lists its slice at the same places (a slice has at most `above` selected).
       const int2 wrote = compact_by_bin(slice, plan, list, candidates, in_bin, totals);
       if (p.ranks > 1) {
@@ -662,23 +791,29 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
     rest = candidates;
     if (need < in_bin && in_bin <= kThreads) {
       rest = candidates + in_bin;
+      // Each candidate is ranked by `share` neighbouring lanes (a power of 2 up to 32, as many as the CTA has
+      // threads for), each counting over every share-th candidate: one lane counting all, 59 candidates took
+      // ~1 µs, 175 ~2.5 µs (H200).
+      const int share = 1 << (31 - __clz(min(32, kThreads / in_bin)));
+      const int mine = threadIdx.x / share;
       Entry e{0, -1};
-      int rank = need;  // threads without a candidate: not chosen
-      if (threadIdx.x < in_bin) {
-        e = candidates[threadIdx.x];
-        rank = 0;
-#pragma unroll 8  // loads in flight together: one at a time, 59 candidates took ~1 µs, 175 ~2.5 µs (H200)
-        for (int m = 0; m < in_bin; ++m) {
+      int rank = 0;
+      if (mine < in_bin) {
+        e = candidates[mine];
+#pragma unroll 8  // loads in flight together
+        for (int m = threadIdx.x % share; m < in_bin; m += share) {
           const Entry other = candidates[m];
           rank += other.key > e.key || (other.key == e.key && other.pos < e.pos);
         }
       }
+      for (int o = share / 2; o > 0; o /= 2) rank += __shfl_xor_sync(0xffffffffu, rank, o);  // a share's lanes
+      const bool chosen = mine < in_bin && threadIdx.x % share == 0 && rank < need;
       if (p.sorted) {
-        if (rank < need) rest[rank] = e;
+        if (chosen) rest[rank] = e;
       } else {  // in the candidates' (position) order: each after the chosen before it
         int place;
-        Scan(scan).ExclusiveSum(static_cast<int>(rank < need), place);
-        if (rank < need) rest[place] = e;
+        Scan(scan).ExclusiveSum(static_cast<int>(chosen), place);
+        if (chosen) rest[place] = e;
       }
       __syncthreads();
     } else if (need < in_bin) {
@@ -728,15 +863,24 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
     second_run = want - remaining;
   }
 
+  // Stores the positions of ranks j * kThreads + threadIdx.x (every rank < p.k: k <= kSortItems * kThreads) and,
+  // fused, their slots: every block-table load issued before the first slot store (a store might alias the table).
   const int32_t request = p.rows.request(t);
-  const auto write = [&](int nth, int32_t position) {
-    out[nth] = position;
-    if (p.slots) slots[nth] = p.slot_map.slot(request, position);
+  const auto store = [&](const int32_t (&position)[kSortItems]) {
+#pragma unroll
+    for (int j = 0; j < kSortItems; ++j)
+      if (j * kThreads + threadIdx.x < p.k) out[j * kThreads + threadIdx.x] = position[j];
+    if (p.slots == nullptr) return;
+    int32_t slot[kSortItems];
+#pragma unroll
+    for (int j = 0; j < kSortItems; ++j) slot[j] = p.slot_map.slot(request, position[j]);
+#pragma unroll
+    for (int j = 0; j < kSortItems; ++j)
+      if (j * kThreads + threadIdx.x < p.k) slots[j * kThreads + threadIdx.x] = slot[j];
   };
   if (!p.sorted) {
     place_by_position<kSortItems>([&](int i) { return i < listed ? list[i] : rest[i - listed]; }, want, second_run,
-                                  third_run, reinterpret_cast<int*>(list), write);
-    for (int nth = want + threadIdx.x; nth < p.k; nth += kThreads) write(nth, -1);
+                                  third_run, reinterpret_cast<int*>(list), store);
     return;
   }
 
@@ -768,20 +912,17 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
   const int bits = max(1, 32 - __clz(static_cast<int>(key_range[1] - key_range[0])));
   if constexpr (kSortItems * kThreads <= 2048) {
     if (place_by_counting(keys, positions, want, key_range[0], bits, hist, scan, &largest_bucket, list,
-                          reinterpret_cast<int*>(list + kSortItems * kThreads), write)) {
-      for (int nth = want + threadIdx.x; nth < p.k; nth += kThreads) write(nth, -1);
+                          reinterpret_cast<int*>(list + kSortItems * kThreads), store))
       return;
-    }
   }
 #pragma unroll
   for (int j = 0; j < kSortItems; ++j) keys[j] = threadIdx.x * kSortItems + j < want ? keys[j] - key_range[0] : 0;
   Sort(*reinterpret_cast<typename Sort::TempStorage*>(smem_raw))
       .SortDescendingBlockedToStriped(keys, positions, 0, bits);
 #pragma unroll
-  for (int j = 0; j < kSortItems; ++j) {
-    const int nth = j * kThreads + threadIdx.x;
-    if (nth < p.k) write(nth, nth < want ? positions[j] : -1);
-  }
+  for (int j = 0; j < kSortItems; ++j)
+    if (j * kThreads + threadIdx.x >= want) positions[j] = -1;
+  store(positions);
 }
 
 // Where the split path's scratch goes: per token, the slice histograms, then the plans, then (16-byte aligned)
