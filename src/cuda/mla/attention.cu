@@ -12,6 +12,7 @@
 #include "cuda/kernels.h"
 #include "cuda/mla/attention_kernel.cuh"
 #include "cuda/mla/attention_small_heads.h"
+#include "cuda/mla/attention_wide.h"
 
 namespace smla::cuda {
 
@@ -205,12 +206,14 @@ size_t split_partial_bytes(int splits, int64_t tokens, int heads) {
 // Which kernel runs and how launch() splits the keys of `tokens` x `heads` query rows: a function of the args, the
 // choice and the device only, so workspace_size() knows the partials' size before the call. The small-heads kernel
 // serves fp8_ds_mla caches (576-wide heads, or either fp8_ds_mla form of rope-free 512-wide ones), up to 32 heads
-// from 16 query tokens on (64 rope-free; memory-bound decode), where the device fits it; the rest goes to the
-// 16-head-tile kernel, which on an H200 ran bf16 decode and fp8 decode of fewer tokens faster
-// (docs/performance.md), and which alone reads fp8_ds_mla_v4 caches.
+// from 16 query tokens on (64 rope-free; memory-bound decode), where the device fits it; from
+// mla::wide::kMinHeadsAutomatic heads on (compute-bound) the wide-tile kernel, where the device fits it; the rest
+// goes to the 16-head-tile kernel, which on an H200 ran bf16 decode and fp8 decode of fewer tokens faster
+// (docs/performance.md).
 struct Plan {
   const LaunchConfig* head_tile = nullptr;
   const mla::small::SmallHeadsConfig* small = nullptr;
+  const mla::wide::WideConfig* wide = nullptr;
   int chunks_per_split = 1, num_splits = 1;
   int64_t ctas = 0;  // per split
   // Workspace bytes: split_partial_bytes, none for one split (it writes no partials).
@@ -229,10 +232,16 @@ Plan plan(CacheFormat f, int rope, bool paged, int64_t tokens, int heads, int nu
              tokens >= (rope ? mla::small::kMinTokensAutomatic : mla::small::kMinTokensAutomaticNoRope)) {
     s.small = mla::small::find_small_heads_config(f, rope, paged, heads, shape);
   }
-  if (s.small == nullptr) s.head_tile = &launch_config(dev, f, rope, paged);
-  const int heads_per_cta = s.small ? s.small->heads_per_cta : mla::kHeadsPerCta;
+  if (choice.kernel == AttentionKernel::wide_tile)
+    s.wide = &mla::wide::wide_config(f, rope, paged);
+  else if (choice.kernel == AttentionKernel::automatic && s.small == nullptr && heads >= mla::wide::kMinHeadsAutomatic)
+    s.wide = mla::wide::find_wide_config(f, rope, paged);
+  if (s.small == nullptr && s.wide == nullptr) s.head_tile = &launch_config(dev, f, rope, paged);
+  const int heads_per_cta = s.small  ? s.small->heads_per_cta
+                            : s.wide ? mla::wide::kWideHeads
+                                     : mla::kHeadsPerCta;
   const int chunk_keys = s.small ? mla::small::kSmallChunkKeys : mla::kKeysPerChunk;
-  const int ctas_per_sm = s.small ? s.small->ctas_per_sm : s.head_tile->ctas_per_sm;
+  const int ctas_per_sm = s.small ? s.small->ctas_per_sm : s.wide ? s.wide->ctas_per_sm : s.head_tile->ctas_per_sm;
   s.ctas = tokens * ((heads + heads_per_cta - 1) / heads_per_cta);
   const int chunks = std::max(1, (num_keys + chunk_keys - 1) / chunk_keys);
   const int64_t slots = static_cast<int64_t>(dev.num_sms) * ctas_per_sm;
@@ -295,6 +304,8 @@ void launch(AttentionParams& p, CacheFormat f, int rope, bool paged, int num_key
   }
   if (split.small)
     mla::small::launch_small_heads(p, *split.small, stream, dependent);
+  else if (split.wide)
+    mla::wide::launch_wide(p, *split.wide, stream, dependent);
   else
     launch_head_tile(*split.head_tile, p, split.ctas, p.num_splits, stream, dependent);
   if (p.num_splits > 1) launch_combine(p, stream);
@@ -317,8 +328,10 @@ struct TwoCachePlan {
 
 TwoCachePlan two_cache_plan(CacheFormat f, int rope, int64_t tokens, int heads, int keys, int extra_keys,
                             AttentionChoice choice) {
-  if (choice.kernel == AttentionKernel::small_heads)
-    throw Error(ErrorKind::unsupported, "sparse_mla: the small-heads kernel does not attend a second cache");
+  if (choice.kernel == AttentionKernel::small_heads || choice.kernel == AttentionKernel::wide_tile)
+    throw Error(ErrorKind::unsupported, std::string("sparse_mla: the ") +
+                                            (choice.kernel == AttentionKernel::small_heads ? "small-heads" : "wide-tile") +
+                                            " kernel does not attend a second cache");
   choice.kernel = AttentionKernel::head_tile;
   auto one = [&](int num_keys) {
     Plan s = plan(f, rope, false, tokens, heads, num_keys, choice);
@@ -369,6 +382,7 @@ AttentionPlan plan_of(CacheFormat f, int rope, bool paged, int64_t tokens, int h
                       AttentionChoice choice) {
   const Plan s = plan(f, rope, paged, tokens, heads, num_keys, choice);
   if (s.small) return {AttentionKernel::small_heads, s.small->stages, s.small->smem, s.small->ctas_per_sm, s.num_splits};
+  if (s.wide) return {AttentionKernel::wide_tile, s.wide->stages, s.wide->smem, s.wide->ctas_per_sm, s.num_splits};
   return {AttentionKernel::head_tile, s.head_tile->stages, s.head_tile->smem, s.head_tile->ctas_per_sm, s.num_splits};
 }
 
