@@ -937,9 +937,10 @@ TEST(CudaSparseMlaWideTile, AutomaticChoiceAndRefusals) {
         EXPECT_LE(plan.smem, cuda::current_device().max_smem_per_block);
         EXPECT_EQ(plan.ctas_per_sm, 1);
       }
-      SparseMlaArgs two = a;
+      SparseMlaArgs two = a;  // a second cache is there when its indices are (data, never read by a plan)
+      int32_t never_read = 0;
       two.extra_kv_cache = a.kv_cache;
-      two.extra_indices = a.indices;
+      two.extra_indices = TensorView(&never_read, {4, 2048}, DType::i32, Device::cuda(0));
       test::expect_error([&] { cuda::sparse_mla_plan(two, {cuda::AttentionKernel::wide_tile}); },
                          ErrorKind::unsupported, {"wide-tile kernel", "second cache"});
     }
