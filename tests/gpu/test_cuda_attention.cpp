@@ -741,14 +741,6 @@ TEST(CudaBackend, RejectsMisalignedQueries) {
 // pad byte at the block's end; blocks padded as FlashMLA pads them) on the 16-head-tile kernel against the CPU
 // backend: unused slots, pad bytes and block padding NaN, V4's head counts, top-k 64/576/2048 and block sizes
 // 1/2/61/64/69/576, lengths that cut the lists, sinks, max_logits.
-// The kernel the ops pick by themselves for `heads` heads where the small-heads kernel does not serve: the
-// wide-tile kernel from its automatic rule's head count on where the device holds it, else the 16-head-tile one.
-cuda::AttentionKernel automatic_many_heads_kernel(int heads, cuda::mla::CacheFormat f, int rope, bool paged) {
-  return heads >= cuda::mla::wide::kMinHeadsAutomatic && cuda::mla::wide::find_wide_config(f, rope, paged) != nullptr
-             ? cuda::AttentionKernel::wide_tile
-             : cuda::AttentionKernel::head_tile;
-}
-
 Problem v4_problem(int heads, int topk, int block_size) {
   Problem p;
   p.rope = 0;
@@ -774,7 +766,7 @@ TEST(CudaSparseMlaV4, HeadsTopkBlockSizes) {
       p.block_pad = i % 5 == 0 ? 576 : 0;  // a block stride past FlashMLA's padding
       const std::optional<cuda::AttentionPlan> plan = run_sparse(p, seed++);
       ASSERT_TRUE(plan.has_value());
-      EXPECT_EQ(plan->kernel, automatic_many_heads_kernel(heads, cuda::mla::CacheFormat::fp8_ds_mla_v4, 0, false))
+      EXPECT_EQ(plan->kernel, automatic_many_heads_kernel(DType::fp8_ds_mla_v4, 0, false, heads))
           << "the small-heads kernel does not read fp8_ds_mla_v4";
     }
 }
@@ -917,9 +909,9 @@ TEST(CudaPagedDecodeWideTile, MatchesCpu) {
 }
 
 // The automatic choice names the wide-tile kernel from its rule's head count on where the device holds it (so the
-// tests of 64 and 128 heads above without a forced kernel run it too), never below, and never with a second
-// cache, which forced it refuses.
-TEST(CudaSparseMlaWideTile, AutomaticChoiceAndRefusals) {
+// tests of 64 and 128 heads without a forced kernel run it too, test_cuda_two_caches.cpp's among them), never
+// below; forced with a second cache it serves both caches.
+TEST(CudaSparseMlaWideTile, AutomaticChoiceAndSecondCache) {
   for (int heads : {16, 32, 64, 128})
     for (DType kv : {DType::bf16, DType::fp8_ds_mla}) {
       SCOPED_TRACE(std::string(dtype_name(kv)) + " heads " + std::to_string(heads));
@@ -928,21 +920,26 @@ TEST(CudaSparseMlaWideTile, AutomaticChoiceAndRefusals) {
       a.kv_cache = TensorView(nullptr, {64, 64, row_elems(kv, kMlaRopeDim)}, kv, Device::cuda(0));
       a.indices = TensorView(nullptr, {4, 2048}, DType::i32, Device::cuda(0));
       const cuda::AttentionPlan plan = cuda::sparse_mla_plan(a);
-      const auto format = kv == DType::bf16 ? cuda::mla::CacheFormat::bf16 : cuda::mla::CacheFormat::fp8_ds_mla;
-      if (heads >= cuda::mla::wide::kMinHeadsAutomatic)
-        EXPECT_EQ(plan.kernel, automatic_many_heads_kernel(heads, format, kMlaRopeDim, false));
-      else
-        EXPECT_NE(plan.kernel, cuda::AttentionKernel::wide_tile);
+      const bool many = heads >= cuda::mla::wide::kMinHeadsAutomatic;
+      if (many) EXPECT_EQ(plan.kernel, automatic_many_heads_kernel(kv, kMlaRopeDim, false, heads));
+      else EXPECT_NE(plan.kernel, cuda::AttentionKernel::wide_tile);
       if (plan.kernel == cuda::AttentionKernel::wide_tile) {
         EXPECT_LE(plan.smem, cuda::current_device().max_smem_per_block);
         EXPECT_EQ(plan.ctas_per_sm, 1);
       }
-      SparseMlaArgs two = a;  // a second cache is there when its indices are (data, never read by a plan)
+      // With a second cache (there when its indices are: data a plan never reads) the same rule, and the kernel
+      // forced where the device holds it; below the rule's head count never the small-heads kernel.
+      SparseMlaArgs two = a;
       int32_t never_read = 0;
       two.extra_kv_cache = a.kv_cache;
       two.extra_indices = TensorView(&never_read, {4, 2048}, DType::i32, Device::cuda(0));
-      test::expect_error([&] { cuda::sparse_mla_plan(two, {cuda::AttentionKernel::wide_tile}); },
-                         ErrorKind::unsupported, {"wide-tile kernel", "second cache"});
+      const cuda::AttentionPlan both = cuda::sparse_mla_plan(two);
+      EXPECT_EQ(both.kernel, many ? automatic_many_heads_kernel(kv, kMlaRopeDim, false, heads)
+                                  : cuda::AttentionKernel::head_tile);
+      EXPECT_GE(both.num_splits, 2);
+      if (automatic_many_heads_kernel(kv, kMlaRopeDim, false, cuda::mla::wide::kMinHeadsAutomatic) ==
+          cuda::AttentionKernel::wide_tile)
+        EXPECT_EQ(cuda::sparse_mla_plan(two, {cuda::AttentionKernel::wide_tile}).kernel, cuda::AttentionKernel::wide_tile);
     }
 }
 

@@ -289,6 +289,13 @@ void launch_combine(const AttentionParams& p, cudaStream_t stream) {
                      dim3(mla::kThreads), args, 0, stream, true, "smla MLA combine kernel");
 }
 
+// The attention kernel of `s` (the wide-tile or the 16-head-tile kernel) over `s.num_splits` splits of one cache's
+// keys: all of p's splits, or with sparse_mla's second cache those of one of the caches.
+void launch_one_cache(const Plan& s, const AttentionParams& p, cudaStream_t stream, bool dependent = false) {
+  if (s.wide) mla::wide::launch_wide(p, *s.wide, s.num_splits, stream, dependent);
+  else launch_head_tile(*s.head_tile, p, s.ctas, s.num_splits, stream, dependent);
+}
+
 // `workspace`: the caller's (checked to hold partial_bytes) or absent.
 void launch(AttentionParams& p, CacheFormat f, int rope, bool paged, int num_keys, const TensorView& workspace,
             const char* op, cudaStream_t stream, AttentionChoice choice, bool dependent = false) {
@@ -302,20 +309,16 @@ void launch(AttentionParams& p, CacheFormat f, int rope, bool paged, int num_key
     require_workspace(workspace, bytes, op);
     set_partials(p, static_cast<float*>(workspace_or(workspace, own, stream, bytes, op)));
   }
-  if (split.small)
-    mla::small::launch_small_heads(p, *split.small, stream, dependent);
-  else if (split.wide)
-    mla::wide::launch_wide(p, *split.wide, stream, dependent);
-  else
-    launch_head_tile(*split.head_tile, p, split.ctas, p.num_splits, stream, dependent);
+  if (split.small) mla::small::launch_small_heads(p, *split.small, stream, dependent);
+  else launch_one_cache(split, p, stream, dependent);
   if (p.num_splits > 1) launch_combine(p, stream);
 }
 
 // Sparse attention over two caches under one softmax (DeepSeek-V4's window cache and its compressed cache).
 // DeepSeek-V4's bf16 / f16 head is the 512-wide rope-free geometry exactly: its score is q.k over all 512 values
 // of the row (448 nope + 64 rope, which the score need not tell apart) and its value the whole row, so the kernels
-// serve it unchanged. Each cache's keys run as the splits of one launch of the head-tile kernel, the main cache's
-// splits first, then the extra cache's, all writing partial rows (out, lse, max) into one array that the combine
+// serve it unchanged. Each cache's keys run as the splits of one launch of the wide-tile or the 16-head-tile kernel
+// (as plan picks them, never the small-heads kernel: it reads one cache only), the main cache's splits first, then the extra cache's, all writing partial rows (out, lse, max) into one array that the combine
 // merges as one list of splits: the sink is applied once, and a row with no valid key in either cache gets out 0,
 // the empty lse and max_logits -inf, as with one cache. The kernel writes partials whenever num_splits > 1 (here
 // always, each cache having at least one split) at split blockIdx.y of its partial pointers, so the extra cache's
@@ -328,11 +331,11 @@ struct TwoCachePlan {
 
 TwoCachePlan two_cache_plan(CacheFormat f, int rope, int64_t tokens, int heads, int keys, int extra_keys,
                             AttentionChoice choice) {
-  if (choice.kernel == AttentionKernel::small_heads || choice.kernel == AttentionKernel::wide_tile)
-    throw Error(ErrorKind::unsupported, std::string("sparse_mla: the ") +
-                                            (choice.kernel == AttentionKernel::small_heads ? "small-heads" : "wide-tile") +
-                                            " kernel does not attend a second cache");
-  choice.kernel = AttentionKernel::head_tile;
+  if (choice.kernel == AttentionKernel::small_heads)
+    throw Error(ErrorKind::unsupported, "sparse_mla: the small-heads kernel does not attend a second cache");
+  // Below the wide-tile kernel's automatic head count plan's own choice may be the small-heads kernel.
+  if (choice.kernel == AttentionKernel::automatic && heads < mla::wide::kMinHeadsAutomatic)
+    choice.kernel = AttentionKernel::head_tile;
   auto one = [&](int num_keys) {
     Plan s = plan(f, rope, false, tokens, heads, num_keys, choice);
     if (s.num_splits > mla::kMaxSplits / 2) {  // the combine merges at most kMaxSplits: half for each cache
@@ -373,17 +376,22 @@ void sparse_mla_two_caches(AttentionParams& p, const SparseMlaArgs& a, Attention
   e.partial_lse += main_rows;
   e.partial_max += main_rows;
 
-  launch_head_tile(*tp.main.head_tile, p, tp.main.ctas, tp.main.num_splits, stream, dependent);
-  launch_head_tile(*tp.extra.head_tile, e, tp.extra.ctas, tp.extra.num_splits, stream);
+  launch_one_cache(tp.main, p, stream, dependent);
+  launch_one_cache(tp.extra, e, stream);
   launch_combine(p, stream);
+}
+
+// What `s` launches, over `num_splits` splits in all.
+AttentionPlan plan_of(const Plan& s, int num_splits) {
+  if (s.small) return {AttentionKernel::small_heads, s.small->stages, s.small->smem, s.small->ctas_per_sm, num_splits};
+  if (s.wide) return {AttentionKernel::wide_tile, s.wide->stages, s.wide->smem, s.wide->ctas_per_sm, num_splits};
+  return {AttentionKernel::head_tile, s.head_tile->stages, s.head_tile->smem, s.head_tile->ctas_per_sm, num_splits};
 }
 
 AttentionPlan plan_of(CacheFormat f, int rope, bool paged, int64_t tokens, int heads, int num_keys,
                       AttentionChoice choice) {
   const Plan s = plan(f, rope, paged, tokens, heads, num_keys, choice);
-  if (s.small) return {AttentionKernel::small_heads, s.small->stages, s.small->smem, s.small->ctas_per_sm, s.num_splits};
-  if (s.wide) return {AttentionKernel::wide_tile, s.wide->stages, s.wide->smem, s.wide->ctas_per_sm, s.num_splits};
-  return {AttentionKernel::head_tile, s.head_tile->stages, s.head_tile->smem, s.head_tile->ctas_per_sm, s.num_splits};
+  return plan_of(s, s.num_splits);
 }
 
 }  // namespace
@@ -391,8 +399,7 @@ AttentionPlan plan_of(CacheFormat f, int rope, bool paged, int64_t tokens, int h
 AttentionPlan sparse_mla_plan(const SparseMlaArgs& a, AttentionChoice choice) {
   if (has_extra_cache(a)) {
     const TwoCachePlan tp = two_cache_plan(a, choice);
-    const LaunchConfig& c = *tp.main.head_tile;
-    return {AttentionKernel::head_tile, c.stages, c.smem, c.ctas_per_sm, tp.num_splits()};
+    return plan_of(tp.main, tp.num_splits());
   }
   return plan_of(format_of(a.kv_cache.dtype), rope_of(a.q), false, a.q.size(0), static_cast<int>(a.q.size(1)),
                  static_cast<int>(a.indices.size(1)), choice);

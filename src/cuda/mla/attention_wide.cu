@@ -74,9 +74,9 @@ const WideConfig& wide_config(CacheFormat f, int rope, bool paged) {
                                           std::to_string(current_device().max_smem_per_block));
 }
 
-void launch_wide(const AttentionParams& p, const WideConfig& cfg, cudaStream_t stream, bool dependent) {
+void launch_wide(const AttentionParams& p, const WideConfig& cfg, int splits, cudaStream_t stream, bool dependent) {
   const int head_blocks = (p.num_heads + kWideHeads - 1) / kWideHeads;
-  const dim3 grid(static_cast<unsigned>(static_cast<int64_t>(p.num_tokens) * head_blocks), p.num_splits);
+  const dim3 grid(static_cast<unsigned>(static_cast<int64_t>(p.num_tokens) * head_blocks), splits);
   void* args[] = {const_cast<AttentionParams*>(&p)};
   launch_kernel_args(cfg.fn, grid, dim3(cfg.threads), args, cfg.smem, stream, dependent,
                      "smla MLA attention kernel (wide tile)");

@@ -25,8 +25,9 @@ const WideConfig* find_wide_config(CacheFormat f, int rope, bool paged);
 // The same, an error where the device cannot run it.
 const WideConfig& wide_config(CacheFormat f, int rope, bool paged);
 
-// Launches one attention of `p` (its split fields filled) with `cfg` on `stream`; `dependent`: as the
-// programmatic dependent of the kernel before it (launch_kernel_args).
-void launch_wide(const AttentionParams& p, const WideConfig& cfg, cudaStream_t stream, bool dependent);
+// Launches one attention of `p` (its split fields filled) with `cfg` over `splits` splits of its keys (p's, or
+// with sparse_mla's second cache one cache's share of them) on `stream`; `dependent`: as the programmatic
+// dependent of the kernel before it (launch_kernel_args).
+void launch_wide(const AttentionParams& p, const WideConfig& cfg, int splits, cudaStream_t stream, bool dependent);
 
 }  // namespace smla::cuda::mla::wide
