@@ -795,6 +795,7 @@ int main(int argc, char** argv) {
       for (int h : {64, 128})
         for (int t : {64, 128})
           for (AttentionChoice k : {AttentionChoice{}, head_tile, wide}) bench_sparse("decode (compute)", cache, t, h, 2048, c, k);
+      for (int stages : {2, 3}) bench_sparse("decode (wide depth)", cache, 128, 128, 2048, c, {AttentionKernel::wide_tile, stages});
       for (int h : {8, 16}) bench_sparse("prefill 32K", cache, 4096, h, 2048, c, {}, 32768);
       if (kv == smla::DType::bf16)
         for (int h : {64, 128})

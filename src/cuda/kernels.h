@@ -11,7 +11,8 @@ void write_mla_cache(const WriteMlaCacheArgs& args);
 // mla::wide::kMinHeadsAutomatic heads on where the device fits it, with sparse_mla's second cache too; else the
 // 16-head-tile kernel), or forced (tests, benchmarks). For the
 // small-heads kernel, values > 0 force its pipeline depth (`stages`, 2-4), heads per CTA (8 or 16) and at 8 heads
-// per CTA the split of the output dims between 1 or 2 warps (an error where the device cannot hold the result).
+// per CTA the split of the output dims between 1 or 2 warps (an error where the device cannot hold the result);
+// for the wide-tile kernel, `stages` > 0 forces its pipeline depth (2 or 3).
 // `splits` > 0 forces the number of splits of each row's keys (at most one per chunk of keys; 1: unsplit); a
 // caller's workspace too small for the forced plan is an error.
 enum class AttentionKernel { automatic, head_tile, small_heads, wide_tile };

@@ -837,10 +837,15 @@ TEST(CudaSparseMlaWideTile, HeadsFormatsTopk) {
         p.q_padded = n % 5 == 3;
         p.max_logits = n % 2 == 0;
         p.empty_lse_plus_inf = n % 7 == 4;
-        p.kernel = {cuda::AttentionKernel::wide_tile};
+        const int stages = std::array<int, 3>{0, 2, 3}[(n / 2) % 3];  // each depth, forced or picked, per format
+        p.kernel = {cuda::AttentionKernel::wide_tile, stages};
         ++n;
         const std::optional<cuda::AttentionPlan> plan = run_sparse(p, seed++);
-        if (plan) EXPECT_EQ(plan->kernel, cuda::AttentionKernel::wide_tile);
+        if (!plan) continue;  // beyond this device's shared memory (checked)
+        EXPECT_EQ(plan->kernel, cuda::AttentionKernel::wide_tile);
+        if (stages) EXPECT_EQ(plan->stages, stages);
+        else if (cuda::current_device().max_smem_per_block >= 227 * 1024)
+          EXPECT_EQ(plan->stages, 3) << "the deepest pipeline that fits (sm_90, sm_100: 227 KB per block)";
       }
   // A prefill-like batch (62 tokens) and top-k 4096 (128 chunks).
   for (DType kv : {DType::bf16, DType::fp8_ds_mla}) {
@@ -906,6 +911,16 @@ TEST(CudaPagedDecodeWideTile, MatchesCpu) {
   run_paged(DType::f16, DType::bf16, 3, 2, 128, 64, false, seed++, kMlaRopeDim, wide);
   run_paged(DType::bf16, DType::fp8_ds_mla, 2, 4, 64, 1, true, seed++, 0, wide);
   run_paged(DType::bf16, DType::fp8_ds_mla_v4, 2, 3, 64, 61, true, seed++, 0, wide);
+}
+
+// A forced depth out of range is an error naming the kernel.
+TEST(CudaSparseMlaWideTile, InvalidDepthIsAnError) {
+  for (int stages : {1, 4}) {
+    Problem p;
+    p.heads = 64;
+    p.kernel = {cuda::AttentionKernel::wide_tile, stages};
+    test::expect_error([&] { run_sparse(p, 2400); }, ErrorKind::invalid_argument, {"wide-tile kernel", "stages must be 2-3"});
+  }
 }
 
 // The automatic choice names the wide-tile kernel from its rule's head count on where the device holds it (so the

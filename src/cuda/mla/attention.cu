@@ -233,7 +233,7 @@ Plan plan(CacheFormat f, int rope, bool paged, int64_t tokens, int heads, int nu
     s.small = mla::small::find_small_heads_config(f, rope, paged, heads, shape);
   }
   if (choice.kernel == AttentionKernel::wide_tile)
-    s.wide = &mla::wide::wide_config(f, rope, paged);
+    s.wide = &mla::wide::wide_config(f, rope, paged, choice.stages);
   else if (choice.kernel == AttentionKernel::automatic && s.small == nullptr && heads >= mla::wide::kMinHeadsAutomatic)
     s.wide = mla::wide::find_wide_config(f, rope, paged);
   if (s.small == nullptr && s.wide == nullptr) s.head_tile = &launch_config(dev, f, rope, paged);

@@ -12,52 +12,62 @@ namespace smla::cuda::mla::wide {
 
 namespace {
 
-// Pipeline depth (mla::chunks_in_flight): 16-bit caches two key buffers (one chunk in flight), fp8 two staging
-// buffers (two chunks in flight); with the queries' 75 KB that is all ~190 KB of shared memory allows.
-constexpr int kStages = 2;
+// Pipeline depths compiled (mla::chunks_in_flight): 16-bit caches 2 or 3 key buffers (1 or 2 chunks in flight),
+// fp8 2 or 3 staging buffers (2 or 3 in flight). Beside the queries' 75 KB, 2 take 188 KB (bf16) / 193 KB (fp8),
+// 3 take 225 KB / 213 KB: sm_90 and sm_100 hold either, one CTA per SM.
+constexpr int kMinStages = 2, kMaxStages = 3;
 
 using Kernel = void (*)(AttentionParams);
 
-template <CacheFormat F>
-Kernel kernel_for(int rope, bool paged) {
-  if constexpr (F != CacheFormat::fp8_ds_mla_v4) {  // which holds 512-wide heads only (checked)
-    if (rope)
-      return paged ? wide_attention_kernel<F, kMlaRopeDim, true, kStages>
-                   : wide_attention_kernel<F, kMlaRopeDim, false, kStages>;
-  }
-  return paged ? wide_attention_kernel<F, 0, true, kStages> : wide_attention_kernel<F, 0, false, kStages>;
+template <CacheFormat F, int kRope, bool kPaged>
+Kernel kernel_for(int stages) {
+  return stages == 3 ? wide_attention_kernel<F, kRope, kPaged, 3> : wide_attention_kernel<F, kRope, kPaged, 2>;
 }
 
-Kernel select(CacheFormat f, int rope, bool paged) {
+template <CacheFormat F>
+Kernel kernel_for(int rope, bool paged, int stages) {
+  if constexpr (F != CacheFormat::fp8_ds_mla_v4) {  // which holds 512-wide heads only (checked)
+    if (rope) return paged ? kernel_for<F, kMlaRopeDim, true>(stages) : kernel_for<F, kMlaRopeDim, false>(stages);
+  }
+  return paged ? kernel_for<F, 0, true>(stages) : kernel_for<F, 0, false>(stages);
+}
+
+Kernel select(CacheFormat f, int rope, bool paged, int stages) {
   switch (f) {
-    case CacheFormat::bf16: return kernel_for<CacheFormat::bf16>(rope, paged);
-    case CacheFormat::f16: return kernel_for<CacheFormat::f16>(rope, paged);
-    case CacheFormat::fp8_ds_mla: return kernel_for<CacheFormat::fp8_ds_mla>(rope, paged);
-    case CacheFormat::fp8_ds_mla_v4: return kernel_for<CacheFormat::fp8_ds_mla_v4>(rope, paged);
+    case CacheFormat::bf16: return kernel_for<CacheFormat::bf16>(rope, paged, stages);
+    case CacheFormat::f16: return kernel_for<CacheFormat::f16>(rope, paged, stages);
+    case CacheFormat::fp8_ds_mla: return kernel_for<CacheFormat::fp8_ds_mla>(rope, paged, stages);
+    case CacheFormat::fp8_ds_mla_v4: return kernel_for<CacheFormat::fp8_ds_mla_v4>(rope, paged, stages);
   }
   return nullptr;
 }
 
 }  // namespace
 
-const WideConfig* find_wide_config(CacheFormat f, int rope, bool paged) {
-  using Key = std::tuple<int, CacheFormat, int, bool>;
+const WideConfig* find_wide_config(CacheFormat f, int rope, bool paged, int stages) {
+  if (stages != 0 && (stages < kMinStages || stages > kMaxStages))
+    throw Error(ErrorKind::invalid_argument, "MLA attention (wide-tile kernel): stages must be " +
+                                                 std::to_string(kMinStages) + "-" + std::to_string(kMaxStages) +
+                                                 " (0: as the kernel sees fit)");
+  using Key = std::tuple<int, CacheFormat, int, bool, int>;
   static std::mutex mu;
   static std::map<Key, WideConfig> configs;  // nodes never move
   thread_local std::map<Key, const WideConfig*> mine;  // no lock once seen
   const DeviceInfo& dev = current_device();
-  const Key key = std::make_tuple(dev.index, f, rope, paged);
+  const Key key = std::make_tuple(dev.index, f, rope, paged, stages);
   if (auto seen = mine.find(key); seen != mine.end()) return seen->second->fn != nullptr ? seen->second : nullptr;
   std::lock_guard<std::mutex> lock(mu);
   auto it = configs.find(key);
   if (it == configs.end()) {
-    WideConfig cfg;
-    const int bytes = WideLayout(f, kStages, rope).total;
-    if (bytes <= dev.max_smem_per_block) {
-      const Kernel fn = select(f, rope, paged);
+    WideConfig cfg;  // the deepest pipeline that fits (one CTA per SM whatever the depth), or the one forced
+    for (int s = kMinStages; s <= kMaxStages; ++s) {
+      if (stages != 0 && s != stages) continue;
+      const int bytes = WideLayout(f, s, rope).total;
+      if (bytes > dev.max_smem_per_block) continue;
+      const Kernel fn = select(f, rope, paged, s);
       allow_dynamic_smem(reinterpret_cast<const void*>(fn), bytes);
       const int ctas = resident_ctas_per_sm(reinterpret_cast<const void*>(fn), kWideThreads, bytes);
-      if (ctas > 0) cfg = {reinterpret_cast<const void*>(fn), kWideThreads, bytes, kStages, ctas};
+      if (ctas > 0) cfg = {reinterpret_cast<const void*>(fn), kWideThreads, bytes, s, ctas};
     }
     it = configs.emplace(key, cfg).first;
   }
@@ -65,11 +75,12 @@ const WideConfig* find_wide_config(CacheFormat f, int rope, bool paged) {
   return it->second.fn != nullptr ? &it->second : nullptr;
 }
 
-const WideConfig& wide_config(CacheFormat f, int rope, bool paged) {
-  if (const WideConfig* cfg = find_wide_config(f, rope, paged)) return *cfg;
+const WideConfig& wide_config(CacheFormat f, int rope, bool paged, int stages) {
+  if (const WideConfig* cfg = find_wide_config(f, rope, paged, stages)) return *cfg;
+  const int shallowest = stages != 0 ? stages : kMinStages;
   throw Error(ErrorKind::unsupported, "MLA attention (wide-tile kernel, " + std::to_string(kWideHeads) +
-                                          " heads per CTA) needs " +
-                                          std::to_string(WideLayout(f, kStages, rope).total) +
+                                          " heads per CTA, " + std::to_string(shallowest) + " stages) needs " +
+                                          std::to_string(WideLayout(f, shallowest, rope).total) +
                                           " bytes of shared memory per block; this device allows " +
                                           std::to_string(current_device().max_smem_per_block));
 }

@@ -19,11 +19,12 @@ struct WideConfig {
 };
 
 // The configuration for format `f`, rope width `rope` (64 or 0) and key source (paged or a slot list) on the
-// current device (cached per device): null where its shared memory cannot hold the kernel (it needs ~190 KB:
-// sm_90 and sm_100 do, sm_80's 163 KB and the 99 KB of sm_86/89/120 do not).
-const WideConfig* find_wide_config(CacheFormat f, int rope, bool paged);
+// current device (cached per device): the deepest pipeline that fits, or `stages` (2 or 3) when forced; null
+// where its shared memory cannot hold the kernel (it needs ~190 KB: sm_90 and sm_100 do, sm_80's 163 KB and the
+// 99 KB of sm_86/89/120 do not). A forced depth out of range is an error.
+const WideConfig* find_wide_config(CacheFormat f, int rope, bool paged, int stages = 0);
 // The same, an error where the device cannot run it.
-const WideConfig& wide_config(CacheFormat f, int rope, bool paged);
+const WideConfig& wide_config(CacheFormat f, int rope, bool paged, int stages = 0);
 
 // Launches one attention of `p` (its split fields filled) with `cfg` over `splits` splits of its keys (p's, or
 // with sparse_mla's second cache one cache's share of them) on `stream`; `dependent`: as the programmatic
