@@ -288,6 +288,7 @@ using smla::cuda::AttentionKernel;
 std::string kernel_name(AttentionChoice k) {
   std::string n = k.kernel == AttentionKernel::automatic   ? "auto"
                   : k.kernel == AttentionKernel::head_tile ? "head-tile"
+                  : k.kernel == AttentionKernel::wide_tile ? "wide"
                                                            : "small";
   if (k.stages > 0) n += "/s" + std::to_string(k.stages);
   if (k.heads_per_cta > 0) n += "/h" + std::to_string(k.heads_per_cta);
@@ -748,11 +749,13 @@ int main(int argc, char** argv) {
               "TFLOP/s\n\n",
               c.copy_gbs, c.gemm_tflops, c.mma_tflops);
   if (part == "sparse" && argc >= 6) {
-    // `bench_cuda sparse TOKENS HEADS TOPK bf16|fp8 [auto|small|head-tile] [STAGES [HEADS_PER_CTA [SPLIT_DIMS
+    // `bench_cuda sparse TOKENS HEADS TOPK bf16|fp8 [auto|small|head-tile|wide] [STAGES [HEADS_PER_CTA [SPLIT_DIMS
     // [SPLITS]]]]`: one sparse config (0: as the op picks).
     const std::string k = argc > 6 ? argv[6] : "auto";
-    const AttentionChoice kernel{k == "small" ? AttentionKernel::small_heads
-                                 : k == "head-tile" ? AttentionKernel::head_tile : AttentionKernel::automatic,
+    const AttentionChoice kernel{k == "small"       ? AttentionKernel::small_heads
+                                 : k == "head-tile" ? AttentionKernel::head_tile
+                                 : k == "wide"      ? AttentionKernel::wide_tile
+                                                    : AttentionKernel::automatic,
                                  argc > 7 ? std::atoi(argv[7]) : 0, argc > 8 ? std::atoi(argv[8]) : 0,
                                  argc > 9 ? std::atoi(argv[9]) : 0, argc > 10 ? std::atoi(argv[10]) : 0};
     Cache cache(std::string(argv[5]) == "fp8" ? smla::DType::fp8_ds_mla : smla::DType::bf16, int64_t{1} << 20);
@@ -764,7 +767,7 @@ int main(int argc, char** argv) {
     std::printf("%-22s %-13s %-10s %6s %5s %6s %10s %9s %8s %7s %s\n", "config", "cache", "kernel", "tokens", "heads",
                 "keys", "us", "TFLOP/s", "GB/s", "ceil%", "bound");
     const int64_t slots = int64_t{1} << 20;  // 1.2 GB of bf16 rows: gathers miss L2
-    const AttentionChoice head_tile{AttentionKernel::head_tile, 0};
+    const AttentionChoice head_tile{AttentionKernel::head_tile, 0}, wide{AttentionKernel::wide_tile, 0};
     for (smla::DType kv : {smla::DType::bf16, smla::DType::fp8_ds_mla}) {
       if (!all_attention) break;
       Cache cache(kv, slots);
@@ -788,13 +791,19 @@ int main(int argc, char** argv) {
       }
       // One token's latency against the number of key splits (the op picks 64 for 2048 keys: one chunk of 32 each).
       for (int splits : {1, 4, 8, 16, 32, 64}) bench_sparse("1 token (splits)", cache, 1, 8, 2048, c, {{}, 0, 0, 0, splits});
+      // The compute-bound rows (issue 19) as the op picks, then on the 16-head-tile and the wide-tile kernel forced.
       for (int h : {64, 128})
-        for (int t : {64, 128}) bench_sparse("decode (compute)", cache, t, h, 2048, c);
+        for (int t : {64, 128})
+          for (AttentionChoice k : {AttentionChoice{}, head_tile, wide}) bench_sparse("decode (compute)", cache, t, h, 2048, c, k);
+      for (int stages : {2, 3}) bench_sparse("decode (wide depth)", cache, 128, 128, 2048, c, {AttentionKernel::wide_tile, stages});
       for (int h : {8, 16}) bench_sparse("prefill 32K", cache, 4096, h, 2048, c, {}, 32768);
       if (kv == smla::DType::bf16)
-        for (int h : {64, 128}) bench_sparse("prefill", cache, 4096, h, 2048, c);
+        for (int h : {64, 128})
+          for (AttentionChoice k : {AttentionChoice{}, head_tile, wide}) bench_sparse("prefill", cache, 4096, h, 2048, c, k);
       for (int h : {16, 128}) bench_paged("dense paged decode", cache, 128, 8192, h, c);
       bench_paged("dense paged (head tile)", cache, 128, 8192, 16, c, head_tile);
+      bench_paged("dense paged (head tile)", cache, 128, 8192, 128, c, head_tile);
+      bench_paged("dense paged (wide)", cache, 128, 8192, 128, c, wide);
     }
     // GLM-5.3-Flash under TP 8: 8 rope-free heads of 512; its pooled top-k attends 2048 tokens of whole pools and
     // up to 3 of the incomplete last one.

@@ -7,12 +7,15 @@ namespace smla::cuda {
 
 void write_mla_cache(const WriteMlaCacheArgs& args);
 // Which kernel the attention ops run: as they see fit (the small-heads kernel for fp8_ds_mla caches up to 32
-// heads and from 16 query tokens on, where the device fits it, else the 16-head-tile kernel), or forced (tests, benchmarks). For the
+// heads and from 16 query tokens on, where the device fits it; the wide-tile kernel, 64 heads per CTA, from
+// mla::wide::kMinHeadsAutomatic heads on where the device fits it, with sparse_mla's second cache too; else the
+// 16-head-tile kernel), or forced (tests, benchmarks). For the
 // small-heads kernel, values > 0 force its pipeline depth (`stages`, 2-4), heads per CTA (8 or 16) and at 8 heads
-// per CTA the split of the output dims between 1 or 2 warps (an error where the device cannot hold the result).
+// per CTA the split of the output dims between 1 or 2 warps (an error where the device cannot hold the result);
+// for the wide-tile kernel, `stages` > 0 forces its pipeline depth (2 or 3).
 // `splits` > 0 forces the number of splits of each row's keys (at most one per chunk of keys; 1: unsplit); a
 // caller's workspace too small for the forced plan is an error.
-enum class AttentionKernel { automatic, head_tile, small_heads };
+enum class AttentionKernel { automatic, head_tile, small_heads, wide_tile };
 struct AttentionChoice {
   AttentionKernel kernel = AttentionKernel::automatic;
   int stages = 0, heads_per_cta = 0, split_dims = 0, splits = 0;
@@ -23,8 +26,8 @@ struct AttentionChoice {
 enum class AttentionLaunch { in_order, after_own_kernel };
 void sparse_mla(const SparseMlaArgs& args, AttentionChoice choice = {}, AttentionLaunch how = AttentionLaunch::in_order);
 void paged_mla_decode(const PagedMlaDecodeArgs& args, AttentionChoice choice = {});
-// What those launch for these args and choice on the current device (tests, benchmarks): the kernel (head_tile or
-// small_heads), its pipeline depth, dynamic shared memory and resident CTAs per SM, and how many splits each row's
+// What those launch for these args and choice on the current device (tests, benchmarks): the kernel (head_tile,
+// small_heads or wide_tile), its pipeline depth, dynamic shared memory and resident CTAs per SM, and how many splits each row's
 // keys take (> 1: partial results, then the combine kernel; with sparse_mla's second cache, both caches' splits,
 // always at least 2).
 struct AttentionPlan {

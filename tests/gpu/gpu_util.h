@@ -7,6 +7,8 @@
 #include <algorithm>
 #include <vector>
 
+#include "cuda/kernels.h"
+#include "cuda/mla/attention_wide.h"
 #include "smla/select.h"
 
 namespace smla {
@@ -15,6 +17,20 @@ namespace smla {
 
 inline const Backend& cpu() { return *Registry::global().find("cpu"); }
 inline const Backend& gpu() { return *Registry::global().find("cuda_mma"); }
+
+// The attention kernel the ops pick by themselves for `heads` heads over a `kv` cache (`rope`: 64 or 0; `paged`:
+// paged_mla_decode) where the small-heads kernel does not serve: the wide-tile kernel from its automatic rule's head
+// count on where the device holds it, else the 16-head-tile kernel.
+inline cuda::AttentionKernel automatic_many_heads_kernel(DType kv, int rope, bool paged, int heads) {
+  using cuda::mla::CacheFormat;
+  const CacheFormat f = kv == DType::bf16            ? CacheFormat::bf16
+                        : kv == DType::f16           ? CacheFormat::f16
+                        : kv == DType::fp8_ds_mla_v4 ? CacheFormat::fp8_ds_mla_v4
+                                                     : CacheFormat::fp8_ds_mla;
+  return heads >= cuda::mla::wide::kMinHeadsAutomatic && cuda::mla::wide::find_wide_config(f, rope, paged) != nullptr
+             ? cuda::AttentionKernel::wide_tile
+             : cuda::AttentionKernel::head_tile;
+}
 
 // Device copy of a host buffer; freed at scope exit.
 struct DeviceBuffer {

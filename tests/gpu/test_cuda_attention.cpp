@@ -20,6 +20,7 @@
 #include "core/numeric.h"
 #include "cuda/common/runtime.h"
 #include "cuda/kernels.h"
+#include "cuda/mla/attention_wide.h"
 #include "smla/error.h"
 #include "smla/select.h"
 #include "gpu/gpu_util.h"
@@ -765,7 +766,8 @@ TEST(CudaSparseMlaV4, HeadsTopkBlockSizes) {
       p.block_pad = i % 5 == 0 ? 576 : 0;  // a block stride past FlashMLA's padding
       const std::optional<cuda::AttentionPlan> plan = run_sparse(p, seed++);
       ASSERT_TRUE(plan.has_value());
-      EXPECT_EQ(plan->kernel, cuda::AttentionKernel::head_tile) << "the small-heads kernel does not read fp8_ds_mla_v4";
+      EXPECT_EQ(plan->kernel, automatic_many_heads_kernel(DType::fp8_ds_mla_v4, 0, false, heads))
+          << "the small-heads kernel does not read fp8_ds_mla_v4";
     }
 }
 
@@ -808,6 +810,152 @@ TEST(CudaSparseMlaV4, RefusesTheSmallHeadsKernelAndMisalignedBlocks) {
   misaligned.block_pad = 8;  // 62 * 576 + 8 bytes a block
   test::expect_error([&] { run_sparse(misaligned, 1401); }, ErrorKind::invalid_argument,
                      {"sparse_mla", "kv_cache", "16-byte aligned"});
+}
+
+// The wide-tile kernel (64 heads per CTA, 8 warps) forced: head counts that fill one tile, two, and pad one
+// (100: a tile of 36), every cache format and rope width, query dtypes, top-k from one chunk to 128, block sizes,
+// invalid indices, NaN-poisoned unused slots (and the fp8_ds_mla envelope's rope bytes without rope), outputs
+// pre-filled with NaN, topk_length, sinks, strided queries, max_logits, both empty-row lse conventions. On devices
+// whose shared memory cannot hold it (the 99 KB archs, sm_80) the forced kernel's refusal is checked and the case
+// skipped.
+TEST(CudaSparseMlaWideTile, HeadsFormatsTopk) {
+  uint64_t seed = 2000;
+  int n = 0;
+  for (DType kv : {DType::bf16, DType::fp8_ds_mla, DType::f16, DType::fp8_ds_mla_v4})
+    for (int heads : {32, 64, 100, 128})
+      for (int topk : {64, 2048}) {
+        Problem p;
+        p.kv_dtype = kv;
+        p.rope = kv == DType::fp8_ds_mla_v4 || n % 3 == 2 ? 0 : kMlaRopeDim;
+        p.heads = heads;
+        p.topk = topk;
+        p.tokens = n % 2 ? 1 : 3;
+        p.q_dtype = n % 4 == 3 ? DType::f16 : DType::bf16;
+        p.block_size = std::array<int, 3>{1, 16, 64}[n % 3];
+        p.topk_length = n % 4 == 1;
+        p.sink = n % 3 == 1;
+        p.q_padded = n % 5 == 3;
+        p.max_logits = n % 2 == 0;
+        p.empty_lse_plus_inf = n % 7 == 4;
+        const int stages = std::array<int, 3>{0, 2, 3}[(n / 2) % 3];  // each depth, forced or picked, per format
+        p.kernel = {cuda::AttentionKernel::wide_tile, stages};
+        ++n;
+        const std::optional<cuda::AttentionPlan> plan = run_sparse(p, seed++);
+        if (!plan) continue;  // beyond this device's shared memory (checked)
+        EXPECT_EQ(plan->kernel, cuda::AttentionKernel::wide_tile);
+        if (stages) EXPECT_EQ(plan->stages, stages);
+        else if (cuda::current_device().max_smem_per_block >= 227 * 1024)
+          EXPECT_EQ(plan->stages, 3) << "the deepest pipeline that fits (sm_90, sm_100: 227 KB per block)";
+      }
+  // A prefill-like batch (62 tokens) and top-k 4096 (128 chunks).
+  for (DType kv : {DType::bf16, DType::fp8_ds_mla}) {
+    Problem p;
+    p.kv_dtype = kv;
+    p.heads = 64;
+    p.topk = 64;
+    p.tokens = 62;
+    p.sink = true;
+    p.kernel = {cuda::AttentionKernel::wide_tile};
+    run_sparse(p, seed++);
+    p.tokens = 2;
+    p.topk = 4096;
+    p.topk_length = true;
+    p.max_logits = true;
+    run_sparse(p, seed++);
+  }
+}
+
+// The wide-tile kernel's split partials and the combine: forced counts from 1 to one split per chunk, with whole
+// splits empty, a row with no valid key, sinks and max_logits; and the split the op picks for one token of 128
+// heads (2 CTAs on a whole GPU) against the same problem unsplit.
+TEST(CudaSparseMlaWideTile, ForcedSplits) {
+  uint64_t seed = 2200;
+  for (DType kv : {DType::bf16, DType::fp8_ds_mla})
+    for (int tokens : {1, 3})
+      for (int splits : {1, 3, 64}) {
+        Problem p;
+        p.kv_dtype = kv;
+        p.tokens = tokens;
+        p.heads = tokens == 1 ? 100 : 64;
+        p.topk = 2048;
+        p.block_size = 64;
+        p.sink = true;
+        p.max_logits = true;
+        p.empty_halves = true;
+        p.kernel = {cuda::AttentionKernel::wide_tile, 0, 0, 0, splits};
+        SCOPED_TRACE("splits " + std::to_string(splits) + " tokens " + std::to_string(tokens));
+        const std::optional<cuda::AttentionPlan> plan = run_sparse(p, seed++);
+        if (!plan) return;  // beyond this device's shared memory (checked)
+        EXPECT_EQ(plan->kernel, cuda::AttentionKernel::wide_tile);
+        EXPECT_EQ(plan->num_splits, splits);
+      }
+  for (DType kv : {DType::bf16, DType::fp8_ds_mla}) {
+    Problem one;
+    one.kv_dtype = kv;
+    one.tokens = 1;
+    one.heads = 128;
+    one.topk = 2048;
+    one.max_logits = true;
+    one.kernel = {cuda::AttentionKernel::wide_tile};
+    expect_splits_run(one, seed++);
+  }
+}
+
+// Dense paged decode on the wide-tile kernel: causal s_q > 1 (each step its own visible length), non-causal,
+// every cache format, padded head tiles, rope-free heads.
+TEST(CudaPagedDecodeWideTile, MatchesCpu) {
+  uint64_t seed = 2300;
+  const cuda::AttentionChoice wide{cuda::AttentionKernel::wide_tile};
+  for (DType kv : {DType::bf16, DType::fp8_ds_mla, DType::f16})
+    for (int s_q : {1, 3}) run_paged(DType::bf16, kv, 2, s_q, s_q == 1 ? 64 : 100, 16, true, seed++, kMlaRopeDim, wide);
+  run_paged(DType::f16, DType::bf16, 3, 2, 128, 64, false, seed++, kMlaRopeDim, wide);
+  run_paged(DType::bf16, DType::fp8_ds_mla, 2, 4, 64, 1, true, seed++, 0, wide);
+  run_paged(DType::bf16, DType::fp8_ds_mla_v4, 2, 3, 64, 61, true, seed++, 0, wide);
+}
+
+// A forced depth out of range is an error naming the kernel.
+TEST(CudaSparseMlaWideTile, InvalidDepthIsAnError) {
+  for (int stages : {1, 4}) {
+    Problem p;
+    p.heads = 64;
+    p.kernel = {cuda::AttentionKernel::wide_tile, stages};
+    test::expect_error([&] { run_sparse(p, 2400); }, ErrorKind::invalid_argument, {"wide-tile kernel", "stages must be 2-3"});
+  }
+}
+
+// The automatic choice names the wide-tile kernel from its rule's head count on where the device holds it (so the
+// tests of 64 and 128 heads without a forced kernel run it too, test_cuda_two_caches.cpp's among them), never
+// below; forced with a second cache it serves both caches.
+TEST(CudaSparseMlaWideTile, AutomaticChoiceAndSecondCache) {
+  for (int heads : {16, 32, 64, 128})
+    for (DType kv : {DType::bf16, DType::fp8_ds_mla}) {
+      SCOPED_TRACE(std::string(dtype_name(kv)) + " heads " + std::to_string(heads));
+      SparseMlaArgs a;
+      a.q = TensorView(nullptr, {4, heads, kMlaQkDim}, DType::bf16, Device::cuda(0));
+      a.kv_cache = TensorView(nullptr, {64, 64, row_elems(kv, kMlaRopeDim)}, kv, Device::cuda(0));
+      a.indices = TensorView(nullptr, {4, 2048}, DType::i32, Device::cuda(0));
+      const cuda::AttentionPlan plan = cuda::sparse_mla_plan(a);
+      const bool many = heads >= cuda::mla::wide::kMinHeadsAutomatic;
+      if (many) EXPECT_EQ(plan.kernel, automatic_many_heads_kernel(kv, kMlaRopeDim, false, heads));
+      else EXPECT_NE(plan.kernel, cuda::AttentionKernel::wide_tile);
+      if (plan.kernel == cuda::AttentionKernel::wide_tile) {
+        EXPECT_LE(plan.smem, cuda::current_device().max_smem_per_block);
+        EXPECT_EQ(plan.ctas_per_sm, 1);
+      }
+      // With a second cache (there when its indices are: data a plan never reads) the same rule, and the kernel
+      // forced where the device holds it; below the rule's head count never the small-heads kernel.
+      SparseMlaArgs two = a;
+      int32_t never_read = 0;
+      two.extra_kv_cache = a.kv_cache;
+      two.extra_indices = TensorView(&never_read, {4, 2048}, DType::i32, Device::cuda(0));
+      const cuda::AttentionPlan both = cuda::sparse_mla_plan(two);
+      EXPECT_EQ(both.kernel, many ? automatic_many_heads_kernel(kv, kMlaRopeDim, false, heads)
+                                  : cuda::AttentionKernel::head_tile);
+      EXPECT_GE(both.num_splits, 2);
+      if (automatic_many_heads_kernel(kv, kMlaRopeDim, false, cuda::mla::wide::kMinHeadsAutomatic) ==
+          cuda::AttentionKernel::wide_tile)
+        EXPECT_EQ(cuda::sparse_mla_plan(two, {cuda::AttentionKernel::wide_tile}).kernel, cuda::AttentionKernel::wide_tile);
+    }
 }
 
 }  // namespace

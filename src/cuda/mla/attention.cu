@@ -12,6 +12,7 @@
 #include "cuda/kernels.h"
 #include "cuda/mla/attention_kernel.cuh"
 #include "cuda/mla/attention_small_heads.h"
+#include "cuda/mla/attention_wide.h"
 
 namespace smla::cuda {
 
@@ -205,12 +206,14 @@ size_t split_partial_bytes(int splits, int64_t tokens, int heads) {
 // Which kernel runs and how launch() splits the keys of `tokens` x `heads` query rows: a function of the args, the
 // choice and the device only, so workspace_size() knows the partials' size before the call. The small-heads kernel
 // serves fp8_ds_mla caches (576-wide heads, or either fp8_ds_mla form of rope-free 512-wide ones), up to 32 heads
-// from 16 query tokens on (64 rope-free; memory-bound decode), where the device fits it; the rest goes to the
-// 16-head-tile kernel, which on an H200 ran bf16 decode and fp8 decode of fewer tokens faster
-// (docs/performance.md), and which alone reads fp8_ds_mla_v4 caches.
+// from 16 query tokens on (64 rope-free; memory-bound decode), where the device fits it; from
+// mla::wide::kMinHeadsAutomatic heads on (compute-bound) the wide-tile kernel, where the device fits it; the rest
+// goes to the 16-head-tile kernel, which on an H200 ran bf16 decode and fp8 decode of fewer tokens faster
+// (docs/performance.md).
 struct Plan {
   const LaunchConfig* head_tile = nullptr;
   const mla::small::SmallHeadsConfig* small = nullptr;
+  const mla::wide::WideConfig* wide = nullptr;
   int chunks_per_split = 1, num_splits = 1;
   int64_t ctas = 0;  // per split
   bool one_wave = false;  // every split's CTAs resident at once
@@ -230,10 +233,16 @@ Plan plan(CacheFormat f, int rope, bool paged, int64_t tokens, int heads, int nu
              tokens >= (rope ? mla::small::kMinTokensAutomatic : mla::small::kMinTokensAutomaticNoRope)) {
     s.small = mla::small::find_small_heads_config(f, rope, paged, heads, shape);
   }
-  if (s.small == nullptr) s.head_tile = &launch_config(dev, f, rope, paged);
-  const int heads_per_cta = s.small ? s.small->heads_per_cta : mla::kHeadsPerCta;
+  if (choice.kernel == AttentionKernel::wide_tile)
+    s.wide = &mla::wide::wide_config(f, rope, paged, choice.stages);
+  else if (choice.kernel == AttentionKernel::automatic && s.small == nullptr && heads >= mla::wide::kMinHeadsAutomatic)
+    s.wide = mla::wide::find_wide_config(f, rope, paged);
+  if (s.small == nullptr && s.wide == nullptr) s.head_tile = &launch_config(dev, f, rope, paged);
+  const int heads_per_cta = s.small  ? s.small->heads_per_cta
+                            : s.wide ? mla::wide::kWideHeads
+                                     : mla::kHeadsPerCta;
   const int chunk_keys = s.small ? mla::small::kSmallChunkKeys : mla::kKeysPerChunk;
-  const int ctas_per_sm = s.small ? s.small->ctas_per_sm : s.head_tile->ctas_per_sm;
+  const int ctas_per_sm = s.small ? s.small->ctas_per_sm : s.wide ? s.wide->ctas_per_sm : s.head_tile->ctas_per_sm;
   s.ctas = tokens * ((heads + heads_per_cta - 1) / heads_per_cta);
   const int chunks = std::max(1, (num_keys + chunk_keys - 1) / chunk_keys);
   const int64_t slots = static_cast<int64_t>(dev.num_sms) * ctas_per_sm;
@@ -285,6 +294,13 @@ void launch_combine(const AttentionParams& p, cudaStream_t stream) {
                      "smla MLA combine kernel");
 }
 
+// The attention kernel of `s` (the wide-tile or the 16-head-tile kernel) over `s.num_splits` splits of one cache's
+// keys: all of p's splits, or with sparse_mla's second cache those of one of the caches.
+void launch_one_cache(const Plan& s, const AttentionParams& p, cudaStream_t stream, bool dependent = false) {
+  if (s.wide) mla::wide::launch_wide(p, *s.wide, s.num_splits, stream, dependent);
+  else launch_head_tile(*s.head_tile, p, s.ctas, s.num_splits, stream, dependent);
+}
+
 // `workspace`: the caller's (checked to hold partial_bytes) or absent.
 void launch(AttentionParams& p, CacheFormat f, int rope, bool paged, int num_keys, const TensorView& workspace,
             const char* op, cudaStream_t stream, AttentionChoice choice, bool dependent = false) {
@@ -299,18 +315,16 @@ void launch(AttentionParams& p, CacheFormat f, int rope, bool paged, int num_key
     require_workspace(workspace, bytes, op);
     set_partials(p, static_cast<float*>(workspace_or(workspace, own, stream, bytes, op)));
   }
-  if (split.small)
-    mla::small::launch_small_heads(p, *split.small, stream, dependent);
-  else
-    launch_head_tile(*split.head_tile, p, split.ctas, p.num_splits, stream, dependent);
+  if (split.small) mla::small::launch_small_heads(p, *split.small, stream, dependent);
+  else launch_one_cache(split, p, stream, dependent);
   if (p.num_splits > 1) launch_combine(p, stream);
 }
 
 // Sparse attention over two caches under one softmax (DeepSeek-V4's window cache and its compressed cache).
 // DeepSeek-V4's bf16 / f16 head is the 512-wide rope-free geometry exactly: its score is q.k over all 512 values
 // of the row (448 nope + 64 rope, which the score need not tell apart) and its value the whole row, so the kernels
-// serve it unchanged. Each cache's keys run as the splits of one launch of the head-tile kernel, the main cache's
-// splits first, then the extra cache's, all writing partial rows (out, lse, max) into one array that the combine
+// serve it unchanged. Each cache's keys run as the splits of one launch of the wide-tile or the 16-head-tile kernel
+// (as plan picks them, never the small-heads kernel: it reads one cache only), the main cache's splits first, then the extra cache's, all writing partial rows (out, lse, max) into one array that the combine
 // merges as one list of splits: the sink is applied once, and a row with no valid key in either cache gets out 0,
 // the empty lse and max_logits -inf, as with one cache. The kernel writes partials whenever num_splits > 1 (here
 // always, each cache having at least one split) at split blockIdx.y of its partial pointers, so the extra cache's
@@ -325,7 +339,9 @@ TwoCachePlan two_cache_plan(CacheFormat f, int rope, int64_t tokens, int heads, 
                             AttentionChoice choice) {
   if (choice.kernel == AttentionKernel::small_heads)
     throw Error(ErrorKind::unsupported, "sparse_mla: the small-heads kernel does not attend a second cache");
-  choice.kernel = AttentionKernel::head_tile;
+  // Below the wide-tile kernel's automatic head count plan's own choice may be the small-heads kernel.
+  if (choice.kernel == AttentionKernel::automatic && heads < mla::wide::kMinHeadsAutomatic)
+    choice.kernel = AttentionKernel::head_tile;
   auto one = [&](int num_keys) {
     Plan s = plan(f, rope, false, tokens, heads, num_keys, choice);
     if (s.num_splits > mla::kMaxSplits / 2) {  // the combine merges at most kMaxSplits: half for each cache
@@ -367,16 +383,22 @@ void sparse_mla_two_caches(AttentionParams& p, const SparseMlaArgs& a, Attention
   e.partial_lse += main_rows;
   e.partial_max += main_rows;
 
-  launch_head_tile(*tp.main.head_tile, p, tp.main.ctas, tp.main.num_splits, stream, dependent);
-  launch_head_tile(*tp.extra.head_tile, e, tp.extra.ctas, tp.extra.num_splits, stream);
+  launch_one_cache(tp.main, p, stream, dependent);
+  launch_one_cache(tp.extra, e, stream);
   launch_combine(p, stream);
+}
+
+// What `s` launches, over `num_splits` splits in all.
+AttentionPlan plan_of(const Plan& s, int num_splits) {
+  if (s.small) return {AttentionKernel::small_heads, s.small->stages, s.small->smem, s.small->ctas_per_sm, num_splits};
+  if (s.wide) return {AttentionKernel::wide_tile, s.wide->stages, s.wide->smem, s.wide->ctas_per_sm, num_splits};
+  return {AttentionKernel::head_tile, s.head_tile->stages, s.head_tile->smem, s.head_tile->ctas_per_sm, num_splits};
 }
 
 AttentionPlan plan_of(CacheFormat f, int rope, bool paged, int64_t tokens, int heads, int num_keys,
                       AttentionChoice choice) {
   const Plan s = plan(f, rope, paged, tokens, heads, num_keys, choice);
-  if (s.small) return {AttentionKernel::small_heads, s.small->stages, s.small->smem, s.small->ctas_per_sm, s.num_splits};
-  return {AttentionKernel::head_tile, s.head_tile->stages, s.head_tile->smem, s.head_tile->ctas_per_sm, s.num_splits};
+  return plan_of(s, s.num_splits);
 }
 
 }  // namespace
@@ -384,8 +406,7 @@ AttentionPlan plan_of(CacheFormat f, int rope, bool paged, int64_t tokens, int h
 AttentionPlan sparse_mla_plan(const SparseMlaArgs& a, AttentionChoice choice) {
   if (has_extra_cache(a)) {
     const TwoCachePlan tp = two_cache_plan(a, choice);
-    const LaunchConfig& c = *tp.main.head_tile;
-    return {AttentionKernel::head_tile, c.stages, c.smem, c.ctas_per_sm, tp.num_splits()};
+    return plan_of(tp.main, tp.num_splits());
   }
   return plan_of(format_of(a.kv_cache.dtype), rope_of(a.q), false, a.q.size(0), static_cast<int>(a.q.size(1)),
                  static_cast<int>(a.indices.size(1)), choice);

@@ -113,6 +113,16 @@ __device__ __forceinline__ float bits_to_float(uint16_t v, bool is_bf16) {
   return is_bf16 ? __bfloat162float(__ushort_as_bfloat16(v)) : __half2float(__ushort_as_half(v));
 }
 
+// Eight query values (bf16 or f16 bits) in the compute type T.
+template <typename T>
+__device__ __forceinline__ uint4 query_piece(uint4 raw, bool is_bf16) {
+  auto convert = [&](uint32_t two) {
+    return pack2<T>(bits_to_float(static_cast<uint16_t>(two), is_bf16),
+                    bits_to_float(static_cast<uint16_t>(two >> 16), is_bf16));
+  };
+  return make_uint4(convert(raw.x), convert(raw.y), convert(raw.z), convert(raw.w));
+}
+
 // Physical slot of key `key` of token (b, j, t), or -1 when it must not be read.
 template <bool kPaged>
 __device__ __forceinline__ int64_t slot_of(const AttentionParams& p, int t, int b, int key, int visible) {
@@ -133,13 +143,13 @@ __device__ __forceinline__ int64_t slot_of(const AttentionParams& p, int t, int 
 // by value nvcc ordered the index arithmetic differently in every kernel.
 
 // Gathers row `row` of chunk `chunk` into `dst` (rows `dst_row_bytes` apart):
-// this thread's 16-byte pieces (`part`, part + 4, ... below `pieces`) one
+// this thread's 16-byte pieces (`part`, part + kParts, ... below `pieces`: kParts threads share a row) one
 // cp.async each (fp8_ds_mla_v4: the last piece is the token's 8 scale bytes,
 // from the block's end); an invalid row is zero-filled, never read, and
 // marked so in the chunk's set of `valid`. The row's slot was loaded a chunk
 // earlier (`next_slot`; this loads the next chunk's, if the split has one), so
 // the index load's latency is off the critical path.
-template <CacheFormat F, bool kPaged>
+template <CacheFormat F, bool kPaged, int kParts = 4>
 __device__ __forceinline__ void gather_row(const AttentionParams& p, const int& t, const int& b, const int& visible,
                                            int chunk, const int& chunk_begin, const int& n_chunks, const int& row,
                                            const int& part, int64_t& next_slot, uint8_t* dst, int dst_row_bytes,
@@ -160,7 +170,7 @@ __device__ __forceinline__ void gather_row(const AttentionParams& p, const int& 
       src += (slot / p.block_size) * p.block_stride + (slot % p.block_size) * p.row_stride;
     }
   }
-  for (int piece = part; piece < pieces; piece += 4) {
+  for (int piece = part; piece < pieces; piece += kParts) {
     uint8_t* to = dst + row * dst_row_bytes + piece * 16;
     if (kV4 && piece == pieces - 1) cp_async_8(to, scales, slot >= 0);
     else cp_async_16(to, src + piece * 16, slot >= 0);
@@ -169,12 +179,12 @@ __device__ __forceinline__ void gather_row(const AttentionParams& p, const int& 
 }
 
 // Dequantises a chunk of staged fp8 rows into the key rows `keys`, all threads
-// together (Fp8Row: e4m3 codes times their tile's scale, then the 16-bit values).
-template <CacheFormat F, typename T, int kRope>
+// together (the CTA's kCtaThreads; Fp8Row: e4m3 codes times their tile's scale, then the 16-bit values).
+template <CacheFormat F, typename T, int kRope, int kCtaThreads = kThreads>
 __device__ __forceinline__ void dequantise_chunk(const uint8_t* rows, T* keys, int tid) {
   using D = HeadDims<kRope>;
   using R = Fp8Row<F, kRope>;
-  for (int i = tid; i < kKeysPerChunk * D::kPieces; i += kThreads) {
+  for (int i = tid; i < kKeysPerChunk * D::kPieces; i += kCtaThreads) {
     const int row = i / D::kPieces, piece = i % D::kPieces;
     const uint8_t* src = rows + row * R::kStagedBytes;
     uint4 out;
@@ -222,6 +232,42 @@ __device__ __forceinline__ void partial_scores(const T* kt, const uint32_t (&qa)
     part[g * kSRow + c + 1] = acc[n][1];
     part[(g + 8) * kSRow + c] = acc[n][2];
     part[(g + 8) * kSRow + c + 1] = acc[n][3];
+  }
+}
+
+// The end of a split: head h's row of this warp's 128 output columns, which this thread holds in rows 2 * half and
+// 2 * half + 1 of `o` (n-tile n at columns col0 + 8n, col0 + 8n + 1), normalised by the row's sum `l` (and the sink
+// when the keys are not split), into out, or the split's partial row; `stats`: this thread also writes the row's
+// lse and max score (`m`, log2 units).
+__device__ __forceinline__ void store_head_row(const AttentionParams& p, const float (&o)[16][4], int half, int t,
+                                               int b, int j, int split, int h, int col0, float m, float l,
+                                               bool stats) {
+  const float ln2 = 0.6931471805599453f;
+  const float lse2 = l > 0.f ? m + log2f(l) : -INFINITY;
+  float scale = l > 0.f ? 1.f / l : 0.f;
+  if (p.num_splits == 1) {
+    if (p.attn_sink && l > 0.f) scale /= 1.f + expf(p.attn_sink[h] - lse2 * ln2);
+    const int64_t ob = b * p.out_stride_b + j * p.out_stride_s + h * p.out_stride_h;
+#pragma unroll
+    for (int n = 0; n < 16; ++n) {
+      const uint32_t v = p.q_is_bf16 ? pack2<__nv_bfloat16>(o[n][2 * half] * scale, o[n][2 * half + 1] * scale)
+                                     : pack2<__half>(o[n][2 * half] * scale, o[n][2 * half + 1] * scale);
+      *reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(p.out) + ob + col0 + n * 8) = v;
+    }
+    if (stats) {
+      p.lse[b * p.lse_stride_b + j * p.lse_stride_s + h * p.lse_stride_h] = l > 0.f ? lse2 * ln2 : p.empty_lse;
+      if (p.max_logits) p.max_logits[t * p.max_logits_stride_t + h * p.max_logits_stride_h] = m * ln2;
+    }
+  } else {
+    const int64_t row = (static_cast<int64_t>(split) * p.num_tokens + t) * p.num_heads + h;
+    float* po = p.partial_out + row * kVDim;
+#pragma unroll
+    for (int n = 0; n < 16; ++n)
+      *reinterpret_cast<float2*>(po + col0 + n * 8) = make_float2(o[n][2 * half] * scale, o[n][2 * half + 1] * scale);
+    if (stats) {
+      p.partial_lse[row] = lse2;
+      p.partial_max[row] = m;
+    }
   }
 }
 
@@ -368,16 +414,11 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const AttentionPara
   // last key buffer, not yet in use) into registers; rows past the last head
   // are zero.
   T* sq = reinterpret_cast<T*>(smem + L.q);
-  auto convert = [&](uint32_t two) {
-    return pack2<T>(bits_to_float(static_cast<uint16_t>(two), p.q_is_bf16),
-                    bits_to_float(static_cast<uint16_t>(two >> 16), p.q_is_bf16));
-  };
 #pragma unroll
   for (int r = 0; r < kQPerThread; ++r) {
     const int i = tid + r * kThreads;
     if (i < kHeadsPerCta * kPieces)
-      *reinterpret_cast<uint4*>(sq + (i / kPieces) * kRowElems + (i % kPieces) * 8) =
-          make_uint4(convert(q_raw[r].x), convert(q_raw[r].y), convert(q_raw[r].z), convert(q_raw[r].w));
+      *reinterpret_cast<uint4*>(sq + (i / kPieces) * kRowElems + (i % kPieces) * 8) = query_piece<T>(q_raw[r], p.q_is_bf16);
   }
   __syncthreads();
 #pragma unroll
@@ -403,41 +444,12 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const AttentionPara
   if (p.early_combine) let_dependents_launch();  // the combine: placed while the partials are written
 
   const int g = lane / 4;
-  const float ln2 = 0.6931471805599453f;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int r = g + half * 8;
-    if (r >= nh) continue;
-    const int h = h0 + r;
-    const float l = row_sum[r];
-    const float lse2 = l > 0.f ? row_max[r] + log2f(l) : -INFINITY;
-    float scale = l > 0.f ? 1.f / l : 0.f;
-    if (p.num_splits == 1) {
-      if (p.attn_sink && l > 0.f) scale /= 1.f + expf(p.attn_sink[h] - lse2 * ln2);
-      const int64_t ob = b * p.out_stride_b + j * p.out_stride_s + h * p.out_stride_h;
-#pragma unroll
-      for (int n = 0; n < 16; ++n) {
-        const int col = warp * 128 + n * 8 + (lane % 4) * 2;
-        const uint32_t v = p.q_is_bf16 ? pack2<__nv_bfloat16>(o[n][2 * half] * scale, o[n][2 * half + 1] * scale)
-                                       : pack2<__half>(o[n][2 * half] * scale, o[n][2 * half + 1] * scale);
-        *reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(p.out) + ob + col) = v;
-      }
-      if (warp == 0 && lane % 4 == 0) {
-        p.lse[b * p.lse_stride_b + j * p.lse_stride_s + h * p.lse_stride_h] = l > 0.f ? lse2 * ln2 : p.empty_lse;
-        if (p.max_logits) p.max_logits[t * p.max_logits_stride_t + h * p.max_logits_stride_h] = row_max[r] * ln2;
-      }
-    } else {
-      float* po = p.partial_out + ((static_cast<int64_t>(split) * p.num_tokens + t) * p.num_heads + h) * kVDim;
-#pragma unroll
-      for (int n = 0; n < 16; ++n) {
-        const int col = warp * 128 + n * 8 + (lane % 4) * 2;
-        *reinterpret_cast<float2*>(po + col) = make_float2(o[n][2 * half] * scale, o[n][2 * half + 1] * scale);
-      }
-      if (warp == 0 && lane % 4 == 0) {
-        p.partial_lse[(static_cast<int64_t>(split) * p.num_tokens + t) * p.num_heads + h] = lse2;
-        p.partial_max[(static_cast<int64_t>(split) * p.num_tokens + t) * p.num_heads + h] = row_max[r];
-      }
-    }
+    if (r < nh)
+      store_head_row(p, o, half, t, b, j, split, h0 + r, warp * 128 + (lane % 4) * 2, row_max[r], row_sum[r],
+                     warp == 0 && lane % 4 == 0);
   }
 }
 
