@@ -236,7 +236,7 @@ __global__ void __launch_bounds__(kWideThreads, 1) wide_attention_kernel(const A
   }
   cp_async_wait<0>();
   __syncthreads();  // row statistics final (also when this split had no chunks)
-  if (p.num_splits > 1) let_dependents_launch();  // the combine: placed while the partials are written
+  if (p.early_combine) let_dependents_launch();  // the combine: placed while the partials are written
 
 #pragma unroll
   for (int m = 0; m < 2; ++m)
