@@ -508,7 +508,6 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
     if (group_active) attend(smem + (i % stages) * G::kStageBytes);
   }
   cp_async_wait<0>();
-  if (p.early_combine) let_dependents_launch();  // the combine: placed while the key slots merge
 
   // Merge the group's key slots: each warp scales its O^T to the group's max,
   // then a tree of adds through shared memory leaves the sum in merge slot 0
