@@ -204,10 +204,10 @@ size_t split_partial_bytes(int splits, int64_t tokens, int heads) {
 
 // Which kernel runs and how launch() splits the keys of `tokens` x `heads` query rows: a function of the args, the
 // choice and the device only, so workspace_size() knows the partials' size before the call. The small-heads kernel
-// serves fp8_ds_mla caches (576-wide heads, or either fp8_ds_mla form of rope-free 512-wide ones), up to 32 heads
-// from 16 query tokens on (64 rope-free; memory-bound decode), where the device fits it; the rest goes to the
-// 16-head-tile kernel, which on an H200 ran bf16 decode and fp8 decode of fewer tokens faster
-// (docs/performance.md), and which alone reads fp8_ds_mla_v4 caches.
+// serves fp8_ds_mla caches (576-wide heads, or either fp8_ds_mla form of rope-free 512-wide ones) and, while
+// mla::small::kAutomaticForV4, fp8_ds_mla_v4 ones, up to 32 heads from 16 query tokens on (64 rope-free; memory-bound
+// decode), where the device fits it; the rest goes to the 16-head-tile kernel, which on an H200 ran bf16 decode and
+// fp8 decode of fewer tokens faster (docs/performance.md).
 struct Plan {
   const LaunchConfig* head_tile = nullptr;
   const mla::small::SmallHeadsConfig* small = nullptr;
@@ -225,7 +225,8 @@ Plan plan(CacheFormat f, int rope, bool paged, int64_t tokens, int heads, int nu
   const mla::small::SmallHeadsShape shape{choice.stages, choice.heads_per_cta, choice.split_dims};
   if (choice.kernel == AttentionKernel::small_heads) {
     s.small = &mla::small::small_heads_config(f, rope, paged, heads, shape);
-  } else if (choice.kernel == AttentionKernel::automatic && f == CacheFormat::fp8_ds_mla &&
+  } else if (choice.kernel == AttentionKernel::automatic &&
+             (f == CacheFormat::fp8_ds_mla || (f == CacheFormat::fp8_ds_mla_v4 && mla::small::kAutomaticForV4)) &&
              heads <= mla::small::kMaxHeadsAutomatic &&
              tokens >= (rope ? mla::small::kMinTokensAutomatic : mla::small::kMinTokensAutomaticNoRope)) {
     s.small = mla::small::find_small_heads_config(f, rope, paged, heads, shape);
@@ -273,6 +274,12 @@ void launch_head_tile(const LaunchConfig& config, const AttentionParams& p, int6
                      dim3(mla::kThreads), args, config.smem, stream, dependent, "smla MLA attention kernel");
 }
 
+// The attention kernel `s` chose, over its splits of the keys (p.num_splits counts them all, of every cache).
+void launch_planned(const Plan& s, const AttentionParams& p, cudaStream_t stream, bool dependent = false) {
+  if (s.small) mla::small::launch_small_heads(p, *s.small, s.num_splits, stream, dependent);
+  else launch_head_tile(*s.head_tile, p, s.ctas, s.num_splits, stream, dependent);
+}
+
 void launch_combine(const AttentionParams& p, cudaStream_t stream) {
   // From SM90 on the combine is a programmatic dependent launch: its launch overlaps the attention's tail.
   const int64_t rows = static_cast<int64_t>(p.num_tokens) * p.num_heads;
@@ -299,17 +306,15 @@ void launch(AttentionParams& p, CacheFormat f, int rope, bool paged, int num_key
     require_workspace(workspace, bytes, op);
     set_partials(p, static_cast<float*>(workspace_or(workspace, own, stream, bytes, op)));
   }
-  if (split.small)
-    mla::small::launch_small_heads(p, *split.small, stream, dependent);
-  else
-    launch_head_tile(*split.head_tile, p, split.ctas, p.num_splits, stream, dependent);
+  launch_planned(split, p, stream, dependent);
   if (p.num_splits > 1) launch_combine(p, stream);
 }
 
 // Sparse attention over two caches under one softmax (DeepSeek-V4's window cache and its compressed cache).
 // DeepSeek-V4's bf16 / f16 head is the 512-wide rope-free geometry exactly: its score is q.k over all 512 values
 // of the row (448 nope + 64 rope, which the score need not tell apart) and its value the whole row, so the kernels
-// serve it unchanged. Each cache's keys run as the splits of one launch of the head-tile kernel, the main cache's
+// serve it unchanged. Each cache's keys run as the splits of one launch of the kernel its plan picks (the rules of
+// one cache: the small-heads kernel or the head-tile one), the main cache's
 // splits first, then the extra cache's, all writing partial rows (out, lse, max) into one array that the combine
 // merges as one list of splits: the sink is applied once, and a row with no valid key in either cache gets out 0,
 // the empty lse and max_logits -inf, as with one cache. The kernel writes partials whenever num_splits > 1 (here
@@ -323,9 +328,6 @@ struct TwoCachePlan {
 
 TwoCachePlan two_cache_plan(CacheFormat f, int rope, int64_t tokens, int heads, int keys, int extra_keys,
                             AttentionChoice choice) {
-  if (choice.kernel == AttentionKernel::small_heads)
-    throw Error(ErrorKind::unsupported, "sparse_mla: the small-heads kernel does not attend a second cache");
-  choice.kernel = AttentionKernel::head_tile;
   auto one = [&](int num_keys) {
     Plan s = plan(f, rope, false, tokens, heads, num_keys, choice);
     if (s.num_splits > mla::kMaxSplits / 2) {  // the combine merges at most kMaxSplits: half for each cache
@@ -367,16 +369,20 @@ void sparse_mla_two_caches(AttentionParams& p, const SparseMlaArgs& a, Attention
   e.partial_lse += main_rows;
   e.partial_max += main_rows;
 
-  launch_head_tile(*tp.main.head_tile, p, tp.main.ctas, tp.main.num_splits, stream, dependent);
-  launch_head_tile(*tp.extra.head_tile, e, tp.extra.ctas, tp.extra.num_splits, stream);
+  launch_planned(tp.main, p, stream, dependent);
+  launch_planned(tp.extra, e, stream);
   launch_combine(p, stream);
 }
 
+// `num_splits`: the plan's own, or all of the caches' where it is one cache's of two.
+AttentionPlan plan_of(const Plan& s, int num_splits) {
+  if (s.small) return {AttentionKernel::small_heads, s.small->stages, s.small->smem, s.small->ctas_per_sm, num_splits};
+  return {AttentionKernel::head_tile, s.head_tile->stages, s.head_tile->smem, s.head_tile->ctas_per_sm, num_splits};
+}
 AttentionPlan plan_of(CacheFormat f, int rope, bool paged, int64_t tokens, int heads, int num_keys,
                       AttentionChoice choice) {
   const Plan s = plan(f, rope, paged, tokens, heads, num_keys, choice);
-  if (s.small) return {AttentionKernel::small_heads, s.small->stages, s.small->smem, s.small->ctas_per_sm, s.num_splits};
-  return {AttentionKernel::head_tile, s.head_tile->stages, s.head_tile->smem, s.head_tile->ctas_per_sm, s.num_splits};
+  return plan_of(s, s.num_splits);
 }
 
 }  // namespace
@@ -384,8 +390,7 @@ AttentionPlan plan_of(CacheFormat f, int rope, bool paged, int64_t tokens, int h
 AttentionPlan sparse_mla_plan(const SparseMlaArgs& a, AttentionChoice choice) {
   if (has_extra_cache(a)) {
     const TwoCachePlan tp = two_cache_plan(a, choice);
-    const LaunchConfig& c = *tp.main.head_tile;
-    return {AttentionKernel::head_tile, c.stages, c.smem, c.ctas_per_sm, tp.num_splits()};
+    return plan_of(tp.main, tp.num_splits());
   }
   return plan_of(format_of(a.kv_cache.dtype), rope_of(a.q), false, a.q.size(0), static_cast<int>(a.q.size(1)),
                  static_cast<int>(a.indices.size(1)), choice);
