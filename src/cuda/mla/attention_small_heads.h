@@ -37,7 +37,8 @@ struct SmallHeadsShape {
 // output dims split between two warps wherever that keeps as many CTAs per SM
 // (every arch today: twice the warps). Null when the device's shared memory cannot hold it (bf16 rows
 // need 157 KB, 140 KB rope-free); an invalid forced shape is an error.
-// fp8_ds_mla_v4 caches (rope 0) take fp8_ds_mla's shared memory with a rope part.
+// fp8_ds_mla_v4 caches (rope 0) take fp8_ds_mla's shared memory with a rope part, and never split the output dims
+// (forcing that is an error).
 const SmallHeadsConfig* find_small_heads_config(CacheFormat f, int rope, bool paged, int num_heads,
                                                SmallHeadsShape shape = {});
 // The same, an error where the device cannot run it.
