@@ -675,6 +675,22 @@ struct CraftedRow {
   std::function<float(int64_t, test::Rng&)> score;
 };
 
+// Scores in [0, 1.000000007), distinct almost everywhere.
+float distinct_score(int64_t, test::Rng& rng) { return static_cast<float>(rng() % 1000000007) / 1e9f; }
+
+// Zeros of both signs, -inf and scores of either sign over about 2^-60..2^61.
+float signed_wide_range_score(int64_t i, test::Rng& rng) {
+  switch (i % 7) {
+    case 0: return 0.f;
+    case 1: return -0.f;
+    case 2: return -INFINITY;
+    default: {
+      const float mag = std::ldexp(distinct_score(i, rng) + 0.5f, static_cast<int>(rng() % 120) - 60);
+      return rng() % 2 ? mag : -mag;
+    }
+  }
+}
+
 std::vector<int32_t> expected_topk(const std::vector<float>& row, int64_t n, int k) {
   std::vector<int32_t> order(n);
   std::iota(order.begin(), order.end(), 0);
@@ -782,30 +798,18 @@ void check_crafted_rows(const std::vector<CraftedRow>& rows, int k, uint64_t see
 }
 
 std::vector<CraftedRow> crafted_rows() {
-  const auto uniform = [](test::Rng& rng) { return static_cast<float>(rng() % 1000000007) / 1e9f; };
   return {
-      {"distinct", 131072, [uniform](int64_t, test::Rng& rng) { return uniform(rng); }},
-      {"distinct, odd length", 4099, [uniform](int64_t, test::Rng& rng) { return uniform(rng); }},
+      {"distinct", 131072, distinct_score},
+      {"distinct, odd length", 4099, distinct_score},
       {"one fp16 bin", 20000, [](int64_t, test::Rng& rng) { return 1.f + 1e-7f * static_cast<float>(rng() % 5000); }},
       {"one fp16 bin, long", 150000, [](int64_t, test::Rng& rng) { return 1.f + 1e-7f * static_cast<float>(rng() % 5000); }},
       {"four values", 100003, [](int64_t, test::Rng& rng) { return static_cast<float>(rng() % 4); }},
       {"all equal", 60000, [](int64_t, test::Rng&) { return 0.25f; }},
-      {"signs, zeros, -inf, wide range", 77777,
-       [uniform](int64_t i, test::Rng& rng) {
-         switch (i % 7) {
-           case 0: return 0.f;
-           case 1: return -0.f;
-           case 2: return -INFINITY;
-           default: {
-             const float mag = std::ldexp(uniform(rng) + 0.5f, static_cast<int>(rng() % 120) - 60);
-             return rng() % 2 ? mag : -mag;
-           }
-         }
-       }},
+      {"signs, zeros, -inf, wide range", 77777, signed_wide_range_score},
       {"exact ties among few candidates", 8192,
        [](int64_t, test::Rng& rng) { return static_cast<float>(rng() % 3000); }},
-      {"shorter than k", 1000, [uniform](int64_t, test::Rng& rng) { return uniform(rng); }},
-      {"nine positions (cluster ranks with none)", 9, [uniform](int64_t, test::Rng& rng) { return uniform(rng); }},
+      {"shorter than k", 1000, distinct_score},
+      {"nine positions (cluster ranks with none)", 9, distinct_score},
       {"empty context", 0, [](int64_t, test::Rng&) { return 0.f; }},
   };
 }
@@ -901,15 +905,14 @@ TEST(CudaTopk, UnsortedOnCraftedRows) {
 // `tokens` rows of about `n` positions (61 fewer per token), in turn of distinct scores, of exact ties among few
 // candidates, of four values (too many candidates: the select over the row) and a short one.
 std::vector<CraftedRow> decode_shape_rows(int64_t n, int tokens) {
-  const auto uniform = [](test::Rng& rng) { return static_cast<float>(rng() % 1000000007) / 1e9f; };
   std::vector<CraftedRow> rows;
   for (int t = 0; t < tokens; ++t) {
     const int64_t len = n - 61 * t;
     switch (t % 4) {
-      case 0: rows.push_back({"distinct", len, [uniform](int64_t, test::Rng& rng) { return uniform(rng); }}); break;
+      case 0: rows.push_back({"distinct", len, distinct_score}); break;
       case 1: rows.push_back({"ties", len, [](int64_t, test::Rng& rng) { return static_cast<float>(rng() % 3000); }}); break;
       case 2: rows.push_back({"four values", len, [](int64_t, test::Rng& rng) { return static_cast<float>(rng() % 4); }}); break;
-      default: rows.push_back({"short", 1500 + t, [uniform](int64_t, test::Rng& rng) { return uniform(rng); }});
+      default: rows.push_back({"short", 1500 + t, distinct_score});
     }
   }
   return rows;
@@ -933,31 +936,19 @@ TEST(CudaTopk, UnsortedAtDecodeShapes) {
 // a row a third as long (fewer visible than the table holds), sorted and unsorted, k 2048, 37 and 8192, with the fused
 // slots; NaN rows give valid positions. One CTA forced and as select_topk picks (one CTA for rows this short).
 TEST(CudaTopk, RowsHeldInRegisters) {
-  const auto uniform = [](test::Rng& rng) { return static_cast<float>(rng() % 1000000007) / 1e9f; };
   const auto some_nan = [](int64_t i, test::Rng& rng) {
     return i % 5 == 0 ? (i % 10 == 0 ? NAN : -NAN) : static_cast<float>(rng() % 1000) / 7.f;
   };
   for (int64_t n : {1, 2047, 2048, 2049, 4096, 8192, 16384, 16385}) {
     SCOPED_TRACE("n " + std::to_string(n));
     const std::vector<CraftedRow> rows = {
-        {"distinct", n, [uniform](int64_t, test::Rng& rng) { return uniform(rng); }},
+        {"distinct", n, distinct_score},
         {"exact ties", n, [](int64_t, test::Rng& rng) { return static_cast<float>(rng() % 3000); }},
         {"four values", n, [](int64_t, test::Rng& rng) { return static_cast<float>(rng() % 4); }},
         {"all equal", n, [](int64_t, test::Rng&) { return -1.5f; }},
         {"one fp16 bin", n, [](int64_t, test::Rng& rng) { return 1.f + 1e-7f * static_cast<float>(rng() % 5000); }},
-        {"signs, zeros, -inf", n,
-         [uniform](int64_t i, test::Rng& rng) {
-           switch (i % 7) {
-             case 0: return 0.f;
-             case 1: return -0.f;
-             case 2: return -INFINITY;
-             default: {
-               const float mag = std::ldexp(uniform(rng) + 0.5f, static_cast<int>(rng() % 120) - 60);
-               return rng() % 2 ? mag : -mag;
-             }
-           }
-         }},
-        {"a third as long", n / 3 + 1, [uniform](int64_t, test::Rng& rng) { return uniform(rng); }},
+        {"signs, zeros, -inf", n, signed_wide_range_score},
+        {"a third as long", n / 3 + 1, distinct_score},
     };
     const std::vector<CraftedRow> nan_rows = {
         {"a fifth NaN", n, some_nan},
