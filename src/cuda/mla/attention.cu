@@ -292,7 +292,9 @@ void launch_planned(const Plan& s, const AttentionParams& p, cudaStream_t stream
 }
 
 void launch_combine(const AttentionParams& p, cudaStream_t stream) {
-  // From SM90 on the combine is a programmatic dependent launch: its launch overlaps the attention's tail.
+  // From SM90 on the combine is a programmatic dependent launch: with p.early_combine its launch overlaps the
+  // attention's tail. CTAs that are all resident at kFewRowsCtasPerSm an SM merge kFewRowsBatch splits at a time (64
+  // registers), more CTAs kManyRowsBatch (40 registers).
   const int64_t rows = static_cast<int64_t>(p.num_tokens) * p.num_heads;
   const int sms = current_device().num_sms, column_blocks = mla::combine_column_blocks(rows, sms);
   const void* fn = rows * column_blocks <= int64_t{mla::kFewRowsCtasPerSm} * sms

@@ -478,8 +478,9 @@ inline int combine_column_blocks(int64_t rows, int num_sms) {
 }
 
 // static: the small-heads kernel's file includes this header too. Launched
-// as a programmatic dependent of the attention kernel from SM90 on: its CTAs
-// start while the attention's last ones run and wait here for their results.
+// as a programmatic dependent of the attention kernel from SM90 on: where the
+// attention lets it (p.early_combine) its CTAs start while the attention's last
+// ones run, and they wait here for its results.
 template <int kBatch>
 static __global__ void __launch_bounds__(kThreads, kBatch == kManyRowsBatch ? kManyRowsCtasPerSm : kFewRowsCtasPerSm)
     combine_kernel(const AttentionParams p) {
