@@ -35,22 +35,10 @@ KernelFn kernel_for(int stages) {
   return mla::attention_kernel<F, kRope, kPaged, depths[2]>;
 }
 
-template <CacheFormat F>
-KernelFn kernel_for(int rope, bool paged, int stages) {
-  if constexpr (F != CacheFormat::fp8_ds_mla_v4) {  // which holds 512-wide heads only (checked)
-    if (rope) return paged ? kernel_for<F, kMlaRopeDim, true>(stages) : kernel_for<F, kMlaRopeDim, false>(stages);
-  }
-  return paged ? kernel_for<F, 0, true>(stages) : kernel_for<F, 0, false>(stages);
-}
-
 KernelFn select_kernel(CacheFormat f, int rope, bool paged, int stages) {
-  switch (f) {
-    case CacheFormat::bf16: return kernel_for<CacheFormat::bf16>(rope, paged, stages);
-    case CacheFormat::f16: return kernel_for<CacheFormat::f16>(rope, paged, stages);
-    case CacheFormat::fp8_ds_mla: return kernel_for<CacheFormat::fp8_ds_mla>(rope, paged, stages);
-    case CacheFormat::fp8_ds_mla_v4: return kernel_for<CacheFormat::fp8_ds_mla_v4>(rope, paged, stages);
-  }
-  return nullptr;
+  return mla::instance_for(f, rope, paged, [stages]<CacheFormat F, int kRope, bool kPaged>() {
+    return kernel_for<F, kRope, kPaged>(stages);
+  });
 }
 
 // Both fp8_ds_mla forms are read alike: with no rope part the kernel fetches only the first 528 bytes of a row,

@@ -29,24 +29,10 @@ Kernel kernel_for(int groups, int split_dims) {
   else return split_dims == 2 ? small_heads_kernel<F, kPaged, 1, 2, kRope> : small_heads_kernel<F, kPaged, 1, 1, kRope>;
 }
 
-template <CacheFormat F>
-Kernel kernel_for(bool paged, int rope, int groups, int split_dims) {
-  if constexpr (F == CacheFormat::fp8_ds_mla_v4) {  // which holds 512-wide heads only (checked)
-    return paged ? kernel_for<F, true, 0>(groups, split_dims) : kernel_for<F, false, 0>(groups, split_dims);
-  } else {
-    if (rope) return paged ? kernel_for<F, true, 64>(groups, split_dims) : kernel_for<F, false, 64>(groups, split_dims);
-    return paged ? kernel_for<F, true, 0>(groups, split_dims) : kernel_for<F, false, 0>(groups, split_dims);
-  }
-}
-
 Kernel select(CacheFormat f, bool paged, int rope, int groups, int split_dims) {
-  switch (f) {
-    case CacheFormat::bf16: return kernel_for<CacheFormat::bf16>(paged, rope, groups, split_dims);
-    case CacheFormat::f16: return kernel_for<CacheFormat::f16>(paged, rope, groups, split_dims);
-    case CacheFormat::fp8_ds_mla: return kernel_for<CacheFormat::fp8_ds_mla>(paged, rope, groups, split_dims);
-    case CacheFormat::fp8_ds_mla_v4: return kernel_for<CacheFormat::fp8_ds_mla_v4>(paged, rope, groups, split_dims);
-  }
-  return nullptr;
+  return instance_for(f, rope, paged, [groups, split_dims]<CacheFormat F, int kRope, bool kPaged>() {
+    return kernel_for<F, kPaged, kRope>(groups, split_dims);
+  });
 }
 
 template <CacheFormat F, int kRope>

@@ -24,22 +24,10 @@ Kernel kernel_for(int stages) {
   return stages == 3 ? wide_attention_kernel<F, kRope, kPaged, 3> : wide_attention_kernel<F, kRope, kPaged, 2>;
 }
 
-template <CacheFormat F>
-Kernel kernel_for(int rope, bool paged, int stages) {
-  if constexpr (F != CacheFormat::fp8_ds_mla_v4) {  // which holds 512-wide heads only (checked)
-    if (rope) return paged ? kernel_for<F, kMlaRopeDim, true>(stages) : kernel_for<F, kMlaRopeDim, false>(stages);
-  }
-  return paged ? kernel_for<F, 0, true>(stages) : kernel_for<F, 0, false>(stages);
-}
-
 Kernel select(CacheFormat f, int rope, bool paged, int stages) {
-  switch (f) {
-    case CacheFormat::bf16: return kernel_for<CacheFormat::bf16>(rope, paged, stages);
-    case CacheFormat::f16: return kernel_for<CacheFormat::f16>(rope, paged, stages);
-    case CacheFormat::fp8_ds_mla: return kernel_for<CacheFormat::fp8_ds_mla>(rope, paged, stages);
-    case CacheFormat::fp8_ds_mla_v4: return kernel_for<CacheFormat::fp8_ds_mla_v4>(rope, paged, stages);
-  }
-  return nullptr;
+  return instance_for(f, rope, paged, [stages]<CacheFormat F, int kRope, bool kPaged>() {
+    return kernel_for<F, kRope, kPaged>(stages);
+  });
 }
 
 }  // namespace

@@ -4,6 +4,8 @@
 
 #include <cstdint>
 
+#include "smla/types.h"
+
 namespace smla::cuda::mla {
 
 // Latent cache formats the kernel reads. Scores and values are computed in
@@ -12,6 +14,29 @@ namespace smla::cuda::mla {
 // converted. fp8_ds_mla_v4 is DeepSeek-V4's 584-byte cache (MlaV4CacheLayout),
 // of 512-wide heads only.
 enum class CacheFormat { bf16, f16, fp8_ds_mla, fp8_ds_mla_v4 };
+
+// The kernel instance of the three kernels' hosts for format `f`, rope width `rope` (kMlaRopeDim or 0) and key
+// source: pick.template operator()<F, kRope, kPaged>(), one call of the instances compiled (fp8_ds_mla_v4: rope
+// 0 only, as it holds 512-wide heads; checked before).
+template <class Pick>
+auto instance_for(CacheFormat f, int rope, bool paged, const Pick& pick) {
+  const auto of_format = [&]<CacheFormat F>() {
+    const auto of_rope = [&]<int kRope>() {
+      return paged ? pick.template operator()<F, kRope, true>() : pick.template operator()<F, kRope, false>();
+    };
+    if constexpr (F != CacheFormat::fp8_ds_mla_v4) {
+      if (rope) return of_rope.template operator()<kMlaRopeDim>();
+    }
+    return of_rope.template operator()<0>();
+  };
+  switch (f) {
+    case CacheFormat::bf16: return of_format.template operator()<CacheFormat::bf16>();
+    case CacheFormat::f16: return of_format.template operator()<CacheFormat::f16>();
+    case CacheFormat::fp8_ds_mla: return of_format.template operator()<CacheFormat::fp8_ds_mla>();
+    case CacheFormat::fp8_ds_mla_v4: break;
+  }
+  return of_format.template operator()<CacheFormat::fp8_ds_mla_v4>();
+}
 
 struct AttentionParams {
   // Query token t is (request b, step j) with b = t / s_q, j = t % s_q. For
