@@ -130,8 +130,11 @@ std::string explain_text(const AttentionSpec& s, const RunSpec& run, const Selec
     std::string name = c.backend->name();
     name.resize(width, ' ');
     o << "  " << name << "  ";
-    if (c.backend == sel.chosen)
+    if (c.backend == sel.chosen) {
       o << "CHOSEN" << (sel.forced ? " (forced)" : "") << "    " << c.backend->capabilities().description << "\n";
+      if (const auto& notes = c.backend->capabilities().kernel_notes)
+        for (const std::string& line : notes(s, run)) o << std::string(width + 4, ' ') << line << "\n";
+    }
     else if (c.valid())
       o << "valid     (a higher-priority backend was chosen)\n";
     else
