@@ -199,8 +199,8 @@ Plan plan(CacheFormat f, int rope, bool paged, int64_t tokens, int heads, int nu
     if (choice.kernel == AttentionKernel::small_heads) mla::small::small_heads_config(f, rope, paged, heads, shape);
     if (choice.kernel == AttentionKernel::wide_tile) mla::wide::wide_config(f, rope, paged, choice.stages);
     const mla::Rejection& last = d.rejected[static_cast<size_t>(d.num_rejected - 1)];
-    throw Error(ErrorKind::unsupported, std::string("MLA attention (") + mla::kernel_name(last.kernel) +
-                                            " kernel) " + mla::rejection_text(last, d.chosen, dev.compute_capability));
+    throw Error(ErrorKind::unsupported, std::string("MLA attention: ") + mla::kernel_name(last.kernel) + ": " +
+                                            mla::rejection_text(last, d.chosen, dev.compute_capability));
   }
   const mla::KernelVariant& v = d.chosen;
   Plan s;

@@ -139,13 +139,14 @@ KernelDecision choose_attention_kernel(const KernelLimits& l, const KernelShape&
       if (k != s.forced.kernel) reject(k, Rejected::forced_other);
     return d;
   }
+  const int min_tokens = s.rope ? kSmallMinTokens : kSmallMinTokensNoRope;
   for (AttentionKernel k : kOrder) {
-    if (d.ok()) {
-      reject(k, Rejected::other_kernel_won);
+    if (d.ok()) {  // need: the winner's threshold
+      const bool small = d.chosen.kernel == AttentionKernel::small_heads;
+      reject(k, Rejected::other_kernel_won, small ? min_tokens : kWideMinHeads);
       continue;
     }
     if (k == AttentionKernel::small_heads) {
-      const int min_tokens = s.rope ? kSmallMinTokens : kSmallMinTokensNoRope;
       if (s.format != CacheFormat::fp8_ds_mla) {
         reject(k, Rejected::cache_format);
         continue;
@@ -173,7 +174,7 @@ const char* kernel_name(AttentionKernel kernel) {
   switch (kernel) {
     case AttentionKernel::head_tile: return "16-head tile";
     case AttentionKernel::wide_tile: return "wide tile";
-    case AttentionKernel::small_heads: return "small heads";
+    case AttentionKernel::small_heads: return "small-heads kernel";
     case AttentionKernel::automatic: break;
   }
   return "none";
@@ -202,7 +203,11 @@ std::string rejection_text(const Rejection& r, const KernelVariant& chosen, int 
     case Rejected::smem:
       return "needs " + with_commas(r.need) + " B of shared memory per block; " + arch_text(cc) + " allows " +
              with_commas(r.have);
-    case Rejected::other_kernel_won: return "not chosen: the " + won + " comes first for this shape";
+    case Rejected::other_kernel_won:
+      if (chosen.kernel == AttentionKernel::small_heads)
+        return "not chosen: fp8_ds_mla caches at up to " + std::to_string(kSmallMaxHeads) + " heads from " +
+               std::to_string(r.need) + " query rows on take the small-heads kernel";
+      return "not chosen: " + std::to_string(r.need) + "+ heads take the wide tile";
   }
   return {};
 }

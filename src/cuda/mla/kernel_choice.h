@@ -55,7 +55,8 @@ struct KernelVariant {
   int heads_per_cta = 0, threads = 0, stages = 0, split_dims = 0, smem = 0, registers = 0, ctas_per_sm = 0;
 };
 
-// Why a kernel was not chosen. `need`/`have`: shared memory in bytes (smem), heads or tokens (the automatic rules).
+// Why a kernel was not chosen. `need`/`have`: shared memory in bytes (smem), heads or tokens (the automatic rules;
+// other_kernel_won: the chosen kernel's threshold).
 enum class Rejected {
   forced_other,      // another kernel was forced
   cache_format,      // the small-heads kernel reads fp8_ds_mla caches only (automatically)
@@ -88,11 +89,12 @@ struct KernelDecision {
 // A forced kernel or depth is taken as given; one that does not fit is no choice (not ok()).
 KernelDecision choose_attention_kernel(const KernelLimits& limits, const KernelShape& shape);
 
-// "wide tile", "16-head tile", "small heads".
+// "wide tile", "16-head tile", "small-heads kernel".
 const char* kernel_name(AttentionKernel kernel);
 // "wide tile (64 heads/CTA, depth 3, 1 CTA/SM)".
 std::string variant_text(const KernelVariant& v);
-// "not chosen: 64+ heads take the wide tile", "needs 192,512 B of shared memory per block; sm_120 allows 101,376".
+// Why `r.kernel` is not `chosen`, e.g. "not chosen: 64+ heads take the wide tile", "needs 192,512 B of shared
+// memory per block; sm_120 allows 101,376".
 std::string rejection_text(const Rejection& r, const KernelVariant& chosen, int compute_capability);
 
 // The dynamic shared memory of each kernel at depth `stages` (0: that depth is not compiled), from tables that
