@@ -205,12 +205,16 @@ std::string explain_json(const AttentionSpec& s, const RunSpec& run, const Selec
                 {"ops", ops},
                 {"attn_sink", run.attn_sink}};
   json candidates = json::array();
-  for (const auto& c : sel.candidates)
+  for (const auto& c : sel.candidates) {
+    const auto& notes = c.backend->capabilities().kernel_notes;
+    const bool chosen = c.backend == sel.chosen;
     candidates.push_back({{"name", c.backend->name()},
                           {"description", c.backend->capabilities().description},
                           {"valid", c.valid()},
-                          {"chosen", c.backend == sel.chosen},
-                          {"reasons", c.reasons}});
+                          {"chosen", chosen},
+                          {"reasons", c.reasons},
+                          {"kernel_notes", chosen && notes ? notes(s, run) : std::vector<std::string>{}}});
+  }
   json out = {{"schema", "smla.explain/1"},
               {"model", model},
               {"run", run_j},
