@@ -832,6 +832,13 @@ int main(int argc, char** argv) {
           bench_sparse("dsv4 decode c4", window, t, h, 128, c, {}, 0, {&c4, 512});
           bench_sparse("dsv4 decode c128", window, t, h, 128, c, {}, 0, {&c128, 1024});
         }
+      // Under tensor parallelism (V4-Flash's 64 heads over 8 or 4 GPUs): 8 and 16 heads on each kernel forced.
+      for (int h : {8, 16})
+        for (int t : {1, 32, 128})
+          for (AttentionKernel k : {AttentionKernel::small_heads, AttentionKernel::head_tile}) {
+            bench_sparse("dsv4 decode c4 (small heads)", window, t, h, 128, c, {k}, 0, {&c4, 512});
+            bench_sparse("dsv4 decode c128 (small heads)", window, t, h, 128, c, {k}, 0, {&c128, 1024});
+          }
       for (int h : {64, 128}) bench_sparse("dsv4 decode window", window, 128, h, 128, c);
       for (int h : {64, 128}) bench_sparse("dsv4 prefill c4", window, 4096, h, 128, c, {}, 0, {&c4, 512});
     }

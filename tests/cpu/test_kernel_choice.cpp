@@ -24,8 +24,10 @@ KernelLimits limits_of(const char* arch) {
 AttentionKernel expected_kernel(const KernelLimits& l, const KernelShape& s) {
   const int min_tokens = s.rope ? kSmallMinTokens : kSmallMinTokensNoRope;
   const int small_hpc = s.heads <= 8 ? 8 : 16;
-  if (s.format == CacheFormat::fp8_ds_mla && s.heads <= kSmallMaxHeads && s.tokens >= min_tokens &&
-      small_heads_smem(s.format, s.rope, small_hpc, small_hpc == 8 ? 2 : 1, 2) <= l.max_smem_per_block)
+  const bool v4 = s.format == CacheFormat::fp8_ds_mla_v4;  // never the dim split
+  if ((s.format == CacheFormat::fp8_ds_mla || (v4 && kSmallAutomaticForV4)) && s.heads <= kSmallMaxHeads &&
+      s.tokens >= min_tokens &&
+      small_heads_smem(s.format, s.rope, small_hpc, small_hpc == 8 && !v4 ? 2 : 1, 2) <= l.max_smem_per_block)
     return AttentionKernel::small_heads;
   if (s.heads >= kWideMinHeads && wide_smem(s.format, s.rope, 2) <= l.max_smem_per_block)
     return AttentionKernel::wide_tile;

@@ -767,7 +767,7 @@ TEST(CudaSparseMlaV4, HeadsTopkBlockSizes) {
       const std::optional<cuda::AttentionPlan> plan = run_sparse(p, seed++);
       ASSERT_TRUE(plan.has_value());
       EXPECT_EQ(plan->kernel, automatic_many_heads_kernel(DType::fp8_ds_mla_v4, 0, false, heads))
-          << "the small-heads kernel does not read fp8_ds_mla_v4";
+          << "the small-heads kernel from 64 tokens only";
     }
 }
 
@@ -799,13 +799,50 @@ TEST(CudaPagedDecodeV4, MatchesCpu) {
   run_paged(DType::f16, DType::fp8_ds_mla_v4, 2, 2, 128, 2, false, seed++, 0);
 }
 
-// Forcing the small-heads kernel on an fp8_ds_mla_v4 cache is refused (it reads fp8_ds_mla rows only); blocks
-// that are not 16-byte aligned are refused, naming the cache.
-TEST(CudaSparseMlaV4, RefusesTheSmallHeadsKernelAndMisalignedBlocks) {
+// The small-heads kernel forced on an fp8_ds_mla_v4 cache, against the CPU backend: 1, 8, 16 and 32 heads (8 or 16
+// a CTA), block sizes 2/61/64 (and a padded block stride), tokens 1/3/62, lengths cutting the list, a row with every
+// index invalid and whole empty halves, sinks, max_logits, pipeline depths, splits forced to 1 and several (and
+// split against unsplit). NaN fills every unused slot, block padding and the pad and scale bytes of unused tokens.
+TEST(CudaSparseMlaV4, SmallHeadsKernel) {
+  uint64_t seed = 1450;
+  const int block_sizes[] = {2, 61, 64};
+  int i = 0;
+  for (int heads : {1, 8, 16, 32})
+    for (int tokens : {1, 3, 62}) {
+      Problem p = v4_problem(heads, tokens == 62 ? 576 : 2048, block_sizes[i % 3]);
+      p.tokens = tokens;
+      p.q_dtype = i % 5 == 4 ? DType::f16 : DType::bf16;
+      p.topk_length = i % 2 == 0;
+      p.sink = i % 3 != 1;
+      p.max_logits = true;
+      p.empty_halves = i % 4 == 3;
+      p.block_pad = i % 5 == 2 ? 576 : 0;
+      p.kernel = {cuda::AttentionKernel::small_heads, i % 3 == 0 ? 0 : 2 + i % 3, heads <= 8 && i % 2 == 1 ? 16 : 0,
+                  0, i % 4 == 1 ? 1 : i % 4 == 2 ? 7 : 0};
+      const std::optional<cuda::AttentionPlan> plan = run_sparse(p, seed++);
+      ++i;
+      if (!plan) continue;  // a forced shape beyond the device's shared memory (checked and reported)
+      EXPECT_EQ(plan->kernel, cuda::AttentionKernel::small_heads) << "heads " << heads << " tokens " << tokens;
+      if (p.kernel.splits == 1) EXPECT_EQ(plan->num_splits, 1);
+      if (p.kernel.splits == 7) EXPECT_GT(plan->num_splits, 1);
+    }
+  for (int heads : {8, 16}) {
+    Problem split = v4_problem(heads, 2048, 61);
+    split.tokens = 2;
+    split.sink = true;
+    split.max_logits = true;
+    split.kernel = {cuda::AttentionKernel::small_heads, 0};
+    expect_splits_run(split, seed++);
+  }
+}
+
+// On an fp8_ds_mla_v4 cache the small-heads kernel does not split the output dims (that form spilled): forcing it
+// is refused; blocks that are not 16-byte aligned are refused, naming the cache.
+TEST(CudaSparseMlaV4, RefusesTheDimSplitAndMisalignedBlocks) {
   Problem small = v4_problem(8, 256, 64);
-  small.kernel = {cuda::AttentionKernel::small_heads, 0};
+  small.kernel = {cuda::AttentionKernel::small_heads, 0, 8, 2};
   test::expect_error([&] { run_sparse(small, 1400); }, ErrorKind::unsupported,
-                     {"small-heads kernel", "does not read fp8_ds_mla_v4"});
+                     {"small-heads kernel", "does not split the output dims", "fp8_ds_mla_v4"});
   Problem misaligned = v4_problem(8, 256, 61);
   misaligned.block_pad = 8;  // 62 * 576 + 8 bytes a block
   test::expect_error([&] { run_sparse(misaligned, 1401); }, ErrorKind::invalid_argument,
@@ -943,7 +980,8 @@ TEST(CudaSparseMlaWideTile, AutomaticChoiceAndSecondCache) {
         EXPECT_EQ(plan.ctas_per_sm, 1);
       }
       // With a second cache (there when its indices are: data a plan never reads) the same rule, and the kernel
-      // forced where the device holds it; below the rule's head count never the small-heads kernel.
+      // forced where the device holds it; below the rule's head count the one-cache rules (4 tokens: the 16-head
+      // tile, too few for the small-heads kernel).
       SparseMlaArgs two = a;
       int32_t never_read = 0;
       two.extra_kv_cache = a.kv_cache;

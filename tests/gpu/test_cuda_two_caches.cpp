@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "cuda/kernels.h"
+#include "cuda/mla/attention_small_heads.h"
 #include "gpu/gpu_util.h"
 #include "smla/error.h"
 #include "smla/ops.h"
@@ -32,14 +33,27 @@ struct TwoCaches {
   int tokens = 4, heads = 8, topk = 128, extra_topk = 64, block_size = 16, extra_block_size = 64;
   bool lengths = true, sink = false, max_logits = true, empty_lse_plus_inf = false;
   bool caller_workspace = false;
-  cuda::AttentionChoice choice;  // forced (splits != 0): the op's CUDA function is called directly
+  cuda::AttentionChoice choice;  // forced (a kernel or splits): the op's CUDA function is called directly
   int qk() const { return MlaHead{rope}.qk_dim(); }
+  bool forced() const { return choice.kernel != cuda::AttentionKernel::automatic || choice.splits != 0; }
+  // The kernel the plan must pick: the forced one, else the small-heads kernel by its automatic rules, else the
+  // wide-tile or 16-head-tile one.
+  cuda::AttentionKernel expected_kernel() const {
+    namespace sh = cuda::mla::small;
+    if (choice.kernel != cuda::AttentionKernel::automatic) return choice.kernel;
+    const bool small =
+        heads <= sh::kMaxHeadsAutomatic &&
+        ((kv_dtype == DType::fp8_ds_mla && tokens >= (rope ? sh::kMinTokensAutomatic : sh::kMinTokensAutomaticNoRope)) ||
+         (kv_dtype == DType::fp8_ds_mla_nope && tokens >= sh::kMinTokensAutomaticNoRope) ||
+         (kv_dtype == DType::fp8_ds_mla_v4 && sh::kAutomaticForV4 && tokens >= sh::kMinTokensAutomaticNoRope));
+    return small ? cuda::AttentionKernel::small_heads : automatic_many_heads_kernel(kv_dtype, rope, false, heads);
+  }
   std::string what() const {
     return "q=" + std::string(dtype_name(q_dtype)) + " kv=" + std::string(dtype_name(kv_dtype)) +
            " rope=" + std::to_string(rope) + " T=" + std::to_string(tokens) + " H=" + std::to_string(heads) +
            " K=" + std::to_string(topk) + " K2=" + std::to_string(extra_topk) + " bs=" + std::to_string(block_size) +
            "/" + std::to_string(extra_block_size) + (lengths ? " lengths" : "") + (sink ? " sink" : "") +
-           " splits=" + std::to_string(choice.splits);
+           " kernel=" + std::to_string(static_cast<int>(choice.kernel)) + " splits=" + std::to_string(choice.splits);
   }
 };
 
@@ -215,21 +229,21 @@ cuda::AttentionPlan run_two_caches(const TwoCaches& p, uint64_t seed) {
   EXPECT_GT(std::count_if(in.lse.begin(), in.lse.end(), [](float l) { return std::isfinite(l); }), 0) << what;
   OnGpu g(in);
   const cuda::AttentionPlan plan = cuda::sparse_mla_plan(g.args, p.choice);
-  EXPECT_EQ(plan.kernel, automatic_many_heads_kernel(p.kv_dtype, p.rope, false, p.heads)) << what;
+  EXPECT_EQ(plan.kernel, p.expected_kernel()) << what;
   EXPECT_GE(plan.num_splits, 2) << what << ": each cache takes at least one split";
   const size_t bytes = workspace_size(g.args, &gpu());  // the automatic plan's
-  if (p.choice.splits == 0) {
+  if (!p.forced()) {
     EXPECT_GE(bytes, static_cast<size_t>(plan.num_splits) * p.tokens * p.heads * (kMlaVDim + 2) * sizeof(float))
         << what;
   }
   std::optional<DeviceBuffer> ws;
-  if (p.caller_workspace || p.choice.splits != 0) {
+  if (p.caller_workspace || p.forced()) {
     ws.emplace(std::vector<uint8_t>(bytes + static_cast<size_t>(plan.num_splits) * p.tokens * p.heads *
                                                 (kMlaVDim + 2) * sizeof(float),
                                     0xff));  // NaN: every partial read must have been written
     g.args.workspace = TensorView(ws->ptr, {static_cast<int64_t>(ws->bytes)}, DType::u8, Device::cuda(0, 0));
   }
-  if (p.choice.splits == 0) sparse_mla(g.args, &gpu());
+  if (!p.forced()) sparse_mla(g.args, &gpu());
   else cuda::sparse_mla(g.args, p.choice);
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   expect_matches(p, in, g, what);
@@ -324,20 +338,34 @@ TEST(CudaTwoCaches, SplitsWithinEachCache) {
   EXPECT_GT(run_two_caches(decode, seed++).num_splits, 2);
 }
 
-// The small-heads kernel does not attend a second cache: forcing it is refused, nothing written.
-TEST(CudaTwoCaches, SmallHeadsKernelIsRefused) {
-  TwoCaches p;
-  p.kv_dtype = DType::fp8_ds_mla;
-  p.rope = kMlaRopeDim;
-  Inputs in;
-  make_inputs(p, 400, in);
-  OnGpu g(in);
-  cuda::AttentionChoice small;
-  small.kernel = cuda::AttentionKernel::small_heads;
-  test::expect_error([&] { cuda::sparse_mla(g.args, small); }, ErrorKind::unsupported,
-                     {"sparse_mla", "small-heads kernel does not attend a second cache"});
-  const auto out = g.out.download<uint16_t>();
-  for (uint16_t v : out) ASSERT_EQ(v, 0x7fc1);
+// Whether the device's shared memory holds `p`'s forced small-heads shape (16 heads a CTA does not fit the 99 KB
+// archs, real or emulated); reported as skipped where not.
+bool small_heads_fit(const TwoCaches& p) {
+  const cuda::mla::CacheFormat f =
+      p.kv_dtype == DType::fp8_ds_mla_v4 ? cuda::mla::CacheFormat::fp8_ds_mla_v4 : cuda::mla::CacheFormat::fp8_ds_mla;
+  if (cuda::mla::small::find_small_heads_config(f, p.rope, false, p.heads,
+                                                {p.choice.stages, p.choice.heads_per_cta, p.choice.split_dims}))
+    return true;
+  std::printf("[ skipped  ] %s: beyond the device's shared memory\n", p.what().c_str());
+  return false;
+}
+
+// The small-heads kernel forced over two fp8_ds_mla caches of 576-wide heads (each cache's launch writes its
+// splits' partials for the one combine), with lengths, sinks and max_logits.
+TEST(CudaTwoCaches, SmallHeadsKernel) {
+  uint64_t seed = 400;
+  for (int heads : {8, 16}) {
+    TwoCaches p;
+    p.kv_dtype = DType::fp8_ds_mla;
+    p.rope = kMlaRopeDim;
+    p.heads = heads;
+    p.tokens = 5;
+    p.topk = 300;
+    p.extra_topk = 200;
+    p.sink = true;
+    p.choice.kernel = cuda::AttentionKernel::small_heads;
+    if (small_heads_fit(p)) run_two_caches(p, seed++);
+  }
 }
 
 // A workspace smaller than workspace_size (which counts both caches' splits) is refused.
@@ -456,6 +484,33 @@ TEST(CudaTwoCachesV4, DecodeBatchesAndSplits) {
     p.choice.splits = splits;
     run_two_caches(p, seed++);
   }
+}
+
+// The small-heads kernel forced over two fp8_ds_mla_v4 caches: 1, 8, 16 and 32 heads (8 or 16 a CTA), block sizes
+// 2/61/64 paired per cache, tokens 1/3/62, lengths cutting both lists (0 in both, and every index invalid in both,
+// on some rows), sinks, max_logits, pipeline depths, splits forced to 1 a cache and several; NaN in unused slots,
+// the scale and pad bytes of unused tokens and the block padding.
+TEST(CudaTwoCachesV4, SmallHeadsKernel) {
+  uint64_t seed = 1300;
+  const std::pair<int, int> block_sizes[] = {{2, 61}, {61, 64}, {64, 2}};
+  int i = 0;
+  for (int heads : {1, 8, 16, 32})
+    for (int tokens : {1, 3, 62}) {
+      TwoCaches p = v4_caches(heads, tokens == 62 ? 512 : 2048, tokens == 62 ? 128 : 640, block_sizes[i % 3].first,
+                              block_sizes[i % 3].second);
+      p.tokens = tokens;
+      p.q_dtype = i % 5 == 4 ? DType::f16 : DType::bf16;
+      p.sink = i % 3 != 1;
+      p.lengths = i % 4 != 3;
+      p.empty_lse_plus_inf = i % 6 == 5;
+      p.choice = {cuda::AttentionKernel::small_heads, i % 3 == 0 ? 0 : 2 + i % 3, heads <= 8 && i % 2 == 1 ? 16 : 0,
+                  0, i % 4 == 1 ? 1 : i % 4 == 2 ? 6 : 0};
+      ++i;
+      if (!small_heads_fit(p)) continue;
+      const cuda::AttentionPlan plan = run_two_caches(p, seed++);
+      if (p.choice.splits == 1) EXPECT_EQ(plan.num_splits, 2) << p.what();
+      if (p.choice.splits == 6) EXPECT_GT(plan.num_splits, 4) << p.what();
+    }
 }
 
 // Captured into a CUDA graph on a new non-blocking stream with a caller workspace (both caches `kv`): the replay

@@ -250,6 +250,14 @@ void launch_head_tile(const LaunchConfig& config, const AttentionParams& p, int6
                      dim3(mla::kThreads), args, config.smem, stream, dependent, "smla MLA attention kernel");
 }
 
+// The attention kernel `s` chose over `s.num_splits` splits of one cache's keys: all of p's splits, or with
+// sparse_mla's second cache those of one of the caches (p.num_splits counts them all).
+void launch_planned(const Plan& s, const AttentionParams& p, cudaStream_t stream, bool dependent = false) {
+  if (s.small) mla::small::launch_small_heads(p, *s.small, s.num_splits, stream, dependent);
+  else if (s.wide) mla::wide::launch_wide(p, *s.wide, s.num_splits, stream, dependent);
+  else launch_head_tile(s.head_tile, p, s.ctas, s.num_splits, stream, dependent);
+}
+
 void launch_combine(const AttentionParams& p, cudaStream_t stream) {
   // From SM90 on the combine is a programmatic dependent launch: its launch overlaps the attention's tail.
   const int64_t rows = static_cast<int64_t>(p.num_tokens) * p.num_heads;
@@ -260,13 +268,6 @@ void launch_combine(const AttentionParams& p, cudaStream_t stream) {
   void* args[] = {const_cast<AttentionParams*>(&p)};
   launch_kernel_args(fn, dim3(static_cast<unsigned>(rows), column_blocks), dim3(mla::kThreads), args, 0, stream, true,
                      "smla MLA combine kernel");
-}
-
-// The attention kernel of `s` (the wide-tile or the 16-head-tile kernel) over `s.num_splits` splits of one cache's
-// keys: all of p's splits, or with sparse_mla's second cache those of one of the caches.
-void launch_one_cache(const Plan& s, const AttentionParams& p, cudaStream_t stream, bool dependent = false) {
-  if (s.wide) mla::wide::launch_wide(p, *s.wide, s.num_splits, stream, dependent);
-  else launch_head_tile(s.head_tile, p, s.ctas, s.num_splits, stream, dependent);
 }
 
 // `workspace`: the caller's (checked to hold partial_bytes) or absent.
@@ -283,16 +284,16 @@ void launch(AttentionParams& p, CacheFormat f, int rope, bool paged, int num_key
     require_workspace(workspace, bytes, op);
     set_partials(p, static_cast<float*>(workspace_or(workspace, own, stream, bytes, op)));
   }
-  if (split.small) mla::small::launch_small_heads(p, *split.small, stream, dependent);
-  else launch_one_cache(split, p, stream, dependent);
+  launch_planned(split, p, stream, dependent);
   if (p.num_splits > 1) launch_combine(p, stream);
 }
 
 // Sparse attention over two caches under one softmax (DeepSeek-V4's window cache and its compressed cache).
 // DeepSeek-V4's bf16 / f16 head is the 512-wide rope-free geometry exactly: its score is q.k over all 512 values
 // of the row (448 nope + 64 rope, which the score need not tell apart) and its value the whole row, so the kernels
-// serve it unchanged. Each cache's keys run as the splits of one launch of the wide-tile or the 16-head-tile kernel
-// (as plan picks them, never the small-heads kernel: it reads one cache only), the main cache's splits first, then the extra cache's, all writing partial rows (out, lse, max) into one array that the combine
+// serve it unchanged. Each cache's keys run as the splits of one launch of the kernel its plan picks (the rules of
+// one cache: small-heads, wide-tile or 16-head-tile), the main cache's
+// splits first, then the extra cache's, all writing partial rows (out, lse, max) into one array that the combine
 // merges as one list of splits: the sink is applied once, and a row with no valid key in either cache gets out 0,
 // the empty lse and max_logits -inf, as with one cache. The kernel writes partials whenever num_splits > 1 (here
 // always, each cache having at least one split) at split blockIdx.y of its partial pointers, so the extra cache's
@@ -305,11 +306,6 @@ struct TwoCachePlan {
 
 TwoCachePlan two_cache_plan(CacheFormat f, int rope, int64_t tokens, int heads, int keys, int extra_keys,
                             AttentionChoice choice) {
-  if (choice.kernel == AttentionKernel::small_heads)
-    throw Error(ErrorKind::unsupported, "sparse_mla: the small-heads kernel does not attend a second cache");
-  // Below the wide-tile kernel's automatic head count plan's own choice may be the small-heads kernel.
-  if (choice.kernel == AttentionKernel::automatic && heads < mla::wide::kMinHeadsAutomatic)
-    choice.kernel = AttentionKernel::head_tile;
   auto one = [&](int num_keys) {
     Plan s = plan(f, rope, false, tokens, heads, num_keys, choice);
     if (s.num_splits > mla::kMaxSplits / 2) {  // the combine merges at most kMaxSplits: half for each cache
@@ -351,12 +347,12 @@ void sparse_mla_two_caches(AttentionParams& p, const SparseMlaArgs& a, Attention
   e.partial_lse += main_rows;
   e.partial_max += main_rows;
 
-  launch_one_cache(tp.main, p, stream, dependent);
-  launch_one_cache(tp.extra, e, stream);
+  launch_planned(tp.main, p, stream, dependent);
+  launch_planned(tp.extra, e, stream);
   launch_combine(p, stream);
 }
 
-// What `s` launches, over `num_splits` splits in all.
+// `num_splits`: the plan's own, or all of the caches' where it is one cache's of two.
 AttentionPlan plan_of(const Plan& s, int num_splits) {
   if (s.small) return {AttentionKernel::small_heads, s.small->stages, s.small->smem, s.small->ctas_per_sm, num_splits};
   if (s.wide) return {AttentionKernel::wide_tile, s.wide->stages, s.wide->smem, s.wide->ctas_per_sm, num_splits};

@@ -69,14 +69,16 @@ struct Fp8Row<CacheFormat::fp8_ds_mla, kRope> {
 };
 // fp8_ds_mla_v4 (512-wide heads): the token's 576 value bytes (448 e4m3 | 64 bf16 rope), then its 8 scale bytes
 // (7 ue8m0 and the pad), gathered from the block's end into one more 16-byte piece.
+// A ue8m0 scale byte: 2^(e - 127) (e = 0 the denormal 2^-127), 255 NaN, as the CPU backend reads it.
+__device__ __forceinline__ float ue8m0_to_float(uint32_t e) {
+  return __uint_as_float(e == 255 ? 0x7fc00000u : e == 0 ? 0x00400000u : e << 23);
+}
 template <>
 struct Fp8Row<CacheFormat::fp8_ds_mla_v4, 0> {
   using V4 = MlaV4CacheLayout;
   static constexpr int kE4m3 = V4::kNopeDim, kTail = V4::kNopeDim, kStagedBytes = V4::kValueBytes + 16;
-  // ue8m0: 2^(e - 127) (e = 0 the denormal 2^-127), 255 NaN, as the CPU backend reads it.
   __device__ static float scale(const uint8_t* row, int dim) {
-    const uint32_t e = row[V4::kValueBytes + dim / V4::kTile];
-    return __uint_as_float(e == 255 ? 0x7fc00000u : e == 0 ? 0x00400000u : e << 23);
+    return ue8m0_to_float(row[V4::kValueBytes + dim / V4::kTile]);
   }
 };
 __host__ __device__ constexpr int staged_row_bytes(CacheFormat f, int rope) {

@@ -18,17 +18,25 @@ constexpr int kMaxStages = 4;  // cp_async_wait_dynamic's deepest count is stage
 
 using Kernel = void (*)(AttentionParams, int);
 
-// Head groups x dim split compiled: 8 heads on 4 or 8 warps, 16 heads on 8.
+// Head groups x dim split compiled: 8 heads on 4 or 8 warps, 16 heads on 8. fp8_ds_mla_v4 rows are not read with
+// the output dims split: at 128 registers a thread that form spilled (sm_90a: 12-28 bytes).
+template <CacheFormat F>
+constexpr bool kSplitsDims = F != CacheFormat::fp8_ds_mla_v4;
 template <CacheFormat F, bool kPaged, int kRope>
 Kernel kernel_for(int groups, int split_dims) {
   if (groups == 2) return small_heads_kernel<F, kPaged, 2, 1, kRope>;
-  return split_dims == 2 ? small_heads_kernel<F, kPaged, 1, 2, kRope> : small_heads_kernel<F, kPaged, 1, 1, kRope>;
+  if constexpr (!kSplitsDims<F>) return small_heads_kernel<F, kPaged, 1, 1, kRope>;
+  else return split_dims == 2 ? small_heads_kernel<F, kPaged, 1, 2, kRope> : small_heads_kernel<F, kPaged, 1, 1, kRope>;
 }
 
 template <CacheFormat F>
 Kernel kernel_for(bool paged, int rope, int groups, int split_dims) {
-  if (rope) return paged ? kernel_for<F, true, 64>(groups, split_dims) : kernel_for<F, false, 64>(groups, split_dims);
-  return paged ? kernel_for<F, true, 0>(groups, split_dims) : kernel_for<F, false, 0>(groups, split_dims);
+  if constexpr (F == CacheFormat::fp8_ds_mla_v4) {  // which holds 512-wide heads only (checked)
+    return paged ? kernel_for<F, true, 0>(groups, split_dims) : kernel_for<F, false, 0>(groups, split_dims);
+  } else {
+    if (rope) return paged ? kernel_for<F, true, 64>(groups, split_dims) : kernel_for<F, false, 64>(groups, split_dims);
+    return paged ? kernel_for<F, true, 0>(groups, split_dims) : kernel_for<F, false, 0>(groups, split_dims);
+  }
 }
 
 Kernel select(CacheFormat f, bool paged, int rope, int groups, int split_dims) {
@@ -36,7 +44,7 @@ Kernel select(CacheFormat f, bool paged, int rope, int groups, int split_dims) {
     case CacheFormat::bf16: return kernel_for<CacheFormat::bf16>(paged, rope, groups, split_dims);
     case CacheFormat::f16: return kernel_for<CacheFormat::f16>(paged, rope, groups, split_dims);
     case CacheFormat::fp8_ds_mla: return kernel_for<CacheFormat::fp8_ds_mla>(paged, rope, groups, split_dims);
-    case CacheFormat::fp8_ds_mla_v4: break;  // not read: find_small_heads_config never asks
+    case CacheFormat::fp8_ds_mla_v4: return kernel_for<CacheFormat::fp8_ds_mla_v4>(paged, rope, groups, split_dims);
   }
   return nullptr;
 }
@@ -48,6 +56,7 @@ int smem_bytes(int groups, int split_dims, int stages) {
 }
 
 int smem_bytes(CacheFormat f, int rope, int groups, int split_dims, int stages) {
+  if (f == CacheFormat::fp8_ds_mla_v4) return smem_bytes<CacheFormat::fp8_ds_mla_v4, 0>(groups, split_dims, stages);
   if (f == CacheFormat::fp8_ds_mla)
     return rope ? smem_bytes<CacheFormat::fp8_ds_mla, 64>(groups, split_dims, stages)
                 : smem_bytes<CacheFormat::fp8_ds_mla, 0>(groups, split_dims, stages);
@@ -84,12 +93,14 @@ SmallHeadsConfig deepest(Kernel fn, CacheFormat f, int rope, int groups, int spl
 
 const SmallHeadsConfig* find_small_heads_config(CacheFormat f, int rope, bool paged, int num_heads,
                                                SmallHeadsShape shape) {
+  if (f == CacheFormat::fp8_ds_mla_v4 && shape.split_dims == 2)
+    throw Error(ErrorKind::unsupported,
+                "MLA attention (small-heads kernel) does not split the output dims over fp8_ds_mla_v4 caches");
   if ((shape.stages != 0 && (shape.stages < 2 || shape.stages > kMaxStages)) ||
       (shape.heads_per_cta != 0 && shape.heads_per_cta != 8 && shape.heads_per_cta != 16) ||
       (shape.split_dims != 0 && shape.split_dims != 1 && shape.split_dims != 2))
     throw Error(ErrorKind::invalid_argument, "MLA attention (small-heads kernel): stages must be 2-4, heads per CTA "
                                              "8 or 16, dim split 1 or 2 (0: as the kernel sees fit)");
-  if (f == CacheFormat::fp8_ds_mla_v4) return nullptr;
   using Key = std::tuple<int, CacheFormat, int, bool, int, int, int>;
   static std::mutex mu;
   static std::map<Key, SmallHeadsConfig> configs;  // nodes never move
@@ -104,8 +115,9 @@ const SmallHeadsConfig* find_small_heads_config(CacheFormat f, int rope, bool pa
     SmallHeadsConfig cfg;
     if (groups == 2) {
       cfg = deepest(select(f, paged, rope, 2, 1), f, rope, 2, 1, shape.stages);
-    } else if (shape.split_dims != 0) {
-      cfg = deepest(select(f, paged, rope, 1, shape.split_dims), f, rope, 1, shape.split_dims, shape.stages);
+    } else if (shape.split_dims != 0 || f == CacheFormat::fp8_ds_mla_v4) {  // forced, or never split (kSplitsDims)
+      const int split_dims = shape.split_dims != 0 ? shape.split_dims : 1;
+      cfg = deepest(select(f, paged, rope, 1, split_dims), f, rope, 1, split_dims, shape.stages);
     } else {
       // Split the output dims (8 warps per CTA, each key slot's two warps
       // sharing the scores' dims) wherever that keeps as many CTAs per SM, so
@@ -125,8 +137,6 @@ const SmallHeadsConfig* find_small_heads_config(CacheFormat f, int rope, bool pa
 const SmallHeadsConfig& small_heads_config(CacheFormat f, int rope, bool paged, int num_heads,
                                            SmallHeadsShape shape) {
   if (const SmallHeadsConfig* cfg = find_small_heads_config(f, rope, paged, num_heads, shape)) return *cfg;
-  if (f == CacheFormat::fp8_ds_mla_v4)
-    throw Error(ErrorKind::unsupported, "MLA attention (small-heads kernel) does not read fp8_ds_mla_v4 caches");
   const int groups = shape.heads_per_cta == 8 || (shape.heads_per_cta == 0 && num_heads <= kHeadsPerGroup) ? 1 : 2;
   const int stages = shape.stages > 0 ? shape.stages : 2;
   const int bytes = smem_bytes(f, rope, groups, shape.split_dims == 2 ? 2 : 1, stages);
@@ -136,9 +146,10 @@ const SmallHeadsConfig& small_heads_config(CacheFormat f, int rope, bool paged, 
                                           std::to_string(current_device().max_smem_per_block));
 }
 
-void launch_small_heads(const AttentionParams& p, const SmallHeadsConfig& cfg, cudaStream_t stream, bool dependent) {
+void launch_small_heads(const AttentionParams& p, const SmallHeadsConfig& cfg, int splits, cudaStream_t stream,
+                        bool dependent) {
   const int head_blocks = (p.num_heads + cfg.heads_per_cta - 1) / cfg.heads_per_cta;
-  const dim3 grid(static_cast<unsigned>(static_cast<int64_t>(p.num_tokens) * head_blocks), p.num_splits);
+  const dim3 grid(static_cast<unsigned>(static_cast<int64_t>(p.num_tokens) * head_blocks), splits);
   int stages = cfg.stages;
   void* args[] = {const_cast<AttentionParams*>(&p), &stages};
   launch_kernel_args(cfg.fn, grid, dim3(cfg.threads), args, cfg.smem, stream, dependent,

@@ -10,7 +10,11 @@
 // rows are dequantised from shared memory straight into mma fragments (e4m3
 // pairs -> f16x2, one instruction from SM89 on, for both products); their
 // per-128-dim scales are applied to the fp32 scores and folded into P for
-// P V. Dims inside a thread's fragments are permuted (the dot products do not
+// P V. fp8_ds_mla_v4 rows (448 e4m3 dims in 7 tiles of 64 with power-of-two
+// scales, then 64 bf16 dims) are laid out as fp8_ds_mla's with a rope part:
+// the 16-bit dims take the rope's place, the eighth 64-dim tile is never
+// read; their scales are applied per 64 dims to the scores and, in P V, to the
+// values (the dims of one mma span two tiles). Dims inside a thread's fragments are permuted (the dot products do not
 // care) so every operand is one 16-byte shared load; 16-byte pieces are
 // XOR-swizzled per row so those loads and ldmatrix hit distinct banks.
 #pragma once
@@ -34,19 +38,28 @@ constexpr int kChunkKeys = kKeySlots * kKeysPerWarp;
 // that key is 1, exact), so with bf16 caches the base follows the max.
 template <CacheFormat F>
 constexpr float kMaxSlack = F == CacheFormat::bf16 ? 0.f : 8.f;
+// fp8_ds_mla_v4's P V: values are scaled by 2^kV4ValueExp over their tile's largest scale (448 * 2^7 < 65504,
+// f16's largest), and its 128-dim tile kV4TailTile ends in the 64 bf16 dims.
+constexpr int kV4ValueExp = 7, kV4TailTile = MlaV4CacheLayout::kTiles / 2;
 
 // Row geometry for rope width kRope (64 for DeepSeek/GLM-5's MLA; 0 for a
-// rope-free 512-wide head): the 16-bit latent and rope values of a row take
-// whole 128-byte shared-memory groups; fp8 scales live apart.
+// rope-free 512-wide head): the latent values of a row (fp8 or 16-bit) and
+// its 16-bit tail (the rope; fp8_ds_mla_v4's 64 bf16 dims) take whole
+// 128-byte shared-memory groups; fp8 scales live apart.
 template <CacheFormat F, int kRope>
 struct Geometry {
-  static constexpr bool kFp8 = F == CacheFormat::fp8_ds_mla;
-  static constexpr int kLatentBytes = kFp8 ? kLatent : 2 * kLatent;
-  static constexpr int kRopeBytes = 2 * kRope;
+  static constexpr bool kFp8 = is_fp8(F), kV4 = F == CacheFormat::fp8_ds_mla_v4;
+  static_assert(!kV4 || kRope == 0, "fp8_ds_mla_v4 holds 512-wide heads");
+  static constexpr int kLatentDims = kV4 ? MlaV4CacheLayout::kNopeDim : kLatent;  // before the 16-bit tail
+  static constexpr int kTailDims = kV4 ? MlaV4CacheLayout::kRopeDim : kRope;
+  static constexpr int kLatentSteps = kLatentDims / 16;
+  static constexpr int kLatentBytes = kFp8 ? kLatent : 2 * kLatent;  // V4: 448 bytes in 4 groups, the last half used
+  static constexpr int kRopeBytes = 2 * kTailDims;
   static constexpr int kRowBytes = kLatentBytes + kRopeBytes;  // in shared memory, without scales
-  static constexpr int kScaleBytes = kFp8 ? 16 : 0;
-  static constexpr int kGlobalPieces = (kRowBytes + kScaleBytes) / 16;  // 16-byte pieces of a cache row
-  static constexpr int kQkSteps = (kLatent + kRope) / 16;              // score k-steps
+  static constexpr int kScaleBytes = kFp8 ? 16 : 0;            // V4: its 8 scale bytes in the first half
+  // 16-byte pieces of a cache row as the gather reads them (V4: its values, then its scales from the block's end).
+  static constexpr int kGlobalPieces = kV4 ? MlaV4CacheLayout::kValueBytes / 16 + 1 : (kRowBytes + kScaleBytes) / 16;
+  static constexpr int kQkSteps = (kLatentDims + kTailDims) / 16;  // score k-steps
   static constexpr int kStageBytes = kChunkKeys * (kRowBytes + kScaleBytes + 4);  // rows, scales, valid flags
   static_assert(kRowBytes % 128 == 0, "rows are whole 128-byte groups");
 };
@@ -86,7 +99,8 @@ __device__ __forceinline__ int piece_offset(int row_base_bytes, int row, int pie
 // d0..d0+1 in the first register, d0+2..d0+3 in the second.
 template <CacheFormat F>
 __host__ __device__ constexpr int score_dim(int ks, int c) {
-  if (F == CacheFormat::fp8_ds_mla && ks < kLatent / 16)  // a piece = 16 e4m3 dims = 4 k-steps
+  if ((F == CacheFormat::fp8_ds_mla && ks < kLatent / 16) ||
+      (F == CacheFormat::fp8_ds_mla_v4 && ks < MlaV4CacheLayout::kNopeDim / 16))  // a piece = 16 e4m3 dims = 4 k-steps
     return 128 * (ks / 8) + 64 * ((ks / 4) % 2) + 16 * c + 4 * (ks % 4);
   return 64 * (ks / 4) + 32 * ((ks / 2) % 2) + 8 * c + 4 * (ks % 2);  // a piece = 8 16-bit dims = 2 k-steps
 }
@@ -138,11 +152,11 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
     small_heads_kernel(const AttentionParams p, int stages) {
   using T = ComputeT<F>;
   using G = Geometry<F, kRope>;
-  constexpr bool kFp8 = G::kFp8;
+  constexpr bool kFp8 = G::kFp8, kV4 = G::kV4;
   constexpr int kWarpsPerGroup = kKeySlots * kSplitDims;
   constexpr int kWarps = kGroups * kWarpsPerGroup, kThreadsPerCta = kWarps * 32;
   constexpr int kRowsPerWarp = kChunkKeys / kWarps;
-  constexpr int kLatentSteps = kLatent / 16;
+  constexpr int kLatentSteps = G::kLatentSteps, kTileSteps = 128 / 16;
   constexpr int kMTiles = kVDim / 16 / kSplitDims;  // this warp's 16-dim tiles of O^T
   constexpr int kScaleTiles = 4 / kSplitDims;       // ... and its fp8 128-dim scale tiles
   static_assert(kRowsPerWarp >= 1 && kRowsPerWarp <= 32, "a lane holds each of its warp's rows");
@@ -175,31 +189,45 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
   // Gather: warp w copies rows w, w + kWarps, ... of each chunk, a row's
   // 16-byte pieces across the lanes (whole 128-byte lines per instruction).
   // Lane l holds the byte offset of the warp's l-th row (-1: invalid, then
-  // zero-filled and never read), loaded a chunk ahead.
+  // zero-filled and never read), loaded a chunk ahead; fp8_ds_mla_v4: also
+  // the row's place in its block, which finds its scales at the block's end.
+  int next_in_block = 0;
   auto offset_for = [&](int chunk) -> int64_t {
     if (lane >= kRowsPerWarp) return -1;
     const int64_t slot = slot_of<kPaged>(p, t, b, chunk * kChunkKeys + warp + kWarps * lane, visible);
     if (slot < 0) return -1;
     const int s32 = static_cast<int>(slot);  // indices are int32
-    return (s32 / p.block_size) * p.block_stride + (s32 % p.block_size) * p.row_stride;
+    const int64_t block = (s32 / p.block_size) * p.block_stride;
+    if constexpr (kV4) {
+      next_in_block = s32 % p.block_size;
+      return block + next_in_block * MlaV4CacheLayout::kValueBytes;
+    }
+    return block + (s32 % p.block_size) * p.row_stride;
   };
   int64_t next_offset = n_chunks > 0 ? offset_for(chunk_begin) : -1;
   // Where this lane's pieces land in a row: the warp's rows alternate between
-  // two swizzles (kWarps * 2 is a multiple of 8). -1: the fp8 scales, kept apart.
+  // two swizzles (kWarps * 2 is a multiple of 8). -1: the fp8 scales, kept
+  // apart (fp8_ds_mla: after the latent; fp8_ds_mla_v4: the last piece, whose
+  // bf16 dims before it go to the group after the latent's).
   constexpr int kLanePieces = (G::kGlobalPieces + 31) / 32;
+  constexpr int kScalePiece = kV4 ? G::kGlobalPieces - 1 : kLatent / 16;
+  auto smem_piece = [](int pc) {
+    if constexpr (kV4) return pc < G::kLatentDims / 16 ? pc : pc - G::kLatentDims / 16 + G::kLatentBytes / 16;
+    return pc > kScalePiece ? pc - 1 : pc;
+  };
   int piece_dst[2][kLanePieces];
 #pragma unroll
   for (int parity = 0; parity < 2; ++parity)
 #pragma unroll
     for (int jp = 0; jp < kLanePieces; ++jp) {
       const int pc = lane + 32 * jp;
-      piece_dst[parity][jp] = kFp8 && pc == kLatent / 16
-                                  ? -1
-                                  : piece_offset(0, warp + kWarps * parity, kFp8 && pc > kLatent / 16 ? pc - 1 : pc);
+      piece_dst[parity][jp] =
+          kFp8 && pc == kScalePiece ? -1 : piece_offset(0, warp + kWarps * parity, kFp8 ? smem_piece(pc) : pc);
     }
   auto issue = [&](int i) {  // chunk i of this split, into stage i % stages, if it exists
     if (i < n_chunks) {
       const int64_t offsets = next_offset;
+      const int in_blocks = next_in_block;
       if (i + 1 < n_chunks) next_offset = offset_for(chunk_begin + i + 1);
       uint8_t* stage = smem + (i % stages) * G::kStageBytes;
 #pragma unroll 4
@@ -210,9 +238,21 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
 #pragma unroll
         for (int jp = 0; jp < kLanePieces; ++jp) {
           const int pc = lane + 32 * jp, d = piece_dst[k % 2][jp];
-          if (pc < G::kGlobalPieces)
+          if constexpr (kV4) {
+            using V4 = MlaV4CacheLayout;
+            // Every lane takes part in the shuffle; the scale piece's lane uses it: block + block_size * 576 + i * 8.
+            const int in_block = jp == kLanePieces - 1 ? __shfl_sync(0xffffffffu, in_blocks, k) : 0;
+            const int64_t scale_offset =
+                offset + static_cast<int64_t>(p.block_size) * V4::kValueBytes - in_block * (V4::kValueBytes - V4::kScaleBytes);
+            if (pc == kScalePiece)
+              cp_async_8(stage + kChunkKeys * G::kRowBytes + row * 16, p.cache + (offset >= 0 ? scale_offset : 0),
+                         offset >= 0);
+            else if (pc < G::kGlobalPieces)
+              cp_async_16(stage + row * G::kRowBytes + d, src + pc * 16, offset >= 0);
+          } else if (pc < G::kGlobalPieces) {
             cp_async_16(stage + (d >= 0 ? row * G::kRowBytes + d : kChunkKeys * G::kRowBytes + row * 16), src + pc * 16,
                         offset >= 0);
+          }
         }
         if (lane == 0) reinterpret_cast<int*>(stage + kChunkKeys * (G::kRowBytes + G::kScaleBytes))[row] = offset >= 0;
       }
@@ -326,7 +366,7 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
   constexpr int kScoreTiles = 4 / kSplitDims, kRopeHalves = 2 / kSplitDims;
   const int tile0 = half_d * kScoreTiles, rope_half0 = half_d * kRopeHalves;
   const int s_lat = s_off + tile0 * (G::kLatentBytes / 4);       // a tile is 1 (fp8) or 2 (16-bit) 128-byte groups
-  const uint2* const q_lat = my_q + tile0 * (kLatentSteps / 4) * 32;  // ... and kLatentSteps / 4 k-steps
+  const uint2* const q_lat = my_q + tile0 * kTileSteps * 32;  // ... and kTileSteps k-steps
   auto attend = [&](const uint8_t* stage) {
     const uint8_t* rows = stage;
     const float* scales = reinterpret_cast<const float*>(stage + kChunkKeys * G::kRowBytes);
@@ -345,18 +385,33 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
       else mma_16816<T>(d, a, {qb.x, qb.y});
     };
     const int r0 = kr + g, r1 = kr + g + 8;
+    // fp8_ds_mla_v4: the scale byte (biased exponent) of a row's 64-dim tile (the eighth byte is the pad).
+    auto v4_exponent = [&](int row, int v4_tile) -> int {
+      return reinterpret_cast<const uint8_t*>(scales)[16 * row + v4_tile];
+    };
     if constexpr (kFp8) {
 #pragma unroll
       for (int tt = 0; tt < kScoreTiles; ++tt)
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
+          const int v4_tile = 2 * (tile0 + tt) + half;  // fp8_ds_mla_v4's 64-dim tile
+          if (kV4 && v4_tile >= MlaV4CacheLayout::kTiles) continue;  // its bf16 dims are the tail's
           const uint4 x0 = score_piece(s_lat, tt, half, false), x1 = score_piece(s_lat, tt, half, true);
           const uint32_t w0[4] = {x0.x, x0.y, x0.z, x0.w}, w1[4] = {x1.x, x1.y, x1.z, x1.w};
+          float v4_acc[4] = {};
 #pragma unroll
           for (int k = 0; k < 4; ++k) {
             const uint32_t a[4] = {e4m3x2_to_f16x2(w0[k]), e4m3x2_to_f16x2(w1[k]), e4m3x2_to_f16x2<true>(w0[k]),
                                    e4m3x2_to_f16x2<true>(w1[k])};
-            latent_step(acc[tt], a, 8 * tt + 4 * half + k);
+            if constexpr (kV4) latent_step(v4_acc, a, 8 * tt + 4 * half + k);
+            else latent_step(acc[tt], a, 8 * tt + 4 * half + k);
+          }
+          if constexpr (kV4) {  // each 64-dim tile's scale on its fp32 partial scores
+            const float s0 = ue8m0_to_float(v4_exponent(r0, v4_tile)), s1 = ue8m0_to_float(v4_exponent(r1, v4_tile));
+            acc[tt][0] += v4_acc[0] * s0;
+            acc[tt][1] += v4_acc[1] * s0;
+            acc[tt][2] += v4_acc[2] * s1;
+            acc[tt][3] += v4_acc[3] * s1;
           }
         }
     } else {
@@ -370,7 +425,7 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
         }
     }
 #pragma unroll
-    for (int grp = 0; grp < kRope / 64; ++grp)
+    for (int grp = 0; grp < G::kTailDims / 64; ++grp)
 #pragma unroll
       for (int rh = 0; rh < kRopeHalves; ++rh) {
         const int half = rope_half0 + rh;
@@ -383,8 +438,8 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
 
     // s[0..1]: key r0, heads 2c, 2c+1; s[2..3]: key r1.
     float s[4];
-    float4 sc0 = make_float4(1.f, 1.f, 1.f, 1.f), sc1 = sc0;
-    if constexpr (kFp8) {
+    float4 sc0 = make_float4(1.f, 1.f, 1.f, 1.f), sc1 = sc0;  // fp8_ds_mla_v4: applied above
+    if constexpr (kFp8 && !kV4) {
       sc0 = *reinterpret_cast<const float4*>(scales + r0 * 4);
       sc1 = *reinterpret_cast<const float4*>(scales + r1 * 4);
     }
@@ -455,7 +510,79 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
       return uint2{movmatrix_trans(pack2<U>(s[0] * scale0, s[1] * scale0)),
                    movmatrix_trans(pack2<U>(s[2] * scale1, s[3] * scale1))};
     };
-    if constexpr (kFp8) {
+    if constexpr (kV4) {
+      // Each key's scale, per 64 dims, is applied to its values (the 16 dims a lane holds in an mma's A are of one
+      // tile, those of its 8 rows of two): code * 2^(e - tile_exp + kV4ValueExp) in f16, e the key's biased scale
+      // exponent and tile_exp the largest this warp has met in the 128-dim tile (so at most 448 * 2^7 < 65504,
+      // exact down to f16's 2^-24); P stays unscaled. In the last tile, lanes g >= 4 hold the bf16 tail's dims
+      // instead (converted to f16, unscaled), and their O is never rescaled.
+      const uint2 pt = p_fragment(__half{}, 1.f, 1.f);
+      // Scale bytes of the keys of this lane's A columns: kr+2c, kr+2c+1, kr+2c+8, kr+2c+9.
+      const uint8_t* const key_scales = reinterpret_cast<const uint8_t*>(scales) + (kr + 2 * c) * 16;
+      auto hmul2 = [](uint32_t a, uint32_t b) {
+        uint32_t r;
+        asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(r) : "r"(a), "r"(b));
+        return r;
+      };
+      auto bf16x2_to_f16x2 = [](uint32_t x) { return pack2<__half>(__uint_as_float(x << 16), __uint_as_float(x & 0xffff0000u)); };
+#pragma unroll
+      for (int tt = 0; tt < kScaleTiles; ++tt) {
+        const int tile = half_d * kScaleTiles + tt;
+        const bool tail = tile == kV4TailTile;  // its second 64 dims are the bf16 tail (warp-uniform)
+        // The largest exponent of the tile's scales over the warp's 16 keys (a NaN scale, 255, left out).
+        int e = max(min(v4_exponent(r0, 2 * tile), 254), min(v4_exponent(r1, 2 * tile), 254));
+        if (!tail) e = max(e, max(min(v4_exponent(r0, 2 * tile + 1), 254), min(v4_exponent(r1, 2 * tile + 1), 254)));
+        for (int off = 4; off < 32; off *= 2) e = max(e, __shfl_xor_sync(0xffffffffu, e, off));
+        const bool tail_lane = tail && g >= 4;
+        if (e > tile_exp[tt]) {  // warp-uniform
+          const float f = tail_lane ? 1.f : exp2f(static_cast<float>(tile_exp[tt] - e));
+#pragma unroll
+          for (int i = 8 * tt; i < 8 * tt + 8; ++i) o[i][0] *= f, o[i][1] *= f, o[i][2] *= f, o[i][3] *= f;
+          tile_exp[tt] = e;
+        }
+        auto multiplier = [&](int key) -> uint32_t {  // f16 bits of this lane's tile's factor for key kr+2c+key
+          const int ek = key_scales[16 * key + 2 * tile + g / 4], d = ek - tile_exp[tt] + kV4ValueExp;
+          if (ek == 255) return 0x7e00u;  // a NaN scale, as the CPU backend reads it
+          return d >= -14 ? static_cast<uint32_t>(d + 15) << 10 : d >= -24 ? 1u << (d + 24) : 0u;
+        };
+        const uint32_t m01 = multiplier(0) | multiplier(1) << 16, m23 = multiplier(8) | multiplier(9) << 16;
+        const uint4 x0 = load(v_off0 + 128 * tile), x1 = load(v_off1 + 128 * tile);
+        const uint4 x2 = load(v_off0 + 128 * tile + 8 * G::kRowBytes);
+        const uint4 x3 = load(v_off1 + 128 * tile + 8 * G::kRowBytes);
+        const uint32_t w0[4] = {x0.x, x0.y, x0.z, x0.w}, w1[4] = {x1.x, x1.y, x1.z, x1.w};
+        const uint32_t w2[4] = {x2.x, x2.y, x2.z, x2.w}, w3[4] = {x3.x, x3.y, x3.z, x3.w};
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const uint32_t lo01 = byte_perm(w0[k], w1[k], 0x5140), hi01 = byte_perm(w0[k], w1[k], 0x7362);
+          const uint32_t lo23 = byte_perm(w2[k], w3[k], 0x5140), hi23 = byte_perm(w2[k], w3[k], 0x7362);
+          uint32_t a_lo[4] = {hmul2(e4m3x2_to_f16x2(lo01), m01), hmul2(e4m3x2_to_f16x2<true>(lo01), m01),
+                              hmul2(e4m3x2_to_f16x2(lo23), m23), hmul2(e4m3x2_to_f16x2<true>(lo23), m23)};
+          uint32_t a_hi[4] = {hmul2(e4m3x2_to_f16x2(hi01), m01), hmul2(e4m3x2_to_f16x2<true>(hi01), m01),
+                              hmul2(e4m3x2_to_f16x2(hi23), m23), hmul2(e4m3x2_to_f16x2<true>(hi23), m23)};
+          if (tail) {  // warp-uniform; lanes g >= 4 take the tail's dims 4k, 4k+1 (a_lo) and 4k+2, 4k+3 (a_hi)
+            // Dims 4k..4k+3 of the lane's 16 (tail pieces 2(g - 4), +1): 8 bytes of piece k / 2 of each row.
+            auto load8 = [&](int row) {
+              const int piece = G::kLatentBytes / 16 + 2 * (g % 4) + k / 2;
+              return *reinterpret_cast<const uint2*>(rows + piece_offset(row * G::kRowBytes, row, piece) + 8 * (k % 2));
+            };
+            const uint2 y0 = load8(kr + 2 * c), y1 = load8(kr + 2 * c + 1), y2 = load8(kr + 2 * c + 8),
+                        y3 = load8(kr + 2 * c + 9);
+            if (tail_lane) {  // keys paired per dim
+              a_lo[0] = bf16x2_to_f16x2(byte_perm(y0.x, y1.x, 0x5410));
+              a_lo[1] = bf16x2_to_f16x2(byte_perm(y0.x, y1.x, 0x7632));
+              a_lo[2] = bf16x2_to_f16x2(byte_perm(y2.x, y3.x, 0x5410));
+              a_lo[3] = bf16x2_to_f16x2(byte_perm(y2.x, y3.x, 0x7632));
+              a_hi[0] = bf16x2_to_f16x2(byte_perm(y0.y, y1.y, 0x5410));
+              a_hi[1] = bf16x2_to_f16x2(byte_perm(y0.y, y1.y, 0x7632));
+              a_hi[2] = bf16x2_to_f16x2(byte_perm(y2.y, y3.y, 0x5410));
+              a_hi[3] = bf16x2_to_f16x2(byte_perm(y2.y, y3.y, 0x7632));
+            }
+          }
+          mma_16816<__half>(o[8 * tt + 2 * k], a_lo, {pt.x, pt.y});
+          mma_16816<__half>(o[8 * tt + 2 * k + 1], a_hi, {pt.x, pt.y});
+        }
+      }
+    } else if constexpr (kFp8) {
 #pragma unroll
       for (int tt = 0; tt < kScaleTiles; ++tt) {
         const int tile = half_d * kScaleTiles + tt;
@@ -508,7 +635,6 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
     if (group_active) attend(smem + (i % stages) * G::kStageBytes);
   }
   cp_async_wait<0>();
-  if (p.early_combine) let_dependents_launch();  // the combine: placed while the key slots merge
 
   // Merge the group's key slots: each warp scales its O^T to the group's max,
   // then a tree of adds through shared memory leaves the sum in merge slot 0
@@ -546,7 +672,13 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
     const float f = m[e] == -INFINITY ? 0.f : exp2f(m[e] - mx);
 #pragma unroll
     for (int i = 0; i < kMTiles; ++i) {
-      const float fi = kFp8 ? ldexpf(f, tile_exp[i / 8] - 133) : f;  // fp8: O's tile back from its power of two
+      // fp8: O's tile back from its power of two (not fp8_ds_mla_v4's bf16 tail)
+      float fi = f;
+      if constexpr (kV4) {
+        if (!(half_d * kScaleTiles + i / 8 == kV4TailTile && g >= 4)) fi = ldexpf(f, tile_exp[i / 8] - 127 - kV4ValueExp);
+      } else if constexpr (kFp8) {
+        fi = ldexpf(f, tile_exp[i / 8] - 133);
+      }
       o[i][e] *= fi;
       o[i][e + 2] *= fi;
     }

@@ -13,6 +13,9 @@ constexpr int kSmallChunkKeys = 64;       // keys per pipeline stage (kChunkKeys
 // or from kMinTokensAutomaticNoRope (rope-free 512-wide ones; on an H200 at 8 heads the 16-head-tile kernel took
 // 42.1 against 46.3 us at 32 tokens, 75.3 against 64.2 at 64).
 constexpr int kMaxHeadsAutomatic = 32, kMinTokensAutomatic = 16, kMinTokensAutomaticNoRope = 64;
+// Whether fp8_ds_mla_v4 caches (one or two) take it automatically as rope-free fp8_ds_mla rows do (not yet measured
+// against the 16-head-tile kernel on a GPU).
+constexpr bool kAutomaticForV4 = true;
 
 struct SmallHeadsConfig {
   const void* fn = nullptr;
@@ -33,16 +36,19 @@ struct SmallHeadsShape {
 // deepest pipeline that keeps the most CTAs resident per SM; at 8 heads the
 // output dims split between two warps wherever that keeps as many CTAs per SM
 // (every arch today: twice the warps). Null when the device's shared memory cannot hold it (bf16 rows
-// need 157 KB, 140 KB rope-free) and for fp8_ds_mla_v4 caches, which it does
-// not read; an invalid forced shape is an error.
+// need 157 KB, 140 KB rope-free); an invalid forced shape is an error.
+// fp8_ds_mla_v4 caches (rope 0) take fp8_ds_mla's shared memory with a rope part, and never split the output dims
+// (forcing that is an error).
 const SmallHeadsConfig* find_small_heads_config(CacheFormat f, int rope, bool paged, int num_heads,
                                                SmallHeadsShape shape = {});
 // The same, an error where the device cannot run it.
 const SmallHeadsConfig& small_heads_config(CacheFormat f, int rope, bool paged, int num_heads,
                                            SmallHeadsShape shape = {});
 
-// Launches one attention of `p` (its split fields filled) with `cfg` on `stream`; `dependent`: as the
-// programmatic dependent of the kernel before it (launch_kernel_args).
-void launch_small_heads(const AttentionParams& p, const SmallHeadsConfig& cfg, cudaStream_t stream, bool dependent);
+// Launches one attention of `p` (its split fields filled) with `cfg` on `stream`, `splits` splits of its keys (p's
+// num_splits, or fewer where they are one cache's of several); `dependent`: as the programmatic dependent of the
+// kernel before it (launch_kernel_args).
+void launch_small_heads(const AttentionParams& p, const SmallHeadsConfig& cfg, int splits, cudaStream_t stream,
+                        bool dependent);
 
 }  // namespace smla::cuda::mla::small

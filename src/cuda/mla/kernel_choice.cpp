@@ -61,11 +61,12 @@ KernelVariant small_shape(const KernelLimits& l, const KernelShape& s, int heads
 
 // 8 heads per CTA up to 8 heads, else 16; at 8, the output dims split between two warps per key slot wherever that
 // keeps as many CTAs per SM (twice the warps, the same rows in flight), unless forced.
+// fp8_ds_mla_v4 rows never split the dims (at 128 registers a thread that form spilled).
 KernelVariant small_heads(const KernelLimits& l, const KernelShape& s) {
-  if (s.format == CacheFormat::fp8_ds_mla_v4) return {};
   const int hpc = s.forced.heads_per_cta > 0 ? s.forced.heads_per_cta : s.heads <= 8 ? 8 : 16;
   if (hpc == 16) return small_shape(l, s, 16, 1);
   if (s.forced.split_dims > 0) return small_shape(l, s, 8, s.forced.split_dims);
+  if (s.format == CacheFormat::fp8_ds_mla_v4) return small_shape(l, s, 8, 1);
   const KernelVariant one = small_shape(l, s, 8, 1), two = small_shape(l, s, 8, 2);
   return two.ctas_per_sm > 0 && two.ctas_per_sm >= one.ctas_per_sm ? two : one;
 }
@@ -147,7 +148,7 @@ KernelDecision choose_attention_kernel(const KernelLimits& l, const KernelShape&
       continue;
     }
     if (k == AttentionKernel::small_heads) {
-      if (s.format != CacheFormat::fp8_ds_mla) {
+      if (s.format != CacheFormat::fp8_ds_mla && !(s.format == CacheFormat::fp8_ds_mla_v4 && kSmallAutomaticForV4)) {
         reject(k, Rejected::cache_format);
         continue;
       }
@@ -193,7 +194,9 @@ std::string rejection_text(const Rejection& r, const KernelVariant& chosen, int 
                                                                        : std::string(kernel_name(chosen.kernel));
   switch (r.why) {
     case Rejected::forced_other: return "not chosen: the " + won + " was forced";
-    case Rejected::cache_format: return "not chosen: automatic for fp8_ds_mla caches only";
+    case Rejected::cache_format:
+      return std::string("not chosen: automatic for fp8_ds_mla") + (kSmallAutomaticForV4 ? " and fp8_ds_mla_v4" : "") +
+             " caches only";
     case Rejected::too_many_heads:
       return "not chosen: automatic up to " + std::to_string(r.need) + " heads, here " + std::to_string(r.have);
     case Rejected::too_few_tokens:
@@ -205,7 +208,7 @@ std::string rejection_text(const Rejection& r, const KernelVariant& chosen, int 
              with_commas(r.have);
     case Rejected::other_kernel_won:
       if (chosen.kernel == AttentionKernel::small_heads)
-        return "not chosen: fp8_ds_mla caches at up to " + std::to_string(kSmallMaxHeads) + " heads from " +
+        return "not chosen: fp8 caches at up to " + std::to_string(kSmallMaxHeads) + " heads from " +
                std::to_string(r.need) + " query rows on take the small-heads kernel";
       return "not chosen: " + std::to_string(r.need) + "+ heads take the wide tile";
   }

@@ -31,6 +31,8 @@ inline constexpr int kReservedSmemPerCta = 1024;  // the system's share of each 
 // kernel up to 32 heads, from 16 query rows on (576-wide heads) or 64 (512-wide; on an H200 at 8 heads the 16-head
 // tile took 42.1 against 46.3 us at 32 tokens, 75.3 against 64.2 at 64); the wide tile from 64 heads on.
 inline constexpr int kSmallMaxHeads = 32, kSmallMinTokens = 16, kSmallMinTokensNoRope = 64, kWideMinHeads = 64;
+// fp8_ds_mla_v4 caches (512-wide) take the small-heads kernel automatically as rope-free fp8_ds_mla rows do.
+inline constexpr bool kSmallAutomaticForV4 = true;
 inline constexpr int kHeadsPerCtaTile = 16, kWideHeadsPerCta = 64;
 // Registers per thread, at most, over every instance and arch (ptxas -v; the wide tile's are capped at 255 by its
 // launch bounds of one CTA per SM, the small-heads kernel's with the dim split at 128 by its bounds of two).
@@ -81,7 +83,8 @@ struct KernelDecision {
   bool ok() const { return chosen.kernel != AttentionKernel::automatic; }
 };
 
-// THE choice. Automatic: the small-heads kernel for fp8_ds_mla caches up to small::kMaxHeadsAutomatic heads from
+// THE choice. Automatic: the small-heads kernel for fp8_ds_mla caches (and fp8_ds_mla_v4 ones while
+// kSmallAutomaticForV4) up to small::kMaxHeadsAutomatic heads from
 // small::kMinTokensAutomatic query rows on (kMinTokensAutomaticNoRope for 512-wide heads), where it fits; else the
 // wide tile from wide::kMinHeadsAutomatic heads on, where it fits; else the 16-head tile. Depths: the 16-head tile
 // the deepest that keeps two CTAs per SM (or the most that fit), the wide tile the deepest that fits, the
@@ -111,12 +114,14 @@ inline constexpr int kHeadTileSmem[3][2][4] = {{{0, 77504, 110912, 144320}, {0, 
 inline constexpr int kWideSmem[3][2][2] = {{{176128, 209536}, {192512, 230016}},
                                     {{176768, 193792}, {197248, 218368}},
                                     {{180864, 199936}, {0, 0}}};
-// Small heads, depths 2-4, by [16-bit, fp8_ds_mla][rope][shape: 16 heads, 8 heads on 4 warps, 8 heads on 8 warps].
-inline constexpr int kSmallSmem[2][2][3][3] = {
+// Small heads, depths 2-4, by [format][rope][shape: 16 heads, 8 heads on 4 warps, 8 heads on 8 warps (the output
+// dims split; never for fp8_ds_mla_v4)].
+inline constexpr int kSmallSmem[3][2][3][3] = {
     {{{148800, 214592, 280384}, {140192, 205984, 271776}, {144288, 210080, 275872}},
      {{167232, 241216, 315200}, {157600, 231584, 305568}, {161696, 235680, 309664}}},
     {{{85312, 119360, 153408}, {76704, 110752, 144800}, {80800, 114848, 148896}},
-     {{103744, 145984, 188224}, {94112, 136352, 178592}, {98208, 140448, 182688}}}};
+     {{103744, 145984, 188224}, {94112, 136352, 178592}, {98208, 140448, 182688}}},
+    {{{101696, 143936, 186176}, {93088, 135328, 177568}, {0, 0, 0}}, {{0, 0, 0}, {0, 0, 0}, {0, 0, 0}}}};
 
 }  // namespace tables
 constexpr int head_tile_smem(CacheFormat f, int rope, int stages) {
@@ -130,9 +135,9 @@ constexpr int wide_smem(CacheFormat f, int rope, int stages) {
 }
 
 constexpr int small_heads_smem(CacheFormat f, int rope, int heads_per_cta, int split_dims, int stages) {
-  if (f == CacheFormat::fp8_ds_mla_v4 || stages < 2 || stages > 4) return 0;
-  return tables::kSmallSmem[f == CacheFormat::fp8_ds_mla ? 1 : 0][rope ? 1 : 0][heads_per_cta == 16 ? 0 : split_dims == 2 ? 2 : 1]
-                   [stages - 2];
+  if (stages < 2 || stages > 4) return 0;
+  return tables::kSmallSmem[tables::format_row(f)][rope ? 1 : 0]
+                           [heads_per_cta == 16 ? 0 : split_dims == 2 ? 2 : 1][stages - 2];
 }
 
 // Registers per thread, at most, of each kernel's instances (the GPU test checks them against the compiled ones).

@@ -44,10 +44,22 @@ static_assert(small_layouts_match<CacheFormat::bf16, 0>() && small_layouts_match
                   small_layouts_match<CacheFormat::fp8_ds_mla, 0>() &&
                   small_layouts_match<CacheFormat::fp8_ds_mla, 64>(),
               "kernel_choice.h: the small-heads kernel's shared-memory table");
+constexpr bool v4_small_layouts_match() {  // rope-free, and never the dim split
+  for (int s = 2; s <= 4; ++s)
+    if (small_heads_smem(CacheFormat::fp8_ds_mla_v4, 0, 16, 1, s) !=
+            small::Layout<CacheFormat::fp8_ds_mla_v4, 0, 2, 1>(s).total ||
+        small_heads_smem(CacheFormat::fp8_ds_mla_v4, 0, 8, 1, s) !=
+            small::Layout<CacheFormat::fp8_ds_mla_v4, 0, 1, 1>(s).total ||
+        small_heads_smem(CacheFormat::fp8_ds_mla_v4, 0, 8, 2, s) != 0)
+      return false;
+  return true;
+}
+static_assert(v4_small_layouts_match(), "kernel_choice.h: the small-heads kernel's fp8_ds_mla_v4 shared memory");
 static_assert(kHeadsPerCtaTile == kHeadsPerCta && kWideHeadsPerCta == wide::kWideHeads &&
                   kWideMinHeads == wide::kMinHeadsAutomatic && kSmallMaxHeads == small::kMaxHeadsAutomatic &&
                   kSmallMinTokens == small::kMinTokensAutomatic &&
-                  kSmallMinTokensNoRope == small::kMinTokensAutomaticNoRope,
+                  kSmallMinTokensNoRope == small::kMinTokensAutomaticNoRope &&
+                  kSmallAutomaticForV4 == small::kAutomaticForV4,
               "kernel_choice.h: the automatic rules' thresholds");
 static_assert(kWideRegisters * wide::kWideThreads <= kRegistersPerSm, "the wide tile's launch bounds: one CTA per SM");
 

@@ -53,9 +53,10 @@ struct AttentionParams {
 
   // Split over the keys: split s handles chunks [s * chunks_per_split, ...).
   int num_splits, chunks_per_split;
-  // The split kernel lets the combine launch once its keys are done (SM90+): only where all its CTAs are resident
-  // at once; on a grid of several waves the early combine CTAs slowed it (H200, fp8, 32 tokens x 8 heads: 43.4 us
-  // against 40.3 without).
+  // The head-tile and wide kernels let the combine launch once their keys are done (SM90+), only where all their
+  // CTAs are resident at once. The small-heads kernel never does: on an H200 its early combine cost 2.7-3.1 us
+  // (fp8, 8 heads, 32 and 64 tokens, one-wave grids: 43.4 and 61.2 us against 40.3 and 58.5 without), while one
+  // token on the head-tile kernel gained 0.5 (10.0 against 10.5).
   bool early_combine;
   float* partial_out;  // [num_splits, num_tokens, H, 512], normalised per split
   float* partial_lse;  // [num_splits, num_tokens, H], log2 units
