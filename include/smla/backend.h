@@ -42,6 +42,9 @@ struct Capabilities {
   bool attn_sink = false;
   // Anything the fields above cannot express; returns reasons (empty: fine).
   std::function<std::vector<std::string>(const AttentionSpec&, const RunSpec&)> combination_rule;
+  // What `explain` prints under the backend when chosen: the kernels it runs for the run and why not the others
+  // (empty or unset: nothing).
+  std::function<std::vector<std::string>(const AttentionSpec&, const RunSpec&)> kernel_notes;
 };
 
 // Why `caps` cannot run `spec` under `run`, one human-readable line per

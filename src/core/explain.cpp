@@ -130,8 +130,11 @@ std::string explain_text(const AttentionSpec& s, const RunSpec& run, const Selec
     std::string name = c.backend->name();
     name.resize(width, ' ');
     o << "  " << name << "  ";
-    if (c.backend == sel.chosen)
+    if (c.backend == sel.chosen) {
       o << "CHOSEN" << (sel.forced ? " (forced)" : "") << "    " << c.backend->capabilities().description << "\n";
+      if (const auto& notes = c.backend->capabilities().kernel_notes)
+        for (const std::string& line : notes(s, run)) o << std::string(width + 4, ' ') << line << "\n";
+    }
     else if (c.valid())
       o << "valid     (a higher-priority backend was chosen)\n";
     else
@@ -202,12 +205,16 @@ std::string explain_json(const AttentionSpec& s, const RunSpec& run, const Selec
                 {"ops", ops},
                 {"attn_sink", run.attn_sink}};
   json candidates = json::array();
-  for (const auto& c : sel.candidates)
+  for (const auto& c : sel.candidates) {
+    const auto& notes = c.backend->capabilities().kernel_notes;
+    const bool chosen = c.backend == sel.chosen;
     candidates.push_back({{"name", c.backend->name()},
                           {"description", c.backend->capabilities().description},
                           {"valid", c.valid()},
-                          {"chosen", c.backend == sel.chosen},
-                          {"reasons", c.reasons}});
+                          {"chosen", chosen},
+                          {"reasons", c.reasons},
+                          {"kernel_notes", chosen && notes ? notes(s, run) : std::vector<std::string>{}}});
+  }
   json out = {{"schema", "smla.explain/1"},
               {"model", model},
               {"run", run_j},

@@ -6,6 +6,8 @@
 
 #include <iterator>
 
+#include "cuda/emulation.h"
+#include "cuda/mla/kernel_choice.h"
 #include "smla/error.h"
 
 #ifdef SMLA_WITH_CUDA
@@ -16,6 +18,42 @@
 namespace smla::cuda {
 
 namespace {
+
+// The attention kernel mla::choose_attention_kernel picks on the run's arch for one decode token and for a prefill
+// of 4096, with why the others were not: "decode (1 query row): wide tile (...), sm_90a", then one line per other.
+std::vector<std::string> attention_kernel_notes(const AttentionSpec& spec, const RunSpec& run) {
+  const int cc = run.device.compute_capability;
+  ArchLimits arch;  // the table's arch of this major with the highest minor not above cc's (sm_121: sm_120's)
+  for (const char* name : {"sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120"}) {
+    const ArchLimits a = arch_limits(name);
+    if (a.compute_capability / 10 == cc / 10 && a.compute_capability <= cc) arch = a;
+  }
+  if (arch.compute_capability == 0) return {};
+  const mla::KernelLimits limits{arch.compute_capability, arch.max_smem_per_block, arch.max_smem_per_sm,
+                                 arch.max_threads_per_sm, arch.max_ctas_per_sm};
+  const DType kv = run.resolved_kv_cache_dtype();
+  const mla::CacheFormat format = kv == DType::bf16 ? mla::CacheFormat::bf16
+                                  : kv == DType::f16 ? mla::CacheFormat::f16
+                                  : kv == DType::fp8_ds_mla_v4 ? mla::CacheFormat::fp8_ds_mla_v4
+                                                               : mla::CacheFormat::fp8_ds_mla;
+  const int rope = spec.absorbed_qk_dim() == kMlaQkDim ? kMlaRopeDim : 0;
+  const std::string arch_text = "sm_" + std::to_string(arch.compute_capability) + (cc == 90 ? "a" : "");
+  std::vector<std::string> lines;
+  for (int64_t tokens : {int64_t{1}, int64_t{4096}}) {
+    const mla::KernelDecision d =
+        mla::choose_attention_kernel(limits, {format, rope, !spec.indexer, tokens, heads_per_rank(spec, run), {}});
+    const std::string phase = std::string(tokens == 1 ? "decode" : "prefill") + " (" + std::to_string(tokens) +
+                              " query row" + (tokens == 1 ? "" : "s") + "): ";
+    lines.push_back("kernel " + phase + (d.ok() ? mla::variant_text(d.chosen) : std::string("none")) + ", " +
+                    arch_text);
+    for (int i = 0; i < d.num_rejected; ++i) {
+      const mla::Rejection& r = d.rejected[static_cast<size_t>(i)];
+      lines.push_back("  " + std::string(mla::kernel_name(r.kernel)) + ": " +
+                      mla::rejection_text(r, d.chosen, arch.compute_capability));
+    }
+  }
+  return lines;
+}
 
 Capabilities mma_capabilities() {
   Capabilities c;
@@ -35,6 +73,7 @@ Capabilities mma_capabilities() {
   // sparse_mla's second cache (DeepSeek-V4), in every cache format the kernel reads, FlashMLA's 584-byte fp8 MODEL1
   // cache (fp8_ds_mla_v4) included.
   c.extra_cache = true;
+  c.kernel_notes = attention_kernel_notes;
 #ifndef SMLA_WITH_CUDA
   c.combination_rule = [](const AttentionSpec&, const RunSpec&) {
     return std::vector<std::string>{"not compiled into this build of smla (built without nvcc)"};

@@ -6,6 +6,7 @@ target_sources(smla_objects PRIVATE
   cuda/mla/attention_small_heads.cu
   cuda/mla/attention_wide.cu
   cuda/mla/cache_write.cu
+  cuda/mla/kernel_choice_check.cu
   cuda/indexer/index_cache.cu
   cuda/indexer/indexer_scores.cu
   cuda/indexer/indexer_topk.cu)

@@ -56,7 +56,8 @@ TEST_P(Explain, MatchesGoldenTextAndJson) {
 #else
   const std::string name = std::string(c.golden) + ".nocuda";
 #endif
-  expect_golden(name + ".txt", explain_text(spec, run, sel));
+  const std::string text = explain_text(spec, run, sel);
+  expect_golden(name + ".txt", text);
   const std::string json = explain_json(spec, run, sel);
   expect_golden(name + ".json", json);
 
@@ -72,6 +73,11 @@ TEST_P(Explain, MatchesGoldenTextAndJson) {
   EXPECT_EQ(j["run"]["heads_per_rank"], spec.num_heads / c.tp);
   EXPECT_EQ(j["chosen"].is_null(), sel.chosen == nullptr);
   EXPECT_EQ(j["candidates"].size(), sel.candidates.size());
+  for (const auto& candidate : j["candidates"]) {  // the chosen backend's kernel notes, as the text prints them
+    if (!candidate["chosen"].get<bool>()) EXPECT_TRUE(candidate["kernel_notes"].empty());
+    for (const auto& line : candidate["kernel_notes"])
+      EXPECT_NE(text.find(line.get<std::string>() + "\n"), std::string::npos) << line;
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(

@@ -12,6 +12,7 @@
 #include "cuda/device_query.h"
 #include "cuda/emulation.h"
 #include "cuda/kernels.h"
+#include "cuda/mla/kernel_choice.h"
 #include "gpu/gpu_util.h"
 #include "smla/error.h"
 
@@ -210,6 +211,68 @@ TEST(CudaEmulation, InstructionChoicesFollowTheArch) {
   } else {
     EXPECT_NO_THROW(cuda::topk_scratch_bytes(indexer_shape(4, 8), cuda::TopkSplit::cluster16));
   }
+}
+
+// The kernel choice as data (cuda/mla/kernel_choice.h) is the plan's, natively and on every emulated arch: for each
+// cache format, head width, key source, head count, query rows and forced kernel, the plan runs the kernel, depth
+// and shared memory mla::choose_attention_kernel names (or refuses where it names none), and the plan's CTAs per
+// SM, which the driver counts (cudaOccupancy, within an emulated arch's limits), equal the ones the choice computes
+// from the kernels' register bounds and shared memory.
+TEST(CudaEmulation, PlanIsTheKernelChoice) {
+  const cuda::DeviceInfo& d = cuda::current_device();
+  const cuda::mla::KernelLimits limits{d.compute_capability, d.max_smem_per_block, d.max_smem_per_sm,
+                                       d.max_threads_per_sm, d.max_ctas_per_sm};
+  int plans = 0;
+  for (DType kv : {DType::bf16, DType::f16, DType::fp8_ds_mla, DType::fp8_ds_mla_v4})
+    for (int rope : {kMlaRopeDim, 0})
+      for (bool paged : {false, true})
+        for (cuda::AttentionKernel kernel : {cuda::AttentionKernel::automatic, cuda::AttentionKernel::head_tile,
+                                             cuda::AttentionKernel::small_heads, cuda::AttentionKernel::wide_tile})
+          for (int heads : {1, 8, 16, 32, 64, 128})
+            for (int tokens : {1, 16, 64, 256}) {
+              if (kv == DType::fp8_ds_mla_v4 && rope != 0) continue;
+              if (kernel == cuda::AttentionKernel::small_heads && heads > 32) continue;
+              const MlaHead head{rope};
+              const int64_t row = head.cache_row(kv);
+              const cuda::AttentionChoice choice{kernel};
+              const TensorView q(nullptr, {tokens, heads, head.qk_dim()}, DType::bf16);
+              const TensorView cache(nullptr, {64, 64, row}, kv);
+              cuda::AttentionPlan plan;
+              SCOPED_TRACE(std::string(dtype_name(kv)) + " rope " + std::to_string(rope) + (paged ? " paged" : "") +
+                           " kernel " + std::to_string(static_cast<int>(kernel)) + " heads " +
+                           std::to_string(heads) + " tokens " + std::to_string(tokens));
+              const cuda::mla::CacheFormat f = kv == DType::bf16   ? cuda::mla::CacheFormat::bf16
+                                               : kv == DType::f16  ? cuda::mla::CacheFormat::f16
+                                               : kv == DType::fp8_ds_mla ? cuda::mla::CacheFormat::fp8_ds_mla
+                                                                         : cuda::mla::CacheFormat::fp8_ds_mla_v4;
+              const cuda::mla::KernelDecision want =
+                  cuda::mla::choose_attention_kernel(limits, {f, rope, paged, tokens, heads, choice});
+              try {
+                if (paged) {
+                  PagedMlaDecodeArgs a;
+                  a.q = TensorView(nullptr, {tokens, 1, heads, head.qk_dim()}, DType::bf16);
+                  a.kv_cache = cache;
+                  a.block_table = TensorView(nullptr, {tokens, 32}, DType::i32);
+                  plan = cuda::paged_mla_decode_plan(a, choice);
+                } else {
+                  SparseMlaArgs a;
+                  a.q = q;
+                  a.kv_cache = cache;
+                  a.indices = TensorView(nullptr, {tokens, 2048}, DType::i32);
+                  plan = cuda::sparse_mla_plan(a, choice);
+                }
+              } catch (const Error& e) {
+                EXPECT_FALSE(want.ok()) << e.what();
+                continue;
+              }
+              ASSERT_TRUE(want.ok());
+              ++plans;
+              EXPECT_EQ(plan.kernel, want.chosen.kernel);
+              EXPECT_EQ(plan.stages, want.chosen.stages);
+              EXPECT_EQ(plan.smem, want.chosen.smem);
+              EXPECT_EQ(plan.ctas_per_sm, want.chosen.ctas_per_sm);
+            }
+  EXPECT_GE(plans, 400);
 }
 
 }  // namespace

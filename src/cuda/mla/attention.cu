@@ -1,18 +1,15 @@
 // Host side of the MLA attention kernel: fills AttentionParams from checked
-// args, picks the pipeline depth and the split over keys for this device,
+// args, takes the kernel and its depth from mla::choose_attention_kernel, picks the split over keys for this device,
 // launches the attention and (when split) the combine kernel.
 #include <algorithm>
-#include <map>
-#include <mutex>
 #include <optional>
-#include <tuple>
-#include <vector>
 
 #include "cuda/common/runtime.h"
 #include "cuda/kernels.h"
 #include "cuda/mla/attention_kernel.cuh"
 #include "cuda/mla/attention_small_heads.h"
 #include "cuda/mla/attention_wide.h"
+#include "cuda/mla/kernel_choice.h"
 
 namespace smla::cuda {
 
@@ -121,42 +118,12 @@ struct LaunchConfig {
   int smem = 0, ctas_per_sm = 0, stages = 0;
 };
 
-// Pipeline depth from this device's shared memory, chosen once per (device,
-// format, rope width, op). Measured on an H200: one CTA per SM with a deep pipeline loses
-// to two CTAs with shallow ones (a lone CTA's softmax barriers idle the SM),
-// so the rule is: the deepest pipeline that still fits two CTAs per SM (or
-// the most the device allows).
-const LaunchConfig& launch_config(const DeviceInfo& dev, CacheFormat f, int rope, bool paged) {
-  static std::mutex mu;
-  static std::map<std::tuple<int, CacheFormat, int, bool>, LaunchConfig> configs;  // nodes never move
-  thread_local std::map<std::tuple<int, CacheFormat, int, bool>, const LaunchConfig*> mine;  // no lock once seen
-  const auto key = std::make_tuple(dev.index, f, rope, paged);
-  if (auto it = mine.find(key); it != mine.end()) return *it->second;
-  std::lock_guard<std::mutex> lock(mu);
-  if (auto it = configs.find(key); it != configs.end()) return *(mine[key] = &it->second);
-  std::vector<LaunchConfig> fits;
-  int most = 0;
-  for (int stages : mla::is_fp8(f) ? kFp8Stages : kHalfStages) {
-    const int bytes = mla::SmemLayout(f, stages, rope).total;
-    if (bytes > dev.max_smem_per_block) continue;
-    KernelFn k = select_kernel(f, rope, paged, stages);
-    allow_dynamic_smem(reinterpret_cast<const void*>(k), bytes);
-    const int ctas = resident_ctas_per_sm(reinterpret_cast<const void*>(k), mla::kThreads, bytes);
-    if (ctas == 0) continue;
-    fits.push_back({k, bytes, ctas, stages});
-    most = std::max(most, ctas);
-  }
-  if (fits.empty()) {
-    const int shallowest = (mla::is_fp8(f) ? kFp8Stages : kHalfStages)[0];
-    throw Error(ErrorKind::unsupported, "MLA attention needs " +
-                                            std::to_string(mla::SmemLayout(f, shallowest, rope).total) +
-                                            " bytes of shared memory per block; this device allows " +
-                                            std::to_string(dev.max_smem_per_block));
-  }
-  LaunchConfig best;
-  for (const LaunchConfig& c : fits)  // depths ascend, so the last that fits wins
-    if (c.ctas_per_sm >= std::min(2, most)) best = c;
-  return *(mine[key] = &configs.emplace(key, best).first->second);
+// The 16-head-tile kernel of `v` (mla::choose_attention_kernel's choice), opted in to its shared memory; its CTAs
+// per SM as the driver counts them (what sparse_mla_plan reports, so a GPU test holds the choice's count to it).
+LaunchConfig head_tile_config(CacheFormat f, int rope, bool paged, const mla::KernelVariant& v) {
+  const KernelFn fn = select_kernel(f, rope, paged, v.stages);
+  allow_dynamic_smem(reinterpret_cast<const void*>(fn), v.smem);
+  return {fn, v.smem, resident_ctas_per_sm(reinterpret_cast<const void*>(fn), mla::kThreads, v.smem), v.stages};
 }
 
 // How many ways to split each (token, head group)'s keys. Keys of fewer than four chunks stay whole (a split of
@@ -192,14 +159,10 @@ size_t split_partial_bytes(int splits, int64_t tokens, int heads) {
 }
 
 // Which kernel runs and how launch() splits the keys of `tokens` x `heads` query rows: a function of the args, the
-// choice and the device only, so workspace_size() knows the partials' size before the call. The small-heads kernel
-// serves fp8_ds_mla caches (576-wide heads, or either fp8_ds_mla form of rope-free 512-wide ones) and, while
-// mla::small::kAutomaticForV4, fp8_ds_mla_v4 ones, up to 32 heads from 16 query tokens on (64 rope-free and V4;
-// memory-bound decode), where the device fits it; from mla::wide::kMinHeadsAutomatic heads on (compute-bound) the
-// wide-tile kernel, where the device fits it; the rest goes to the 16-head-tile kernel, which on an H200 ran bf16
-// decode and fp8 decode of fewer tokens faster (docs/performance.md).
+// choice and the device only, so workspace_size() knows the partials' size before the call. The kernel, its depth
+// and CTAs per SM are mla::choose_attention_kernel's (the one `smla explain` reports).
 struct Plan {
-  const LaunchConfig* head_tile = nullptr;
+  LaunchConfig head_tile;  // fn null unless the 16-head tile runs
   const mla::small::SmallHeadsConfig* small = nullptr;
   const mla::wide::WideConfig* wide = nullptr;
   int chunks_per_split = 1, num_splits = 1;
@@ -210,31 +173,35 @@ struct Plan {
     return num_splits > 1 ? split_partial_bytes(num_splits, tokens, heads) : 0;
   }
 };
+
+mla::KernelLimits kernel_limits(const DeviceInfo& dev) {
+  return {dev.compute_capability, dev.max_smem_per_block, dev.max_smem_per_sm, dev.max_threads_per_sm,
+          dev.max_ctas_per_sm};
+}
+
 Plan plan(CacheFormat f, int rope, bool paged, int64_t tokens, int heads, int num_keys, AttentionChoice choice) {
   const DeviceInfo& dev = current_device();
-  Plan s;
+  const mla::KernelDecision d = mla::choose_attention_kernel(kernel_limits(dev), {f, rope, paged, tokens, heads, choice});
   const mla::small::SmallHeadsShape shape{choice.stages, choice.heads_per_cta, choice.split_dims};
-  if (choice.kernel == AttentionKernel::small_heads) {
-    s.small = &mla::small::small_heads_config(f, rope, paged, heads, shape);
-  } else if (choice.kernel == AttentionKernel::automatic &&
-             (f == CacheFormat::fp8_ds_mla || (f == CacheFormat::fp8_ds_mla_v4 && mla::small::kAutomaticForV4)) &&
-             heads <= mla::small::kMaxHeadsAutomatic &&
-             tokens >= (rope ? mla::small::kMinTokensAutomatic : mla::small::kMinTokensAutomaticNoRope)) {
-    s.small = mla::small::find_small_heads_config(f, rope, paged, heads, shape);
+  if (!d.ok()) {  // the configurations' own errors name a bad forced shape or depth, else what does not fit
+    if (choice.kernel == AttentionKernel::small_heads) mla::small::small_heads_config(f, rope, paged, heads, shape);
+    if (choice.kernel == AttentionKernel::wide_tile) mla::wide::wide_config(f, rope, paged, choice.stages);
+    const mla::Rejection& last = d.rejected[static_cast<size_t>(d.num_rejected - 1)];
+    throw Error(ErrorKind::unsupported, std::string("MLA attention: ") + mla::kernel_name(last.kernel) + ": " +
+                                            mla::rejection_text(last, d.chosen, dev.compute_capability));
   }
-  if (choice.kernel == AttentionKernel::wide_tile)
-    s.wide = &mla::wide::wide_config(f, rope, paged, choice.stages);
-  else if (choice.kernel == AttentionKernel::automatic && s.small == nullptr && heads >= mla::wide::kMinHeadsAutomatic)
-    s.wide = mla::wide::find_wide_config(f, rope, paged);
-  if (s.small == nullptr && s.wide == nullptr) s.head_tile = &launch_config(dev, f, rope, paged);
-  const int heads_per_cta = s.small  ? s.small->heads_per_cta
-                            : s.wide ? mla::wide::kWideHeads
-                                     : mla::kHeadsPerCta;
+  const mla::KernelVariant& v = d.chosen;
+  Plan s;
+  if (v.kernel == AttentionKernel::small_heads)
+    s.small = &mla::small::small_heads_config(f, rope, paged, heads, {v.stages, v.heads_per_cta, v.split_dims});
+  else if (v.kernel == AttentionKernel::wide_tile)
+    s.wide = &mla::wide::wide_config(f, rope, paged, v.stages);
+  else
+    s.head_tile = head_tile_config(f, rope, paged, v);
   const int chunk_keys = s.small ? mla::small::kSmallChunkKeys : mla::kKeysPerChunk;
-  const int ctas_per_sm = s.small ? s.small->ctas_per_sm : s.wide ? s.wide->ctas_per_sm : s.head_tile->ctas_per_sm;
-  s.ctas = tokens * ((heads + heads_per_cta - 1) / heads_per_cta);
+  s.ctas = tokens * ((heads + v.heads_per_cta - 1) / v.heads_per_cta);
   const int chunks = std::max(1, (num_keys + chunk_keys - 1) / chunk_keys);
-  const int64_t slots = static_cast<int64_t>(dev.num_sms) * ctas_per_sm;
+  const int64_t slots = static_cast<int64_t>(dev.num_sms) * v.ctas_per_sm;
   const int splits = choice.splits > 0 ? std::min({choice.splits, chunks, mla::kMaxSplits})
                                         : choose_splits(s.ctas, chunks, slots);
   s.chunks_per_split = (chunks + splits - 1) / splits;
@@ -276,7 +243,7 @@ void launch_head_tile(const LaunchConfig& config, const AttentionParams& p, int6
 void launch_planned(const Plan& s, const AttentionParams& p, cudaStream_t stream, bool dependent = false) {
   if (s.small) mla::small::launch_small_heads(p, *s.small, s.num_splits, stream, dependent);
   else if (s.wide) mla::wide::launch_wide(p, *s.wide, s.num_splits, stream, dependent);
-  else launch_head_tile(*s.head_tile, p, s.ctas, s.num_splits, stream, dependent);
+  else launch_head_tile(s.head_tile, p, s.ctas, s.num_splits, stream, dependent);
 }
 
 void launch_combine(const AttentionParams& p, cudaStream_t stream) {
@@ -379,7 +346,7 @@ void sparse_mla_two_caches(AttentionParams& p, const SparseMlaArgs& a, Attention
 AttentionPlan plan_of(const Plan& s, int num_splits) {
   if (s.small) return {AttentionKernel::small_heads, s.small->stages, s.small->smem, s.small->ctas_per_sm, num_splits};
   if (s.wide) return {AttentionKernel::wide_tile, s.wide->stages, s.wide->smem, s.wide->ctas_per_sm, num_splits};
-  return {AttentionKernel::head_tile, s.head_tile->stages, s.head_tile->smem, s.head_tile->ctas_per_sm, num_splits};
+  return {AttentionKernel::head_tile, s.head_tile.stages, s.head_tile.smem, s.head_tile.ctas_per_sm, num_splits};
 }
 
 AttentionPlan plan_of(CacheFormat f, int rope, bool paged, int64_t tokens, int heads, int num_keys,

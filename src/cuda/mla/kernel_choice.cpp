@@ -1,0 +1,218 @@
+#include "cuda/mla/kernel_choice.h"
+
+#include <algorithm>
+
+namespace smla::cuda::mla {
+
+namespace {
+
+bool fp8(CacheFormat f) { return f == CacheFormat::fp8_ds_mla || f == CacheFormat::fp8_ds_mla_v4; }
+
+constexpr int kHeadTileThreads = 128, kWideThreads = 256;
+
+KernelVariant fit(const KernelLimits& l, AttentionKernel k, int heads_per_cta, int threads, int stages,
+                  int split_dims, int smem) {
+  const int regs = kernel_registers(k, heads_per_cta, split_dims);
+  const int ctas = smem > 0 && smem <= l.max_smem_per_block ? ctas_per_sm(l, threads, regs, smem) : 0;
+  return {k, heads_per_cta, threads, stages, split_dims, smem, regs, ctas};
+}
+
+// The 16-head tile: the deepest depth that keeps two CTAs per SM (or the most any depth keeps: on an H200 one CTA
+// with a deep pipeline lost to two with shallow ones, its softmax barriers idling the SM); never forced.
+KernelVariant head_tile(const KernelLimits& l, const KernelShape& s) {
+  std::array<KernelVariant, 4> fits{};
+  int most = 0;
+  for (int d = 1; d <= 4; ++d) {
+    fits[d - 1] = fit(l, AttentionKernel::head_tile, kHeadsPerCtaTile, kHeadTileThreads, d, 0,
+                      head_tile_smem(s.format, s.rope, d));
+    most = std::max(most, fits[d - 1].ctas_per_sm);
+  }
+  KernelVariant best;
+  for (const KernelVariant& v : fits)
+    if (v.ctas_per_sm > 0 && v.ctas_per_sm >= std::min(2, most)) best = v;
+  return best;
+}
+
+// The wide tile: the deepest depth that fits (one CTA per SM whatever the depth), or the one forced.
+KernelVariant wide_tile(const KernelLimits& l, const KernelShape& s) {
+  KernelVariant best;
+  for (int d = 2; d <= 3; ++d) {
+    if (s.forced.stages > 0 && d != s.forced.stages) continue;
+    const KernelVariant v = fit(l, AttentionKernel::wide_tile, kWideHeadsPerCta, kWideThreads, d, 0,
+                                wide_smem(s.format, s.rope, d));
+    if (v.ctas_per_sm > 0) best = v;
+  }
+  return best;
+}
+
+// The small-heads kernel of one shape: the deepest depth that keeps the most CTAs per SM, or the one forced.
+KernelVariant small_shape(const KernelLimits& l, const KernelShape& s, int heads_per_cta, int split_dims) {
+  const int threads = (heads_per_cta == 16 ? 2 : split_dims) * 4 * 32;
+  KernelVariant best;
+  for (int d = 2; d <= 4; ++d) {
+    if (s.forced.stages > 0 && d != s.forced.stages) continue;
+    const KernelVariant v = fit(l, AttentionKernel::small_heads, heads_per_cta, threads, d,
+                                heads_per_cta == 16 ? 1 : split_dims,
+                                small_heads_smem(s.format, s.rope, heads_per_cta, split_dims, d));
+    if (v.ctas_per_sm > 0 && v.ctas_per_sm >= best.ctas_per_sm) best = v;
+  }
+  return best;
+}
+
+// 8 heads per CTA up to 8 heads, else 16; at 8, the output dims split between two warps per key slot wherever that
+// keeps as many CTAs per SM (twice the warps, the same rows in flight), unless forced.
+// fp8_ds_mla_v4 rows never split the dims (at 128 registers a thread that form spilled).
+KernelVariant small_heads(const KernelLimits& l, const KernelShape& s) {
+  const int hpc = s.forced.heads_per_cta > 0 ? s.forced.heads_per_cta : s.heads <= 8 ? 8 : 16;
+  if (hpc == 16) return small_shape(l, s, 16, 1);
+  if (s.forced.split_dims > 0) return small_shape(l, s, 8, s.forced.split_dims);
+  if (s.format == CacheFormat::fp8_ds_mla_v4) return small_shape(l, s, 8, 1);
+  const KernelVariant one = small_shape(l, s, 8, 1), two = small_shape(l, s, 8, 2);
+  return two.ctas_per_sm > 0 && two.ctas_per_sm >= one.ctas_per_sm ? two : one;
+}
+
+KernelVariant variant(const KernelLimits& l, const KernelShape& s, AttentionKernel k) {
+  switch (k) {
+    case AttentionKernel::head_tile: return head_tile(l, s);
+    case AttentionKernel::wide_tile: return wide_tile(l, s);
+    case AttentionKernel::small_heads: return small_heads(l, s);
+    case AttentionKernel::automatic: break;
+  }
+  return {};
+}
+
+// The shallowest depth's shared memory: what a kernel that does not fit needs at least.
+int least_smem(const KernelShape& s, AttentionKernel k) {
+  const int d = s.forced.stages;
+  switch (k) {
+    case AttentionKernel::head_tile: return head_tile_smem(s.format, s.rope, fp8(s.format) ? 1 : 2);
+    case AttentionKernel::wide_tile: return wide_smem(s.format, s.rope, d > 0 ? d : 2);
+    case AttentionKernel::small_heads: {
+      const int hpc = s.forced.heads_per_cta > 0 ? s.forced.heads_per_cta : s.heads <= 8 ? 8 : 16;
+      return small_heads_smem(s.format, s.rope, hpc, s.forced.split_dims == 2 ? 2 : 1, d > 0 ? d : 2);
+    }
+    case AttentionKernel::automatic: break;
+  }
+  return 0;
+}
+
+std::string with_commas(int64_t v) {
+  std::string s = std::to_string(v);
+  for (int i = static_cast<int>(s.size()) - 3; i > 0; i -= 3) s.insert(static_cast<size_t>(i), ",");
+  return s;
+}
+
+std::string arch_text(int cc) { return "sm_" + std::to_string(cc) + (cc == 90 ? "a" : ""); }
+
+}  // namespace
+
+int kernel_registers(AttentionKernel kernel, int heads_per_cta, int split_dims) {
+  switch (kernel) {
+    case AttentionKernel::head_tile: return kHeadTileRegisters;
+    case AttentionKernel::wide_tile: return kWideRegisters;
+    case AttentionKernel::small_heads:
+      return heads_per_cta == 16 ? kSmallHeads16Registers : split_dims == 2 ? kSmallHeadsSplitRegisters
+                                                                            : kSmallHeads8Registers;
+    case AttentionKernel::automatic: break;
+  }
+  return 0;
+}
+
+int ctas_per_sm(const KernelLimits& l, int threads, int registers, int smem) {
+  const int warps = (threads + 31) / 32;
+  const int regs_per_warp = (registers * 32 + 255) / 256 * 256;
+  const int by_regs = regs_per_warp > 0 ? kRegistersPerSm / regs_per_warp / warps : 0;
+  const int per_cta = (smem + kReservedSmemPerCta + 127) / 128 * 128;
+  return std::min({by_regs, l.max_smem_per_sm / per_cta, l.max_threads_per_sm / (32 * warps), l.max_ctas_per_sm});
+}
+
+KernelDecision choose_attention_kernel(const KernelLimits& l, const KernelShape& s) {
+  KernelDecision d;
+  auto reject = [&](AttentionKernel k, Rejected why, int need = 0, int have = 0) {
+    d.rejected[static_cast<size_t>(d.num_rejected++)] = {k, why, need, have};
+  };
+  constexpr AttentionKernel kOrder[] = {AttentionKernel::small_heads, AttentionKernel::wide_tile,
+                                        AttentionKernel::head_tile};
+  if (s.forced.kernel != AttentionKernel::automatic) {
+    d.chosen = variant(l, s, s.forced.kernel);
+    if (!d.ok()) reject(s.forced.kernel, Rejected::smem, least_smem(s, s.forced.kernel), l.max_smem_per_block);
+    for (AttentionKernel k : kOrder)
+      if (k != s.forced.kernel) reject(k, Rejected::forced_other);
+    return d;
+  }
+  const int min_tokens = s.rope ? kSmallMinTokens : kSmallMinTokensNoRope;
+  for (AttentionKernel k : kOrder) {
+    if (d.ok()) {  // need: the winner's threshold
+      const bool small = d.chosen.kernel == AttentionKernel::small_heads;
+      reject(k, Rejected::other_kernel_won, small ? min_tokens : kWideMinHeads);
+      continue;
+    }
+    if (k == AttentionKernel::small_heads) {
+      if (s.format != CacheFormat::fp8_ds_mla && !(s.format == CacheFormat::fp8_ds_mla_v4 && kSmallAutomaticForV4)) {
+        reject(k, Rejected::cache_format);
+        continue;
+      }
+      if (s.heads > kSmallMaxHeads) {
+        reject(k, Rejected::too_many_heads, kSmallMaxHeads, s.heads);
+        continue;
+      }
+      if (s.tokens < min_tokens) {
+        reject(k, Rejected::too_few_tokens, min_tokens, static_cast<int>(std::min<int64_t>(s.tokens, min_tokens)));
+        continue;
+      }
+    }
+    if (k == AttentionKernel::wide_tile && s.heads < kWideMinHeads) {
+      reject(k, Rejected::too_few_heads, kWideMinHeads, s.heads);
+      continue;
+    }
+    d.chosen = variant(l, s, k);
+    if (!d.ok()) reject(k, Rejected::smem, least_smem(s, k), l.max_smem_per_block);
+  }
+  return d;
+}
+
+const char* kernel_name(AttentionKernel kernel) {
+  switch (kernel) {
+    case AttentionKernel::head_tile: return "16-head tile";
+    case AttentionKernel::wide_tile: return "wide tile";
+    case AttentionKernel::small_heads: return "small-heads kernel";
+    case AttentionKernel::automatic: break;
+  }
+  return "none";
+}
+
+std::string variant_text(const KernelVariant& v) {
+  std::string t = std::string(kernel_name(v.kernel)) + " (" + std::to_string(v.heads_per_cta) + " heads/CTA, " +
+                  std::to_string(v.threads / 32) + " warps, depth " + std::to_string(v.stages);
+  if (v.split_dims == 2) t += ", output dims split over 2 warps";
+  return t + ", " + with_commas(v.smem) + " B shared memory, " + std::to_string(v.ctas_per_sm) + " CTA" +
+         (v.ctas_per_sm == 1 ? "" : "s") + "/SM)";
+}
+
+std::string rejection_text(const Rejection& r, const KernelVariant& chosen, int cc) {
+  const std::string won = chosen.kernel == AttentionKernel::automatic ? std::string("none")
+                                                                       : std::string(kernel_name(chosen.kernel));
+  switch (r.why) {
+    case Rejected::forced_other: return "not chosen: the " + won + " was forced";
+    case Rejected::cache_format:
+      return std::string("not chosen: automatic for fp8_ds_mla") + (kSmallAutomaticForV4 ? " and fp8_ds_mla_v4" : "") +
+             " caches only";
+    case Rejected::too_many_heads:
+      return "not chosen: automatic up to " + std::to_string(r.need) + " heads, here " + std::to_string(r.have);
+    case Rejected::too_few_tokens:
+      return "not chosen: automatic from " + std::to_string(r.need) + " query rows on (memory-bound decode)";
+    case Rejected::too_few_heads:
+      return "not chosen: automatic from " + std::to_string(r.need) + " heads on, here " + std::to_string(r.have);
+    case Rejected::smem:
+      return "needs " + with_commas(r.need) + " B of shared memory per block; " + arch_text(cc) + " allows " +
+             with_commas(r.have);
+    case Rejected::other_kernel_won:
+      if (chosen.kernel == AttentionKernel::small_heads)
+        return "not chosen: fp8 caches at up to " + std::to_string(kSmallMaxHeads) + " heads from " +
+               std::to_string(r.need) + " query rows on take the small-heads kernel";
+      return "not chosen: " + std::to_string(r.need) + "+ heads take the wide tile";
+  }
+  return {};
+}
+
+}  // namespace smla::cuda::mla

@@ -1,0 +1,150 @@
+// Which MLA attention kernel runs, as data: one pure function of an arch's limits and the attention's shape (no
+// CUDA call), used both by the ops' plan (attention.cu: it decides) and by `smla explain` (it names the variant
+// that will run and why the others were not chosen). Plain C++: the CPU build and its tests have it.
+//
+// The shared memory each kernel needs is a table here, checked against the kernels' own layouts at compile time
+// (kernel_choice_check.cu); the registers per thread are a bound per kernel, checked against the compiled kernels'
+// by a GPU test (cudaFuncGetAttributes), as is each choice's CTAs per SM against cudaOccupancy.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <string>
+
+#include "cuda/kernels.h"
+#include "cuda/mla/params.h"
+
+namespace smla::cuda::mla {
+
+// What the choice reads of a device (cuda::DeviceInfo or an arch's cuda::ArchLimits).
+struct KernelLimits {
+  int compute_capability = 0;  // major*10 + minor
+  int max_smem_per_block = 0;  // opt-in, bytes
+  int max_smem_per_sm = 0;
+  int max_threads_per_sm = 0;
+  int max_ctas_per_sm = 0;
+};
+inline constexpr int kRegistersPerSm = 65536;  // every arch from SM80 on
+inline constexpr int kReservedSmemPerCta = 1024;  // the system's share of each CTA's shared memory (SM80 on)
+
+// The automatic rules' thresholds (kernel_choice_check.cu holds the kernels' own constants equal): the small-heads
+// kernel up to 32 heads, from 16 query rows on (576-wide heads) or 64 (512-wide; on an H200 at 8 heads the 16-head
+// tile took 42.1 against 46.3 us at 32 tokens, 75.3 against 64.2 at 64); the wide tile from 64 heads on.
+inline constexpr int kSmallMaxHeads = 32, kSmallMinTokens = 16, kSmallMinTokensNoRope = 64, kWideMinHeads = 64;
+// fp8_ds_mla_v4 caches (512-wide) take the small-heads kernel automatically as rope-free fp8_ds_mla rows do.
+inline constexpr bool kSmallAutomaticForV4 = true;
+inline constexpr int kHeadsPerCtaTile = 16, kWideHeadsPerCta = 64;
+// Registers per thread, at most, over every instance and arch (ptxas -v; the wide tile's are capped at 255 by its
+// launch bounds of one CTA per SM, the small-heads kernel's with the dim split at 128 by its bounds of two).
+inline constexpr int kHeadTileRegisters = 171, kWideRegisters = 255, kSmallHeads16Registers = 255,
+                     kSmallHeads8Registers = 255, kSmallHeadsSplitRegisters = 128;
+
+// The attention's shape: cache format, rope width (64 or 0), paged (dense decode) or a slot list (sparse), query
+// rows, heads per rank, and what a test or benchmark forces (AttentionChoice: kernel, depth, small-heads shape).
+struct KernelShape {
+  CacheFormat format = CacheFormat::bf16;
+  int rope = 64;
+  bool paged = false;
+  int64_t tokens = 1;
+  int heads = 16;
+  AttentionChoice forced;
+};
+
+// One compiled variant: its kernel, heads per CTA, threads, pipeline depth, the small-heads kernel's dim split
+// (1 or 2; 0 for the others), dynamic shared memory, registers per thread (a bound) and resident CTAs per SM.
+struct KernelVariant {
+  AttentionKernel kernel = AttentionKernel::automatic;  // automatic: none
+  int heads_per_cta = 0, threads = 0, stages = 0, split_dims = 0, smem = 0, registers = 0, ctas_per_sm = 0;
+};
+
+// Why a kernel was not chosen. `need`/`have`: shared memory in bytes (smem), heads or tokens (the automatic rules;
+// other_kernel_won: the chosen kernel's threshold).
+enum class Rejected {
+  forced_other,      // another kernel was forced
+  cache_format,      // the small-heads kernel reads fp8_ds_mla caches only (automatically)
+  too_many_heads,    // the small-heads kernel: more heads than kMaxHeadsAutomatic
+  too_few_tokens,    // the small-heads kernel: fewer query rows than it pays off at
+  too_few_heads,     // the wide tile: fewer heads than kMinHeadsAutomatic
+  smem,              // needs more shared memory per block than the arch allows
+  other_kernel_won,  // valid, but the kernel chosen comes first for this shape
+};
+struct Rejection {
+  AttentionKernel kernel = AttentionKernel::automatic;
+  Rejected why = Rejected::forced_other;
+  int need = 0, have = 0;
+};
+
+// The choice: `chosen` (kernel automatic when nothing fits: `rejected` says why), and the other kernels' rejections
+// (at most one each). No allocation: the ops call it at every launch.
+struct KernelDecision {
+  KernelVariant chosen;
+  std::array<Rejection, 3> rejected{};
+  int num_rejected = 0;
+  bool ok() const { return chosen.kernel != AttentionKernel::automatic; }
+};
+
+// THE choice. Automatic: the small-heads kernel for fp8_ds_mla caches (and fp8_ds_mla_v4 ones while
+// kSmallAutomaticForV4) up to small::kMaxHeadsAutomatic heads from
+// small::kMinTokensAutomatic query rows on (kMinTokensAutomaticNoRope for 512-wide heads), where it fits; else the
+// wide tile from wide::kMinHeadsAutomatic heads on, where it fits; else the 16-head tile. Depths: the 16-head tile
+// the deepest that keeps two CTAs per SM (or the most that fit), the wide tile the deepest that fits, the
+// small-heads kernel the deepest that keeps the most CTAs per SM (at 8 heads the dim split where it keeps as many).
+// A forced kernel or depth is taken as given; one that does not fit is no choice (not ok()).
+KernelDecision choose_attention_kernel(const KernelLimits& limits, const KernelShape& shape);
+
+// "wide tile", "16-head tile", "small-heads kernel".
+const char* kernel_name(AttentionKernel kernel);
+// "wide tile (64 heads/CTA, depth 3, 1 CTA/SM)".
+std::string variant_text(const KernelVariant& v);
+// Why `r.kernel` is not `chosen`, e.g. "not chosen: 64+ heads take the wide tile", "needs 192,512 B of shared
+// memory per block; sm_120 allows 101,376".
+std::string rejection_text(const Rejection& r, const KernelVariant& chosen, int compute_capability);
+
+// The dynamic shared memory of each kernel at depth `stages` (0: that depth is not compiled), from tables that
+// kernel_choice_check.cu holds equal to the kernels' layouts. f16 rows are laid out as bf16 ones.
+namespace tables {
+// Table rows: [format: 16-bit, fp8_ds_mla, fp8_ds_mla_v4][rope 0, 64][depth - first depth]; 0: not compiled.
+constexpr int format_row(CacheFormat f) { return f == CacheFormat::fp8_ds_mla ? 1 : f == CacheFormat::fp8_ds_mla_v4 ? 2 : 0; }
+
+// 16-head tile, depths 1-4 (16-bit caches compile 2-4, fp8 1-3).
+inline constexpr int kHeadTileSmem[3][2][4] = {{{0, 77504, 110912, 144320}, {0, 85696, 123200, 160704}},
+                                        {{61120, 78144, 95168, 0}, {69312, 90432, 111552, 0}},
+                                        {{63168, 82240, 101312, 0}, {0, 0, 0, 0}}};
+// Wide tile, depths 2-3.
+inline constexpr int kWideSmem[3][2][2] = {{{176128, 209536}, {192512, 230016}},
+                                    {{176768, 193792}, {197248, 218368}},
+                                    {{180864, 199936}, {0, 0}}};
+// Small heads, depths 2-4, by [format][rope][shape: 16 heads, 8 heads on 4 warps, 8 heads on 8 warps (the output
+// dims split; never for fp8_ds_mla_v4)].
+inline constexpr int kSmallSmem[3][2][3][3] = {
+    {{{148800, 214592, 280384}, {140192, 205984, 271776}, {144288, 210080, 275872}},
+     {{167232, 241216, 315200}, {157600, 231584, 305568}, {161696, 235680, 309664}}},
+    {{{85312, 119360, 153408}, {76704, 110752, 144800}, {80800, 114848, 148896}},
+     {{103744, 145984, 188224}, {94112, 136352, 178592}, {98208, 140448, 182688}}},
+    {{{101696, 143936, 186176}, {93088, 135328, 177568}, {0, 0, 0}}, {{0, 0, 0}, {0, 0, 0}, {0, 0, 0}}}};
+
+}  // namespace tables
+constexpr int head_tile_smem(CacheFormat f, int rope, int stages) {
+  if (stages < 1 || stages > 4) return 0;
+  return tables::kHeadTileSmem[tables::format_row(f)][rope ? 1 : 0][stages - 1];
+}
+
+constexpr int wide_smem(CacheFormat f, int rope, int stages) {
+  if (stages < 2 || stages > 3) return 0;
+  return tables::kWideSmem[tables::format_row(f)][rope ? 1 : 0][stages - 2];
+}
+
+constexpr int small_heads_smem(CacheFormat f, int rope, int heads_per_cta, int split_dims, int stages) {
+  if (stages < 2 || stages > 4) return 0;
+  return tables::kSmallSmem[tables::format_row(f)][rope ? 1 : 0]
+                           [heads_per_cta == 16 ? 0 : split_dims == 2 ? 2 : 1][stages - 2];
+}
+
+// Registers per thread, at most, of each kernel's instances (the GPU test checks them against the compiled ones).
+int kernel_registers(AttentionKernel kernel, int heads_per_cta, int split_dims);
+// Resident CTAs per SM of `threads`-thread CTAs with `registers` each and `smem` dynamic bytes, as cudaOccupancy
+// counts them (registers in 256-register units per warp; each CTA's shared memory plus the system's 1 KB in
+// 128-byte units).
+int ctas_per_sm(const KernelLimits& limits, int threads, int registers, int smem);
+
+}  // namespace smla::cuda::mla

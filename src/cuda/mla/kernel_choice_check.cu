@@ -1,0 +1,68 @@
+// Compile-time checks that kernel_choice.h's tables and thresholds are the kernels' own: every compiled depth's
+// shared memory equals its layout's, and the automatic rules' constants equal the kernels' headers'. No code.
+#include "cuda/mla/attention_kernel.cuh"
+#include "cuda/mla/attention_small_heads.cuh"
+#include "cuda/mla/attention_small_heads.h"
+#include "cuda/mla/attention_wide.cuh"
+#include "cuda/mla/kernel_choice.h"
+
+namespace smla::cuda::mla {
+
+namespace {
+
+constexpr CacheFormat kFormats[] = {CacheFormat::bf16, CacheFormat::f16, CacheFormat::fp8_ds_mla,
+                                    CacheFormat::fp8_ds_mla_v4};
+
+// The 16-head tile compiles depths 2-4 (16-bit caches) or 1-3 (fp8); the wide tile 2-3; fp8_ds_mla_v4 rope-free only.
+constexpr bool tile_layouts_match() {
+  for (CacheFormat f : kFormats)
+    for (int rope : {0, kMlaRopeDim}) {
+      const bool compiled = f != CacheFormat::fp8_ds_mla_v4 || rope == 0;
+      for (int s = 1; s <= 4; ++s) {
+        const bool head_depth = compiled && (is_fp8(f) ? s <= 3 : s >= 2);
+        if (head_tile_smem(f, rope, s) != (head_depth ? SmemLayout(f, s, rope).total : 0)) return false;
+        const bool wide_depth = compiled && s >= 2 && s <= 3;
+        if (wide_smem(f, rope, s) != (wide_depth ? wide::WideLayout(f, s, rope).total : 0)) return false;
+      }
+    }
+  return true;
+}
+
+template <CacheFormat F, int kRope>
+constexpr bool small_layouts_match() {
+  for (int s = 2; s <= 4; ++s)
+    if (small_heads_smem(F, kRope, 16, 1, s) != small::Layout<F, kRope, 2, 1>(s).total ||
+        small_heads_smem(F, kRope, 8, 1, s) != small::Layout<F, kRope, 1, 1>(s).total ||
+        small_heads_smem(F, kRope, 8, 2, s) != small::Layout<F, kRope, 1, 2>(s).total)
+      return false;
+  return true;
+}
+
+static_assert(tile_layouts_match(), "kernel_choice.h: the tile kernels' shared-memory table");
+static_assert(small_layouts_match<CacheFormat::bf16, 0>() && small_layouts_match<CacheFormat::bf16, 64>() &&
+                  small_layouts_match<CacheFormat::f16, 0>() && small_layouts_match<CacheFormat::f16, 64>() &&
+                  small_layouts_match<CacheFormat::fp8_ds_mla, 0>() &&
+                  small_layouts_match<CacheFormat::fp8_ds_mla, 64>(),
+              "kernel_choice.h: the small-heads kernel's shared-memory table");
+constexpr bool v4_small_layouts_match() {  // rope-free, and never the dim split
+  for (int s = 2; s <= 4; ++s)
+    if (small_heads_smem(CacheFormat::fp8_ds_mla_v4, 0, 16, 1, s) !=
+            small::Layout<CacheFormat::fp8_ds_mla_v4, 0, 2, 1>(s).total ||
+        small_heads_smem(CacheFormat::fp8_ds_mla_v4, 0, 8, 1, s) !=
+            small::Layout<CacheFormat::fp8_ds_mla_v4, 0, 1, 1>(s).total ||
+        small_heads_smem(CacheFormat::fp8_ds_mla_v4, 0, 8, 2, s) != 0)
+      return false;
+  return true;
+}
+static_assert(v4_small_layouts_match(), "kernel_choice.h: the small-heads kernel's fp8_ds_mla_v4 shared memory");
+static_assert(kHeadsPerCtaTile == kHeadsPerCta && kWideHeadsPerCta == wide::kWideHeads &&
+                  kWideMinHeads == wide::kMinHeadsAutomatic && kSmallMaxHeads == small::kMaxHeadsAutomatic &&
+                  kSmallMinTokens == small::kMinTokensAutomatic &&
+                  kSmallMinTokensNoRope == small::kMinTokensAutomaticNoRope &&
+                  kSmallAutomaticForV4 == small::kAutomaticForV4,
+              "kernel_choice.h: the automatic rules' thresholds");
+static_assert(kWideRegisters * wide::kWideThreads <= kRegistersPerSm, "the wide tile's launch bounds: one CTA per SM");
+
+}  // namespace
+
+}  // namespace smla::cuda::mla
