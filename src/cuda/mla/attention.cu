@@ -183,9 +183,11 @@ Plan plan(CacheFormat f, int rope, bool paged, int64_t tokens, int heads, int nu
   const DeviceInfo& dev = current_device();
   const mla::KernelDecision d = mla::choose_attention_kernel(kernel_limits(dev), {f, rope, paged, tokens, heads, choice});
   const mla::small::SmallHeadsShape shape{choice.stages, choice.heads_per_cta, choice.split_dims};
-  if (!d.ok()) {  // the configurations' own errors name a bad forced shape or depth, else what does not fit
-    if (choice.kernel == AttentionKernel::small_heads) mla::small::small_heads_config(f, rope, paged, heads, shape);
-    if (choice.kernel == AttentionKernel::wide_tile) mla::wide::wide_config(f, rope, paged, choice.stages);
+  // A forced kernel's configuration checks the forced shape first: its errors name a bad depth, heads per CTA or
+  // dim split (invalid_argument), or what does not fit.
+  if (choice.kernel == AttentionKernel::small_heads) mla::small::small_heads_config(f, rope, paged, heads, shape);
+  if (choice.kernel == AttentionKernel::wide_tile) mla::wide::wide_config(f, rope, paged, choice.stages);
+  if (!d.ok()) {
     const mla::Rejection& last = d.rejected[static_cast<size_t>(d.num_rejected - 1)];
     throw Error(ErrorKind::unsupported, std::string("MLA attention: ") + mla::kernel_name(last.kernel) + ": " +
                                             mla::rejection_text(last, d.chosen, dev.compute_capability));

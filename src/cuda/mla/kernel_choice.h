@@ -31,8 +31,9 @@ inline constexpr int kReservedSmemPerCta = 1024;  // the system's share of each 
 // kernel up to 32 heads, from 16 query rows on (576-wide heads) or 64 (512-wide; on an H200 at 8 heads the 16-head
 // tile took 42.1 against 46.3 us at 32 tokens, 75.3 against 64.2 at 64); the wide tile from 64 heads on.
 inline constexpr int kSmallMaxHeads = 32, kSmallMinTokens = 16, kSmallMinTokensNoRope = 64, kWideMinHeads = 64;
-// fp8_ds_mla_v4 caches (512-wide) take the small-heads kernel automatically as rope-free fp8_ds_mla rows do.
-inline constexpr bool kSmallAutomaticForV4 = true;
+// Whether fp8_ds_mla_v4 caches (512-wide) take the small-heads kernel automatically as rope-free fp8_ds_mla rows
+// do: off (small::kAutomaticForV4 says why).
+inline constexpr bool kSmallAutomaticForV4 = false;
 inline constexpr int kHeadsPerCtaTile = 16, kWideHeadsPerCta = 64;
 // Registers per thread, at most, over every instance and arch (ptxas -v; the wide tile's are capped at 255 by its
 // launch bounds of one CTA per SM, the small-heads kernel's with the dim split at 128 by its bounds of two).
