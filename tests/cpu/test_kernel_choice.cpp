@@ -29,7 +29,8 @@ AttentionKernel expected_kernel(const KernelLimits& l, const KernelShape& s) {
       s.tokens >= min_tokens &&
       small_heads_smem(s.format, s.rope, small_hpc, small_hpc == 8 && !v4 ? 2 : 1, 2) <= l.max_smem_per_block)
     return AttentionKernel::small_heads;
-  if (s.heads >= kWideMinHeads && wide_smem(s.format, s.rope, 2) <= l.max_smem_per_block)
+  if (s.heads >= kWideMinHeads && s.tokens * s.heads >= kWideMinRows &&
+      wide_smem(s.format, s.rope, 2) <= l.max_smem_per_block)
     return AttentionKernel::wide_tile;
   return AttentionKernel::head_tile;
 }
@@ -63,9 +64,20 @@ TEST(KernelChoice, AutomaticOnEveryArch) {
 }
 
 // Facts the tables give by hand: the wide tile's 192,512 B (bf16, 576-wide heads, depth 2) fit sm_90 and sm_100
-// (depth 3: 230,016 B), neither sm_80's 166,912 nor the 99 KB archs' 101,376.
+// (depth 3: 230,016 B), neither sm_80's 166,912 nor the 99 KB archs' 101,376. 32 tokens of 128 heads are the
+// fewest query rows x heads it takes; one token stays on the 16-head tile.
 TEST(KernelChoice, WideTileWhereItFits) {
-  const KernelShape dsv32_bf16{CacheFormat::bf16, 64, false, 1, 128, {}};
+  const KernelShape dsv32_bf16{CacheFormat::bf16, 64, false, 32, 128, {}};
+  KernelShape one_token = dsv32_bf16;
+  one_token.tokens = 1;
+  const KernelDecision latency = choose_attention_kernel(limits_of("sm_90"), one_token);
+  EXPECT_EQ(latency.chosen.kernel, AttentionKernel::head_tile);
+  ASSERT_GE(latency.num_rejected, 2);
+  EXPECT_EQ(latency.rejected[1].kernel, AttentionKernel::wide_tile);
+  EXPECT_EQ(rejection_text(latency.rejected[1], latency.chosen, 90),
+            "not chosen: automatic from 4,096 query rows x heads on, here 128 (fewer run faster on the 16-head tile)");
+  one_token.tokens = 31;
+  EXPECT_EQ(choose_attention_kernel(limits_of("sm_90"), one_token).chosen.kernel, AttentionKernel::head_tile);
   for (const char* arch : {"sm_90", "sm_100"}) {
     const KernelDecision d = choose_attention_kernel(limits_of(arch), dsv32_bf16);
     EXPECT_EQ(d.chosen.kernel, AttentionKernel::wide_tile) << arch;

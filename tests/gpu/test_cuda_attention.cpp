@@ -766,7 +766,7 @@ TEST(CudaSparseMlaV4, HeadsTopkBlockSizes) {
       p.block_pad = i % 5 == 0 ? 576 : 0;  // a block stride past FlashMLA's padding
       const std::optional<cuda::AttentionPlan> plan = run_sparse(p, seed++);
       ASSERT_TRUE(plan.has_value());
-      EXPECT_EQ(plan->kernel, automatic_many_heads_kernel(DType::fp8_ds_mla_v4, 0, false, heads))
+      EXPECT_EQ(plan->kernel, automatic_many_heads_kernel(DType::fp8_ds_mla_v4, 0, false, heads, p.tokens))
           << "the small-heads kernel from 64 tokens only";
     }
 }
@@ -960,40 +960,42 @@ TEST(CudaSparseMlaWideTile, InvalidDepthIsAnError) {
   }
 }
 
-// The automatic choice names the wide-tile kernel from its rule's head count on where the device holds it (so the
-// tests of 64 and 128 heads without a forced kernel run it too, test_cuda_two_caches.cpp's among them), never
-// below; forced with a second cache it serves both caches.
+// The automatic choice names the wide-tile kernel from its rule's head count and query rows x heads on, where the
+// device holds it (so the tests of 64 and 128 heads over enough tokens without a forced kernel run it too), never
+// below: one token of 128 heads stays on the 16-head tile. With a second cache the plan is the one cache's, and the
+// wide tile forced serves both caches.
 TEST(CudaSparseMlaWideTile, AutomaticChoiceAndSecondCache) {
-  for (int heads : {16, 32, 64, 128})
-    for (DType kv : {DType::bf16, DType::fp8_ds_mla}) {
-      SCOPED_TRACE(std::string(dtype_name(kv)) + " heads " + std::to_string(heads));
-      SparseMlaArgs a;
-      a.q = TensorView(nullptr, {4, heads, kMlaQkDim}, DType::bf16, Device::cuda(0));
-      a.kv_cache = TensorView(nullptr, {64, 64, row_elems(kv, kMlaRopeDim)}, kv, Device::cuda(0));
-      a.indices = TensorView(nullptr, {4, 2048}, DType::i32, Device::cuda(0));
-      const cuda::AttentionPlan plan = cuda::sparse_mla_plan(a);
-      const bool many = heads >= cuda::mla::wide::kMinHeadsAutomatic;
-      if (many) EXPECT_EQ(plan.kernel, automatic_many_heads_kernel(kv, kMlaRopeDim, false, heads));
-      else EXPECT_NE(plan.kernel, cuda::AttentionKernel::wide_tile);
-      if (plan.kernel == cuda::AttentionKernel::wide_tile) {
-        EXPECT_LE(plan.smem, cuda::current_device().max_smem_per_block);
-        EXPECT_EQ(plan.ctas_per_sm, 1);
+  for (int64_t tokens : {1, 31, 64})
+    for (int heads : {16, 32, 64, 128})
+      for (DType kv : {DType::bf16, DType::fp8_ds_mla}) {
+        SCOPED_TRACE(std::string(dtype_name(kv)) + " heads " + std::to_string(heads) + " tokens " +
+                     std::to_string(tokens));
+        SparseMlaArgs a;
+        a.q = TensorView(nullptr, {tokens, heads, kMlaQkDim}, DType::bf16, Device::cuda(0));
+        a.kv_cache = TensorView(nullptr, {64, 64, row_elems(kv, kMlaRopeDim)}, kv, Device::cuda(0));
+        a.indices = TensorView(nullptr, {tokens, 2048}, DType::i32, Device::cuda(0));
+        const cuda::AttentionPlan plan = cuda::sparse_mla_plan(a);
+        const bool wide = automatic_many_heads_kernel(kv, kMlaRopeDim, false, heads, tokens) ==
+                          cuda::AttentionKernel::wide_tile;
+        EXPECT_EQ(plan.kernel == cuda::AttentionKernel::wide_tile, wide);
+        if (heads < cuda::mla::wide::kMinHeadsAutomatic || tokens * heads < cuda::mla::wide::kMinRowsAutomatic)
+          EXPECT_FALSE(wide);
+        if (wide) {
+          EXPECT_LE(plan.smem, cuda::current_device().max_smem_per_block);
+          EXPECT_EQ(plan.ctas_per_sm, 1);
+        }
+        // A second cache (there when its indices are: data a plan never reads).
+        SparseMlaArgs two = a;
+        int32_t never_read = 0;
+        two.extra_kv_cache = a.kv_cache;
+        two.extra_indices = TensorView(&never_read, {tokens, 2048}, DType::i32, Device::cuda(0));
+        const cuda::AttentionPlan both = cuda::sparse_mla_plan(two);
+        EXPECT_EQ(both.kernel, plan.kernel);
+        EXPECT_GE(both.num_splits, 2);
+        if (automatic_many_heads_kernel(kv, kMlaRopeDim, false, 128, 64) == cuda::AttentionKernel::wide_tile)
+          EXPECT_EQ(cuda::sparse_mla_plan(two, {cuda::AttentionKernel::wide_tile}).kernel,
+                    cuda::AttentionKernel::wide_tile);
       }
-      // With a second cache (there when its indices are: data a plan never reads) the same rule, and the kernel
-      // forced where the device holds it; below the rule's head count the one-cache rules (4 tokens: the 16-head
-      // tile, too few for the small-heads kernel).
-      SparseMlaArgs two = a;
-      int32_t never_read = 0;
-      two.extra_kv_cache = a.kv_cache;
-      two.extra_indices = TensorView(&never_read, {4, 2048}, DType::i32, Device::cuda(0));
-      const cuda::AttentionPlan both = cuda::sparse_mla_plan(two);
-      EXPECT_EQ(both.kernel, many ? automatic_many_heads_kernel(kv, kMlaRopeDim, false, heads)
-                                  : cuda::AttentionKernel::head_tile);
-      EXPECT_GE(both.num_splits, 2);
-      if (automatic_many_heads_kernel(kv, kMlaRopeDim, false, cuda::mla::wide::kMinHeadsAutomatic) ==
-          cuda::AttentionKernel::wide_tile)
-        EXPECT_EQ(cuda::sparse_mla_plan(two, {cuda::AttentionKernel::wide_tile}).kernel, cuda::AttentionKernel::wide_tile);
-    }
 }
 
 }  // namespace

@@ -46,7 +46,7 @@ struct TwoCaches {
         ((kv_dtype == DType::fp8_ds_mla && tokens >= (rope ? sh::kMinTokensAutomatic : sh::kMinTokensAutomaticNoRope)) ||
          (kv_dtype == DType::fp8_ds_mla_nope && tokens >= sh::kMinTokensAutomaticNoRope) ||
          (kv_dtype == DType::fp8_ds_mla_v4 && sh::kAutomaticForV4 && tokens >= sh::kMinTokensAutomaticNoRope));
-    return small ? cuda::AttentionKernel::small_heads : automatic_many_heads_kernel(kv_dtype, rope, false, heads);
+    return small ? cuda::AttentionKernel::small_heads : automatic_many_heads_kernel(kv_dtype, rope, false, heads, tokens);
   }
   std::string what() const {
     return "q=" + std::string(dtype_name(q_dtype)) + " kv=" + std::string(dtype_name(kv_dtype)) +

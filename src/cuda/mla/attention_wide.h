@@ -12,6 +12,10 @@ constexpr int kWideHeads = 64;  // heads per CTA: each gathered row feeds all of
 // THE automatic rule: the ops pick this kernel from this many heads on, where the device fits it (not measured
 // yet; below 64 heads a CTA pads its tile with zero queries).
 constexpr int kMinHeadsAutomatic = 64;
+// And from this many query rows x heads on: fewer leave its one CTA per token's 64 heads (queries 75 KB each)
+// slower than the 16-head tile's four (H200, DeepSeek-V4 c4 decode, µs wide / 16-head tile: 64 heads x 1 token
+// 24.5 / 15.4, x 32 tokens 53.4 / 50.4, x 64 tokens 70.7 / 88.4; 128 heads x 32 tokens 69.0 / 85.8).
+constexpr int64_t kMinRowsAutomatic = 4096;
 
 struct WideConfig {
   const void* fn = nullptr;

@@ -166,7 +166,12 @@ KernelDecision choose_attention_kernel(const KernelLimits& l, const KernelShape&
       continue;
     }
     d.chosen = variant(l, s, k);
-    if (!d.ok()) reject(k, Rejected::smem, least_smem(s, k), l.max_smem_per_block);
+    if (!d.ok()) {
+      reject(k, Rejected::smem, least_smem(s, k), l.max_smem_per_block);
+    } else if (k == AttentionKernel::wide_tile && s.tokens * s.heads < kWideMinRows) {  // fits, but too few rows
+      d.chosen = {};
+      reject(k, Rejected::too_few_rows, static_cast<int>(kWideMinRows), static_cast<int>(s.tokens * s.heads));
+    }
   }
   return d;
 }
@@ -203,6 +208,9 @@ std::string rejection_text(const Rejection& r, const KernelVariant& chosen, int 
       return "not chosen: automatic from " + std::to_string(r.need) + " query rows on (memory-bound decode)";
     case Rejected::too_few_heads:
       return "not chosen: automatic from " + std::to_string(r.need) + " heads on, here " + std::to_string(r.have);
+    case Rejected::too_few_rows:
+      return "not chosen: automatic from " + with_commas(r.need) + " query rows x heads on, here " +
+             with_commas(r.have) + " (fewer run faster on the 16-head tile)";
     case Rejected::smem:
       return "needs " + with_commas(r.need) + " B of shared memory per block; " + arch_text(cc) + " allows " +
              with_commas(r.have);
@@ -210,7 +218,8 @@ std::string rejection_text(const Rejection& r, const KernelVariant& chosen, int 
       if (chosen.kernel == AttentionKernel::small_heads)
         return "not chosen: fp8 caches at up to " + std::to_string(kSmallMaxHeads) + " heads from " +
                std::to_string(r.need) + " query rows on take the small-heads kernel";
-      return "not chosen: " + std::to_string(r.need) + "+ heads take the wide tile";
+      return "not chosen: " + std::to_string(r.need) + "+ heads at " + with_commas(kWideMinRows) +
+             "+ query rows x heads take the wide tile";
   }
   return {};
 }

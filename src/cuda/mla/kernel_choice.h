@@ -31,6 +31,8 @@ inline constexpr int kReservedSmemPerCta = 1024;  // the system's share of each 
 // kernel up to 32 heads, from 16 query rows on (576-wide heads) or 64 (512-wide; on an H200 at 8 heads the 16-head
 // tile took 42.1 against 46.3 us at 32 tokens, 75.3 against 64.2 at 64); the wide tile from 64 heads on.
 inline constexpr int kSmallMaxHeads = 32, kSmallMinTokens = 16, kSmallMinTokensNoRope = 64, kWideMinHeads = 64;
+// The wide tile also needs this many query rows x heads (wide::kMinRowsAutomatic says why).
+inline constexpr int64_t kWideMinRows = 4096;
 // Whether fp8_ds_mla_v4 caches (512-wide) take the small-heads kernel automatically as rope-free fp8_ds_mla rows
 // do: off (small::kAutomaticForV4 says why).
 inline constexpr bool kSmallAutomaticForV4 = false;
@@ -66,6 +68,7 @@ enum class Rejected {
   too_many_heads,    // the small-heads kernel: more heads than kMaxHeadsAutomatic
   too_few_tokens,    // the small-heads kernel: fewer query rows than it pays off at
   too_few_heads,     // the wide tile: fewer heads than kMinHeadsAutomatic
+  too_few_rows,      // the wide tile: fewer query rows x heads than kWideMinRows
   smem,              // needs more shared memory per block than the arch allows
   other_kernel_won,  // valid, but the kernel chosen comes first for this shape
 };
@@ -87,7 +90,8 @@ struct KernelDecision {
 // THE choice. Automatic: the small-heads kernel for fp8_ds_mla caches (and fp8_ds_mla_v4 ones while
 // kSmallAutomaticForV4) up to small::kMaxHeadsAutomatic heads from
 // small::kMinTokensAutomatic query rows on (kMinTokensAutomaticNoRope for 512-wide heads), where it fits; else the
-// wide tile from wide::kMinHeadsAutomatic heads on, where it fits; else the 16-head tile. Depths: the 16-head tile
+// wide tile from wide::kMinHeadsAutomatic heads and wide::kMinRowsAutomatic query rows x heads on, where it fits;
+// else the 16-head tile. Depths: the 16-head tile
 // the deepest that keeps two CTAs per SM (or the most that fit), the wide tile the deepest that fits, the
 // small-heads kernel the deepest that keeps the most CTAs per SM (at 8 heads the dim split where it keeps as many).
 // A forced kernel or depth is taken as given; one that does not fit is no choice (not ok()).

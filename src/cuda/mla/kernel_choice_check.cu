@@ -56,7 +56,7 @@ constexpr bool v4_small_layouts_match() {  // rope-free, and never the dim split
 }
 static_assert(v4_small_layouts_match(), "kernel_choice.h: the small-heads kernel's fp8_ds_mla_v4 shared memory");
 static_assert(kHeadsPerCtaTile == kHeadsPerCta && kWideHeadsPerCta == wide::kWideHeads &&
-                  kWideMinHeads == wide::kMinHeadsAutomatic && kSmallMaxHeads == small::kMaxHeadsAutomatic &&
+                  kWideMinHeads == wide::kMinHeadsAutomatic && kWideMinRows == wide::kMinRowsAutomatic && kSmallMaxHeads == small::kMaxHeadsAutomatic &&
                   kSmallMinTokens == small::kMinTokensAutomatic &&
                   kSmallMinTokensNoRope == small::kMinTokensAutomaticNoRope &&
                   kSmallAutomaticForV4 == small::kAutomaticForV4,
