@@ -510,6 +510,25 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
       return uint2{movmatrix_trans(pack2<U>(s[0] * scale0, s[1] * scale0)),
                    movmatrix_trans(pack2<U>(s[2] * scale1, s[3] * scale1))};
     };
+    // fp8 values of rows kr+2c, kr+2c+1, kr+2c+8, kr+2c+9 at piece g of `tile` (16 dims of 4 keys), as byte pairs
+    // (key kr+2c, kr+2c+1 in lo01/hi01; kr+2c+8, kr+2c+9 in lo23/hi23) per dim: [k] holds dims 4k, 4k+1 (lo) and
+    // 4k+2, 4k+3 (hi), e4m3x2_to_f16x2's operands for the P V mma's A.
+    struct KeyPairs {
+      uint32_t lo01[4], hi01[4], lo23[4], hi23[4];
+    };
+    auto key_pairs = [&](int tile) {
+      const uint4 x0 = load(v_off0 + 128 * tile), x1 = load(v_off1 + 128 * tile);
+      const uint4 x2 = load(v_off0 + 128 * tile + 8 * G::kRowBytes), x3 = load(v_off1 + 128 * tile + 8 * G::kRowBytes);
+      const uint32_t w0[4] = {x0.x, x0.y, x0.z, x0.w}, w1[4] = {x1.x, x1.y, x1.z, x1.w};
+      const uint32_t w2[4] = {x2.x, x2.y, x2.z, x2.w}, w3[4] = {x3.x, x3.y, x3.z, x3.w};
+      KeyPairs kp;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        kp.lo01[k] = byte_perm(w0[k], w1[k], 0x5140), kp.hi01[k] = byte_perm(w0[k], w1[k], 0x7362);
+        kp.lo23[k] = byte_perm(w2[k], w3[k], 0x5140), kp.hi23[k] = byte_perm(w2[k], w3[k], 0x7362);
+      }
+      return kp;
+    };
     if constexpr (kV4) {
       // Each key's scale, per 64 dims, is applied to its values (the 16 dims a lane holds in an mma's A are of one
       // tile, those of its 8 rows of two): code * 2^(e - tile_exp + kV4ValueExp) in f16, e the key's biased scale
@@ -546,15 +565,10 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
           return d >= -14 ? static_cast<uint32_t>(d + 15) << 10 : d >= -24 ? 1u << (d + 24) : 0u;
         };
         const uint32_t m01 = multiplier(0) | multiplier(1) << 16, m23 = multiplier(8) | multiplier(9) << 16;
-        const uint4 x0 = load(v_off0 + 128 * tile), x1 = load(v_off1 + 128 * tile);
-        const uint4 x2 = load(v_off0 + 128 * tile + 8 * G::kRowBytes);
-        const uint4 x3 = load(v_off1 + 128 * tile + 8 * G::kRowBytes);
-        const uint32_t w0[4] = {x0.x, x0.y, x0.z, x0.w}, w1[4] = {x1.x, x1.y, x1.z, x1.w};
-        const uint32_t w2[4] = {x2.x, x2.y, x2.z, x2.w}, w3[4] = {x3.x, x3.y, x3.z, x3.w};
+        const KeyPairs kp = key_pairs(tile);
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
-          const uint32_t lo01 = byte_perm(w0[k], w1[k], 0x5140), hi01 = byte_perm(w0[k], w1[k], 0x7362);
-          const uint32_t lo23 = byte_perm(w2[k], w3[k], 0x5140), hi23 = byte_perm(w2[k], w3[k], 0x7362);
+          const uint32_t lo01 = kp.lo01[k], hi01 = kp.hi01[k], lo23 = kp.lo23[k], hi23 = kp.hi23[k];
           uint32_t a_lo[4] = {hmul2(e4m3x2_to_f16x2(lo01), m01), hmul2(e4m3x2_to_f16x2<true>(lo01), m01),
                               hmul2(e4m3x2_to_f16x2(lo23), m23), hmul2(e4m3x2_to_f16x2<true>(lo23), m23)};
           uint32_t a_hi[4] = {hmul2(e4m3x2_to_f16x2(hi01), m01), hmul2(e4m3x2_to_f16x2<true>(hi01), m01),
@@ -598,17 +612,10 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
         }
         const float up = __uint_as_float(static_cast<uint32_t>(260 - tile_exp[tt]) << 23);  // 2^(133 - e)
         const uint2 pt = p_fragment(__half{}, sc0v[tile] * up, sc1v[tile] * up);
-        // Rows 2c, 2c+1, 2c+8, 2c+9 at piece g of this tile: 16 dims of 4 keys.
-        const uint4 x0 = load(v_off0 + 128 * tile), x1 = load(v_off1 + 128 * tile);
-        const uint4 x2 = load(v_off0 + 128 * tile + 8 * G::kRowBytes);
-        const uint4 x3 = load(v_off1 + 128 * tile + 8 * G::kRowBytes);
-        const uint32_t w0[4] = {x0.x, x0.y, x0.z, x0.w}, w1[4] = {x1.x, x1.y, x1.z, x1.w};
-        const uint32_t w2[4] = {x2.x, x2.y, x2.z, x2.w}, w3[4] = {x3.x, x3.y, x3.z, x3.w};
+        const KeyPairs kp = key_pairs(tile);
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
-          // Byte pairs (key 2c, key 2c+1) per dim: dims 4k, 4k+1 then 4k+2, 4k+3.
-          const uint32_t lo01 = byte_perm(w0[k], w1[k], 0x5140), hi01 = byte_perm(w0[k], w1[k], 0x7362);
-          const uint32_t lo23 = byte_perm(w2[k], w3[k], 0x5140), hi23 = byte_perm(w2[k], w3[k], 0x7362);
+          const uint32_t lo01 = kp.lo01[k], hi01 = kp.hi01[k], lo23 = kp.lo23[k], hi23 = kp.hi23[k];
           mma_16816<__half>(o[8 * tt + 2 * k], {e4m3x2_to_f16x2(lo01), e4m3x2_to_f16x2<true>(lo01),
                                                 e4m3x2_to_f16x2(lo23), e4m3x2_to_f16x2<true>(lo23)},
                             {pt.x, pt.y});
