@@ -294,20 +294,31 @@ void run_sparse_mla(SparseMlaArgs& a, const Tensor& q, std::string_view backend)
   run_on_stream(a, q, backend, [](const auto& x, auto be) { sparse_mla(x, be); });
 }
 
-std::tuple<Tensor, Tensor> sparse_mla_kernel(const Tensor& q, const Tensor& kv_cache, const Tensor& indices,
-                                             const OptTensor& topk_length, const OptTensor& attn_sink,
-                                             double softmax_scale, c10::string_view kv_cache_dtype,
-                                             c10::string_view backend, const OptTensor& extra_kv_cache,
-                                             const OptTensor& extra_indices, const OptTensor& extra_topk_length) {
-  return translated([&] {
-    auto [out, lse] = attention_out(q);
+// sparse_mla.out: into the caller's out and lse, which smla's checks validate as it would allocate them (shape,
+// dtype, device, the last dimension contiguous, no overlap with an input or each other).
+void sparse_mla_out_kernel(const Tensor& q, const Tensor& kv_cache, const Tensor& indices,
+                           const OptTensor& topk_length, const OptTensor& attn_sink, double softmax_scale,
+                           c10::string_view kv_cache_dtype, c10::string_view backend, const OptTensor& extra_kv_cache,
+                           const OptTensor& extra_indices, const OptTensor& extra_topk_length, const Tensor& out,
+                           const Tensor& lse) {
+  translated([&] {
     SparseMlaArgs a = sparse_mla_args(q, kv_cache, indices, topk_length, attn_sink, softmax_scale, kv_cache_dtype,
                                       {extra_kv_cache, extra_indices, extra_topk_length});
     a.out = view(out, "out");
     a.lse = view(lse, "lse");
     run_sparse_mla(a, q, backend);
-    return std::make_tuple(out, lse);
   });
+}
+
+std::tuple<Tensor, Tensor> sparse_mla_kernel(const Tensor& q, const Tensor& kv_cache, const Tensor& indices,
+                                             const OptTensor& topk_length, const OptTensor& attn_sink,
+                                             double softmax_scale, c10::string_view kv_cache_dtype,
+                                             c10::string_view backend, const OptTensor& extra_kv_cache,
+                                             const OptTensor& extra_indices, const OptTensor& extra_topk_length) {
+  auto [out, lse] = attention_out(q);
+  sparse_mla_out_kernel(q, kv_cache, indices, topk_length, attn_sink, softmax_scale, kv_cache_dtype, backend,
+                        extra_kv_cache, extra_indices, extra_topk_length, out, lse);
+  return {out, lse};
 }
 
 // smla.ops._paged_mla_decode's arguments but its outputs (and stream).
@@ -330,19 +341,28 @@ void run_paged_mla_decode(PagedMlaDecodeArgs& a, const Tensor& q, std::string_vi
   run_on_stream(a, q, backend, [](const auto& x, auto be) { paged_mla_decode(x, be); });
 }
 
-std::tuple<Tensor, Tensor> paged_mla_decode_kernel(const Tensor& q, const Tensor& kv_cache, const Tensor& block_table,
-                                                   const Tensor& seq_lens, const OptTensor& attn_sink,
-                                                   double softmax_scale, bool causal, c10::string_view kv_cache_dtype,
-                                                   c10::string_view backend) {
-  return translated([&] {
-    auto [out, lse] = attention_out(q);
+// paged_mla_decode.out: into the caller's out and lse, checked as sparse_mla.out's are.
+void paged_mla_decode_out_kernel(const Tensor& q, const Tensor& kv_cache, const Tensor& block_table,
+                                 const Tensor& seq_lens, const OptTensor& attn_sink, double softmax_scale, bool causal,
+                                 c10::string_view kv_cache_dtype, c10::string_view backend, const Tensor& out,
+                                 const Tensor& lse) {
+  translated([&] {
     PagedMlaDecodeArgs a =
         paged_mla_decode_args(q, kv_cache, block_table, seq_lens, attn_sink, softmax_scale, causal, kv_cache_dtype);
     a.out = view(out, "out");
     a.lse = view(lse, "lse");
     run_paged_mla_decode(a, q, backend);
-    return std::make_tuple(out, lse);
   });
+}
+
+std::tuple<Tensor, Tensor> paged_mla_decode_kernel(const Tensor& q, const Tensor& kv_cache, const Tensor& block_table,
+                                                   const Tensor& seq_lens, const OptTensor& attn_sink,
+                                                   double softmax_scale, bool causal, c10::string_view kv_cache_dtype,
+                                                   c10::string_view backend) {
+  auto [out, lse] = attention_out(q);
+  paged_mla_decode_out_kernel(q, kv_cache, block_table, seq_lens, attn_sink, softmax_scale, causal, kv_cache_dtype,
+                              backend, out, lse);
+  return {out, lse};
 }
 
 void write_index_cache_kernel(const Tensor& k, const Tensor& slot_mapping, const Tensor& cache,
@@ -550,7 +570,9 @@ std::tuple<Tensor, Tensor, Tensor> flash_mla_sparse_fwd_kernel(const Tensor& q, 
 void register_kernels(torch::Library& m) {
   m.impl("write_mla_cache", TORCH_FN(write_mla_cache_kernel));
   m.impl("sparse_mla", TORCH_FN(sparse_mla_kernel));
+  m.impl("sparse_mla.out", TORCH_FN(sparse_mla_out_kernel));
   m.impl("paged_mla_decode", TORCH_FN(paged_mla_decode_kernel));
+  m.impl("paged_mla_decode.out", TORCH_FN(paged_mla_decode_out_kernel));
   m.impl("write_index_cache", TORCH_FN(write_index_cache_kernel));
   m.impl("indexer_topk", TORCH_FN(indexer_topk_kernel));
   m.impl("positions_to_slots", TORCH_FN(positions_to_slots_kernel));
