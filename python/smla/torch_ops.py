@@ -5,7 +5,9 @@ and CUDA graphs capture them. Importing this module registers them; the
 
 The ops allocate their outputs, and the scratch the GPU ops need, with torch
 (on the inputs' device, through torch's caching allocator, which CUDA-graph
-capture handles) and run on torch's current stream. fp8 tensors
+capture handles) and run on torch's current stream; the out variants
+``sparse_mla.out`` and ``paged_mla_decode.out`` write the caller's out and lse
+(keyword-only) instead. fp8 tensors
 (float8_e4m3fn, int8 or uint8) are read as bytes.
 
 They are defined with ``torch.library.Library`` (a schema, one

@@ -218,22 +218,20 @@ void* stream_of(const Tensor& ref) {
   return nullptr;
 }
 
-// Runs `op(a, backend)` on torch's current stream of q's device, with scratch from torch's caching allocator
-// (capture-safe) when the op needs any on a GPU; the scratch tensor lives until the op has been enqueued (the
-// allocator's stream semantics keep it for the kernels).
+// Runs `op(a, backend, workspace)` on torch's current stream of q's device, with scratch, when the op needs any
+// (a GPU op that splits; the CPU backend never does), from torch's caching allocator (capture-safe): the op checks
+// its args once and then asks for the bytes (the WorkspaceSource overloads of smla/ops.h; workspace_size first
+// would check them twice). The scratch tensor lives until the op has been enqueued (the allocator's stream
+// semantics keep it for the kernels).
 template <class Args, class Op>
 void run_on_stream(Args& a, const Tensor& q, std::string_view backend, Op op) {
   a.stream = stream_of(q);
-  const Backend* be = backend_by_name(backend, a.q.device);
   Tensor workspace;
-  if (q.is_cuda()) {  // the CPU backend needs none
-    const size_t bytes = workspace_size(a, be);
-    if (bytes > 0) {
-      workspace = at::empty({static_cast<int64_t>(bytes)}, q.options().dtype(at::kByte));
-      a.workspace = view(workspace, "workspace");
-    }
-  }
-  op(a, be);
+  const auto from_torch = [&](size_t bytes) {
+    workspace = at::empty({static_cast<int64_t>(bytes)}, q.options().dtype(at::kByte));
+    return view(workspace, "workspace");
+  };
+  op(a, backend_by_name(backend, a.q.device), WorkspaceSource(from_torch));
 }
 
 // Runs `body`, turning smla::Error into the c10 error Python sees as ValueError / NotImplementedError /
@@ -291,7 +289,7 @@ SparseMlaArgs sparse_mla_args(const Tensor& q, const Tensor& kv_cache, const Ten
 }
 
 void run_sparse_mla(SparseMlaArgs& a, const Tensor& q, std::string_view backend) {
-  run_on_stream(a, q, backend, [](const auto& x, auto be) { sparse_mla(x, be); });
+  run_on_stream(a, q, backend, [](const auto& x, auto be, auto ws) { sparse_mla(x, be, ws); });
 }
 
 // sparse_mla.out: into the caller's out and lse, which smla's checks validate as it would allocate them (shape,
@@ -338,7 +336,7 @@ PagedMlaDecodeArgs paged_mla_decode_args(const Tensor& q, const Tensor& kv_cache
 }
 
 void run_paged_mla_decode(PagedMlaDecodeArgs& a, const Tensor& q, std::string_view backend) {
-  run_on_stream(a, q, backend, [](const auto& x, auto be) { paged_mla_decode(x, be); });
+  run_on_stream(a, q, backend, [](const auto& x, auto be, auto ws) { paged_mla_decode(x, be, ws); });
 }
 
 // paged_mla_decode.out: into the caller's out and lse, checked as sparse_mla.out's are.
@@ -404,7 +402,7 @@ Tensor indexer_topk_kernel(const Tensor& q, const OptTensor& q_scale, const Tens
     IndexerTopkArgs a = indexer_args(kIndexerTopkNames, q, q_scale, weights, index_cache, index_cache_as,
                                      request_ids, block_table, context_lens, out);
     a.sorted = sorted;
-    run_on_stream(a, q, backend, [](const auto& x, auto be) { indexer_topk(x, be); });
+    run_on_stream(a, q, backend, [](const auto& x, auto be, auto ws) { indexer_topk(x, be, ws); });
     return out;
   });
 }
@@ -447,7 +445,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> dsa_decode_step_kernel(
     a.out = view(out, "out");
     a.lse = view(lse, "lse");
     a.indexer.stream = stream_of(q);
-    run_on_stream(a, q, backend, [](const auto& x, auto be) { dsa_decode_step(x, be); });
+    run_on_stream(a, q, backend, [](const auto& x, auto be, auto ws) { dsa_decode_step(x, be, ws); });
     return std::make_tuple(out, lse, positions, slots);
   });
 }
