@@ -173,3 +173,30 @@ def test_the_out_ops_compile_with_fullgraph_and_pass_opcheck():
     torch.library.opcheck(torch.ops.smla.paged_mla_decode.out, (q4, cache4, table, seq_lens, None, 0.05),
                           {"out": poisoned(2, 3, 16, V, dtype=torch.bfloat16),
                            "lse": poisoned(2, 3, 16, dtype=torch.float32)})
+
+
+@pytest.mark.skipif(not (smla.with_cuda and torch.cuda.is_available()), reason="needs a CUDA GPU and a CUDA build")
+def test_on_a_gpu_the_out_ops_write_the_allocating_ops_bits_on_the_current_stream():
+    """CUDA tensors on a side stream, top-k 2048 (the keys split: scratch from torch's allocator through the C++
+    API's WorkspaceSource): the out ops' bits are the allocating ops', and a bad out is refused on the GPU too."""
+    g = torch.Generator().manual_seed(11)
+    cache = torch.randn(64, 64, QK, generator=g).to(torch.bfloat16).cuda()
+    q = torch.randn(3, 16, QK, generator=g).to(torch.bfloat16).cuda()
+    idx = torch.randint(-1, 64 * 64, (3, 2048), generator=g, dtype=torch.int32).cuda()
+    q4, table = q[:2, None], torch.randperm(64, generator=g, dtype=torch.int32).view(2, 32).cuda()
+    seq_lens = torch.tensor([2000, 777], dtype=torch.int32).cuda()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        want = torch.ops.smla.sparse_mla(q, cache, idx, None, None, 0.05)
+        out = torch.full((3, 16, V), float("nan"), dtype=torch.bfloat16, device="cuda")
+        lse = torch.full((3, 16), float("nan"), device="cuda")
+        torch.ops.smla.sparse_mla.out(q, cache, idx, None, None, 0.05, out=out, lse=lse)
+        want4 = torch.ops.smla.paged_mla_decode(q4, cache, table, seq_lens, None, 0.05)
+        out4 = torch.full((2, 1, 16, V), float("nan"), dtype=torch.bfloat16, device="cuda")
+        lse4 = torch.full((2, 1, 16), float("nan"), device="cuda")
+        torch.ops.smla.paged_mla_decode.out(q4, cache, table, seq_lens, None, 0.05, out=out4, lse=lse4)
+        side.synchronize()
+    assert same_bits(out, want[0]) and same_bits(lse, want[1]) and torch.isfinite(lse).all()
+    assert same_bits(out4, want4[0]) and same_bits(lse4, want4[1]) and torch.isfinite(lse4).all()
+    with pytest.raises(smla.InvalidArgumentError, match="sparse_mla: out"):
+        smla.sparse_mla(q, cache, idx, softmax_scale=0.05, out=out.cpu(), lse=lse)  # on another device
