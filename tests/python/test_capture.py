@@ -128,8 +128,8 @@ def cases():
     }
 
 
-CASES = ["write_mla_cache", "sparse_mla", "sparse_mla.out", "paged_mla_decode", "paged_mla_decode.out", "write_index_cache", "indexer_topk",
-         "positions_to_slots", "write_pooled_index_cache", "pools_to_positions", "rotate_index_q", "dsa_decode_step",
+CASES = ["write_mla_cache", "sparse_mla", "sparse_mla.out", "paged_mla_decode", "paged_mla_decode.out",
+         "write_index_cache", "indexer_topk", "positions_to_slots", "write_pooled_index_cache", "pools_to_positions", "rotate_index_q", "dsa_decode_step",
          "flash_mla_with_kvcache (dense)",
          "flash_mla_with_kvcache (sparse, s_q 2)", "flash_mla_sparse_fwd"]
 
