@@ -198,6 +198,8 @@ def main() -> None:
              "cpp_workspace_size_us": "  smla::workspace_size (checks, guard, split plan)",
              "cpp_cuda_sparse_mla_us": "  smla::cuda::sparse_mla in a guard (no checks)",
              "cpp_sparse_mla_split_us": "  the call at top-k 2048 (splits + combine)",
+             "cpp_sparse_mla_split_sized_us": "    the same as workspace_size, then the op",
+             "cpp_sparse_mla_split_source_us": "    the same, its workspace from a WorkspaceSource",
              "cpp_launch_chevrons_us": "  empty kernel, <<<>>>",
              "cpp_launch_runtime_us": "  empty kernel, cudaLaunchKernel",
              "cpp_launch_runtime_smem_us": "  the same, the attention's shared memory",
