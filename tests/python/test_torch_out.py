@@ -175,6 +175,30 @@ def test_the_out_ops_compile_with_fullgraph_and_pass_opcheck():
                            "lse": poisoned(2, 3, 16, dtype=torch.float32)})
 
 
+def test_inductor_writes_the_callers_buffers_through_two_out_ops():
+    """torch.compile's default backend (inductor: functionalization, then its reinplacing) with two out ops writing
+    the same graph inputs in turn: the buffers end as eagerly, on two sets of inputs (no stale result)."""
+    q, cache, _, _, _ = sparse_problem()
+    idx = torch.randint(0, 128, (4, 64), generator=torch.Generator().manual_seed(8), dtype=torch.int32)
+    table, seq_lens = torch.tensor([[0, 1, 2, 3]], dtype=torch.int32), torch.tensor([60], dtype=torch.int32)
+    clean = cache.nan_to_num()
+
+    def step(q, cache, idx, out, lse):
+        torch.ops.smla.sparse_mla.out(q * 2, cache, idx, None, None, 0.05, out=out, lse=lse)
+        first = out.float().sum(-1) + lse
+        torch.ops.smla.paged_mla_decode.out(q[None], cache, table, seq_lens, None, 0.05, out=out[None], lse=lse[None])
+        return first
+
+    compiled = torch.compile(step, fullgraph=True)
+    for shift in (0.0, 1.0):
+        eager = (poisoned(4, 16, V, dtype=torch.bfloat16), poisoned(4, 16, dtype=torch.float32))
+        inductor = (poisoned(4, 16, V, dtype=torch.bfloat16), poisoned(4, 16, dtype=torch.float32))
+        want = step(q + shift, clean, idx, *eager)
+        got = compiled(q + shift, clean, idx, *inductor)
+        assert same_bits(got, want) and torch.isfinite(want).all()
+        assert same_bits(inductor[0], eager[0]) and same_bits(inductor[1], eager[1])
+
+
 @pytest.mark.skipif(not (smla.with_cuda and torch.cuda.is_available()), reason="needs a CUDA GPU and a CUDA build")
 def test_on_a_gpu_the_out_ops_write_the_allocating_ops_bits_on_the_current_stream():
     """CUDA tensors on a side stream, top-k 2048 (the keys split: scratch from torch's allocator through the C++
