@@ -194,7 +194,9 @@ size_t workspace_size(const DsaDecodeStepArgs& args, const Backend* backend = nu
 
 // Where the overloads below get a workspace: called with the bytes the op
 // needs (> 0), it returns a view of at least that many, as `workspace` must
-// be. A non-owning reference to a callable (no allocation of its own); the
+// be, of memory of its own (fresh from an allocator: it is checked for rank,
+// dtype, device, alignment and size, not for overlap with the args' tensors).
+// A non-owning reference to a callable (no allocation of its own); the
 // callable must outlive the call it is passed to.
 class WorkspaceSource {
  public:
