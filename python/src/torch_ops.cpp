@@ -292,8 +292,8 @@ void run_sparse_mla(SparseMlaArgs& a, const Tensor& q, std::string_view backend)
   run_on_stream(a, q, backend, [](const auto& x, auto be, auto ws) { sparse_mla(x, be, ws); });
 }
 
-// sparse_mla.out: into the caller's out and lse, which smla's checks validate as it would allocate them (shape,
-// dtype, device, the last dimension contiguous, no overlap with an input or each other).
+// sparse_mla.out: into the caller's out and lse, checked by smla as every output is (shape, dtype, device, the last
+// dimension contiguous, no overlap with an input or each other) before anything is written.
 void sparse_mla_out_kernel(const Tensor& q, const Tensor& kv_cache, const Tensor& indices,
                            const OptTensor& topk_length, const OptTensor& attn_sink, double softmax_scale,
                            c10::string_view kv_cache_dtype, c10::string_view backend, const OptTensor& extra_kv_cache,
