@@ -6,7 +6,8 @@
 // same call with no tokens (checked and dispatched, nothing launched) is what the op adds to its launches.
 // Also prints the back-to-back rate, and rows that split the call's time: workspace_size (checks and the split
 // plan), the backend's smla::cuda::sparse_mla inside one device guard (plan, parameters, launch: no checks), the
-// call on a top-k of 2048 (split keys, then the combine kernel: a PDL launch from SM90 on), an empty kernel of the
+// call on a top-k of 2048 (split keys, then the combine kernel: a PDL launch from SM90 on; its workspace sized by
+// workspace_size per call, or from a WorkspaceSource, as a binding with its own allocator does), an empty kernel of the
 // attention kernel's parameter size launched by each route (launch_floor.h), and cudaGetDevice / cudaGetLastError
 // alone. `bench_host_overhead out.json` writes the figures as JSON.
 #include <cuda_runtime.h>
@@ -133,6 +134,22 @@ int main(int argc, char** argv) {
   }
   rows.push_back({"sparse_mla_split", "smla::sparse_mla, top-k 2048 (splits + combine)",
                   held_us(stream, kCalls, [&] { sparse_mla(split); })});
+  {
+    // How a binding whose scratch comes from its own allocator calls it (the torch kernels): workspace_size, then the
+    // op (two checks, two split plans: before), against the WorkspaceSource overload (one of each: now).
+    SparseMlaArgs unsized = split;
+    unsized.workspace = TensorView();
+    rows.push_back({"sparse_mla_split_sized", "  the same as workspace_size, then the op",
+                    held_us(stream, kCalls, [&] {
+                      SparseMlaArgs sized = unsized;
+                      sized.workspace = TensorView(split_ws, {static_cast<int64_t>(workspace_size(unsized))},
+                                                   DType::u8, gpu);
+                      sparse_mla(sized);
+                    })});
+    const auto source = [&](size_t n) { return TensorView(split_ws, {static_cast<int64_t>(n)}, DType::u8, gpu); };
+    rows.push_back({"sparse_mla_split_source", "  the same, its workspace from a WorkspaceSource",
+                    held_us(stream, kCalls, [&] { sparse_mla(unsized, nullptr, source); })});
+  }
   rows.push_back({"launch_chevrons", "empty kernel, <<<>>>",
                   held_us(stream, kCalls, [&] { check(launch_chevrons(stream)); })});
   rows.push_back({"launch_runtime", "empty kernel, cudaLaunchKernel",

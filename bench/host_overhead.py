@@ -17,6 +17,9 @@ to the backend call is the same code as on CUDA tensors. There the time is the c
 plain loop (best of 7 rounds of 2,000 calls; no stream to hold), and the one-token rows include the CPU backend's
 attention (tens of us), so the wrappers' cost is read from the no-tokens rows.
 
+The out variant (torch.ops.smla.sparse_mla.out, and smla.sparse_mla with out= and lse=) writes buffers made once,
+as an engine preallocates them: no allocation per call.
+
 Prints us/call for torch.ops.smla.sparse_mla, smla.sparse_mla on torch tensors and
 smla.flash_mla.flash_mla_with_kvcache (sparse), and the C++ API's (from bench_host_overhead, when given); says
 whether torch.ops.smla runs the C++ kernels of smla._torch_ops (smla.torch_ops.native()), and times the Python
@@ -137,17 +140,26 @@ def main() -> None:
     q4, idx3 = q[:, None], idx[:, None]
     q0, idx0, q40, idx30 = q[:0], idx[:0], q4[:0], idx3[:0]  # no tokens: checks and allocations, no attention
     sparse_op, kvcache_op = torch.ops.smla.sparse_mla, torch.ops.smla.flash_mla_with_kvcache
+    sparse_out_op = torch.ops.smla.sparse_mla.out
+    out, lse = torch.empty(1, heads, 512, device=device).bfloat16(), torch.empty(1, heads, device=device)
+    out0, lse0 = out[:0], lse[:0]  # an engine's preallocated buffers, as the out variant writes them
     calls = {
         "torch_ops_sparse_mla_us": lambda: sparse_op(q, cache, idx, None, None, 0.07),
         # the Python kernel torch.ops.smla ran before smla._torch_ops (and runs without it), without the dispatcher
         "python_kernel_sparse_mla_us": lambda: torch_ops._sparse_mla(q, cache, idx, None, None, 0.07),
         "smla_sparse_mla_torch_us": lambda: smla.sparse_mla(q, cache, idx, softmax_scale=0.07),
+        "torch_ops_sparse_mla_out_us": lambda: sparse_out_op(q, cache, idx, None, None, 0.07, out=out, lse=lse),
+        "smla_sparse_mla_torch_out_us": lambda: smla.sparse_mla(q, cache, idx, softmax_scale=0.07, out=out, lse=lse),
         "torch_ops_flash_mla_with_kvcache_us": lambda: kvcache_op(q4, cache4, None, None, idx3, None, None, 0.07,
                                                                   False),
         "flash_mla_with_kvcache_us": lambda: flash_mla_with_kvcache(q4, cache4, None, None, 512, meta,
                                                                     softmax_scale=0.07, indices=idx3),
         "torch_ops_sparse_mla_no_tokens_us": lambda: sparse_op(q0, cache, idx0, None, None, 0.07),
         "smla_sparse_mla_torch_no_tokens_us": lambda: smla.sparse_mla(q0, cache, idx0, softmax_scale=0.07),
+        "torch_ops_sparse_mla_out_no_tokens_us": lambda: sparse_out_op(q0, cache, idx0, None, None, 0.07, out=out0,
+                                                                       lse=lse0),
+        "smla_sparse_mla_torch_out_no_tokens_us": lambda: smla.sparse_mla(q0, cache, idx0, softmax_scale=0.07,
+                                                                          out=out0, lse=lse0),
         "torch_ops_flash_mla_with_kvcache_no_tokens_us": lambda: kvcache_op(q40, cache4, None, None, idx30, None,
                                                                             None, 0.07, False),
         "flash_mla_with_kvcache_no_tokens_us": lambda: flash_mla_with_kvcache(q40, cache4, None, None, 512, meta0,
@@ -186,6 +198,8 @@ def main() -> None:
              "cpp_workspace_size_us": "  smla::workspace_size (checks, guard, split plan)",
              "cpp_cuda_sparse_mla_us": "  smla::cuda::sparse_mla in a guard (no checks)",
              "cpp_sparse_mla_split_us": "  the call at top-k 2048 (splits + combine)",
+             "cpp_sparse_mla_split_sized_us": "    the same as workspace_size, then the op",
+             "cpp_sparse_mla_split_source_us": "    the same, its workspace from a WorkspaceSource",
              "cpp_launch_chevrons_us": "  empty kernel, <<<>>>",
              "cpp_launch_runtime_us": "  empty kernel, cudaLaunchKernel",
              "cpp_launch_runtime_smem_us": "  the same, the attention's shared memory",
@@ -197,10 +211,14 @@ def main() -> None:
              "torch_ops_sparse_mla_us": "torch.ops.smla.sparse_mla",
              "python_kernel_sparse_mla_us": "its Python kernel (smla.torch_ops._sparse_mla)",
              "smla_sparse_mla_torch_us": "smla.sparse_mla (torch tensors)",
+             "torch_ops_sparse_mla_out_us": "torch.ops.smla.sparse_mla.out (caller's out, lse)",
+             "smla_sparse_mla_torch_out_us": "smla.sparse_mla (torch tensors, out=, lse=)",
              "torch_ops_flash_mla_with_kvcache_us": "torch.ops.smla.flash_mla_with_kvcache (sparse)",
              "flash_mla_with_kvcache_us": "smla.flash_mla.flash_mla_with_kvcache (sparse)",
              "torch_ops_sparse_mla_no_tokens_us": "torch.ops.smla.sparse_mla, no tokens",
              "smla_sparse_mla_torch_no_tokens_us": "smla.sparse_mla (torch tensors), no tokens",
+             "torch_ops_sparse_mla_out_no_tokens_us": "torch.ops.smla.sparse_mla.out, no tokens",
+             "smla_sparse_mla_torch_out_no_tokens_us": "smla.sparse_mla (torch, out=, lse=), no tokens",
              "torch_ops_flash_mla_with_kvcache_no_tokens_us": "torch.ops.smla.flash_mla_with_kvcache, no tokens",
              "flash_mla_with_kvcache_no_tokens_us": "smla.flash_mla.flash_mla_with_kvcache, no tokens",
              "torch_empty_us": f"torch.empty (one {device.upper()} tensor, for scale)"}

@@ -192,6 +192,35 @@ size_t workspace_size(const PagedMlaDecodeArgs& args, const Backend* backend = n
 size_t workspace_size(const IndexerTopkArgs& args, const Backend* backend = nullptr);
 size_t workspace_size(const DsaDecodeStepArgs& args, const Backend* backend = nullptr);
 
+// Where the overloads below get a workspace: called with the bytes the op
+// needs (> 0), it returns a view of at least that many, as `workspace` must
+// be, of memory of its own (fresh from an allocator: it is checked for rank,
+// dtype, device, alignment and size, not for overlap with the args' tensors).
+// A non-owning reference to a callable (no allocation of its own); the
+// callable must outlive the call it is passed to.
+class WorkspaceSource {
+ public:
+  template <class F>
+  WorkspaceSource(const F& source)  // NOLINT(google-explicit-constructor): passed as a lambda
+      : source_(&source), call_([](const void* s, size_t bytes) { return (*static_cast<const F*>(s))(bytes); }) {}
+  TensorView operator()(size_t bytes) const { return call_(source_, bytes); }
+
+ private:
+  const void* source_;
+  TensorView (*call_)(const void*, size_t);
+};
+
+// The ops above with `args.workspace`, when absent and the op needs one, from
+// `workspace`, called once after the checks (never for an empty batch): the
+// args are checked once, where workspace_size and then the op would check
+// them twice. For callers whose scratch comes from their own allocator (the
+// torch kernels: torch's caching allocator, which CUDA graphs capture). A
+// workspace the args carry is used and checked as by the overloads above.
+void sparse_mla(const SparseMlaArgs& args, const Backend* backend, WorkspaceSource workspace);
+void paged_mla_decode(const PagedMlaDecodeArgs& args, const Backend* backend, WorkspaceSource workspace);
+void indexer_topk(const IndexerTopkArgs& args, const Backend* backend, WorkspaceSource workspace);
+void dsa_decode_step(const DsaDecodeStepArgs& args, const Backend* backend, WorkspaceSource workspace);
+
 // The checks the functions above run, exposed for bindings and tests.
 void check(const WriteMlaCacheArgs& args);
 void check(const SparseMlaArgs& args);

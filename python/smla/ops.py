@@ -299,12 +299,17 @@ def sparse_mla(q: Tensor, kv_cache: Tensor, indices: Tensor, *, softmax_scale: f
     and optional extra_topk_length [T]. Returns
     (out [T, H, 512] in q's dtype, lse [T, H] float32, natural log, without
     the sink; -inf for a row with no valid index)."""
-    ops = _torch_ops(q) if out is None and lse is None and stream is None else None
-    if ops is not None:
-        # The hot path (host time per call).
-        return ops.sparse_mla(q, kv_cache, indices, topk_length, attn_sink, _op_softmax_scale(softmax_scale),
-                              kv_cache_dtype or "auto", backend or "", extra_kv_cache, extra_indices,
-                              extra_topk_length)
+    ops = _torch_ops(q) if stream is None else None
+    if ops is not None:  # the hot paths (host time per call)
+        if out is None and lse is None:
+            return ops.sparse_mla(q, kv_cache, indices, topk_length, attn_sink, _op_softmax_scale(softmax_scale),
+                                  kv_cache_dtype or "auto", backend or "", extra_kv_cache, extra_indices,
+                                  extra_topk_length)
+        if _arrays.is_torch(out) and _arrays.is_torch(lse):
+            ops.sparse_mla_out(q, kv_cache, indices, topk_length, attn_sink, _op_softmax_scale(softmax_scale),
+                               kv_cache_dtype or "auto", backend or "", extra_kv_cache, extra_indices,
+                               extra_topk_length, out=out, lse=lse)
+            return out, lse
     out, lse = _attention_outputs(q, out, lse)
     _sparse_mla(q, kv_cache, indices, topk_length, attn_sink, softmax_scale, out, lse, kv_cache_dtype, stream,
                 backend, extra=(extra_kv_cache, extra_indices, extra_topk_length))
@@ -321,10 +326,16 @@ def paged_mla_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens:
     ``seq_lens[b]`` positions through ``block_table`` [B, max_blocks] (int32).
     With ``causal``, token j of s_q sees positions < seq_len - s_q + j + 1.
     Returns (out [B, s_q, H, 512], lse [B, s_q, H] float32)."""
-    ops = _torch_ops(q) if out is None and lse is None and stream is None else None
+    ops = _torch_ops(q) if stream is None else None
     if ops is not None:
-        return ops.paged_mla_decode(q, kv_cache, block_table, seq_lens, attn_sink, _softmax_scale(softmax_scale),
-                                    bool(causal), kv_cache_dtype or "auto", _backend(backend))
+        if out is None and lse is None:
+            return ops.paged_mla_decode(q, kv_cache, block_table, seq_lens, attn_sink,
+                                        _softmax_scale(softmax_scale), bool(causal), kv_cache_dtype or "auto",
+                                        _backend(backend))
+        if _arrays.is_torch(out) and _arrays.is_torch(lse):
+            ops.paged_mla_decode_out(q, kv_cache, block_table, seq_lens, attn_sink, _softmax_scale(softmax_scale),
+                                     bool(causal), kv_cache_dtype or "auto", _backend(backend), out=out, lse=lse)
+            return out, lse
     out, lse = _attention_outputs(q, out, lse)
     _paged_mla_decode(q, kv_cache, block_table, seq_lens, attn_sink, softmax_scale, causal, out, lse,
                       kv_cache_dtype, stream, backend)

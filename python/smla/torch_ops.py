@@ -5,7 +5,9 @@ and CUDA graphs capture them. Importing this module registers them; the
 
 The ops allocate their outputs, and the scratch the GPU ops need, with torch
 (on the inputs' device, through torch's caching allocator, which CUDA-graph
-capture handles) and run on torch's current stream. fp8 tensors
+capture handles) and run on torch's current stream; the out variants
+``sparse_mla.out`` and ``paged_mla_decode.out`` write the caller's out and lse
+(keyword-only) instead. fp8 tensors
 (float8_e4m3fn, int8 or uint8) are read as bytes.
 
 They are defined with ``torch.library.Library`` (a schema, one
@@ -51,17 +53,32 @@ def ops() -> Any:
     return torch.ops.smla
 
 
+def _overload(name: str) -> Any:
+    """The overload of ``torch.ops.smla`` that `name` calls: ``sparse_mla_out`` is ``sparse_mla.out``, any other
+    name its op's default. Called through the overload itself: no overload resolution per call."""
+    if name.endswith("_out"):
+        return getattr(torch.ops.smla, name[:-len("_out")]).out
+    return getattr(torch.ops.smla, name).default
+
+
 class _Routed:
-    """``torch.ops.smla`` as smla's functions call it: the C++ kernels' bad-input errors (ValueError) and
-    unsupported cases (NotImplementedError) come back as smla.InvalidArgumentError / smla.UnsupportedError,
-    as the Python kernels raise them."""
+    """``torch.ops.smla`` as smla's functions call it, by name (``sparse_mla``, ``sparse_mla_out`` for
+    ``sparse_mla.out``). With the C++ kernels (`translate`), their bad-input errors (ValueError) and unsupported
+    cases (NotImplementedError) come back as smla.InvalidArgumentError / smla.UnsupportedError, as the Python
+    kernels raise them."""
+
+    def __init__(self, translate: bool) -> None:
+        self._translate = translate
 
     def __getattr__(self, name: str) -> Callable:
-        op = getattr(torch.ops.smla, name).default  # the op's one overload: no overload resolution per call
+        op = _overload(name)
+        if not self._translate:
+            setattr(self, name, op)
+            return op
 
-        def call(*args):
+        def call(*args, **kwargs):
             try:
-                return op(*args)
+                return op(*args, **kwargs)
             except _smla.Error:
                 raise
             except ValueError as e:
@@ -74,7 +91,7 @@ class _Routed:
 
 
 def routed() -> Any:
-    """What smla's functions call for torch tensors: ``torch.ops.smla`` itself with the Python kernels, else
+    """What smla's functions call for torch tensors: ``torch.ops.smla``'s overloads by name (``_Routed``),
     with the C++ kernels' errors raised as smla's classes."""
     return _ROUTED
 
@@ -109,12 +126,24 @@ def _sparse_mla(q, kv_cache, indices, topk_length, attn_sink, softmax_scale, kv_
     return out, lse
 
 
+def _sparse_mla_out(q, kv_cache, indices, topk_length, attn_sink, softmax_scale, kv_cache_dtype="auto", backend="",
+                    extra_kv_cache=None, extra_indices=None, extra_topk_length=None, *, out, lse):
+    _ops._sparse_mla(q, kv_cache, indices, topk_length, attn_sink, softmax_scale, out, lse, kv_cache_dtype, None,
+                     backend, extra=(extra_kv_cache, extra_indices, extra_topk_length))
+
+
 def _paged_mla_decode(q, kv_cache, block_table, seq_lens, attn_sink, softmax_scale, causal=True,
                       kv_cache_dtype="auto", backend=""):
     out, lse = _attention_out(q)
     _ops._paged_mla_decode(q, kv_cache, block_table, seq_lens, attn_sink, softmax_scale, causal, out, lse,
                            kv_cache_dtype, None, backend)
     return out, lse
+
+
+def _paged_mla_decode_out(q, kv_cache, block_table, seq_lens, attn_sink, softmax_scale, causal=True,
+                          kv_cache_dtype="auto", backend="", *, out, lse):
+    _ops._paged_mla_decode(q, kv_cache, block_table, seq_lens, attn_sink, softmax_scale, causal, out, lse,
+                           kv_cache_dtype, None, backend)
 
 
 def _write_index_cache(k, slot_mapping, cache, index_cache_dtype="auto", backend=""):
@@ -231,7 +260,9 @@ def _flash_mla_sparse_fwd_fake(q, *args, **kwargs):
     return out, torch.empty_like(lse), lse
 
 
-# (schema, kernel, fake). Tensor(a!) marks what an op writes in place.
+# (schema, kernel, fake). Tensor(a!) marks what an op writes in place. The attention ops' `.out` overloads write
+# caller-allocated out and lse (keyword-only, PyTorch's out= convention) and return nothing: torch.compile
+# functionalizes a mutating custom op that returns nothing on every torch this package supports.
 _OPS = [
     ("write_mla_cache(Tensor latent, Tensor k_pe, Tensor slot_mapping, Tensor(a!) cache, "
      "str kv_cache_dtype='auto', str backend='') -> ()", _write_mla_cache, _no_output_fake),
@@ -239,9 +270,16 @@ _OPS = [
      "float softmax_scale, str kv_cache_dtype='auto', str backend='', Tensor? extra_kv_cache=None, "
      "Tensor? extra_indices=None, Tensor? extra_topk_length=None) -> (Tensor, Tensor)",
      _sparse_mla, _attention_fake),
+    ("sparse_mla.out(Tensor q, Tensor kv_cache, Tensor indices, Tensor? topk_length, Tensor? attn_sink, "
+     "float softmax_scale, str kv_cache_dtype='auto', str backend='', Tensor? extra_kv_cache=None, "
+     "Tensor? extra_indices=None, Tensor? extra_topk_length=None, *, Tensor(a!) out, Tensor(b!) lse) -> ()",
+     _sparse_mla_out, _no_output_fake),
     ("paged_mla_decode(Tensor q, Tensor kv_cache, Tensor block_table, Tensor seq_lens, Tensor? attn_sink, "
      "float softmax_scale, bool causal=True, str kv_cache_dtype='auto', str backend='') -> (Tensor, Tensor)",
      _paged_mla_decode, _attention_fake),
+    ("paged_mla_decode.out(Tensor q, Tensor kv_cache, Tensor block_table, Tensor seq_lens, Tensor? attn_sink, "
+     "float softmax_scale, bool causal=True, str kv_cache_dtype='auto', str backend='', *, Tensor(a!) out, "
+     "Tensor(b!) lse) -> ()", _paged_mla_decode_out, _no_output_fake),
     ("write_index_cache(Tensor k, Tensor slot_mapping, Tensor(a!) cache, str index_cache_dtype='auto', "
      "str backend='') -> ()", _write_index_cache, _no_output_fake),
     ("indexer_topk(Tensor q, Tensor? q_scale, Tensor weights, Tensor index_cache, Tensor request_ids, "
@@ -278,7 +316,7 @@ def _register() -> bool:
         return False
     _LIBRARY = library.Library("smla", "DEF")
     for schema, kernel, fake in _OPS:
-        name = schema.split("(", 1)[0]
+        name = schema.split("(", 1)[0]  # with the overload: "sparse_mla.out"
         _LIBRARY.define(schema)
         _LIBRARY.impl(name, kernel, "CompositeExplicitAutograd")
         library.register_fake(f"smla::{name}", fake, lib=_LIBRARY)
@@ -304,4 +342,4 @@ def _load_native() -> bool:
 
 _REGISTERED = _register()
 _NATIVE = _load_native()
-_ROUTED = _Routed() if _NATIVE else torch.ops.smla
+_ROUTED = _Routed(translate=_NATIVE)

@@ -218,22 +218,20 @@ void* stream_of(const Tensor& ref) {
   return nullptr;
 }
 
-// Runs `op(a, backend)` on torch's current stream of q's device, with scratch from torch's caching allocator
-// (capture-safe) when the op needs any on a GPU; the scratch tensor lives until the op has been enqueued (the
-// allocator's stream semantics keep it for the kernels).
+// Runs `op(a, backend, workspace)` on torch's current stream of q's device, with scratch, when the op needs any
+// (a GPU op that splits; the CPU backend never does), from torch's caching allocator (capture-safe): the op checks
+// its args once and then asks for the bytes (the WorkspaceSource overloads of smla/ops.h; workspace_size first
+// would check them twice). The scratch tensor lives until the op has been enqueued (the allocator's stream
+// semantics keep it for the kernels).
 template <class Args, class Op>
 void run_on_stream(Args& a, const Tensor& q, std::string_view backend, Op op) {
   a.stream = stream_of(q);
-  const Backend* be = backend_by_name(backend, a.q.device);
   Tensor workspace;
-  if (q.is_cuda()) {  // the CPU backend needs none
-    const size_t bytes = workspace_size(a, be);
-    if (bytes > 0) {
-      workspace = at::empty({static_cast<int64_t>(bytes)}, q.options().dtype(at::kByte));
-      a.workspace = view(workspace, "workspace");
-    }
-  }
-  op(a, be);
+  const auto from_torch = [&](size_t bytes) {
+    workspace = at::empty({static_cast<int64_t>(bytes)}, q.options().dtype(at::kByte));
+    return view(workspace, "workspace");
+  };
+  op(a, backend_by_name(backend, a.q.device), WorkspaceSource(from_torch));
 }
 
 // Runs `body`, turning smla::Error into the c10 error Python sees as ValueError / NotImplementedError /
@@ -291,7 +289,23 @@ SparseMlaArgs sparse_mla_args(const Tensor& q, const Tensor& kv_cache, const Ten
 }
 
 void run_sparse_mla(SparseMlaArgs& a, const Tensor& q, std::string_view backend) {
-  run_on_stream(a, q, backend, [](const auto& x, auto be) { sparse_mla(x, be); });
+  run_on_stream(a, q, backend, [](const auto& x, auto be, auto ws) { sparse_mla(x, be, ws); });
+}
+
+// sparse_mla.out: into the caller's out and lse, checked by smla as every output is (shape, dtype, device, the last
+// dimension contiguous, no overlap with an input or each other) before anything is written.
+void sparse_mla_out_kernel(const Tensor& q, const Tensor& kv_cache, const Tensor& indices,
+                           const OptTensor& topk_length, const OptTensor& attn_sink, double softmax_scale,
+                           c10::string_view kv_cache_dtype, c10::string_view backend, const OptTensor& extra_kv_cache,
+                           const OptTensor& extra_indices, const OptTensor& extra_topk_length, const Tensor& out,
+                           const Tensor& lse) {
+  translated([&] {
+    SparseMlaArgs a = sparse_mla_args(q, kv_cache, indices, topk_length, attn_sink, softmax_scale, kv_cache_dtype,
+                                      {extra_kv_cache, extra_indices, extra_topk_length});
+    a.out = view(out, "out");
+    a.lse = view(lse, "lse");
+    run_sparse_mla(a, q, backend);
+  });
 }
 
 std::tuple<Tensor, Tensor> sparse_mla_kernel(const Tensor& q, const Tensor& kv_cache, const Tensor& indices,
@@ -299,15 +313,10 @@ std::tuple<Tensor, Tensor> sparse_mla_kernel(const Tensor& q, const Tensor& kv_c
                                              double softmax_scale, c10::string_view kv_cache_dtype,
                                              c10::string_view backend, const OptTensor& extra_kv_cache,
                                              const OptTensor& extra_indices, const OptTensor& extra_topk_length) {
-  return translated([&] {
-    auto [out, lse] = attention_out(q);
-    SparseMlaArgs a = sparse_mla_args(q, kv_cache, indices, topk_length, attn_sink, softmax_scale, kv_cache_dtype,
-                                      {extra_kv_cache, extra_indices, extra_topk_length});
-    a.out = view(out, "out");
-    a.lse = view(lse, "lse");
-    run_sparse_mla(a, q, backend);
-    return std::make_tuple(out, lse);
-  });
+  auto [out, lse] = attention_out(q);
+  sparse_mla_out_kernel(q, kv_cache, indices, topk_length, attn_sink, softmax_scale, kv_cache_dtype, backend,
+                        extra_kv_cache, extra_indices, extra_topk_length, out, lse);
+  return {out, lse};
 }
 
 // smla.ops._paged_mla_decode's arguments but its outputs (and stream).
@@ -327,22 +336,31 @@ PagedMlaDecodeArgs paged_mla_decode_args(const Tensor& q, const Tensor& kv_cache
 }
 
 void run_paged_mla_decode(PagedMlaDecodeArgs& a, const Tensor& q, std::string_view backend) {
-  run_on_stream(a, q, backend, [](const auto& x, auto be) { paged_mla_decode(x, be); });
+  run_on_stream(a, q, backend, [](const auto& x, auto be, auto ws) { paged_mla_decode(x, be, ws); });
+}
+
+// paged_mla_decode.out: into the caller's out and lse, checked as sparse_mla.out's are.
+void paged_mla_decode_out_kernel(const Tensor& q, const Tensor& kv_cache, const Tensor& block_table,
+                                 const Tensor& seq_lens, const OptTensor& attn_sink, double softmax_scale, bool causal,
+                                 c10::string_view kv_cache_dtype, c10::string_view backend, const Tensor& out,
+                                 const Tensor& lse) {
+  translated([&] {
+    PagedMlaDecodeArgs a =
+        paged_mla_decode_args(q, kv_cache, block_table, seq_lens, attn_sink, softmax_scale, causal, kv_cache_dtype);
+    a.out = view(out, "out");
+    a.lse = view(lse, "lse");
+    run_paged_mla_decode(a, q, backend);
+  });
 }
 
 std::tuple<Tensor, Tensor> paged_mla_decode_kernel(const Tensor& q, const Tensor& kv_cache, const Tensor& block_table,
                                                    const Tensor& seq_lens, const OptTensor& attn_sink,
                                                    double softmax_scale, bool causal, c10::string_view kv_cache_dtype,
                                                    c10::string_view backend) {
-  return translated([&] {
-    auto [out, lse] = attention_out(q);
-    PagedMlaDecodeArgs a =
-        paged_mla_decode_args(q, kv_cache, block_table, seq_lens, attn_sink, softmax_scale, causal, kv_cache_dtype);
-    a.out = view(out, "out");
-    a.lse = view(lse, "lse");
-    run_paged_mla_decode(a, q, backend);
-    return std::make_tuple(out, lse);
-  });
+  auto [out, lse] = attention_out(q);
+  paged_mla_decode_out_kernel(q, kv_cache, block_table, seq_lens, attn_sink, softmax_scale, causal, kv_cache_dtype,
+                              backend, out, lse);
+  return {out, lse};
 }
 
 void write_index_cache_kernel(const Tensor& k, const Tensor& slot_mapping, const Tensor& cache,
@@ -384,7 +402,7 @@ Tensor indexer_topk_kernel(const Tensor& q, const OptTensor& q_scale, const Tens
     IndexerTopkArgs a = indexer_args(kIndexerTopkNames, q, q_scale, weights, index_cache, index_cache_as,
                                      request_ids, block_table, context_lens, out);
     a.sorted = sorted;
-    run_on_stream(a, q, backend, [](const auto& x, auto be) { indexer_topk(x, be); });
+    run_on_stream(a, q, backend, [](const auto& x, auto be, auto ws) { indexer_topk(x, be, ws); });
     return out;
   });
 }
@@ -427,7 +445,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> dsa_decode_step_kernel(
     a.out = view(out, "out");
     a.lse = view(lse, "lse");
     a.indexer.stream = stream_of(q);
-    run_on_stream(a, q, backend, [](const auto& x, auto be) { dsa_decode_step(x, be); });
+    run_on_stream(a, q, backend, [](const auto& x, auto be, auto ws) { dsa_decode_step(x, be, ws); });
     return std::make_tuple(out, lse, positions, slots);
   });
 }
@@ -550,7 +568,9 @@ std::tuple<Tensor, Tensor, Tensor> flash_mla_sparse_fwd_kernel(const Tensor& q, 
 void register_kernels(torch::Library& m) {
   m.impl("write_mla_cache", TORCH_FN(write_mla_cache_kernel));
   m.impl("sparse_mla", TORCH_FN(sparse_mla_kernel));
+  m.impl("sparse_mla.out", TORCH_FN(sparse_mla_out_kernel));
   m.impl("paged_mla_decode", TORCH_FN(paged_mla_decode_kernel));
+  m.impl("paged_mla_decode.out", TORCH_FN(paged_mla_decode_out_kernel));
   m.impl("write_index_cache", TORCH_FN(write_index_cache_kernel));
   m.impl("indexer_topk", TORCH_FN(indexer_topk_kernel));
   m.impl("positions_to_slots", TORCH_FN(positions_to_slots_kernel));

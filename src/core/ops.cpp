@@ -28,17 +28,15 @@ const Backend& checked_backend(const char* op, const Args& args, const Device& d
   return be;
 }
 
-// A caller's workspace: 1-D uint8 on the op's device, 16-byte aligned, at
-// least what `be` needs for `args`. A zero-sized one may have null data.
-template <class Args>
-void check_workspace(const char* op, const Args& args, const Device& device, const Backend& be) {
-  const TensorView& ws = args.workspace;
-  if (ws.ndim == 0 && !ws.defined()) return;  // absent: the backend finds its own
+bool absent(const TensorView& workspace) { return workspace.ndim == 0 && !workspace.defined(); }
+
+// A workspace: 1-D uint8 on the op's device, 16-byte aligned, of at least
+// `need` bytes. A zero-sized one may have null data.
+void check_workspace(const char* op, const TensorView& ws, const Device& device, size_t need) {
   const auto a = checks::arg(op, "workspace", ws);
   a.rank(1, "[bytes]").dtype_in({DType::u8}).on(device).inner_contiguous();
   if (!ws.defined() && ws.shape[0] > 0) a.defined();
   if (reinterpret_cast<uintptr_t>(ws.data) % 16 != 0) a.fail("must be 16-byte aligned");
-  const size_t need = be.workspace_size(args);
   if (static_cast<size_t>(ws.shape[0]) < need)
     a.fail("too small: these args need " + std::to_string(need) + " bytes (workspace_size), got " +
            std::to_string(ws.shape[0]));
@@ -63,11 +61,20 @@ void dispatch(const char* op, const Args& args, const Device& device, const Back
   if (!empty_batch(args)) run(be);
 }
 
+// `run(be, args)` with the caller's workspace (checked against what `be` needs) or, absent, one from `source` when
+// given and the op needs one, or none (the backend finds its own).
 template <class Args, class Run>
-void dispatch_with_workspace(const char* op, const Args& args, const Device& device, const Backend* backend, Run run) {
+void dispatch_with_workspace(const char* op, const Args& args, const Device& device, const Backend* backend, Run run,
+                             const WorkspaceSource* source = nullptr) {
   const Backend& be = checked_backend(op, args, device, backend);
-  check_workspace(op, args, device, be);
-  if (!empty_batch(args)) run(be);
+  if (!absent(args.workspace)) check_workspace(op, args.workspace, device, be.workspace_size(args));
+  if (empty_batch(args)) return;
+  const size_t need = source && absent(args.workspace) ? be.workspace_size(args) : 0;
+  if (need == 0) return run(be, args);
+  Args with = args;
+  with.workspace = (*source)(need);
+  check_workspace(op, with.workspace, device, need);
+  run(be, with);
 }
 
 // The checks accept every MLA cache format; a backend runs those it declares (Capabilities::kv_cache_dtypes).
@@ -87,26 +94,8 @@ void write_mla_cache(const WriteMlaCacheArgs& a, const Backend* b) {
     be.write_mla_cache(a);
   });
 }
-void sparse_mla(const SparseMlaArgs& a, const Backend* b) {
-  dispatch_with_workspace("sparse_mla", a, a.q.device, b, [&](const Backend& be) {
-    require_cache_dtype("sparse_mla", "kv_cache", a.kv_cache, be);
-    if ((a.extra_kv_cache.defined() || a.extra_indices.defined()) && !be.capabilities().extra_cache)
-      throw Error(ErrorKind::unsupported, "sparse_mla: extra_kv_cache: backend '" + be.name() +
-                                              "' does not attend a second cache (Capabilities::extra_cache)");
-    be.sparse_mla(a);
-  });
-}
-void paged_mla_decode(const PagedMlaDecodeArgs& a, const Backend* b) {
-  dispatch_with_workspace("paged_mla_decode", a, a.q.device, b, [&](const Backend& be) {
-    require_cache_dtype("paged_mla_decode", "kv_cache", a.kv_cache, be);
-    be.paged_mla_decode(a);
-  });
-}
 void write_index_cache(const WriteIndexCacheArgs& a, const Backend* b) {
   dispatch("write_index_cache", a, a.cache.device, b, [&](const Backend& be) { be.write_index_cache(a); });
-}
-void indexer_topk(const IndexerTopkArgs& a, const Backend* b) {
-  dispatch_with_workspace("indexer_topk", a, a.q.device, b, [&](const Backend& be) { be.indexer_topk(a); });
 }
 void positions_to_slots(const PositionsToSlotsArgs& a, const Backend* b) {
   dispatch("positions_to_slots", a, a.positions.device, b, [&](const Backend& be) { be.positions_to_slots(a); });
@@ -121,11 +110,50 @@ void pools_to_positions(const PoolsToPositionsArgs& a, const Backend* b) {
 void rotate_index_q(const RotateIndexQArgs& a, const Backend* b) {
   dispatch("rotate_index_q", a, a.q.device, b, [&](const Backend& be) { be.rotate_index_q(a); });
 }
-void dsa_decode_step(const DsaDecodeStepArgs& a, const Backend* b) {
-  dispatch_with_workspace("dsa_decode_step", a, a.q.device, b, [&](const Backend& be) {
-    require_cache_dtype("dsa_decode_step", "kv_cache", a.kv_cache, be);
-    be.dsa_decode_step(a);
-  });
+
+namespace {
+
+void sparse_mla_from(const SparseMlaArgs& a, const Backend* b, const WorkspaceSource* source) {
+  dispatch_with_workspace("sparse_mla", a, a.q.device, b, [](const Backend& be, const SparseMlaArgs& x) {
+    require_cache_dtype("sparse_mla", "kv_cache", x.kv_cache, be);
+    if ((x.extra_kv_cache.defined() || x.extra_indices.defined()) && !be.capabilities().extra_cache)
+      throw Error(ErrorKind::unsupported, "sparse_mla: extra_kv_cache: backend '" + be.name() +
+                                              "' does not attend a second cache (Capabilities::extra_cache)");
+    be.sparse_mla(x);
+  }, source);
+}
+void paged_mla_decode_from(const PagedMlaDecodeArgs& a, const Backend* b, const WorkspaceSource* source) {
+  dispatch_with_workspace("paged_mla_decode", a, a.q.device, b, [](const Backend& be, const PagedMlaDecodeArgs& x) {
+    require_cache_dtype("paged_mla_decode", "kv_cache", x.kv_cache, be);
+    be.paged_mla_decode(x);
+  }, source);
+}
+void indexer_topk_from(const IndexerTopkArgs& a, const Backend* b, const WorkspaceSource* source) {
+  dispatch_with_workspace("indexer_topk", a, a.q.device, b,
+                          [](const Backend& be, const IndexerTopkArgs& x) { be.indexer_topk(x); }, source);
+}
+void dsa_decode_step_from(const DsaDecodeStepArgs& a, const Backend* b, const WorkspaceSource* source) {
+  dispatch_with_workspace("dsa_decode_step", a, a.q.device, b, [](const Backend& be, const DsaDecodeStepArgs& x) {
+    require_cache_dtype("dsa_decode_step", "kv_cache", x.kv_cache, be);
+    be.dsa_decode_step(x);
+  }, source);
+}
+
+}  // namespace
+
+void sparse_mla(const SparseMlaArgs& a, const Backend* b) { sparse_mla_from(a, b, nullptr); }
+void sparse_mla(const SparseMlaArgs& a, const Backend* b, WorkspaceSource source) { sparse_mla_from(a, b, &source); }
+void paged_mla_decode(const PagedMlaDecodeArgs& a, const Backend* b) { paged_mla_decode_from(a, b, nullptr); }
+void paged_mla_decode(const PagedMlaDecodeArgs& a, const Backend* b, WorkspaceSource source) {
+  paged_mla_decode_from(a, b, &source);
+}
+void indexer_topk(const IndexerTopkArgs& a, const Backend* b) { indexer_topk_from(a, b, nullptr); }
+void indexer_topk(const IndexerTopkArgs& a, const Backend* b, WorkspaceSource source) {
+  indexer_topk_from(a, b, &source);
+}
+void dsa_decode_step(const DsaDecodeStepArgs& a, const Backend* b) { dsa_decode_step_from(a, b, nullptr); }
+void dsa_decode_step(const DsaDecodeStepArgs& a, const Backend* b, WorkspaceSource source) {
+  dsa_decode_step_from(a, b, &source);
 }
 
 size_t workspace_size(const SparseMlaArgs& a, const Backend* b) {

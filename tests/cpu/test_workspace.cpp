@@ -238,6 +238,51 @@ TEST(Workspace, CheckedAndPassedOn) {
   EXPECT_FALSE(be.seen[1].defined());
 }
 
+TEST(Workspace, FromASourceAfterTheChecksOnlyWhenNeeded) {
+  alignas(16) static uint8_t bytes[2048];
+  std::vector<size_t> asked;  // the bytes each call of the source was asked for
+  TensorView given(bytes, {1000}, DType::u8);
+  const auto source = [&](size_t n) {
+    asked.push_back(n);
+    return given;
+  };
+  NeedyBackend be(1000);
+  Sparse s(2, 4, 16, 2), plain(2, 4, 16, 2);
+  sparse_mla(s.args, &be, source);
+  ASSERT_EQ(asked, std::vector<size_t>{1000});
+  ASSERT_EQ(be.seen.size(), 1u);
+  EXPECT_EQ(be.seen[0].data, bytes) << "the op runs on the source's workspace";
+  sparse_mla(plain.args, &be);
+  EXPECT_EQ(s.out, plain.out);
+
+  // Bad args: refused before the source is asked; an empty batch never asks.
+  Sparse bad(2, 4, 16, 2);
+  bad.args.q.shape[2] = 100;
+  test::expect_error([&] { sparse_mla(bad.args, &be, source); }, ErrorKind::invalid_argument, {"sparse_mla: q:"});
+  Sparse empty(0, 4, 16, 2);
+  sparse_mla(empty.args, &be, source);
+  // A workspace the args carry is used (and checked) as it is; the CPU backend needs none: the source is not asked.
+  SparseMlaArgs carried = s.args;
+  carried.workspace = TensorView(bytes + 1024, {1000}, DType::u8);
+  sparse_mla(carried, &be, source);
+  EXPECT_EQ(be.seen.back().data, bytes + 1024);
+  carried.workspace = TensorView(bytes, {999}, DType::u8);
+  test::expect_error([&] { sparse_mla(carried, &be, source); }, ErrorKind::invalid_argument,
+                     {"sparse_mla: workspace: too small"});
+  sparse_mla(s.args, nullptr, source);
+  EXPECT_EQ(asked.size(), 1u);
+
+  // What the source returns is checked as a caller's workspace.
+  const size_t ran = be.seen.size();
+  given = TensorView(bytes, {999}, DType::u8);
+  test::expect_error([&] { sparse_mla(s.args, &be, source); }, ErrorKind::invalid_argument,
+                     {"sparse_mla: workspace: too small", "need 1000 bytes", "got 999"});
+  given = TensorView(bytes + 8, {1000}, DType::u8);
+  test::expect_error([&] { sparse_mla(s.args, &be, source); }, ErrorKind::invalid_argument,
+                     {"sparse_mla: workspace: must be 16-byte aligned"});
+  EXPECT_EQ(be.seen.size(), ran) << "no op ran with a bad workspace";
+}
+
 TEST(Workspace, DsaDecodeStepSharesOneAmongItsSteps) {
   // A one-token DSA step over an index cache and an MLA cache of 2 blocks of 4 (bf16), top-2.
   Rng rng(9);
@@ -280,6 +325,18 @@ TEST(Workspace, DsaDecodeStepSharesOneAmongItsSteps) {
   EXPECT_EQ(be.seen[0].data, bytes);
   EXPECT_EQ(be.seen[1].data, bytes);
   EXPECT_TRUE(std::isfinite(lse[0]));
+
+  // From a source: asked once, for the largest of the steps' needs, and shared as a caller's is.
+  std::vector<size_t> asked;
+  a.workspace = TensorView();
+  dsa_decode_step(a, &be, [&](size_t n) {
+    asked.push_back(n);
+    return TensorView(bytes, {1024}, DType::u8);
+  });
+  EXPECT_EQ(asked, std::vector<size_t>{600});
+  ASSERT_EQ(be.seen.size(), 4u);
+  EXPECT_EQ(be.seen[2].data, bytes);
+  EXPECT_EQ(be.seen[3].data, bytes);
 }
 
 }  // namespace

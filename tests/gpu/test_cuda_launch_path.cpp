@@ -110,5 +110,58 @@ TEST(CudaLaunchPath, ACallersPendingErrorIsNotTheAttentionLaunchs) {
   }
 }
 
+// The WorkspaceSource overload (one check of the args, then the source asked for workspace_size's bytes): the same
+// bits as with a caller's workspace, the source asked once when the op splits and never when it needs none.
+TEST(CudaLaunchPath, AWorkspaceFromASourceGivesTheCallersWorkspaceBits) {
+  constexpr int64_t kHeads = 16, kBlocks = 64, kBlockSize = 64, kMaxTopk = 2048;
+  test::Rng rng(23);
+  const int64_t slots = kBlocks * kBlockSize;
+  const auto q_bits = test::to_half_bits(test::random_floats(rng, kHeads * kMlaQkDim), DType::bf16);
+  const auto kv_bits = test::to_half_bits(test::random_floats(rng, slots * kMlaQkDim), DType::bf16);
+  std::vector<int32_t> idx(kMaxTopk);
+  for (int64_t i = 0; i < kMaxTopk; ++i) idx[i] = static_cast<int32_t>((i * 11 + 5) % slots);
+  DeviceBuffer q(q_bits), kv(kv_bits), indices(idx), out(kHeads * kMlaVDim * 2), lse(kHeads * 4),
+      ws(size_t{64} << 20);
+  for (const int64_t topk : {int64_t{64}, kMaxTopk}) {
+    SCOPED_TRACE("top-k " + std::to_string(topk));
+    SparseMlaArgs a;
+    a.q = on_gpu(TensorView(nullptr, {1, kHeads, kMlaQkDim}, DType::bf16), q.ptr);
+    a.kv_cache = on_gpu(TensorView(nullptr, {kBlocks, kBlockSize, kMlaQkDim}, DType::bf16), kv.ptr);
+    a.indices = on_gpu(TensorView(nullptr, {1, topk}, DType::i32), indices.ptr);
+    a.softmax_scale = 0.07f;
+    a.out = on_gpu(TensorView(nullptr, {1, kHeads, kMlaVDim}, DType::bf16), out.ptr);
+    a.lse = on_gpu(TensorView(nullptr, {1, kHeads}, DType::f32), lse.ptr);
+    const size_t bytes = workspace_size(a, &gpu());
+    ASSERT_LE(bytes, ws.bytes);
+    const TensorView whole = on_gpu(TensorView(nullptr, {static_cast<int64_t>(ws.bytes)}, DType::u8), ws.ptr);
+
+    SparseMlaArgs callers = a;
+    callers.workspace = on_gpu(TensorView(nullptr, {static_cast<int64_t>(bytes)}, DType::u8), ws.ptr);
+    CUDA_OK(cudaMemset(out.ptr, 0xff, out.bytes));
+    CUDA_OK(cudaMemset(lse.ptr, 0xff, lse.bytes));
+    sparse_mla(callers, &gpu());
+    CUDA_OK(cudaDeviceSynchronize());
+    const auto want_out = out.download<uint16_t>();
+    const auto want_lse = lse.download<float>();
+
+    std::vector<size_t> asked;
+    CUDA_OK(cudaMemset(out.ptr, 0xff, out.bytes));
+    CUDA_OK(cudaMemset(lse.ptr, 0xff, lse.bytes));
+    CUDA_OK(cudaMemset(ws.ptr, 0xff, ws.bytes));  // nothing of the first call's partials left to reuse
+    sparse_mla(a, &gpu(), [&](size_t n) {
+      asked.push_back(n);
+      return whole;
+    });
+    CUDA_OK(cudaDeviceSynchronize());
+    EXPECT_EQ(asked, bytes > 0 ? std::vector<size_t>{bytes} : std::vector<size_t>{});
+    EXPECT_EQ(out.download<uint16_t>(), want_out);
+    const auto got_lse = lse.download<float>();
+    for (int64_t h = 0; h < kHeads; ++h) {
+      ASSERT_TRUE(std::isfinite(want_lse[h])) << "head " << h;
+      EXPECT_EQ(got_lse[h], want_lse[h]) << "head " << h;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace smla

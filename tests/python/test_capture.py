@@ -32,6 +32,11 @@ def slots(gen, *shape):
     return torch.randint(-1, SLOTS, shape, generator=gen, device="cuda", dtype=torch.int32)
 
 
+def nan(*shape):
+    *shape, dtype = shape
+    return torch.full(shape, float("nan"), device="cuda", dtype=dtype)
+
+
 def table(gen):
     return torch.randperm(BLOCKS, generator=gen, device="cuda").to(torch.int32)[None, :]
 
@@ -66,6 +71,17 @@ def cases():
         "sparse_mla": (
             lambda q, cache, idx: ops.sparse_mla(q, cache, idx, None, None, 0.07),
             lambda g: [bf16(g, 1, HEADS, 576), kv_cache(g), slots(g, 1, TOPK)]),
+        "sparse_mla.out": (  # the caller's buffers (an engine's), NaN before the first call
+            lambda q, cache, idx, out, lse: (ops.sparse_mla.out(q, cache, idx, None, None, 0.07, out=out, lse=lse),
+                                             out, lse)[1:],
+            lambda g: [bf16(g, 1, HEADS, 576), kv_cache(g), slots(g, 1, TOPK), nan(1, HEADS, 512, torch.bfloat16),
+                       nan(1, HEADS, torch.float32)]),
+        "paged_mla_decode.out": (
+            lambda q, cache, lens, out, lse: (ops.paged_mla_decode.out(q, cache, tbl, lens, None, 0.07, out=out,
+                                                                       lse=lse), out, lse)[1:],
+            lambda g: [bf16(g, 1, 1, HEADS, 576), kv_cache(g),
+                       torch.randint(1200, 2000, (1,), generator=g, device="cuda", dtype=torch.int32),
+                       nan(1, 1, HEADS, 512, torch.bfloat16), nan(1, 1, HEADS, torch.float32)]),
         "paged_mla_decode": (
             lambda q, cache, lens: ops.paged_mla_decode(q, cache, tbl, lens, None, 0.07),
             lambda g: [bf16(g, 1, 1, HEADS, 576), kv_cache(g),
@@ -112,8 +128,8 @@ def cases():
     }
 
 
-CASES = ["write_mla_cache", "sparse_mla", "paged_mla_decode", "write_index_cache", "indexer_topk",
-         "positions_to_slots", "write_pooled_index_cache", "pools_to_positions", "rotate_index_q", "dsa_decode_step",
+CASES = ["write_mla_cache", "sparse_mla", "sparse_mla.out", "paged_mla_decode", "paged_mla_decode.out",
+         "write_index_cache", "indexer_topk", "positions_to_slots", "write_pooled_index_cache", "pools_to_positions", "rotate_index_q", "dsa_decode_step",
          "flash_mla_with_kvcache (dense)",
          "flash_mla_with_kvcache (sparse, s_q 2)", "flash_mla_sparse_fwd"]
 

@@ -103,6 +103,23 @@ def test_an_empty_batch_returns_empty_outputs(rng):
     assert out.shape == (0, q.shape[1], 512) and lse.shape == (0, q.shape[1])
 
 
+def test_the_engines_buffers_are_written_in_place(rng):
+    """out= / lse= (vLLM's preallocated output): sparse_mla.out writes them, bit for bit the allocating call."""
+    case = make_case(rng, kind="fp8_ds_mla")
+    q, kv_cache, indices, counts = vllm_tensors(case, pair=True)
+    want_out, want_lse = _kernel.sparse_mla_forward(q, kv_cache, indices, counts, scale=case.scale)
+    out = torch.full_like(want_out, float("nan"))
+    lse = torch.full_like(want_lse, float("nan"))
+    got = _kernel.sparse_mla_forward(q, kv_cache, indices, counts, scale=case.scale, out=out, lse=lse)
+    assert got[0] is out and got[1] is lse
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    assert_matches_reference(case, out, lse)
+    with pytest.raises(ValueError, match="out and lse: give both"):
+        _kernel.sparse_mla_forward(q, kv_cache, indices, counts, scale=case.scale, out=out)
+    with pytest.raises(smla.InvalidArgumentError, match="sparse_mla: lse"):
+        _kernel.sparse_mla_forward(q, kv_cache, indices, counts, scale=case.scale, out=out, lse=lse[:-1])
+
+
 def test_bad_layouts_are_refused_with_the_reason(rng):
     case = make_case(rng, kind="bfloat16")
     q, kv_cache, indices, counts = vllm_tensors(case)
@@ -160,6 +177,30 @@ def test_kernel_entry_is_captured_by_a_cuda_graph(rng):
     assert torch.equal(out, eager_out) and torch.equal(lse, eager_lse)
     assert not torch.equal(out, first_out)
     assert_matches_reference(second, out, lse)
+
+
+@cuda
+def test_kernel_entry_into_the_engines_buffers_is_captured_by_a_cuda_graph(rng):
+    """As above, into preallocated out and lse (sparse_mla.out): the replay writes the engine's own buffers."""
+    first = make_case(rng, kind="bfloat16", heads=64, topk=128)
+    second = make_case(rng, kind="bfloat16", heads=64, topk=128)
+    q, kv_cache, indices, counts = vllm_tensors(first, "cuda")
+    out = torch.full((q.shape[0], 64, 512), float("nan"), dtype=q.dtype, device="cuda")
+    lse = torch.full((q.shape[0], 64), float("nan"), device="cuda")
+    _kernel.sparse_mla_forward(q, kv_cache, indices, counts, scale=first.scale, out=out, lse=lse)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        _kernel.sparse_mla_forward(q, kv_cache, indices, counts, scale=first.scale, out=out, lse=lse)
+    first_out = out.clone()
+    q2, kv2, indices2, counts2 = vllm_tensors(second, "cuda")
+    for dst, src in ((q, q2), (kv_cache, kv2), (indices, indices2), (counts, counts2)):
+        dst.copy_(src)
+    g.replay()
+    torch.cuda.synchronize()
+    eager_out, eager_lse = _kernel.sparse_mla_forward(q2, kv2, indices2, counts2, scale=second.scale)
+    assert torch.equal(out, eager_out) and torch.equal(lse, eager_lse)
+    assert not torch.equal(out, first_out)
 
 
 # --- the indexer body (smla.vllm.indexer.run) on vLLM's metadata fields, no vLLM needed -----------------------------

@@ -65,10 +65,20 @@ def cache_rows(kv_cache: Tensor) -> Tensor:
 
 def sparse_mla_forward(q: Union[Tensor, Tuple[Tensor, Tensor]], kv_cache: Tensor, topk_indices: Tensor,
                        valid_counts: Optional[Tensor], *, scale: float, attn_sink: Optional[Tensor] = None,
-                       backend: str = "") -> Tuple[Tensor, Tensor]:
+                       backend: str = "", out: Optional[Tensor] = None,
+                       lse: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """Sparse MLA on vLLM's tensors through ``torch.ops.smla.sparse_mla``: returns (out ``[T, H, 512]`` in q's
-    dtype, lse ``[T, H]`` float32, natural log, -inf for a token with no valid index). Capturable in a CUDA graph
-    (outputs and scratch come from torch's caching allocator, on the current stream)."""
+    dtype, lse ``[T, H]`` float32, natural log, -inf for a token with no valid index). Given both ``out`` and
+    ``lse`` (an engine's preallocated buffers), ``sparse_mla.out`` writes them and they are returned: no
+    allocation. Capturable in a CUDA graph (outputs and scratch come from torch's caching allocator, on the
+    current stream)."""
     q = query(q)
-    return torch_ops.routed().sparse_mla(q, cache_rows(kv_cache), topk_indices, valid_counts, attn_sink,
-                                         float(scale), _cache_dtype(kv_cache), backend)
+    ops = torch_ops.routed()
+    args = (q, cache_rows(kv_cache), topk_indices, valid_counts, attn_sink, float(scale), _cache_dtype(kv_cache),
+            backend)
+    if out is None and lse is None:
+        return ops.sparse_mla(*args)
+    if out is None or lse is None:
+        raise ValueError("out and lse: give both (the buffers sparse_mla.out writes) or neither")
+    ops.sparse_mla_out(*args, out=out, lse=lse)
+    return out, lse
