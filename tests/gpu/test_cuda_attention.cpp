@@ -998,5 +998,101 @@ TEST(CudaSparseMlaWideTile, AutomaticChoiceAndSecondCache) {
       }
 }
 
+// The wgmma kernel (sm_90a: 64 heads per CTA, two warpgroups, 64-key chunks) forced: head counts that fill one tile,
+// two, pad one (100: a tile of 36) or half of one (32); top-k of one chunk, of a chunk and a part, of 32 chunks;
+// 1, 3 and 62 tokens; bf16 and f16 caches and queries; both rope widths; block sizes; invalid indices and
+// NaN-poisoned unused slots (run_sparse's), outputs pre-filled with NaN, topk_length, sinks, strided queries,
+// max_logits, both empty-row lse conventions. Skipped only where the device cannot run wgmma.
+TEST(CudaSparseMlaWgmma, HeadsFormatsTopk) {
+  if (!cuda::attention_wgmma_available()) GTEST_SKIP() << "needs a Hopper GPU and the library built for sm_90a";
+  uint64_t seed = 2600;
+  int n = 0;
+  for (DType kv : {DType::bf16, DType::f16})
+    for (int heads : {32, 64, 100, 128})
+      for (int topk : {64, 100, 2048}) {
+        Problem p;
+        p.kv_dtype = kv;
+        p.rope = n % 3 == 2 ? 0 : kMlaRopeDim;
+        p.heads = heads;
+        p.topk = topk;
+        p.tokens = topk == 2048 ? (n % 2 ? 1 : 3) : (n % 2 ? 62 : 3);
+        p.q_dtype = n % 4 == 3 ? DType::f16 : DType::bf16;
+        p.block_size = std::array<int, 3>{1, 16, 64}[n % 3];
+        p.topk_length = n % 4 == 1;
+        p.sink = n % 3 == 1;
+        p.q_padded = n % 5 == 3;
+        p.max_logits = n % 2 == 0;
+        p.empty_lse_plus_inf = n % 7 == 4;
+        p.kernel = {cuda::AttentionKernel::wgmma};
+        p.skip_beyond_device = false;
+        ++n;
+        const std::optional<cuda::AttentionPlan> plan = run_sparse(p, seed++);
+        ASSERT_TRUE(plan.has_value());
+        EXPECT_EQ(plan->kernel, cuda::AttentionKernel::wgmma);
+        EXPECT_EQ(plan->ctas_per_sm, 1);
+      }
+}
+
+// The wgmma kernel's split partials and the combine: forced counts from 1 to one split per 64-key chunk, whole
+// splits empty, a row with no valid key, sinks and max_logits; and the split the op picks for one token of 128
+// heads against the same problem unsplit.
+TEST(CudaSparseMlaWgmma, ForcedSplits) {
+  if (!cuda::attention_wgmma_available()) GTEST_SKIP() << "needs a Hopper GPU and the library built for sm_90a";
+  uint64_t seed = 2700;
+  for (int tokens : {1, 3})
+    for (int splits : {1, 3, 32}) {
+      Problem p;
+      p.tokens = tokens;
+      p.heads = tokens == 1 ? 100 : 64;
+      p.topk = 2048;
+      p.block_size = 64;
+      p.sink = true;
+      p.max_logits = true;
+      p.empty_halves = true;
+      p.kernel = {cuda::AttentionKernel::wgmma, 0, 0, 0, splits};
+      p.skip_beyond_device = false;
+      SCOPED_TRACE("splits " + std::to_string(splits) + " tokens " + std::to_string(tokens));
+      const std::optional<cuda::AttentionPlan> plan = run_sparse(p, seed++);
+      ASSERT_TRUE(plan.has_value());
+      EXPECT_EQ(plan->kernel, cuda::AttentionKernel::wgmma);
+      EXPECT_EQ(plan->num_splits, splits);
+    }
+  Problem one;
+  one.tokens = 1;
+  one.heads = 128;
+  one.topk = 2048;
+  one.max_logits = true;
+  one.kernel = {cuda::AttentionKernel::wgmma};
+  one.skip_beyond_device = false;
+  expect_splits_run(one, seed++);
+}
+
+// Dense paged decode on the wgmma kernel: causal s_q > 1 (each step its own visible length), non-causal, both
+// 16-bit caches, padded head tiles, rope-free heads.
+TEST(CudaPagedDecodeWgmma, MatchesCpu) {
+  if (!cuda::attention_wgmma_available()) GTEST_SKIP() << "needs a Hopper GPU and the library built for sm_90a";
+  uint64_t seed = 2800;
+  const cuda::AttentionChoice wgmma{cuda::AttentionKernel::wgmma};
+  for (DType kv : {DType::bf16, DType::f16})
+    for (int s_q : {1, 3}) run_paged(DType::bf16, kv, 2, s_q, s_q == 1 ? 64 : 100, 16, true, seed++, kMlaRopeDim, wgmma);
+  run_paged(DType::f16, DType::bf16, 3, 2, 128, 64, false, seed++, kMlaRopeDim, wgmma);
+  run_paged(DType::bf16, DType::bf16, 2, 4, 64, 1, true, seed++, 0, wgmma);
+}
+
+// Forced where it cannot run, the wgmma kernel is an error that says why: off Hopper (or without sm_90a code) its
+// arch, on Hopper an fp8 cache.
+TEST(CudaSparseMlaWgmma, UnsupportedIsAnError) {
+  Problem p;
+  p.heads = 64;
+  p.kernel = {cuda::AttentionKernel::wgmma};
+  p.skip_beyond_device = false;
+  if (!cuda::attention_wgmma_available()) {
+    test::expect_error([&] { run_sparse(p, 2900); }, ErrorKind::unsupported, {"wgmma kernel", "needs a Hopper GPU"});
+    return;
+  }
+  p.kv_dtype = DType::fp8_ds_mla;
+  test::expect_error([&] { run_sparse(p, 2901); }, ErrorKind::unsupported, {"wgmma kernel", "bf16 and f16 caches only"});
+}
+
 }  // namespace
 }  // namespace smla

@@ -144,14 +144,23 @@ __device__ __forceinline__ int64_t slot_of(const AttentionParams& p, int t, int 
 // are const references, as the lambda before it captured them, because passed
 // by value nvcc ordered the index arithmetic differently in every kernel.
 
-// Gathers row `row` of chunk `chunk` into `dst` (rows `dst_row_bytes` apart):
+// Where 16-byte piece `piece` of row `row` lies in a tile of rows `row_bytes` long: row-major, or (kCoreMatrices)
+// in wgmma's core matrices without swizzle, 8 rows x 16 bytes in each 128-byte block, the blocks of 8 rows one
+// after another along the row (the attention_wgmma.cuh tiles).
+template <bool kCoreMatrices>
+__host__ __device__ constexpr int tile_piece_offset(int row, int piece, int row_bytes) {
+  return kCoreMatrices ? (row / 8) * 8 * row_bytes + piece * 128 + (row % 8) * 16 : row * row_bytes + piece * 16;
+}
+
+// Gathers row `row` of chunk `chunk` (kChunkKeys keys) into `dst` (rows `dst_row_bytes` long, laid out as
+// tile_piece_offset<kCoreMatrices> says):
 // this thread's 16-byte pieces (`part`, part + kParts, ... below `pieces`: kParts threads share a row) one
 // cp.async each (fp8_ds_mla_v4: the last piece is the token's 8 scale bytes,
 // from the block's end); an invalid row is zero-filled, never read, and
 // marked so in the chunk's set of `valid`. The row's slot was loaded a chunk
 // earlier (`next_slot`; this loads the next chunk's, if the split has one), so
 // the index load's latency is off the critical path.
-template <CacheFormat F, bool kPaged, int kParts = 4>
+template <CacheFormat F, bool kPaged, int kParts = 4, int kChunkKeys = kKeysPerChunk, bool kCoreMatrices = false>
 __device__ __forceinline__ void gather_row(const AttentionParams& p, const int& t, const int& b, const int& visible,
                                            int chunk, const int& chunk_begin, const int& n_chunks, const int& row,
                                            const int& part, int64_t& next_slot, uint8_t* dst, int dst_row_bytes,
@@ -159,7 +168,7 @@ __device__ __forceinline__ void gather_row(const AttentionParams& p, const int& 
   constexpr bool kV4 = F == CacheFormat::fp8_ds_mla_v4;
   const int64_t slot = next_slot;
   if (chunk + 1 < chunk_begin + n_chunks)
-    next_slot = slot_of<kPaged>(p, t, b, (chunk + 1) * kKeysPerChunk + row, visible);
+    next_slot = slot_of<kPaged>(p, t, b, (chunk + 1) * kChunkKeys + row, visible);
   const uint8_t *src = p.cache, *scales = p.cache;  // the row (fp8_ds_mla_v4: the values, and the scales)
   if (slot >= 0) {
     if constexpr (kV4) {
@@ -173,11 +182,11 @@ __device__ __forceinline__ void gather_row(const AttentionParams& p, const int& 
     }
   }
   for (int piece = part; piece < pieces; piece += kParts) {
-    uint8_t* to = dst + row * dst_row_bytes + piece * 16;
+    uint8_t* to = dst + tile_piece_offset<kCoreMatrices>(row, piece, dst_row_bytes);
     if (kV4 && piece == pieces - 1) cp_async_8(to, scales, slot >= 0);
     else cp_async_16(to, src + piece * 16, slot >= 0);
   }
-  if (part == 0) valid[(chunk % valid_sets) * kKeysPerChunk + row] = slot >= 0;
+  if (part == 0) valid[(chunk % valid_sets) * kChunkKeys + row] = slot >= 0;
 }
 
 // Dequantises a chunk of staged fp8 rows into the key rows `keys`, all threads
