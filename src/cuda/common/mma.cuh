@@ -141,22 +141,12 @@ __device__ __forceinline__ void wgmma_fence() {
   asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #endif
 }
-// Ends the batch (it runs on while the warpgroup goes on) and waits for every batch: their accumulators are
-// ready, their A registers free.
-__device__ __forceinline__ void wgmma_commit() {
+// Ends the batch and waits for it: its accumulators are ready, its A registers free.
+__device__ __forceinline__ void wgmma_commit_and_wait() {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void wgmma_wait() {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 #endif
-}
-// Both at once.
-__device__ __forceinline__ void wgmma_commit_and_wait() {
-  wgmma_commit();
-  wgmma_wait();
 }
 // Ordinary stores to shared memory made visible to wgmma's reads (the async proxy).
 __device__ __forceinline__ void fence_shared_for_async_proxy() {
@@ -201,13 +191,6 @@ __device__ __forceinline__ void cp_async_8(void* smem, const void* gmem, bool va
 __device__ __forceinline__ void cp_async_4(void* smem, const void* gmem, bool valid) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem),
                "r"(valid ? 4 : 0));
-}
-// Asks for `bytes` (a multiple of 16) of global memory from 16-byte aligned `gmem` to be brought into L2, without
-// waiting (SM90 on; a no-op before).
-__device__ __forceinline__ void prefetch_l2(const void* gmem, uint32_t bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(gmem), "r"(bytes) : "memory");
-#endif
 }
 // Barrier `id` (1-15; 0 is __syncthreads') among `threads` threads (a multiple of 32), each of which reaches it.
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {

@@ -7,9 +7,7 @@
 // core matrices without swizzle (tile_piece_offset<true>: 8 rows x 16 bytes per 128-byte block), so one key tile is
 // B of both products: K-major for S = Q K^T, MN-major (imm-trans-b) for O += P V, its first 512 dims being V.
 // Two key buffers: the gather of chunk c+1 runs while chunk c is multiplied (nothing is waited for inside a chunk
-// but its own wgmma batches), and the rows of chunk c+kPrefetchAhead are asked into L2 meanwhile: with shared
-// memory full, one chunk in flight per SM alone left the gather latency-bound (H200, 128 tokens x 128 heads, top-k
-// 2048: 386.5 us without the prefetch against the wide tile's 429.2).
+// but its own wgmma batches).
 //
 // Warpgroup w computes the scores of keys 32w..32w+31 of a chunk over all dims (m64n32k16, both operands in shared
 // memory), then the two exchange their row maxima (a barrier) and their probabilities (bf16 A fragments, another),
@@ -31,7 +29,6 @@ constexpr int kKeyBuffers = 2;
 constexpr int kGatherParts = kWgmmaThreads / kChunkKeys;  // threads per gathered row
 constexpr int kColumns = kVDim / kWarpgroups;             // O's columns per warpgroup
 constexpr int kPWords = 2 * 4;                            // a thread's P fragments: 2 k-steps x 4 registers
-constexpr int kPrefetchAhead = 2;                         // chunks ahead of the one multiplied
 
 // Shared memory, in bytes from the start (all offsets 128-byte aligned): the queries' tile, the key tiles, the
 // exchanged P fragments, the exchanged row statistics and the chunks' valid flags.
@@ -126,13 +123,7 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) wgmma_attention_kernel(const
     const uint64_t k_desc = wgmma_descriptor(kt + wg * (kGroupKeys / 8) * kBlockRowsBytes, 128, kBlockRowsBytes);
 #pragma unroll
     for (int ks = 0; ks < D::kQkDim / 16; ++ks) wgmma_ss_n32<kIn>(s, q_desc + 16 * ks, k_desc + 16 * ks, ks > 0);
-    wgmma_commit();
-    if (my_part == 0 && i + kPrefetchAhead < n_chunks) {  // while the scores are multiplied
-      const int64_t slot = slot_of<kPaged>(p, t, b, (chunk_begin + i + kPrefetchAhead) * kChunkKeys + my_row, visible);
-      if (slot >= 0)
-        prefetch_l2(p.cache + (slot / p.block_size) * p.block_stride + (slot % p.block_size) * p.row_stride, kRowBytes);
-    }
-    wgmma_wait();
+    wgmma_commit_and_wait();
 
     const int* vmask = valid + ((chunk_begin + i) % L.valid_sets) * kChunkKeys + wg * kGroupKeys;
     float cmax[2] = {-INFINITY, -INFINITY};
