@@ -246,6 +246,32 @@ __device__ __forceinline__ void partial_scores(const T* kt, const uint32_t (&qa)
   }
 }
 
+// What a CTA of `heads_per_cta` heads works on (blockIdx.x: token x head group, blockIdx.y: split): query token t
+// (request b, step j), heads h0 .. h0 + nh - 1 and split `split` of its keys.
+struct CtaWork {
+  int t, h0, nh, split, b, j;
+};
+__device__ __forceinline__ CtaWork cta_work(const AttentionParams& p, int heads_per_cta) {
+  const int head_groups = (p.num_heads + heads_per_cta - 1) / heads_per_cta;
+  const int t = blockIdx.x / head_groups, h0 = (blockIdx.x % head_groups) * heads_per_cta;
+  return {t, h0, min(heads_per_cta, p.num_heads - h0), static_cast<int>(blockIdx.y), t / p.s_q, t % p.s_q};
+}
+
+// The CTA's queries (kRows rows of kPieces 16-byte pieces, rows past w.nh zero) in the compute type T, into
+// `dst + offset(row, piece)`; the CTA's kCtaThreads threads together. Before wait_for_prerequisites: no kernel the
+// attention follows writes them.
+template <typename T, int kRows, int kPieces, int kCtaThreads, class Offset>
+__device__ __forceinline__ void stage_queries(const AttentionParams& p, const CtaWork& w, uint8_t* dst, int tid,
+                                              Offset offset) {
+  const uint16_t* q = p.q + w.b * p.q_stride_b + w.j * p.q_stride_s + w.h0 * p.q_stride_h;
+  for (int i = tid; i < kRows * kPieces; i += kCtaThreads) {
+    const int row = i / kPieces, piece = i % kPieces;
+    const uint4 raw = row < w.nh ? *reinterpret_cast<const uint4*>(q + row * p.q_stride_h + piece * 8)
+                                 : make_uint4(0, 0, 0, 0);
+    *reinterpret_cast<uint4*>(dst + offset(row, piece)) = query_piece<T>(raw, p.q_is_bf16);
+  }
+}
+
 // The end of a split: head h's row of this warp's 128 output columns, which this thread holds in rows 2 * half and
 // 2 * half + 1 of `o` (n-tile n at columns col0 + 8n, col0 + 8n + 1), normalised by the row's sum `l` (and the sink
 // when the keys are not split), into out, or the split's partial row; `stats`: this thread also writes the row's

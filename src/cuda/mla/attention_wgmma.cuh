@@ -1,6 +1,6 @@
 // MLA attention on Hopper's warpgroup mma (sm_90a; issue 19's compute-bound shapes: 64-128 heads, prefill, dense
 // decode): one CTA = one query token, kWgmmaHeads (64) heads and a range of 64-key chunks, two warpgroups. It
-// calls the 16-head tile's steps (attention_kernel.cuh): gather_row, chunk_range, store_head_row, the split
+// calls the 16-head tile's steps (attention_kernel.cuh): cta_work, stage_queries, gather_row, chunk_range, store_head_row, the split
 // partials and combine_kernel.
 //
 // The queries (64 x 576 16-bit values, 72 KB) and each chunk's 64 gathered keys sit in shared memory in wgmma's
@@ -65,22 +65,12 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) wgmma_attention_kernel(const
   const int tid = threadIdx.x, wg = tid / 128, wtid = tid % 128, lane = tid % 32;
   const int g = lane / 4, c = lane % 4;
   const int rows[2] = {(wtid / 32) * 16 + g, (wtid / 32) * 16 + g + 8};  // this thread's rows of the tile
-  const int head_groups = (p.num_heads + kWgmmaHeads - 1) / kWgmmaHeads;
-  const int t = blockIdx.x / head_groups;
-  const int h0 = (blockIdx.x % head_groups) * kWgmmaHeads;
-  const int nh = min(kWgmmaHeads, p.num_heads - h0);
-  const int split = blockIdx.y;
-  const int b = t / p.s_q, j = t % p.s_q;
+  const CtaWork w = cta_work(p, kWgmmaHeads);
+  const int t = w.t, h0 = w.h0, nh = w.nh, split = w.split, b = w.b, j = w.j;
 
-  // The queries, in the compute type, into their tile (rows past the last head zero), made visible to wgmma. Before
-  // the wait below: no kernel this one follows writes them.
-  const uint16_t* q = p.q + b * p.q_stride_b + j * p.q_stride_s + h0 * p.q_stride_h;
-  for (int i = tid; i < kWgmmaHeads * kPieces; i += kWgmmaThreads) {
-    const int row = i / kPieces, piece = i % kPieces;
-    const uint4 raw = row < nh ? *reinterpret_cast<const uint4*>(q + row * p.q_stride_h + piece * 8)
-                               : make_uint4(0, 0, 0, 0);
-    *reinterpret_cast<uint4*>(sq + tile_piece_offset<true>(row, piece, kRowBytes)) = query_piece<T>(raw, p.q_is_bf16);
-  }
+  // The queries into their tile, made visible to wgmma.
+  stage_queries<T, kWgmmaHeads, kPieces, kWgmmaThreads>(
+      p, w, sq, tid, [](int row, int piece) { return tile_piece_offset<true>(row, piece, kRowBytes); });
   fence_shared_for_async_proxy();
   // Everything from here reads what the kernel before may write (indices, cache) when dsa_decode_step launches
   // this one as the top-k's programmatic dependent; without that launch the wait returns at once.
