@@ -849,6 +849,18 @@ TEST(CudaSparseMlaV4, RefusesTheDimSplitAndMisalignedBlocks) {
                      {"sparse_mla", "kv_cache", "16-byte aligned"});
 }
 
+// The n-th case of a sweep's options: query dtype, block size, topk_length, sinks, strided queries, max_logits and
+// the +inf empty lse, each on and off across the cases.
+void vary_options(Problem& p, int n) {
+  p.q_dtype = n % 4 == 3 ? DType::f16 : DType::bf16;
+  p.block_size = std::array<int, 3>{1, 16, 64}[n % 3];
+  p.topk_length = n % 4 == 1;
+  p.sink = n % 3 == 1;
+  p.q_padded = n % 5 == 3;
+  p.max_logits = n % 2 == 0;
+  p.empty_lse_plus_inf = n % 7 == 4;
+}
+
 // The wide-tile kernel (64 heads per CTA, 8 warps) forced: head counts that fill one tile, two, and pad one
 // (100: a tile of 36), every cache format and rope width, query dtypes, top-k from one chunk to 128, block sizes,
 // invalid indices, NaN-poisoned unused slots (and the fp8_ds_mla envelope's rope bytes without rope), outputs
@@ -867,13 +879,7 @@ TEST(CudaSparseMlaWideTile, HeadsFormatsTopk) {
         p.heads = heads;
         p.topk = topk;
         p.tokens = n % 2 ? 1 : 3;
-        p.q_dtype = n % 4 == 3 ? DType::f16 : DType::bf16;
-        p.block_size = std::array<int, 3>{1, 16, 64}[n % 3];
-        p.topk_length = n % 4 == 1;
-        p.sink = n % 3 == 1;
-        p.q_padded = n % 5 == 3;
-        p.max_logits = n % 2 == 0;
-        p.empty_lse_plus_inf = n % 7 == 4;
+        vary_options(p, n);
         const int stages = std::array<int, 3>{0, 2, 3}[(n / 2) % 3];  // each depth, forced or picked, per format
         p.kernel = {cuda::AttentionKernel::wide_tile, stages};
         ++n;
@@ -902,40 +908,48 @@ TEST(CudaSparseMlaWideTile, HeadsFormatsTopk) {
   }
 }
 
-// The wide-tile kernel's split partials and the combine: forced counts from 1 to one split per chunk, with whole
-// splits empty, a row with no valid key, sinks and max_logits; and the split the op picks for one token of 128
-// heads (2 CTAs on a whole GPU) against the same problem unsplit.
+// A 64-head kernel's split partials and the combine over cache `kv`: forced counts 1, 3 and `per_chunk` (one split
+// per chunk) for one token of 100 heads and three of 64, with whole splits empty, a row with no valid key, sinks and
+// max_logits; and the split the op picks for one token of 128 heads (2 CTAs on a whole GPU) against the same problem
+// unsplit. False where the device's shared memory cannot hold the kernel (checked), when `skip_beyond_device`.
+bool expect_forced_splits(cuda::AttentionKernel kernel, DType kv, int per_chunk, bool skip_beyond_device,
+                          uint64_t& seed) {
+  for (int tokens : {1, 3})
+    for (int splits : {1, 3, per_chunk}) {
+      Problem p;
+      p.kv_dtype = kv;
+      p.tokens = tokens;
+      p.heads = tokens == 1 ? 100 : 64;
+      p.topk = 2048;
+      p.block_size = 64;
+      p.sink = true;
+      p.max_logits = true;
+      p.empty_halves = true;
+      p.kernel = {kernel, 0, 0, 0, splits};
+      p.skip_beyond_device = skip_beyond_device;
+      SCOPED_TRACE("splits " + std::to_string(splits) + " tokens " + std::to_string(tokens));
+      const std::optional<cuda::AttentionPlan> plan = run_sparse(p, seed++);
+      if (!plan) return false;
+      EXPECT_EQ(plan->kernel, kernel);
+      EXPECT_EQ(plan->num_splits, splits);
+    }
+  Problem one;
+  one.kv_dtype = kv;
+  one.tokens = 1;
+  one.heads = 128;
+  one.topk = 2048;
+  one.max_logits = true;
+  one.kernel = {kernel};
+  one.skip_beyond_device = skip_beyond_device;
+  expect_splits_run(one, seed++);
+  return true;
+}
+
+// The wide-tile kernel's splits (32-key chunks: 64 of them), both cache kinds.
 TEST(CudaSparseMlaWideTile, ForcedSplits) {
   uint64_t seed = 2200;
   for (DType kv : {DType::bf16, DType::fp8_ds_mla})
-    for (int tokens : {1, 3})
-      for (int splits : {1, 3, 64}) {
-        Problem p;
-        p.kv_dtype = kv;
-        p.tokens = tokens;
-        p.heads = tokens == 1 ? 100 : 64;
-        p.topk = 2048;
-        p.block_size = 64;
-        p.sink = true;
-        p.max_logits = true;
-        p.empty_halves = true;
-        p.kernel = {cuda::AttentionKernel::wide_tile, 0, 0, 0, splits};
-        SCOPED_TRACE("splits " + std::to_string(splits) + " tokens " + std::to_string(tokens));
-        const std::optional<cuda::AttentionPlan> plan = run_sparse(p, seed++);
-        if (!plan) return;  // beyond this device's shared memory (checked)
-        EXPECT_EQ(plan->kernel, cuda::AttentionKernel::wide_tile);
-        EXPECT_EQ(plan->num_splits, splits);
-      }
-  for (DType kv : {DType::bf16, DType::fp8_ds_mla}) {
-    Problem one;
-    one.kv_dtype = kv;
-    one.tokens = 1;
-    one.heads = 128;
-    one.topk = 2048;
-    one.max_logits = true;
-    one.kernel = {cuda::AttentionKernel::wide_tile};
-    expect_splits_run(one, seed++);
-  }
+    if (!expect_forced_splits(cuda::AttentionKernel::wide_tile, kv, 64, true, seed)) return;
 }
 
 // Dense paged decode on the wide-tile kernel: causal s_q > 1 (each step its own visible length), non-causal,
@@ -1016,13 +1030,7 @@ TEST(CudaSparseMlaWgmma, HeadsFormatsTopk) {
         p.heads = heads;
         p.topk = topk;
         p.tokens = topk == 2048 ? (n % 2 ? 1 : 3) : (n % 2 ? 62 : 3);
-        p.q_dtype = n % 4 == 3 ? DType::f16 : DType::bf16;
-        p.block_size = std::array<int, 3>{1, 16, 64}[n % 3];
-        p.topk_length = n % 4 == 1;
-        p.sink = n % 3 == 1;
-        p.q_padded = n % 5 == 3;
-        p.max_logits = n % 2 == 0;
-        p.empty_lse_plus_inf = n % 7 == 4;
+        vary_options(p, n);
         p.kernel = {cuda::AttentionKernel::wgmma};
         p.skip_beyond_device = false;
         ++n;
@@ -1033,38 +1041,11 @@ TEST(CudaSparseMlaWgmma, HeadsFormatsTopk) {
       }
 }
 
-// The wgmma kernel's split partials and the combine: forced counts from 1 to one split per 64-key chunk, whole
-// splits empty, a row with no valid key, sinks and max_logits; and the split the op picks for one token of 128
-// heads against the same problem unsplit.
+// The wgmma kernel's splits (64-key chunks: 32 of them).
 TEST(CudaSparseMlaWgmma, ForcedSplits) {
   if (!cuda::attention_wgmma_available()) GTEST_SKIP() << "needs a Hopper GPU and the library built for sm_90a";
   uint64_t seed = 2700;
-  for (int tokens : {1, 3})
-    for (int splits : {1, 3, 32}) {
-      Problem p;
-      p.tokens = tokens;
-      p.heads = tokens == 1 ? 100 : 64;
-      p.topk = 2048;
-      p.block_size = 64;
-      p.sink = true;
-      p.max_logits = true;
-      p.empty_halves = true;
-      p.kernel = {cuda::AttentionKernel::wgmma, 0, 0, 0, splits};
-      p.skip_beyond_device = false;
-      SCOPED_TRACE("splits " + std::to_string(splits) + " tokens " + std::to_string(tokens));
-      const std::optional<cuda::AttentionPlan> plan = run_sparse(p, seed++);
-      ASSERT_TRUE(plan.has_value());
-      EXPECT_EQ(plan->kernel, cuda::AttentionKernel::wgmma);
-      EXPECT_EQ(plan->num_splits, splits);
-    }
-  Problem one;
-  one.tokens = 1;
-  one.heads = 128;
-  one.topk = 2048;
-  one.max_logits = true;
-  one.kernel = {cuda::AttentionKernel::wgmma};
-  one.skip_beyond_device = false;
-  expect_splits_run(one, seed++);
+  EXPECT_TRUE(expect_forced_splits(cuda::AttentionKernel::wgmma, DType::bf16, 32, false, seed));
 }
 
 // Dense paged decode on the wgmma kernel: causal s_q > 1 (each step its own visible length), non-causal, both
