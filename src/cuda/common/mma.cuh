@@ -129,8 +129,9 @@ __device__ __forceinline__ void wgmma_ss_n32(float (&d)[16], uint64_t a, uint64_
 #endif
 }
 
-// B of wgmma, K-major without swizzle: 8 x 16-byte core matrices, `k_stride` bytes apart along K and
-// `n_stride` bytes apart along N (both multiples of 16, the start 16-byte aligned).
+// An operand of wgmma in shared memory without swizzle (A or B K-major, or B MN-major): 8 x 16-byte core matrices,
+// `k_stride` bytes apart along K and `n_stride` bytes apart along M or N (both multiples of 16, the start 16-byte
+// aligned).
 __device__ __forceinline__ uint64_t wgmma_descriptor(const void* smem, uint32_t k_stride, uint32_t n_stride) {
   return uint64_t{(smem_addr(smem) >> 4) & 0x3fffu} | uint64_t{(k_stride >> 4) & 0x3fffu} << 16 |
          uint64_t{(n_stride >> 4) & 0x3fffu} << 32;
