@@ -289,6 +289,7 @@ std::string kernel_name(AttentionChoice k) {
   std::string n = k.kernel == AttentionKernel::automatic   ? "auto"
                   : k.kernel == AttentionKernel::head_tile ? "head-tile"
                   : k.kernel == AttentionKernel::wide_tile ? "wide"
+                  : k.kernel == AttentionKernel::wgmma     ? "wgmma"
                                                            : "small";
   if (k.stages > 0) n += "/s" + std::to_string(k.stages);
   if (k.heads_per_cta > 0) n += "/h" + std::to_string(k.heads_per_cta);
@@ -725,7 +726,8 @@ void bench_step(StepCaches& caches, int tokens, int context) {
 
 int main(int argc, char** argv) {
   // `bench_cuda attention|indexer|topk|step` runs one part (`glm53f`, `dsv4`: only GLM-5.3-Flash's, DeepSeek-V4's
-  // attention rows); no argument: all. `bench_cuda sparse ...` one sparse config (below).
+  // attention rows); no argument: all. `bench_cuda sparse ...` one sparse config, `bench_cuda paged ...` one dense
+  // paged decode config (below).
   // `bench_cuda indexer TOKENS HEADS CONTEXT [OPTION...]` runs one indexer decode config; options: bf16 (keys),
   // fp8q (fp8 queries), and to force how fp8 keys are multiplied: mma.sync or wgmma (as bf16), e4m3 or e4m3-wgmma
   // (fp8q only). `bench_cuda topk TOKENS
@@ -748,18 +750,28 @@ int main(int argc, char** argv) {
   std::printf("ceilings measured now: copy %.0f GB/s (read+write), cuBLAS bf16 GEMM %.0f TFLOP/s, mma.sync bf16 %.0f "
               "TFLOP/s\n\n",
               c.copy_gbs, c.gemm_tflops, c.mma_tflops);
+  auto kernel_named = [](const std::string& k) {
+    return k == "small"       ? AttentionKernel::small_heads
+           : k == "head-tile" ? AttentionKernel::head_tile
+           : k == "wide"      ? AttentionKernel::wide_tile
+           : k == "wgmma"     ? AttentionKernel::wgmma
+                              : AttentionKernel::automatic;
+  };
   if (part == "sparse" && argc >= 6) {
-    // `bench_cuda sparse TOKENS HEADS TOPK bf16|fp8 [auto|small|head-tile|wide] [STAGES [HEADS_PER_CTA [SPLIT_DIMS
-    // [SPLITS]]]]`: one sparse config (0: as the op picks).
-    const std::string k = argc > 6 ? argv[6] : "auto";
-    const AttentionChoice kernel{k == "small"       ? AttentionKernel::small_heads
-                                 : k == "head-tile" ? AttentionKernel::head_tile
-                                 : k == "wide"      ? AttentionKernel::wide_tile
-                                                    : AttentionKernel::automatic,
-                                 argc > 7 ? std::atoi(argv[7]) : 0, argc > 8 ? std::atoi(argv[8]) : 0,
-                                 argc > 9 ? std::atoi(argv[9]) : 0, argc > 10 ? std::atoi(argv[10]) : 0};
+    // `bench_cuda sparse TOKENS HEADS TOPK bf16|fp8 [auto|small|head-tile|wide|wgmma] [STAGES [HEADS_PER_CTA
+    // [SPLIT_DIMS [SPLITS]]]]`: one sparse config (0: as the op picks).
+    const AttentionChoice kernel{kernel_named(argc > 6 ? argv[6] : "auto"), argc > 7 ? std::atoi(argv[7]) : 0,
+                                 argc > 8 ? std::atoi(argv[8]) : 0, argc > 9 ? std::atoi(argv[9]) : 0,
+                                 argc > 10 ? std::atoi(argv[10]) : 0};
     Cache cache(std::string(argv[5]) == "fp8" ? smla::DType::fp8_ds_mla : smla::DType::bf16, int64_t{1} << 20);
     bench_sparse("sparse", cache, std::atoi(argv[2]), std::atoi(argv[3]), std::atoi(argv[4]), c, kernel);
+    return 0;
+  }
+  if (part == "paged" && argc >= 6) {
+    // `bench_cuda paged BATCH CONTEXT HEADS bf16|fp8 [auto|head-tile|wide|wgmma]`: one dense paged decode config.
+    Cache cache(std::string(argv[5]) == "fp8" ? smla::DType::fp8_ds_mla : smla::DType::bf16, int64_t{1} << 20);
+    bench_paged("paged", cache, std::atoi(argv[2]), std::atoi(argv[3]), std::atoi(argv[4]), c,
+                {kernel_named(argc > 6 ? argv[6] : "auto")});
     return 0;
   }
   const bool all_attention = part.empty() || part == "attention";
@@ -767,7 +779,10 @@ int main(int argc, char** argv) {
     std::printf("%-22s %-13s %-10s %6s %5s %6s %10s %9s %8s %7s %s\n", "config", "cache", "kernel", "tokens", "heads",
                 "keys", "us", "TFLOP/s", "GB/s", "ceil%", "bound");
     const int64_t slots = int64_t{1} << 20;  // 1.2 GB of bf16 rows: gathers miss L2
-    const AttentionChoice head_tile{AttentionKernel::head_tile, 0}, wide{AttentionKernel::wide_tile, 0};
+    const AttentionChoice head_tile{AttentionKernel::head_tile, 0}, wide{AttentionKernel::wide_tile, 0},
+        wgmma{AttentionKernel::wgmma};
+    // The wgmma kernel's rows where it runs (Hopper, sm_90a code, 16-bit caches).
+    const bool wgmma_rows = smla::cuda::attention_wgmma_available();
     for (smla::DType kv : {smla::DType::bf16, smla::DType::fp8_ds_mla}) {
       if (!all_attention) break;
       Cache cache(kv, slots);
@@ -794,16 +809,20 @@ int main(int argc, char** argv) {
       // The compute-bound rows (issue 19) as the op picks, then on the 16-head-tile and the wide-tile kernel forced.
       for (int h : {64, 128})
         for (int t : {64, 128})
-          for (AttentionChoice k : {AttentionChoice{}, head_tile, wide}) bench_sparse("decode (compute)", cache, t, h, 2048, c, k);
+          for (AttentionChoice k : {AttentionChoice{}, head_tile, wide, wgmma})
+            if (k.kernel != AttentionKernel::wgmma || (wgmma_rows && kv == smla::DType::bf16))
+              bench_sparse("decode (compute)", cache, t, h, 2048, c, k);
       for (int stages : {2, 3}) bench_sparse("decode (wide depth)", cache, 128, 128, 2048, c, {AttentionKernel::wide_tile, stages});
       for (int h : {8, 16}) bench_sparse("prefill 32K", cache, 4096, h, 2048, c, {}, 32768);
       if (kv == smla::DType::bf16)
         for (int h : {64, 128})
-          for (AttentionChoice k : {AttentionChoice{}, head_tile, wide}) bench_sparse("prefill", cache, 4096, h, 2048, c, k);
+          for (AttentionChoice k : {AttentionChoice{}, head_tile, wide, wgmma})
+            if (k.kernel != AttentionKernel::wgmma || wgmma_rows) bench_sparse("prefill", cache, 4096, h, 2048, c, k);
       for (int h : {16, 128}) bench_paged("dense paged decode", cache, 128, 8192, h, c);
       bench_paged("dense paged (head tile)", cache, 128, 8192, 16, c, head_tile);
       bench_paged("dense paged (head tile)", cache, 128, 8192, 128, c, head_tile);
       bench_paged("dense paged (wide)", cache, 128, 8192, 128, c, wide);
+      if (wgmma_rows && kv == smla::DType::bf16) bench_paged("dense paged (wgmma)", cache, 128, 8192, 128, c, wgmma);
     }
     // GLM-5.3-Flash under TP 8: 8 rope-free heads of 512; its pooled top-k attends 2048 tokens of whole pools and
     // up to 3 of the incomplete last one.

@@ -13,10 +13,12 @@ void write_mla_cache(const WriteMlaCacheArgs& args);
 // or forced (tests, benchmarks). For the
 // small-heads kernel, values > 0 force its pipeline depth (`stages`, 2-4), heads per CTA (8 or 16) and at 8 heads
 // per CTA the split of the output dims between 1 or 2 warps (an error where the device cannot hold the result);
-// for the wide-tile kernel, `stages` > 0 forces its pipeline depth (2 or 3).
+// for the wide-tile kernel, `stages` > 0 forces its pipeline depth (2 or 3). The wgmma kernel (sm_90a, bf16 and
+// f16 caches, 64 heads per CTA, two 64-key buffers) runs forced only (kernel_choice.h's kWgmmaAutomatic); it takes
+// no `stages`.
 // `splits` > 0 forces the number of splits of each row's keys (at most one per chunk of keys; 1: unsplit); a
 // caller's workspace too small for the forced plan is an error.
-enum class AttentionKernel { automatic, head_tile, small_heads, wide_tile };
+enum class AttentionKernel { automatic, head_tile, small_heads, wide_tile, wgmma };
 struct AttentionChoice {
   AttentionKernel kernel = AttentionKernel::automatic;
   int stages = 0, heads_per_cta = 0, split_dims = 0, splits = 0;
@@ -28,7 +30,7 @@ enum class AttentionLaunch { in_order, after_own_kernel };
 void sparse_mla(const SparseMlaArgs& args, AttentionChoice choice = {}, AttentionLaunch how = AttentionLaunch::in_order);
 void paged_mla_decode(const PagedMlaDecodeArgs& args, AttentionChoice choice = {});
 // What those launch for these args and choice on the current device (tests, benchmarks): the kernel (head_tile,
-// small_heads or wide_tile), its pipeline depth, dynamic shared memory and resident CTAs per SM, and how many splits each row's
+// small_heads, wide_tile or wgmma), its pipeline depth, dynamic shared memory and resident CTAs per SM, and how many splits each row's
 // keys take (> 1: partial results, then the combine kernel; with sparse_mla's second cache, both caches' splits,
 // always at least 2).
 struct AttentionPlan {
@@ -36,6 +38,8 @@ struct AttentionPlan {
   int stages = 0, smem = 0, ctas_per_sm = 0, num_splits = 1;
 };
 AttentionPlan sparse_mla_plan(const SparseMlaArgs& args, AttentionChoice choice = {});
+// Whether the current device runs the wgmma attention kernel: a Hopper GPU and the library built with sm_90a code.
+bool attention_wgmma_available();
 AttentionPlan paged_mla_decode_plan(const PagedMlaDecodeArgs& args, AttentionChoice choice = {});
 void write_index_cache(const WriteIndexCacheArgs& args);
 void positions_to_slots(const PositionsToSlotsArgs& args);

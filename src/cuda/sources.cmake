@@ -4,6 +4,7 @@ target_sources(smla_objects PRIVATE
   cuda/common/runtime.cu
   cuda/mla/attention.cu
   cuda/mla/attention_small_heads.cu
+  cuda/mla/attention_wgmma.cu
   cuda/mla/attention_wide.cu
   cuda/mla/cache_write.cu
   cuda/mla/kernel_choice_check.cu

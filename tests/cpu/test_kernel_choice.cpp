@@ -54,11 +54,14 @@ TEST(KernelChoice, AutomaticOnEveryArch) {
               EXPECT_LE(d.chosen.smem, l.max_smem_per_block);
               EXPECT_GE(d.chosen.ctas_per_sm, 1);
               EXPECT_EQ(d.chosen.ctas_per_sm, ctas_per_sm(l, d.chosen.threads, d.chosen.registers, d.chosen.smem));
-              EXPECT_EQ(d.num_rejected, 2);  // each other kernel once, with its reason
+              // Each other kernel once, with its reason; the wgmma kernel on sm_90 only, last, as forced only.
+              EXPECT_EQ(d.num_rejected, l.compute_capability == 90 ? 3 : 2);
               for (int i = 0; i < d.num_rejected; ++i) {
                 const Rejection& r = d.rejected[static_cast<size_t>(i)];
                 EXPECT_NE(r.kernel, d.chosen.kernel);
                 if (r.why == Rejected::smem) EXPECT_GT(r.need, l.max_smem_per_block);
+                EXPECT_EQ(r.kernel == AttentionKernel::wgmma, i == 2);
+                if (r.kernel == AttentionKernel::wgmma) EXPECT_EQ(r.why, Rejected::forced_only);
               }
             }
 }
@@ -122,6 +125,49 @@ TEST(KernelChoice, ForcedKernelsAndDepths) {
   EXPECT_FALSE(choose_attention_kernel(limits_of("sm_86"), small).ok());
 }
 
+// The wgmma kernel: forced only (kWgmmaAutomatic), on sm_90 (sm_90a code) with 16-bit caches; 64 heads per CTA,
+// 8 warps, 225 KB (576-wide heads) or 201 KB, one CTA per SM. Elsewhere a forced wgmma kernel is no choice, and
+// why: the arch, or the cache format.
+TEST(KernelChoice, WgmmaForcedOnHopperOnly) {
+  static_assert(!kWgmmaAutomatic, "this test restates the rule while the kernel is forced only");
+  for (CacheFormat f : {CacheFormat::bf16, CacheFormat::f16})
+    for (int rope : {0, 64}) {
+      const KernelShape s{f, rope, rope == 0, 2, 100, {AttentionKernel::wgmma}};
+      const KernelDecision d = choose_attention_kernel(limits_of("sm_90"), s);
+      ASSERT_TRUE(d.ok());
+      EXPECT_EQ(d.chosen.kernel, AttentionKernel::wgmma);
+      EXPECT_EQ(d.chosen.heads_per_cta, 64);
+      EXPECT_EQ(d.chosen.threads, 256);
+      EXPECT_EQ(d.chosen.smem, rope ? 230400 : 205824);
+      EXPECT_EQ(d.chosen.ctas_per_sm, 1);
+      EXPECT_EQ(variant_text(d.chosen), std::string("wgmma kernel (64 heads/CTA, 8 warps, depth 2, ") +
+                                            (rope ? "230,400" : "205,824") + " B shared memory, 1 CTA/SM)");
+      ASSERT_EQ(d.num_rejected, 3);
+      for (int i = 0; i < d.num_rejected; ++i) EXPECT_EQ(d.rejected[static_cast<size_t>(i)].why, Rejected::forced_other);
+      for (const char* arch : {"sm_80", "sm_86", "sm_89", "sm_100", "sm_120"}) {
+        const KernelDecision off = choose_attention_kernel(limits_of(arch), s);
+        EXPECT_FALSE(off.ok()) << arch;
+        ASSERT_GE(off.num_rejected, 1);
+        EXPECT_EQ(off.rejected[0].kernel, AttentionKernel::wgmma);
+        EXPECT_EQ(off.rejected[0].why, Rejected::arch);
+        EXPECT_EQ(rejection_text(off.rejected[0], off.chosen, limits_of(arch).compute_capability),
+                  "needs sm_90a (wgmma); this is " + std::string(arch));
+      }
+    }
+  const KernelDecision fp8 =
+      choose_attention_kernel(limits_of("sm_90"), {CacheFormat::fp8_ds_mla, 64, false, 2, 64, {AttentionKernel::wgmma}});
+  EXPECT_FALSE(fp8.ok());
+  EXPECT_EQ(fp8.rejected[0].why, Rejected::cache_format);
+  EXPECT_EQ(rejection_text(fp8.rejected[0], fp8.chosen, 90), "reads bf16 and f16 caches only");
+  // Automatic: never chosen, named on sm_90 as forced only.
+  const KernelDecision automatic = choose_attention_kernel(limits_of("sm_90"), {CacheFormat::bf16, 64, false, 128, 128, {}});
+  EXPECT_EQ(automatic.chosen.kernel, AttentionKernel::wide_tile);
+  const Rejection& last = automatic.rejected[static_cast<size_t>(automatic.num_rejected - 1)];
+  EXPECT_EQ(last.kernel, AttentionKernel::wgmma);
+  EXPECT_EQ(rejection_text(last, automatic.chosen, 90),
+            "not chosen: forced only, until measured faster than the wide tile");
+}
+
 // The 16-head tile keeps two CTAs per SM where a depth allows it: deeper pipelines only while they do.
 TEST(KernelChoice, HeadTileDepthKeepsTwoCtasPerSm) {
   for (const char* arch : kArchs)
@@ -158,7 +204,8 @@ TEST(KernelChoice, ExplainNamesTheVariantOnEveryArch) {
       run.tp = c.tp;
       SCOPED_TRACE(std::string(c.model) + " " + arch + " " + std::string(dtype_name(c.kv)));
       const std::vector<std::string> lines = mma->capabilities().kernel_notes(spec, run);
-      ASSERT_EQ(lines.size(), 6u);  // per phase: the kernel, then the two others
+      // Per phase: the kernel, then the two others (on sm_90 the wgmma kernel too).
+      ASSERT_EQ(lines.size(), std::string(arch) == "sm_90" ? 8u : 6u);
       const KernelLimits l = limits_of(arch);
       const CacheFormat f = c.kv == DType::bf16 ? CacheFormat::bf16 : CacheFormat::fp8_ds_mla;
       size_t at = 0;

@@ -849,6 +849,18 @@ TEST(CudaSparseMlaV4, RefusesTheDimSplitAndMisalignedBlocks) {
                      {"sparse_mla", "kv_cache", "16-byte aligned"});
 }
 
+// The n-th case of a sweep's options: query dtype, block size, topk_length, sinks, strided queries, max_logits and
+// the +inf empty lse, each on and off across the cases.
+void vary_options(Problem& p, int n) {
+  p.q_dtype = n % 4 == 3 ? DType::f16 : DType::bf16;
+  p.block_size = std::array<int, 3>{1, 16, 64}[n % 3];
+  p.topk_length = n % 4 == 1;
+  p.sink = n % 3 == 1;
+  p.q_padded = n % 5 == 3;
+  p.max_logits = n % 2 == 0;
+  p.empty_lse_plus_inf = n % 7 == 4;
+}
+
 // The wide-tile kernel (64 heads per CTA, 8 warps) forced: head counts that fill one tile, two, and pad one
 // (100: a tile of 36), every cache format and rope width, query dtypes, top-k from one chunk to 128, block sizes,
 // invalid indices, NaN-poisoned unused slots (and the fp8_ds_mla envelope's rope bytes without rope), outputs
@@ -867,13 +879,7 @@ TEST(CudaSparseMlaWideTile, HeadsFormatsTopk) {
         p.heads = heads;
         p.topk = topk;
         p.tokens = n % 2 ? 1 : 3;
-        p.q_dtype = n % 4 == 3 ? DType::f16 : DType::bf16;
-        p.block_size = std::array<int, 3>{1, 16, 64}[n % 3];
-        p.topk_length = n % 4 == 1;
-        p.sink = n % 3 == 1;
-        p.q_padded = n % 5 == 3;
-        p.max_logits = n % 2 == 0;
-        p.empty_lse_plus_inf = n % 7 == 4;
+        vary_options(p, n);
         const int stages = std::array<int, 3>{0, 2, 3}[(n / 2) % 3];  // each depth, forced or picked, per format
         p.kernel = {cuda::AttentionKernel::wide_tile, stages};
         ++n;
@@ -902,40 +908,48 @@ TEST(CudaSparseMlaWideTile, HeadsFormatsTopk) {
   }
 }
 
-// The wide-tile kernel's split partials and the combine: forced counts from 1 to one split per chunk, with whole
-// splits empty, a row with no valid key, sinks and max_logits; and the split the op picks for one token of 128
-// heads (2 CTAs on a whole GPU) against the same problem unsplit.
+// A 64-head kernel's split partials and the combine over cache `kv`: forced counts 1, 3 and `per_chunk` (one split
+// per chunk) for one token of 100 heads and three of 64, with whole splits empty, a row with no valid key, sinks and
+// max_logits; and the split the op picks for one token of 128 heads (2 CTAs on a whole GPU) against the same problem
+// unsplit. False where the device's shared memory cannot hold the kernel (checked), when `skip_beyond_device`.
+bool expect_forced_splits(cuda::AttentionKernel kernel, DType kv, int per_chunk, bool skip_beyond_device,
+                          uint64_t& seed) {
+  for (int tokens : {1, 3})
+    for (int splits : {1, 3, per_chunk}) {
+      Problem p;
+      p.kv_dtype = kv;
+      p.tokens = tokens;
+      p.heads = tokens == 1 ? 100 : 64;
+      p.topk = 2048;
+      p.block_size = 64;
+      p.sink = true;
+      p.max_logits = true;
+      p.empty_halves = true;
+      p.kernel = {kernel, 0, 0, 0, splits};
+      p.skip_beyond_device = skip_beyond_device;
+      SCOPED_TRACE("splits " + std::to_string(splits) + " tokens " + std::to_string(tokens));
+      const std::optional<cuda::AttentionPlan> plan = run_sparse(p, seed++);
+      if (!plan) return false;
+      EXPECT_EQ(plan->kernel, kernel);
+      EXPECT_EQ(plan->num_splits, splits);
+    }
+  Problem one;
+  one.kv_dtype = kv;
+  one.tokens = 1;
+  one.heads = 128;
+  one.topk = 2048;
+  one.max_logits = true;
+  one.kernel = {kernel};
+  one.skip_beyond_device = skip_beyond_device;
+  expect_splits_run(one, seed++);
+  return true;
+}
+
+// The wide-tile kernel's splits (32-key chunks: 64 of them), both cache kinds.
 TEST(CudaSparseMlaWideTile, ForcedSplits) {
   uint64_t seed = 2200;
   for (DType kv : {DType::bf16, DType::fp8_ds_mla})
-    for (int tokens : {1, 3})
-      for (int splits : {1, 3, 64}) {
-        Problem p;
-        p.kv_dtype = kv;
-        p.tokens = tokens;
-        p.heads = tokens == 1 ? 100 : 64;
-        p.topk = 2048;
-        p.block_size = 64;
-        p.sink = true;
-        p.max_logits = true;
-        p.empty_halves = true;
-        p.kernel = {cuda::AttentionKernel::wide_tile, 0, 0, 0, splits};
-        SCOPED_TRACE("splits " + std::to_string(splits) + " tokens " + std::to_string(tokens));
-        const std::optional<cuda::AttentionPlan> plan = run_sparse(p, seed++);
-        if (!plan) return;  // beyond this device's shared memory (checked)
-        EXPECT_EQ(plan->kernel, cuda::AttentionKernel::wide_tile);
-        EXPECT_EQ(plan->num_splits, splits);
-      }
-  for (DType kv : {DType::bf16, DType::fp8_ds_mla}) {
-    Problem one;
-    one.kv_dtype = kv;
-    one.tokens = 1;
-    one.heads = 128;
-    one.topk = 2048;
-    one.max_logits = true;
-    one.kernel = {cuda::AttentionKernel::wide_tile};
-    expect_splits_run(one, seed++);
-  }
+    if (!expect_forced_splits(cuda::AttentionKernel::wide_tile, kv, 64, true, seed)) return;
 }
 
 // Dense paged decode on the wide-tile kernel: causal s_q > 1 (each step its own visible length), non-causal,
@@ -996,6 +1010,69 @@ TEST(CudaSparseMlaWideTile, AutomaticChoiceAndSecondCache) {
           EXPECT_EQ(cuda::sparse_mla_plan(two, {cuda::AttentionKernel::wide_tile}).kernel,
                     cuda::AttentionKernel::wide_tile);
       }
+}
+
+// The wgmma kernel (sm_90a: 64 heads per CTA, two warpgroups, 64-key chunks) forced: head counts that fill one tile,
+// two, pad one (100: a tile of 36) or half of one (32); top-k of one chunk, of a chunk and a part, of 32 chunks;
+// 1, 3 and 62 tokens; bf16 and f16 caches and queries; both rope widths; block sizes; invalid indices and
+// NaN-poisoned unused slots (run_sparse's), outputs pre-filled with NaN, topk_length, sinks, strided queries,
+// max_logits, both empty-row lse conventions. Skipped only where the device cannot run wgmma.
+TEST(CudaSparseMlaWgmma, HeadsFormatsTopk) {
+  if (!cuda::attention_wgmma_available()) GTEST_SKIP() << "needs a Hopper GPU and the library built for sm_90a";
+  uint64_t seed = 2600;
+  int n = 0;
+  for (DType kv : {DType::bf16, DType::f16})
+    for (int heads : {32, 64, 100, 128})
+      for (int topk : {64, 100, 2048}) {
+        Problem p;
+        p.kv_dtype = kv;
+        p.rope = n % 3 == 2 ? 0 : kMlaRopeDim;
+        p.heads = heads;
+        p.topk = topk;
+        p.tokens = topk == 2048 ? (n % 2 ? 1 : 3) : (n % 2 ? 62 : 3);
+        vary_options(p, n);
+        p.kernel = {cuda::AttentionKernel::wgmma};
+        p.skip_beyond_device = false;
+        ++n;
+        const std::optional<cuda::AttentionPlan> plan = run_sparse(p, seed++);
+        ASSERT_TRUE(plan.has_value());
+        EXPECT_EQ(plan->kernel, cuda::AttentionKernel::wgmma);
+        EXPECT_EQ(plan->ctas_per_sm, 1);
+      }
+}
+
+// The wgmma kernel's splits (64-key chunks: 32 of them).
+TEST(CudaSparseMlaWgmma, ForcedSplits) {
+  if (!cuda::attention_wgmma_available()) GTEST_SKIP() << "needs a Hopper GPU and the library built for sm_90a";
+  uint64_t seed = 2700;
+  EXPECT_TRUE(expect_forced_splits(cuda::AttentionKernel::wgmma, DType::bf16, 32, false, seed));
+}
+
+// Dense paged decode on the wgmma kernel: causal s_q > 1 (each step its own visible length), non-causal, both
+// 16-bit caches, padded head tiles, rope-free heads.
+TEST(CudaPagedDecodeWgmma, MatchesCpu) {
+  if (!cuda::attention_wgmma_available()) GTEST_SKIP() << "needs a Hopper GPU and the library built for sm_90a";
+  uint64_t seed = 2800;
+  const cuda::AttentionChoice wgmma{cuda::AttentionKernel::wgmma};
+  for (DType kv : {DType::bf16, DType::f16})
+    for (int s_q : {1, 3}) run_paged(DType::bf16, kv, 2, s_q, s_q == 1 ? 64 : 100, 16, true, seed++, kMlaRopeDim, wgmma);
+  run_paged(DType::f16, DType::bf16, 3, 2, 128, 64, false, seed++, kMlaRopeDim, wgmma);
+  run_paged(DType::bf16, DType::bf16, 2, 4, 64, 1, true, seed++, 0, wgmma);
+}
+
+// Forced where it cannot run, the wgmma kernel is an error that says why: off Hopper (or without sm_90a code) its
+// arch, on Hopper an fp8 cache.
+TEST(CudaSparseMlaWgmma, UnsupportedIsAnError) {
+  Problem p;
+  p.heads = 64;
+  p.kernel = {cuda::AttentionKernel::wgmma};
+  p.skip_beyond_device = false;
+  if (!cuda::attention_wgmma_available()) {
+    test::expect_error([&] { run_sparse(p, 2900); }, ErrorKind::unsupported, {"wgmma kernel", "needs a Hopper GPU"});
+    return;
+  }
+  p.kv_dtype = DType::fp8_ds_mla;
+  test::expect_error([&] { run_sparse(p, 2901); }, ErrorKind::unsupported, {"wgmma kernel", "bf16 and f16 caches only"});
 }
 
 }  // namespace

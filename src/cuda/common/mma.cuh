@@ -59,7 +59,7 @@ inline bool fp8_mma_native(int compute_capability) { return compute_capability =
 // descriptor `b`; d holds warp w's rows in mma.sync's accumulator layout, 8
 // columns after 8 columns. e4m3 products are summed to about 14 bits, like
 // other tensor cores' fp8 (docs/ops.md).
-enum class WgmmaIn { bf16, e4m3 };
+enum class WgmmaIn { bf16, f16, e4m3 };
 // One wgmma's asm: `op` the instruction, `immediates` what follows the predicate scale-d (imm-scale-a,
 // imm-scale-b, and for bf16 imm-trans-b).
 #define SMLA_WGMMA_RS_N32(op, immediates)                                                                            \
@@ -80,14 +80,23 @@ enum class WgmmaIn { bf16, e4m3 };
                  "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]),        \
                  "+f"(d[29]), "+f"(d[30]), "+f"(d[31])                                                             \
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(static_cast<int>(accumulate)))
-template <WgmmaIn kIn, int N>
+// kMnMajorB (16-bit values only): B's N dimension is the contiguous one in its core matrices (imm-trans-b 1; the
+// descriptor's leading offset then steps along K, its stride offset along N, as for K-major B).
+template <WgmmaIn kIn, int N, bool kMnMajorB = false>
 __device__ __forceinline__ void wgmma(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t b, bool accumulate) {
   static_assert(N == 32 || N == 64, "wgmma is there for N 32 and 64");
+  static_assert(!kMnMajorB || kIn != WgmmaIn::e4m3, "e4m3 wgmma takes K-major B only");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   if constexpr (kIn == WgmmaIn::bf16 && N == 32)
     SMLA_WGMMA_RS_N32("wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16", ", 1, 1, 0");
+  else if constexpr (kIn == WgmmaIn::bf16 && kMnMajorB)
+    SMLA_WGMMA_RS_N64("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16", ", 1, 1, 1");
   else if constexpr (kIn == WgmmaIn::bf16)
     SMLA_WGMMA_RS_N64("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16", ", 1, 1, 0");
+  else if constexpr (kIn == WgmmaIn::f16 && kMnMajorB)
+    SMLA_WGMMA_RS_N64("wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16", ", 1, 1, 1");
+  else if constexpr (kIn == WgmmaIn::f16)
+    static_assert(kMnMajorB, "f16 wgmma from registers is there with MN-major B");
   else if constexpr (N == 32)
     SMLA_WGMMA_RS_N32("wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3", ", 1, 1");
   else
@@ -99,8 +108,30 @@ __device__ __forceinline__ void wgmma(float (&d)[N / 2], const uint32_t (&a)[4],
 #undef SMLA_WGMMA_RS_N32
 #undef SMLA_WGMMA_RS_N64
 
-// B of wgmma, K-major without swizzle: 8 x 16-byte core matrices, `k_stride` bytes apart along K and
-// `n_stride` bytes apart along N (both multiples of 16, the start 16-byte aligned).
+// D (64 x 32, fp32) = A (64 x 16) * B (16 x 32) (+ D) on 16-bit values, both operands in shared memory through
+// K-major descriptors `a` and `b` (wgmma_descriptor); d as above.
+template <WgmmaIn kIn>
+__device__ __forceinline__ void wgmma_ss_n32(float (&d)[16], uint64_t a, uint64_t b, bool accumulate) {
+  static_assert(kIn != WgmmaIn::e4m3, "16-bit values");
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define SMLA_WGMMA_SS_N32(op)                                                                                    \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n" op                                                \
+               " {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, %16, %17, p, 1, 1, 0, 0;\n}\n"        \
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+                 "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),        \
+                 "+f"(d[15])                                                                                     \
+               : "l"(a), "l"(b), "r"(static_cast<int>(accumulate)))
+  if constexpr (kIn == WgmmaIn::bf16) SMLA_WGMMA_SS_N32("wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16");
+  else SMLA_WGMMA_SS_N32("wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16");
+#undef SMLA_WGMMA_SS_N32
+#else
+  __trap();
+#endif
+}
+
+// An operand of wgmma in shared memory without swizzle (A or B K-major, or B MN-major): 8 x 16-byte core matrices,
+// `k_stride` bytes apart along K and `n_stride` bytes apart along M or N (both multiples of 16, the start 16-byte
+// aligned).
 __device__ __forceinline__ uint64_t wgmma_descriptor(const void* smem, uint32_t k_stride, uint32_t n_stride) {
   return uint64_t{(smem_addr(smem) >> 4) & 0x3fffu} | uint64_t{(k_stride >> 4) & 0x3fffu} << 16 |
          uint64_t{(n_stride >> 4) & 0x3fffu} << 32;

@@ -8,6 +8,7 @@
 #include "cuda/kernels.h"
 #include "cuda/mla/attention_kernel.cuh"
 #include "cuda/mla/attention_small_heads.h"
+#include "cuda/mla/attention_wgmma.h"
 #include "cuda/mla/attention_wide.h"
 #include "cuda/mla/kernel_choice.h"
 
@@ -165,6 +166,7 @@ struct Plan {
   LaunchConfig head_tile;  // fn null unless the 16-head tile runs
   const mla::small::SmallHeadsConfig* small = nullptr;
   const mla::wide::WideConfig* wide = nullptr;
+  const mla::wg::WgmmaConfig* wgmma = nullptr;
   int chunks_per_split = 1, num_splits = 1;
   int64_t ctas = 0;  // per split
   bool one_wave = false;  // every split's CTAs resident at once
@@ -187,6 +189,7 @@ Plan plan(CacheFormat f, int rope, bool paged, int64_t tokens, int heads, int nu
   // dim split (invalid_argument), or what does not fit.
   if (choice.kernel == AttentionKernel::small_heads) mla::small::small_heads_config(f, rope, paged, heads, shape);
   if (choice.kernel == AttentionKernel::wide_tile) mla::wide::wide_config(f, rope, paged, choice.stages);
+  if (choice.kernel == AttentionKernel::wgmma) mla::wg::wgmma_config(f, rope, paged);
   if (!d.ok()) {
     const mla::Rejection& last = d.rejected[static_cast<size_t>(d.num_rejected - 1)];
     throw Error(ErrorKind::unsupported, std::string("MLA attention: ") + mla::kernel_name(last.kernel) + ": " +
@@ -198,9 +201,13 @@ Plan plan(CacheFormat f, int rope, bool paged, int64_t tokens, int heads, int nu
     s.small = &mla::small::small_heads_config(f, rope, paged, heads, {v.stages, v.heads_per_cta, v.split_dims});
   else if (v.kernel == AttentionKernel::wide_tile)
     s.wide = &mla::wide::wide_config(f, rope, paged, v.stages);
+  else if (v.kernel == AttentionKernel::wgmma)
+    s.wgmma = &mla::wg::wgmma_config(f, rope, paged);
   else
     s.head_tile = head_tile_config(f, rope, paged, v);
-  const int chunk_keys = s.small ? mla::small::kSmallChunkKeys : mla::kKeysPerChunk;
+  const int chunk_keys = s.small   ? mla::small::kSmallChunkKeys
+                         : s.wgmma ? mla::wg::kWgmmaChunkKeys
+                                   : mla::kKeysPerChunk;
   s.ctas = tokens * ((heads + v.heads_per_cta - 1) / v.heads_per_cta);
   const int chunks = std::max(1, (num_keys + chunk_keys - 1) / chunk_keys);
   const int64_t slots = static_cast<int64_t>(dev.num_sms) * v.ctas_per_sm;
@@ -245,6 +252,7 @@ void launch_head_tile(const LaunchConfig& config, const AttentionParams& p, int6
 void launch_planned(const Plan& s, const AttentionParams& p, cudaStream_t stream, bool dependent = false) {
   if (s.small) mla::small::launch_small_heads(p, *s.small, s.num_splits, stream, dependent);
   else if (s.wide) mla::wide::launch_wide(p, *s.wide, s.num_splits, stream, dependent);
+  else if (s.wgmma) mla::wg::launch_wgmma(p, *s.wgmma, s.num_splits, stream, dependent);
   else launch_head_tile(s.head_tile, p, s.ctas, s.num_splits, stream, dependent);
 }
 
@@ -348,6 +356,7 @@ void sparse_mla_two_caches(AttentionParams& p, const SparseMlaArgs& a, Attention
 AttentionPlan plan_of(const Plan& s, int num_splits) {
   if (s.small) return {AttentionKernel::small_heads, s.small->stages, s.small->smem, s.small->ctas_per_sm, num_splits};
   if (s.wide) return {AttentionKernel::wide_tile, s.wide->stages, s.wide->smem, s.wide->ctas_per_sm, num_splits};
+  if (s.wgmma) return {AttentionKernel::wgmma, 2, s.wgmma->smem, s.wgmma->ctas_per_sm, num_splits};
   return {AttentionKernel::head_tile, s.head_tile.stages, s.head_tile.smem, s.head_tile.ctas_per_sm, num_splits};
 }
 

@@ -144,14 +144,23 @@ __device__ __forceinline__ int64_t slot_of(const AttentionParams& p, int t, int 
 // are const references, as the lambda before it captured them, because passed
 // by value nvcc ordered the index arithmetic differently in every kernel.
 
-// Gathers row `row` of chunk `chunk` into `dst` (rows `dst_row_bytes` apart):
+// Where 16-byte piece `piece` of row `row` lies in a tile of rows `row_bytes` long: row-major, or (kCoreMatrices)
+// in wgmma's core matrices without swizzle, 8 rows x 16 bytes in each 128-byte block, the blocks of 8 rows one
+// after another along the row (the attention_wgmma.cuh tiles).
+template <bool kCoreMatrices>
+__host__ __device__ constexpr int tile_piece_offset(int row, int piece, int row_bytes) {
+  return kCoreMatrices ? (row / 8) * 8 * row_bytes + piece * 128 + (row % 8) * 16 : row * row_bytes + piece * 16;
+}
+
+// Gathers row `row` of chunk `chunk` (kChunkKeys keys) into `dst` (rows `dst_row_bytes` long, laid out as
+// tile_piece_offset<kCoreMatrices> says):
 // this thread's 16-byte pieces (`part`, part + kParts, ... below `pieces`: kParts threads share a row) one
 // cp.async each (fp8_ds_mla_v4: the last piece is the token's 8 scale bytes,
 // from the block's end); an invalid row is zero-filled, never read, and
 // marked so in the chunk's set of `valid`. The row's slot was loaded a chunk
 // earlier (`next_slot`; this loads the next chunk's, if the split has one), so
 // the index load's latency is off the critical path.
-template <CacheFormat F, bool kPaged, int kParts = 4>
+template <CacheFormat F, bool kPaged, int kParts = 4, int kChunkKeys = kKeysPerChunk, bool kCoreMatrices = false>
 __device__ __forceinline__ void gather_row(const AttentionParams& p, const int& t, const int& b, const int& visible,
                                            int chunk, const int& chunk_begin, const int& n_chunks, const int& row,
                                            const int& part, int64_t& next_slot, uint8_t* dst, int dst_row_bytes,
@@ -159,7 +168,7 @@ __device__ __forceinline__ void gather_row(const AttentionParams& p, const int& 
   constexpr bool kV4 = F == CacheFormat::fp8_ds_mla_v4;
   const int64_t slot = next_slot;
   if (chunk + 1 < chunk_begin + n_chunks)
-    next_slot = slot_of<kPaged>(p, t, b, (chunk + 1) * kKeysPerChunk + row, visible);
+    next_slot = slot_of<kPaged>(p, t, b, (chunk + 1) * kChunkKeys + row, visible);
   const uint8_t *src = p.cache, *scales = p.cache;  // the row (fp8_ds_mla_v4: the values, and the scales)
   if (slot >= 0) {
     if constexpr (kV4) {
@@ -173,11 +182,11 @@ __device__ __forceinline__ void gather_row(const AttentionParams& p, const int& 
     }
   }
   for (int piece = part; piece < pieces; piece += kParts) {
-    uint8_t* to = dst + row * dst_row_bytes + piece * 16;
+    uint8_t* to = dst + tile_piece_offset<kCoreMatrices>(row, piece, dst_row_bytes);
     if (kV4 && piece == pieces - 1) cp_async_8(to, scales, slot >= 0);
     else cp_async_16(to, src + piece * 16, slot >= 0);
   }
-  if (part == 0) valid[(chunk % valid_sets) * kKeysPerChunk + row] = slot >= 0;
+  if (part == 0) valid[(chunk % valid_sets) * kChunkKeys + row] = slot >= 0;
 }
 
 // Dequantises a chunk of staged fp8 rows into the key rows `keys`, all threads
@@ -234,6 +243,32 @@ __device__ __forceinline__ void partial_scores(const T* kt, const uint32_t (&qa)
     part[g * kSRow + c + 1] = acc[n][1];
     part[(g + 8) * kSRow + c] = acc[n][2];
     part[(g + 8) * kSRow + c + 1] = acc[n][3];
+  }
+}
+
+// What a CTA of `heads_per_cta` heads works on (blockIdx.x: token x head group, blockIdx.y: split): query token t
+// (request b, step j), heads h0 .. h0 + nh - 1 and split `split` of its keys.
+struct CtaWork {
+  int t, h0, nh, split, b, j;
+};
+__device__ __forceinline__ CtaWork cta_work(const AttentionParams& p, int heads_per_cta) {
+  const int head_groups = (p.num_heads + heads_per_cta - 1) / heads_per_cta;
+  const int t = blockIdx.x / head_groups, h0 = (blockIdx.x % head_groups) * heads_per_cta;
+  return {t, h0, min(heads_per_cta, p.num_heads - h0), static_cast<int>(blockIdx.y), t / p.s_q, t % p.s_q};
+}
+
+// The CTA's queries (kRows rows of kPieces 16-byte pieces, rows past w.nh zero) in the compute type T, into
+// `dst + offset(row, piece)`; the CTA's kCtaThreads threads together. Before wait_for_prerequisites: no kernel the
+// attention follows writes them.
+template <typename T, int kRows, int kPieces, int kCtaThreads, class Offset>
+__device__ __forceinline__ void stage_queries(const AttentionParams& p, const CtaWork& w, uint8_t* dst, int tid,
+                                              Offset offset) {
+  const uint16_t* q = p.q + w.b * p.q_stride_b + w.j * p.q_stride_s + w.h0 * p.q_stride_h;
+  for (int i = tid; i < kRows * kPieces; i += kCtaThreads) {
+    const int row = i / kPieces, piece = i % kPieces;
+    const uint4 raw = row < w.nh ? *reinterpret_cast<const uint4*>(q + row * p.q_stride_h + piece * 8)
+                                 : make_uint4(0, 0, 0, 0);
+    *reinterpret_cast<uint4*>(dst + offset(row, piece)) = query_piece<T>(raw, p.q_is_bf16);
   }
 }
 

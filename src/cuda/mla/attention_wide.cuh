@@ -64,22 +64,12 @@ __global__ void __launch_bounds__(kWideThreads, 1) wide_attention_kernel(const A
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int half = warp / kQuarters, quarter = warp % kQuarters;
-  const int head_groups = (p.num_heads + kWideHeads - 1) / kWideHeads;
-  const int t = blockIdx.x / head_groups;
-  const int h0 = (blockIdx.x % head_groups) * kWideHeads;
-  const int nh = min(kWideHeads, p.num_heads - h0);
-  const int split = blockIdx.y;
-  const int b = t / p.s_q, j = t % p.s_q;
+  const CtaWork w = cta_work(p, kWideHeads);
+  const int t = w.t, h0 = w.h0, nh = w.nh, split = w.split, b = w.b, j = w.j;
 
-  // The queries, in the compute type, into shared memory (rows past the last head zero). Before the wait below:
-  // no kernel this one follows writes them.
-  const uint16_t* q = p.q + b * p.q_stride_b + j * p.q_stride_s + h0 * p.q_stride_h;
-  for (int i = tid; i < kWideHeads * kPieces; i += kWideThreads) {
-    const int row = i / kPieces, piece = i % kPieces;
-    const uint4 raw = row < nh ? *reinterpret_cast<const uint4*>(q + row * p.q_stride_h + piece * 8)
-                               : make_uint4(0, 0, 0, 0);
-    *reinterpret_cast<uint4*>(sq + row * kRowElems + piece * 8) = query_piece<T>(raw, p.q_is_bf16);
-  }
+  // The queries into shared memory, rows kRowElems apart.
+  stage_queries<T, kWideHeads, kPieces, kWideThreads>(p, w, reinterpret_cast<uint8_t*>(sq), tid,
+                                                      [](int row, int piece) { return (row * kRowElems + piece * 8) * 2; });
   if (tid < kWideHeads) {
     row_max[tid] = -INFINITY;
     row_sum[tid] = 0.f;

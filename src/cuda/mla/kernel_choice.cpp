@@ -71,14 +71,31 @@ KernelVariant small_heads(const KernelLimits& l, const KernelShape& s) {
   return two.ctas_per_sm > 0 && two.ctas_per_sm >= one.ctas_per_sm ? two : one;
 }
 
+// The wgmma kernel: Hopper only (sm_90a code), 16-bit caches, two key buffers of 64 keys.
+KernelVariant wgmma(const KernelLimits& l, const KernelShape& s) {
+  if (l.compute_capability != 90) return {};
+  const KernelVariant v = fit(l, AttentionKernel::wgmma, kWgmmaHeadsPerCta, kWideThreads, 2, 0,
+                              wgmma_smem(s.format, s.rope));
+  return v.ctas_per_sm > 0 ? v : KernelVariant{};
+}
+
 KernelVariant variant(const KernelLimits& l, const KernelShape& s, AttentionKernel k) {
   switch (k) {
     case AttentionKernel::head_tile: return head_tile(l, s);
     case AttentionKernel::wide_tile: return wide_tile(l, s);
     case AttentionKernel::small_heads: return small_heads(l, s);
+    case AttentionKernel::wgmma: return wgmma(l, s);
     case AttentionKernel::automatic: break;
   }
   return {};
+}
+
+// Why kernel `k` cannot run `s` at all (it is no variant): the wgmma kernel's arch or cache format, else its shared
+// memory (`need`: the least it needs).
+Rejection unfit(const KernelLimits& l, const KernelShape& s, AttentionKernel k, int need) {
+  if (k == AttentionKernel::wgmma && l.compute_capability != 90) return {k, Rejected::arch};
+  if (k == AttentionKernel::wgmma && need == 0) return {k, Rejected::cache_format};
+  return {k, Rejected::smem, need, l.max_smem_per_block};
 }
 
 // The shallowest depth's shared memory: what a kernel that does not fit needs at least.
@@ -91,6 +108,7 @@ int least_smem(const KernelShape& s, AttentionKernel k) {
       const int hpc = s.forced.heads_per_cta > 0 ? s.forced.heads_per_cta : s.heads <= 8 ? 8 : 16;
       return small_heads_smem(s.format, s.rope, hpc, s.forced.split_dims == 2 ? 2 : 1, d > 0 ? d : 2);
     }
+    case AttentionKernel::wgmma: return wgmma_smem(s.format, s.rope);
     case AttentionKernel::automatic: break;
   }
   return 0;
@@ -113,6 +131,7 @@ int kernel_registers(AttentionKernel kernel, int heads_per_cta, int split_dims) 
     case AttentionKernel::small_heads:
       return heads_per_cta == 16 ? kSmallHeads16Registers : split_dims == 2 ? kSmallHeadsSplitRegisters
                                                                             : kSmallHeads8Registers;
+    case AttentionKernel::wgmma: return kWgmmaRegisters;
     case AttentionKernel::automatic: break;
   }
   return 0;
@@ -131,17 +150,21 @@ KernelDecision choose_attention_kernel(const KernelLimits& l, const KernelShape&
   auto reject = [&](AttentionKernel k, Rejected why, int need = 0, int have = 0) {
     d.rejected[static_cast<size_t>(d.num_rejected++)] = {k, why, need, have};
   };
-  constexpr AttentionKernel kOrder[] = {AttentionKernel::small_heads, AttentionKernel::wide_tile,
-                                        AttentionKernel::head_tile};
+  // The automatic order; the wgmma kernel goes first where kWgmmaAutomatic puts it in the wide tile's place.
+  constexpr AttentionKernel kOrder[] = {AttentionKernel::small_heads, AttentionKernel::wgmma,
+                                        AttentionKernel::wide_tile, AttentionKernel::head_tile};
   if (s.forced.kernel != AttentionKernel::automatic) {
     d.chosen = variant(l, s, s.forced.kernel);
-    if (!d.ok()) reject(s.forced.kernel, Rejected::smem, least_smem(s, s.forced.kernel), l.max_smem_per_block);
+    if (!d.ok()) d.rejected[static_cast<size_t>(d.num_rejected++)] = unfit(l, s, s.forced.kernel, least_smem(s, s.forced.kernel));
     for (AttentionKernel k : kOrder)
-      if (k != s.forced.kernel) reject(k, Rejected::forced_other);
+      if (k != s.forced.kernel && (k != AttentionKernel::wgmma || l.compute_capability == 90))
+        reject(k, Rejected::forced_other);
     return d;
   }
   const int min_tokens = s.rope ? kSmallMinTokens : kSmallMinTokensNoRope;
   for (AttentionKernel k : kOrder) {
+    // Named on Hopper only (no other arch ever runs it); while forced only, after the others.
+    if (k == AttentionKernel::wgmma && (l.compute_capability != 90 || !kWgmmaAutomatic)) continue;
     if (d.ok()) {  // need: the winner's threshold
       const bool small = d.chosen.kernel == AttentionKernel::small_heads;
       reject(k, Rejected::other_kernel_won, small ? min_tokens : kWideMinHeads);
@@ -161,18 +184,20 @@ KernelDecision choose_attention_kernel(const KernelLimits& l, const KernelShape&
         continue;
       }
     }
-    if (k == AttentionKernel::wide_tile && s.heads < kWideMinHeads) {
+    const bool wide_rule = k == AttentionKernel::wide_tile || k == AttentionKernel::wgmma;
+    if (wide_rule && s.heads < kWideMinHeads) {
       reject(k, Rejected::too_few_heads, kWideMinHeads, s.heads);
       continue;
     }
     d.chosen = variant(l, s, k);
     if (!d.ok()) {
-      reject(k, Rejected::smem, least_smem(s, k), l.max_smem_per_block);
-    } else if (k == AttentionKernel::wide_tile && s.tokens * s.heads < kWideMinRows) {  // fits, but too few rows
+      d.rejected[static_cast<size_t>(d.num_rejected++)] = unfit(l, s, k, least_smem(s, k));
+    } else if (wide_rule && s.tokens * s.heads < kWideMinRows) {  // fits, but too few rows
       d.chosen = {};
       reject(k, Rejected::too_few_rows, static_cast<int>(kWideMinRows), static_cast<int>(s.tokens * s.heads));
     }
   }
+  if (l.compute_capability == 90 && !kWgmmaAutomatic) reject(AttentionKernel::wgmma, Rejected::forced_only);
   return d;
 }
 
@@ -181,6 +206,7 @@ const char* kernel_name(AttentionKernel kernel) {
     case AttentionKernel::head_tile: return "16-head tile";
     case AttentionKernel::wide_tile: return "wide tile";
     case AttentionKernel::small_heads: return "small-heads kernel";
+    case AttentionKernel::wgmma: return "wgmma kernel";
     case AttentionKernel::automatic: break;
   }
   return "none";
@@ -200,8 +226,11 @@ std::string rejection_text(const Rejection& r, const KernelVariant& chosen, int 
   switch (r.why) {
     case Rejected::forced_other: return "not chosen: the " + won + " was forced";
     case Rejected::cache_format:
+      if (r.kernel == AttentionKernel::wgmma) return "reads bf16 and f16 caches only";
       return std::string("not chosen: automatic for fp8_ds_mla") + (kSmallAutomaticForV4 ? " and fp8_ds_mla_v4" : "") +
              " caches only";
+    case Rejected::arch: return "needs sm_90a (wgmma); this is " + arch_text(cc);
+    case Rejected::forced_only: return "not chosen: forced only, until measured faster than the wide tile";
     case Rejected::too_many_heads:
       return "not chosen: automatic up to " + std::to_string(r.need) + " heads, here " + std::to_string(r.have);
     case Rejected::too_few_tokens:
@@ -219,7 +248,7 @@ std::string rejection_text(const Rejection& r, const KernelVariant& chosen, int 
         return "not chosen: fp8 caches at up to " + std::to_string(kSmallMaxHeads) + " heads from " +
                std::to_string(r.need) + " query rows on take the small-heads kernel";
       return "not chosen: " + std::to_string(r.need) + "+ heads at " + with_commas(kWideMinRows) +
-             "+ query rows x heads take the wide tile";
+             "+ query rows x heads take the " + won;
   }
   return {};
 }

@@ -36,11 +36,15 @@ inline constexpr int64_t kWideMinRows = 4096;
 // Whether fp8_ds_mla_v4 caches (512-wide) take the small-heads kernel automatically as rope-free fp8_ds_mla rows
 // do: off (small::kAutomaticForV4 says why).
 inline constexpr bool kSmallAutomaticForV4 = false;
-inline constexpr int kHeadsPerCtaTile = 16, kWideHeadsPerCta = 64;
+inline constexpr int kHeadsPerCtaTile = 16, kWideHeadsPerCta = 64, kWgmmaHeadsPerCta = 64;
+// Whether the wgmma kernel (sm_90a, 16-bit caches) is chosen automatically, in the wide tile's place (same head and
+// row thresholds): not until it has been measured faster than the wide tile on an H200; until then tests and
+// benchmarks force it, and `explain` on sm_90 says so.
+inline constexpr bool kWgmmaAutomatic = false;
 // Registers per thread, at most, over every instance and arch (ptxas -v; the wide tile's are capped at 255 by its
 // launch bounds of one CTA per SM, the small-heads kernel's with the dim split at 128 by its bounds of two).
 inline constexpr int kHeadTileRegisters = 171, kWideRegisters = 255, kSmallHeads16Registers = 255,
-                     kSmallHeads8Registers = 255, kSmallHeadsSplitRegisters = 128;
+                     kSmallHeads8Registers = 255, kSmallHeadsSplitRegisters = 128, kWgmmaRegisters = 255;
 
 // The attention's shape: cache format, rope width (64 or 0), paged (dense decode) or a slot list (sparse), query
 // rows, heads per rank, and what a test or benchmark forces (AttentionChoice: kernel, depth, small-heads shape).
@@ -64,7 +68,9 @@ struct KernelVariant {
 // other_kernel_won: the chosen kernel's threshold).
 enum class Rejected {
   forced_other,      // another kernel was forced
-  cache_format,      // the small-heads kernel reads fp8_ds_mla caches only (automatically)
+  cache_format,      // the small-heads kernel reads fp8_ds_mla caches only (automatically); wgmma 16-bit ones
+  arch,              // the wgmma kernel: sm_90a only
+  forced_only,       // the wgmma kernel while kWgmmaAutomatic is off
   too_many_heads,    // the small-heads kernel: more heads than kMaxHeadsAutomatic
   too_few_tokens,    // the small-heads kernel: fewer query rows than it pays off at
   too_few_heads,     // the wide tile: fewer heads than kMinHeadsAutomatic
@@ -82,7 +88,7 @@ struct Rejection {
 // (at most one each). No allocation: the ops call it at every launch.
 struct KernelDecision {
   KernelVariant chosen;
-  std::array<Rejection, 3> rejected{};
+  std::array<Rejection, 4> rejected{};
   int num_rejected = 0;
   bool ok() const { return chosen.kernel != AttentionKernel::automatic; }
 };
@@ -97,7 +103,7 @@ struct KernelDecision {
 // A forced kernel or depth is taken as given; one that does not fit is no choice (not ok()).
 KernelDecision choose_attention_kernel(const KernelLimits& limits, const KernelShape& shape);
 
-// "wide tile", "16-head tile", "small-heads kernel".
+// "wide tile", "16-head tile", "small-heads kernel", "wgmma kernel".
 const char* kernel_name(AttentionKernel kernel);
 // "wide tile (64 heads/CTA, depth 3, 1 CTA/SM)".
 std::string variant_text(const KernelVariant& v);
@@ -137,6 +143,12 @@ constexpr int head_tile_smem(CacheFormat f, int rope, int stages) {
 constexpr int wide_smem(CacheFormat f, int rope, int stages) {
   if (stages < 2 || stages > 3) return 0;
   return tables::kWideSmem[tables::format_row(f)][rope ? 1 : 0][stages - 2];
+}
+
+// The wgmma kernel (two key buffers; 16-bit caches only), by rope width 0 and 64.
+inline constexpr int kWgmmaSmem[2] = {205824, 230400};
+constexpr int wgmma_smem(CacheFormat f, int rope) {
+  return f == CacheFormat::bf16 || f == CacheFormat::f16 ? kWgmmaSmem[rope ? 1 : 0] : 0;
 }
 
 constexpr int small_heads_smem(CacheFormat f, int rope, int heads_per_cta, int split_dims, int stages) {

@@ -3,6 +3,7 @@
 #include "cuda/mla/attention_kernel.cuh"
 #include "cuda/mla/attention_small_heads.cuh"
 #include "cuda/mla/attention_small_heads.h"
+#include "cuda/mla/attention_wgmma.cuh"
 #include "cuda/mla/attention_wide.cuh"
 #include "cuda/mla/kernel_choice.h"
 
@@ -39,6 +40,10 @@ constexpr bool small_layouts_match() {
 }
 
 static_assert(tile_layouts_match(), "kernel_choice.h: the tile kernels' shared-memory table");
+static_assert(wgmma_smem(CacheFormat::bf16, 0) == wg::WgmmaLayout(0).total &&
+                  wgmma_smem(CacheFormat::f16, kMlaRopeDim) == wg::WgmmaLayout(kMlaRopeDim).total &&
+                  wgmma_smem(CacheFormat::fp8_ds_mla, kMlaRopeDim) == 0,
+              "kernel_choice.h: the wgmma kernel's shared-memory table");
 static_assert(small_layouts_match<CacheFormat::bf16, 0>() && small_layouts_match<CacheFormat::bf16, 64>() &&
                   small_layouts_match<CacheFormat::f16, 0>() && small_layouts_match<CacheFormat::f16, 64>() &&
                   small_layouts_match<CacheFormat::fp8_ds_mla, 0>() &&
@@ -56,12 +61,14 @@ constexpr bool v4_small_layouts_match() {  // rope-free, and never the dim split
 }
 static_assert(v4_small_layouts_match(), "kernel_choice.h: the small-heads kernel's fp8_ds_mla_v4 shared memory");
 static_assert(kHeadsPerCtaTile == kHeadsPerCta && kWideHeadsPerCta == wide::kWideHeads &&
+                  kWgmmaHeadsPerCta == wg::kWgmmaHeads &&
                   kWideMinHeads == wide::kMinHeadsAutomatic && kWideMinRows == wide::kMinRowsAutomatic && kSmallMaxHeads == small::kMaxHeadsAutomatic &&
                   kSmallMinTokens == small::kMinTokensAutomatic &&
                   kSmallMinTokensNoRope == small::kMinTokensAutomaticNoRope &&
                   kSmallAutomaticForV4 == small::kAutomaticForV4,
               "kernel_choice.h: the automatic rules' thresholds");
 static_assert(kWideRegisters * wide::kWideThreads <= kRegistersPerSm, "the wide tile's launch bounds: one CTA per SM");
+static_assert(kWgmmaRegisters * wg::kWgmmaThreads <= kRegistersPerSm, "the wgmma kernel's launch bounds: one CTA per SM");
 
 }  // namespace
 

@@ -1,0 +1,89 @@
+// Instantiations and launch configuration of the wgmma MLA attention kernel (16-bit caches; sm_90a code only, a
+// trap elsewhere, which the host never launches).
+#include <map>
+#include <mutex>
+#include <string>
+#include <tuple>
+
+#include "cuda/common/runtime.h"
+#include "cuda/kernels.h"
+#include "cuda/mla/attention_wgmma.cuh"
+#include "cuda/mla/attention_wgmma.h"
+
+namespace smla::cuda::mla::wg {
+
+namespace {
+
+using Kernel = void (*)(AttentionParams);
+
+template <CacheFormat F, int kRope, bool kPaged>
+Kernel kernel_for() {
+  if constexpr (is_fp8(F)) return nullptr;  // not yet: fp8 rows would be dequantised into the key tile
+  else return wgmma_attention_kernel<F, kRope, kPaged>;
+}
+
+Kernel select(CacheFormat f, int rope, bool paged) {
+  // [&]: a capture-less lambda's conversion to a function pointer draws nvcc warning 445 for each instance
+  return instance_for(f, rope, paged, [&]<CacheFormat F, int kRope, bool kPaged>() { return kernel_for<F, kRope, kPaged>(); });
+}
+
+// Why this device cannot run the kernel for `f`, or empty.
+std::string unavailable(CacheFormat f, int rope) {
+  const DeviceInfo& dev = current_device();
+  if (!wgmma_available(dev.compute_capability))
+    return "needs a Hopper GPU (sm_90) and a library built with sm_90a code; this is sm_" +
+           std::to_string(dev.compute_capability);
+  if (is_fp8(f)) return "reads bf16 and f16 caches only (fp8 caches: not yet)";
+  if (WgmmaLayout(rope).total > dev.max_smem_per_block)
+    return "needs " + std::to_string(WgmmaLayout(rope).total) + " bytes of shared memory per block; this device allows " +
+           std::to_string(dev.max_smem_per_block);
+  return {};
+}
+
+}  // namespace
+
+const WgmmaConfig* find_wgmma_config(CacheFormat f, int rope, bool paged) {
+  using Key = std::tuple<int, CacheFormat, int, bool>;
+  static std::mutex mu;
+  static std::map<Key, WgmmaConfig> configs;  // nodes never move
+  thread_local std::map<Key, const WgmmaConfig*> mine;  // no lock once seen
+  const DeviceInfo& dev = current_device();
+  const Key key = std::make_tuple(dev.index, f, rope, paged);
+  if (auto seen = mine.find(key); seen != mine.end()) return seen->second->fn != nullptr ? seen->second : nullptr;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = configs.find(key);
+  if (it == configs.end()) {
+    WgmmaConfig cfg;
+    if (unavailable(f, rope).empty()) {
+      const int bytes = WgmmaLayout(rope).total;
+      const Kernel fn = select(f, rope, paged);
+      allow_dynamic_smem(reinterpret_cast<const void*>(fn), bytes);
+      const int ctas = resident_ctas_per_sm(reinterpret_cast<const void*>(fn), kWgmmaThreads, bytes);
+      if (ctas > 0) cfg = {reinterpret_cast<const void*>(fn), kWgmmaThreads, bytes, ctas};
+    }
+    it = configs.emplace(key, cfg).first;
+  }
+  mine[key] = &it->second;
+  return it->second.fn != nullptr ? &it->second : nullptr;
+}
+
+const WgmmaConfig& wgmma_config(CacheFormat f, int rope, bool paged) {
+  if (const WgmmaConfig* cfg = find_wgmma_config(f, rope, paged)) return *cfg;
+  const std::string why = unavailable(f, rope);
+  throw Error(ErrorKind::unsupported, "MLA attention (wgmma kernel, sm_90a, " + std::to_string(kWgmmaHeads) +
+                                          " heads per CTA) " + (why.empty() ? "cannot run on this device" : why));
+}
+
+void launch_wgmma(const AttentionParams& p, const WgmmaConfig& cfg, int splits, cudaStream_t stream, bool dependent) {
+  const int head_blocks = (p.num_heads + kWgmmaHeads - 1) / kWgmmaHeads;
+  const dim3 grid(static_cast<unsigned>(static_cast<int64_t>(p.num_tokens) * head_blocks), splits);
+  void* args[] = {const_cast<AttentionParams*>(&p)};
+  launch_kernel_args(cfg.fn, grid, dim3(cfg.threads), args, cfg.smem, stream, dependent,
+                     "smla MLA attention kernel (wgmma)");
+}
+
+}  // namespace smla::cuda::mla::wg
+
+namespace smla::cuda {
+bool attention_wgmma_available() { return wgmma_available(current_device().compute_capability); }
+}  // namespace smla::cuda

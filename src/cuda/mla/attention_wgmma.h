@@ -1,0 +1,30 @@
+// Host side of the wgmma MLA attention kernel (attention_wgmma.cuh, sm_90a): its launch configuration on the
+// current device, and its launch.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "cuda/mla/params.h"
+
+namespace smla::cuda::mla::wg {
+
+constexpr int kWgmmaHeads = 64;  // heads per CTA: the wgmma's M (whether the ops pick it: kernel_choice.h)
+constexpr int kWgmmaChunkKeys = 64;  // keys per pipeline stage
+
+struct WgmmaConfig {
+  const void* fn = nullptr;
+  int threads = 0, smem = 0, ctas_per_sm = 0;
+};
+
+// The configuration for format `f` (bf16 or f16 caches), rope width `rope` (64 or 0) and key source on the current
+// device (cached per device); null where the device cannot run it (not a Hopper GPU, a library built without
+// sm_90a code, an fp8 cache, or too little shared memory).
+const WgmmaConfig* find_wgmma_config(CacheFormat f, int rope, bool paged);
+// The same, an error naming what is missing.
+const WgmmaConfig& wgmma_config(CacheFormat f, int rope, bool paged);
+
+// Launches one attention of `p` (its split fields filled) with `cfg` over `splits` splits of its keys on `stream`;
+// `dependent`: as the programmatic dependent of the kernel before it (launch_kernel_args).
+void launch_wgmma(const AttentionParams& p, const WgmmaConfig& cfg, int splits, cudaStream_t stream, bool dependent);
+
+}  // namespace smla::cuda::mla::wg
