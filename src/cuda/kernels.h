@@ -92,4 +92,17 @@ struct TopkFusion {
 void select_topk(const IndexerTopkArgs& args, const float* scores, TopkSplit split = TopkSplit::automatic,
                  void* scratch = nullptr, const TopkFusion& fusion = {});
 
+#ifdef SMLA_TOPK_STAMPS
+// A build with SMLA_TOPK_STAMPS (bench_cuda stamps) records %globaltimer (ns) into `stamps` (device memory,
+// 2 x kStepStamps words; null: none), then %clock64 of the same phases from kStepStamps on: the scores kernel's
+// earliest CTA start (the driver sets it to ~0 first) and latest warp end; the top-k kernel's earliest CTA start
+// (~0 first), its phases on the first CTA's thread 0 (token 0, rank 0), and its latest warp end.
+enum StepStamp : int {
+  kScoresFirstStart, kScoresLastEnd,
+  kTopkFirstStart, kTopkWaited, kTopkHistogram, kTopkPlan, kTopkCompacted, kTopkSelected, kTopkStored, kTopkLastEnd,
+  kStepStamps
+};
+void set_step_stamps(unsigned long long* stamps);
+#endif
+
 }  // namespace smla::cuda

@@ -34,6 +34,7 @@
 #include "cuda/common/mma.cuh"
 #include "cuda/common/runtime.h"
 #include "cuda/indexer/indexer_common.cuh"
+#include "cuda/indexer/step_stamps.cuh"
 #include "cuda/kernels.h"
 
 namespace smla::cuda {
@@ -80,6 +81,7 @@ struct ScoreParams {
   int tiles_per_cta;
   float* scores;
   int64_t score_stride;
+  SMLA_STAMP_FIELD
 };
 
 // The key dimensions lane (g, c) (g = lane / 4, c = lane % 4) multiplies in
@@ -216,6 +218,7 @@ __global__ void __launch_bounds__(kScoreThreads, 4) index_scores_kernel(const Sc
   constexpr int kHeadColumns = head_columns(kNTiles, kGroups);  // wgmma: 32 or 64, all at once
   extern __shared__ __align__(16) uint8_t smem_raw[];
   auto& s = *reinterpret_cast<Smem*>(smem_raw);
+  SMLA_STAMP_START_END(p, kScoresFirstStart, kScoresLastEnd);
   // dsa_decode_step's top-k may launch now: it takes an SM only as one frees, and waits for every score.
   let_dependents_launch();
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, c = lane % 4;

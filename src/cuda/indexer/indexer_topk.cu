@@ -42,6 +42,7 @@
 #include "cuda/backend.h"
 #include "cuda/common/runtime.h"
 #include "cuda/indexer/indexer_common.cuh"
+#include "cuda/indexer/step_stamps.cuh"
 #include "cuda/kernels.h"
 
 namespace smla::cuda {
@@ -577,6 +578,7 @@ struct TopkParams {
   int* plans;
   Entry* lists;
   int64_t list_stride;  // entries per token: kMaxIndexerTopk selected, then list_capacity candidates
+  SMLA_STAMP_FIELD
 
   __device__ int* plan(int t) const { return plans + static_cast<int64_t>(t) * (kPlanInts + 2 * slices); }
   // How many selected ([0]) and candidates ([1]) the slices before slice s hold.
@@ -675,6 +677,7 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
   __shared__ int counts[2];          // a cluster rank's selected and candidates
   __shared__ uint32_t candidate_range[2];  // the lowest and highest key of the candidates
   __shared__ int largest_bucket;           // place_by_counting's
+  SMLA_STAMP_START_END(p, kTopkFirstStart, kTopkLastEnd);
   if (threadIdx.x == 0) {
     key_range[0] = candidate_range[0] = 0xffffffffu;
     key_range[1] = candidate_range[1] = 0;
@@ -691,6 +694,7 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
   // The coarse histogram zeroed while the scores kernel may still run.
   zero_bins(hist);
   wait_for_prerequisites();  // launched as the scores kernel's dependent: every score written
+  SMLA_STAMP(p, kTopkWaited);
   // The attention, the step's next kernel, may launch now (its CTAs wait for this kernel's end): its launch
   // overlaps this one.
   let_dependents_launch();
@@ -717,8 +721,10 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
     __syncthreads();  // hist zeroed
     held_histogram(scores, hist);
     __syncthreads();
+    SMLA_STAMP(p, kTopkHistogram);
     plan = plan_from_histogram(hist, want, p.list_capacity, scan, result);
     __syncthreads();  // hist (the compaction's warp totals) and result are reused below
+    SMLA_STAMP(p, kTopkPlan);
     if (plan.fits)  // 2., here while the scores are in registers
       compact_held(scores, plan, list, list + plan.above, reinterpret_cast<uint32_t(*)[kHeldPieces]>(hist));
   } else {
@@ -742,8 +748,10 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
     } else {
       __syncthreads();
     }
+    SMLA_STAMP(p, kTopkHistogram);
     plan = plan_from_histogram(total, want, p.list_capacity, scan, result);
     __syncthreads();  // hist, result and the list are reused below
+    SMLA_STAMP(p, kTopkPlan);
   }
   const int above = plan.above, in_bin = plan.in_bin;
 
@@ -784,6 +792,7 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
       }
     }
     __syncthreads();
+    SMLA_STAMP(p, kTopkCompacted);
     // 3. The candidates that complete the want: few (one a thread or less), each ranked by counting those that go
     // before it (a higher key, or the same at a lower position), the need best put in that order (equal keys in
     // position order, as step 4 wants them); else by a radix select.
@@ -862,6 +871,7 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
     rest = list + want;
     second_run = want - remaining;
   }
+  SMLA_STAMP(p, kTopkSelected);
 
   // Stores the positions of ranks j * kThreads + threadIdx.x (every rank < p.k: k <= kSortItems * kThreads) and,
   // fused, their slots: every block-table load issued before the first slot store (a store might alias the table).
@@ -870,13 +880,17 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
 #pragma unroll
     for (int j = 0; j < kSortItems; ++j)
       if (j * kThreads + threadIdx.x < p.k) out[j * kThreads + threadIdx.x] = position[j];
-    if (p.slots == nullptr) return;
+    if (p.slots == nullptr) {
+      SMLA_STAMP(p, kTopkStored);
+      return;
+    }
     int32_t slot[kSortItems];
 #pragma unroll
     for (int j = 0; j < kSortItems; ++j) slot[j] = p.slot_map.slot(request, position[j]);
 #pragma unroll
     for (int j = 0; j < kSortItems; ++j)
       if (j * kThreads + threadIdx.x < p.k) slots[j * kThreads + threadIdx.x] = slot[j];
+    SMLA_STAMP(p, kTopkStored);
   };
   if (!p.sorted) {
     place_by_position<kSortItems>([&](int i) { return i < listed ? list[i] : rest[i - listed]; }, want, second_run,
@@ -1119,6 +1133,10 @@ void select_topk(const IndexerTopkArgs& a, const float* scores, TopkSplit split,
   if (p.k <= 2048) launch_topk<2048 / kThreads>(p, tokens, min_ranks, after_scores, stream, bytes);
   else launch_topk<kMaxIndexerTopk / kThreads>(p, tokens, min_ranks, after_scores, stream, bytes);
 }
+
+#ifdef SMLA_TOPK_STAMPS
+void set_step_stamps(unsigned long long* stamps) { step_stamp_buffer = stamps; }
+#endif
 
 size_t indexer_workspace_size(const IndexerTopkArgs& a) { return score_bytes(a) + topk_scratch_bytes(a); }
 
