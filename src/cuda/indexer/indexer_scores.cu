@@ -342,8 +342,7 @@ __global__ void __launch_bounds__(kScoreThreads, 4) index_scores_kernel(const Sc
 
   const uint64_t q_descriptor = wgmma_descriptor(s.q, 128, 256);  // wgmma: k-step 0's B
   // With histograms, launched as the dependent of the kernel that zeroes them: the first tiles are in flight.
-  int* histogram = p.histograms == nullptr ? nullptr : p.histograms + static_cast<int64_t>(t) * kCoarseBins;
-  if (histogram != nullptr) wait_for_prerequisites();
+  if (p.histograms != nullptr) wait_for_prerequisites();
 
   for (int i = 0; i < n_tiles; ++i) {
     cp_async_wait<kStages - 2>();
@@ -445,10 +444,10 @@ __global__ void __launch_bounds__(kScoreThreads, 4) index_scores_kernel(const Sc
     const bool writes = c < 2 && pos < ctx;
     const float sc = s.scale[slot][row], value = sc < 0.f ? -INFINITY : (c == 0 ? score[0] : score[1]) * sc;
     if (writes) p.scores[t * p.score_stride + pos] = value;
-    if (histogram != nullptr) {  // one atomic per bin among the warp's 16 scores
+    if (p.histograms != nullptr) {  // one atomic per bin among the warp's 16 scores (the pointer read when needed)
       const int bin = writes ? coarse_bin(value) : -1;
       const uint32_t same = __match_any_sync(0xffffffffu, bin);
-      if (writes && lane == __ffs(same) - 1) atomicAdd(&histogram[bin], __popc(same));
+      if (writes && lane == __ffs(same) - 1) atomicAdd(&p.histograms[t * kCoarseBins + bin], __popc(same));
     }
   }
 }
