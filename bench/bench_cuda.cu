@@ -804,8 +804,8 @@ void bench_stamps(StepCaches& caches, int tokens, int context, bool sorted, int 
       for (int i = 0; i < kStepStamps; ++i) {
         const bool set = h[i] != 0 && h[i] != ~0ull;
         ns[i].push_back(set ? static_cast<double>(h[i] - t0) : NAN);
-        cycles[i].push_back(h[kStepStamps + i] != 0 ? static_cast<double>(h[kStepStamps + i] - h[kStepStamps + kTopkWaited])
-                                                    : NAN);
+        const unsigned long long clock = h[kStepStamps + i], waited = h[kStepStamps + kTopkWaited];
+        cycles[i].push_back(clock != 0 ? static_cast<double>(clock - waited) : NAN);
       }
     }
     set_step_stamps(nullptr);
@@ -824,7 +824,8 @@ void bench_stamps(StepCaches& caches, int tokens, int context, bool sorted, int 
     for (int i = 0; i < kStepStamps; ++i) {
       const double c = median(cycles[i]);
       std::printf("  %-14s %8.2f", names[i], median(ns[i]) / 1e3);
-      if (i >= kTopkWaited && i <= kTopkStored && !std::isnan(c)) std::printf("   %8.0f cyc %7.2f us", c, c / (clock_khz / 1e3));
+      if (i >= kTopkWaited && i <= kTopkStored && !std::isnan(c))
+        std::printf("   %8.0f cyc %7.2f us", c, c / (clock_khz / 1e3));
       std::printf("\n");
     }
   };
@@ -834,7 +835,8 @@ void bench_stamps(StepCaches& caches, int tokens, int context, bool sorted, int 
   CHECK(cudaDeviceSynchronize());
   run("top-k alone, counting", [&](cudaStream_t s) { select_topk(smla::indexer_step(in.on(s)), in.scores); });
   run("top-k alone, counted", [&](cudaStream_t s) {
-    select_topk(smla::indexer_step(in.on(s)), in.scores, TopkSplit::automatic, nullptr, {nullptr, false, in.histograms});
+    select_topk(smla::indexer_step(in.on(s)), in.scores, TopkSplit::automatic, nullptr,
+                {nullptr, false, in.histograms});
   });
   CHECK(cudaFree(stamps));
 }

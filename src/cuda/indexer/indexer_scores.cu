@@ -447,7 +447,8 @@ __global__ void __launch_bounds__(kScoreThreads, 4) index_scores_kernel(const Sc
     if (p.histograms != nullptr) {  // one atomic per bin among the warp's 16 scores (the pointer read when needed)
       const int bin = writes ? coarse_bin(value) : -1;
       const uint32_t same = __match_any_sync(0xffffffffu, bin);
-      if (writes && lane == __ffs(same) - 1) atomicAdd(&p.histograms[t * kCoarseBins + bin], __popc(same));
+      if (writes && lane == __ffs(same) - 1)
+        atomicAdd(&p.histograms[static_cast<int64_t>(t) * kCoarseBins + bin], __popc(same));
     }
   }
 }
