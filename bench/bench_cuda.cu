@@ -12,6 +12,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 #include <numeric>
 #include <cstdio>
 #include <cstdlib>
@@ -617,10 +618,13 @@ void bench_topk(int tokens, int context) {
 // fp8 index keys of 132 B, an fp8_ds_mla cache), `tokens` requests of `context` positions each, over a shared block
 // table of shuffled blocks with random keys (distinct scores). Each stage alone and the step, replayed from a CUDA
 // graph; the three ops as separate calls (indexer_topk, positions_to_slots, sparse_mla) in a graph; the step as
-// single cold calls; and the step replayed with sorted = false (the positions in position order).
+// single cold calls; and the step replayed with sorted = false (the positions in position order). "counted": the
+// scores kernel counting the top-k's histograms (with their zeroing kernel) and the top-k reading them, as the step
+// has them; "counting": the step's kernels with the top-k counting for itself (the step before it read them).
 struct StepRow {
   int tokens, context;
   double scores_us, topk_us, attention_us, ops_us, step_us, cold_us, unsorted_step_us;
+  double counted_scores_us, counted_topk_us, counting_step_us;
 };
 std::vector<StepRow> step_rows;
 
@@ -648,58 +652,89 @@ struct StepCaches {
   ~StepCaches() { cudaFree(index); }
 };
 
-void bench_step(StepCaches& caches, int tokens, int context) {
-  const smla::Device dev = smla::Device::cuda(90);
-  const smla::Backend& be = *smla::Registry::global().find("cuda_mma");
-  const int heads = 8, index_heads = 32, topk = 2048, bs = 64, blocks_per_req = context / bs;
-  std::mt19937 rng(tokens * 7 + context);
-  std::vector<int32_t> perm(caches.blocks()), req(tokens), ctx(tokens, context);
-  std::iota(perm.begin(), perm.end(), 0);
-  std::shuffle(perm.begin(), perm.end(), rng);
-  perm.resize(static_cast<size_t>(tokens) * blocks_per_req);
-  std::iota(req.begin(), req.end(), 0);
-  std::vector<uint8_t> codes(static_cast<size_t>(tokens) * index_heads * 128);
-  for (auto& c : codes) c = static_cast<uint8_t>(rng() % 0x70) | (rng() & 0x80);
-  std::vector<float> w(static_cast<size_t>(tokens) * index_heads), q_scale(w.size());
-  for (auto& v : w) v = 0.01f + (rng() % 100) * 1e-4f;
-  for (auto& v : q_scale) v = 1.f / (16 + rng() % 16);
-  const auto upload = [](const auto& v) {
-    void* d;
-    CHECK(cudaMalloc(&d, v.size() * sizeof(v[0])));
-    CHECK(cudaMemcpy(d, v.data(), v.size() * sizeof(v[0]), cudaMemcpyHostToDevice));
-    return d;
-  };
-  const auto alloc = [](size_t bytes) {
-    void* d;
-    CHECK(cudaMalloc(&d, bytes));
-    return d;
-  };
-  void *dtable = upload(perm), *dreq = upload(req), *dctx = upload(ctx), *dq_index = upload(codes), *dw = upload(w),
-       *dq_scale = upload(q_scale);
-  void* q = device_random_half(static_cast<size_t>(tokens) * heads * 576);
-  void *dtopk = alloc(static_cast<size_t>(tokens) * topk * 4), *dslots = alloc(static_cast<size_t>(tokens) * topk * 4),
-       *out = alloc(static_cast<size_t>(tokens) * heads * 512 * 2), *lse = alloc(static_cast<size_t>(tokens) * heads * 4);
+// One step's inputs over `caches`: `tokens` requests of `context` positions (GLM-5 TP8, as bench_step describes).
+struct StepInputs {
   smla::DsaDecodeStepArgs a;
-  smla::IndexerTopkArgs& ix = a.indexer;
-  ix.q = smla::TensorView(dq_index, {tokens, index_heads, 128}, smla::DType::fp8_e4m3, dev);
-  ix.q_scale = smla::TensorView(dq_scale, {tokens, index_heads}, smla::DType::f32, dev);
-  ix.weights = smla::TensorView(dw, {tokens, index_heads}, smla::DType::f32, dev);
-  ix.index_cache = smla::TensorView(caches.index, {caches.blocks(), bs, 132}, smla::DType::fp8_e4m3, dev);
-  ix.request_ids = smla::TensorView(dreq, {tokens}, smla::DType::i32, dev);
-  ix.block_table = smla::TensorView(dtable, {tokens, blocks_per_req}, smla::DType::i32, dev);
-  ix.context_lens = smla::TensorView(dctx, {tokens}, smla::DType::i32, dev);
-  ix.topk = smla::TensorView(dtopk, {tokens, topk}, smla::DType::i32, dev);
-  a.slots = smla::TensorView(dslots, {tokens, topk}, smla::DType::i32, dev);
-  a.q = smla::TensorView(q, {tokens, heads, 576}, smla::DType::bf16, dev);
-  a.kv_cache = caches.mla.view();
-  a.softmax_scale = 0.0625f;
-  a.out = smla::TensorView(out, {tokens, heads, 512}, smla::DType::bf16, dev);
-  a.lse = smla::TensorView(lse, {tokens, heads}, smla::DType::f32, dev);
-  float* scores = static_cast<float*>(alloc(static_cast<size_t>(tokens) * smla::cuda::score_row_stride(ix) * 4));
-  const auto on = [&](cudaStream_t s) {
+  float* scores;    // select_topk's input, for the top-k alone
+  int* histograms;  // the scores' coarse-bin counts (indexer_scores with histograms)
+  std::vector<void*> buffers;
+
+  StepInputs(StepCaches& caches, int tokens, int context) {
+    const smla::Device dev = smla::Device::cuda(90);
+    const int heads = 8, index_heads = 32, topk = 2048, bs = 64, blocks_per_req = context / bs;
+    std::mt19937 rng(tokens * 7 + context);
+    std::vector<int32_t> perm(caches.blocks()), req(tokens), ctx(tokens, context);
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), rng);
+    perm.resize(static_cast<size_t>(tokens) * blocks_per_req);
+    std::iota(req.begin(), req.end(), 0);
+    std::vector<uint8_t> codes(static_cast<size_t>(tokens) * index_heads * 128);
+    for (auto& c : codes) c = static_cast<uint8_t>(rng() % 0x70) | (rng() & 0x80);
+    std::vector<float> w(static_cast<size_t>(tokens) * index_heads), q_scale(w.size());
+    for (auto& v : w) v = 0.01f + (rng() % 100) * 1e-4f;
+    for (auto& v : q_scale) v = 1.f / (16 + rng() % 16);
+    const auto upload = [&](const auto& v) {
+      void* d;
+      CHECK(cudaMalloc(&d, v.size() * sizeof(v[0])));
+      CHECK(cudaMemcpy(d, v.data(), v.size() * sizeof(v[0]), cudaMemcpyHostToDevice));
+      buffers.push_back(d);
+      return d;
+    };
+    const auto alloc = [&](size_t bytes) {
+      void* d;
+      CHECK(cudaMalloc(&d, bytes));
+      buffers.push_back(d);
+      return d;
+    };
+    void *dtable = upload(perm), *dreq = upload(req), *dctx = upload(ctx), *dq_index = upload(codes),
+         *dw = upload(w), *dq_scale = upload(q_scale);
+    void* q = device_random_half(static_cast<size_t>(tokens) * heads * 576);
+    buffers.push_back(q);
+    void *dtopk = alloc(static_cast<size_t>(tokens) * topk * 4), *dslots = alloc(static_cast<size_t>(tokens) * topk * 4),
+         *out = alloc(static_cast<size_t>(tokens) * heads * 512 * 2), *lse = alloc(static_cast<size_t>(tokens) * heads * 4);
+    smla::IndexerTopkArgs& ix = a.indexer;
+    ix.q = smla::TensorView(dq_index, {tokens, index_heads, 128}, smla::DType::fp8_e4m3, dev);
+    ix.q_scale = smla::TensorView(dq_scale, {tokens, index_heads}, smla::DType::f32, dev);
+    ix.weights = smla::TensorView(dw, {tokens, index_heads}, smla::DType::f32, dev);
+    ix.index_cache = smla::TensorView(caches.index, {caches.blocks(), bs, 132}, smla::DType::fp8_e4m3, dev);
+    ix.request_ids = smla::TensorView(dreq, {tokens}, smla::DType::i32, dev);
+    ix.block_table = smla::TensorView(dtable, {tokens, blocks_per_req}, smla::DType::i32, dev);
+    ix.context_lens = smla::TensorView(dctx, {tokens}, smla::DType::i32, dev);
+    ix.topk = smla::TensorView(dtopk, {tokens, topk}, smla::DType::i32, dev);
+    a.slots = smla::TensorView(dslots, {tokens, topk}, smla::DType::i32, dev);
+    a.q = smla::TensorView(q, {tokens, heads, 576}, smla::DType::bf16, dev);
+    a.kv_cache = caches.mla.view();
+    a.softmax_scale = 0.0625f;
+    a.out = smla::TensorView(out, {tokens, heads, 512}, smla::DType::bf16, dev);
+    a.lse = smla::TensorView(lse, {tokens, heads}, smla::DType::f32, dev);
+    scores = static_cast<float*>(alloc(static_cast<size_t>(tokens) * smla::cuda::score_row_stride(ix) * 4));
+    histograms = static_cast<int*>(alloc(smla::cuda::topk_histogram_bytes(ix)));
+  }
+  ~StepInputs() {
+    for (void* ptr : buffers) cudaFree(ptr);
+  }
+  smla::DsaDecodeStepArgs on(cudaStream_t s) {
     a.stream = s;
     return a;
-  };
+  }
+};
+
+// dsa_decode_step's launches with the top-k counting its histograms itself (the step before it read the scores
+// kernel's), into `in.scores` and the default workspace.
+void counting_step(StepInputs& in, cudaStream_t s) {
+  const smla::DsaDecodeStepArgs step = in.on(s);
+  const smla::IndexerTopkArgs ix = smla::indexer_step(step);
+  const smla::PositionsToSlotsArgs slots = smla::slots_step(step);
+  smla::cuda::indexer_scores(ix, in.scores);
+  smla::cuda::select_topk(ix, in.scores, smla::cuda::TopkSplit::automatic, nullptr, {&slots, true});
+  smla::cuda::sparse_mla(smla::attention_step(step), {}, smla::cuda::AttentionLaunch::after_own_kernel);
+}
+
+void bench_step(StepCaches& caches, int tokens, int context) {
+  const smla::Backend& be = *smla::Registry::global().find("cuda_mma");
+  StepInputs in(caches, tokens, context);
+  float* scores = in.scores;
+  const auto on = [&](cudaStream_t s) { return in.on(s); };
   StepRow r{tokens, context};
   r.scores_us = graph_us([&](cudaStream_t s) { smla::cuda::indexer_scores(smla::indexer_step(on(s)), scores); });
   r.topk_us = graph_us([&](cudaStream_t s) { smla::cuda::select_topk(smla::indexer_step(on(s)), scores); });
@@ -713,14 +748,100 @@ void bench_step(StepCaches& caches, int tokens, int context) {
   });
   r.step_us = graph_us([&](cudaStream_t s) { smla::dsa_decode_step(on(s), &be); });
   r.cold_us = cold_us([&](cudaStream_t s) { smla::dsa_decode_step(on(s), &be); });
-  a.indexer.sorted = false;
+  in.a.indexer.sorted = false;
   r.unsorted_step_us = graph_us([&](cudaStream_t s) { smla::dsa_decode_step(on(s), &be); });
-  std::printf("%6d %7d %9.1f %9.1f %9.1f %9.1f %9.1f %9.1f %9.1f %12.0f\n", tokens, context, r.scores_us, r.topk_us,
-              r.attention_us, r.ops_us, r.step_us, r.cold_us, r.unsorted_step_us, 1e6 / (78 * r.step_us));
+  in.a.indexer.sorted = true;
+  using smla::cuda::TopkSplit;
+  r.counted_scores_us = graph_us([&](cudaStream_t s) {
+    smla::cuda::indexer_scores(smla::indexer_step(on(s)), scores, smla::cuda::ScoreMma::automatic, in.histograms);
+  });
+  r.counted_topk_us = graph_us([&](cudaStream_t s) {
+    smla::cuda::select_topk(smla::indexer_step(on(s)), scores, TopkSplit::automatic, nullptr,
+                            {nullptr, false, in.histograms});
+  });
+  r.counting_step_us = graph_us([&](cudaStream_t s) { counting_step(in, s); });
+  std::printf("%6d %7d %9.1f %9.1f %9.1f %9.1f %9.1f %9.1f %9.1f %12.0f %9.1f %9.1f %9.1f\n", tokens, context,
+              r.scores_us, r.topk_us, r.attention_us, r.ops_us, r.step_us, r.cold_us, r.unsorted_step_us,
+              1e6 / (78 * r.step_us), r.counted_scores_us, r.counted_topk_us, r.counting_step_us);
   step_rows.push_back(r);
-  for (void* ptr : {dtable, dreq, dctx, dq_index, dw, dq_scale, q, dtopk, dslots, out, lse, static_cast<void*>(scores)})
-    cudaFree(ptr);
 }
+
+#ifdef SMLA_TOPK_STAMPS
+// Where one step's time goes (a build with SMLA_TOPK_STAMPS): the step (`dsa_decode_step`), the step's kernels with
+// the top-k counting for itself, and the top-k alone on the step's scores, counting and reading the scores kernel's
+// histograms, each replayed from a one-call CUDA graph `reps` times; per replay the stamps of
+// StepStamp, printed as medians in µs from the scores kernel's first start (the step) or the top-k's (alone), then
+// the top-k's phases from its CTA 0's clock (cycles, and µs at the SM clock the driver reports).
+void bench_stamps(StepCaches& caches, int tokens, int context, bool sorted, int reps = 50) {
+  using namespace smla::cuda;
+  const smla::Backend& be = *smla::Registry::global().find("cuda_mma");
+  StepInputs in(caches, tokens, context);
+  in.a.indexer.sorted = sorted;
+  unsigned long long* stamps;
+  CHECK(cudaMalloc(&stamps, 2 * kStepStamps * sizeof(unsigned long long)));
+  int clock_khz = 0;
+  CHECK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0));
+  const auto run = [&](const char* what, auto&& fn) {
+    const cudaStream_t s = bench_stream();
+    set_step_stamps(stamps);
+    fn(s);  // warm-up (and the default workspace)
+    CHECK(cudaStreamSynchronize(s));
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    fn(s);
+    CHECK(cudaStreamEndCapture(s, &graph));
+    CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    std::vector<std::vector<double>> ns(kStepStamps), cycles(kStepStamps);
+    std::vector<unsigned long long> h(2 * kStepStamps);
+    for (int r = 0; r < reps; ++r) {
+      std::fill(h.begin(), h.end(), 0ull);
+      h[kScoresFirstStart] = h[kTopkFirstStart] = ~0ull;
+      CHECK(cudaMemcpy(stamps, h.data(), h.size() * sizeof(h[0]), cudaMemcpyHostToDevice));
+      CHECK(cudaGraphLaunch(exec, s));
+      CHECK(cudaStreamSynchronize(s));
+      CHECK(cudaMemcpy(h.data(), stamps, h.size() * sizeof(h[0]), cudaMemcpyDeviceToHost));
+      const unsigned long long t0 = h[kScoresFirstStart] != ~0ull ? h[kScoresFirstStart] : h[kTopkFirstStart];
+      for (int i = 0; i < kStepStamps; ++i) {
+        const bool set = h[i] != 0 && h[i] != ~0ull;
+        ns[i].push_back(set ? static_cast<double>(h[i] - t0) : NAN);
+        const unsigned long long clock = h[kStepStamps + i], waited = h[kStepStamps + kTopkWaited];
+        cycles[i].push_back(clock != 0 ? static_cast<double>(clock - waited) : NAN);
+      }
+    }
+    set_step_stamps(nullptr);
+    CHECK(cudaGraphExecDestroy(exec));
+    CHECK(cudaGraphDestroy(graph));
+    const auto median = [](std::vector<double> v) {
+      v.erase(std::remove_if(v.begin(), v.end(), [](double x) { return std::isnan(x); }), v.end());  // not stamped
+      std::sort(v.begin(), v.end());
+      return v.empty() ? NAN : v[v.size() / 2];
+    };
+    static const char* names[kStepStamps] = {"scores start", "scores end", "top-k start", "top-k waited",
+                                             "histogram", "plan", "compacted", "selected", "stored", "top-k end"};
+    std::printf("%d x %d, %s, %s (us from the first kernel's start; CTA 0 clock from its wait: cycles / us at %.2f "
+                "GHz)\n",
+                tokens, context, sorted ? "sorted" : "unsorted", what, clock_khz / 1e6);
+    for (int i = 0; i < kStepStamps; ++i) {
+      const double c = median(cycles[i]);
+      std::printf("  %-14s %8.2f", names[i], median(ns[i]) / 1e3);
+      if (i >= kTopkWaited && i <= kTopkStored && !std::isnan(c))
+        std::printf("   %8.0f cyc %7.2f us", c, c / (clock_khz / 1e3));
+      std::printf("\n");
+    }
+  };
+  run("step", [&](cudaStream_t s) { smla::dsa_decode_step(in.on(s), &be); });
+  run("step, the top-k counting", [&](cudaStream_t s) { counting_step(in, s); });
+  indexer_scores(smla::indexer_step(in.on(nullptr)), in.scores, ScoreMma::automatic, in.histograms);
+  CHECK(cudaDeviceSynchronize());
+  run("top-k alone, counting", [&](cudaStream_t s) { select_topk(smla::indexer_step(in.on(s)), in.scores); });
+  run("top-k alone, counted", [&](cudaStream_t s) {
+    select_topk(smla::indexer_step(in.on(s)), in.scores, TopkSplit::automatic, nullptr,
+                {nullptr, false, in.histograms});
+  });
+  CHECK(cudaFree(stamps));
+}
+#endif
 
 }  // namespace
 
@@ -733,6 +854,8 @@ int main(int argc, char** argv) {
   // (fp8q only). `bench_cuda topk TOKENS
   // CONTEXT` one top-k config (unsplit, split, cluster, picked, then cluster16: in that order, each warmed up and
   // timed).
+  // `bench_cuda stamps [TOKENS CONTEXT]` (a build with SMLA_TOPK_STAMPS): where the step's and the top-k's time
+  // goes, sorted and unsorted (default: 1 x 8K and 1 x 128K).
   // `--json PATH` (anywhere) also writes the ceilings and the attention, top-k and step rows as JSON.
   std::string json_path;
   for (int i = 1; i + 1 < argc; ++i)
@@ -745,6 +868,18 @@ int main(int argc, char** argv) {
   const std::string part = argc > 1 ? argv[1] : "";
   cudaDeviceProp prop;
   CHECK(cudaGetDeviceProperties(&prop, 0));
+  if (part == "stamps") {
+#ifdef SMLA_TOPK_STAMPS
+    StepCaches caches;
+    const auto shapes = argc >= 4 ? std::vector<std::pair<int, int>>{{std::atoi(argv[2]), std::atoi(argv[3])}}
+                                  : std::vector<std::pair<int, int>>{{1, 8192}, {1, 131072}};
+    for (const auto& [tokens, context] : shapes)
+      for (bool sorted : {true, false}) bench_stamps(caches, tokens, context, sorted);
+    return 0;
+#else
+    return std::fprintf(stderr, "bench_cuda stamps: build with -DSMLA_TOPK_STAMPS=ON\n"), 1;
+#endif
+  }
   const Ceilings c{copy_bandwidth_gbs(), gemm_tflops(), mma_sync_tflops()};
   std::printf("device: %s (sm_%d%d, %d SMs)\n", prop.name, prop.major, prop.minor, prop.multiProcessorCount);
   std::printf("ceilings measured now: copy %.0f GB/s (read+write), cuBLAS bf16 GEMM %.0f TFLOP/s, mma.sync bf16 %.0f "
@@ -930,9 +1065,11 @@ int main(int argc, char** argv) {
     std::printf("\ndsa_decode_step, GLM-5 TP8 (8 heads, 32 indexer heads fp8 q, top-k 2048, fp8 index keys, "
                 "fp8_ds_mla cache); us per call from a CUDA graph replayed back to back, unless cold; 3 ops: "
                 "indexer_topk + positions_to_slots + sparse_mla as separate calls; step unsorted: sorted = false "
-                "(graph)\n");
-    std::printf("%6s %7s %9s %9s %9s %9s %9s %9s %9s %12s\n", "tokens", "context", "scores", "top-k", "attention",
-                "3 ops", "step", "cold step", "unsorted", "tok/s 78 L");
+                "(graph); counted: the scores counting the top-k's histograms and the top-k reading them (the step's "
+                "way); step counting: the step's kernels, the top-k counting for itself (graph)\n");
+    std::printf("%6s %7s %9s %9s %9s %9s %9s %9s %9s %12s %9s %9s %9s\n", "tokens", "context", "scores", "top-k",
+                "attention", "3 ops", "step", "cold step", "unsorted", "tok/s 78 L", "sc count", "tk counted",
+                "step cntg");
     StepCaches caches;
     for (int context : {8192, 131072})
       for (int tokens : {1, 8}) bench_step(caches, tokens, context);
@@ -974,9 +1111,11 @@ int main(int argc, char** argv) {
       std::fprintf(f,
                    "    {\"config\": \"glm5-tp8 fp8\", \"tokens\": %d, \"context\": %d, \"scores_us\": %.2f, "
                    "\"topk_us\": %.2f, \"attention_us\": %.2f, \"three_ops_us\": %.2f, \"step_us\": %.2f, "
-                   "\"step_cold_us\": %.2f, \"step_unsorted_us\": %.2f}%s\n",
+                   "\"step_cold_us\": %.2f, \"step_unsorted_us\": %.2f, \"counted_scores_us\": %.2f, "
+                   "\"counted_topk_us\": %.2f, \"counting_step_us\": %.2f}%s\n",
                    r.tokens, r.context, r.scores_us, r.topk_us, r.attention_us, r.ops_us, r.step_us, r.cold_us,
-                   r.unsorted_step_us, i + 1 < step_rows.size() ? "," : "");
+                   r.unsorted_step_us, r.counted_scores_us, r.counted_topk_us, r.counting_step_us,
+                   i + 1 < step_rows.size() ? "," : "");
     }
     std::fprintf(f, "  ]\n}\n");
     std::fclose(f);

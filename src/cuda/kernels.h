@@ -51,6 +51,8 @@ void indexer_topk(const IndexerTopkArgs& args);
 // positions_to_slots kernel) and on SM90+, unless its rows are split into slices, is launched as the scores
 // kernel's programmatic dependent (its launch overlaps the scores' last CTAs; it waits for them with
 // griddepcontrol.wait); the attention, from SM90 on the top-k's programmatic dependent (AttentionLaunch).
+// Unless the rows are split into slices, the scores kernel counts the top-k's histograms too (indexer_scores with
+// histograms: a zeroing kernel before it), as in indexer_topk.
 void dsa_decode_step(const DsaDecodeStepArgs& args);
 
 // Bytes of `workspace` each op needs (Backend::workspace_size); the same args on the same device always give the
@@ -74,7 +76,12 @@ bool indexer_wgmma_available();
 // What `mma` comes to for these args on the current device (automatic resolved; bf16 keys and fp8 keys converted
 // for mma.sync are both `bf16`); a forced kind they cannot take is an error, as in indexer_scores.
 ScoreMma resolve_score_mma(const IndexerTopkArgs& args, ScoreMma mma = ScoreMma::automatic);
-void indexer_scores(const IndexerTopkArgs& args, float* scores, ScoreMma mma = ScoreMma::automatic);
+// `histograms` (null: none; else topk_histogram_bytes, 16-byte aligned): each token's counts of its scores' coarse
+// bins too, for select_topk (TopkFusion::histograms): a kernel zeroes them, the scores kernel (its programmatic
+// dependent from SM90 on) counts as it writes.
+void indexer_scores(const IndexerTopkArgs& args, float* scores, ScoreMma mma = ScoreMma::automatic,
+                    int* histograms = nullptr);
+size_t topk_histogram_bytes(const IndexerTopkArgs& args);
 // How select_topk shares a row among CTAs: as it sees fit, or forced (tests, benchmarks): one CTA per row,
 // slices of the row in more kernels passing through global memory, the CTAs of a thread block cluster (SM90+; 2-8,
 // portable sizes), or of a cluster of exactly 16 (non-portable: where topk_max_cluster_ranks says 16, Hopper).
@@ -88,12 +95,31 @@ size_t topk_scratch_bytes(const IndexerTopkArgs& args, TopkSplit split = TopkSpl
 // What select_topk does besides the positions, inside dsa_decode_step: `slots` (null: nothing) receives the
 // slots of the chosen positions as positions_to_slots would map them (its positions must be args.topk, its request
 // ids args.request_ids); `after_scores`: the scores kernel was the last launched on the stream, so the top-k may
-// be launched as its programmatic dependent (SM90+, rows not split into slices).
+// be launched as its programmatic dependent (SM90+, rows not split into slices); `histograms` (null: the top-k
+// counts them itself): each row's coarse-bin counts as indexer_scores wrote them with these scores, read instead
+// of a pass over the row (any split but slices: an error there, see topk_reads_histograms).
 struct TopkFusion {
   const PositionsToSlotsArgs* slots = nullptr;
   bool after_scores = false;
+  const int* histograms = nullptr;
 };
+// Whether select_topk with `split` takes TopkFusion::histograms for these args on the current device (every split
+// but slices).
+bool topk_reads_histograms(const IndexerTopkArgs& args, TopkSplit split = TopkSplit::automatic);
 void select_topk(const IndexerTopkArgs& args, const float* scores, TopkSplit split = TopkSplit::automatic,
                  void* scratch = nullptr, const TopkFusion& fusion = {});
+
+#ifdef SMLA_TOPK_STAMPS
+// A build with SMLA_TOPK_STAMPS (bench_cuda stamps) records %globaltimer (ns) into `stamps` (device memory,
+// 2 x kStepStamps words; null: none), then %clock64 of the same phases from kStepStamps on: the scores kernel's
+// earliest CTA start (the driver sets it to ~0 first) and latest warp end; the top-k kernel's earliest CTA start
+// (~0 first), its phases on the first CTA's thread 0 (token 0, rank 0), and its latest warp end.
+enum StepStamp : int {
+  kScoresFirstStart, kScoresLastEnd,
+  kTopkFirstStart, kTopkWaited, kTopkHistogram, kTopkPlan, kTopkCompacted, kTopkSelected, kTopkStored, kTopkLastEnd,
+  kStepStamps
+};
+void set_step_stamps(unsigned long long* stamps);
+#endif
 
 }  // namespace smla::cuda

@@ -706,14 +706,29 @@ std::vector<int32_t> by_position(std::vector<int32_t> row) {
   return row;
 }
 
+// The scores kernel's coarse bin of a score (indexer_common.cuh): the top 12 bits of the order key of the score
+// rounded to fp16 (not for NaN, whose fp16 code the host does not know).
+int coarse_bin(float v) {
+  const uint16_t u = numeric::float_to_f16(v + 0.f);
+  return ((u & 0x8000u) ? (~u & 0xffffu) : (u | 0x8000u)) >> 4;
+}
+
+// What the top-k returned: positions and slots, [T, k] each.
+struct TopkResult {
+  std::vector<int32_t> positions, slots;
+};
+
 // exact: the result must be the reference's; else (NaN scores: an unspecified order) only valid: distinct
 // positions of the row, as many as it has up to k, then -1. The top-k also writes the slots of its positions (as
 // dsa_decode_step has it do) through a shuffled block table with holes: they must be the CPU's positions_to_slots
 // of the positions it chose. sorted = false: the reference in position order (the CPU backend's unsorted result, as
 // tests/cpu/test_indexer.cpp checks), and every row (NaN ones too) must be the GPU's own sorted selection in
-// position order.
+// position order. counted: the rows' coarse-bin histograms counted on the host are given to the top-k
+// (TopkFusion::histograms, as the scores kernel counts them; rows without NaN). `result` (if given) receives what
+// the top-k returned.
 void check_crafted_rows(const std::vector<CraftedRow>& rows, int k, uint64_t seed,
-                        cuda::TopkSplit split = cuda::TopkSplit::automatic, bool exact = true, bool sorted = true) {
+                        cuda::TopkSplit split = cuda::TopkSplit::automatic, bool exact = true, bool sorted = true,
+                        bool counted = false, TopkResult* result = nullptr) {
   test::Rng rng(seed);
   const int tokens = static_cast<int>(rows.size()), bs = 64;
   int64_t longest = 1;
@@ -733,24 +748,33 @@ void check_crafted_rows(const std::vector<CraftedRow>& rows, int k, uint64_t see
   const int64_t stride = cuda::score_row_stride(a);
   std::vector<float> scores(static_cast<size_t>(tokens) * stride, NAN);  // NaN past each row's context
   std::vector<int32_t> want;
+  std::vector<int32_t> histograms(counted ? static_cast<size_t>(tokens) * 4096 : 0);
   for (int t = 0; t < tokens; ++t) {
     context[t] = static_cast<int32_t>(rows[t].n);
     std::vector<float> row(rows[t].n);
     for (int64_t i = 0; i < rows[t].n; ++i) row[i] = rows[t].score(i, rng);
     std::copy(row.begin(), row.end(), scores.begin() + t * stride);
+    for (int64_t i = 0; counted && i < rows[t].n; ++i) {
+      if (std::isnan(row[i])) {
+        ADD_FAILURE() << rows[t].what << ": no host histogram of NaN scores";
+        return;
+      }
+      ++histograms[t * 4096 + coarse_bin(row[i])];
+    }
     std::vector<int32_t> w = expected_topk(row, rows[t].n, k);
     if (!sorted) w = by_position(w);
     want.insert(want.end(), w.begin(), w.end());
   }
   DeviceBuffer dscores(scores), dreq(request_ids), dctx(context), dtable(table), dout(std::vector<int32_t>(out.size(), 777)),
-      dslots(std::vector<int32_t>(out.size(), 777));
+      dslots(std::vector<int32_t>(out.size(), 777)), dhist(histograms);
+  const int* counts = counted ? static_cast<const int*>(dhist.ptr) : nullptr;
   a.request_ids = on_gpu(TensorView(request_ids.data(), {tokens}, DType::i32), dreq.ptr);
   a.context_lens = on_gpu(TensorView(context.data(), {tokens}, DType::i32), dctx.ptr);
   a.block_table = on_gpu(a.block_table, dtable.ptr);
   a.topk = on_gpu(TensorView(out.data(), {tokens, k}, DType::i32), dout.ptr);
   std::vector<int32_t> sorted_by_gpu;
   if (!sorted) {  // the GPU's own sorted selection first, into the same buffer
-    cuda::select_topk(a, static_cast<const float*>(dscores.ptr), split);
+    cuda::select_topk(a, static_cast<const float*>(dscores.ptr), split, nullptr, {nullptr, false, counts});
     CUDA_OK(cudaDeviceSynchronize());
     sorted_by_gpu = dout.download<int32_t>();
     CUDA_OK(cudaMemset(dout.ptr, 0x5a, dout.bytes));
@@ -762,7 +786,7 @@ void check_crafted_rows(const std::vector<CraftedRow>& rows, int k, uint64_t see
   to_slots.block_table = a.block_table;
   to_slots.block_size = bs;
   to_slots.slots = on_gpu(a.topk, dslots.ptr);
-  cuda::select_topk(a, static_cast<const float*>(dscores.ptr), split, nullptr, {&to_slots, false});
+  cuda::select_topk(a, static_cast<const float*>(dscores.ptr), split, nullptr, {&to_slots, false, counts});
   CUDA_OK(cudaDeviceSynchronize());
   const std::vector<int32_t> got = dout.download<int32_t>(), got_slots = dslots.download<int32_t>();
   std::vector<int32_t> positions = got, want_slots(got.size());
@@ -778,7 +802,7 @@ void check_crafted_rows(const std::vector<CraftedRow>& rows, int k, uint64_t see
   for (int t = 0; t < tokens; ++t) {
     const std::string what = std::string(rows[t].what) + " (n = " + std::to_string(rows[t].n) +
                              ", k = " + std::to_string(k) + ", split " + std::to_string(static_cast<int>(split)) +
-                             (sorted ? ")" : ", unsorted)");
+                             (sorted ? "" : ", unsorted") + (counted ? ", counted)" : ")");
     if (!sorted)
       EXPECT_EQ(std::vector<int32_t>(got.begin() + t * k, got.begin() + (t + 1) * k),
                 by_position(std::vector<int32_t>(sorted_by_gpu.begin() + t * k, sorted_by_gpu.begin() + (t + 1) * k)))
@@ -795,6 +819,7 @@ void check_crafted_rows(const std::vector<CraftedRow>& rows, int k, uint64_t see
     std::sort(row.begin(), row.begin() + chosen);
     EXPECT_TRUE(std::adjacent_find(row.begin(), row.begin() + chosen) == row.begin() + chosen) << what << ": repeats";
   }
+  if (result != nullptr) *result = {got, got_slots};
 }
 
 std::vector<CraftedRow> crafted_rows() {
@@ -989,6 +1014,157 @@ TEST(CudaTopk, SixteenRanksAtDecodeShapes) {
         check_crafted_rows(rows, 37, 410 + tokens, cuda::TopkSplit::cluster16, true, sorted);
       }
     }
+}
+
+// The top-k reading each row's coarse-bin histogram (TopkFusion::histograms, as the scores kernel counts them) in
+// place of its own count, on every split that takes it (all but slices; as select_topk picks too), sorted and
+// unsorted, with the fused slots: the exact reference (the CPU backend's order: ties to the lower position) and,
+// positions and slots, bit for bit the top-k that counted for itself. Crafted rows (ties, one fp16 bin, all equal,
+// signs with zeros and -inf, rows shorter than k, empty; k 2048 and 37) and the decode shapes, 1 and 8 tokens of 8K
+// (held in registers) and 128K (clusters; k 2048). NaN rows: CudaIndexer.ScoresCountTheTopksHistograms.
+TEST(CudaTopk, CountedHistogramsOnCraftedRows) {
+  std::vector<cuda::TopkSplit> splits;
+  for (cuda::TopkSplit split : forced_splits())
+    if (split != cuda::TopkSplit::slices) splits.push_back(split);
+  splits.push_back(cuda::TopkSplit::automatic);
+  std::vector<std::vector<CraftedRow>> row_sets = {crafted_rows()};
+  for (int64_t n : {8192, 131072})
+    for (int tokens : {1, 8}) row_sets.push_back(decode_shape_rows(n, tokens));
+  for (cuda::TopkSplit split : splits)
+    for (size_t set = 0; set < row_sets.size(); ++set)
+      for (bool sorted : {true, false})
+        for (int k : {2048, 37}) {
+          if (k != 2048 && set > 0) continue;  // k 37 on the crafted rows only
+          const std::vector<CraftedRow>& rows = row_sets[set];
+          SCOPED_TRACE("split " + std::to_string(static_cast<int>(split)) + ", " + std::to_string(rows.size()) +
+                       " rows, k " + std::to_string(k) + (sorted ? "" : ", unsorted"));
+          TopkResult counted, counting;
+          check_crafted_rows(rows, k, 600 + k, split, true, sorted, true, &counted);
+          check_crafted_rows(rows, k, 600 + k, split, true, sorted, false, &counting);
+          ASSERT_FALSE(counted.positions.empty());
+          EXPECT_EQ(counted.positions, counting.positions);
+          EXPECT_EQ(counted.slots, counting.slots);
+        }
+}
+
+// Rows split into slices count their own: histograms given there are an error naming them (select_topk refuses
+// them before any launch; SM90+ picks clusters, so slices are forced here).
+TEST(CudaTopk, SlicesRefuseCountedHistograms) {
+  std::vector<int32_t> req = {0}, ctx = {70000}, table(2048, 0), out(2048);
+  DeviceBuffer dreq(req), dctx(ctx), dtable(table), dout(out), dscores(size_t{131072} * 4), dhist(size_t{4096} * 4);
+  IndexerTopkArgs a;
+  std::vector<uint8_t> no_cache(16);
+  a.q = TensorView(nullptr, {1, 1, kIndexHeadDim}, DType::bf16);
+  a.index_cache = TensorView(no_cache.data(), {1, 64, kFp8IndexRowBytes}, DType::fp8_e4m3);
+  a.request_ids = on_gpu(TensorView(req.data(), {1}, DType::i32), dreq.ptr);
+  a.context_lens = on_gpu(TensorView(ctx.data(), {1}, DType::i32), dctx.ptr);
+  a.block_table = on_gpu(TensorView(table.data(), {1, 2048}, DType::i32), dtable.ptr);
+  a.topk = on_gpu(TensorView(out.data(), {1, 2048}, DType::i32), dout.ptr);
+  EXPECT_FALSE(cuda::topk_reads_histograms(a, cuda::TopkSplit::slices));
+  EXPECT_TRUE(cuda::topk_reads_histograms(a, cuda::TopkSplit::one_cta));
+  test::expect_error(
+      [&] {
+        cuda::select_topk(a, static_cast<const float*>(dscores.ptr), cuda::TopkSplit::slices, nullptr,
+                          {nullptr, false, static_cast<const int*>(dhist.ptr)});
+      },
+      ErrorKind::invalid_argument, {"select_topk", "TopkFusion::histograms", "slices"});
+}
+
+// The scores kernel counting each row's coarse bins as it writes the scores (indexer_scores with histograms, into
+// memory poisoned first: its zeroing kernel runs), fp8 queries and keys (GLM-5's indexer, 32 heads), 1 and 8 tokens
+// of 8K and 128K contexts; the 8-token problems also have a row shorter than k, an empty one, one whose scores are all
+// NaN (a NaN head weight) and a block outside the cache (-inf scores); the 8K ones once more with exact ties
+// (duplicate keys). The scores bit for bit those of the kernel without histograms; each histogram the host's count of
+// those scores (NaN rows: their total); the top-k reading them (each split that takes them, sorted and unsorted)
+// bit for bit the top-k counting for itself, and the exact reference on the scores (rows without NaN); indexer_topk
+// (which counts with the scores where it can) the same.
+TEST(CudaIndexer, ScoresCountTheTopksHistograms) {
+  std::vector<cuda::TopkSplit> splits = {cuda::TopkSplit::automatic, cuda::TopkSplit::one_cta};
+  if (cuda::current_device().compute_capability >= 90) splits.push_back(cuda::TopkSplit::cluster);
+  if (cuda::topk_max_cluster_ranks(2048) >= 16) splits.push_back(cuda::TopkSplit::cluster16);
+  for (int context : {8192, 131072})
+    for (int tokens : {1, 8})
+      for (bool ties : {false, true}) {
+        if (ties && context > 8192) continue;
+        SCOPED_TRACE("context " + std::to_string(context) + ", tokens " + std::to_string(tokens) +
+                     (ties ? ", ties" : ""));
+        IndexProblem pr;
+        pr.q_dtype = pr.cache_dtype = DType::fp8_e4m3;
+        pr.tokens = tokens;
+        pr.k = 2048;
+        pr.block_size = 64;
+        pr.max_blocks = context / 64;
+        pr.duplicate_keys = ties;
+        IndexData d(pr, 700 + context + tokens);
+        for (int t = 0; t < tokens; ++t) {
+          const int lengths[] = {context, 1000, context - 61 * t, 0, context - 7, context, context, 3333};
+          d.context[t] = lengths[t % 8];
+        }
+        if (tokens == 8) {
+          d.weights[5 * pr.heads + 3] = NAN;  // token 5: every score NaN
+          d.table[1] = -1;                    // request 0's second block is outside the cache: -inf
+        }
+        std::vector<int32_t> host_out;
+        IndexerTopkArgs a = d.args(host_out);
+        IndexInputsOnGpu on(d, a);
+        IndexerTopkArgs g = on.args;
+        const int64_t stride = cuda::score_row_stride(g);
+        const size_t floats = static_cast<size_t>(tokens) * stride;
+        DeviceBuffer plain(std::vector<float>(floats, NAN)), with(std::vector<float>(floats, NAN)),
+            hist(std::vector<int32_t>(static_cast<size_t>(tokens) * 4096, 0x7f7f7f7f)),
+            dout(std::vector<int32_t>(host_out.size(), 777));
+        ASSERT_EQ(cuda::topk_histogram_bytes(g), hist.bytes);
+        cuda::indexer_scores(g, static_cast<float*>(plain.ptr));
+        cuda::indexer_scores(g, static_cast<float*>(with.ptr), cuda::ScoreMma::automatic, static_cast<int*>(hist.ptr));
+        CUDA_OK(cudaDeviceSynchronize());
+        const std::vector<float> scores = plain.download<float>(), scores_with = with.download<float>();
+        const std::vector<int32_t> counts = hist.download<int32_t>();
+        ASSERT_EQ(std::memcmp(scores.data(), scores_with.data(), floats * 4), 0) << "the scores changed";
+        std::vector<std::vector<float>> rows(tokens);
+        std::vector<bool> has_nan(tokens, false);
+        for (int t = 0; t < tokens; ++t) {
+          const int n = std::max(0, std::min(d.context[t], context));
+          rows[t].assign(scores.begin() + t * stride, scores.begin() + t * stride + n);
+          std::vector<int32_t> want(4096, 0);
+          for (float v : rows[t]) {
+            has_nan[t] = has_nan[t] || std::isnan(v);
+            if (!std::isnan(v)) ++want[coarse_bin(v)];
+          }
+          const std::vector<int32_t> got(counts.begin() + t * 4096, counts.begin() + (t + 1) * 4096);
+          if (has_nan[t])
+            EXPECT_EQ(std::accumulate(got.begin(), got.end(), int64_t{0}), n) << "token " << t;
+          else
+            EXPECT_EQ(got, want) << "token " << t;
+        }
+        if (tokens == 8) ASSERT_TRUE(has_nan[5]);
+        g.topk = on_gpu(a.topk, dout.ptr);
+        for (cuda::TopkSplit split : splits)
+          for (bool sorted : {true, false}) {
+            SCOPED_TRACE("split " + std::to_string(static_cast<int>(split)) + (sorted ? "" : ", unsorted"));
+            g.sorted = sorted;
+            cuda::select_topk(g, static_cast<const float*>(plain.ptr), split);
+            CUDA_OK(cudaDeviceSynchronize());
+            const std::vector<int32_t> counting = dout.download<int32_t>();
+            CUDA_OK(cudaMemset(dout.ptr, 0x5a, dout.bytes));
+            cuda::select_topk(g, static_cast<const float*>(with.ptr), split, nullptr,
+                              {nullptr, false, static_cast<const int*>(hist.ptr)});
+            CUDA_OK(cudaDeviceSynchronize());
+            const std::vector<int32_t> counted = dout.download<int32_t>();
+            EXPECT_EQ(counted, counting);
+            for (int t = 0; t < tokens; ++t) {
+              if (has_nan[t]) continue;
+              std::vector<int32_t> want = expected_topk(rows[t], static_cast<int64_t>(rows[t].size()), pr.k);
+              if (!sorted) want = by_position(want);
+              EXPECT_TRUE(std::equal(want.begin(), want.end(), counted.begin() + t * pr.k)) << "token " << t;
+            }
+            if (split == cuda::TopkSplit::automatic) {  // the op, its scores and histograms in its own workspace
+              CUDA_OK(cudaMemset(dout.ptr, 0x5a, dout.bytes));
+              indexer_topk(g, &gpu());
+              CUDA_OK(cudaDeviceSynchronize());
+              EXPECT_EQ(dout.download<int32_t>(), counted) << "indexer_topk";
+            }
+          }
+      }
 }
 
 // The step with sorted = false against the step with sorted = true: per token the same positions in position order,

@@ -2,6 +2,8 @@
 // the block table a token reads and how many positions it sees.
 #pragma once
 
+#include <cuda_fp16.h>
+
 #include <cstdint>
 
 #include "cuda/common/griddep.cuh"
@@ -62,6 +64,16 @@ struct SlotMap {
     return block >= 0 && s <= INT32_MAX ? static_cast<int32_t>(s) : -1;
   }
 };
+
+// The top-k's coarse bins: the order key of a score rounded to fp16 (16 bits), and its top 12 bits, the score's
+// bin. Rounding is monotone, so a higher bin never holds a lower score. The scores kernel counts them too
+// (indexer_scores with `histograms`), the top-k reads those counts instead of counting (TopkFusion::histograms).
+constexpr int kCoarseBins = 4096;
+__device__ __forceinline__ uint32_t half_key(float v) {
+  const uint32_t u = __half_as_ushort(__float2half_rn(v + 0.0f));
+  return (u & 0x8000u) ? (~u & 0xffffu) : (u | 0x8000u);
+}
+__device__ __forceinline__ int coarse_bin(float v) { return static_cast<int>(half_key(v) >> 4); }
 
 inline SlotMap slot_map(const PositionsToSlotsArgs& a) {
   return {a.block_table.ptr<int32_t>(), a.block_table.stride(0), a.block_table.size(0), a.block_table.size(1),

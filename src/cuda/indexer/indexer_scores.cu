@@ -34,6 +34,7 @@
 #include "cuda/common/mma.cuh"
 #include "cuda/common/runtime.h"
 #include "cuda/indexer/indexer_common.cuh"
+#include "cuda/indexer/step_stamps.cuh"
 #include "cuda/kernels.h"
 
 namespace smla::cuda {
@@ -80,6 +81,8 @@ struct ScoreParams {
   int tiles_per_cta;
   float* scores;
   int64_t score_stride;
+  int* histograms;  // null, or per token kCoarseBins counts its scores' coarse bins are added to (zeroed before)
+  SMLA_STAMP_FIELD
 };
 
 // The key dimensions lane (g, c) (g = lane / 4, c = lane % 4) multiplies in
@@ -216,6 +219,7 @@ __global__ void __launch_bounds__(kScoreThreads, 4) index_scores_kernel(const Sc
   constexpr int kHeadColumns = head_columns(kNTiles, kGroups);  // wgmma: 32 or 64, all at once
   extern __shared__ __align__(16) uint8_t smem_raw[];
   auto& s = *reinterpret_cast<Smem*>(smem_raw);
+  SMLA_STAMP_START_END(p, kScoresFirstStart, kScoresLastEnd);
   // dsa_decode_step's top-k may launch now: it takes an SM only as one frees, and waits for every score.
   let_dependents_launch();
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, c = lane % 4;
@@ -337,6 +341,8 @@ __global__ void __launch_bounds__(kScoreThreads, 4) index_scores_kernel(const Sc
   }
 
   const uint64_t q_descriptor = wgmma_descriptor(s.q, 128, 256);  // wgmma: k-step 0's B
+  // With histograms, launched as the dependent of the kernel that zeroes them: the first tiles are in flight.
+  if (p.histograms != nullptr) wait_for_prerequisites();
 
   for (int i = 0; i < n_tiles; ++i) {
     cp_async_wait<kStages - 2>();
@@ -433,12 +439,26 @@ __global__ void __launch_bounds__(kScoreThreads, 4) index_scores_kernel(const Sc
       score[r] += __shfl_xor_sync(0xffffffffu, score[r], 1);
       score[r] += __shfl_xor_sync(0xffffffffu, score[r], 2);
     }
-    if (c < 2) {  // lane c = 0 writes row g, c = 1 row g + 8
-      const int row = warp * 16 + g + 8 * c, pos = begin + i * kTile + row;
-      const float sc = s.scale[slot][row];
-      if (pos < ctx) p.scores[t * p.score_stride + pos] = sc < 0.f ? -INFINITY : (c == 0 ? score[0] : score[1]) * sc;
+    // Lane c = 0 writes row g, c = 1 row g + 8.
+    const int row = warp * 16 + g + 8 * (c & 1), pos = begin + i * kTile + row;
+    const bool writes = c < 2 && pos < ctx;
+    const float sc = s.scale[slot][row], value = sc < 0.f ? -INFINITY : (c == 0 ? score[0] : score[1]) * sc;
+    if (writes) p.scores[t * p.score_stride + pos] = value;
+    if (p.histograms != nullptr) {  // one atomic per bin among the warp's 16 scores (the pointer read when needed)
+      const int bin = writes ? coarse_bin(value) : -1;
+      const uint32_t same = __match_any_sync(0xffffffffu, bin);
+      if (writes && lane == __ffs(same) - 1)
+        atomicAdd(&p.histograms[static_cast<int64_t>(t) * kCoarseBins + bin], __popc(same));
     }
   }
+}
+
+// Zeroes the histograms (kCoarseBins ints per token, one CTA per token) the scores kernel, launched as this
+// kernel's dependent, adds to.
+__global__ void __launch_bounds__(kScoreThreads) zero_histograms_kernel(int* histograms) {
+  let_dependents_launch();
+  int4* bins = reinterpret_cast<int4*>(histograms + static_cast<int64_t>(blockIdx.x) * kCoarseBins);
+  for (int i = threadIdx.x; i < kCoarseBins / 4; i += kScoreThreads) bins[i] = make_int4(0, 0, 0, 0);
 }
 
 template <int kNTiles, int kGroups, Mma kMma, bool kRuns>
@@ -460,7 +480,12 @@ void launch(const ScoreParams& p, int tokens, int64_t capacity, cudaStream_t str
   ScoreParams q = p;
   q.tiles_per_cta = static_cast<int>(ceil_div(token_tiles, ctas_per_token));
   const dim3 grid(static_cast<unsigned>(ceil_div(token_tiles, q.tiles_per_cta)), tokens);
-  launch_kernel(kernel, grid, kScoreThreads, smem, stream, "smla indexer scores kernel", q);
+  if (q.histograms != nullptr)
+    launch_kernel(zero_histograms_kernel, tokens, kScoreThreads, 0, stream, "smla indexer histogram zeroing kernel",
+                  q.histograms);
+  void* args[] = {&q};
+  launch_kernel_args(reinterpret_cast<const void*>(kernel), grid, kScoreThreads, args, smem, stream,
+                     q.histograms != nullptr, "smla indexer scores kernel");
 }
 
 template <int kNTiles, int kGroups, Mma kMma>
@@ -528,7 +553,7 @@ ScoreMma resolve_score_mma(const IndexerTopkArgs& args, ScoreMma mma) {
 
 bool indexer_wgmma_available() { return wgmma_available(current_device().compute_capability); }
 
-void indexer_scores(const IndexerTopkArgs& a, float* scores, ScoreMma mma) {
+void indexer_scores(const IndexerTopkArgs& a, float* scores, ScoreMma mma, int* histograms) {
   const int tokens = static_cast<int>(a.q.size(0));
   ScoreParams p{};
   p.q = a.q.data;
@@ -551,6 +576,8 @@ void indexer_scores(const IndexerTopkArgs& a, float* scores, ScoreMma mma) {
   p.table_stride = a.block_table.stride(0);
   p.scores = scores;
   p.score_stride = score_row_stride(a);
+  p.histograms = histograms;
+  require(reinterpret_cast<uintptr_t>(histograms) % 16 == 0, "indexer_scores: histograms must be 16-byte aligned");
   require(reinterpret_cast<uintptr_t>(p.cache.data) % 16 == 0 &&
               (p.cache.fp8 ? p.cache.block_stride % 4 == 0
                            : p.cache.block_stride % 16 == 0 && p.cache.row_stride % 16 == 0),

@@ -13,6 +13,9 @@
 //      toward the lower position — the CPU backend's result; or, unsorted,
 //      a merge of the chosen (runs each in position order) puts them in
 //      position order.
+// Step 1's counts may come from the scores kernel instead (TopkFusion::histograms: indexer_topk and
+// dsa_decode_step, unless the rows are split into slices): it counted each row's bins as it wrote the scores, so
+// the top-k reads 16 KB per row rather than the row (a cluster's ranks each read the whole row's, none sums).
 // A row of at most kHeldRow (16384) positions that one CTA has alone is read
 // from memory once, into registers (HeldRow): steps 1 and 2 take the scores
 // from there (the compaction by per-thread counts and one scan), not from two
@@ -42,6 +45,7 @@
 #include "cuda/backend.h"
 #include "cuda/common/runtime.h"
 #include "cuda/indexer/indexer_common.cuh"
+#include "cuda/indexer/step_stamps.cuh"
 #include "cuda/kernels.h"
 
 namespace smla::cuda {
@@ -49,7 +53,6 @@ namespace smla::cuda {
 namespace {
 
 constexpr int kThreads = 512;
-constexpr int kCoarseBins = 4096;                // 12 bits of the fp16-rounded score
 constexpr int kFineCopies = 8, kFineBins = 257;  // 8-bit radix digits; 8 copies (thread % 8) cut same-address atomics
 constexpr int kRun = 16;                         // consecutive positions per thread per compaction chunk
 constexpr int kFewCopies = 2;                    // of a run's, read again rather than tested in registers
@@ -91,19 +94,21 @@ __device__ __forceinline__ uint32_t order_key(float v) {
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
-// The order key of the score rounded to fp16 (16 bits), and its top 12 bits,
-// the score's coarse bin: rounding is monotone, so a higher bin never holds a
-// lower score.
-__device__ __forceinline__ uint32_t half_key(float v) {
-  const uint32_t u = __half_as_ushort(__float2half_rn(v + 0.0f));
-  return (u & 0x8000u) ? (~u & 0xffffu) : (u | 0x8000u);
-}
-__device__ __forceinline__ int coarse_bin(float v) { return static_cast<int>(half_key(v) >> 4); }
-
 // hist[0, kCoarseBins) = 0 (hist 16-byte aligned), by 16-byte stores.
 __device__ __forceinline__ void zero_bins(int* hist) {
   int4* bins = reinterpret_cast<int4*>(hist);
   for (int i = threadIdx.x; i < kCoarseBins / 4; i += kThreads) bins[i] = make_int4(0, 0, 0, 0);
+}
+
+// hist[0, kCoarseBins) = counted[0, kCoarseBins) (both 16-byte aligned), every load issued before the first store.
+__device__ __forceinline__ void copy_bins(const int* counted, int* hist) {
+  constexpr int kPer = kCoarseBins / 4 / kThreads;
+  static_assert(kPer * 4 * kThreads == kCoarseBins, "whole 16-byte pieces per thread");
+  int4 piece[kPer];
+#pragma unroll
+  for (int k = 0; k < kPer; ++k) piece[k] = reinterpret_cast<const int4*>(counted)[k * kThreads + threadIdx.x];
+#pragma unroll
+  for (int k = 0; k < kPer; ++k) reinterpret_cast<int4*>(hist)[k * kThreads + threadIdx.x] = piece[k];
 }
 
 // Calls f(value) for the row's n scores: each thread loads kBatch 16-byte
@@ -577,6 +582,8 @@ struct TopkParams {
   int* plans;
   Entry* lists;
   int64_t list_stride;  // entries per token: kMaxIndexerTopk selected, then list_capacity candidates
+  const int* histograms = nullptr;  // TopkFusion::histograms (not with slices)
+  SMLA_STAMP_FIELD
 
   __device__ int* plan(int t) const { return plans + static_cast<int64_t>(t) * (kPlanInts + 2 * slices); }
   // How many selected ([0]) and candidates ([1]) the slices before slice s hold.
@@ -675,6 +682,7 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
   __shared__ int counts[2];          // a cluster rank's selected and candidates
   __shared__ uint32_t candidate_range[2];  // the lowest and highest key of the candidates
   __shared__ int largest_bucket;           // place_by_counting's
+  SMLA_STAMP_START_END(p, kTopkFirstStart, kTopkLastEnd);
   if (threadIdx.x == 0) {
     key_range[0] = candidate_range[0] = 0xffffffffu;
     key_range[1] = candidate_range[1] = 0;
@@ -688,9 +696,12 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
   const int want = static_cast<int>(min(static_cast<int64_t>(p.k), n));
   int32_t* out = p.out + t * p.out_stride;
   int32_t* slots = p.slots + t * p.slots_stride;
-  // The coarse histogram zeroed while the scores kernel may still run.
-  zero_bins(hist);
+  // The row's coarse histogram: counted by the scores kernel (read once they are done), else here from zero (zeroed
+  // while the scores kernel may still run).
+  const int* counted = p.histograms == nullptr ? nullptr : p.histograms + static_cast<int64_t>(t) * kCoarseBins;
+  if (counted == nullptr) zero_bins(hist);
   wait_for_prerequisites();  // launched as the scores kernel's dependent: every score written
+  SMLA_STAMP(p, kTopkWaited);
   // The attention, the step's next kernel, may launch now (its CTAs wait for this kernel's end): its launch
   // overlaps this one.
   let_dependents_launch();
@@ -714,13 +725,26 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
     plan = *reinterpret_cast<const RowPlan*>(p.plan(t));
   } else if (held) {
     const HeldRow scores(row, static_cast<int>(n));
-    __syncthreads();  // hist zeroed
-    held_histogram(scores, hist);
+    if (counted != nullptr) {
+      copy_bins(counted, hist);
+    } else {
+      __syncthreads();  // hist zeroed
+      held_histogram(scores, hist);
+    }
     __syncthreads();
+    SMLA_STAMP(p, kTopkHistogram);
     plan = plan_from_histogram(hist, want, p.list_capacity, scan, result);
     __syncthreads();  // hist (the compaction's warp totals) and result are reused below
+    SMLA_STAMP(p, kTopkPlan);
     if (plan.fits)  // 2., here while the scores are in registers
       compact_held(scores, plan, list, list + plan.above, reinterpret_cast<uint32_t(*)[kHeldPieces]>(hist));
+  } else if (counted != nullptr) {  // every rank reads the whole row's
+    copy_bins(counted, hist);
+    __syncthreads();
+    SMLA_STAMP(p, kTopkHistogram);
+    plan = plan_from_histogram(hist, want, p.list_capacity, scan, result);
+    __syncthreads();  // hist, result and the list are reused below
+    SMLA_STAMP(p, kTopkPlan);
   } else {
     __syncthreads();  // hist zeroed
     for_each_score(row + slice.first, slice.count, [&](float v) { atomicAdd(&hist[coarse_bin(v)], 1); });
@@ -742,8 +766,10 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
     } else {
       __syncthreads();
     }
+    SMLA_STAMP(p, kTopkHistogram);
     plan = plan_from_histogram(total, want, p.list_capacity, scan, result);
     __syncthreads();  // hist, result and the list are reused below
+    SMLA_STAMP(p, kTopkPlan);
   }
   const int above = plan.above, in_bin = plan.in_bin;
 
@@ -784,6 +810,7 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
       }
     }
     __syncthreads();
+    SMLA_STAMP(p, kTopkCompacted);
     // 3. The candidates that complete the want: few (one a thread or less), each ranked by counting those that go
     // before it (a higher key, or the same at a lower position), the need best put in that order (equal keys in
     // position order, as step 4 wants them); else by a radix select.
@@ -862,6 +889,7 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
     rest = list + want;
     second_run = want - remaining;
   }
+  SMLA_STAMP(p, kTopkSelected);
 
   // Stores the positions of ranks j * kThreads + threadIdx.x (every rank < p.k: k <= kSortItems * kThreads) and,
   // fused, their slots: every block-table load issued before the first slot store (a store might alias the table).
@@ -870,13 +898,17 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
 #pragma unroll
     for (int j = 0; j < kSortItems; ++j)
       if (j * kThreads + threadIdx.x < p.k) out[j * kThreads + threadIdx.x] = position[j];
-    if (p.slots == nullptr) return;
+    if (p.slots == nullptr) {
+      SMLA_STAMP(p, kTopkStored);
+      return;
+    }
     int32_t slot[kSortItems];
 #pragma unroll
     for (int j = 0; j < kSortItems; ++j) slot[j] = p.slot_map.slot(request, position[j]);
 #pragma unroll
     for (int j = 0; j < kSortItems; ++j)
       if (j * kThreads + threadIdx.x < p.k) slots[j * kThreads + threadIdx.x] = slot[j];
+    SMLA_STAMP(p, kTopkStored);
   };
   if (!p.sorted) {
     place_by_position<kSortItems>([&](int i) { return i < listed ? list[i] : rest[i - listed]; }, want, second_run,
@@ -1092,11 +1124,23 @@ size_t topk_scratch_bytes(const IndexerTopkArgs& a, TopkSplit split) {
   return scratch_layout(plan_topk(a, split), static_cast<int>(a.q.size(0))).total;
 }
 
+bool topk_reads_histograms(const IndexerTopkArgs& a, TopkSplit split) { return plan_topk(a, split).slices == 0; }
+
+size_t topk_histogram_bytes(const IndexerTopkArgs& a) {
+  return static_cast<size_t>(a.q.size(0)) * kCoarseBins * sizeof(int);
+}
+
 void select_topk(const IndexerTopkArgs& a, const float* scores, TopkSplit split, void* scratch,
                  const TopkFusion& fusion) {
   require(reinterpret_cast<uintptr_t>(scores) % 16 == 0, "select_topk: scores must be 16-byte aligned");
   TopkParams p = plan_topk(a, split);
   const int tokens = static_cast<int>(a.q.size(0));
+  if (fusion.histograms != nullptr) {
+    require(p.slices == 0, "select_topk: TopkFusion::histograms: rows split into slices count their own");
+    require(reinterpret_cast<uintptr_t>(fusion.histograms) % 16 == 0,
+            "select_topk: TopkFusion::histograms must be 16-byte aligned");
+    p.histograms = fusion.histograms;
+  }
   if (fusion.slots != nullptr) {
     const PositionsToSlotsArgs& s = *fusion.slots;
     require(s.positions.data == a.topk.data && s.request_ids.data == a.request_ids.data &&
@@ -1120,19 +1164,46 @@ void select_topk(const IndexerTopkArgs& a, const float* scores, TopkSplit split,
   else launch_topk<kMaxIndexerTopk / kThreads>(p, tokens, min_ranks, after_scores, stream, bytes);
 }
 
-size_t indexer_workspace_size(const IndexerTopkArgs& a) { return score_bytes(a) + topk_scratch_bytes(a); }
+#ifdef SMLA_TOPK_STAMPS
+void set_step_stamps(unsigned long long* stamps) { step_stamp_buffer = stamps; }
+#endif
+
+namespace {
+
+// indexer_topk's workspace: the scores, the histograms the scores kernel counts where the top-k reads them (rows
+// not split into slices), then the top-k's scratch.
+struct IndexerLayout {
+  size_t histograms = 0, scratch = 0, total = 0;
+  bool counted_with_scores = false;
+};
+IndexerLayout indexer_layout(const IndexerTopkArgs& a) {
+  const TopkParams p = plan_topk(a, TopkSplit::automatic);
+  IndexerLayout l;
+  l.counted_with_scores = p.slices == 0;
+  l.histograms = score_bytes(a);
+  l.scratch = l.histograms + (l.counted_with_scores ? topk_histogram_bytes(a) : 0);
+  l.total = l.scratch + scratch_layout(p, static_cast<int>(a.q.size(0))).total;
+  return l;
+}
+
+}  // namespace
+
+size_t indexer_workspace_size(const IndexerTopkArgs& a) { return indexer_layout(a).total; }
 
 namespace {
 
 void scores_then_topk(const IndexerTopkArgs& a, const TopkFusion& fusion) {
+  const IndexerLayout layout = indexer_layout(a);
   std::optional<DefaultWorkspace> own;
   auto* ws = static_cast<uint8_t*>(
-      workspace_or(a.workspace, own, static_cast<cudaStream_t>(a.stream), indexer_workspace_size(a), "indexer_topk"));
+      workspace_or(a.workspace, own, static_cast<cudaStream_t>(a.stream), layout.total, "indexer_topk"));
   auto* scores = reinterpret_cast<float*>(ws);
-  indexer_scores(a, scores);
+  int* histograms = layout.counted_with_scores ? reinterpret_cast<int*>(ws + layout.histograms) : nullptr;
+  indexer_scores(a, scores, ScoreMma::automatic, histograms);
   TopkFusion f = fusion;
   f.after_scores = f.after_scores && a.q.size(0) > 0 && index_capacity(a) > 0;  // else no scores kernel ran
-  select_topk(a, scores, TopkSplit::automatic, ws + score_bytes(a), f);
+  f.histograms = histograms;
+  select_topk(a, scores, TopkSplit::automatic, ws + layout.scratch, f);
 }
 
 }  // namespace
