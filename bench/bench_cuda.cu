@@ -619,12 +619,12 @@ void bench_topk(int tokens, int context) {
 // table of shuffled blocks with random keys (distinct scores). Each stage alone and the step, replayed from a CUDA
 // graph; the three ops as separate calls (indexer_topk, positions_to_slots, sparse_mla) in a graph; the step as
 // single cold calls; and the step replayed with sorted = false (the positions in position order). "counted": the
-// scores kernel counting the top-k's histograms (with their zeroing kernel) and the top-k reading them, as the step
-// has them; "counting": the step's kernels with the top-k counting for itself (the step before it read them).
+// scores kernel counting the top-k's histograms (with their zeroing kernel), the top-k reading them, and the step's
+// kernels that way (off in the library: kScoresCountHistograms, slower on the H200).
 struct StepRow {
   int tokens, context;
   double scores_us, topk_us, attention_us, ops_us, step_us, cold_us, unsorted_step_us;
-  double counted_scores_us, counted_topk_us, counting_step_us;
+  double counted_scores_us, counted_topk_us, counted_step_us;
 };
 std::vector<StepRow> step_rows;
 
@@ -719,14 +719,14 @@ struct StepInputs {
   }
 };
 
-// dsa_decode_step's launches with the top-k counting its histograms itself (the step before it read the scores
-// kernel's), into `in.scores` and the default workspace.
-void counting_step(StepInputs& in, cudaStream_t s) {
+// dsa_decode_step's launches with the scores kernel counting the top-k's histograms into `in.histograms` and the
+// top-k reading them (the step's way before kScoresCountHistograms was turned off), the scores in `in.scores`.
+void counted_step(StepInputs& in, cudaStream_t s) {
   const smla::DsaDecodeStepArgs step = in.on(s);
   const smla::IndexerTopkArgs ix = smla::indexer_step(step);
   const smla::PositionsToSlotsArgs slots = smla::slots_step(step);
-  smla::cuda::indexer_scores(ix, in.scores);
-  smla::cuda::select_topk(ix, in.scores, smla::cuda::TopkSplit::automatic, nullptr, {&slots, true});
+  smla::cuda::indexer_scores(ix, in.scores, smla::cuda::ScoreMma::automatic, in.histograms);
+  smla::cuda::select_topk(ix, in.scores, smla::cuda::TopkSplit::automatic, nullptr, {&slots, true, in.histograms});
   smla::cuda::sparse_mla(smla::attention_step(step), {}, smla::cuda::AttentionLaunch::after_own_kernel);
 }
 
@@ -759,16 +759,16 @@ void bench_step(StepCaches& caches, int tokens, int context) {
     smla::cuda::select_topk(smla::indexer_step(on(s)), scores, TopkSplit::automatic, nullptr,
                             {nullptr, false, in.histograms});
   });
-  r.counting_step_us = graph_us([&](cudaStream_t s) { counting_step(in, s); });
+  r.counted_step_us = graph_us([&](cudaStream_t s) { counted_step(in, s); });
   std::printf("%6d %7d %9.1f %9.1f %9.1f %9.1f %9.1f %9.1f %9.1f %12.0f %9.1f %9.1f %9.1f\n", tokens, context,
               r.scores_us, r.topk_us, r.attention_us, r.ops_us, r.step_us, r.cold_us, r.unsorted_step_us,
-              1e6 / (78 * r.step_us), r.counted_scores_us, r.counted_topk_us, r.counting_step_us);
+              1e6 / (78 * r.step_us), r.counted_scores_us, r.counted_topk_us, r.counted_step_us);
   step_rows.push_back(r);
 }
 
 #ifdef SMLA_TOPK_STAMPS
 // Where one step's time goes (a build with SMLA_TOPK_STAMPS): the step (`dsa_decode_step`), the step's kernels with
-// the top-k counting for itself, and the top-k alone on the step's scores, counting and reading the scores kernel's
+// the scores counting the top-k's histograms, and the top-k alone on the step's scores, counting and reading the scores kernel's
 // histograms, each replayed from a one-call CUDA graph `reps` times; per replay the stamps of
 // StepStamp, printed as medians in µs from the scores kernel's first start (the step) or the top-k's (alone), then
 // the top-k's phases from its CTA 0's clock (cycles, and µs at the SM clock the driver reports).
@@ -831,7 +831,7 @@ void bench_stamps(StepCaches& caches, int tokens, int context, bool sorted, int 
     }
   };
   run("step", [&](cudaStream_t s) { smla::dsa_decode_step(in.on(s), &be); });
-  run("step, the top-k counting", [&](cudaStream_t s) { counting_step(in, s); });
+  run("step, the scores counting", [&](cudaStream_t s) { counted_step(in, s); });
   indexer_scores(smla::indexer_step(in.on(nullptr)), in.scores, ScoreMma::automatic, in.histograms);
   CHECK(cudaDeviceSynchronize());
   run("top-k alone, counting", [&](cudaStream_t s) { select_topk(smla::indexer_step(in.on(s)), in.scores); });
@@ -1065,11 +1065,11 @@ int main(int argc, char** argv) {
     std::printf("\ndsa_decode_step, GLM-5 TP8 (8 heads, 32 indexer heads fp8 q, top-k 2048, fp8 index keys, "
                 "fp8_ds_mla cache); us per call from a CUDA graph replayed back to back, unless cold; 3 ops: "
                 "indexer_topk + positions_to_slots + sparse_mla as separate calls; step unsorted: sorted = false "
-                "(graph); counted: the scores counting the top-k's histograms and the top-k reading them (the step's "
-                "way); step counting: the step's kernels, the top-k counting for itself (graph)\n");
+                "(graph); counted: the scores counting the top-k's histograms and the top-k reading them; step cntd: the "
+                "step's kernels that way (off in the library: slower; graph)\n");
     std::printf("%6s %7s %9s %9s %9s %9s %9s %9s %9s %12s %9s %9s %9s\n", "tokens", "context", "scores", "top-k",
                 "attention", "3 ops", "step", "cold step", "unsorted", "tok/s 78 L", "sc count", "tk counted",
-                "step cntg");
+                "step cntd");
     StepCaches caches;
     for (int context : {8192, 131072})
       for (int tokens : {1, 8}) bench_step(caches, tokens, context);
@@ -1112,9 +1112,9 @@ int main(int argc, char** argv) {
                    "    {\"config\": \"glm5-tp8 fp8\", \"tokens\": %d, \"context\": %d, \"scores_us\": %.2f, "
                    "\"topk_us\": %.2f, \"attention_us\": %.2f, \"three_ops_us\": %.2f, \"step_us\": %.2f, "
                    "\"step_cold_us\": %.2f, \"step_unsorted_us\": %.2f, \"counted_scores_us\": %.2f, "
-                   "\"counted_topk_us\": %.2f, \"counting_step_us\": %.2f}%s\n",
+                   "\"counted_topk_us\": %.2f, \"counted_step_us\": %.2f}%s\n",
                    r.tokens, r.context, r.scores_us, r.topk_us, r.attention_us, r.ops_us, r.step_us, r.cold_us,
-                   r.unsorted_step_us, r.counted_scores_us, r.counted_topk_us, r.counting_step_us,
+                   r.unsorted_step_us, r.counted_scores_us, r.counted_topk_us, r.counted_step_us,
                    i + 1 < step_rows.size() ? "," : "");
     }
     std::fprintf(f, "  ]\n}\n");

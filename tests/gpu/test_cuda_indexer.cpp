@@ -767,11 +767,13 @@ void check_crafted_rows(const std::vector<CraftedRow>& rows, int k, uint64_t see
   }
   DeviceBuffer dscores(scores), dreq(request_ids), dctx(context), dtable(table), dout(std::vector<int32_t>(out.size(), 777)),
       dslots(std::vector<int32_t>(out.size(), 777)), dhist(histograms);
-  const int* counts = counted ? static_cast<const int*>(dhist.ptr) : nullptr;
   a.request_ids = on_gpu(TensorView(request_ids.data(), {tokens}, DType::i32), dreq.ptr);
   a.context_lens = on_gpu(TensorView(context.data(), {tokens}, DType::i32), dctx.ptr);
   a.block_table = on_gpu(a.block_table, dtable.ptr);
   a.topk = on_gpu(TensorView(out.data(), {tokens, k}, DType::i32), dout.ptr);
+  // Where the split takes no histograms (slices, which automatic picks for long rows without clusters, e.g. SM80),
+  // the top-k counts for itself.
+  const int* counts = counted && cuda::topk_reads_histograms(a, split) ? static_cast<const int*>(dhist.ptr) : nullptr;
   std::vector<int32_t> sorted_by_gpu;
   if (!sorted) {  // the GPU's own sorted selection first, into the same buffer
     cuda::select_topk(a, static_cast<const float*>(dscores.ptr), split, nullptr, {nullptr, false, counts});
@@ -1077,7 +1079,7 @@ TEST(CudaTopk, SlicesRefuseCountedHistograms) {
 // (duplicate keys). The scores bit for bit those of the kernel without histograms; each histogram the host's count of
 // those scores (NaN rows: their total); the top-k reading them (each split that takes them, sorted and unsorted)
 // bit for bit the top-k counting for itself, and the exact reference on the scores (rows without NaN); indexer_topk
-// (which counts with the scores where it can) the same.
+// (whose top-k counts for itself: kScoresCountHistograms) the same.
 TEST(CudaIndexer, ScoresCountTheTopksHistograms) {
   std::vector<cuda::TopkSplit> splits = {cuda::TopkSplit::automatic, cuda::TopkSplit::one_cta};
   if (cuda::current_device().compute_capability >= 90) splits.push_back(cuda::TopkSplit::cluster);
@@ -1145,12 +1147,15 @@ TEST(CudaIndexer, ScoresCountTheTopksHistograms) {
             cuda::select_topk(g, static_cast<const float*>(plain.ptr), split);
             CUDA_OK(cudaDeviceSynchronize());
             const std::vector<int32_t> counting = dout.download<int32_t>();
-            CUDA_OK(cudaMemset(dout.ptr, 0x5a, dout.bytes));
-            cuda::select_topk(g, static_cast<const float*>(with.ptr), split, nullptr,
-                              {nullptr, false, static_cast<const int*>(hist.ptr)});
-            CUDA_OK(cudaDeviceSynchronize());
-            const std::vector<int32_t> counted = dout.download<int32_t>();
-            EXPECT_EQ(counted, counting);
+            std::vector<int32_t> counted = counting;
+            if (cuda::topk_reads_histograms(g, split)) {  // not where automatic picks slices (no clusters: SM80)
+              CUDA_OK(cudaMemset(dout.ptr, 0x5a, dout.bytes));
+              cuda::select_topk(g, static_cast<const float*>(with.ptr), split, nullptr,
+                                {nullptr, false, static_cast<const int*>(hist.ptr)});
+              CUDA_OK(cudaDeviceSynchronize());
+              counted = dout.download<int32_t>();
+              EXPECT_EQ(counted, counting);
+            }
             for (int t = 0; t < tokens; ++t) {
               if (has_nan[t]) continue;
               std::vector<int32_t> want = expected_topk(rows[t], static_cast<int64_t>(rows[t].size()), pr.k);

@@ -1176,10 +1176,16 @@ struct IndexerLayout {
   size_t histograms = 0, scratch = 0, total = 0;
   bool counted_with_scores = false;
 };
+// Whether indexer_topk and dsa_decode_step have the scores kernel count the top-k's histograms (TopkFusion::histograms)
+// where the rows are not sliced. Off: slower on the H200 than the top-k's own pass (run of 91dc9f8, the step from a
+// graph: one token of 8K 25.7 us against 25.2, of 128K 60.9 against 35.4, eight of 128K 109.1 against 87.8; the
+// scores kernel with the counting and its zeroing kernel 34.0 us against 7.7 at 128K, its atomics queueing on the few
+// bins a row's scores fall in). select_topk's callers may still pass counts (tests, bench_cuda step).
+constexpr bool kScoresCountHistograms = false;
 IndexerLayout indexer_layout(const IndexerTopkArgs& a) {
   const TopkParams p = plan_topk(a, TopkSplit::automatic);
   IndexerLayout l;
-  l.counted_with_scores = p.slices == 0;
+  l.counted_with_scores = kScoresCountHistograms && p.slices == 0;
   l.histograms = score_bytes(a);
   l.scratch = l.histograms + (l.counted_with_scores ? topk_histogram_bytes(a) : 0);
   l.total = l.scratch + scratch_layout(p, static_cast<int>(a.q.size(0))).total;
