@@ -620,7 +620,7 @@ void bench_topk(int tokens, int context) {
 // graph; the three ops as separate calls (indexer_topk, positions_to_slots, sparse_mla) in a graph; the step as
 // single cold calls; and the step replayed with sorted = false (the positions in position order). "counted": the
 // scores kernel counting the top-k's histograms (with their zeroing kernel), the top-k reading them, and the step's
-// kernels that way (off in the library: kScoresCountHistograms, slower on the H200).
+// kernels that way (not the library's: slower on the H200).
 struct StepRow {
   int tokens, context;
   double scores_us, topk_us, attention_us, ops_us, step_us, cold_us, unsorted_step_us;
@@ -720,7 +720,7 @@ struct StepInputs {
 };
 
 // dsa_decode_step's launches with the scores kernel counting the top-k's histograms into `in.histograms` and the
-// top-k reading them (the step's way before kScoresCountHistograms was turned off), the scores in `in.scores`.
+// top-k reading them (the step's way in 91dc9f8, slower), the scores in `in.scores`.
 void counted_step(StepInputs& in, cudaStream_t s) {
   const smla::DsaDecodeStepArgs step = in.on(s);
   const smla::IndexerTopkArgs ix = smla::indexer_step(step);

@@ -1079,7 +1079,7 @@ TEST(CudaTopk, SlicesRefuseCountedHistograms) {
 // (duplicate keys). The scores bit for bit those of the kernel without histograms; each histogram the host's count of
 // those scores (NaN rows: their total); the top-k reading them (each split that takes them, sorted and unsorted)
 // bit for bit the top-k counting for itself, and the exact reference on the scores (rows without NaN); indexer_topk
-// (whose top-k counts for itself: kScoresCountHistograms) the same.
+// (whose top-k counts for itself) the same.
 TEST(CudaIndexer, ScoresCountTheTopksHistograms) {
   std::vector<cuda::TopkSplit> splits = {cuda::TopkSplit::automatic, cuda::TopkSplit::one_cta};
   if (cuda::current_device().compute_capability >= 90) splits.push_back(cuda::TopkSplit::cluster);

@@ -1168,48 +1168,25 @@ void select_topk(const IndexerTopkArgs& a, const float* scores, TopkSplit split,
 void set_step_stamps(unsigned long long* stamps) { step_stamp_buffer = stamps; }
 #endif
 
-namespace {
-
-// indexer_topk's workspace: the scores, the histograms the scores kernel counts where the top-k reads them (rows
-// not split into slices), then the top-k's scratch.
-struct IndexerLayout {
-  size_t histograms = 0, scratch = 0, total = 0;
-  bool counted_with_scores = false;
-};
-// Whether indexer_topk and dsa_decode_step have the scores kernel count the top-k's histograms (TopkFusion::histograms)
-// where the rows are not sliced. Off: slower on the H200 than the top-k's own pass (run of 91dc9f8, the step from a
-// graph: one token of 8K 25.7 us against 25.2, of 128K 60.9 against 35.4, eight of 128K 109.1 against 87.8; the
-// scores kernel with the counting and its zeroing kernel 34.0 us against 7.7 at 128K, its atomics queueing on the few
-// bins a row's scores fall in). select_topk's callers may still pass counts (tests, bench_cuda step).
-constexpr bool kScoresCountHistograms = false;
-IndexerLayout indexer_layout(const IndexerTopkArgs& a) {
-  const TopkParams p = plan_topk(a, TopkSplit::automatic);
-  IndexerLayout l;
-  l.counted_with_scores = kScoresCountHistograms && p.slices == 0;
-  l.histograms = score_bytes(a);
-  l.scratch = l.histograms + (l.counted_with_scores ? topk_histogram_bytes(a) : 0);
-  l.total = l.scratch + scratch_layout(p, static_cast<int>(a.q.size(0))).total;
-  return l;
-}
-
-}  // namespace
-
-size_t indexer_workspace_size(const IndexerTopkArgs& a) { return indexer_layout(a).total; }
+// indexer_topk's workspace: the scores, then the top-k's scratch.
+size_t indexer_workspace_size(const IndexerTopkArgs& a) { return score_bytes(a) + topk_scratch_bytes(a); }
 
 namespace {
 
+// The top-k counts its histograms itself here: the scores kernel counting them (indexer_scores' `histograms`, read
+// through TopkFusion::histograms) was slower on the H200 (run of 91dc9f8, the step from a graph: one token of 8K
+// 25.7 us against 25.2, of 128K 60.9 against 35.4, eight of 128K 109.1 against 87.8; the scores kernel with the
+// counting and its zeroing kernel 34.0 us against 7.7 at 128K, its atomics queueing on the few bins a row's scores
+// fall in). Tests and bench_cuda step still run that way through select_topk.
 void scores_then_topk(const IndexerTopkArgs& a, const TopkFusion& fusion) {
-  const IndexerLayout layout = indexer_layout(a);
   std::optional<DefaultWorkspace> own;
   auto* ws = static_cast<uint8_t*>(
-      workspace_or(a.workspace, own, static_cast<cudaStream_t>(a.stream), layout.total, "indexer_topk"));
+      workspace_or(a.workspace, own, static_cast<cudaStream_t>(a.stream), indexer_workspace_size(a), "indexer_topk"));
   auto* scores = reinterpret_cast<float*>(ws);
-  int* histograms = layout.counted_with_scores ? reinterpret_cast<int*>(ws + layout.histograms) : nullptr;
-  indexer_scores(a, scores, ScoreMma::automatic, histograms);
+  indexer_scores(a, scores);
   TopkFusion f = fusion;
   f.after_scores = f.after_scores && a.q.size(0) > 0 && index_capacity(a) > 0;  // else no scores kernel ran
-  f.histograms = histograms;
-  select_topk(a, scores, TopkSplit::automatic, ws + layout.scratch, f);
+  select_topk(a, scores, TopkSplit::automatic, ws + score_bytes(a), f);
 }
 
 }  // namespace
