@@ -20,6 +20,20 @@
 namespace smla {
 namespace {
 
+// The launch tests' problem: one token of 16 heads over a bf16 cache of 64 blocks of 64 slots, `topk` indices.
+constexpr int64_t kHeads = 16, kBlocks = 64, kBlockSize = 64, kMaxTopk = 2048;
+SparseMlaArgs one_token_args(const DeviceBuffer& q, const DeviceBuffer& kv, const DeviceBuffer& indices,
+                             const DeviceBuffer& out, const DeviceBuffer& lse, int64_t topk) {
+  SparseMlaArgs a;
+  a.q = on_gpu(TensorView(nullptr, {1, kHeads, kMlaQkDim}, DType::bf16), q.ptr);
+  a.kv_cache = on_gpu(TensorView(nullptr, {kBlocks, kBlockSize, kMlaQkDim}, DType::bf16), kv.ptr);
+  a.indices = on_gpu(TensorView(nullptr, {1, topk}, DType::i32), indices.ptr);
+  a.softmax_scale = 0.07f;
+  a.out = on_gpu(TensorView(nullptr, {1, kHeads, kMlaVDim}, DType::bf16), out.ptr);
+  a.lse = on_gpu(TensorView(nullptr, {1, kHeads}, DType::f32), lse.ptr);
+  return a;
+}
+
 TEST(CudaLaunchPath, CurrentDeviceIsTheGuardsInsideAndTheDriversAfter) {
   int count = 0;
   CUDA_OK(cudaGetDeviceCount(&count));
@@ -47,7 +61,6 @@ TEST(CudaLaunchPath, CurrentDeviceIsTheGuardsInsideAndTheDriversAfter) {
 }
 
 TEST(CudaLaunchPath, ACallersPendingErrorIsNotTheAttentionLaunchs) {
-  constexpr int64_t kHeads = 16, kBlocks = 64, kBlockSize = 64, kMaxTopk = 2048;
   test::Rng rng(17);
   const int64_t slots = kBlocks * kBlockSize;
   std::vector<float> q_f, kv_f;
@@ -62,13 +75,7 @@ TEST(CudaLaunchPath, ACallersPendingErrorIsNotTheAttentionLaunchs) {
 
   for (const int64_t topk : {int64_t{64}, kMaxTopk}) {
     SCOPED_TRACE("top-k " + std::to_string(topk));
-    SparseMlaArgs a;
-    a.q = on_gpu(TensorView(nullptr, {1, kHeads, kMlaQkDim}, DType::bf16), q.ptr);
-    a.kv_cache = on_gpu(TensorView(nullptr, {kBlocks, kBlockSize, kMlaQkDim}, DType::bf16), kv.ptr);
-    a.indices = on_gpu(TensorView(nullptr, {1, topk}, DType::i32), indices.ptr);
-    a.softmax_scale = 0.07f;
-    a.out = on_gpu(TensorView(nullptr, {1, kHeads, kMlaVDim}, DType::bf16), out.ptr);
-    a.lse = on_gpu(TensorView(nullptr, {1, kHeads}, DType::f32), lse.ptr);
+    SparseMlaArgs a = one_token_args(q, kv, indices, out, lse, topk);
     const size_t bytes = workspace_size(a, &gpu());
     ASSERT_LE(bytes, ws.bytes);
     a.workspace = on_gpu(TensorView(nullptr, {static_cast<int64_t>(bytes)}, DType::u8), ws.ptr);
@@ -113,7 +120,6 @@ TEST(CudaLaunchPath, ACallersPendingErrorIsNotTheAttentionLaunchs) {
 // The WorkspaceSource overload (one check of the args, then the source asked for workspace_size's bytes): the same
 // bits as with a caller's workspace, the source asked once when the op splits and never when it needs none.
 TEST(CudaLaunchPath, AWorkspaceFromASourceGivesTheCallersWorkspaceBits) {
-  constexpr int64_t kHeads = 16, kBlocks = 64, kBlockSize = 64, kMaxTopk = 2048;
   test::Rng rng(23);
   const int64_t slots = kBlocks * kBlockSize;
   const auto q_bits = test::to_half_bits(test::random_floats(rng, kHeads * kMlaQkDim), DType::bf16);
@@ -124,13 +130,7 @@ TEST(CudaLaunchPath, AWorkspaceFromASourceGivesTheCallersWorkspaceBits) {
       ws(size_t{64} << 20);
   for (const int64_t topk : {int64_t{64}, kMaxTopk}) {
     SCOPED_TRACE("top-k " + std::to_string(topk));
-    SparseMlaArgs a;
-    a.q = on_gpu(TensorView(nullptr, {1, kHeads, kMlaQkDim}, DType::bf16), q.ptr);
-    a.kv_cache = on_gpu(TensorView(nullptr, {kBlocks, kBlockSize, kMlaQkDim}, DType::bf16), kv.ptr);
-    a.indices = on_gpu(TensorView(nullptr, {1, topk}, DType::i32), indices.ptr);
-    a.softmax_scale = 0.07f;
-    a.out = on_gpu(TensorView(nullptr, {1, kHeads, kMlaVDim}, DType::bf16), out.ptr);
-    a.lse = on_gpu(TensorView(nullptr, {1, kHeads}, DType::f32), lse.ptr);
+    SparseMlaArgs a = one_token_args(q, kv, indices, out, lse, topk);
     const size_t bytes = workspace_size(a, &gpu());
     ASSERT_LE(bytes, ws.bytes);
     const TensorView whole = on_gpu(TensorView(nullptr, {static_cast<int64_t>(ws.bytes)}, DType::u8), ws.ptr);
