@@ -544,11 +544,13 @@ void bench_indexer(const IndexerConfig& cfg, const Ceilings& c) {
 // cluster's CTAs ("-" below SM90), and as select_topk decides (calls queued
 // back to back, and replayed from a CUDA graph; also unsorted, the positions
 // in position order, replayed from a graph); and by clusters of 16 CTAs
-// (non-portable, Hopper; "-" elsewhere), queued and replayed from a graph.
+// (non-portable, Hopper; "-" elsewhere), queued and replayed from a graph; one CTA per row never holding it in
+// registers (TopkSplit::one_cta_streamed: what the held rows save), replayed from a graph, sorted and unsorted.
 struct TopkRow {
   int tokens, context;
   double unsplit_us, split_us, cluster_us, picked_us, graph_us, unsorted_graph_us;  // cluster -1: no clusters
   double cluster16_us, cluster16_graph_us;                                          // -1: no clusters of 16
+  double streamed_graph_us, streamed_unsorted_graph_us;
 };
 std::vector<TopkRow> topk_rows;
 
@@ -604,11 +606,15 @@ void bench_topk(int tokens, int context) {
     std::snprintf(cluster16_cols[0], sizeof cluster16_cols[0], "%.1f", cluster16);
     std::snprintf(cluster16_cols[1], sizeof cluster16_cols[1], "%.1f", cluster16_graph);
   }
+  const double streamed = graph_with(true, TopkSplit::one_cta_streamed);
+  const double streamed_unsorted = graph_with(false, TopkSplit::one_cta_streamed);
+  a.sorted = true;
   a.stream = nullptr;
-  std::printf("%6d %7d %10.1f %10.1f %10s %10.1f %10.1f %10.1f %12.2f %10s %10s\n", tokens, context, one_cta, slices,
-              cluster, picked, graph, unsorted, picked / tokens, cluster16_cols[0], cluster16_cols[1]);
+  std::printf("%6d %7d %10.1f %10.1f %10s %10.1f %10.1f %10.1f %12.2f %10s %10s %10.1f %10.1f\n", tokens, context,
+              one_cta, slices, cluster, picked, graph, unsorted, picked / tokens, cluster16_cols[0], cluster16_cols[1],
+              streamed, streamed_unsorted);
   topk_rows.push_back({tokens, context, one_cta, slices, major >= 9 ? std::atof(cluster) : -1, picked, graph,
-                       unsorted, cluster16, cluster16_graph});
+                       unsorted, cluster16, cluster16_graph, streamed, streamed_unsorted});
   for (void* ptr : {static_cast<void*>(dreq), static_cast<void*>(dctx), static_cast<void*>(dtable),
                     static_cast<void*>(dout), static_cast<void*>(scores)})
     cudaFree(ptr);
@@ -818,7 +824,8 @@ void bench_stamps(StepCaches& caches, int tokens, int context, bool sorted, int 
       return v.empty() ? NAN : v[v.size() / 2];
     };
     static const char* names[kStepStamps] = {"scores start", "scores end", "top-k start", "top-k waited",
-                                             "histogram", "plan", "compacted", "selected", "stored", "top-k end"};
+                                             "histogram",    "plan",       "counted",     "compacted",
+                                             "selected",     "ordered",    "stored",      "top-k end"};
     std::printf("%d x %d, %s, %s (us from the first kernel's start; CTA 0 clock from its wait: cycles / us at %.2f "
                 "GHz)\n",
                 tokens, context, sorted ? "sorted" : "unsorted", what, clock_khz / 1e6);
@@ -1050,9 +1057,11 @@ int main(int argc, char** argv) {
   }
   if (part.empty() || part == "topk") {
     std::printf("\ntop-k 2048 of distinct random scores: one CTA per row, rows split among CTAs, rows shared by a "
-                "cluster's CTAs (SM90+), as select_topk picks; by clusters of 16 CTAs (Hopper), queued and graph\n");
-    std::printf("%6s %7s %10s %10s %10s %10s %10s %10s %12s %10s %10s\n", "tokens", "context", "unsplit us", "split us",
-                "cluster us", "picked us", "graph us", "unsorted", "us/row", "cl16 us", "cl16 graph");
+                "cluster's CTAs (SM90+), as select_topk picks; by clusters of 16 CTAs (Hopper), queued and graph; one "
+                "CTA never holding the row, graph, sorted and unsorted\n");
+    std::printf("%6s %7s %10s %10s %10s %10s %10s %10s %12s %10s %10s %10s %10s\n", "tokens", "context", "unsplit us",
+                "split us", "cluster us", "picked us", "graph us", "unsorted", "us/row", "cl16 us", "cl16 graph",
+                "streamed", "str unsort");
     if (argc >= 4) {
       bench_topk(std::atoi(argv[2]), std::atoi(argv[3]));
       return 0;
@@ -1101,9 +1110,11 @@ int main(int argc, char** argv) {
       std::fprintf(f,
                    "    {\"tokens\": %d, \"context\": %d, \"unsplit_us\": %.2f, \"split_us\": %.2f, "
                    "\"cluster_us\": %.2f, \"picked_us\": %.2f, \"graph_us\": %.2f, \"unsorted_graph_us\": %.2f, "
-                   "\"cluster16_us\": %.2f, \"cluster16_graph_us\": %.2f}%s\n",
+                   "\"cluster16_us\": %.2f, \"cluster16_graph_us\": %.2f, \"streamed_graph_us\": %.2f, "
+                   "\"streamed_unsorted_graph_us\": %.2f}%s\n",
                    r.tokens, r.context, r.unsplit_us, r.split_us, r.cluster_us, r.picked_us, r.graph_us,
-                   r.unsorted_graph_us, r.cluster16_us, r.cluster16_graph_us, i + 1 < topk_rows.size() ? "," : "");
+                   r.unsorted_graph_us, r.cluster16_us, r.cluster16_graph_us, r.streamed_graph_us,
+                   r.streamed_unsorted_graph_us, i + 1 < topk_rows.size() ? "," : "");
     }
     std::fprintf(f, "  ],\n  \"dsa_decode_step\": [\n");
     for (size_t i = 0; i < step_rows.size(); ++i) {

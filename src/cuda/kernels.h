@@ -84,8 +84,10 @@ void indexer_scores(const IndexerTopkArgs& args, float* scores, ScoreMma mma = S
 size_t topk_histogram_bytes(const IndexerTopkArgs& args);
 // How select_topk shares a row among CTAs: as it sees fit, or forced (tests, benchmarks): one CTA per row,
 // slices of the row in more kernels passing through global memory, the CTAs of a thread block cluster (SM90+; 2-8,
-// portable sizes), or of a cluster of exactly 16 (non-portable: where topk_max_cluster_ranks says 16, Hopper).
-enum class TopkSplit { automatic, one_cta, slices, cluster, cluster16 };
+// portable sizes), or of a cluster of exactly 16 (non-portable: where topk_max_cluster_ranks says 16, Hopper);
+// one_cta_streamed: one CTA per row that never holds a short row in registers but reads it twice (as rows too
+// long to hold), the way the held rows are checked and timed against.
+enum class TopkSplit { automatic, one_cta, slices, cluster, cluster16, one_cta_streamed };
 // The most CTAs per cluster select_topk's kernel for top-`k` runs with on the current device: 1 below SM90, 8 where
 // only portable sizes run (SM120, also emulated), 16 on Hopper.
 int topk_max_cluster_ranks(int k);
@@ -113,10 +115,13 @@ void select_topk(const IndexerTopkArgs& args, const float* scores, TopkSplit spl
 // A build with SMLA_TOPK_STAMPS (bench_cuda stamps) records %globaltimer (ns) into `stamps` (device memory,
 // 2 x kStepStamps words; null: none), then %clock64 of the same phases from kStepStamps on: the scores kernel's
 // earliest CTA start (the driver sets it to ~0 first) and latest warp end; the top-k kernel's earliest CTA start
-// (~0 first), its phases on the first CTA's thread 0 (token 0, rank 0), and its latest warp end.
+// (~0 first), its phases on the first CTA's thread 0 (token 0, rank 0), and its latest warp end. Within phases:
+// kTopkCounted, a held row's classes counted and scanned (the compaction's writes still to come); kTopkOrdered, the
+// chosen in their order (the stores still to come).
 enum StepStamp : int {
   kScoresFirstStart, kScoresLastEnd,
-  kTopkFirstStart, kTopkWaited, kTopkHistogram, kTopkPlan, kTopkCompacted, kTopkSelected, kTopkStored, kTopkLastEnd,
+  kTopkFirstStart, kTopkWaited, kTopkHistogram, kTopkPlan, kTopkCounted, kTopkCompacted, kTopkSelected, kTopkOrdered,
+  kTopkStored, kTopkLastEnd,
   kStepStamps
 };
 void set_step_stamps(unsigned long long* stamps);

@@ -1000,6 +1000,29 @@ TEST(CudaTopk, RowsHeldInRegisters) {
     }
 }
 
+// A held row (one CTA, the row in registers: its compaction one scan of per-thread counts, its unsorted order one
+// more from its marks) against the same rows read twice from memory (TopkSplit::one_cta_streamed): the CPU's
+// result each, and the same positions and slots bit for bit; 1 and 8 tokens of 8K, 16K and 128K (not held: the
+// automatic split against one CTA streaming it), decode_shape_rows (distinct, exact ties, four values: the select
+// over the row, short rows) and rows whose ties straddle the bin of the k-th, sorted and unsorted, k 2048 and 37.
+TEST(CudaTopk, HeldRowsEqualTheStreamedPath) {
+  for (int64_t n : {8192, 16384, 131072})
+    for (int tokens : {1, 8}) {
+      SCOPED_TRACE("context " + std::to_string(n) + ", tokens " + std::to_string(tokens));
+      std::vector<CraftedRow> rows = decode_shape_rows(n, tokens);
+      rows.push_back({"ties in few bins", n - 7, [](int64_t, test::Rng& rng) { return static_cast<float>(rng() % 40) / 8.f; }});
+      for (bool sorted : {true, false})
+        for (int k : {2048, 37}) {
+          TopkResult held, streamed;
+          check_crafted_rows(rows, k, 600 + tokens, cuda::TopkSplit::automatic, true, sorted, false, &held);
+          check_crafted_rows(rows, k, 600 + tokens, cuda::TopkSplit::one_cta_streamed, true, sorted, false, &streamed);
+          EXPECT_EQ(held.positions, streamed.positions) << "k " << k << (sorted ? "" : ", unsorted");
+          EXPECT_EQ(held.slots, streamed.slots) << "k " << k << (sorted ? "" : ", unsorted");
+          EXPECT_FALSE(held.positions.empty());
+        }
+    }
+}
+
 // Clusters of 16 ranks forced (non-portable, Hopper), at the decode shapes issue 23 is about: 1 and 8 tokens of
 // rows of 32K (2048 positions per rank) and 128K, sorted and unsorted, with the fused slots; distinct scores, exact
 // ties, four values (the select over the row by rank 0) and a row so short most ranks have nothing (test_cuda_emulation

@@ -282,94 +282,78 @@ __device__ int2 compact_by_bin(const RowSource& src, const RowPlan& plan, Entry*
   return compact(src, by_bin, first, second, second_limit, totals);
 }
 
-// A row of at most kHeldRow scores, read once into registers (one CTA per row): thread i holds the 16-byte pieces
-// i, i + kThreads, ... (piece g: positions 4 * (g * kThreads + i) .. + 3), so the loads are coalesced and a
-// position's order is that of (piece, thread, item). Every load is issued before any is used.
+// A row of at most kHeldRow scores, read once into registers (one CTA per row): thread i holds `pieces` consecutive
+// 16-byte pieces, positions [first, first + 4 * pieces) with first = 4 * pieces * i, so the CTA's position order
+// is that of (thread, item) and a compaction in position order is one scan of the threads' counts. Every load is
+// issued before any is used.
 struct HeldRow {
   float4 piece[kHeldPieces];
-  int n;
+  int n, pieces, first;
 
-  __device__ __forceinline__ HeldRow(const float* row, int count) : n(count) {
+  __device__ __forceinline__ HeldRow(const float* row, int count)
+      : n(count), pieces((count + 4 * kThreads - 1) / (4 * kThreads)), first(4 * pieces * threadIdx.x) {
 #pragma unroll
     for (int g = 0; g < kHeldPieces; ++g) {
       piece[g] = make_float4(0.f, 0.f, 0.f, 0.f);
-      if (position(g, 0) < n) piece[g] = reinterpret_cast<const float4*>(row)[g * kThreads + threadIdx.x];
+      if (g < pieces && position(g, 0) < n) piece[g] = reinterpret_cast<const float4*>(row + first)[g];
     }
   }
-  __device__ __forceinline__ static int position(int g, int c) { return 4 * (g * kThreads + threadIdx.x) + c; }
+  __device__ __forceinline__ int position(int g, int c) const { return first + 4 * g + c; }
   __device__ __forceinline__ float score(int g, int c) const {
     const float4& v = piece[g];
     return c == 0 ? v.x : c == 1 ? v.y : c == 2 ? v.z : v.w;
   }
-  // Pieces any thread holds (the same for the whole CTA).
-  __device__ __forceinline__ int pieces() const { return (n + 4 * kThreads - 1) / (4 * kThreads); }
-};
-
-// The coarse histogram of a held row (hist zeroed).
-__device__ __forceinline__ void held_histogram(const HeldRow& r, int* hist) {
-#pragma unroll
-  for (int g = 0; g < kHeldPieces; ++g)
-#pragma unroll
-    for (int c = 0; c < 4; ++c)
-      if (HeldRow::position(g, c) < r.n) atomicAdd(&hist[coarse_bin(r.score(g, c))], 1);
-}
-
-// compact_by_bin for a held row, from the registers. A thread counts each piece's items of either class (16-bit
-// fields: class 1 low, class 2 high; a class's count over the CTA for one piece is at most 2048, over the row at
-// most kHeldRow); one scan over the warp's lanes and the warps' totals (through `totals`, kThreads / 32 rows of
-// kHeldPieces words; a warp's lanes sum them) give each piece its places: those of the pieces before it, then those
-// of the threads before it. The caller synchronises before it reads the copies.
-__device__ void compact_held(const HeldRow& r, const RowPlan& plan, Entry* first, Entry* second,
-                             uint32_t (*totals)[kHeldPieces]) {
-  constexpr int kWarps = kThreads / 32;
-  static_assert(kWarps <= 32, "a warp's lanes take the warps' totals");
-  const uint32_t lowest_in = static_cast<uint32_t>(plan.bin) << 4, lowest_above = lowest_in + 16;
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, pieces = r.pieces();
-  // Piece g's classes: bits 8g + c, class 1; bits 8g + 4 + c, class 2 (packed: fewer registers).
-  static_assert(kHeldPieces <= 8, "a piece's classes take a byte of one 64-bit word");
-  uint64_t classes = 0;
-  uint32_t upto[kHeldPieces];
-  const auto bits = [&](int g) { return static_cast<uint32_t>(classes >> (8 * g)) & 0xffu; };
-  const auto counts = [&](int g) -> uint32_t { return __popc(bits(g) & 0xfu) | __popc(bits(g) >> 4) << 16; };
-#pragma unroll
-  for (int g = 0; g < kHeldPieces; ++g) {
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const uint32_t key = half_key(r.score(g, c));
-      const bool valid = HeldRow::position(g, c) < r.n;
-      classes |= static_cast<uint64_t>(valid && key >= lowest_above) << (8 * g + c) |
-                 static_cast<uint64_t>(valid && key >= lowest_in && key < lowest_above) << (8 * g + 4 + c);
-    }
-    upto[g] = counts(g);
-  }
-#pragma unroll
-  for (int d = 1; d < 32; d *= 2)
+  // Calls f(bit, score) for the thread's items of the row (bit 4g + c: item c of piece g), in position order.
+  template <class F>
+  __device__ __forceinline__ void for_each(F&& f) const {
 #pragma unroll
     for (int g = 0; g < kHeldPieces; ++g) {
       if (g >= pieces) break;  // the same for the whole CTA
-      const uint32_t v = __shfl_up_sync(0xffffffffu, upto[g], d);
-      if (lane >= d) upto[g] += v;
+#pragma unroll
+      for (int c = 0; c < 4; ++c)
+        if (position(g, c) < n) f(4 * g + c, score(g, c));
     }
-  if (lane == 31)
-#pragma unroll
-    for (int g = 0; g < kHeldPieces; ++g) totals[warp][g] = upto[g];
-  __syncthreads();
-  uint32_t places = 0;  // of the pieces before this one
-#pragma unroll
-  for (int g = 0; g < kHeldPieces; ++g) {
-    if (g >= pieces) break;
-    const uint32_t t = lane < kWarps ? totals[lane][g] : 0;  // warp `lane`'s
-    const uint32_t total = __reduce_add_sync(0xffffffffu, t);
-    const uint32_t at = places + __reduce_add_sync(0xffffffffu, lane < warp ? t : 0) + upto[g] - counts(g);
-    int at1 = at & 0xffffu, at2 = at >> 16;
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const Entry e{order_key(r.score(g, c)), HeldRow::position(g, c)};
-      if ((bits(g) >> c) & 1) first[at1++] = e;
-      else if ((bits(g) >> (4 + c)) & 1) second[at2++] = e;
-    }
-    places += total;
   }
+};
+static_assert(4 * kHeldPieces <= 32, "a thread's items are the bits of one word");
+
+// The coarse histogram of a held row (hist zeroed).
+__device__ __forceinline__ void held_histogram(const HeldRow& r, int* hist) {
+  r.for_each([&](int, float v) { atomicAdd(&hist[coarse_bin(v)], 1); });
+}
+
+// A held row's items in bins above the plan's (selected) and in it (candidates), as bit masks of HeldRow::for_each's
+// bits; the thread's first position.
+struct HeldClasses {
+  uint32_t selected = 0, candidates = 0;
+  int first = 0;
+};
+
+// compact_by_bin for a held row, from the registers: each thread counts its items of either class (16-bit fields:
+// selected low, candidates high; at most kHeldRow each), one block scan gives it their places (then it calls
+// counted()), and it writes them in position order. The caller synchronises before it reads the copies.
+template <class Counted>
+__device__ HeldClasses compact_held(const HeldRow& r, const RowPlan& plan, Entry* first, Entry* second,
+                                    Scan::TempStorage& scan, Counted counted) {
+  static_assert(kHeldRow < (1 << 16), "a class's count over the row fits 16 bits");
+  const uint32_t lowest_in = static_cast<uint32_t>(plan.bin) << 4, lowest_above = lowest_in + 16;
+  HeldClasses classes;
+  classes.first = r.first;
+  r.for_each([&](int bit, float v) {
+    const uint32_t key = half_key(v);
+    classes.selected |= static_cast<uint32_t>(key >= lowest_above) << bit;
+    classes.candidates |= static_cast<uint32_t>(key >= lowest_in && key < lowest_above) << bit;
+  });
+  int before;
+  Scan(scan).ExclusiveSum(__popc(classes.selected) | __popc(classes.candidates) << 16, before);
+  counted();
+  int at1 = before & 0xffff, at2 = before >> 16;
+  r.for_each([&](int bit, float v) {
+    const Entry e{order_key(v), r.first + bit};
+    if ((classes.selected >> bit) & 1) first[at1++] = e;
+    else if ((classes.candidates >> bit) & 1) second[at2++] = e;
+  });
+  return classes;
 }
 
 // The bin of hist[0, bins) in which the want-th largest falls, counting from
@@ -556,6 +540,27 @@ __device__ void place_by_position(At at, int want, int second, int third, int* o
   store_striped<kItems>(ordered, want, store);
 }
 
+// Step 4 for sorted = false on a held row: the chosen are its selected items and the candidates rest[0, need). Those
+// are marked in `marks` (a bit per position of the row, kMarkWords words zeroed); each thread's chosen items, its
+// selected and marked candidates, are consecutive positions, so one block scan of their counts gives their places
+// in position order. The places go through `ordered` (want ints, over `rest`: written once it is read) to
+// store(in_order) as in place_by_counting.
+constexpr int kMarkWords = kHeldRow / 32 + 1;  // one more: a thread's bits may straddle the last word
+template <int kItems, class Store>
+__device__ void place_held(const HeldClasses& classes, const Entry* rest, int need, int want, uint32_t* marks,
+                           Scan::TempStorage& scan, int* ordered, Store store) {
+  for (int i = threadIdx.x; i < need; i += kThreads) atomicOr(&marks[rest[i].pos / 32], 1u << (rest[i].pos % 32));
+  __syncthreads();
+  const int word = classes.first / 32, offset = classes.first % 32;
+  const uint32_t marked = offset == 0 ? marks[word] : marks[word] >> offset | marks[word + 1] << (32 - offset);
+  uint32_t chosen = classes.selected | (classes.candidates & marked);
+  int place;
+  Scan(scan).ExclusiveSum(__popc(chosen), place);
+  for (; chosen != 0; chosen &= chosen - 1) ordered[place++] = classes.first + __ffs(chosen) - 1;
+  __syncthreads();
+  store_striped<kItems>(ordered, want, store);
+}
+
 constexpr int kMinSlice = 16384;      // positions per slice CTA of a shared row, at least (unless forced)
 constexpr int kMinSharedRow = 32768;  // positions of a row a cluster shares, at least (unless forced)
 constexpr int kMinRankSlice = 4096;   // positions per rank of a cluster, at least
@@ -574,6 +579,7 @@ struct TopkParams {
   int list_capacity;  // entries of the dynamic shared memory
   int ranks = 1;      // CTAs per token: a cluster's when more than one
   bool sorted = true;  // false: the chosen in position order (IndexerTopkArgs::sorted)
+  bool hold = true;    // false: no row held in registers (TopkSplit::one_cta_streamed)
   // The split path (slices > 0): per token, `slices` histograms of kCoarseBins, a plan (RowPlan then two
   // offsets per slice) and a list of entries (the selected, then from kMaxIndexerTopk on the candidates).
   int slices;
@@ -717,7 +723,11 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
   const RowSource whole{row, static_cast<int>(n)}, slice{row, static_cast<int>(min(n, first + len) - first),
                                                          static_cast<int>(first)};
   // A row one CTA has alone and that fits in registers is read once, into them: steps 1 and 2 take it from there.
-  const bool held = p.ranks == 1 && p.slices == 0 && n <= kHeldRow;
+  const bool held = p.hold && p.ranks == 1 && p.slices == 0 && n <= kHeldRow;
+  HeldClasses held_classes;  // a held row's, for the unsorted order
+  // Past the fine histograms, which step 3 may count in hist: the unsorted order's marks (see place_held).
+  uint32_t* marks = reinterpret_cast<uint32_t*>(hist) + kCoarseBins - kMarkWords;
+  static_assert(kFineCopies * kFineBins <= kCoarseBins - kMarkWords, "the marks and the fine histograms apart");
 
   // 1. Coarse histogram: the bin of the want-th largest (the split path's plan has it).
   RowPlan plan;
@@ -734,10 +744,13 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
     __syncthreads();
     SMLA_STAMP(p, kTopkHistogram);
     plan = plan_from_histogram(hist, want, p.list_capacity, scan, result);
-    __syncthreads();  // hist (the compaction's warp totals) and result are reused below
+    __syncthreads();  // result and hist (marks) are reused below
     SMLA_STAMP(p, kTopkPlan);
-    if (plan.fits)  // 2., here while the scores are in registers
-      compact_held(scores, plan, list, list + plan.above, reinterpret_cast<uint32_t(*)[kHeldPieces]>(hist));
+    if (plan.fits) {  // 2., here while the scores are in registers
+      held_classes = compact_held(scores, plan, list, list + plan.above, scan, [&] { SMLA_STAMP(p, kTopkCounted); });
+      if (!p.sorted)
+        for (int i = threadIdx.x; i < kMarkWords; i += kThreads) marks[i] = 0;
+    }
   } else if (counted != nullptr) {  // every rank reads the whole row's
     copy_bins(counted, hist);
     __syncthreads();
@@ -895,6 +908,7 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
   // fused, their slots: every block-table load issued before the first slot store (a store might alias the table).
   const int32_t request = p.rows.request(t);
   const auto store = [&](const int32_t (&position)[kSortItems]) {
+    SMLA_STAMP(p, kTopkOrdered);
 #pragma unroll
     for (int j = 0; j < kSortItems; ++j)
       if (j * kThreads + threadIdx.x < p.k) out[j * kThreads + threadIdx.x] = position[j];
@@ -910,6 +924,10 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
       if (j * kThreads + threadIdx.x < p.k) slots[j * kThreads + threadIdx.x] = slot[j];
     SMLA_STAMP(p, kTopkStored);
   };
+  if (!p.sorted && held && plan.fits) {
+    place_held<kSortItems>(held_classes, rest, want - above, want, marks, scan, reinterpret_cast<int*>(list), store);
+    return;
+  }
   if (!p.sorted) {
     place_by_position<kSortItems>([&](int i) { return i < listed ? list[i] : rest[i - listed]; }, want, second_run,
                                   third_run, reinterpret_cast<int*>(list), store);
@@ -1094,6 +1112,7 @@ TopkParams plan_topk(const IndexerTopkArgs& a, TopkSplit split) {
            std::to_string(most_ranks));
     p.ranks = kWideRanks;
   }
+  p.hold = split != TopkSplit::one_cta_streamed;
   if (split == TopkSplit::slices) {
     const int64_t most = std::max<int64_t>(1, (capacity + kMinSlice - 1) / kMinSlice);
     p.slices = static_cast<int>(std::clamp<int64_t>((2 * sms + tokens - 1) / tokens, 1, most));
