@@ -774,8 +774,8 @@ void bench_step(StepCaches& caches, int tokens, int context) {
 
 #ifdef SMLA_TOPK_STAMPS
 // Where one step's time goes (a build with SMLA_TOPK_STAMPS): the step (`dsa_decode_step`), the step's kernels with
-// the scores counting the top-k's histograms, and the top-k alone on the step's scores, counting and reading the scores kernel's
-// histograms, each replayed from a one-call CUDA graph `reps` times; per replay the stamps of
+// the scores counting the top-k's histograms, and the top-k alone on the step's scores (counting, twice in a row, and
+// reading the scores kernel's histograms), each replayed from a one-call CUDA graph `reps` times; per replay the stamps of
 // StepStamp, printed as medians in µs from the scores kernel's first start (the step) or the top-k's (alone), then
 // the top-k's phases from its CTA 0's clock (cycles, and µs at the SM clock the driver reports).
 void bench_stamps(StepCaches& caches, int tokens, int context, bool sorted, int reps = 50) {
@@ -842,6 +842,12 @@ void bench_stamps(StepCaches& caches, int tokens, int context, bool sorted, int 
   indexer_scores(smla::indexer_step(in.on(nullptr)), in.scores, ScoreMma::automatic, in.histograms);
   CHECK(cudaDeviceSynchronize());
   run("top-k alone, counting", [&](cudaStream_t s) { select_topk(smla::indexer_step(in.on(s)), in.scores); });
+  // The same kernel twice in a row, the second's phases (its stamps overwrite the first's): where the second runs on
+  // the SM the first ran on (one CTA: likely), its instructions are in that SM's caches already.
+  run("top-k alone twice, the second's phases", [&](cudaStream_t s) {
+    select_topk(smla::indexer_step(in.on(s)), in.scores);
+    select_topk(smla::indexer_step(in.on(s)), in.scores);
+  });
   run("top-k alone, counted", [&](cudaStream_t s) {
     select_topk(smla::indexer_step(in.on(s)), in.scores, TopkSplit::automatic, nullptr,
                 {nullptr, false, in.histograms});

@@ -56,11 +56,18 @@ struct SlotMap {
   const int32_t* block_table;
   int64_t table_stride, num_requests, max_blocks;
   int block_size;
+  int block_shift;  // log2(block_size) when a power of 2 (a shift and a mask, not a division), else -1
 
   __device__ __forceinline__ int32_t slot(int32_t req, int32_t pos) const {
-    if (pos < 0 || req < 0 || req >= num_requests || pos / block_size >= max_blocks) return -1;
-    const int64_t block = block_table[req * table_stride + pos / block_size];
-    const int64_t s = block * block_size + pos % block_size;
+    return slot_in(req >= 0 && req < num_requests ? block_table + req * table_stride : nullptr, req, pos);
+  }
+  // slot(req, pos) where `row` holds request req's block-table row (the table's, or a copy of its first entries
+  // up to the block of pos).
+  __device__ __forceinline__ int32_t slot_in(const int32_t* row, int32_t req, int32_t pos) const {
+    const int32_t b = block_shift >= 0 ? pos >> block_shift : pos / block_size;
+    if (pos < 0 || req < 0 || req >= num_requests || b >= max_blocks) return -1;
+    const int64_t block = row[b];
+    const int64_t s = block * block_size + (pos - b * block_size);
     return block >= 0 && s <= INT32_MAX ? static_cast<int32_t>(s) : -1;
   }
 };
@@ -76,8 +83,9 @@ __device__ __forceinline__ uint32_t half_key(float v) {
 __device__ __forceinline__ int coarse_bin(float v) { return static_cast<int>(half_key(v) >> 4); }
 
 inline SlotMap slot_map(const PositionsToSlotsArgs& a) {
+  const bool pow2 = a.block_size > 0 && (a.block_size & (a.block_size - 1)) == 0;
   return {a.block_table.ptr<int32_t>(), a.block_table.stride(0), a.block_table.size(0), a.block_table.size(1),
-          a.block_size};
+          a.block_size, pow2 ? __builtin_ctz(static_cast<unsigned>(a.block_size)) : -1};
 }
 
 }  // namespace smla::cuda

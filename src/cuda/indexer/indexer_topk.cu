@@ -285,41 +285,42 @@ __device__ int2 compact_by_bin(const RowSource& src, const RowPlan& plan, Entry*
 // A row of at most kHeldRow scores, read once into registers (one CTA per row): thread i holds `pieces` consecutive
 // 16-byte pieces, positions [first, first + 4 * pieces) with first = 4 * pieces * i, so the CTA's position order
 // is that of (thread, item) and a compaction in position order is one scan of the threads' counts. Every load is
-// issued before any is used.
+// issued before any is used. The loops over the items have no branch per item (the phases' time goes with the
+// instructions each warp issues): items past the row's end are masked out by `valid`.
 struct HeldRow {
   float4 piece[kHeldPieces];
-  int n, pieces, first;
+  int pieces, first;
+  uint32_t valid;  // the bits (see for_each) of the thread's items that lie in the row
 
-  __device__ __forceinline__ HeldRow(const float* row, int count)
-      : n(count), pieces((count + 4 * kThreads - 1) / (4 * kThreads)), first(4 * pieces * threadIdx.x) {
+  __device__ __forceinline__ HeldRow(const float* row, int n)
+      : pieces((n + 4 * kThreads - 1) / (4 * kThreads)), first(4 * pieces * threadIdx.x) {
+    const int items = max(0, min(4 * pieces, n - first));
+    valid = items >= 32 ? ~0u : (1u << items) - 1;
 #pragma unroll
     for (int g = 0; g < kHeldPieces; ++g) {
       piece[g] = make_float4(0.f, 0.f, 0.f, 0.f);
-      if (g < pieces && position(g, 0) < n) piece[g] = reinterpret_cast<const float4*>(row + first)[g];
+      if (g < pieces && first + 4 * g < n) piece[g] = reinterpret_cast<const float4*>(row + first)[g];
     }
   }
-  __device__ __forceinline__ int position(int g, int c) const { return first + 4 * g + c; }
-  __device__ __forceinline__ float score(int g, int c) const {
-    const float4& v = piece[g];
-    return c == 0 ? v.x : c == 1 ? v.y : c == 2 ? v.z : v.w;
-  }
-  // Calls f(bit, score) for the thread's items of the row (bit 4g + c: item c of piece g), in position order.
+  // Calls f(bit, score) for each of the thread's items, those past the row's end too (bit 4g + c: item c of piece
+  // g, position first + bit), in position order.
   template <class F>
   __device__ __forceinline__ void for_each(F&& f) const {
 #pragma unroll
     for (int g = 0; g < kHeldPieces; ++g) {
       if (g >= pieces) break;  // the same for the whole CTA
-#pragma unroll
-      for (int c = 0; c < 4; ++c)
-        if (position(g, c) < n) f(4 * g + c, score(g, c));
+      f(4 * g, piece[g].x);
+      f(4 * g + 1, piece[g].y);
+      f(4 * g + 2, piece[g].z);
+      f(4 * g + 3, piece[g].w);
     }
   }
 };
 static_assert(4 * kHeldPieces <= 32, "a thread's items are the bits of one word");
 
-// The coarse histogram of a held row (hist zeroed).
+// The coarse histogram of a held row (hist zeroed): an item past the row's end adds 0.
 __device__ __forceinline__ void held_histogram(const HeldRow& r, int* hist) {
-  r.for_each([&](int, float v) { atomicAdd(&hist[coarse_bin(v)], 1); });
+  r.for_each([&](int bit, float v) { atomicAdd(&hist[coarse_bin(v)], static_cast<int>((r.valid >> bit) & 1)); });
 }
 
 // A held row's items in bins above the plan's (selected) and in it (candidates), as bit masks of HeldRow::for_each's
@@ -331,10 +332,13 @@ struct HeldClasses {
 
 // compact_by_bin for a held row, from the registers: each thread counts its items of either class (16-bit fields:
 // selected low, candidates high; at most kHeldRow each), one block scan gives it their places (then it calls
-// counted()), and it writes them in position order. The caller synchronises before it reads the copies.
+// counted()), and it writes them in position order: the candidates, and the selected only if `selected_too` (the
+// unsorted order takes them from the returned classes). An item written is read again from the row (a cache hit)
+// in a loop over the set bits: a store per item from the registers took ~19 instructions an item (SASS), every item,
+// where about one in four is written. The caller synchronises before it reads the copies.
 template <class Counted>
-__device__ HeldClasses compact_held(const HeldRow& r, const RowPlan& plan, Entry* first, Entry* second,
-                                    Scan::TempStorage& scan, Counted counted) {
+__device__ HeldClasses compact_held(const HeldRow& r, const float* row, const RowPlan& plan, Entry* first,
+                                    Entry* second, bool selected_too, Scan::TempStorage& scan, Counted counted) {
   static_assert(kHeldRow < (1 << 16), "a class's count over the row fits 16 bits");
   const uint32_t lowest_in = static_cast<uint32_t>(plan.bin) << 4, lowest_above = lowest_in + 16;
   HeldClasses classes;
@@ -342,17 +346,21 @@ __device__ HeldClasses compact_held(const HeldRow& r, const RowPlan& plan, Entry
   r.for_each([&](int bit, float v) {
     const uint32_t key = half_key(v);
     classes.selected |= static_cast<uint32_t>(key >= lowest_above) << bit;
-    classes.candidates |= static_cast<uint32_t>(key >= lowest_in && key < lowest_above) << bit;
+    classes.candidates |= static_cast<uint32_t>(key - lowest_in < 16) << bit;
   });
+  classes.selected &= r.valid;
+  classes.candidates &= r.valid;
   int before;
   Scan(scan).ExclusiveSum(__popc(classes.selected) | __popc(classes.candidates) << 16, before);
   counted();
-  int at1 = before & 0xffff, at2 = before >> 16;
-  r.for_each([&](int bit, float v) {
-    const Entry e{order_key(v), r.first + bit};
-    if ((classes.selected >> bit) & 1) first[at1++] = e;
-    else if ((classes.candidates >> bit) & 1) second[at2++] = e;
-  });
+  const auto write = [&](uint32_t bits, Entry* to) {
+    for (; bits != 0; bits &= bits - 1) {
+      const int pos = r.first + __ffs(bits) - 1;
+      *to++ = Entry{order_key(row[pos]), pos};
+    }
+  };
+  write(classes.candidates, second + (before >> 16));
+  if (selected_too) write(classes.selected, first + (before & 0xffff));
   return classes;
 }
 
@@ -561,6 +569,8 @@ __device__ void place_held(const HeldClasses& classes, const Entry* rest, int ne
   store_striped<kItems>(ordered, want, store);
 }
 
+constexpr int kTableInShared = 2048;  // block-table entries the top-k copies for its fused slots, at most
+
 constexpr int kMinSlice = 16384;      // positions per slice CTA of a shared row, at least (unless forced)
 constexpr int kMinSharedRow = 32768;  // positions of a row a cluster shares, at least (unless forced)
 constexpr int kMinRankSlice = 4096;   // positions per rank of a cluster, at least
@@ -688,6 +698,7 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
   __shared__ int counts[2];          // a cluster rank's selected and candidates
   __shared__ uint32_t candidate_range[2];  // the lowest and highest key of the candidates
   __shared__ int largest_bucket;           // place_by_counting's
+  __shared__ int32_t table[kTableInShared];  // the fused slots' block-table row, when it fits
   SMLA_STAMP_START_END(p, kTopkFirstStart, kTopkLastEnd);
   if (threadIdx.x == 0) {
     key_range[0] = candidate_range[0] = 0xffffffffu;
@@ -706,6 +717,17 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
   // while the scores kernel may still run).
   const int* counted = p.histograms == nullptr ? nullptr : p.histograms + static_cast<int64_t>(t) * kCoarseBins;
   if (counted == nullptr) zero_bins(hist);
+  // The fused slots' block-table row (an input too) into shared memory, when it fits, for the stores at the end: their
+  // table loads then wait on no trip to memory (with the slots, an 8K row's stores took ~1 us longer: H200 stamps).
+  const int32_t request = p.rows.request(t);
+  const int64_t table_blocks =
+      p.slots == nullptr || rank != 0 || request < 0 || request >= p.slot_map.num_requests
+          ? 0
+          : min(p.slot_map.max_blocks, (n + p.slot_map.block_size - 1) / p.slot_map.block_size);
+  const bool table_shared = table_blocks > 0 && table_blocks <= kTableInShared;
+  if (table_shared)
+    for (int i = threadIdx.x; i < table_blocks; i += kThreads)
+      table[i] = p.slot_map.block_table[request * p.slot_map.table_stride + i];
   wait_for_prerequisites();  // launched as the scores kernel's dependent: every score written
   SMLA_STAMP(p, kTopkWaited);
   // The attention, the step's next kernel, may launch now (its CTAs wait for this kernel's end): its launch
@@ -747,7 +769,8 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
     __syncthreads();  // result and hist (marks) are reused below
     SMLA_STAMP(p, kTopkPlan);
     if (plan.fits) {  // 2., here while the scores are in registers
-      held_classes = compact_held(scores, plan, list, list + plan.above, scan, [&] { SMLA_STAMP(p, kTopkCounted); });
+      held_classes = compact_held(scores, row, plan, list, list + plan.above, p.sorted, scan,
+                                  [&] { SMLA_STAMP(p, kTopkCounted); });
       if (!p.sorted)
         for (int i = threadIdx.x; i < kMarkWords; i += kThreads) marks[i] = 0;
     }
@@ -787,7 +810,8 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
   const int above = plan.above, in_bin = plan.in_bin;
 
   // The chosen entries end up in list[0, listed) and rest[0, want - listed), in that order three runs each in
-  // position order: [0, second_run), [second_run, third_run), [third_run, want) (see place_by_position).
+  // position order: [0, second_run), [second_run, third_run), [third_run, want) (see place_by_position); but for a
+  // held row unsorted, list[0, above) is not written (place_held takes those from held_classes).
   Entry* rest;
   int listed = above, second_run = above, third_run = want;
   if (plan.fits) {
@@ -906,7 +930,7 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
 
   // Stores the positions of ranks j * kThreads + threadIdx.x (every rank < p.k: k <= kSortItems * kThreads) and,
   // fused, their slots: every block-table load issued before the first slot store (a store might alias the table).
-  const int32_t request = p.rows.request(t);
+  const int32_t* table_row = table_shared ? table : nullptr;
   const auto store = [&](const int32_t (&position)[kSortItems]) {
     SMLA_STAMP(p, kTopkOrdered);
 #pragma unroll
@@ -918,7 +942,9 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
     }
     int32_t slot[kSortItems];
 #pragma unroll
-    for (int j = 0; j < kSortItems; ++j) slot[j] = p.slot_map.slot(request, position[j]);
+    for (int j = 0; j < kSortItems; ++j)
+      slot[j] = table_row != nullptr ? p.slot_map.slot_in(table_row, request, position[j])
+                                     : p.slot_map.slot(request, position[j]);
 #pragma unroll
     for (int j = 0; j < kSortItems; ++j)
       if (j * kThreads + threadIdx.x < p.k) slots[j * kThreads + threadIdx.x] = slot[j];
