@@ -500,6 +500,7 @@ __device__ bool place_by_counting(const uint32_t (&keys)[kSortItems], const int3
     if (bucket[j] < 0) continue;
     const int end = cursor[bucket[j]];
     int place = hist[bucket[j]];
+#pragma unroll 1  // a bucket holds one or two entries mostly: unrolled, this loop was most of the function's code
     for (int m = place; m < end; ++m) {
       const Entry e = bucketed[m];
       place += e.key > keys[j] || (e.key == keys[j] && e.pos < positions[j]);
@@ -930,7 +931,11 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
 
   // Stores the positions of ranks j * kThreads + threadIdx.x (every rank < p.k: k <= kSortItems * kThreads) and,
   // fused, their slots: every block-table load issued before the first slot store (a store might alias the table).
-  const int32_t* table_row = table_shared ? table : nullptr;
+  // One code path for either copy of the row (a generic load): the stores' code is fetched once per call, and
+  // each variant of it costs time (see docs/performance.md).
+  const int32_t* table_row = table_shared                                   ? table
+                             : request >= 0 && request < p.slot_map.num_requests ? p.slot_map.block_table + request * p.slot_map.table_stride
+                                                                                 : nullptr;
   const auto store = [&](const int32_t (&position)[kSortItems]) {
     SMLA_STAMP(p, kTopkOrdered);
 #pragma unroll
@@ -943,8 +948,7 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
     int32_t slot[kSortItems];
 #pragma unroll
     for (int j = 0; j < kSortItems; ++j)
-      slot[j] = table_row != nullptr ? p.slot_map.slot_in(table_row, request, position[j])
-                                     : p.slot_map.slot(request, position[j]);
+      slot[j] = p.slot_map.slot_in(table_row, request, position[j]);
 #pragma unroll
     for (int j = 0; j < kSortItems; ++j)
       if (j * kThreads + threadIdx.x < p.k) slots[j * kThreads + threadIdx.x] = slot[j];
