@@ -12,14 +12,19 @@
 //   4. a stable radix sort by key orders the k best first, equal scores
 //      toward the lower position — the CPU backend's result; or, unsorted,
 //      a merge of the chosen (runs each in position order) puts them in
-//      position order.
+//      position order (a held row's: one scan, below).
 // Step 1's counts may come from the scores kernel instead (TopkFusion::histograms: indexer_topk and
 // dsa_decode_step, unless the rows are split into slices): it counted each row's bins as it wrote the scores, so
 // the top-k reads 16 KB per row rather than the row (a cluster's ranks each read the whole row's, none sums).
 // A row of at most kHeldRow (16384) positions that one CTA has alone is read
-// from memory once, into registers (HeldRow): steps 1 and 2 take the scores
-// from there (the compaction by per-thread counts and one scan), not from two
-// passes over the row.
+// from memory once, into registers (HeldRow), each thread's positions
+// consecutive: steps 1 and 2 take the scores from there (the compaction one
+// block scan of per-thread counts), not from two passes over the row; unsorted,
+// the chosen candidates are marked in a bitmap of positions and one more scan
+// of per-thread counts places every chosen position in position order.
+// Each phase's time on the H200 follows the instructions its warps execute
+// (see docs/performance.md), so loops over a thread's items have no branch per
+// item and rarely-long loops are not unrolled.
 // When the candidates do not fit in shared memory (many equal scores), the
 // exact radix select runs over the row itself instead (four more passes).
 // Long rows of tokens too few to fill the GPU with one CTA each share steps
@@ -302,6 +307,17 @@ struct HeldRow {
       if (g < pieces && first + 4 * g < n) piece[g] = reinterpret_cast<const float4*>(row + first)[g];
     }
   }
+  // The score of item `bit` (see for_each) by a tree of selects over the registers, one level a bit of the piece's
+  // index: an indexed read of `piece` (or a chain of compares, which the compiler makes one) puts it in local memory.
+  __device__ __forceinline__ float score_of(int bit) const {
+    static_assert(kHeldPieces == 8, "three levels of selects");
+    const auto pick = [](bool second, const float4& a, const float4& b) { return second ? b : a; };
+    const bool b2 = bit & 4, b3 = bit & 8, b4 = bit & 16;
+    const float4 v = pick(b4, pick(b3, pick(b2, piece[0], piece[1]), pick(b2, piece[2], piece[3])),
+                          pick(b3, pick(b2, piece[4], piece[5]), pick(b2, piece[6], piece[7])));
+    const int c = bit & 3;
+    return c == 0 ? v.x : c == 1 ? v.y : c == 2 ? v.z : v.w;
+  }
   // Calls f(bit, score) for each of the thread's items, those past the row's end too (bit 4g + c: item c of piece
   // g, position first + bit), in position order.
   template <class F>
@@ -333,12 +349,13 @@ struct HeldClasses {
 // compact_by_bin for a held row, from the registers: each thread counts its items of either class (16-bit fields:
 // selected low, candidates high; at most kHeldRow each), one block scan gives it their places (then it calls
 // counted()), and it writes them in position order: the candidates, and the selected only if `selected_too` (the
-// unsorted order takes them from the returned classes). An item written is read again from the row (a cache hit)
-// in a loop over the set bits: a store per item from the registers took ~19 instructions an item (SASS), every item,
-// where about one in four is written. The caller synchronises before it reads the copies.
+// unsorted order takes them from the returned classes), in a loop over the set bits (a store per item took ~19
+// instructions an item, SASS, every item, where about one in four is written; reading the items written again from
+// memory made the sorted order's writes slower on the H200: the row is not in L1). The caller synchronises before
+// it reads the copies.
 template <class Counted>
-__device__ HeldClasses compact_held(const HeldRow& r, const float* row, const RowPlan& plan, Entry* first,
-                                    Entry* second, bool selected_too, Scan::TempStorage& scan, Counted counted) {
+__device__ HeldClasses compact_held(const HeldRow& r, const RowPlan& plan, Entry* first, Entry* second,
+                                    bool selected_too, Scan::TempStorage& scan, Counted counted) {
   static_assert(kHeldRow < (1 << 16), "a class's count over the row fits 16 bits");
   const uint32_t lowest_in = static_cast<uint32_t>(plan.bin) << 4, lowest_above = lowest_in + 16;
   HeldClasses classes;
@@ -355,8 +372,8 @@ __device__ HeldClasses compact_held(const HeldRow& r, const float* row, const Ro
   counted();
   const auto write = [&](uint32_t bits, Entry* to) {
     for (; bits != 0; bits &= bits - 1) {
-      const int pos = r.first + __ffs(bits) - 1;
-      *to++ = Entry{order_key(row[pos]), pos};
+      const int bit = __ffs(bits) - 1;
+      *to++ = Entry{order_key(r.score_of(bit)), r.first + bit};
     }
   };
   write(classes.candidates, second + (before >> 16));
@@ -770,7 +787,7 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
     __syncthreads();  // result and hist (marks) are reused below
     SMLA_STAMP(p, kTopkPlan);
     if (plan.fits) {  // 2., here while the scores are in registers
-      held_classes = compact_held(scores, row, plan, list, list + plan.above, p.sorted, scan,
+      held_classes = compact_held(scores, plan, list, list + plan.above, p.sorted, scan,
                                   [&] { SMLA_STAMP(p, kTopkCounted); });
       if (!p.sorted)
         for (int i = threadIdx.x; i < kMarkWords; i += kThreads) marks[i] = 0;
