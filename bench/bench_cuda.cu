@@ -775,9 +775,9 @@ void bench_step(StepCaches& caches, int tokens, int context) {
 #ifdef SMLA_TOPK_STAMPS
 // Where one step's time goes (a build with SMLA_TOPK_STAMPS): the step (`dsa_decode_step`), the step's kernels with
 // the scores counting the top-k's histograms, and the top-k alone on the step's scores (counting, twice in a row, and
-// reading the scores kernel's histograms), each replayed from a one-call CUDA graph `reps` times; per replay the stamps of
-// StepStamp, printed as medians in µs from the scores kernel's first start (the step) or the top-k's (alone), then
-// the top-k's phases from its CTA 0's clock (cycles, and µs at the SM clock the driver reports).
+// reading the scores kernel's histograms), each replayed from a one-call CUDA graph `reps` times; per replay the
+// stamps of StepStamp, printed as medians in µs from the scores kernel's first start (the step) or the top-k's
+// (alone), then the top-k's phases from its CTA 0's clock (cycles, and µs at the SM clock the driver reports).
 void bench_stamps(StepCaches& caches, int tokens, int context, bool sorted, int reps = 50) {
   using namespace smla::cuda;
   const smla::Backend& be = *smla::Registry::global().find("cuda_mma");

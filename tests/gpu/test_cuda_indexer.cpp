@@ -1010,7 +1010,8 @@ TEST(CudaTopk, HeldRowsEqualTheStreamedPath) {
     for (int tokens : {1, 8}) {
       SCOPED_TRACE("context " + std::to_string(n) + ", tokens " + std::to_string(tokens));
       std::vector<CraftedRow> rows = decode_shape_rows(n, tokens);
-      rows.push_back({"ties in few bins", n - 7, [](int64_t, test::Rng& rng) { return static_cast<float>(rng() % 40) / 8.f; }});
+      rows.push_back(
+          {"ties in few bins", n - 7, [](int64_t, test::Rng& rng) { return static_cast<float>(rng() % 40) / 8.f; }});
       for (bool sorted : {true, false})
         for (int k : {2048, 37}) {
           TopkResult held, streamed;

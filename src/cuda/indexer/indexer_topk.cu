@@ -354,8 +354,8 @@ struct HeldClasses {
 // counted()), and it writes them in position order: the candidates, and the selected only if `selected_too` (the
 // unsorted order takes them from the returned classes), in a loop over the set bits (a store per item took ~19
 // instructions an item, SASS, every item, where about one in four is written; reading the items written again from
-// memory made the sorted order's writes slower on the H200: the row is not in L1). The caller synchronises before
-// it reads the copies.
+// memory made the sorted order's writes slower on the H200, the row likely not in L1). The caller synchronises
+// before it reads the copies.
 template <class Counted>
 __device__ HeldClasses compact_held(const HeldRow& r, const RowPlan& plan, Entry* first, Entry* second,
                                     bool selected_too, Scan::TempStorage& scan, Counted counted) {
@@ -741,8 +741,9 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
   // The fused slots' block-table row (an input too) into shared memory, when it fits, for the stores at the end: their
   // table loads then wait on no trip to memory (with the slots, an 8K row's stores took ~1 us longer: H200 stamps).
   const int32_t request = p.rows.request(t);
+  const bool known_request = request >= 0 && request < p.slot_map.num_requests;
   const int64_t table_blocks =
-      p.slots == nullptr || rank != 0 || request < 0 || request >= p.slot_map.num_requests
+      p.slots == nullptr || rank != 0 || !known_request
           ? 0
           : min(p.slot_map.max_blocks, (n + p.slot_map.block_size - 1) / p.slot_map.block_size);
   const bool table_shared = table_blocks > 0 && table_blocks <= kTableInShared;
@@ -954,11 +955,10 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
 
   // Stores the positions of ranks j * kThreads + threadIdx.x (every rank < p.k: k <= kSortItems * kThreads) and,
   // fused, their slots: every block-table load issued before the first slot store (a store might alias the table).
-  // One code path for either copy of the row (a generic load): the stores' code is fetched once per call, and
-  // each variant of it costs time (see docs/performance.md).
-  const int32_t* table_row = table_shared                                   ? table
-                             : request >= 0 && request < p.slot_map.num_requests ? p.slot_map.block_table + request * p.slot_map.table_stride
-                                                                                 : nullptr;
+  // One code path for either copy of the row, by a generic load (the two inlined apart were twice the code).
+  const int32_t* table_row = table_shared    ? table
+                             : known_request ? p.slot_map.block_table + request * p.slot_map.table_stride
+                                             : nullptr;
   const auto store = [&](const int32_t (&position)[kSortItems]) {
     SMLA_STAMP(p, kTopkOrdered);
 #pragma unroll
