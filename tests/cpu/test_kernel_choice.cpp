@@ -4,6 +4,8 @@
 #include <gtest/gtest.h>
 
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "cuda/emulation.h"
@@ -33,7 +35,7 @@ AttentionKernel expected_kernel(const KernelLimits& l, const KernelShape& s) {
     return AttentionKernel::small_heads;
   const bool sixteen_bit = s.format == CacheFormat::bf16 || s.format == CacheFormat::f16;
   if (s.heads >= kWideMinHeads && s.tokens * s.heads >= kWideMinRows && l.compute_capability == 90 &&
-      l.sm90a_code && sixteen_bit)
+      l.sm90a_code && (sixteen_bit || kWgmmaAutomaticForFp8))
     return AttentionKernel::wgmma;
   if (s.heads >= kWideMinHeads && s.tokens * s.heads >= kWideMinRows &&
       wide_smem(s.format, s.rope, 2) <= l.max_smem_per_block)
@@ -76,7 +78,7 @@ TEST(KernelChoice, AutomaticOnEveryArch) {
                             l.compute_capability == 90 && d.chosen.kernel != AttentionKernel::wgmma && i == wgmma_at);
                   if (r.kernel != AttentionKernel::wgmma) continue;
                   const Rejected why = !sm90a_code                  ? Rejected::no_sm90a_code
-                                       : !sixteen_bit               ? Rejected::cache_format
+                                       : !sixteen_bit && !kWgmmaAutomaticForFp8 ? Rejected::cache_format
                                        : heads < kWideMinHeads      ? Rejected::too_few_heads
                                                                     : Rejected::too_few_rows;
                   EXPECT_EQ(r.why, why);
@@ -84,8 +86,7 @@ TEST(KernelChoice, AutomaticOnEveryArch) {
                 // Where the wgmma kernel runs, the wide tile (after the small-heads kernel) is named as beaten by it.
                 if (d.chosen.kernel == AttentionKernel::wgmma)
                   EXPECT_EQ(rejection_text(d.rejected[1], d.chosen, 90),
-                            "not chosen: 64+ heads at 4,096+ query rows x heads take the wgmma kernel (sm_90a code, "
-                            "16-bit caches)");
+                            "not chosen: 64+ heads at 4,096+ query rows x heads take the wgmma kernel (sm_90a code)");
               }
 }
 
@@ -149,9 +150,10 @@ TEST(KernelChoice, ForcedKernelsAndDepths) {
   EXPECT_FALSE(choose_attention_kernel(limits_of("sm_86"), small).ok());
 }
 
-// The wgmma kernel forced: on sm_90 with sm_90a code and 16-bit caches; 64 heads per CTA, 8 warps, 225 KB
-// (576-wide heads) or 201 KB, one CTA per SM. Elsewhere a forced wgmma kernel is no choice, and why: the arch, the
-// code loaded on sm_90, or the cache format.
+// The wgmma kernel forced: on sm_90 with sm_90a code, every cache format; 64 heads per CTA, 8 warps, 225 KB
+// (576-wide heads) or 201 KB for 16-bit caches, 194 KB, 170 KB or 174 KB for fp8 ones (one key tile and a staging
+// buffer), one CTA per SM. Elsewhere a forced wgmma kernel is no choice, and why: the arch, or the code loaded on
+// sm_90.
 TEST(KernelChoice, WgmmaForcedOnHopperWithSm90aCode) {
   for (CacheFormat f : {CacheFormat::bf16, CacheFormat::f16})
     for (int rope : {0, 64}) {
@@ -183,16 +185,19 @@ TEST(KernelChoice, WgmmaForcedOnHopperWithSm90aCode) {
       EXPECT_EQ(rejection_text(no_code.rejected[0], no_code.chosen, 90),
                 "needs sm_90a code (wgmma); this library's code for sm_90 has none (built without 90a, or PTX only)");
     }
-  const KernelDecision fp8 =
-      choose_attention_kernel(limits_of("sm_90"), {CacheFormat::fp8_ds_mla, 64, false, 2, 64, {AttentionKernel::wgmma}});
-  EXPECT_FALSE(fp8.ok());
-  EXPECT_EQ(fp8.rejected[0].why, Rejected::cache_format);
-  EXPECT_EQ(rejection_text(fp8.rejected[0], fp8.chosen, 90), "reads bf16 and f16 caches only");
+  for (const auto& [f, rope, smem] : {std::tuple{CacheFormat::fp8_ds_mla, 64, 198656},
+                                      {CacheFormat::fp8_ds_mla, 0, 174080}, {CacheFormat::fp8_ds_mla_v4, 0, 178176}}) {
+    const KernelDecision fp8 = choose_attention_kernel(limits_of("sm_90"), {f, rope, false, 2, 64, {AttentionKernel::wgmma}});
+    ASSERT_TRUE(fp8.ok());
+    EXPECT_EQ(fp8.chosen.kernel, AttentionKernel::wgmma);
+    EXPECT_EQ(fp8.chosen.smem, smem);
+    EXPECT_EQ(fp8.chosen.ctas_per_sm, 1);
+  }
 }
 
 // Automatic on sm_90: the wgmma kernel wherever the wide tile would run with a 16-bit cache (DeepSeek-V3.2's 128
-// heads from 32 tokens on, 64 heads from 64, prefill, paged), the wide tile for fp8 caches and where the code has no
-// sm_90a features, the 16-head tile below the wide rule's rows; each time the wgmma kernel is named with why not.
+// heads from 32 tokens on, 64 heads from 64, prefill, paged), the wide tile for fp8 caches (while
+// kWgmmaAutomaticForFp8 is off) and where the code has no sm_90a features, the 16-head tile below the wide rule's rows; each time the wgmma kernel is named with why not.
 TEST(KernelChoice, WgmmaAutomaticOnHopper) {
   const KernelLimits hopper = limits_of("sm_90"), no_code = limits_of("sm_90", false);
   for (CacheFormat f : {CacheFormat::bf16, CacheFormat::f16})
@@ -210,9 +215,15 @@ TEST(KernelChoice, WgmmaAutomaticOnHopper) {
         EXPECT_EQ(old.rejected[1].why, Rejected::no_sm90a_code);
       }
   const KernelDecision fp8 = choose_attention_kernel(hopper, {CacheFormat::fp8_ds_mla, 64, false, 128, 128, {}});
-  EXPECT_EQ(fp8.chosen.kernel, AttentionKernel::wide_tile);
-  EXPECT_EQ(fp8.rejected[1].kernel, AttentionKernel::wgmma);
-  EXPECT_EQ(rejection_text(fp8.rejected[1], fp8.chosen, 90), "reads bf16 and f16 caches only");
+  if (kWgmmaAutomaticForFp8) {
+    EXPECT_EQ(fp8.chosen.kernel, AttentionKernel::wgmma);
+  } else {
+    EXPECT_EQ(fp8.chosen.kernel, AttentionKernel::wide_tile);
+    EXPECT_EQ(fp8.rejected[1].kernel, AttentionKernel::wgmma);
+    EXPECT_EQ(rejection_text(fp8.rejected[1], fp8.chosen, 90),
+              "not chosen: automatic for bf16 and f16 caches only (fp8 caches: forced, until measured faster than the "
+              "wide tile)");
+  }
   const KernelDecision one = choose_attention_kernel(hopper, {CacheFormat::bf16, 64, false, 1, 128, {}});
   EXPECT_EQ(one.chosen.kernel, AttentionKernel::head_tile);
   EXPECT_EQ(one.rejected[1].kernel, AttentionKernel::wgmma);

@@ -1021,19 +1021,20 @@ TEST(CudaSparseMlaWideTile, AutomaticChoiceAndSecondCache) {
 
 // The wgmma kernel (sm_90a: 64 heads per CTA, two warpgroups, 64-key chunks) forced: head counts that fill one tile,
 // two, pad one (100: a tile of 36) or half of one (32); top-k of one chunk, of a chunk and a part, of 32 chunks;
-// 1, 3 and 62 tokens; bf16 and f16 caches and queries; both rope widths; block sizes; invalid indices and
-// NaN-poisoned unused slots (run_sparse's), outputs pre-filled with NaN, topk_length, sinks, strided queries,
-// max_logits, both empty-row lse conventions. Skipped only where the device cannot run wgmma.
+// 1, 3 and 62 tokens; bf16, f16, fp8_ds_mla (dequantised into the key tile) and fp8_ds_mla_v4 caches, bf16 and f16
+// queries; both rope widths; block sizes; invalid indices and NaN-poisoned unused slots (run_sparse's; with fp8 the
+// envelope's rope bytes without rope), outputs pre-filled with NaN, topk_length, sinks, strided queries, max_logits,
+// both empty-row lse conventions. Skipped only where the device cannot run wgmma.
 TEST(CudaSparseMlaWgmma, HeadsFormatsTopk) {
   if (!cuda::attention_wgmma_available()) GTEST_SKIP() << "needs a Hopper GPU and the library built for sm_90a";
   uint64_t seed = 2600;
   int n = 0;
-  for (DType kv : {DType::bf16, DType::f16})
+  for (DType kv : {DType::bf16, DType::f16, DType::fp8_ds_mla, DType::fp8_ds_mla_v4})
     for (int heads : {32, 64, 100, 128})
       for (int topk : {64, 100, 2048}) {
         Problem p;
         p.kv_dtype = kv;
-        p.rope = n % 3 == 2 ? 0 : kMlaRopeDim;
+        p.rope = kv == DType::fp8_ds_mla_v4 || n % 3 == 2 ? 0 : kMlaRopeDim;
         p.heads = heads;
         p.topk = topk;
         p.tokens = topk == 2048 ? (n % 2 ? 1 : 3) : (n % 2 ? 62 : 3);
@@ -1048,38 +1049,36 @@ TEST(CudaSparseMlaWgmma, HeadsFormatsTopk) {
       }
 }
 
-// The wgmma kernel's splits (64-key chunks: 32 of them).
+// The wgmma kernel's splits (64-key chunks: 32 of them), both cache kinds.
 TEST(CudaSparseMlaWgmma, ForcedSplits) {
   if (!cuda::attention_wgmma_available()) GTEST_SKIP() << "needs a Hopper GPU and the library built for sm_90a";
   uint64_t seed = 2700;
-  EXPECT_TRUE(expect_forced_splits(cuda::AttentionKernel::wgmma, DType::bf16, 32, false, seed));
+  for (DType kv : {DType::bf16, DType::fp8_ds_mla})
+    EXPECT_TRUE(expect_forced_splits(cuda::AttentionKernel::wgmma, kv, 32, false, seed));
 }
 
-// Dense paged decode on the wgmma kernel: causal s_q > 1 (each step its own visible length), non-causal, both
-// 16-bit caches, padded head tiles, rope-free heads.
+// Dense paged decode on the wgmma kernel: causal s_q > 1 (each step its own visible length), non-causal, 16-bit and
+// fp8 caches, padded head tiles, rope-free heads.
 TEST(CudaPagedDecodeWgmma, MatchesCpu) {
   if (!cuda::attention_wgmma_available()) GTEST_SKIP() << "needs a Hopper GPU and the library built for sm_90a";
   uint64_t seed = 2800;
   const cuda::AttentionChoice wgmma{cuda::AttentionKernel::wgmma};
-  for (DType kv : {DType::bf16, DType::f16})
+  for (DType kv : {DType::bf16, DType::f16, DType::fp8_ds_mla})
     for (int s_q : {1, 3}) run_paged(DType::bf16, kv, 2, s_q, s_q == 1 ? 64 : 100, 16, true, seed++, kMlaRopeDim, wgmma);
   run_paged(DType::f16, DType::bf16, 3, 2, 128, 64, false, seed++, kMlaRopeDim, wgmma);
   run_paged(DType::bf16, DType::bf16, 2, 4, 64, 1, true, seed++, 0, wgmma);
+  run_paged(DType::bf16, DType::fp8_ds_mla, 2, 4, 64, 1, true, seed++, 0, wgmma);
+  run_paged(DType::bf16, DType::fp8_ds_mla_v4, 2, 3, 64, 61, true, seed++, 0, wgmma);
 }
 
-// Forced where it cannot run, the wgmma kernel is an error that says why: off Hopper (or without sm_90a code) its
-// arch, on Hopper an fp8 cache.
+// Forced where it cannot run (off Hopper, or without sm_90a code), the wgmma kernel is an error that says why.
 TEST(CudaSparseMlaWgmma, UnsupportedIsAnError) {
+  if (cuda::attention_wgmma_available()) GTEST_SKIP() << "runs here (every cache format)";
   Problem p;
   p.heads = 64;
   p.kernel = {cuda::AttentionKernel::wgmma};
   p.skip_beyond_device = false;
-  if (!cuda::attention_wgmma_available()) {
-    test::expect_error([&] { run_sparse(p, 2900); }, ErrorKind::unsupported, {"wgmma kernel", "needs a Hopper GPU"});
-    return;
-  }
-  p.kv_dtype = DType::fp8_ds_mla;
-  test::expect_error([&] { run_sparse(p, 2901); }, ErrorKind::unsupported, {"wgmma kernel", "bf16 and f16 caches only"});
+  test::expect_error([&] { run_sparse(p, 2900); }, ErrorKind::unsupported, {"wgmma kernel", "sm_90a"});
 }
 
 // The probe of the loaded code (wg::sm90a_code_loaded) against the build: on a Hopper GPU (not emulated) a build

@@ -228,7 +228,8 @@ TEST(CudaEmulation, PlanIsTheKernelChoice) {
     for (int rope : {kMlaRopeDim, 0})
       for (bool paged : {false, true})
         for (cuda::AttentionKernel kernel : {cuda::AttentionKernel::automatic, cuda::AttentionKernel::head_tile,
-                                             cuda::AttentionKernel::small_heads, cuda::AttentionKernel::wide_tile})
+                                             cuda::AttentionKernel::small_heads, cuda::AttentionKernel::wide_tile,
+                                             cuda::AttentionKernel::wgmma})
           for (int heads : {1, 8, 16, 32, 64, 128})
             for (int tokens : {1, 16, 64, 256}) {
               if (kv == DType::fp8_ds_mla_v4 && rope != 0) continue;

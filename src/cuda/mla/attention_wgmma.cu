@@ -1,5 +1,5 @@
-// Instantiations and launch configuration of the wgmma MLA attention kernel (16-bit caches; sm_90a code only, a
-// trap elsewhere, which the host never launches).
+// Instantiations and launch configuration of the wgmma MLA attention kernel (every cache format; sm_90a code only,
+// a trap elsewhere, which the host never launches).
 #include <map>
 #include <mutex>
 #include <string>
@@ -32,15 +32,11 @@ __global__ void sm90a_code_probe(int* never_written) {
 #endif
 }
 
-template <CacheFormat F, int kRope, bool kPaged>
-Kernel kernel_for() {
-  if constexpr (is_fp8(F)) return nullptr;  // not yet: fp8 rows would be dequantised into the key tile
-  else return wgmma_attention_kernel<F, kRope, kPaged>;
-}
-
 Kernel select(CacheFormat f, int rope, bool paged) {
   // [&]: a capture-less lambda's conversion to a function pointer draws nvcc warning 445 for each instance
-  return instance_for(f, rope, paged, [&]<CacheFormat F, int kRope, bool kPaged>() { return kernel_for<F, kRope, kPaged>(); });
+  return instance_for(f, rope, paged, [&]<CacheFormat F, int kRope, bool kPaged>() {
+    return static_cast<Kernel>(wgmma_attention_kernel<F, kRope, kPaged>);
+  });
 }
 
 // Why this device cannot run the kernel for `f`, or empty.
@@ -51,10 +47,9 @@ std::string unavailable(CacheFormat f, int rope) {
            std::to_string(dev.compute_capability);
   if (!sm90a_code_loaded())
     return "needs sm_90a code, and the code loaded for this sm_90 device has none (90-real SASS or older PTX)";
-  if (is_fp8(f)) return "reads bf16 and f16 caches only (fp8 caches: not yet)";
-  if (WgmmaLayout(rope).total > dev.max_smem_per_block)
-    return "needs " + std::to_string(WgmmaLayout(rope).total) + " bytes of shared memory per block; this device allows " +
-           std::to_string(dev.max_smem_per_block);
+  if (WgmmaLayout(f, rope).total > dev.max_smem_per_block)
+    return "needs " + std::to_string(WgmmaLayout(f, rope).total) +
+           " bytes of shared memory per block; this device allows " + std::to_string(dev.max_smem_per_block);
   return {};
 }
 
@@ -90,7 +85,7 @@ const WgmmaConfig* find_wgmma_config(CacheFormat f, int rope, bool paged) {
   if (it == configs.end()) {
     WgmmaConfig cfg;
     if (unavailable(f, rope).empty()) {
-      const int bytes = WgmmaLayout(rope).total;
+      const int bytes = WgmmaLayout(f, rope).total;
       const Kernel fn = select(f, rope, paged);
       allow_dynamic_smem(reinterpret_cast<const void*>(fn), bytes);
       const int ctas = resident_ctas_per_sm(reinterpret_cast<const void*>(fn), kWgmmaThreads, bytes);

@@ -71,7 +71,8 @@ KernelVariant small_heads(const KernelLimits& l, const KernelShape& s) {
   return two.ctas_per_sm > 0 && two.ctas_per_sm >= one.ctas_per_sm ? two : one;
 }
 
-// The wgmma kernel: Hopper only, with sm_90a code; 16-bit caches, two key buffers of 64 keys.
+// The wgmma kernel: Hopper only, with sm_90a code; 64-key chunks (16-bit caches: two key buffers; fp8: one and a
+// staging buffer).
 KernelVariant wgmma(const KernelLimits& l, const KernelShape& s) {
   if (l.compute_capability != 90 || !l.sm90a_code) return {};
   const KernelVariant v = fit(l, AttentionKernel::wgmma, kWgmmaHeadsPerCta, kWideThreads, 2, 0,
@@ -90,12 +91,11 @@ KernelVariant variant(const KernelLimits& l, const KernelShape& s, AttentionKern
   return {};
 }
 
-// Why kernel `k` cannot run `s` at all (it is no variant): the wgmma kernel's arch, code or cache format, else its
-// shared memory (`need`: the least it needs).
+// Why kernel `k` cannot run `s` at all (it is no variant): the wgmma kernel's arch or code, else its shared memory
+// (`need`: the least it needs).
 Rejection unfit(const KernelLimits& l, const KernelShape& s, AttentionKernel k, int need) {
   if (k == AttentionKernel::wgmma && l.compute_capability != 90) return {k, Rejected::arch};
   if (k == AttentionKernel::wgmma && !l.sm90a_code) return {k, Rejected::no_sm90a_code};
-  if (k == AttentionKernel::wgmma && need == 0) return {k, Rejected::cache_format};
   return {k, Rejected::smem, need, l.max_smem_per_block};
 }
 
@@ -173,8 +173,12 @@ KernelDecision choose_attention_kernel(const KernelLimits& l, const KernelShape&
   const int min_tokens = s.rope ? kSmallMinTokens : kSmallMinTokensNoRope;
   for (AttentionKernel k : kOrder) {
     if (k == AttentionKernel::wgmma && l.compute_capability != 90) continue;  // named on Hopper only
-    if (k == AttentionKernel::wgmma && (!l.sm90a_code || wgmma_smem(s.format, s.rope) == 0)) {  // cannot run it
-      d.rejected[static_cast<size_t>(d.num_rejected++)] = unfit(l, s, k, 0);
+    if (k == AttentionKernel::wgmma && !l.sm90a_code) {  // the lasting reasons first
+      reject(k, Rejected::no_sm90a_code);
+      continue;
+    }
+    if (k == AttentionKernel::wgmma && fp8(s.format) && !kWgmmaAutomaticForFp8) {
+      reject(k, Rejected::cache_format);
       continue;
     }
     if (d.ok()) {  // need: the winner's threshold
@@ -237,7 +241,9 @@ std::string rejection_text(const Rejection& r, const KernelVariant& chosen, int 
   switch (r.why) {
     case Rejected::forced_other: return "not chosen: the " + won + " was forced";
     case Rejected::cache_format:
-      if (r.kernel == AttentionKernel::wgmma) return "reads bf16 and f16 caches only";
+      if (r.kernel == AttentionKernel::wgmma)
+        return "not chosen: automatic for bf16 and f16 caches only (fp8 caches: forced, until measured faster than "
+               "the wide tile)";
       return std::string("not chosen: automatic for fp8_ds_mla") + (kSmallAutomaticForV4 ? " and fp8_ds_mla_v4" : "") +
              " caches only";
     case Rejected::arch: return "needs sm_90a (wgmma); this is " + arch_text(cc);
@@ -261,7 +267,7 @@ std::string rejection_text(const Rejection& r, const KernelVariant& chosen, int 
                std::to_string(r.need) + " query rows on take the small-heads kernel";
       return "not chosen: " + std::to_string(r.need) + "+ heads at " + with_commas(kWideMinRows) +
              "+ query rows x heads take the " + won +
-             (chosen.kernel == AttentionKernel::wgmma ? " (sm_90a code, 16-bit caches)" : "");
+             (chosen.kernel == AttentionKernel::wgmma ? " (sm_90a code)" : "");
   }
   return {};
 }

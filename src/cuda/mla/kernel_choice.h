@@ -41,8 +41,10 @@ inline constexpr int64_t kWideMinRows = 4096;
 // do: off (small::kAutomaticForV4 says why).
 inline constexpr bool kSmallAutomaticForV4 = false;
 inline constexpr int kHeadsPerCtaTile = 16, kWideHeadsPerCta = 64, kWgmmaHeadsPerCta = 64;
-// The wgmma kernel (sm_90a code, 16-bit caches) takes the wide tile's place under the same head and row thresholds:
-// on an H200 it was 9-11% faster on every bf16 row (docs/performance.md).
+// The wgmma kernel (sm_90a code) takes the wide tile's place under the same head and row thresholds for 16-bit
+// caches: on an H200 it was 9-11% faster on every bf16 row (docs/performance.md). For fp8 caches (dequantised into
+// its key tile) only once measured faster than the wide tile there: until then forced only.
+inline constexpr bool kWgmmaAutomaticForFp8 = false;
 // Registers per thread, at most, over every instance and arch (ptxas -v; the wide tile's are capped at 255 by its
 // launch bounds of one CTA per SM, the small-heads kernel's with the dim split at 128 by its bounds of two).
 inline constexpr int kHeadTileRegisters = 171, kWideRegisters = 255, kSmallHeads16Registers = 255,
@@ -70,7 +72,7 @@ struct KernelVariant {
 // other_kernel_won: the chosen kernel's threshold).
 enum class Rejected {
   forced_other,      // another kernel was forced
-  cache_format,      // the small-heads kernel reads fp8_ds_mla caches only (automatically); wgmma 16-bit ones
+  cache_format,      // the small-heads kernel: fp8_ds_mla caches only (automatically); wgmma: 16-bit ones (ditto)
   arch,              // the wgmma kernel: sm_90 only
   no_sm90a_code,     // the wgmma kernel on sm_90 where the loaded code lacks sm_90a's features
   too_many_heads,    // the small-heads kernel: more heads than kMaxHeadsAutomatic
@@ -99,7 +101,8 @@ struct KernelDecision {
 // kSmallAutomaticForV4) up to small::kMaxHeadsAutomatic heads from
 // small::kMinTokensAutomatic query rows on (kMinTokensAutomaticNoRope for 512-wide heads), where it fits; else
 // from wide::kMinHeadsAutomatic heads and wide::kMinRowsAutomatic query rows x heads on the wgmma kernel (sm_90 with
-// sm_90a code, 16-bit caches), or the wide tile where it fits; else the 16-head tile. Depths: the 16-head tile
+// sm_90a code; 16-bit caches, fp8 ones while kWgmmaAutomaticForFp8), or the wide tile where it fits; else the
+// 16-head tile. Depths: the 16-head tile
 // the deepest that keeps two CTAs per SM (or the most that fit), the wide tile the deepest that fits, the
 // small-heads kernel the deepest that keeps the most CTAs per SM (at 8 heads the dim split where it keeps as many).
 // A forced kernel or depth is taken as given; one that does not fit is no choice (not ok()).
@@ -147,11 +150,9 @@ constexpr int wide_smem(CacheFormat f, int rope, int stages) {
   return tables::kWideSmem[tables::format_row(f)][rope ? 1 : 0][stages - 2];
 }
 
-// The wgmma kernel (two key buffers; 16-bit caches only), by rope width 0 and 64.
-inline constexpr int kWgmmaSmem[2] = {205824, 230400};
-constexpr int wgmma_smem(CacheFormat f, int rope) {
-  return f == CacheFormat::bf16 || f == CacheFormat::f16 ? kWgmmaSmem[rope ? 1 : 0] : 0;
-}
+// The wgmma kernel (two key buffers; fp8: one, and a staging buffer), by [format][rope 0, 64].
+inline constexpr int kWgmmaSmem[3][2] = {{205824, 230400}, {174080, 198656}, {178176, 0}};
+constexpr int wgmma_smem(CacheFormat f, int rope) { return kWgmmaSmem[tables::format_row(f)][rope ? 1 : 0]; }
 
 constexpr int small_heads_smem(CacheFormat f, int rope, int heads_per_cta, int split_dims, int stages) {
   if (stages < 2 || stages > 4) return 0;
