@@ -22,13 +22,13 @@ using Kernel = void (*)(AttentionParams);
 // JIT-compiled, e.g. the Python package's compute_80 PTX or CUDA_FORCE_PTX_JIT), and not binaryVersion/ptxVersion
 // (90 for sm_90 and sm_90a alike). It shares the wgmma kernels' translation unit, so the runtime picks its code from
 // the same fatbin the same way. Never launched.
-constexpr int kSm90aMarkWords = 32;
 __global__ void sm90a_code_probe(int* never_written) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  __shared__ int mark[kSm90aMarkWords];
-  mark[threadIdx.x % kSm90aMarkWords] = static_cast<int>(threadIdx.x);
+  constexpr int kMarkWords = 32;
+  __shared__ int mark[kMarkWords];
+  mark[threadIdx.x % kMarkWords] = static_cast<int>(threadIdx.x);
   __syncthreads();
-  never_written[threadIdx.x] = mark[(threadIdx.x + 1) % kSm90aMarkWords];
+  never_written[threadIdx.x] = mark[(threadIdx.x + 1) % kMarkWords];
 #endif
 }
 
