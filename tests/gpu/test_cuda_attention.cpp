@@ -994,9 +994,11 @@ TEST(CudaSparseMlaWideTile, AutomaticChoiceAndSecondCache) {
         const bool wide = many == cuda::AttentionKernel::wide_tile || many == cuda::AttentionKernel::wgmma;
         if (wide) EXPECT_EQ(plan.kernel, many);
         else EXPECT_TRUE(plan.kernel == cuda::AttentionKernel::head_tile || plan.kernel == cuda::AttentionKernel::small_heads);
-        // Hopper with sm_90a code: the wgmma kernel for the bf16 cache wherever the wide rule holds, never for fp8.
+        // Hopper with sm_90a code: the wgmma kernel for the bf16 cache wherever the wide rule holds, for fp8 only while
+        // kWgmmaAutomaticForFp8.
         if (cuda::attention_wgmma_available())
-          EXPECT_EQ(plan.kernel == cuda::AttentionKernel::wgmma, kv == DType::bf16 && heads >= 64 && tokens * heads >= 4096);
+          EXPECT_EQ(plan.kernel == cuda::AttentionKernel::wgmma,
+                    (kv == DType::bf16 || cuda::mla::kWgmmaAutomaticForFp8) && heads >= 64 && tokens * heads >= 4096);
         if (heads < cuda::mla::wide::kMinHeadsAutomatic || tokens * heads < cuda::mla::wide::kMinRowsAutomatic)
           EXPECT_FALSE(wide);
         if (wide) {
@@ -1093,7 +1095,8 @@ TEST(CudaSparseMlaWgmma, Sm90aCodeFoundWhereBuilt) {
 
 // Chosen by itself on Hopper with sm_90a code: the wgmma kernel for 16-bit caches wherever the wide rule holds
 // (128 heads from 32 query rows on, 64 from 64; sparse and paged), matching the CPU backend there; an fp8 cache keeps
-// the wide tile, one token of 128 heads the 16-head tile. Elsewhere (or without sm_90a code) never chosen.
+// the wide tile (while kWgmmaAutomaticForFp8 is off), one token of 128 heads the 16-head tile. Elsewhere (or without
+// sm_90a code) never chosen.
 TEST(CudaSparseMlaWgmma, AutomaticChoiceMatchesCpu) {
   const bool runs = cuda::attention_wgmma_available();
   uint64_t seed = 3000;
@@ -1118,7 +1121,7 @@ TEST(CudaSparseMlaWgmma, AutomaticChoiceMatchesCpu) {
     a.indices = TensorView(nullptr, {tokens, 2048}, DType::i32, Device::cuda(0));
     return cuda::sparse_mla_plan(a).kernel;
   };
-  EXPECT_NE(plan_of(DType::fp8_ds_mla, 128), cuda::AttentionKernel::wgmma);
+  EXPECT_EQ(plan_of(DType::fp8_ds_mla, 128) == cuda::AttentionKernel::wgmma, runs && cuda::mla::kWgmmaAutomaticForFp8);
   EXPECT_EQ(plan_of(DType::bf16, 1), cuda::AttentionKernel::head_tile);
   EXPECT_EQ(plan_of(DType::bf16, 128) == cuda::AttentionKernel::wgmma, runs);
   // Paged: 32 requests of one query of 128 heads (4,096 rows x heads).
