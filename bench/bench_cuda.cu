@@ -929,7 +929,7 @@ int main(int argc, char** argv) {
     const int64_t slots = int64_t{1} << 20;  // 1.2 GB of bf16 rows: gathers miss L2
     const AttentionChoice head_tile{AttentionKernel::head_tile, 0}, wide{AttentionKernel::wide_tile, 0},
         wgmma{AttentionKernel::wgmma};
-    // The wgmma kernel's rows where it runs (Hopper, sm_90a code, 16-bit caches).
+    // The wgmma kernel's rows where it runs (Hopper, sm_90a code).
     const bool wgmma_rows = smla::cuda::attention_wgmma_available();
     for (smla::DType kv : {smla::DType::bf16, smla::DType::fp8_ds_mla}) {
       if (!all_attention) break;
@@ -954,12 +954,11 @@ int main(int argc, char** argv) {
       }
       // One token's latency against the number of key splits (the op picks 64 for 2048 keys: one chunk of 32 each).
       for (int splits : {1, 4, 8, 16, 32, 64}) bench_sparse("1 token (splits)", cache, 1, 8, 2048, c, {{}, 0, 0, 0, splits});
-      // The compute-bound rows (issue 19) as the op picks, then on the 16-head-tile and the wide-tile kernel forced.
+      // The compute-bound rows (issue 19) as the op picks, then on the 16-head-tile, wide-tile and wgmma kernels forced.
       for (int h : {64, 128})
         for (int t : {64, 128})
           for (AttentionChoice k : {AttentionChoice{}, head_tile, wide, wgmma})
-            if (k.kernel != AttentionKernel::wgmma || (wgmma_rows && kv == smla::DType::bf16))
-              bench_sparse("decode (compute)", cache, t, h, 2048, c, k);
+            if (k.kernel != AttentionKernel::wgmma || wgmma_rows) bench_sparse("decode (compute)", cache, t, h, 2048, c, k);
       for (int stages : {2, 3}) bench_sparse("decode (wide depth)", cache, 128, 128, 2048, c, {AttentionKernel::wide_tile, stages});
       for (int h : {8, 16}) bench_sparse("prefill 32K", cache, 4096, h, 2048, c, {}, 32768);
       if (kv == smla::DType::bf16)
@@ -970,7 +969,7 @@ int main(int argc, char** argv) {
       bench_paged("dense paged (head tile)", cache, 128, 8192, 16, c, head_tile);
       bench_paged("dense paged (head tile)", cache, 128, 8192, 128, c, head_tile);
       bench_paged("dense paged (wide)", cache, 128, 8192, 128, c, wide);
-      if (wgmma_rows && kv == smla::DType::bf16) bench_paged("dense paged (wgmma)", cache, 128, 8192, 128, c, wgmma);
+      if (wgmma_rows) bench_paged("dense paged (wgmma)", cache, 128, 8192, 128, c, wgmma);
     }
     // GLM-5.3-Flash under TP 8: 8 rope-free heads of 512; its pooled top-k attends 2048 tokens of whole pools and
     // up to 3 of the incomplete last one.

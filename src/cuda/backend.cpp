@@ -29,15 +29,17 @@ std::vector<std::string> attention_kernel_notes(const AttentionSpec& spec, const
     if (a.compute_capability / 10 == cc / 10 && a.compute_capability <= cc) arch = a;
   }
   if (arch.compute_capability == 0) return {};
+  // An arch, not a loaded library: whether sm_90 runs sm_90a code is the build's arch list's answer.
+  const bool sm90a = arch.compute_capability == 90 && mla::sm90a_code_built();
   const mla::KernelLimits limits{arch.compute_capability, arch.max_smem_per_block, arch.max_smem_per_sm,
-                                 arch.max_threads_per_sm, arch.max_ctas_per_sm};
+                                 arch.max_threads_per_sm, arch.max_ctas_per_sm, sm90a};
   const DType kv = run.resolved_kv_cache_dtype();
   const mla::CacheFormat format = kv == DType::bf16 ? mla::CacheFormat::bf16
                                   : kv == DType::f16 ? mla::CacheFormat::f16
                                   : kv == DType::fp8_ds_mla_v4 ? mla::CacheFormat::fp8_ds_mla_v4
                                                                : mla::CacheFormat::fp8_ds_mla;
   const int rope = spec.absorbed_qk_dim() == kMlaQkDim ? kMlaRopeDim : 0;
-  const std::string arch_text = "sm_" + std::to_string(arch.compute_capability) + (cc == 90 ? "a" : "");
+  const std::string arch_text = "sm_" + std::to_string(arch.compute_capability) + (sm90a ? "a" : "");
   std::vector<std::string> lines;
   for (int64_t tokens : {int64_t{1}, int64_t{4096}}) {
     const mla::KernelDecision d =

@@ -9,13 +9,13 @@ void write_mla_cache(const WriteMlaCacheArgs& args);
 // Which kernel the attention ops run: as mla::choose_attention_kernel (cuda/mla/kernel_choice.h) picks it, the
 // choice `smla explain` reports (the small-heads kernel for fp8 caches up to 32 heads from 16 query tokens on, 64
 // for rope-free heads and fp8_ds_mla_v4, where the device fits it; the wide-tile kernel, 64 heads per CTA, from 64
-// heads on where the device fits it; else the 16-head-tile kernel; with sparse_mla's second cache the same rules),
+// heads on where the device fits it, in its place on Hopper the wgmma kernel for bf16 and f16 caches where the code the
+// driver loaded holds sm_90a's features; else the 16-head-tile kernel; with sparse_mla's second cache the same rules),
 // or forced (tests, benchmarks). For the
 // small-heads kernel, values > 0 force its pipeline depth (`stages`, 2-4), heads per CTA (8 or 16) and at 8 heads
 // per CTA the split of the output dims between 1 or 2 warps (an error where the device cannot hold the result);
 // for the wide-tile kernel, `stages` > 0 forces its pipeline depth (2 or 3). The wgmma kernel (sm_90a, bf16 and
-// f16 caches, 64 heads per CTA, two 64-key buffers) runs forced only (kernel_choice.h's kWgmmaAutomatic); it takes
-// no `stages`.
+// f16 caches, 64 heads per CTA, two 64-key buffers) takes no `stages`.
 // `splits` > 0 forces the number of splits of each row's keys (at most one per chunk of keys; 1: unsplit); a
 // caller's workspace too small for the forced plan is an error.
 enum class AttentionKernel { automatic, head_tile, small_heads, wide_tile, wgmma };
@@ -38,7 +38,8 @@ struct AttentionPlan {
   int stages = 0, smem = 0, ctas_per_sm = 0, num_splits = 1;
 };
 AttentionPlan sparse_mla_plan(const SparseMlaArgs& args, AttentionChoice choice = {});
-// Whether the current device runs the wgmma attention kernel: a Hopper GPU and the library built with sm_90a code.
+// Whether the current device runs the wgmma attention kernel: a Hopper GPU whose loaded code of the library holds
+// sm_90a's features (mla::wg::sm90a_code_loaded: not so for a build of 90-real or only older PTX).
 bool attention_wgmma_available();
 AttentionPlan paged_mla_decode_plan(const PagedMlaDecodeArgs& args, AttentionChoice choice = {});
 void write_index_cache(const WriteIndexCacheArgs& args);

@@ -4,6 +4,8 @@
 #include <gtest/gtest.h>
 
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "cuda/emulation.h"
@@ -15,9 +17,11 @@ namespace {
 
 constexpr const char* kArchs[] = {"sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120"};
 
-KernelLimits limits_of(const char* arch) {
+// `sm90a_code`: whether the loaded code has sm_90a's features (on sm_90 only).
+KernelLimits limits_of(const char* arch, bool sm90a_code = true) {
   const ArchLimits a = arch_limits(arch);
-  return {a.compute_capability, a.max_smem_per_block, a.max_smem_per_sm, a.max_threads_per_sm, a.max_ctas_per_sm};
+  return {a.compute_capability, a.max_smem_per_block, a.max_smem_per_sm, a.max_threads_per_sm, a.max_ctas_per_sm,
+          sm90a_code && a.compute_capability == 90};
 }
 
 // The automatic rule restated from the thresholds and the shared-memory tables (each kernel's shallowest depth).
@@ -29,60 +33,81 @@ AttentionKernel expected_kernel(const KernelLimits& l, const KernelShape& s) {
       s.tokens >= min_tokens &&
       small_heads_smem(s.format, s.rope, small_hpc, small_hpc == 8 && !v4 ? 2 : 1, 2) <= l.max_smem_per_block)
     return AttentionKernel::small_heads;
+  const bool sixteen_bit = s.format == CacheFormat::bf16 || s.format == CacheFormat::f16;
+  if (s.heads >= kWideMinHeads && s.tokens * s.heads >= kWideMinRows && l.compute_capability == 90 &&
+      l.sm90a_code && (sixteen_bit || kWgmmaAutomaticForFp8))
+    return AttentionKernel::wgmma;
   if (s.heads >= kWideMinHeads && s.tokens * s.heads >= kWideMinRows &&
       wide_smem(s.format, s.rope, 2) <= l.max_smem_per_block)
     return AttentionKernel::wide_tile;
   return AttentionKernel::head_tile;
 }
 
+// On sm_90 also without sm_90a code (a library of 90-real SASS or older PTX): the wgmma kernel's place is the wide
+// tile's then, and the wgmma kernel is named with that reason.
 TEST(KernelChoice, AutomaticOnEveryArch) {
   for (const char* arch : kArchs)
-    for (CacheFormat f : {CacheFormat::bf16, CacheFormat::f16, CacheFormat::fp8_ds_mla, CacheFormat::fp8_ds_mla_v4})
-      for (int rope : {0, 64})
-        for (bool paged : {false, true})
-          for (int heads : {1, 8, 16, 32, 64, 100, 128})
-            for (int64_t tokens : {1, 15, 16, 63, 64, 4096}) {
-              if (f == CacheFormat::fp8_ds_mla_v4 && rope) continue;
-              const KernelLimits l = limits_of(arch);
-              const KernelShape s{f, rope, paged, tokens, heads, {}};
-              SCOPED_TRACE(std::string(arch) + " format " + std::to_string(static_cast<int>(f)) + " rope " +
-                           std::to_string(rope) + " heads " + std::to_string(heads) + " tokens " +
-                           std::to_string(tokens));
-              const KernelDecision d = choose_attention_kernel(l, s);
-              ASSERT_TRUE(d.ok());
-              EXPECT_EQ(d.chosen.kernel, expected_kernel(l, s));
-              EXPECT_LE(d.chosen.smem, l.max_smem_per_block);
-              EXPECT_GE(d.chosen.ctas_per_sm, 1);
-              EXPECT_EQ(d.chosen.ctas_per_sm, ctas_per_sm(l, d.chosen.threads, d.chosen.registers, d.chosen.smem));
-              // Each other kernel once, with its reason; the wgmma kernel on sm_90 only, last, as forced only.
-              EXPECT_EQ(d.num_rejected, l.compute_capability == 90 ? 3 : 2);
-              for (int i = 0; i < d.num_rejected; ++i) {
-                const Rejection& r = d.rejected[static_cast<size_t>(i)];
-                EXPECT_NE(r.kernel, d.chosen.kernel);
-                if (r.why == Rejected::smem) EXPECT_GT(r.need, l.max_smem_per_block);
-                EXPECT_EQ(r.kernel == AttentionKernel::wgmma, i == 2);
-                if (r.kernel == AttentionKernel::wgmma) EXPECT_EQ(r.why, Rejected::forced_only);
+    for (bool sm90a_code : {true, false})
+      for (CacheFormat f : {CacheFormat::bf16, CacheFormat::f16, CacheFormat::fp8_ds_mla, CacheFormat::fp8_ds_mla_v4})
+        for (int rope : {0, 64})
+          for (bool paged : {false, true})
+            for (int heads : {1, 8, 16, 32, 64, 100, 128})
+              for (int64_t tokens : {1, 15, 16, 63, 64, 4096}) {
+                if (f == CacheFormat::fp8_ds_mla_v4 && rope) continue;
+                const KernelLimits l = limits_of(arch, sm90a_code);
+                const KernelShape s{f, rope, paged, tokens, heads, {}};
+                SCOPED_TRACE(std::string(arch) + (sm90a_code ? "" : " without sm_90a code") + " format " +
+                             std::to_string(static_cast<int>(f)) + " rope " + std::to_string(rope) + " heads " +
+                             std::to_string(heads) + " tokens " + std::to_string(tokens));
+                const KernelDecision d = choose_attention_kernel(l, s);
+                ASSERT_TRUE(d.ok());
+                EXPECT_EQ(d.chosen.kernel, expected_kernel(l, s));
+                EXPECT_LE(d.chosen.smem, l.max_smem_per_block);
+                EXPECT_GE(d.chosen.ctas_per_sm, 1);
+                EXPECT_EQ(d.chosen.ctas_per_sm, ctas_per_sm(l, d.chosen.threads, d.chosen.registers, d.chosen.smem));
+                // Each other kernel once, with its reason; the wgmma kernel on sm_90 only, in its place (second,
+                // after the small-heads kernel, or first where that one was chosen).
+                EXPECT_EQ(d.num_rejected, l.compute_capability == 90 ? 3 : 2);
+                const int wgmma_at = d.chosen.kernel == AttentionKernel::small_heads ? 0 : 1;
+                const bool sixteen_bit = f == CacheFormat::bf16 || f == CacheFormat::f16;
+                for (int i = 0; i < d.num_rejected; ++i) {
+                  const Rejection& r = d.rejected[static_cast<size_t>(i)];
+                  EXPECT_NE(r.kernel, d.chosen.kernel);
+                  if (r.why == Rejected::smem) EXPECT_GT(r.need, l.max_smem_per_block);
+                  EXPECT_EQ(r.kernel == AttentionKernel::wgmma,
+                            l.compute_capability == 90 && d.chosen.kernel != AttentionKernel::wgmma && i == wgmma_at);
+                  if (r.kernel != AttentionKernel::wgmma) continue;
+                  const Rejected why = !sm90a_code                  ? Rejected::no_sm90a_code
+                                       : !sixteen_bit && !kWgmmaAutomaticForFp8 ? Rejected::cache_format
+                                       : heads < kWideMinHeads      ? Rejected::too_few_heads
+                                                                    : Rejected::too_few_rows;
+                  EXPECT_EQ(r.why, why);
+                }
+                // Where the wgmma kernel runs, the wide tile (after the small-heads kernel) is named as beaten by it.
+                if (d.chosen.kernel == AttentionKernel::wgmma)
+                  EXPECT_EQ(rejection_text(d.rejected[1], d.chosen, 90),
+                            "not chosen: 64+ heads at 4,096+ query rows x heads take the wgmma kernel (sm_90a code)");
               }
-            }
 }
 
 // Facts the tables give by hand: the wide tile's 192,512 B (bf16, 576-wide heads, depth 2) fit sm_90 and sm_100
 // (depth 3: 230,016 B), neither sm_80's 166,912 nor the 99 KB archs' 101,376. 32 tokens of 128 heads are the
-// fewest query rows x heads it takes; one token stays on the 16-head tile.
+// fewest query rows x heads it takes; one token stays on the 16-head tile. (sm_90 here without sm_90a code: with
+// it the wgmma kernel takes these, WgmmaAutomaticOnHopper.)
 TEST(KernelChoice, WideTileWhereItFits) {
   const KernelShape dsv32_bf16{CacheFormat::bf16, 64, false, 32, 128, {}};
   KernelShape one_token = dsv32_bf16;
   one_token.tokens = 1;
-  const KernelDecision latency = choose_attention_kernel(limits_of("sm_90"), one_token);
+  const KernelDecision latency = choose_attention_kernel(limits_of("sm_90", false), one_token);
   EXPECT_EQ(latency.chosen.kernel, AttentionKernel::head_tile);
-  ASSERT_GE(latency.num_rejected, 2);
-  EXPECT_EQ(latency.rejected[1].kernel, AttentionKernel::wide_tile);
-  EXPECT_EQ(rejection_text(latency.rejected[1], latency.chosen, 90),
+  ASSERT_EQ(latency.num_rejected, 3);
+  EXPECT_EQ(latency.rejected[2].kernel, AttentionKernel::wide_tile);
+  EXPECT_EQ(rejection_text(latency.rejected[2], latency.chosen, 90),
             "not chosen: automatic from 4,096 query rows x heads on, here 128 (fewer run faster on the 16-head tile)");
   one_token.tokens = 31;
-  EXPECT_EQ(choose_attention_kernel(limits_of("sm_90"), one_token).chosen.kernel, AttentionKernel::head_tile);
+  EXPECT_EQ(choose_attention_kernel(limits_of("sm_90", false), one_token).chosen.kernel, AttentionKernel::head_tile);
   for (const char* arch : {"sm_90", "sm_100"}) {
-    const KernelDecision d = choose_attention_kernel(limits_of(arch), dsv32_bf16);
+    const KernelDecision d = choose_attention_kernel(limits_of(arch, false), dsv32_bf16);
     EXPECT_EQ(d.chosen.kernel, AttentionKernel::wide_tile) << arch;
     EXPECT_EQ(d.chosen.stages, 3);
     EXPECT_EQ(d.chosen.smem, 230016);
@@ -125,11 +150,11 @@ TEST(KernelChoice, ForcedKernelsAndDepths) {
   EXPECT_FALSE(choose_attention_kernel(limits_of("sm_86"), small).ok());
 }
 
-// The wgmma kernel: forced only (kWgmmaAutomatic), on sm_90 (sm_90a code) with 16-bit caches; 64 heads per CTA,
-// 8 warps, 225 KB (576-wide heads) or 201 KB, one CTA per SM. Elsewhere a forced wgmma kernel is no choice, and
-// why: the arch, or the cache format.
-TEST(KernelChoice, WgmmaForcedOnHopperOnly) {
-  static_assert(!kWgmmaAutomatic, "this test restates the rule while the kernel is forced only");
+// The wgmma kernel forced: on sm_90 with sm_90a code, every cache format; 64 heads per CTA, 8 warps, 225 KB
+// (576-wide heads) or 201 KB for 16-bit caches, 194 KB, 170 KB or 174 KB for fp8 ones (one key tile and a staging
+// buffer), one CTA per SM. Elsewhere a forced wgmma kernel is no choice, and why: the arch, or the code loaded on
+// sm_90.
+TEST(KernelChoice, WgmmaForcedOnHopperWithSm90aCode) {
   for (CacheFormat f : {CacheFormat::bf16, CacheFormat::f16})
     for (int rope : {0, 64}) {
       const KernelShape s{f, rope, rope == 0, 2, 100, {AttentionKernel::wgmma}};
@@ -153,19 +178,66 @@ TEST(KernelChoice, WgmmaForcedOnHopperOnly) {
         EXPECT_EQ(rejection_text(off.rejected[0], off.chosen, limits_of(arch).compute_capability),
                   "needs sm_90a (wgmma); this is " + std::string(arch));
       }
+      const KernelDecision no_code = choose_attention_kernel(limits_of("sm_90", false), s);
+      EXPECT_FALSE(no_code.ok());
+      ASSERT_GE(no_code.num_rejected, 1);
+      EXPECT_EQ(no_code.rejected[0].why, Rejected::no_sm90a_code);
+      EXPECT_EQ(rejection_text(no_code.rejected[0], no_code.chosen, 90),
+                "needs sm_90a code (wgmma); this library's code for sm_90 has none (built without 90a, or PTX only)");
     }
-  const KernelDecision fp8 =
-      choose_attention_kernel(limits_of("sm_90"), {CacheFormat::fp8_ds_mla, 64, false, 2, 64, {AttentionKernel::wgmma}});
-  EXPECT_FALSE(fp8.ok());
-  EXPECT_EQ(fp8.rejected[0].why, Rejected::cache_format);
-  EXPECT_EQ(rejection_text(fp8.rejected[0], fp8.chosen, 90), "reads bf16 and f16 caches only");
-  // Automatic: never chosen, named on sm_90 as forced only.
-  const KernelDecision automatic = choose_attention_kernel(limits_of("sm_90"), {CacheFormat::bf16, 64, false, 128, 128, {}});
-  EXPECT_EQ(automatic.chosen.kernel, AttentionKernel::wide_tile);
-  const Rejection& last = automatic.rejected[static_cast<size_t>(automatic.num_rejected - 1)];
-  EXPECT_EQ(last.kernel, AttentionKernel::wgmma);
-  EXPECT_EQ(rejection_text(last, automatic.chosen, 90),
-            "not chosen: forced only, until measured faster than the wide tile");
+  for (const auto& [f, rope, smem] : {std::tuple{CacheFormat::fp8_ds_mla, 64, 198656},
+                                      {CacheFormat::fp8_ds_mla, 0, 174080}, {CacheFormat::fp8_ds_mla_v4, 0, 178176}}) {
+    const KernelDecision fp8 = choose_attention_kernel(limits_of("sm_90"), {f, rope, false, 2, 64, {AttentionKernel::wgmma}});
+    ASSERT_TRUE(fp8.ok());
+    EXPECT_EQ(fp8.chosen.kernel, AttentionKernel::wgmma);
+    EXPECT_EQ(fp8.chosen.smem, smem);
+    EXPECT_EQ(fp8.chosen.ctas_per_sm, 1);
+  }
+}
+
+// Automatic on sm_90: the wgmma kernel wherever the wide tile would run with a 16-bit cache (DeepSeek-V3.2's 128
+// heads from 32 tokens on, 64 heads from 64, prefill, paged), the wide tile for fp8 caches (while
+// kWgmmaAutomaticForFp8 is off) and where the code has no sm_90a features, the 16-head tile below the wide rule's rows; each time the wgmma kernel is named with why not.
+TEST(KernelChoice, WgmmaAutomaticOnHopper) {
+  const KernelLimits hopper = limits_of("sm_90"), no_code = limits_of("sm_90", false);
+  for (CacheFormat f : {CacheFormat::bf16, CacheFormat::f16})
+    for (bool paged : {false, true})
+      for (const auto& [tokens, heads] : {std::pair<int64_t, int>{32, 128}, {64, 64}, {128, 128}, {4096, 128}}) {
+        const KernelShape s{f, 64, paged, tokens, heads, {}};
+        const KernelDecision d = choose_attention_kernel(hopper, s);
+        EXPECT_EQ(d.chosen.kernel, AttentionKernel::wgmma);
+        EXPECT_EQ(d.chosen.smem, 230400);
+        EXPECT_EQ(d.chosen.ctas_per_sm, 1);
+        const KernelDecision old = choose_attention_kernel(no_code, s);
+        EXPECT_EQ(old.chosen.kernel, AttentionKernel::wide_tile);
+        ASSERT_EQ(old.num_rejected, 3);
+        EXPECT_EQ(old.rejected[1].kernel, AttentionKernel::wgmma);
+        EXPECT_EQ(old.rejected[1].why, Rejected::no_sm90a_code);
+      }
+  const KernelDecision fp8 = choose_attention_kernel(hopper, {CacheFormat::fp8_ds_mla, 64, false, 128, 128, {}});
+  if (kWgmmaAutomaticForFp8) {
+    EXPECT_EQ(fp8.chosen.kernel, AttentionKernel::wgmma);
+  } else {
+    EXPECT_EQ(fp8.chosen.kernel, AttentionKernel::wide_tile);
+    EXPECT_EQ(fp8.rejected[1].kernel, AttentionKernel::wgmma);
+    EXPECT_EQ(rejection_text(fp8.rejected[1], fp8.chosen, 90),
+              "not chosen: automatic for bf16 and f16 caches only (fp8 caches: forced, until measured faster than the "
+              "wide tile)");
+  }
+  const KernelDecision one = choose_attention_kernel(hopper, {CacheFormat::bf16, 64, false, 1, 128, {}});
+  EXPECT_EQ(one.chosen.kernel, AttentionKernel::head_tile);
+  EXPECT_EQ(one.rejected[1].kernel, AttentionKernel::wgmma);
+  EXPECT_EQ(rejection_text(one.rejected[1], one.chosen, 90),
+            "not chosen: automatic from 4,096 query rows x heads on, here 128 (fewer run faster on the 16-head tile)");
+  const KernelDecision few = choose_attention_kernel(hopper, {CacheFormat::bf16, 64, false, 4096, 32, {}});
+  EXPECT_EQ(few.chosen.kernel, AttentionKernel::head_tile);
+  EXPECT_EQ(few.rejected[1].why, Rejected::too_few_heads);
+  // Another arch never names it.
+  for (const char* arch : {"sm_80", "sm_100", "sm_120"}) {
+    const KernelDecision d = choose_attention_kernel(limits_of(arch), {CacheFormat::bf16, 64, false, 4096, 128, {}});
+    for (int i = 0; i < d.num_rejected; ++i)
+      EXPECT_NE(d.rejected[static_cast<size_t>(i)].kernel, AttentionKernel::wgmma) << arch;
+  }
 }
 
 // The 16-head tile keeps two CTAs per SM where a depth allows it: deeper pipelines only while they do.
@@ -206,14 +278,14 @@ TEST(KernelChoice, ExplainNamesTheVariantOnEveryArch) {
       const std::vector<std::string> lines = mma->capabilities().kernel_notes(spec, run);
       // Per phase: the kernel, then the two others (on sm_90 the wgmma kernel too).
       ASSERT_EQ(lines.size(), std::string(arch) == "sm_90" ? 8u : 6u);
-      const KernelLimits l = limits_of(arch);
+      const KernelLimits l = limits_of(arch, sm90a_code_built());  // explain: the build's arch list
       const CacheFormat f = c.kv == DType::bf16 ? CacheFormat::bf16 : CacheFormat::fp8_ds_mla;
       size_t at = 0;
       for (int64_t tokens : {1, 4096}) {
         const KernelShape s{f, 64, false, tokens, spec.num_heads / c.tp, {}};
         const KernelDecision d = choose_attention_kernel(l, s);
         ASSERT_EQ(d.chosen.kernel, expected_kernel(l, s));
-        const std::string arch_text = std::string(arch) + (std::string(arch) == "sm_90" ? "a" : "");
+        const std::string arch_text = std::string(arch) + (l.sm90a_code ? "a" : "");
         EXPECT_NE(lines[at].find(variant_text(d.chosen) + ", " + arch_text), std::string::npos) << lines[at];
         EXPECT_NE(lines[at].find(tokens == 1 ? "decode" : "prefill"), std::string::npos) << lines[at];
         ++at;
@@ -234,7 +306,8 @@ TEST(KernelChoice, Glm5Tp8Fp8) {
     const KernelDecision decode = choose_attention_kernel(l, {CacheFormat::fp8_ds_mla, 64, false, 1, 8, {}});
     EXPECT_EQ(decode.chosen.kernel, AttentionKernel::head_tile) << arch;
     EXPECT_EQ(decode.rejected[0].why, Rejected::too_few_tokens);
-    EXPECT_EQ(decode.rejected[1].why, Rejected::too_few_heads);
+    EXPECT_EQ(decode.rejected[decode.num_rejected - 1].kernel, AttentionKernel::wide_tile);
+    EXPECT_EQ(decode.rejected[decode.num_rejected - 1].why, Rejected::too_few_heads);
     const KernelDecision prefill = choose_attention_kernel(l, {CacheFormat::fp8_ds_mla, 64, false, 4096, 8, {}});
     EXPECT_EQ(prefill.chosen.kernel, AttentionKernel::small_heads) << arch;
     EXPECT_EQ(prefill.chosen.heads_per_cta, 8);

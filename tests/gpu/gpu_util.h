@@ -8,7 +8,9 @@
 #include <vector>
 
 #include "cuda/kernels.h"
+#include "cuda/mla/attention_wgmma.h"
 #include "cuda/mla/attention_wide.h"
+#include "cuda/mla/kernel_choice.h"
 #include "smla/select.h"
 
 namespace smla {
@@ -19,18 +21,23 @@ inline const Backend& cpu() { return *Registry::global().find("cpu"); }
 inline const Backend& gpu() { return *Registry::global().find("cuda_mma"); }
 
 // The attention kernel the ops pick by themselves for `tokens` query rows of `heads` heads over a `kv` cache (`rope`:
-// 64 or 0; `paged`: paged_mla_decode) where the small-heads kernel does not serve: the wide-tile kernel from its
-// automatic rule's heads and rows x heads on where the device holds it, else the 16-head-tile kernel.
+// 64 or 0; `paged`: paged_mla_decode) where the small-heads kernel does not serve: from the wide tile's automatic
+// rule's heads and rows x heads on the wgmma kernel where the device runs it (Hopper, sm_90a code; 16-bit caches, fp8
+// ones while kWgmmaAutomaticForFp8), else the wide-tile kernel where the device holds it; else the 16-head-tile kernel.
 inline cuda::AttentionKernel automatic_many_heads_kernel(DType kv, int rope, bool paged, int heads, int64_t tokens) {
   using cuda::mla::CacheFormat;
   const CacheFormat f = kv == DType::bf16            ? CacheFormat::bf16
                         : kv == DType::f16           ? CacheFormat::f16
                         : kv == DType::fp8_ds_mla_v4 ? CacheFormat::fp8_ds_mla_v4
                                                      : CacheFormat::fp8_ds_mla;
-  return heads >= cuda::mla::wide::kMinHeadsAutomatic && tokens * heads >= cuda::mla::wide::kMinRowsAutomatic &&
-                 cuda::mla::wide::find_wide_config(f, rope, paged) != nullptr
-             ? cuda::AttentionKernel::wide_tile
-             : cuda::AttentionKernel::head_tile;
+  if (heads < cuda::mla::wide::kMinHeadsAutomatic || tokens * heads < cuda::mla::wide::kMinRowsAutomatic)
+    return cuda::AttentionKernel::head_tile;
+  const bool sixteen_bit = f == CacheFormat::bf16 || f == CacheFormat::f16;
+  if ((sixteen_bit || cuda::mla::kWgmmaAutomaticForFp8) && cuda::attention_wgmma_available() &&
+      cuda::mla::wg::find_wgmma_config(f, rope, paged) != nullptr)
+    return cuda::AttentionKernel::wgmma;
+  return cuda::mla::wide::find_wide_config(f, rope, paged) != nullptr ? cuda::AttentionKernel::wide_tile
+                                                                      : cuda::AttentionKernel::head_tile;
 }
 
 // Device copy of a host buffer; freed at scope exit.

@@ -21,6 +21,7 @@
 #include "cuda/common/runtime.h"
 #include "cuda/kernels.h"
 #include "cuda/mla/attention_wide.h"
+#include "cuda/mla/kernel_choice.h"
 #include "smla/error.h"
 #include "smla/select.h"
 #include "gpu/gpu_util.h"
@@ -974,10 +975,10 @@ TEST(CudaSparseMlaWideTile, InvalidDepthIsAnError) {
   }
 }
 
-// The automatic choice names the wide-tile kernel from its rule's head count and query rows x heads on, where the
-// device holds it (so the tests of 64 and 128 heads over enough tokens without a forced kernel run it too), never
-// below: one token of 128 heads stays on the 16-head tile. With a second cache the plan is the one cache's, and the
-// wide tile forced serves both caches.
+// The automatic choice names the wide-tile kernel (the wgmma kernel on Hopper with sm_90a code and a bf16 cache) from
+// its rule's head count and query rows x heads on, where the device holds it (so the tests of 64 and 128 heads over
+// enough tokens without a forced kernel run it too), never below: one token of 128 heads stays on the 16-head tile.
+// With a second cache the plan is the one cache's, and the wide tile forced serves both caches.
 TEST(CudaSparseMlaWideTile, AutomaticChoiceAndSecondCache) {
   for (int64_t tokens : {1, 31, 64})
     for (int heads : {16, 32, 64, 128})
@@ -989,9 +990,15 @@ TEST(CudaSparseMlaWideTile, AutomaticChoiceAndSecondCache) {
         a.kv_cache = TensorView(nullptr, {64, 64, row_elems(kv, kMlaRopeDim)}, kv, Device::cuda(0));
         a.indices = TensorView(nullptr, {tokens, 2048}, DType::i32, Device::cuda(0));
         const cuda::AttentionPlan plan = cuda::sparse_mla_plan(a);
-        const bool wide = automatic_many_heads_kernel(kv, kMlaRopeDim, false, heads, tokens) ==
-                          cuda::AttentionKernel::wide_tile;
-        EXPECT_EQ(plan.kernel == cuda::AttentionKernel::wide_tile, wide);
+        const cuda::AttentionKernel many = automatic_many_heads_kernel(kv, kMlaRopeDim, false, heads, tokens);
+        const bool wide = many == cuda::AttentionKernel::wide_tile || many == cuda::AttentionKernel::wgmma;
+        if (wide) EXPECT_EQ(plan.kernel, many);
+        else EXPECT_TRUE(plan.kernel == cuda::AttentionKernel::head_tile || plan.kernel == cuda::AttentionKernel::small_heads);
+        // Hopper with sm_90a code: the wgmma kernel for the bf16 cache wherever the wide rule holds, for fp8 only while
+        // kWgmmaAutomaticForFp8.
+        if (cuda::attention_wgmma_available())
+          EXPECT_EQ(plan.kernel == cuda::AttentionKernel::wgmma,
+                    (kv == DType::bf16 || cuda::mla::kWgmmaAutomaticForFp8) && heads >= 64 && tokens * heads >= 4096);
         if (heads < cuda::mla::wide::kMinHeadsAutomatic || tokens * heads < cuda::mla::wide::kMinRowsAutomatic)
           EXPECT_FALSE(wide);
         if (wide) {
@@ -1006,7 +1013,9 @@ TEST(CudaSparseMlaWideTile, AutomaticChoiceAndSecondCache) {
         const cuda::AttentionPlan both = cuda::sparse_mla_plan(two);
         EXPECT_EQ(both.kernel, plan.kernel);
         EXPECT_GE(both.num_splits, 2);
-        if (automatic_many_heads_kernel(kv, kMlaRopeDim, false, 128, 64) == cuda::AttentionKernel::wide_tile)
+        if (cuda::mla::wide::find_wide_config(kv == DType::bf16 ? cuda::mla::CacheFormat::bf16
+                                                                 : cuda::mla::CacheFormat::fp8_ds_mla,
+                                              kMlaRopeDim, false) != nullptr)
           EXPECT_EQ(cuda::sparse_mla_plan(two, {cuda::AttentionKernel::wide_tile}).kernel,
                     cuda::AttentionKernel::wide_tile);
       }
@@ -1014,19 +1023,20 @@ TEST(CudaSparseMlaWideTile, AutomaticChoiceAndSecondCache) {
 
 // The wgmma kernel (sm_90a: 64 heads per CTA, two warpgroups, 64-key chunks) forced: head counts that fill one tile,
 // two, pad one (100: a tile of 36) or half of one (32); top-k of one chunk, of a chunk and a part, of 32 chunks;
-// 1, 3 and 62 tokens; bf16 and f16 caches and queries; both rope widths; block sizes; invalid indices and
-// NaN-poisoned unused slots (run_sparse's), outputs pre-filled with NaN, topk_length, sinks, strided queries,
-// max_logits, both empty-row lse conventions. Skipped only where the device cannot run wgmma.
+// 1, 3 and 62 tokens; bf16, f16, fp8_ds_mla (dequantised into the key tile) and fp8_ds_mla_v4 caches, bf16 and f16
+// queries; both rope widths; block sizes; invalid indices and NaN-poisoned unused slots (run_sparse's; with fp8 the
+// envelope's rope bytes without rope), outputs pre-filled with NaN, topk_length, sinks, strided queries, max_logits,
+// both empty-row lse conventions. Skipped only where the device cannot run wgmma.
 TEST(CudaSparseMlaWgmma, HeadsFormatsTopk) {
   if (!cuda::attention_wgmma_available()) GTEST_SKIP() << "needs a Hopper GPU and the library built for sm_90a";
   uint64_t seed = 2600;
   int n = 0;
-  for (DType kv : {DType::bf16, DType::f16})
+  for (DType kv : {DType::bf16, DType::f16, DType::fp8_ds_mla, DType::fp8_ds_mla_v4})
     for (int heads : {32, 64, 100, 128})
       for (int topk : {64, 100, 2048}) {
         Problem p;
         p.kv_dtype = kv;
-        p.rope = n % 3 == 2 ? 0 : kMlaRopeDim;
+        p.rope = kv == DType::fp8_ds_mla_v4 || n % 3 == 2 ? 0 : kMlaRopeDim;
         p.heads = heads;
         p.topk = topk;
         p.tokens = topk == 2048 ? (n % 2 ? 1 : 3) : (n % 2 ? 62 : 3);
@@ -1041,38 +1051,86 @@ TEST(CudaSparseMlaWgmma, HeadsFormatsTopk) {
       }
 }
 
-// The wgmma kernel's splits (64-key chunks: 32 of them).
+// The wgmma kernel's splits (64-key chunks: 32 of them), both cache kinds.
 TEST(CudaSparseMlaWgmma, ForcedSplits) {
   if (!cuda::attention_wgmma_available()) GTEST_SKIP() << "needs a Hopper GPU and the library built for sm_90a";
   uint64_t seed = 2700;
-  EXPECT_TRUE(expect_forced_splits(cuda::AttentionKernel::wgmma, DType::bf16, 32, false, seed));
+  for (DType kv : {DType::bf16, DType::fp8_ds_mla})
+    EXPECT_TRUE(expect_forced_splits(cuda::AttentionKernel::wgmma, kv, 32, false, seed));
 }
 
-// Dense paged decode on the wgmma kernel: causal s_q > 1 (each step its own visible length), non-causal, both
-// 16-bit caches, padded head tiles, rope-free heads.
+// Dense paged decode on the wgmma kernel: causal s_q > 1 (each step its own visible length), non-causal, 16-bit and
+// fp8 caches, padded head tiles, rope-free heads.
 TEST(CudaPagedDecodeWgmma, MatchesCpu) {
   if (!cuda::attention_wgmma_available()) GTEST_SKIP() << "needs a Hopper GPU and the library built for sm_90a";
   uint64_t seed = 2800;
   const cuda::AttentionChoice wgmma{cuda::AttentionKernel::wgmma};
-  for (DType kv : {DType::bf16, DType::f16})
+  for (DType kv : {DType::bf16, DType::f16, DType::fp8_ds_mla})
     for (int s_q : {1, 3}) run_paged(DType::bf16, kv, 2, s_q, s_q == 1 ? 64 : 100, 16, true, seed++, kMlaRopeDim, wgmma);
   run_paged(DType::f16, DType::bf16, 3, 2, 128, 64, false, seed++, kMlaRopeDim, wgmma);
   run_paged(DType::bf16, DType::bf16, 2, 4, 64, 1, true, seed++, 0, wgmma);
+  run_paged(DType::bf16, DType::fp8_ds_mla, 2, 4, 64, 1, true, seed++, 0, wgmma);
+  run_paged(DType::bf16, DType::fp8_ds_mla_v4, 2, 3, 64, 61, true, seed++, 0, wgmma);
 }
 
-// Forced where it cannot run, the wgmma kernel is an error that says why: off Hopper (or without sm_90a code) its
-// arch, on Hopper an fp8 cache.
+// Forced where it cannot run (off Hopper, or without sm_90a code), the wgmma kernel is an error that says why.
 TEST(CudaSparseMlaWgmma, UnsupportedIsAnError) {
+  if (cuda::attention_wgmma_available()) GTEST_SKIP() << "runs here (every cache format)";
   Problem p;
   p.heads = 64;
   p.kernel = {cuda::AttentionKernel::wgmma};
   p.skip_beyond_device = false;
-  if (!cuda::attention_wgmma_available()) {
-    test::expect_error([&] { run_sparse(p, 2900); }, ErrorKind::unsupported, {"wgmma kernel", "needs a Hopper GPU"});
-    return;
-  }
-  p.kv_dtype = DType::fp8_ds_mla;
-  test::expect_error([&] { run_sparse(p, 2901); }, ErrorKind::unsupported, {"wgmma kernel", "bf16 and f16 caches only"});
+  test::expect_error([&] { run_sparse(p, 2900); }, ErrorKind::unsupported, {"wgmma kernel", "sm_90a"});
+}
+
+// The probe of the loaded code (wg::sm90a_code_loaded) against the build: on a Hopper GPU (not emulated) a build
+// whose arch list holds sm_90a code loads it, so the wgmma kernel runs (and its tests are not skipped); elsewhere, or
+// without it, never.
+TEST(CudaSparseMlaWgmma, Sm90aCodeFoundWhereBuilt) {
+  const cuda::DeviceInfo& d = cuda::current_device();
+  const int native = d.native_compute_capability != 0 ? d.native_compute_capability : d.compute_capability;
+  const bool hopper = d.compute_capability == 90 && native == 90;
+  EXPECT_EQ(cuda::attention_wgmma_available(), hopper && cuda::mla::sm90a_code_built());
+}
+
+// Chosen by itself on Hopper with sm_90a code: the wgmma kernel for 16-bit caches wherever the wide rule holds
+// (128 heads from 32 query rows on, 64 from 64; sparse and paged), matching the CPU backend there; an fp8 cache keeps
+// the wide tile (while kWgmmaAutomaticForFp8 is off), one token of 128 heads the 16-head tile. Elsewhere (or without
+// sm_90a code) never chosen.
+TEST(CudaSparseMlaWgmma, AutomaticChoiceMatchesCpu) {
+  const bool runs = cuda::attention_wgmma_available();
+  uint64_t seed = 3000;
+  int n = 0;
+  for (DType kv : {DType::bf16, DType::f16})
+    for (const auto& [tokens, heads] : {std::pair<int, int>{32, 128}, {64, 64}}) {
+      Problem p;
+      p.kv_dtype = kv;
+      p.heads = heads;
+      p.tokens = tokens;
+      p.topk = 640;  // ten chunks
+      vary_options(p, n++);
+      const std::optional<cuda::AttentionPlan> plan = run_sparse(p, seed++);
+      ASSERT_TRUE(plan.has_value());
+      EXPECT_EQ(plan->kernel == cuda::AttentionKernel::wgmma, runs);
+    }
+  // The plans alone (views of no data) of an fp8 cache and of one token.
+  auto plan_of = [](DType kv, int64_t tokens) {
+    SparseMlaArgs a;
+    a.q = TensorView(nullptr, {tokens, 128, kMlaQkDim}, DType::bf16, Device::cuda(0));
+    a.kv_cache = TensorView(nullptr, {64, 64, row_elems(kv, kMlaRopeDim)}, kv, Device::cuda(0));
+    a.indices = TensorView(nullptr, {tokens, 2048}, DType::i32, Device::cuda(0));
+    return cuda::sparse_mla_plan(a).kernel;
+  };
+  EXPECT_EQ(plan_of(DType::fp8_ds_mla, 128) == cuda::AttentionKernel::wgmma, runs && cuda::mla::kWgmmaAutomaticForFp8);
+  EXPECT_EQ(plan_of(DType::bf16, 1), cuda::AttentionKernel::head_tile);
+  EXPECT_EQ(plan_of(DType::bf16, 128) == cuda::AttentionKernel::wgmma, runs);
+  // Paged: 32 requests of one query of 128 heads (4,096 rows x heads).
+  PagedMlaDecodeArgs a;
+  a.q = TensorView(nullptr, {32, 1, 128, kMlaQkDim}, DType::bf16, Device::cuda(0));
+  a.kv_cache = TensorView(nullptr, {64, 64, kMlaQkDim}, DType::bf16, Device::cuda(0));
+  a.block_table = TensorView(nullptr, {32, 16}, DType::i32, Device::cuda(0));
+  EXPECT_EQ(cuda::paged_mla_decode_plan(a).kernel == cuda::AttentionKernel::wgmma, runs);
+  if (runs) run_paged(DType::bf16, DType::bf16, 32, 1, 128, 64, true, seed++);
 }
 
 }  // namespace

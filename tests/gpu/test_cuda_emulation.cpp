@@ -220,14 +220,16 @@ TEST(CudaEmulation, InstructionChoicesFollowTheArch) {
 // from the kernels' register bounds and shared memory.
 TEST(CudaEmulation, PlanIsTheKernelChoice) {
   const cuda::DeviceInfo& d = cuda::current_device();
+  // sm_90a code: what the driver loaded (emulating sm_90 on another GPU loads no sm_90a code).
   const cuda::mla::KernelLimits limits{d.compute_capability, d.max_smem_per_block, d.max_smem_per_sm,
-                                       d.max_threads_per_sm, d.max_ctas_per_sm};
+                                       d.max_threads_per_sm, d.max_ctas_per_sm, cuda::attention_wgmma_available()};
   int plans = 0;
   for (DType kv : {DType::bf16, DType::f16, DType::fp8_ds_mla, DType::fp8_ds_mla_v4})
     for (int rope : {kMlaRopeDim, 0})
       for (bool paged : {false, true})
         for (cuda::AttentionKernel kernel : {cuda::AttentionKernel::automatic, cuda::AttentionKernel::head_tile,
-                                             cuda::AttentionKernel::small_heads, cuda::AttentionKernel::wide_tile})
+                                             cuda::AttentionKernel::small_heads, cuda::AttentionKernel::wide_tile,
+                                             cuda::AttentionKernel::wgmma})
           for (int heads : {1, 8, 16, 32, 64, 128})
             for (int tokens : {1, 16, 64, 256}) {
               if (kv == DType::fp8_ds_mla_v4 && rope != 0) continue;

@@ -368,6 +368,35 @@ TEST(CudaTwoCaches, SmallHeadsKernel) {
   }
 }
 
+
+// The wgmma kernel over two 16-bit caches (each cache's launch writes its splits' partials for the one combine):
+// forced at 64, 100 (a padded tile) and 128 heads, both head widths, sinks; and chosen by itself at 32 tokens of 128
+// heads (the wide rule's rows), where Hopper with sm_90a code takes it.
+TEST(CudaTwoCaches, WgmmaKernel) {
+  if (!cuda::attention_wgmma_available()) GTEST_SKIP() << "needs a Hopper GPU and the library built for sm_90a";
+  uint64_t seed = 450;
+  for (DType kv : {DType::bf16, DType::f16})
+    for (int heads : {64, 100, 128}) {
+      TwoCaches p;
+      p.q_dtype = kv;
+      p.kv_dtype = kv;
+      p.rope = heads == 100 ? 0 : kMlaRopeDim;
+      p.heads = heads;
+      p.tokens = 3;
+      p.topk = 300;
+      p.extra_topk = heads == 64 ? 2048 : 100;
+      p.sink = heads != 64;
+      p.choice.kernel = cuda::AttentionKernel::wgmma;
+      run_two_caches(p, seed++);
+    }
+  TwoCaches automatic;
+  automatic.rope = kMlaRopeDim;
+  automatic.tokens = 32;
+  automatic.heads = 128;
+  automatic.topk = 256;
+  automatic.extra_topk = 64;
+  EXPECT_EQ(run_two_caches(automatic, seed++).kernel, cuda::AttentionKernel::wgmma);
+}
 // A workspace smaller than workspace_size (which counts both caches' splits) is refused.
 TEST(CudaTwoCaches, WorkspaceTooSmallIsAnError) {
   TwoCaches p;

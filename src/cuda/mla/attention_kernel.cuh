@@ -189,14 +189,18 @@ __device__ __forceinline__ void gather_row(const AttentionParams& p, const int& 
   if (part == 0) valid[(chunk % valid_sets) * kChunkKeys + row] = slot >= 0;
 }
 
-// Dequantises a chunk of staged fp8 rows into the key rows `keys`, all threads
-// together (the CTA's kCtaThreads; Fp8Row: e4m3 codes times their tile's scale, then the 16-bit values).
-template <CacheFormat F, typename T, int kRope, int kCtaThreads = kThreads>
+// Dequantises a chunk of kChunkKeys staged fp8 rows into the key rows `keys`, all threads
+// together (the CTA's kCtaThreads; Fp8Row: e4m3 codes times their tile's scale, then the 16-bit values): rows of
+// kRowElems, or (kCoreMatrices) the wgmma kernel's unpadded core-matrix tile, where eight threads in a row fill one
+// 128-byte block (eight rows' same piece: no bank conflict on either side).
+template <CacheFormat F, typename T, int kRope, int kCtaThreads = kThreads, int kChunkKeys = kKeysPerChunk,
+          bool kCoreMatrices = false>
 __device__ __forceinline__ void dequantise_chunk(const uint8_t* rows, T* keys, int tid) {
   using D = HeadDims<kRope>;
   using R = Fp8Row<F, kRope>;
-  for (int i = tid; i < kKeysPerChunk * D::kPieces; i += kCtaThreads) {
-    const int row = i / D::kPieces, piece = i % D::kPieces;
+  for (int i = tid; i < kChunkKeys * D::kPieces; i += kCtaThreads) {
+    const int row = kCoreMatrices ? i / (8 * D::kPieces) * 8 + i % 8 : i / D::kPieces;
+    const int piece = kCoreMatrices ? i / 8 % D::kPieces : i % D::kPieces;
     const uint8_t* src = rows + row * R::kStagedBytes;
     uint4 out;
     if (piece < R::kE4m3 / 8) {
@@ -211,7 +215,10 @@ __device__ __forceinline__ void dequantise_chunk(const uint8_t* rows, T* keys, i
     } else {
       out = *reinterpret_cast<const uint4*>(src + R::kTail + (piece - R::kE4m3 / 8) * 16);
     }
-    *reinterpret_cast<uint4*>(keys + row * D::kRowElems + piece * 8) = out;
+    if constexpr (kCoreMatrices)
+      *reinterpret_cast<uint4*>(reinterpret_cast<uint8_t*>(keys) + tile_piece_offset<true>(row, piece, D::kQkDim * 2)) = out;
+    else
+      *reinterpret_cast<uint4*>(keys + row * D::kRowElems + piece * 8) = out;
   }
 }
 

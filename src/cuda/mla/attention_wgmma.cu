@@ -1,5 +1,5 @@
-// Instantiations and launch configuration of the wgmma MLA attention kernel (16-bit caches; sm_90a code only, a
-// trap elsewhere, which the host never launches).
+// Instantiations and launch configuration of the wgmma MLA attention kernel (every cache format; sm_90a code only,
+// a trap elsewhere, which the host never launches).
 #include <map>
 #include <mutex>
 #include <string>
@@ -16,15 +16,27 @@ namespace {
 
 using Kernel = void (*)(AttentionParams);
 
-template <CacheFormat F, int kRope, bool kPaged>
-Kernel kernel_for() {
-  if constexpr (is_fp8(F)) return nullptr;  // not yet: fp8 rows would be dequantised into the key tile
-  else return wgmma_attention_kernel<F, kRope, kPaged>;
+// What the runtime loaded on a device, told by the one thing a query of the loaded function reports that
+// differs between the two bodies: its static shared memory (an array with sm_90a's features, none without). Not a launch (no sync, no allocation, so a first call inside a stream capture is as safe as the other
+// attribute queries there), not the build's arch list (the loaded image may be 90-real SASS or PTX of an older arch
+// JIT-compiled, e.g. the Python package's compute_80 PTX or CUDA_FORCE_PTX_JIT), and not binaryVersion/ptxVersion
+// (90 for sm_90 and sm_90a alike). It shares the wgmma kernels' translation unit, so the runtime picks its code from
+// the same fatbin the same way. Never launched.
+__global__ void sm90a_code_probe(int* never_written) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int kMarkWords = 32;
+  __shared__ int mark[kMarkWords];
+  mark[threadIdx.x % kMarkWords] = static_cast<int>(threadIdx.x);
+  __syncthreads();
+  never_written[threadIdx.x] = mark[(threadIdx.x + 1) % kMarkWords];
+#endif
 }
 
 Kernel select(CacheFormat f, int rope, bool paged) {
   // [&]: a capture-less lambda's conversion to a function pointer draws nvcc warning 445 for each instance
-  return instance_for(f, rope, paged, [&]<CacheFormat F, int kRope, bool kPaged>() { return kernel_for<F, kRope, kPaged>(); });
+  return instance_for(f, rope, paged, [&]<CacheFormat F, int kRope, bool kPaged>() {
+    return static_cast<Kernel>(wgmma_attention_kernel<F, kRope, kPaged>);
+  });
 }
 
 // Why this device cannot run the kernel for `f`, or empty.
@@ -33,14 +45,32 @@ std::string unavailable(CacheFormat f, int rope) {
   if (!wgmma_available(dev.compute_capability))
     return "needs a Hopper GPU (sm_90) and a library built with sm_90a code; this is sm_" +
            std::to_string(dev.compute_capability);
-  if (is_fp8(f)) return "reads bf16 and f16 caches only (fp8 caches: not yet)";
-  if (WgmmaLayout(rope).total > dev.max_smem_per_block)
-    return "needs " + std::to_string(WgmmaLayout(rope).total) + " bytes of shared memory per block; this device allows " +
-           std::to_string(dev.max_smem_per_block);
+  if (!sm90a_code_loaded())
+    return "needs sm_90a code, and the code loaded for this sm_90 device has none (90-real SASS or older PTX)";
+  if (WgmmaLayout(f, rope).total > dev.max_smem_per_block)
+    return "needs " + std::to_string(WgmmaLayout(f, rope).total) +
+           " bytes of shared memory per block; this device allows " + std::to_string(dev.max_smem_per_block);
   return {};
 }
 
 }  // namespace
+
+bool sm90a_code_loaded() {
+  static std::mutex mu;
+  static std::map<int, bool> loaded;  // by device
+  thread_local std::map<int, bool> mine;  // no lock once seen
+  const int device = current_device().index;
+  if (auto seen = mine.find(device); seen != mine.end()) return seen->second;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = loaded.find(device);
+  if (it == loaded.end()) {
+    cudaFuncAttributes attr{};
+    check_cuda(cudaFuncGetAttributes(&attr, reinterpret_cast<const void*>(sm90a_code_probe)), "cudaFuncGetAttributes");
+    it = loaded.emplace(device, attr.sharedSizeBytes > 0).first;
+  }
+  mine[device] = it->second;
+  return it->second;
+}
 
 const WgmmaConfig* find_wgmma_config(CacheFormat f, int rope, bool paged) {
   using Key = std::tuple<int, CacheFormat, int, bool>;
@@ -55,7 +85,7 @@ const WgmmaConfig* find_wgmma_config(CacheFormat f, int rope, bool paged) {
   if (it == configs.end()) {
     WgmmaConfig cfg;
     if (unavailable(f, rope).empty()) {
-      const int bytes = WgmmaLayout(rope).total;
+      const int bytes = WgmmaLayout(f, rope).total;
       const Kernel fn = select(f, rope, paged);
       allow_dynamic_smem(reinterpret_cast<const void*>(fn), bytes);
       const int ctas = resident_ctas_per_sm(reinterpret_cast<const void*>(fn), kWgmmaThreads, bytes);
@@ -85,5 +115,7 @@ void launch_wgmma(const AttentionParams& p, const WgmmaConfig& cfg, int splits, 
 }  // namespace smla::cuda::mla::wg
 
 namespace smla::cuda {
-bool attention_wgmma_available() { return wgmma_available(current_device().compute_capability); }
+bool attention_wgmma_available() {
+  return wgmma_available(current_device().compute_capability) && mla::wg::sm90a_code_loaded();
+}
 }  // namespace smla::cuda

@@ -6,8 +6,11 @@
 // The queries (64 x 576 16-bit values, 72 KB) and each chunk's 64 gathered keys sit in shared memory in wgmma's
 // core matrices without swizzle (tile_piece_offset<true>: 8 rows x 16 bytes per 128-byte block), so one key tile is
 // B of both products: K-major for S = Q K^T, MN-major (imm-trans-b) for O += P V, its first 512 dims being V.
-// Two key buffers: the gather of chunk c+1 runs while chunk c is multiplied (nothing is waited for inside a chunk
-// but its own wgmma batches).
+// 16-bit caches: two key buffers, the gather of chunk c+1 runs while chunk c is multiplied (nothing is waited for
+// inside a chunk but its own wgmma batches). fp8 caches (fp8_ds_mla, fp8_ds_mla_v4): one key tile and one staging
+// buffer of 64 raw rows (42 KB at 656 bytes; two bf16 tiles and staging would not fit 227 KB); at each chunk all
+// threads dequantise the staged rows into the tile (dequantise_chunk), then the gather of chunk c+1 into staging
+// runs while chunk c is multiplied.
 //
 // Warpgroup w computes the scores of keys 32w..32w+31 of a chunk over all dims (m64n32k16, both operands in shared
 // memory), then the two exchange their row maxima (a barrier) and their probabilities (bf16 A fragments, another),
@@ -30,14 +33,16 @@ constexpr int kGatherParts = kWgmmaThreads / kChunkKeys;  // threads per gathere
 constexpr int kColumns = kVDim / kWarpgroups;             // O's columns per warpgroup
 constexpr int kPWords = 2 * 4;                            // a thread's P fragments: 2 k-steps x 4 registers
 
-// Shared memory, in bytes from the start (all offsets 128-byte aligned): the queries' tile, the key tiles, the
-// exchanged P fragments, the exchanged row statistics and the chunks' valid flags.
+// Shared memory, in bytes from the start (all offsets 16-byte aligned, the tiles 128-byte): the queries' tile, the
+// key tiles (fp8: one, then the staging buffer), the exchanged P fragments, the exchanged row statistics and the
+// chunks' valid flags.
 struct WgmmaLayout {
-  int q = 0, k = 0, p = 0, stats = 0, valid = 0, valid_sets = 0, total = 0;
-  __host__ __device__ constexpr explicit WgmmaLayout(int rope) {
+  int q = 0, k = 0, staging = 0, p = 0, stats = 0, valid = 0, valid_sets = 0, total = 0;
+  __host__ __device__ constexpr WgmmaLayout(CacheFormat f, int rope) {
     const int tile = kWgmmaHeads * (kLatent + rope) * 2;
     k = q + tile;
-    p = k + kKeyBuffers * tile;
+    staging = k + (is_fp8(f) ? 1 : kKeyBuffers) * tile;
+    p = staging + (is_fp8(f) ? kChunkKeys * staged_row_bytes(f, rope) : 0);
     stats = p + kWarpgroups * kPWords * 128 * 4;
     valid = stats + kWarpgroups * kWgmmaHeads * 4;
     valid_sets = kKeyBuffers;  // the chunk in use and the one in flight
@@ -48,16 +53,19 @@ struct WgmmaLayout {
 template <CacheFormat F, int kRope, bool kPaged>
 __global__ void __launch_bounds__(kWgmmaThreads, 1) wgmma_attention_kernel(const AttentionParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  static_assert(!is_fp8(F), "16-bit caches");
+  static_assert(F != CacheFormat::fp8_ds_mla_v4 || kRope == 0, "fp8_ds_mla_v4 holds 512-wide heads");
+  constexpr bool kFp8 = is_fp8(F);
   using T = ComputeT<F>;
   constexpr WgmmaIn kIn = std::is_same_v<T, __half> ? WgmmaIn::f16 : WgmmaIn::bf16;
   using D = HeadDims<kRope>;
   constexpr int kPieces = D::kPieces, kRowBytes = D::kQkDim * 2, kTileBytes = kWgmmaHeads * kRowBytes;
   constexpr int kBlockRowsBytes = 8 * kRowBytes;  // from one block of 8 rows to the next
-  constexpr WgmmaLayout L(kRope);
+  constexpr WgmmaLayout L(F, kRope);
+  constexpr int kStagedBytes = kFp8 ? staged_row_bytes(F, kRope) : 0;  // a staged fp8 row, 16-byte pieces
   extern __shared__ __align__(128) uint8_t smem[];
   uint8_t* const sq = smem + L.q;
   uint8_t* const sk = smem + L.k;
+  uint8_t* const staging = smem + L.staging;
   uint32_t* const xp = reinterpret_cast<uint32_t*>(smem + L.p);   // [warpgroup][word][thread]
   float* const xstat = reinterpret_cast<float*>(smem + L.stats);  // [warpgroup][row]
   int* const valid = reinterpret_cast<int*>(smem + L.valid);
@@ -81,12 +89,19 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) wgmma_attention_kernel(const
   // Each thread gathers row tid / kGatherParts of every chunk, its pieces tid % kGatherParts, + kGatherParts, ...
   const int my_row = tid / kGatherParts, my_part = tid % kGatherParts;
   int64_t next_slot = n_chunks > 0 ? slot_of<kPaged>(p, t, b, chunk_begin * kChunkKeys + my_row, visible) : -1;
-  auto issue = [&](int i) {  // chunk i of this split, if it exists, into key buffer i % kKeyBuffers
-    if (i < n_chunks)
-      gather_row<F, kPaged, kGatherParts, kChunkKeys, true>(p, t, b, visible, chunk_begin + i, chunk_begin, n_chunks,
-                                                            my_row, my_part, next_slot,
-                                                            sk + (i % kKeyBuffers) * kTileBytes, kRowBytes, kPieces,
-                                                            valid, L.valid_sets);
+  auto issue = [&](int i) {  // chunk i of this split, if it exists, into key buffer i % kKeyBuffers (fp8: staging)
+    if constexpr (kFp8) {
+      if (i < n_chunks)
+        gather_row<F, kPaged, kGatherParts, kChunkKeys>(p, t, b, visible, chunk_begin + i, chunk_begin, n_chunks, my_row,
+                                                        my_part, next_slot, staging, kStagedBytes, kStagedBytes / 16,
+                                                        valid, L.valid_sets);
+    } else {
+      if (i < n_chunks)
+        gather_row<F, kPaged, kGatherParts, kChunkKeys, true>(p, t, b, visible, chunk_begin + i, chunk_begin, n_chunks,
+                                                              my_row, my_part, next_slot,
+                                                              sk + (i % kKeyBuffers) * kTileBytes, kRowBytes, kPieces,
+                                                              valid, L.valid_sets);
+    }
     cp_async_commit();
   };
   issue(0);
@@ -102,10 +117,14 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) wgmma_attention_kernel(const
 
   for (int i = 0; i < n_chunks; ++i) {
     cp_async_wait<0>();
+    if constexpr (kFp8) {
+      __syncthreads();  // chunk i is staged; chunk i-1's wgmma (each warpgroup waited for its own) left the tile
+      dequantise_chunk<F, T, kRope, kWgmmaThreads, kChunkKeys, true>(staging, reinterpret_cast<T*>(sk), tid);
+    }
     fence_shared_for_async_proxy();
-    __syncthreads();  // chunk i has landed and is visible to wgmma (the first time, the queries too); chunk i-1 is done
-    issue(i + 1);     // into the buffer chunk i-1 used
-    const uint8_t* const kt = sk + (i % kKeyBuffers) * kTileBytes;
+    __syncthreads();  // chunk i is in its tile, visible to wgmma (the first time, the queries too); chunk i-1 is done
+    issue(i + 1);     // into the buffer chunk i-1 used (fp8: staging, read into the tile above)
+    const uint8_t* const kt = kFp8 ? sk : sk + (i % kKeyBuffers) * kTileBytes;
 
     // Scores of this warpgroup's 32 keys over all dims: s[4jj + e] row rows[e / 2], key 32wg + 8jj + 2c + e % 2.
     float s[16];

@@ -71,9 +71,10 @@ KernelVariant small_heads(const KernelLimits& l, const KernelShape& s) {
   return two.ctas_per_sm > 0 && two.ctas_per_sm >= one.ctas_per_sm ? two : one;
 }
 
-// The wgmma kernel: Hopper only (sm_90a code), 16-bit caches, two key buffers of 64 keys.
+// The wgmma kernel: Hopper only, with sm_90a code; 64-key chunks (16-bit caches: two key buffers; fp8: one and a
+// staging buffer).
 KernelVariant wgmma(const KernelLimits& l, const KernelShape& s) {
-  if (l.compute_capability != 90) return {};
+  if (l.compute_capability != 90 || !l.sm90a_code) return {};
   const KernelVariant v = fit(l, AttentionKernel::wgmma, kWgmmaHeadsPerCta, kWideThreads, 2, 0,
                               wgmma_smem(s.format, s.rope));
   return v.ctas_per_sm > 0 ? v : KernelVariant{};
@@ -90,11 +91,11 @@ KernelVariant variant(const KernelLimits& l, const KernelShape& s, AttentionKern
   return {};
 }
 
-// Why kernel `k` cannot run `s` at all (it is no variant): the wgmma kernel's arch or cache format, else its shared
-// memory (`need`: the least it needs).
+// Why kernel `k` cannot run `s` at all (it is no variant): the wgmma kernel's arch or code, else its shared memory
+// (`need`: the least it needs).
 Rejection unfit(const KernelLimits& l, const KernelShape& s, AttentionKernel k, int need) {
   if (k == AttentionKernel::wgmma && l.compute_capability != 90) return {k, Rejected::arch};
-  if (k == AttentionKernel::wgmma && need == 0) return {k, Rejected::cache_format};
+  if (k == AttentionKernel::wgmma && !l.sm90a_code) return {k, Rejected::no_sm90a_code};
   return {k, Rejected::smem, need, l.max_smem_per_block};
 }
 
@@ -120,7 +121,7 @@ std::string with_commas(int64_t v) {
   return s;
 }
 
-std::string arch_text(int cc) { return "sm_" + std::to_string(cc) + (cc == 90 ? "a" : ""); }
+std::string arch_text(int cc) { return "sm_" + std::to_string(cc); }
 
 }  // namespace
 
@@ -145,12 +146,20 @@ int ctas_per_sm(const KernelLimits& l, int threads, int registers, int smem) {
   return std::min({by_regs, l.max_smem_per_sm / per_cta, l.max_threads_per_sm / (32 * warps), l.max_ctas_per_sm});
 }
 
+bool sm90a_code_built() {
+#if defined(SMLA_CUDA_SM90A)
+  return true;
+#else
+  return false;
+#endif
+}
+
 KernelDecision choose_attention_kernel(const KernelLimits& l, const KernelShape& s) {
   KernelDecision d;
   auto reject = [&](AttentionKernel k, Rejected why, int need = 0, int have = 0) {
     d.rejected[static_cast<size_t>(d.num_rejected++)] = {k, why, need, have};
   };
-  // The automatic order; the wgmma kernel goes first where kWgmmaAutomatic puts it in the wide tile's place.
+  // The automatic order; the wgmma kernel in the wide tile's place where it runs.
   constexpr AttentionKernel kOrder[] = {AttentionKernel::small_heads, AttentionKernel::wgmma,
                                         AttentionKernel::wide_tile, AttentionKernel::head_tile};
   if (s.forced.kernel != AttentionKernel::automatic) {
@@ -163,8 +172,15 @@ KernelDecision choose_attention_kernel(const KernelLimits& l, const KernelShape&
   }
   const int min_tokens = s.rope ? kSmallMinTokens : kSmallMinTokensNoRope;
   for (AttentionKernel k : kOrder) {
-    // Named on Hopper only (no other arch ever runs it); while forced only, after the others.
-    if (k == AttentionKernel::wgmma && (l.compute_capability != 90 || !kWgmmaAutomatic)) continue;
+    if (k == AttentionKernel::wgmma && l.compute_capability != 90) continue;  // named on Hopper only
+    if (k == AttentionKernel::wgmma && !l.sm90a_code) {  // the lasting reasons first
+      reject(k, Rejected::no_sm90a_code);
+      continue;
+    }
+    if (k == AttentionKernel::wgmma && fp8(s.format) && !kWgmmaAutomaticForFp8) {
+      reject(k, Rejected::cache_format);
+      continue;
+    }
     if (d.ok()) {  // need: the winner's threshold
       const bool small = d.chosen.kernel == AttentionKernel::small_heads;
       reject(k, Rejected::other_kernel_won, small ? min_tokens : kWideMinHeads);
@@ -197,7 +213,6 @@ KernelDecision choose_attention_kernel(const KernelLimits& l, const KernelShape&
       reject(k, Rejected::too_few_rows, static_cast<int>(kWideMinRows), static_cast<int>(s.tokens * s.heads));
     }
   }
-  if (l.compute_capability == 90 && !kWgmmaAutomatic) reject(AttentionKernel::wgmma, Rejected::forced_only);
   return d;
 }
 
@@ -226,11 +241,14 @@ std::string rejection_text(const Rejection& r, const KernelVariant& chosen, int 
   switch (r.why) {
     case Rejected::forced_other: return "not chosen: the " + won + " was forced";
     case Rejected::cache_format:
-      if (r.kernel == AttentionKernel::wgmma) return "reads bf16 and f16 caches only";
+      if (r.kernel == AttentionKernel::wgmma)
+        return "not chosen: automatic for bf16 and f16 caches only (fp8 caches: forced, until measured faster than "
+               "the wide tile)";
       return std::string("not chosen: automatic for fp8_ds_mla") + (kSmallAutomaticForV4 ? " and fp8_ds_mla_v4" : "") +
              " caches only";
     case Rejected::arch: return "needs sm_90a (wgmma); this is " + arch_text(cc);
-    case Rejected::forced_only: return "not chosen: forced only, until measured faster than the wide tile";
+    case Rejected::no_sm90a_code:
+      return "needs sm_90a code (wgmma); this library's code for sm_90 has none (built without 90a, or PTX only)";
     case Rejected::too_many_heads:
       return "not chosen: automatic up to " + std::to_string(r.need) + " heads, here " + std::to_string(r.have);
     case Rejected::too_few_tokens:
@@ -248,7 +266,8 @@ std::string rejection_text(const Rejection& r, const KernelVariant& chosen, int 
         return "not chosen: fp8 caches at up to " + std::to_string(kSmallMaxHeads) + " heads from " +
                std::to_string(r.need) + " query rows on take the small-heads kernel";
       return "not chosen: " + std::to_string(r.need) + "+ heads at " + with_commas(kWideMinRows) +
-             "+ query rows x heads take the " + won;
+             "+ query rows x heads take the " + won +
+             (chosen.kernel == AttentionKernel::wgmma ? " (sm_90a code)" : "");
   }
   return {};
 }

@@ -23,6 +23,10 @@ struct KernelLimits {
   int max_smem_per_sm = 0;
   int max_threads_per_sm = 0;
   int max_ctas_per_sm = 0;
+  // Whether the code the CUDA runtime loaded for this device holds sm_90a's features (wgmma): not the arch (an
+  // sm_90 GPU runs 90-real SASS or PTX JIT-compiled from compute_80 without them) but what the library's fatbin
+  // gave it; wg::sm90a_code_loaded() asks the driver, explain takes the build's arch list (sm90a_code_built()).
+  bool sm90a_code = false;
 };
 inline constexpr int kRegistersPerSm = 65536;  // every arch from SM80 on
 inline constexpr int kReservedSmemPerCta = 1024;  // the system's share of each CTA's shared memory (SM80 on)
@@ -37,10 +41,10 @@ inline constexpr int64_t kWideMinRows = 4096;
 // do: off (small::kAutomaticForV4 says why).
 inline constexpr bool kSmallAutomaticForV4 = false;
 inline constexpr int kHeadsPerCtaTile = 16, kWideHeadsPerCta = 64, kWgmmaHeadsPerCta = 64;
-// Whether the wgmma kernel (sm_90a, 16-bit caches) is chosen automatically, in the wide tile's place (same head and
-// row thresholds): not until it has been measured faster than the wide tile on an H200; until then tests and
-// benchmarks force it, and `explain` on sm_90 says so.
-inline constexpr bool kWgmmaAutomatic = false;
+// The wgmma kernel (sm_90a code) takes the wide tile's place under the same head and row thresholds for 16-bit
+// caches: on an H200 it was 9-11% faster on every bf16 row (docs/performance.md). For fp8 caches (dequantised into
+// its key tile) only once measured faster than the wide tile there: until then forced only.
+inline constexpr bool kWgmmaAutomaticForFp8 = false;
 // Registers per thread, at most, over every instance and arch (ptxas -v; the wide tile's are capped at 255 by its
 // launch bounds of one CTA per SM, the small-heads kernel's with the dim split at 128 by its bounds of two).
 inline constexpr int kHeadTileRegisters = 171, kWideRegisters = 255, kSmallHeads16Registers = 255,
@@ -68,9 +72,9 @@ struct KernelVariant {
 // other_kernel_won: the chosen kernel's threshold).
 enum class Rejected {
   forced_other,      // another kernel was forced
-  cache_format,      // the small-heads kernel reads fp8_ds_mla caches only (automatically); wgmma 16-bit ones
-  arch,              // the wgmma kernel: sm_90a only
-  forced_only,       // the wgmma kernel while kWgmmaAutomatic is off
+  cache_format,      // the small-heads kernel: fp8_ds_mla caches only (automatically); wgmma: 16-bit ones (ditto)
+  arch,              // the wgmma kernel: sm_90 only
+  no_sm90a_code,     // the wgmma kernel on sm_90 where the loaded code lacks sm_90a's features
   too_many_heads,    // the small-heads kernel: more heads than kMaxHeadsAutomatic
   too_few_tokens,    // the small-heads kernel: fewer query rows than it pays off at
   too_few_heads,     // the wide tile: fewer heads than kMinHeadsAutomatic
@@ -95,9 +99,10 @@ struct KernelDecision {
 
 // THE choice. Automatic: the small-heads kernel for fp8_ds_mla caches (and fp8_ds_mla_v4 ones while
 // kSmallAutomaticForV4) up to small::kMaxHeadsAutomatic heads from
-// small::kMinTokensAutomatic query rows on (kMinTokensAutomaticNoRope for 512-wide heads), where it fits; else the
-// wide tile from wide::kMinHeadsAutomatic heads and wide::kMinRowsAutomatic query rows x heads on, where it fits;
-// else the 16-head tile. Depths: the 16-head tile
+// small::kMinTokensAutomatic query rows on (kMinTokensAutomaticNoRope for 512-wide heads), where it fits; else
+// from wide::kMinHeadsAutomatic heads and wide::kMinRowsAutomatic query rows x heads on the wgmma kernel (sm_90 with
+// sm_90a code; 16-bit caches, fp8 ones while kWgmmaAutomaticForFp8), or the wide tile where it fits; else the
+// 16-head tile. Depths: the 16-head tile
 // the deepest that keeps two CTAs per SM (or the most that fit), the wide tile the deepest that fits, the
 // small-heads kernel the deepest that keeps the most CTAs per SM (at 8 heads the dim split where it keeps as many).
 // A forced kernel or depth is taken as given; one that does not fit is no choice (not ok()).
@@ -145,11 +150,9 @@ constexpr int wide_smem(CacheFormat f, int rope, int stages) {
   return tables::kWideSmem[tables::format_row(f)][rope ? 1 : 0][stages - 2];
 }
 
-// The wgmma kernel (two key buffers; 16-bit caches only), by rope width 0 and 64.
-inline constexpr int kWgmmaSmem[2] = {205824, 230400};
-constexpr int wgmma_smem(CacheFormat f, int rope) {
-  return f == CacheFormat::bf16 || f == CacheFormat::f16 ? kWgmmaSmem[rope ? 1 : 0] : 0;
-}
+// The wgmma kernel (two key buffers; fp8: one, and a staging buffer), by [format][rope 0, 64].
+inline constexpr int kWgmmaSmem[3][2] = {{205824, 230400}, {174080, 198656}, {178176, 0}};
+constexpr int wgmma_smem(CacheFormat f, int rope) { return kWgmmaSmem[tables::format_row(f)][rope ? 1 : 0]; }
 
 constexpr int small_heads_smem(CacheFormat f, int rope, int heads_per_cta, int split_dims, int stages) {
   if (stages < 2 || stages > 4) return 0;
@@ -163,5 +166,9 @@ int kernel_registers(AttentionKernel kernel, int heads_per_cta, int split_dims);
 // counts them (registers in 256-register units per warp; each CTA's shared memory plus the system's 1 KB in
 // 128-byte units).
 int ctas_per_sm(const KernelLimits& limits, int threads, int registers, int smem);
+
+// Whether this build's CUDA arch list holds sm_90a code (SASS or PTX; false without CUDA): what `explain`, which
+// describes an arch rather than a loaded library, takes for KernelLimits::sm90a_code on sm_90.
+bool sm90a_code_built();
 
 }  // namespace smla::cuda::mla

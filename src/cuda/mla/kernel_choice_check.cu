@@ -40,9 +40,13 @@ constexpr bool small_layouts_match() {
 }
 
 static_assert(tile_layouts_match(), "kernel_choice.h: the tile kernels' shared-memory table");
-static_assert(wgmma_smem(CacheFormat::bf16, 0) == wg::WgmmaLayout(0).total &&
-                  wgmma_smem(CacheFormat::f16, kMlaRopeDim) == wg::WgmmaLayout(kMlaRopeDim).total &&
-                  wgmma_smem(CacheFormat::fp8_ds_mla, kMlaRopeDim) == 0,
+static_assert(wgmma_smem(CacheFormat::bf16, 0) == wg::WgmmaLayout(CacheFormat::bf16, 0).total &&
+                  wgmma_smem(CacheFormat::f16, kMlaRopeDim) == wg::WgmmaLayout(CacheFormat::f16, kMlaRopeDim).total &&
+                  wgmma_smem(CacheFormat::fp8_ds_mla, 0) == wg::WgmmaLayout(CacheFormat::fp8_ds_mla, 0).total &&
+                  wgmma_smem(CacheFormat::fp8_ds_mla, kMlaRopeDim) ==
+                      wg::WgmmaLayout(CacheFormat::fp8_ds_mla, kMlaRopeDim).total &&
+                  wgmma_smem(CacheFormat::fp8_ds_mla_v4, 0) == wg::WgmmaLayout(CacheFormat::fp8_ds_mla_v4, 0).total &&
+                  wgmma_smem(CacheFormat::fp8_ds_mla_v4, kMlaRopeDim) == 0,
               "kernel_choice.h: the wgmma kernel's shared-memory table");
 static_assert(small_layouts_match<CacheFormat::bf16, 0>() && small_layouts_match<CacheFormat::bf16, 64>() &&
                   small_layouts_match<CacheFormat::f16, 0>() && small_layouts_match<CacheFormat::f16, 64>() &&
