@@ -930,7 +930,7 @@ int main(int argc, char** argv) {
     const AttentionChoice head_tile{AttentionKernel::head_tile, 0}, wide{AttentionKernel::wide_tile, 0},
         wgmma{AttentionKernel::wgmma};
     // The wgmma kernel's rows where it runs (Hopper, sm_90a code).
-    const bool wgmma_rows = smla::cuda::attention_wgmma_available();
+    const bool wgmma_rows = smla::cuda::wgmma_kernels_available();
     for (smla::DType kv : {smla::DType::bf16, smla::DType::fp8_ds_mla}) {
       if (!all_attention) break;
       Cache cache(kv, slots);

@@ -38,9 +38,10 @@ struct AttentionPlan {
   int stages = 0, smem = 0, ctas_per_sm = 0, num_splits = 1;
 };
 AttentionPlan sparse_mla_plan(const SparseMlaArgs& args, AttentionChoice choice = {});
-// Whether the current device runs the wgmma attention kernel: a Hopper GPU whose loaded code of the library holds
-// sm_90a's features (mla::wg::sm90a_code_loaded: not so for a build of 90-real or only older PTX).
-bool attention_wgmma_available();
+// Whether the current device runs smla's wgmma kernels (attention and indexer scores): a Hopper GPU whose loaded
+// code of the library holds sm_90a's features (mla::wg::sm90a_code_loaded: not so for a build of 90-real or only
+// older PTX).
+bool wgmma_kernels_available();
 AttentionPlan paged_mla_decode_plan(const PagedMlaDecodeArgs& args, AttentionChoice choice = {});
 void write_index_cache(const WriteIndexCacheArgs& args);
 void positions_to_slots(const PositionsToSlotsArgs& args);
@@ -70,10 +71,9 @@ int64_t score_row_stride(const IndexerTopkArgs& args);  // index_capacity rounde
 // How the scores kernel multiplies fp8 keys: as it sees fit (fp8 queries: e4m3 operands where the arch multiplies
 // them natively, mma.sync on SM89 and SM12x, wgmma on Hopper for 17-64 heads; bf16 queries: on Hopper wgmma for
 // 33-64 heads), or forced (tests, benchmarks): converted to bf16 for mma.sync, converted to bf16 for wgmma (Hopper,
-// sm_90a code: indexer_wgmma_available(); 17-64 heads), e4m3 mma.sync (SM89 on; SM90 and SM100 emulate it), or
+// sm_90a code: wgmma_kernels_available(); 17-64 heads), e4m3 mma.sync (SM89 on; SM90 and SM100 emulate it), or
 // e4m3 wgmma (as bf16 wgmma, fp8 queries).
 enum class ScoreMma { automatic, bf16, bf16_wgmma, fp8, fp8_wgmma };
-bool indexer_wgmma_available();
 // What `mma` comes to for these args on the current device (automatic resolved; bf16 keys and fp8 keys converted
 // for mma.sync are both `bf16`); a forced kind they cannot take is an error, as in indexer_scores.
 ScoreMma resolve_score_mma(const IndexerTopkArgs& args, ScoreMma mma = ScoreMma::automatic);

@@ -33,7 +33,7 @@ inline cuda::AttentionKernel automatic_many_heads_kernel(DType kv, int rope, boo
   if (heads < cuda::mla::wide::kMinHeadsAutomatic || tokens * heads < cuda::mla::wide::kMinRowsAutomatic)
     return cuda::AttentionKernel::head_tile;
   const bool sixteen_bit = f == CacheFormat::bf16 || f == CacheFormat::f16;
-  if ((sixteen_bit || cuda::mla::kWgmmaAutomaticForFp8) && cuda::attention_wgmma_available() &&
+  if ((sixteen_bit || cuda::mla::kWgmmaAutomaticForFp8) && cuda::wgmma_kernels_available() &&
       cuda::mla::wg::find_wgmma_config(f, rope, paged) != nullptr)
     return cuda::AttentionKernel::wgmma;
   return cuda::mla::wide::find_wide_config(f, rope, paged) != nullptr ? cuda::AttentionKernel::wide_tile

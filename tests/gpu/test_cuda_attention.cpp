@@ -996,7 +996,7 @@ TEST(CudaSparseMlaWideTile, AutomaticChoiceAndSecondCache) {
         else EXPECT_TRUE(plan.kernel == cuda::AttentionKernel::head_tile || plan.kernel == cuda::AttentionKernel::small_heads);
         // Hopper with sm_90a code: the wgmma kernel for the bf16 cache wherever the wide rule holds, for fp8 only while
         // kWgmmaAutomaticForFp8.
-        if (cuda::attention_wgmma_available())
+        if (cuda::wgmma_kernels_available())
           EXPECT_EQ(plan.kernel == cuda::AttentionKernel::wgmma,
                     (kv == DType::bf16 || cuda::mla::kWgmmaAutomaticForFp8) && heads >= 64 && tokens * heads >= 4096);
         if (heads < cuda::mla::wide::kMinHeadsAutomatic || tokens * heads < cuda::mla::wide::kMinRowsAutomatic)
@@ -1028,7 +1028,7 @@ TEST(CudaSparseMlaWideTile, AutomaticChoiceAndSecondCache) {
 // envelope's rope bytes without rope), outputs pre-filled with NaN, topk_length, sinks, strided queries, max_logits,
 // both empty-row lse conventions. Skipped only where the device cannot run wgmma.
 TEST(CudaSparseMlaWgmma, HeadsFormatsTopk) {
-  if (!cuda::attention_wgmma_available()) GTEST_SKIP() << "needs a Hopper GPU and the library built for sm_90a";
+  if (!cuda::wgmma_kernels_available()) GTEST_SKIP() << "needs a Hopper GPU and the library built for sm_90a";
   uint64_t seed = 2600;
   int n = 0;
   for (DType kv : {DType::bf16, DType::f16, DType::fp8_ds_mla, DType::fp8_ds_mla_v4})
@@ -1053,7 +1053,7 @@ TEST(CudaSparseMlaWgmma, HeadsFormatsTopk) {
 
 // The wgmma kernel's splits (64-key chunks: 32 of them), both cache kinds.
 TEST(CudaSparseMlaWgmma, ForcedSplits) {
-  if (!cuda::attention_wgmma_available()) GTEST_SKIP() << "needs a Hopper GPU and the library built for sm_90a";
+  if (!cuda::wgmma_kernels_available()) GTEST_SKIP() << "needs a Hopper GPU and the library built for sm_90a";
   uint64_t seed = 2700;
   for (DType kv : {DType::bf16, DType::fp8_ds_mla})
     EXPECT_TRUE(expect_forced_splits(cuda::AttentionKernel::wgmma, kv, 32, false, seed));
@@ -1062,7 +1062,7 @@ TEST(CudaSparseMlaWgmma, ForcedSplits) {
 // Dense paged decode on the wgmma kernel: causal s_q > 1 (each step its own visible length), non-causal, 16-bit and
 // fp8 caches, padded head tiles, rope-free heads.
 TEST(CudaPagedDecodeWgmma, MatchesCpu) {
-  if (!cuda::attention_wgmma_available()) GTEST_SKIP() << "needs a Hopper GPU and the library built for sm_90a";
+  if (!cuda::wgmma_kernels_available()) GTEST_SKIP() << "needs a Hopper GPU and the library built for sm_90a";
   uint64_t seed = 2800;
   const cuda::AttentionChoice wgmma{cuda::AttentionKernel::wgmma};
   for (DType kv : {DType::bf16, DType::f16, DType::fp8_ds_mla})
@@ -1075,7 +1075,7 @@ TEST(CudaPagedDecodeWgmma, MatchesCpu) {
 
 // Forced where it cannot run (off Hopper, or without sm_90a code), the wgmma kernel is an error that says why.
 TEST(CudaSparseMlaWgmma, UnsupportedIsAnError) {
-  if (cuda::attention_wgmma_available()) GTEST_SKIP() << "runs here (every cache format)";
+  if (cuda::wgmma_kernels_available()) GTEST_SKIP() << "runs here (every cache format)";
   Problem p;
   p.heads = 64;
   p.kernel = {cuda::AttentionKernel::wgmma};
@@ -1090,7 +1090,7 @@ TEST(CudaSparseMlaWgmma, Sm90aCodeFoundWhereBuilt) {
   const cuda::DeviceInfo& d = cuda::current_device();
   const int native = d.native_compute_capability != 0 ? d.native_compute_capability : d.compute_capability;
   const bool hopper = d.compute_capability == 90 && native == 90;
-  EXPECT_EQ(cuda::attention_wgmma_available(), hopper && cuda::mla::sm90a_code_built());
+  EXPECT_EQ(cuda::wgmma_kernels_available(), hopper && cuda::mla::sm90a_code_built());
 }
 
 // Chosen by itself on Hopper with sm_90a code: the wgmma kernel for 16-bit caches wherever the wide rule holds
@@ -1098,7 +1098,7 @@ TEST(CudaSparseMlaWgmma, Sm90aCodeFoundWhereBuilt) {
 // the wide tile (while kWgmmaAutomaticForFp8 is off), one token of 128 heads the 16-head tile. Elsewhere (or without
 // sm_90a code) never chosen.
 TEST(CudaSparseMlaWgmma, AutomaticChoiceMatchesCpu) {
-  const bool runs = cuda::attention_wgmma_available();
+  const bool runs = cuda::wgmma_kernels_available();
   uint64_t seed = 3000;
   int n = 0;
   for (DType kv : {DType::bf16, DType::f16})

@@ -59,7 +59,7 @@ TEST(CudaEmulation, DeviceIsWhatTheEnvironmentSays) {
   ASSERT_TRUE(seen.has_value());
   EXPECT_EQ(seen->compute_capability, want.compute_capability);
   // Hopper's instructions are for Hopper only.
-  if (!name.empty()) EXPECT_FALSE(cuda::indexer_wgmma_available());
+  if (!name.empty()) EXPECT_FALSE(cuda::wgmma_kernels_available());
 }
 
 // Shape-only args (the plans read no data): `tokens` x `heads` queries of 576 (512 for fp8_ds_mla_v4) over top-k
@@ -188,7 +188,7 @@ TEST(CudaEmulation, InstructionChoicesFollowTheArch) {
     SCOPED_TRACE("heads " + std::to_string(heads));
     const cuda::ScoreMma used = cuda::resolve_score_mma(indexer_shape(4, heads));
     if (native_fp8) EXPECT_EQ(used, cuda::ScoreMma::fp8);
-    else if (cc == 90 && cuda::indexer_wgmma_available() && heads > 16) EXPECT_EQ(used, cuda::ScoreMma::fp8_wgmma);
+    else if (cc == 90 && cuda::wgmma_kernels_available() && heads > 16) EXPECT_EQ(used, cuda::ScoreMma::fp8_wgmma);
     else EXPECT_EQ(used, cuda::ScoreMma::bf16);
     if (cc < 89) EXPECT_THROW(cuda::resolve_score_mma(indexer_shape(4, heads), cuda::ScoreMma::fp8), Error);
   }
@@ -222,7 +222,7 @@ TEST(CudaEmulation, PlanIsTheKernelChoice) {
   const cuda::DeviceInfo& d = cuda::current_device();
   // sm_90a code: what the driver loaded (emulating sm_90 on another GPU loads no sm_90a code).
   const cuda::mla::KernelLimits limits{d.compute_capability, d.max_smem_per_block, d.max_smem_per_sm,
-                                       d.max_threads_per_sm, d.max_ctas_per_sm, cuda::attention_wgmma_available()};
+                                       d.max_threads_per_sm, d.max_ctas_per_sm, cuda::wgmma_kernels_available()};
   int plans = 0;
   for (DType kv : {DType::bf16, DType::f16, DType::fp8_ds_mla, DType::fp8_ds_mla_v4})
     for (int rope : {kMlaRopeDim, 0})

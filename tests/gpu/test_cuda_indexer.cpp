@@ -243,7 +243,7 @@ TEST(CudaIndexer, ScoresOfEachMmaMatchFloat64) {
     const int64_t stride = cuda::score_row_stride(a);
     constexpr float kSentinel = -12345.f;
     std::vector<cuda::ScoreMma> these = kinds;
-    if (c.heads > 16 && c.heads <= 64 && cuda::indexer_wgmma_available())
+    if (c.heads > 16 && c.heads <= 64 && cuda::wgmma_kernels_available())
       these.insert(these.end(), {cuda::ScoreMma::bf16_wgmma, cuda::ScoreMma::fp8_wgmma});
     for (cuda::ScoreMma mma : these) {
       SCOPED_TRACE("heads " + std::to_string(c.heads) + " bs " + std::to_string(c.block_size) + " tokens " +
@@ -279,7 +279,7 @@ TEST(CudaIndexer, ScoresOfEachMmaMatchFloat64) {
 // wgmma against mma.sync (itself checked against float64 above) on enough tokens of long rows that CTAs take 64
 // tiles each on an H200 (float64 there would take a minute): the same exact products, summed in another order.
 TEST(CudaIndexer, WgmmaScoresEqualMmaSyncOnLongRows) {
-  if (!cuda::indexer_wgmma_available()) GTEST_SKIP() << "needs a Hopper GPU and the library built for sm_90a";
+  if (!cuda::wgmma_kernels_available()) GTEST_SKIP() << "needs a Hopper GPU and the library built for sm_90a";
   for (int heads : {32, 64}) {
     SCOPED_TRACE("heads " + std::to_string(heads));
     IndexProblem pr;
@@ -359,7 +359,7 @@ TEST(CudaIndexer, Fp8MmaNeedsFp8QueriesAndKeys) {
   test::expect_error(
       [&] { cuda::indexer_scores(on.args, static_cast<float*>(scores.ptr), cuda::ScoreMma::fp8_wgmma); },
       ErrorKind::invalid_argument,
-      {cuda::indexer_wgmma_available() ? "e4m3 wgmma needs fp8 queries, got bfloat16" : "wgmma needs an fp8 index cache"});
+      {cuda::wgmma_kernels_available() ? "e4m3 wgmma needs fp8 queries, got bfloat16" : "wgmma needs an fp8 index cache"});
 }
 
 TEST(CudaIndexer, LongContextTopk2048) {

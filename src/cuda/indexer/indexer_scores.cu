@@ -526,7 +526,7 @@ Mma pick_mma(const IndexerTopkArgs& a, ScoreMma mma) {
   if (mma == ScoreMma::fp8)
     require(fp8_pair && fp8_mma_available(cc),
             "indexer_scores: e4m3 mma needs fp8 queries and keys and a GPU of compute capability 8.9 or more");
-  const bool wgmma = fp8_keys && heads > 16 && heads <= 64 && wgmma_available(cc);
+  const bool wgmma = fp8_keys && heads > 16 && heads <= 64 && wgmma_kernels_available();
   if (mma == ScoreMma::bf16_wgmma || mma == ScoreMma::fp8_wgmma)
     require(wgmma, "indexer_scores: wgmma needs an fp8 index cache, 17 to 64 heads and a Hopper GPU (the library "
                    "built with sm_90a code)");
@@ -550,8 +550,6 @@ ScoreMma resolve_score_mma(const IndexerTopkArgs& args, ScoreMma mma) {
     default: return ScoreMma::bf16;
   }
 }
-
-bool indexer_wgmma_available() { return wgmma_available(current_device().compute_capability); }
 
 void indexer_scores(const IndexerTopkArgs& a, float* scores, ScoreMma mma, int* histograms) {
   const int tokens = static_cast<int>(a.q.size(0));

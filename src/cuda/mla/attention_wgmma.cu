@@ -115,7 +115,7 @@ void launch_wgmma(const AttentionParams& p, const WgmmaConfig& cfg, int splits, 
 }  // namespace smla::cuda::mla::wg
 
 namespace smla::cuda {
-bool attention_wgmma_available() {
+bool wgmma_kernels_available() {
   return wgmma_available(current_device().compute_capability) && mla::wg::sm90a_code_loaded();
 }
 }  // namespace smla::cuda
