@@ -206,33 +206,37 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
   };
   int64_t next_offset = n_chunks > 0 ? offset_for(chunk_begin) : -1;
   // Where this lane's piece jp of the warp's k-th row (row warp + kWarps k)
-  // lands in a stage: dst_first[jp][k % 2] + (k / 2) * dst_step[jp] (the
-  // warp's rows alternate between two swizzles; kWarps * 2 is a multiple of
-  // 8), all but the k-independent part fixed here so a row's copies take
-  // immediate offsets. The fp8 scales are kept apart, 16 bytes a row after
-  // the chunk's rows (fp8_ds_mla: the piece after the latent; fp8_ds_mla_v4:
-  // the last piece, whose bf16 dims before it go to the group after the
-  // latent's).
+  // lands in a stage: dst_first[jp][k % kSwizzles] + (k / kSwizzles) *
+  // dst_step[jp], fixed here so a row's copies take immediate offsets. With 8
+  // warps every row of a warp has the swizzle of its first, with 4 they
+  // alternate between two. The fp8 scales are kept apart, 16 bytes a row
+  // after the chunk's rows (fp8_ds_mla: the piece after the latent;
+  // fp8_ds_mla_v4: the last piece, whose bf16 dims before it go to the group
+  // after the latent's).
   constexpr int kLanePieces = (G::kGlobalPieces + 31) / 32;
   constexpr int kScalePiece = kV4 ? G::kGlobalPieces - 1 : kLatent / 16;
+  constexpr int kSwizzles = kWarps % 8 == 0 ? 1 : 2;
+  static_assert(kWarps * kSwizzles % 8 == 0, "rows kWarps * kSwizzles apart share a swizzle");
   auto smem_piece = [](int pc) {
     if constexpr (kV4) return pc < G::kLatentDims / 16 ? pc : pc - G::kLatentDims / 16 + G::kLatentBytes / 16;
     return pc > kScalePiece ? pc - 1 : pc;
   };
-  int dst_first[kLanePieces][2], dst_step[kLanePieces];
+  int dst_first[kLanePieces][kSwizzles], dst_step[kLanePieces];
 #pragma unroll
   for (int jp = 0; jp < kLanePieces; ++jp) {
     const int pc = lane + 32 * jp;
     const bool scale = kFp8 && pc == kScalePiece;
 #pragma unroll
-    for (int parity = 0; parity < 2; ++parity) {
-      const int row = warp + kWarps * parity;
-      dst_first[jp][parity] = scale ? kChunkKeys * G::kRowBytes + row * 16
-                                    : piece_offset(row * G::kRowBytes, row, kFp8 ? smem_piece(pc) : pc);
+    for (int r = 0; r < kSwizzles; ++r) {
+      const int row = warp + kWarps * r;
+      dst_first[jp][r] = scale ? kChunkKeys * G::kRowBytes + row * 16
+                               : piece_offset(row * G::kRowBytes, row, kFp8 ? smem_piece(pc) : pc);
     }
-    dst_step[jp] = 2 * kWarps * (scale ? 16 : G::kRowBytes);
+    dst_step[jp] = kSwizzles * kWarps * (scale ? 16 : G::kRowBytes);
   }
-  const uint8_t* const lane_src = p.cache + 16 * lane;
+  // Rows unrolled at once: all of them, but 4 at 128 registers a thread (the dim split), where the shuffled
+  // offsets of all rows held live made the fp8 kernels spill on sm_80.
+  constexpr int kGatherUnroll = kSplitDims == 2 ? 4 : kRowsPerWarp;
   // Chunk i of this split into `stage` (stage i % stages), if it exists. Per chunk the row offsets become a mask of
   // the valid rows and offsets with 0 for the invalid ones, so a row costs a shuffle, an add and its copies.
   auto issue = [&](int i, uint8_t* stage) {
@@ -240,19 +244,20 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
       const int64_t offsets = next_offset;
       const int in_blocks = next_in_block;
       if (i + 1 < n_chunks) next_offset = offset_for(chunk_begin + i + 1);
+      const uint8_t* const lane_src = p.cache + 16 * lane;
       const uint32_t valid_rows = __ballot_sync(0xffffffffu, offsets >= 0);
       const int64_t row_offsets = offsets >= 0 ? offsets : 0;
       if (lane < kRowsPerWarp)
         reinterpret_cast<int*>(stage + kChunkKeys * (G::kRowBytes + G::kScaleBytes))[warp + kWarps * lane] =
             offsets >= 0;
-#pragma unroll
+#pragma unroll kGatherUnroll
       for (int k = 0; k < kRowsPerWarp; ++k) {
         const bool valid = valid_rows >> k & 1;
         const int64_t offset = __shfl_sync(0xffffffffu, row_offsets, k);
 #pragma unroll
         for (int jp = 0; jp < kLanePieces; ++jp) {
           const int pc = lane + 32 * jp;
-          uint8_t* const dst = stage + dst_first[jp][k % 2] + (k / 2) * dst_step[jp];
+          uint8_t* const dst = stage + dst_first[jp][k % kSwizzles] + (k / kSwizzles) * dst_step[jp];
           if constexpr (kV4) {
             using V4 = MlaV4CacheLayout;
             // Every lane takes part in the shuffle; the scale piece's lane uses it: block + block_size * 576 + i * 8.
