@@ -298,8 +298,9 @@ TEST(KernelChoice, ExplainNamesTheVariantOnEveryArch) {
     }
 }
 
-// glm-5 at tp 8 (8 heads per rank) with an fp8 cache: the small-heads kernel in prefill (8 heads per CTA, the dim
-// split), the 16-head tile in one-token decode, on every arch (the small-heads kernel fits 99 KB at 8 heads).
+// glm-5 at tp 8 (8 heads per rank) with an fp8 cache: the small-heads kernel in prefill (8 heads per CTA; the dim
+// split where one unsplit CTA of 4 warps is all an SM holds: the 99 KB archs and sm_80's 3 stages, not sm_90/100's
+// two), the 16-head tile in one-token decode, on every arch (the small-heads kernel fits 99 KB at 8 heads).
 TEST(KernelChoice, Glm5Tp8Fp8) {
   for (const char* arch : kArchs) {
     const KernelLimits l = limits_of(arch);
@@ -311,6 +312,9 @@ TEST(KernelChoice, Glm5Tp8Fp8) {
     const KernelDecision prefill = choose_attention_kernel(l, {CacheFormat::fp8_ds_mla, 64, false, 4096, 8, {}});
     EXPECT_EQ(prefill.chosen.kernel, AttentionKernel::small_heads) << arch;
     EXPECT_EQ(prefill.chosen.heads_per_cta, 8);
+    const bool two_ctas = std::string(arch) == "sm_90" || std::string(arch) == "sm_100";
+    EXPECT_EQ(prefill.chosen.split_dims, two_ctas ? 1 : 2) << arch;
+    EXPECT_EQ(prefill.chosen.ctas_per_sm, two_ctas ? 2 : 1) << arch;
   }
 }
 

@@ -106,13 +106,14 @@ const SmallHeadsConfig* find_small_heads_config(CacheFormat f, int rope, bool pa
       cfg = deepest(select(f, paged, rope, 1, split_dims), f, rope, 1, split_dims, shape.stages);
     } else {
       // Split the output dims (8 warps per CTA, each key slot's two warps
-      // sharing the scores' dims) wherever that keeps as many CTAs per SM, so
-      // twice the warps and the same rows in flight: on an H200 (2 CTAs per SM
-      // either way) fp8 decode at 8 heads took 40.5 against 43.9 µs at 32
-      // tokens, 92.7 against 93.4 at 128 (docs/performance.md).
+      // sharing the scores' dims) where the unsplit CTAs leave fewer than 8
+      // warps per SM and the split keeps as many CTAs, as
+      // mla::choose_attention_kernel does (kernel_choice.cpp says why).
       cfg = deepest(select(f, paged, rope, 1, 1), f, rope, 1, 1, shape.stages);
       const SmallHeadsConfig split = deepest(select(f, paged, rope, 1, 2), f, rope, 1, 2, shape.stages);
-      if (split.fn != nullptr && (cfg.fn == nullptr || split.ctas_per_sm >= cfg.ctas_per_sm)) cfg = split;
+      if (split.fn != nullptr &&
+          (cfg.fn == nullptr || (split.ctas_per_sm >= cfg.ctas_per_sm && cfg.ctas_per_sm * cfg.threads < 8 * 32)))
+        cfg = split;
     }
     it = configs.emplace(key, cfg).first;
   }

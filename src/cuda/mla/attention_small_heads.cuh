@@ -205,61 +205,79 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
     return block + (s32 % p.block_size) * p.row_stride;
   };
   int64_t next_offset = n_chunks > 0 ? offset_for(chunk_begin) : -1;
-  // Where this lane's pieces land in a row: the warp's rows alternate between
-  // two swizzles (kWarps * 2 is a multiple of 8). -1: the fp8 scales, kept
-  // apart (fp8_ds_mla: after the latent; fp8_ds_mla_v4: the last piece, whose
-  // bf16 dims before it go to the group after the latent's).
+  // Where this lane's piece jp of the warp's k-th row (row warp + kWarps k)
+  // lands in a stage: dst_first[jp][k % kSwizzles] + (k / kSwizzles) *
+  // dst_step[jp], fixed here so a row's copies take immediate offsets. With 8
+  // warps every row of a warp has the swizzle of its first, with 4 they
+  // alternate between two. The fp8 scales are kept apart, 16 bytes a row
+  // after the chunk's rows (fp8_ds_mla: the piece after the latent;
+  // fp8_ds_mla_v4: the last piece, whose bf16 dims before it go to the group
+  // after the latent's).
   constexpr int kLanePieces = (G::kGlobalPieces + 31) / 32;
   constexpr int kScalePiece = kV4 ? G::kGlobalPieces - 1 : kLatent / 16;
+  constexpr int kSwizzles = kWarps % 8 == 0 ? 1 : 2;
+  static_assert(kWarps * kSwizzles % 8 == 0, "rows kWarps * kSwizzles apart share a swizzle");
   auto smem_piece = [](int pc) {
     if constexpr (kV4) return pc < G::kLatentDims / 16 ? pc : pc - G::kLatentDims / 16 + G::kLatentBytes / 16;
     return pc > kScalePiece ? pc - 1 : pc;
   };
-  int piece_dst[2][kLanePieces];
+  int dst_first[kLanePieces][kSwizzles], dst_step[kLanePieces];
 #pragma unroll
-  for (int parity = 0; parity < 2; ++parity)
+  for (int jp = 0; jp < kLanePieces; ++jp) {
+    const int pc = lane + 32 * jp;
+    const bool scale = kFp8 && pc == kScalePiece;
 #pragma unroll
-    for (int jp = 0; jp < kLanePieces; ++jp) {
-      const int pc = lane + 32 * jp;
-      piece_dst[parity][jp] =
-          kFp8 && pc == kScalePiece ? -1 : piece_offset(0, warp + kWarps * parity, kFp8 ? smem_piece(pc) : pc);
+    for (int r = 0; r < kSwizzles; ++r) {
+      const int row = warp + kWarps * r;
+      dst_first[jp][r] = scale ? kChunkKeys * G::kRowBytes + row * 16
+                               : piece_offset(row * G::kRowBytes, row, kFp8 ? smem_piece(pc) : pc);
     }
-  auto issue = [&](int i) {  // chunk i of this split, into stage i % stages, if it exists
+    dst_step[jp] = kSwizzles * kWarps * (scale ? 16 : G::kRowBytes);
+  }
+  // Rows unrolled at once: all of them, but 4 at 128 registers a thread (the dim split), where the shuffled
+  // offsets of all rows held live made the fp8 kernels spill on sm_80.
+  constexpr int kGatherUnroll = kSplitDims == 2 ? 4 : kRowsPerWarp;
+  // Chunk i of this split into `stage` (stage i % stages), if it exists. Per chunk the row offsets become a mask of
+  // the valid rows and offsets with 0 for the invalid ones, so a row costs a shuffle, an add and its copies.
+  auto issue = [&](int i, uint8_t* stage) {
     if (i < n_chunks) {
       const int64_t offsets = next_offset;
       const int in_blocks = next_in_block;
       if (i + 1 < n_chunks) next_offset = offset_for(chunk_begin + i + 1);
-      uint8_t* stage = smem + (i % stages) * G::kStageBytes;
-#pragma unroll 4
+      const uint8_t* const lane_src = p.cache + 16 * lane;
+      const uint32_t valid_rows = __ballot_sync(0xffffffffu, offsets >= 0);
+      const int64_t row_offsets = offsets >= 0 ? offsets : 0;
+      if (lane < kRowsPerWarp)
+        reinterpret_cast<int*>(stage + kChunkKeys * (G::kRowBytes + G::kScaleBytes))[warp + kWarps * lane] =
+            offsets >= 0;
+#pragma unroll kGatherUnroll
       for (int k = 0; k < kRowsPerWarp; ++k) {
-        const int row = warp + kWarps * k;
-        const int64_t offset = __shfl_sync(0xffffffffu, offsets, k);
-        const uint8_t* src = p.cache + (offset >= 0 ? offset : 0);
+        const bool valid = valid_rows >> k & 1;
+        const int64_t offset = __shfl_sync(0xffffffffu, row_offsets, k);
 #pragma unroll
         for (int jp = 0; jp < kLanePieces; ++jp) {
-          const int pc = lane + 32 * jp, d = piece_dst[k % 2][jp];
+          const int pc = lane + 32 * jp;
+          uint8_t* const dst = stage + dst_first[jp][k % kSwizzles] + (k / kSwizzles) * dst_step[jp];
           if constexpr (kV4) {
             using V4 = MlaV4CacheLayout;
             // Every lane takes part in the shuffle; the scale piece's lane uses it: block + block_size * 576 + i * 8.
             const int in_block = jp == kLanePieces - 1 ? __shfl_sync(0xffffffffu, in_blocks, k) : 0;
-            const int64_t scale_offset =
-                offset + static_cast<int64_t>(p.block_size) * V4::kValueBytes - in_block * (V4::kValueBytes - V4::kScaleBytes);
             if (pc == kScalePiece)
-              cp_async_8(stage + kChunkKeys * G::kRowBytes + row * 16, p.cache + (offset >= 0 ? scale_offset : 0),
-                         offset >= 0);
+              cp_async_8(dst,
+                         p.cache + offset + static_cast<int64_t>(p.block_size) * V4::kValueBytes -
+                             in_block * (V4::kValueBytes - V4::kScaleBytes),
+                         valid);
             else if (pc < G::kGlobalPieces)
-              cp_async_16(stage + row * G::kRowBytes + d, src + pc * 16, offset >= 0);
+              cp_async_16(dst, lane_src + offset + 512 * jp, valid);
           } else if (pc < G::kGlobalPieces) {
-            cp_async_16(stage + (d >= 0 ? row * G::kRowBytes + d : kChunkKeys * G::kRowBytes + row * 16), src + pc * 16,
-                        offset >= 0);
+            cp_async_16(dst, lane_src + offset + 512 * jp, valid);
           }
         }
-        if (lane == 0) reinterpret_cast<int*>(stage + kChunkKeys * (G::kRowBytes + G::kScaleBytes))[row] = offset >= 0;
       }
     }
     cp_async_commit();  // empty groups keep the wait counts uniform
   };
-  for (int i = 0; i < stages - 1; ++i) issue(i);
+  for (int i = 0; i < stages - 1; ++i) issue(i, smem + i * G::kStageBytes);
 
   // Query fragments (the B operand of S^T = K Q^T), in the permuted dim order
   // of score_dim; heads past the last are 0. fp8 caches: the latent dims are
@@ -635,11 +653,12 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
     }
   };
 
-  for (int i = 0; i < n_chunks; ++i) {
+  for (int i = 0, read_at = 0; i < n_chunks; ++i) {  // read_at: chunk i's stage, in bytes
     cp_async_wait_dynamic(stages - 2);
     __syncthreads();  // chunk i has landed; every warp is done with chunk i-1
-    issue(i + stages - 1);  // into the stage chunk i-1 used
-    if (group_active) attend(smem + (i % stages) * G::kStageBytes);
+    issue(i + stages - 1, smem + (read_at > 0 ? read_at : stages * G::kStageBytes) - G::kStageBytes);  // chunk i-1's
+    if (group_active) attend(smem + read_at);
+    read_at = read_at + G::kStageBytes < stages * G::kStageBytes ? read_at + G::kStageBytes : 0;
   }
   cp_async_wait<0>();
 

@@ -39,8 +39,8 @@ struct SmallHeadsShape {
 // first 528 bytes are read, laid out alike in fp8_ds_mla and fp8_ds_mla_nope)
 // on the current device (cached per device and shape): 8 heads per CTA up to 8 heads, else 16; the
 // deepest pipeline that keeps the most CTAs resident per SM; at 8 heads the
-// output dims split between two warps wherever that keeps as many CTAs per SM
-// (every arch today: twice the warps). Null when the device's shared memory cannot hold it (bf16 rows
+// output dims split between two warps where the unsplit CTAs leave fewer
+// than 8 warps per SM and the split keeps as many CTAs (the 99 KB archs; not an H200). Null when the device's shared memory cannot hold it (bf16 rows
 // need 157 KB, 140 KB rope-free); an invalid forced shape is an error.
 // fp8_ds_mla_v4 caches (rope 0) take fp8_ds_mla's shared memory with a rope part, and never split the output dims
 // (forcing that is an error).

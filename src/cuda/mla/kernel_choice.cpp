@@ -59,8 +59,10 @@ KernelVariant small_shape(const KernelLimits& l, const KernelShape& s, int heads
   return best;
 }
 
-// 8 heads per CTA up to 8 heads, else 16; at 8, the output dims split between two warps per key slot wherever that
-// keeps as many CTAs per SM (twice the warps, the same rows in flight), unless forced.
+// 8 heads per CTA up to 8 heads, else 16; at 8, the output dims split between two warps per key slot where the
+// unsplit CTAs leave fewer than 8 warps per SM and the split keeps as many CTAs (twice the warps, the same rows in
+// flight), unless forced. With 8 warps either way (an H200's two CTAs) the unsplit kernel is faster: it issues a
+// third fewer instructions per key (docs/performance.md, "The small-heads kernel's instructions per chunk").
 // fp8_ds_mla_v4 rows never split the dims (at 128 registers a thread that form spilled).
 KernelVariant small_heads(const KernelLimits& l, const KernelShape& s) {
   const int hpc = s.forced.heads_per_cta > 0 ? s.forced.heads_per_cta : s.heads <= 8 ? 8 : 16;
@@ -68,7 +70,8 @@ KernelVariant small_heads(const KernelLimits& l, const KernelShape& s) {
   if (s.forced.split_dims > 0) return small_shape(l, s, 8, s.forced.split_dims);
   if (s.format == CacheFormat::fp8_ds_mla_v4) return small_shape(l, s, 8, 1);
   const KernelVariant one = small_shape(l, s, 8, 1), two = small_shape(l, s, 8, 2);
-  return two.ctas_per_sm > 0 && two.ctas_per_sm >= one.ctas_per_sm ? two : one;
+  const bool split = two.ctas_per_sm > 0 && two.ctas_per_sm >= one.ctas_per_sm && one.ctas_per_sm * one.threads < 8 * 32;
+  return split ? two : one;
 }
 
 // The wgmma kernel: Hopper only, with sm_90a code; 64-key chunks (16-bit caches: two key buffers; fp8: one and a

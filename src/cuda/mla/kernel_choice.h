@@ -104,7 +104,8 @@ struct KernelDecision {
 // sm_90a code; 16-bit caches, fp8 ones while kWgmmaAutomaticForFp8), or the wide tile where it fits; else the
 // 16-head tile. Depths: the 16-head tile
 // the deepest that keeps two CTAs per SM (or the most that fit), the wide tile the deepest that fits, the
-// small-heads kernel the deepest that keeps the most CTAs per SM (at 8 heads the dim split where it keeps as many).
+// small-heads kernel the deepest that keeps the most CTAs per SM (at 8 heads the dim split where the unsplit CTAs
+// leave fewer than 8 warps per SM and it keeps as many CTAs).
 // A forced kernel or depth is taken as given; one that does not fit is no choice (not ok()).
 KernelDecision choose_attention_kernel(const KernelLimits& limits, const KernelShape& shape);
 
