@@ -93,10 +93,11 @@ std::vector<double> as_doubles(const std::vector<uint16_t>& bits, DType d) {
 }
 
 void expect_close(const std::vector<uint16_t>& ref, const std::vector<uint16_t>& got, DType d,
-                  const std::vector<float>& ref_lse, const std::vector<float>& got_lse, const std::string& what) {
+                  const std::vector<float>& ref_lse, const std::vector<float>& got_lse, const std::string& what,
+                  double abs_tol = 2e-3) {
   const auto r = as_doubles(ref, d), g = as_doubles(got, d);
   for (size_t i = 0; i < g.size(); ++i) ASSERT_FALSE(std::isnan(g[i])) << what << ": out[" << i << "] not written";
-  EXPECT_EQ(test::compare(r, g, 2e-3, 2e-2, 0.9999), "") << what;
+  EXPECT_EQ(test::compare(r, g, abs_tol, 2e-2, 0.9999), "") << what;
   std::vector<double> rl(ref_lse.begin(), ref_lse.end()), gl(got_lse.begin(), got_lse.end());
   EXPECT_EQ(test::compare(rl, gl, 1e-3, 1e-4, 0.9999), "") << what << " (lse)";
 }
@@ -358,8 +359,10 @@ TEST(CudaSparseMla, OneChunkSplits) {
         }
 }
 
+// `worst`, if given: the largest |out - the CPU backend's out|.
 void run_paged(DType q_dtype, DType kv, int batch, int s_q, int heads, int block_size, bool causal, uint64_t seed,
-               int rope = kMlaRopeDim, cuda::AttentionChoice kernel = {}) {
+               int rope = kMlaRopeDim, cuda::AttentionChoice kernel = {}, double abs_tol = 2e-3,
+               double* worst = nullptr) {
   SCOPED_TRACE("paged kv=" + std::string(dtype_name(kv)) + " B=" + std::to_string(batch) + " s_q=" +
                std::to_string(s_q) + " H=" + std::to_string(heads) + " bs=" + std::to_string(block_size) +
                " rope=" + std::to_string(rope) + " kernel=" + std::to_string(static_cast<int>(kernel.kernel)) +
@@ -414,7 +417,12 @@ void run_paged(DType q_dtype, DType kv, int batch, int s_q, int heads, int block
   if (kernel.kernel == cuda::AttentionKernel::automatic) paged_mla_decode(g, &gpu());
   else cuda::paged_mla_decode(g, kernel);
   CUDA_OK(cudaDeviceSynchronize());
-  expect_close(ref, dout.download<uint16_t>(), q_dtype, ref_lse, dlse.download<float>(), "paged");
+  const std::vector<uint16_t> got = dout.download<uint16_t>();
+  expect_close(ref, got, q_dtype, ref_lse, dlse.download<float>(), "paged", abs_tol);
+  if (!worst) return;
+  const auto want = as_doubles(ref, q_dtype), have = as_doubles(got, q_dtype);
+  *worst = 0;
+  for (size_t i = 0; i < have.size(); ++i) *worst = std::max(*worst, std::fabs(have[i] - want[i]));
 }
 
 TEST(CudaPagedDecode, MatchesCpu) {
@@ -1065,12 +1073,36 @@ TEST(CudaPagedDecodeWgmma, MatchesCpu) {
   if (!cuda::wgmma_kernels_available()) GTEST_SKIP() << "needs a Hopper GPU and the library built for sm_90a";
   uint64_t seed = 2800;
   const cuda::AttentionChoice wgmma{cuda::AttentionKernel::wgmma};
+  // fp8 rows are dequantised into bf16 before the mma, as in the wide tile; the H200 run of e9ab362 had one output
+  // of 307,200 (fp8, s_q 3, 100 heads) 0.0024 off against the common 0.0021: such rows get 4e-3, and
+  // Fp8ErrorAsTheWideTile below holds the kernel's error to the wide tile's on the same data.
   for (DType kv : {DType::bf16, DType::f16, DType::fp8_ds_mla})
-    for (int s_q : {1, 3}) run_paged(DType::bf16, kv, 2, s_q, s_q == 1 ? 64 : 100, 16, true, seed++, kMlaRopeDim, wgmma);
+    for (int s_q : {1, 3})
+      run_paged(DType::bf16, kv, 2, s_q, s_q == 1 ? 64 : 100, 16, true, seed++, kMlaRopeDim, wgmma,
+                kv == DType::fp8_ds_mla ? 4e-3 : 2e-3);
   run_paged(DType::f16, DType::bf16, 3, 2, 128, 64, false, seed++, kMlaRopeDim, wgmma);
   run_paged(DType::bf16, DType::bf16, 2, 4, 64, 1, true, seed++, 0, wgmma);
   run_paged(DType::bf16, DType::fp8_ds_mla, 2, 4, 64, 1, true, seed++, 0, wgmma);
   run_paged(DType::bf16, DType::fp8_ds_mla_v4, 2, 3, 64, 61, true, seed++, 0, wgmma);
+}
+
+// fp8_ds_mla through the wgmma kernel is no less exact than through the wide tile, which dequantises its rows into
+// bf16 the same way: on the same data its largest output error stays within 1.5x the wide tile's (a wrong row or a
+// race would show as a larger one).
+TEST(CudaPagedDecodeWgmma, Fp8ErrorAsTheWideTile) {
+  if (!cuda::wgmma_kernels_available()) GTEST_SKIP() << "needs a Hopper GPU and the library built for sm_90a";
+  const cuda::AttentionChoice wgmma{cuda::AttentionKernel::wgmma}, wide{cuda::AttentionKernel::wide_tile};
+  uint64_t seed = 2805;  // the first: MatchesCpu's case that missed 2e-3
+  for (int heads : {100, 128, 64}) {
+    double w = -1, g = -1;
+    run_paged(DType::bf16, DType::fp8_ds_mla, 2, 3, heads, 16, true, seed, kMlaRopeDim, wide, 8e-3, &w);
+    run_paged(DType::bf16, DType::fp8_ds_mla, 2, 3, heads, 16, true, seed, kMlaRopeDim, wgmma, 8e-3, &g);
+    ASSERT_GE(w, 0) << "the wide tile ran";
+    ASSERT_GE(g, 0) << "the wgmma kernel ran";
+    EXPECT_LE(g, 1.5 * w + 1e-4) << heads << " heads: wgmma " << g << ", wide tile " << w;
+    std::printf("fp8 paged, %d heads: largest error wgmma %.5f, wide tile %.5f\n", heads, g, w);
+    ++seed;
+  }
 }
 
 // Forced where it cannot run (off Hopper, or without sm_90a code), the wgmma kernel is an error that says why.
