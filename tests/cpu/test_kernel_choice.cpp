@@ -221,8 +221,8 @@ TEST(KernelChoice, WgmmaAutomaticOnHopper) {
     EXPECT_EQ(fp8.chosen.kernel, AttentionKernel::wide_tile);
     EXPECT_EQ(fp8.rejected[1].kernel, AttentionKernel::wgmma);
     EXPECT_EQ(rejection_text(fp8.rejected[1], fp8.chosen, 90),
-              "not chosen: automatic for bf16 and f16 caches only (fp8 caches: forced, until measured faster than the "
-              "wide tile)");
+              "not chosen: automatic for bf16 and f16 caches only (fp8 caches: forced only, until their automatic choice is "
+              "tested on a GPU)");
   }
   const KernelDecision one = choose_attention_kernel(hopper, {CacheFormat::bf16, 64, false, 1, 128, {}});
   EXPECT_EQ(one.chosen.kernel, AttentionKernel::head_tile);

@@ -1036,7 +1036,7 @@ TEST(CudaSparseMlaWideTile, AutomaticChoiceAndSecondCache) {
 // envelope's rope bytes without rope), outputs pre-filled with NaN, topk_length, sinks, strided queries, max_logits,
 // both empty-row lse conventions. Skipped only where the device cannot run wgmma.
 TEST(CudaSparseMlaWgmma, HeadsFormatsTopk) {
-  if (!cuda::wgmma_kernels_available()) GTEST_SKIP() << "needs a Hopper GPU and the library built for sm_90a";
+  if (!cuda::wgmma_kernels_available()) GTEST_SKIP() << "needs a Hopper GPU running the library's sm_90a code";
   uint64_t seed = 2600;
   int n = 0;
   for (DType kv : {DType::bf16, DType::f16, DType::fp8_ds_mla, DType::fp8_ds_mla_v4})
@@ -1061,7 +1061,7 @@ TEST(CudaSparseMlaWgmma, HeadsFormatsTopk) {
 
 // The wgmma kernel's splits (64-key chunks: 32 of them), both cache kinds.
 TEST(CudaSparseMlaWgmma, ForcedSplits) {
-  if (!cuda::wgmma_kernels_available()) GTEST_SKIP() << "needs a Hopper GPU and the library built for sm_90a";
+  if (!cuda::wgmma_kernels_available()) GTEST_SKIP() << "needs a Hopper GPU running the library's sm_90a code";
   uint64_t seed = 2700;
   for (DType kv : {DType::bf16, DType::fp8_ds_mla})
     EXPECT_TRUE(expect_forced_splits(cuda::AttentionKernel::wgmma, kv, 32, false, seed));
@@ -1070,7 +1070,7 @@ TEST(CudaSparseMlaWgmma, ForcedSplits) {
 // Dense paged decode on the wgmma kernel: causal s_q > 1 (each step its own visible length), non-causal, 16-bit and
 // fp8 caches, padded head tiles, rope-free heads.
 TEST(CudaPagedDecodeWgmma, MatchesCpu) {
-  if (!cuda::wgmma_kernels_available()) GTEST_SKIP() << "needs a Hopper GPU and the library built for sm_90a";
+  if (!cuda::wgmma_kernels_available()) GTEST_SKIP() << "needs a Hopper GPU running the library's sm_90a code";
   uint64_t seed = 2800;
   const cuda::AttentionChoice wgmma{cuda::AttentionKernel::wgmma};
   // fp8 rows are dequantised into bf16 before the mma, as in the wide tile; the H200 run of e9ab362 had one output
@@ -1090,7 +1090,7 @@ TEST(CudaPagedDecodeWgmma, MatchesCpu) {
 // bf16 the same way: on the same data its largest output error stays within 1.5x the wide tile's (a wrong row or a
 // race would show as a larger one).
 TEST(CudaPagedDecodeWgmma, Fp8ErrorAsTheWideTile) {
-  if (!cuda::wgmma_kernels_available()) GTEST_SKIP() << "needs a Hopper GPU and the library built for sm_90a";
+  if (!cuda::wgmma_kernels_available()) GTEST_SKIP() << "needs a Hopper GPU running the library's sm_90a code";
   const cuda::AttentionChoice wgmma{cuda::AttentionKernel::wgmma}, wide{cuda::AttentionKernel::wide_tile};
   uint64_t seed = 2805;  // the first: MatchesCpu's case that missed 2e-3
   for (int heads : {100, 128, 64}) {

@@ -279,7 +279,7 @@ TEST(CudaIndexer, ScoresOfEachMmaMatchFloat64) {
 // wgmma against mma.sync (itself checked against float64 above) on enough tokens of long rows that CTAs take 64
 // tiles each on an H200 (float64 there would take a minute): the same exact products, summed in another order.
 TEST(CudaIndexer, WgmmaScoresEqualMmaSyncOnLongRows) {
-  if (!cuda::wgmma_kernels_available()) GTEST_SKIP() << "needs a Hopper GPU and the library built for sm_90a";
+  if (!cuda::wgmma_kernels_available()) GTEST_SKIP() << "needs a Hopper GPU running the library's sm_90a code";
   for (int heads : {32, 64}) {
     SCOPED_TRACE("heads " + std::to_string(heads));
     IndexProblem pr;

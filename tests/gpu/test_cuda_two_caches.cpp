@@ -373,7 +373,7 @@ TEST(CudaTwoCaches, SmallHeadsKernel) {
 // forced at 64, 100 (a padded tile) and 128 heads, both head widths, sinks; and chosen by itself at 32 tokens of 128
 // heads (the wide rule's rows), where Hopper with sm_90a code takes it.
 TEST(CudaTwoCaches, WgmmaKernel) {
-  if (!cuda::wgmma_kernels_available()) GTEST_SKIP() << "needs a Hopper GPU and the library built for sm_90a";
+  if (!cuda::wgmma_kernels_available()) GTEST_SKIP() << "needs a Hopper GPU running the library's sm_90a code";
   uint64_t seed = 450;
   for (DType kv : {DType::bf16, DType::f16})
     for (int heads : {64, 100, 128}) {

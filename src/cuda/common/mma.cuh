@@ -155,7 +155,8 @@ __device__ __forceinline__ void fence_shared_for_async_proxy() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 #endif
 }
-// Whether the current device runs wgmma: a Hopper GPU, and the library built with sm_90a code.
+// Whether the current device may run wgmma: a Hopper GPU and a build with sm_90a code (wgmma_kernels_available()
+// also asks whether the code the driver loaded has sm_90a's features).
 inline bool wgmma_available(int compute_capability) {
 #if defined(SMLA_CUDA_SM90A)
   return compute_capability == 90;

@@ -528,8 +528,8 @@ Mma pick_mma(const IndexerTopkArgs& a, ScoreMma mma) {
             "indexer_scores: e4m3 mma needs fp8 queries and keys and a GPU of compute capability 8.9 or more");
   const bool wgmma = fp8_keys && heads > 16 && heads <= 64 && wgmma_kernels_available();
   if (mma == ScoreMma::bf16_wgmma || mma == ScoreMma::fp8_wgmma)
-    require(wgmma, "indexer_scores: wgmma needs an fp8 index cache, 17 to 64 heads and a Hopper GPU (the library "
-                   "built with sm_90a code)");
+    require(wgmma, "indexer_scores: wgmma needs an fp8 index cache, 17 to 64 heads and a Hopper GPU running the "
+                   "library's sm_90a code");
   if (mma == ScoreMma::fp8_wgmma && !fp8_pair)
     fail("indexer_scores: e4m3 wgmma needs fp8 queries, got " + std::string(dtype_name(a.q.dtype)));
   const bool automatic = mma == ScoreMma::automatic;

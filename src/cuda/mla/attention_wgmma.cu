@@ -43,7 +43,7 @@ Kernel select(CacheFormat f, int rope, bool paged) {
 std::string unavailable(CacheFormat f, int rope) {
   const DeviceInfo& dev = current_device();
   if (!wgmma_available(dev.compute_capability))
-    return "needs a Hopper GPU (sm_90) and a library built with sm_90a code; this is sm_" +
+    return "needs a Hopper GPU (sm_90) and the library's sm_90a code; this is sm_" +
            std::to_string(dev.compute_capability);
   if (!sm90a_code_loaded())
     return "needs sm_90a code, and the code loaded for this sm_90 device has none (90-real SASS or older PTX)";

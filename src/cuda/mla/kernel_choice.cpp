@@ -245,8 +245,8 @@ std::string rejection_text(const Rejection& r, const KernelVariant& chosen, int 
     case Rejected::forced_other: return "not chosen: the " + won + " was forced";
     case Rejected::cache_format:
       if (r.kernel == AttentionKernel::wgmma)
-        return "not chosen: automatic for bf16 and f16 caches only (fp8 caches: forced, until measured faster than "
-               "the wide tile)";
+        return "not chosen: automatic for bf16 and f16 caches only (fp8 caches: forced only, until their automatic choice "
+               "is tested on a GPU)";
       return std::string("not chosen: automatic for fp8_ds_mla") + (kSmallAutomaticForV4 ? " and fp8_ds_mla_v4" : "") +
              " caches only";
     case Rejected::arch: return "needs sm_90a (wgmma); this is " + arch_text(cc);
