@@ -152,6 +152,23 @@ __host__ __device__ constexpr int tile_piece_offset(int row, int piece, int row_
   return kCoreMatrices ? (row / 8) * 8 * row_bytes + piece * 128 + (row % 8) * 16 : row * row_bytes + piece * 16;
 }
 
+// The row of a chunk and the part of it (kParts threads share a row) that thread `tid` gathers. A warp's 16-byte
+// cp.async writes shared memory in four wavefronts of 8 lanes, each conflict-free only when its 8 pieces land in 8
+// different 16-byte bank groups. Key rows here are 16 bytes apart in banks (rows of 16 mod 128 bytes: padded
+// 16-bit rows, fp8 rows of 656 bytes) or in wgmma's core matrices (8 rows x 16 bytes a block), so with 4 parts the
+// 8 lanes take one piece of 8 consecutive rows (two rows' 4 pieces each collided: ncu saw 6.5x the wavefronts in
+// the wgmma kernel), and with 8 parts the 8 consecutive pieces of one row. Either way a warp instruction still
+// reads whole 64- or 128-byte runs of its rows.
+struct GatherLane {
+  int row, part;
+};
+template <int kParts>
+__device__ __forceinline__ GatherLane gather_lane(int tid) {
+  static_assert(kParts == 4 || kParts == 8, "gather_lane: 4 or 8 threads a row");
+  if constexpr (kParts == 8) return {tid / 8, tid % 8};
+  else return {tid / 32 * 8 + tid % 8, tid % 32 / 8};
+}
+
 // Gathers row `row` of chunk `chunk` (kChunkKeys keys) into `dst` (rows `dst_row_bytes` long, laid out as
 // tile_piece_offset<kCoreMatrices> says):
 // this thread's 16-byte pieces (`part`, part + kParts, ... below `pieces`: kParts threads share a row) one
@@ -363,8 +380,9 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const AttentionPara
   const ChunkRange range = chunk_range<kPaged>(p, t, b, j, split, kKeysPerChunk);
   const int visible = range.visible, chunk_begin = range.begin, n_chunks = range.count;
 
-  // Each thread gathers row tid / 4 of every chunk, its pieces tid % 4, + 4, ...
-  const int my_row = tid / 4, my_part = tid % 4;
+  // This thread's row of every chunk, its pieces my_part + 4k.
+  const GatherLane gl = gather_lane<4>(tid);
+  const int my_row = gl.row, my_part = gl.part;
   int64_t next_slot = n_chunks > 0 ? slot_of<kPaged>(p, t, b, chunk_begin * kKeysPerChunk + my_row, visible) : -1;
 
   float o[16][4];  // this warp's 128 output columns (16 n-tiles), rows g and g+8

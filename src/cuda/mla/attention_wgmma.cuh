@@ -86,8 +86,9 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) wgmma_attention_kernel(const
   const ChunkRange range = chunk_range<kPaged>(p, t, b, j, split, kChunkKeys);
   const int visible = range.visible, chunk_begin = range.begin, n_chunks = range.count;
 
-  // Each thread gathers row tid / kGatherParts of every chunk, its pieces tid % kGatherParts, + kGatherParts, ...
-  const int my_row = tid / kGatherParts, my_part = tid % kGatherParts;
+  // This thread's row of every chunk, its pieces my_part + kGatherParts k.
+  const GatherLane gl = gather_lane<kGatherParts>(tid);
+  const int my_row = gl.row, my_part = gl.part;
   int64_t next_slot = n_chunks > 0 ? slot_of<kPaged>(p, t, b, chunk_begin * kChunkKeys + my_row, visible) : -1;
   auto issue = [&](int i) {  // chunk i of this split, if it exists, into key buffer i % kKeyBuffers (fp8: staging)
     if constexpr (kFp8) {

@@ -80,8 +80,9 @@ __global__ void __launch_bounds__(kWideThreads, 1) wide_attention_kernel(const A
   const ChunkRange range = chunk_range<kPaged>(p, t, b, j, split, kKeysPerChunk);
   const int visible = range.visible, chunk_begin = range.begin, n_chunks = range.count;
 
-  // Each thread gathers row tid / kGatherParts of every chunk, its pieces tid % kGatherParts, + kGatherParts, ...
-  const int my_row = tid / kGatherParts, my_part = tid % kGatherParts;
+  // This thread's row of every chunk, its pieces my_part + kGatherParts k.
+  const GatherLane gl = gather_lane<kGatherParts>(tid);
+  const int my_row = gl.row, my_part = gl.part;
   int64_t next_slot = n_chunks > 0 ? slot_of<kPaged>(p, t, b, chunk_begin * kKeysPerChunk + my_row, visible) : -1;
 
   // Chunk c lives in buffer c % kStages (key buffers, or fp8 staging).
