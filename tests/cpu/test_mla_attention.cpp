@@ -262,6 +262,20 @@ Tensor make_sink(Rng& rng, int64_t heads) {
   return sink;
 }
 
+// What a sparse_mla or paged_mla_decode problem's args end with: a sink when the case asks for one, the softmax
+// scale, and NaN-filled outputs [lead..., H, 512] and [lead..., H] in q's dtype (padded strides when `c.strided`).
+template <class Problem, class Case>
+void add_sink_and_outputs(Problem& p, const Case& c, Rng& rng, float softmax_scale, const std::vector<int64_t>& lead) {
+  if (c.sink) {
+    p.sink = make_sink(rng, c.heads);
+    p.args.attn_sink = p.sink.view;
+  }
+  p.args.softmax_scale = softmax_scale;
+  p.o = make_outputs(lead, c.heads, c.q_dtype, c.strided);
+  p.args.out = p.o.out.view;
+  p.args.lse = p.o.lse.view;
+}
+
 uint64_t seed_of(const std::string& name) { return std::hash<std::string>{}(name); }
 
 // ---------------------------------------------------------------------------
@@ -342,14 +356,7 @@ SparseProblem make_sparse(const SparseCase& c) {
       p.args.extra_topk_length = p.extra_topk_length.view;
     }
   }
-  if (c.sink) {
-    p.sink = make_sink(rng, c.heads);
-    p.args.attn_sink = p.sink.view;
-  }
-  p.args.softmax_scale = 0.3f;
-  p.o = make_outputs({c.tokens}, c.heads, c.q_dtype, c.strided);
-  p.args.out = p.o.out.view;
-  p.args.lse = p.o.lse.view;
+  add_sink_and_outputs(p, c, rng, 0.3f, {c.tokens});
   return p;
 }
 
@@ -738,15 +745,8 @@ PagedProblem make_paged(const PagedCase& c) {
   p.args.kv_cache = p.cache.view;
   p.args.block_table = p.table.view;
   p.args.seq_lens = p.seq_lens.view;
-  if (c.sink) {
-    p.sink = make_sink(rng, c.heads);
-    p.args.attn_sink = p.sink.view;
-  }
-  p.args.softmax_scale = 0.25f;
   p.args.causal = c.causal;
-  p.o = make_outputs({c.batch, c.s_q}, c.heads, c.q_dtype, c.strided);
-  p.args.out = p.o.out.view;
-  p.args.lse = p.o.lse.view;
+  add_sink_and_outputs(p, c, rng, 0.25f, {c.batch, c.s_q});
   return p;
 }
 
