@@ -283,7 +283,7 @@ uint64_t seed_of(const std::string& name) { return std::hash<std::string>{}(name
 
 struct SparseCase {
   std::string name;
-  DType q_dtype = DType::bf16, cache_dtype = DType::bf16;
+  DType q_dtype = DType::bf16;  // the cache's dtype is cache.dtype
   int heads = 8;
   int64_t tokens = 3, topk = 64;
   CacheGeometry cache;
