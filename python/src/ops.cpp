@@ -15,14 +15,6 @@ namespace {
 
 void* as_stream(uintptr_t stream) { return reinterpret_cast<void*>(stream); }
 
-// Runs `op(args, backend)` without the GIL: CPU ops can take a while and other
-// Python threads may run meanwhile; nothing in it touches Python objects.
-template <class Args, class Op>
-void run(const Args& args, const Backend* backend, Op op) {
-  nb::gil_scoped_release release;
-  op(args, backend);
-}
-
 // `workspace` as the Python caller gave it: None (the library's own), a uint8 tensor, or a callable that takes a
 // byte count and returns one (a DLPack capsule too), called only when the op needs scratch for these args. That is
 // how the torch ops take it from torch's caching allocator, which is safe in CUDA-graph capture.
@@ -36,6 +28,19 @@ void attach_workspace(Importer& imp, nb::handle workspace, Args& a, const Backen
   if (device.is_cpu()) return;  // the CPU backend needs none
   const size_t bytes = workspace_size(a, backend);
   if (bytes > 0) a.workspace = imp.output(workspace(bytes), "workspace");
+}
+
+// Ends every binding: `a` on `stream`, on the backend named `backend` (empty: the default for `device`), with the
+// caller's `workspace` attached where the op takes scratch (its Args have a workspace), then `op` without the GIL:
+// CPU ops can take a while and other Python threads may run meanwhile; nothing in it touches Python objects.
+template <class Args>
+void launch(void (*op)(const Args&, const Backend*), Args& a, const Device& device, uintptr_t stream,
+            const std::string& backend, Importer& imp, nb::handle workspace = nb::none()) {
+  a.stream = as_stream(stream);
+  const Backend* be = backend_by_name(backend, device);
+  if constexpr (requires { a.workspace; }) attach_workspace(imp, workspace, a, be, device);
+  nb::gil_scoped_release release;
+  op(a, be);
 }
 
 // indexer_topk's arguments (stream aside), as indexer_topk and dsa_decode_step take them.
@@ -70,8 +75,7 @@ void bind_ops(nb::module_& m) {
         a.k_pe = imp.input(k_pe, "k_pe");
         a.slot_mapping = imp.input(slot_mapping, "slot_mapping");
         a.cache = imp.output(cache, "cache");
-        a.stream = as_stream(stream);
-        run(a, backend_by_name(backend, a.cache.device), [](const auto& x, auto b) { write_mla_cache(x, b); });
+        launch(write_mla_cache, a, a.cache.device, stream, backend, imp);
       },
       arg("latent"), arg("k_pe"), arg("slot_mapping"), arg("cache"), arg("stream") = 0, arg("backend") = "");
 
@@ -96,10 +100,7 @@ void bind_ops(nb::module_& m) {
         a.lse = imp.output(lse, "lse");
         a.max_logits = imp.output(max_logits, "max_logits");
         a.empty_lse_plus_inf = empty_lse_plus_inf;
-        a.stream = as_stream(stream);
-        const Backend* be = backend_by_name(backend, a.q.device);
-        attach_workspace(imp, workspace, a, be, a.q.device);
-        run(a, be, [](const auto& x, auto b) { sparse_mla(x, b); });
+        launch(sparse_mla, a, a.q.device, stream, backend, imp, workspace);
       },
       arg("q"), arg("kv_cache"), arg("indices"), obj("topk_length"), obj("attn_sink"), arg("softmax_scale"),
       arg("out"), arg("lse"), arg("stream") = 0, arg("backend") = "", obj("max_logits") = nb::none(),
@@ -123,10 +124,7 @@ void bind_ops(nb::module_& m) {
         a.out = imp.output(out, "out");
         a.lse = imp.output(lse, "lse");
         a.empty_lse_plus_inf = empty_lse_plus_inf;
-        a.stream = as_stream(stream);
-        const Backend* be = backend_by_name(backend, a.q.device);
-        attach_workspace(imp, workspace, a, be, a.q.device);
-        run(a, be, [](const auto& x, auto b) { paged_mla_decode(x, b); });
+        launch(paged_mla_decode, a, a.q.device, stream, backend, imp, workspace);
       },
       arg("q"), arg("kv_cache"), arg("block_table"), arg("seq_lens"), obj("attn_sink"), arg("softmax_scale"),
       arg("causal"), arg("out"), arg("lse"), arg("stream") = 0, arg("backend") = "",
@@ -140,8 +138,7 @@ void bind_ops(nb::module_& m) {
         a.k = imp.input(k, "k");
         a.slot_mapping = imp.input(slot_mapping, "slot_mapping");
         a.cache = imp.output(cache, "cache");
-        a.stream = as_stream(stream);
-        run(a, backend_by_name(backend, a.cache.device), [](const auto& x, auto b) { write_index_cache(x, b); });
+        launch(write_index_cache, a, a.cache.device, stream, backend, imp);
       },
       arg("k"), arg("slot_mapping"), arg("cache"), arg("stream") = 0, arg("backend") = "");
 
@@ -154,10 +151,7 @@ void bind_ops(nb::module_& m) {
         IndexerTopkArgs a = import_indexer(imp, kIndexerTopkNames, q, q_scale, weights, index_cache, request_ids,
                                            block_table, context_lens, topk);
         a.sorted = sorted;
-        a.stream = as_stream(stream);
-        const Backend* be = backend_by_name(backend, a.q.device);
-        attach_workspace(imp, workspace, a, be, a.q.device);
-        run(a, be, [](const auto& x, auto b) { indexer_topk(x, b); });
+        launch(indexer_topk, a, a.q.device, stream, backend, imp, workspace);
       },
       arg("q"), obj("q_scale"), arg("weights"), arg("index_cache"), arg("request_ids"), arg("block_table"),
       arg("context_lens"), arg("topk"), arg("stream") = 0, arg("backend") = "", obj("workspace") = nb::none(),
@@ -174,8 +168,7 @@ void bind_ops(nb::module_& m) {
         a.block_table = imp.input(block_table, "block_table");
         a.block_size = block_size;
         a.slots = imp.output(slots, "slots");
-        a.stream = as_stream(stream);
-        run(a, backend_by_name(backend, a.positions.device), [](const auto& x, auto b) { positions_to_slots(x, b); });
+        launch(positions_to_slots, a, a.positions.device, stream, backend, imp);
       },
       arg("positions"), arg("request_ids"), arg("block_table"), arg("block_size"), arg("slots"), arg("stream") = 0,
       arg("backend") = "");
@@ -192,9 +185,7 @@ void bind_ops(nb::module_& m) {
         a.slot_mapping = imp.input(slot_mapping, "slot_mapping");
         a.cache = imp.output(cache, "cache");
         a.hadamard = hadamard;
-        a.stream = as_stream(stream);
-        run(a, backend_by_name(backend, a.cache.device),
-            [](const auto& x, auto b) { write_pooled_index_cache(x, b); });
+        launch(write_pooled_index_cache, a, a.cache.device, stream, backend, imp);
       },
       arg("k"), arg("gate"), arg("ape"), arg("slot_mapping"), arg("cache"), arg("hadamard") = true,
       arg("stream") = 0, arg("backend") = "");
@@ -209,8 +200,7 @@ void bind_ops(nb::module_& m) {
         a.context_lens = imp.input(context_lens, "context_lens");
         a.kpool = kpool;
         a.positions = imp.output(positions, "positions");
-        a.stream = as_stream(stream);
-        run(a, backend_by_name(backend, a.pools.device), [](const auto& x, auto b) { pools_to_positions(x, b); });
+        launch(pools_to_positions, a, a.pools.device, stream, backend, imp);
       },
       arg("pools"), arg("context_lens"), arg("kpool"), arg("positions"), arg("stream") = 0, arg("backend") = "");
 
@@ -222,8 +212,7 @@ void bind_ops(nb::module_& m) {
         a.q = imp.input(q, "q");
         a.q_out = imp.output(q_out, "q_out");
         a.q_scale = imp.output(q_scale, "q_scale");
-        a.stream = as_stream(stream);
-        run(a, backend_by_name(backend, a.q.device), [](const auto& x, auto b) { rotate_index_q(x, b); });
+        launch(rotate_index_q, a, a.q.device, stream, backend, imp);
       },
       arg("q"), arg("q_out"), obj("q_scale"), arg("stream") = 0, arg("backend") = "");
 
@@ -246,10 +235,7 @@ void bind_ops(nb::module_& m) {
         a.softmax_scale = softmax_scale;
         a.out = imp.output(out, "out");
         a.lse = imp.output(lse, "lse");
-        a.stream = as_stream(stream);
-        const Backend* be = backend_by_name(backend, a.q.device);
-        attach_workspace(imp, workspace, a, be, a.q.device);
-        run(a, be, [](const auto& x, auto b) { dsa_decode_step(x, b); });
+        launch(dsa_decode_step, a, a.q.device, stream, backend, imp, workspace);
       },
       arg("index_q"), obj("index_q_scale"), arg("index_weights"), arg("index_cache"), arg("request_ids"),
       arg("block_table"), arg("context_lens"), arg("topk"), arg("slots"), arg("q"), arg("kv_cache"),

@@ -15,11 +15,6 @@ namespace {
 
 using checks::arg;
 
-// Frameworks hand out null data for empty tensors: only a non-empty tensor must have data.
-void require_data(std::string_view op, std::string_view name, const TensorView& t) {
-  if (!t.defined() && !(t.ndim > 0 && t.numel() == 0)) arg(op, name, t).defined();
-}
-
 // The head geometry q's last dimension `dim` implies (576: rope 64, 512: no rope part).
 MlaHead head_of_q(std::string_view op, const TensorView& q, int dim) {
   const std::optional<MlaHead> head = mla_head_for_qk_dim(q.shape[dim]);
@@ -43,9 +38,10 @@ std::string row_meaning(DType dtype, MlaHead head) {
 // 576 or 512, fp8_ds_mla 656, fp8_ds_mla_nope 528 and fp8_ds_mla_v4 584 (512-wide heads only); rows and blocks
 // may be padded, except fp8_ds_mla_v4's rows (its layout is per block: MlaV4CacheLayout).
 void check_cache(std::string_view op, std::string_view name, const TensorView& c, const Device& device, MlaHead head) {
-  require_data(op, name, c);
   const auto a = arg(op, name, c);
-  a.rank(3, head.rope_dim ? "[num_blocks, block_size, 576 | 656]" : "[num_blocks, block_size, 512 | 656 | 528 | 584]")
+  a.defined()
+      .rank(3, head.rope_dim ? "[num_blocks, block_size, 576 | 656]"
+                             : "[num_blocks, block_size, 512 | 656 | 528 | 584]")
       .dtype_in(kAllMlaCacheDTypes)
       .on(device)
       .inner_contiguous()
@@ -102,9 +98,8 @@ void check_leading_dims(const checks::ArgCheck& t, std::span<const LeadingDim> d
 // An attention op's out [<q's leading dimensions>, 512] in q's dtype; `pattern`: its shape in messages.
 void check_out(std::string_view op, const TensorView& out, DType q_dtype, std::string_view pattern,
                std::span<const LeadingDim> dims, const Device& device) {
-  require_data(op, "out", out);
   const auto a = arg(op, "out", out);
-  a.rank(static_cast<int>(dims.size()) + 1, pattern).dtype_in({q_dtype});
+  a.defined().rank(static_cast<int>(dims.size()) + 1, pattern).dtype_in({q_dtype});
   check_leading_dims(a, dims);
   a.dim(static_cast<int>(dims.size()), kMlaVDim, "value size").on(device).inner_contiguous();
 }
@@ -113,9 +108,8 @@ void check_out(std::string_view op, const TensorView& out, DType q_dtype, std::s
 // (FlashMLA's layouts are views of ours).
 void check_row_stat(std::string_view op, std::string_view name, const TensorView& t, std::string_view pattern,
                     std::span<const LeadingDim> dims, const Device& device) {
-  require_data(op, name, t);
   const auto a = arg(op, name, t);
-  a.rank(static_cast<int>(dims.size()), pattern).dtype_in({DType::f32});
+  a.defined().rank(static_cast<int>(dims.size()), pattern).dtype_in({DType::f32});
   check_leading_dims(a, dims);
   a.on(device).no_negative_strides();
 }
@@ -135,25 +129,25 @@ void check(const WriteMlaCacheArgs& a) {
   const MlaHead head = written_head(a);
   const bool has_rope = head.rope_dim > 0;
   check_cache(op, "cache", a.cache, device, head);
-  require_data(op, "latent", a.latent);
   arg(op, "latent", a.latent)
+      .defined()
       .rank(2, "[N, 512]")
       .dtype_in({DType::f32, DType::f16, DType::bf16})
       .dim(1, kMlaLatentDim, "kv_lora_rank")
       .on(device)
       .inner_contiguous();
   const int64_t n = a.latent.shape[0];
-  if (has_rope) require_data(op, "k_pe", a.k_pe);
   if (has_rope)
     arg(op, "k_pe", a.k_pe)
+        .defined()
         .rank(2, "[N, 64]")
         .dtype_in({a.latent.dtype})
         .dim(0, n, "N, as latent")
         .dim(1, kMlaRopeDim, "rope dim")
         .on(device)
         .inner_contiguous();
-  require_data(op, "slot_mapping", a.slot_mapping);
   arg(op, "slot_mapping", a.slot_mapping)
+      .defined()
       .rank(1, "[N]")
       .dtype_in({DType::i64})
       .dim(0, n, "N, as latent")
@@ -166,9 +160,8 @@ void check(const WriteMlaCacheArgs& a) {
 // A cache's slots per token, indices [T, K] i32 with K (named `k`) in 1..kMaxTopk, and their optional lengths [T].
 void check_slot_list(std::string_view op, checks::Named indices, checks::Named lengths, std::string_view k,
                      int64_t tokens, const Device& device) {
-  require_data(op, indices.name, indices.tensor);
   const auto list = arg(op, indices.name, indices.tensor);
-  list.rank(2, "[T, " + std::string(k) + "]").dtype_in({DType::i32}).dim(0, tokens, "T, as q").on(device)
+  list.defined().rank(2, "[T, " + std::string(k) + "]").dtype_in({DType::i32}).dim(0, tokens, "T, as q").on(device)
       .inner_contiguous();
   if (indices.tensor.shape[1] < 1 || indices.tensor.shape[1] > kMaxTopk)
     list.fail("dimension 1 (" + std::string(k) + ") must be in 1.." + std::to_string(kMaxTopk) + ", got " +
@@ -185,8 +178,7 @@ void check_slot_list(std::string_view op, checks::Named indices, checks::Named l
 void check(const SparseMlaArgs& a) {
   constexpr std::string_view op = "sparse_mla";
   const Device& device = a.q.device;
-  require_data(op, "q", a.q);
-  arg(op, "q", a.q).rank(3, "[T, H, 576 | 512]").dtype_in({DType::bf16, DType::f16}).inner_contiguous();
+  arg(op, "q", a.q).defined().rank(3, "[T, H, 576 | 512]").dtype_in({DType::bf16, DType::f16}).inner_contiguous();
   const MlaHead head = head_of_q(op, a.q, 2);
   check_heads(op, "q", a.q, 1);
   const int64_t tokens = a.q.shape[0], heads = a.q.shape[1];
@@ -221,21 +213,19 @@ void check(const SparseMlaArgs& a) {
 void check(const PagedMlaDecodeArgs& a) {
   constexpr std::string_view op = "paged_mla_decode";
   const Device& device = a.q.device;
-  require_data(op, "q", a.q);
-  arg(op, "q", a.q).rank(4, "[B, s_q, H, 576 | 512]").dtype_in({DType::bf16, DType::f16}).inner_contiguous();
+  arg(op, "q", a.q).defined().rank(4, "[B, s_q, H, 576 | 512]").dtype_in({DType::bf16, DType::f16}).inner_contiguous();
   const MlaHead head = head_of_q(op, a.q, 3);
   check_heads(op, "q", a.q, 2);
   const int64_t batch = a.q.shape[0], s_q = a.q.shape[1], heads = a.q.shape[2];
   check_cache(op, "kv_cache", a.kv_cache, device, head);
-  require_data(op, "block_table", a.block_table);
   arg(op, "block_table", a.block_table)
+      .defined()
       .rank(2, "[B, max_blocks]")
       .dtype_in({DType::i32})
       .dim(0, batch, "B, as q")
       .on(device)
       .inner_contiguous();
-  require_data(op, "seq_lens", a.seq_lens);
-  arg(op, "seq_lens", a.seq_lens).rank(1, "[B]").dtype_in({DType::i32}).dim(0, batch, "B, as q").on(device)
+  arg(op, "seq_lens", a.seq_lens).defined().rank(1, "[B]").dtype_in({DType::i32}).dim(0, batch, "B, as q").on(device)
       .inner_contiguous();
   check_sink(op, a.attn_sink, heads, device);
   check_scale(op, a.softmax_scale);

@@ -309,16 +309,11 @@ TEST_P(IndexerTopkReference, MatchesReferenceWithEveryKernel) {
   const Combo c = GetParam();
   Rng rng(static_cast<uint64_t>(c.block_size * 1000 + c.heads * 10 + static_cast<int>(c.q_dtype) * 3 +
                                 static_cast<int>(c.cache_dtype)));
-  ProblemSpec spec;
-  spec.q_dtype = c.q_dtype;
-  spec.cache_dtype = c.cache_dtype;
-  spec.block_size = c.block_size;
-  spec.heads = c.heads;
-  spec.k = 100;
   // Shorter than K (padding), empty, exactly K, longer, and past one work
   // item (1024 positions); tokens 3 and 4 share a request, as in speculative decoding.
-  spec.contexts = {37, 0, 100, 700, 1400};
-  spec.request_of = {0, 1, 2, 3, 3};
+  const ProblemSpec spec{.q_dtype = c.q_dtype, .cache_dtype = c.cache_dtype, .block_size = c.block_size,
+                         .heads = c.heads, .k = 100, .contexts = {37, 0, 100, 700, 1400},
+                         .request_of = {0, 1, 2, 3, 3}};
   Problem p = make_problem(rng, spec);
   expect_matches_reference(p);
 }
@@ -347,14 +342,8 @@ TEST(IndexerTopk, TiesGoToTheLowerPosition) {
   for (DType cache : {DType::bf16, DType::fp8_e4m3}) {
     SCOPED_TRACE(dtype_name(cache));
     Rng rng(7);
-    ProblemSpec spec;
-    spec.cache_dtype = cache;
-    spec.heads = 16;
-    spec.k = 50;
-    spec.block_size = 16;
-    spec.contexts = {300, 40, 1100};
-    spec.request_of = {0, 1, 2};
-    spec.palette = 6;
+    const ProblemSpec spec{.cache_dtype = cache, .block_size = 16, .heads = 16, .k = 50, .contexts = {300, 40, 1100},
+                           .request_of = {0, 1, 2}, .palette = 6};
     Problem p = make_problem(rng, spec);
     // Each token's six distinct scores must be far apart for the expected order to be unambiguous.
     for (int64_t t = 0; t < p.tokens(); ++t) {
@@ -369,11 +358,7 @@ TEST(IndexerTopk, TiesGoToTheLowerPosition) {
 
 TEST(IndexerTopk, ContextsShorterThanKArePaddedWithMinusOne) {
   Rng rng(11);
-  ProblemSpec spec;
-  spec.k = 64;
-  spec.heads = 8;
-  spec.contexts = {0, 1, 63, 64, 65};
-  spec.request_of = {0, 1, 2, 3, 4};
+  const ProblemSpec spec{.heads = 8, .k = 64, .contexts = {0, 1, 63, 64, 65}, .request_of = {0, 1, 2, 3, 4}};
   Problem p = make_problem(rng, spec);
   indexer_topk(p.args(), &cpu_backend());
   for (int64_t t = 0; t < p.tokens(); ++t) {
@@ -392,12 +377,8 @@ TEST(IndexerTopk, ContextsShorterThanKArePaddedWithMinusOne) {
 TEST(IndexerTopk, LargeKOnALongContext) {
   // K = 2048 of 5000 positions: the radix select's levels and many work items.
   Rng rng(5);
-  ProblemSpec spec;
-  spec.k = 2048;
-  spec.heads = 4;
-  spec.block_size = 64;
-  spec.contexts = {5000, 2048, 3000};
-  spec.request_of = {0, 0, 1};
+  const ProblemSpec spec{.block_size = 64, .heads = 4, .k = 2048, .contexts = {5000, 2048, 3000},
+                         .request_of = {0, 0, 1}};
   Problem p = make_problem(rng, spec);
   expect_matches_reference(p);
 }
@@ -414,12 +395,8 @@ TEST(IndexerTopk, UnsortedIsTheSortedSetByPosition) {
   for (const auto& [k, palette] : {std::pair<int64_t, int>{50, 6}, {64, 0}, {2048, 0}, {7000, 3}}) {
     SCOPED_TRACE("k " + std::to_string(k) + " palette " + std::to_string(palette));
     Rng rng(static_cast<uint64_t>(k + palette));
-    ProblemSpec spec;
-    spec.heads = 8;
-    spec.k = k;
-    spec.palette = palette;
-    spec.contexts = {0, 1, 49, 300, 1100, 5000};
-    spec.request_of = {0, 1, 2, 3, 4, 4};
+    const ProblemSpec spec{.heads = 8, .k = k, .contexts = {0, 1, 49, 300, 1100, 5000},
+                           .request_of = {0, 1, 2, 3, 4, 4}, .palette = palette};
     Problem p = make_problem(rng, spec);
     for (Isa isa : supported_isas()) {
       SCOPED_TRACE("kernel " + std::string(cpu::isa_name(isa)));
@@ -444,12 +421,7 @@ TEST(IndexerTopk, UnsortedIsTheSortedSetByPosition) {
 TEST(IndexerTopk, KernelsAgreeOnStridedQuery) {
   // q and weights with padded rows: the packers follow strides.
   Rng rng(9);
-  ProblemSpec spec;
-  spec.q_dtype = DType::f16;
-  spec.heads = 24;
-  spec.k = 32;
-  spec.contexts = {500, 321};
-  spec.request_of = {0, 1};
+  const ProblemSpec spec{.q_dtype = DType::f16, .heads = 24, .k = 32, .contexts = {500, 321}, .request_of = {0, 1}};
   Problem p = make_problem(rng, spec);
   IndexerTopkArgs dense = p.args();
   const int64_t t = p.tokens(), h = spec.heads, head_stride = 136, token_stride = h * head_stride + 8;
@@ -488,12 +460,7 @@ TEST(IndexerTopk, Fp8WideningMatchesTheScalarConversion) {
 
 TEST(IndexerTopk, BadIndexValuesNameTheArgumentAndRow) {
   Rng rng(3);
-  ProblemSpec spec;
-  spec.k = 16;
-  spec.heads = 4;
-  spec.block_size = 16;
-  spec.contexts = {40, 20};
-  spec.request_of = {0, 1};
+  const ProblemSpec spec{.block_size = 16, .heads = 4, .k = 16, .contexts = {40, 20}, .request_of = {0, 1}};
   Problem p = make_problem(rng, spec);
   auto run = [&] { indexer_topk(p.args(), &cpu_backend()); };
   p.request_ids[1] = 2;
@@ -643,13 +610,8 @@ TEST(PositionsToSlots, RandomStridedMatchesReference) {
 
 TEST(IndexerChecks, BadTensorsNameTheArgument) {
   Rng rng(19);
-  ProblemSpec spec;
-  spec.k = 16;
-  spec.heads = 4;
-  spec.contexts = {40};
-  spec.request_of = {0};
-  spec.q_dtype = DType::fp8_e4m3;
-  spec.cache_dtype = DType::fp8_e4m3;
+  const ProblemSpec spec{.q_dtype = DType::fp8_e4m3, .cache_dtype = DType::fp8_e4m3, .heads = 4, .k = 16,
+                         .contexts = {40}, .request_of = {0}};
   Problem p = make_problem(rng, spec);
   const IndexerTopkArgs good = p.args();
   EXPECT_NO_THROW(check(good));
@@ -803,13 +765,9 @@ reference::RefAttention sparse_reference(DsaProblem& d, const DsaDecodeStepArgs&
 
 TEST(DsaDecodeStep, ContextWithinTopkIsDenseCausalAttention) {
   Rng rng(23);
-  ProblemSpec spec;
-  spec.k = 64;
-  spec.heads = 16;
-  spec.block_size = 16;
   // Request 0 decodes three speculative tokens, causal among themselves.
-  spec.contexts = {40, 41, 42, 64, 1};
-  spec.request_of = {0, 0, 0, 1, 2};
+  const ProblemSpec spec{.block_size = 16, .heads = 16, .k = 64, .contexts = {40, 41, 42, 64, 1},
+                         .request_of = {0, 0, 0, 1, 2}};
   DsaProblem d = make_dsa(rng, spec);
   const DsaDecodeStepArgs a = d.args();
   dsa_decode_step(a, &cpu_backend());
@@ -834,13 +792,8 @@ TEST(DsaDecodeStep, ContextWithinTopkIsDenseCausalAttention) {
 
 TEST(DsaDecodeStep, LongContextAttendsTheReferenceTopk) {
   Rng rng(29);
-  ProblemSpec spec;
-  spec.k = 64;
-  spec.heads = 32;
-  spec.block_size = 16;
-  spec.cache_dtype = DType::fp8_e4m3;
-  spec.contexts = {500, 300};
-  spec.request_of = {0, 1};
+  const ProblemSpec spec{.cache_dtype = DType::fp8_e4m3, .block_size = 16, .heads = 32, .k = 64, .contexts = {500, 300},
+                         .request_of = {0, 1}};
   DsaProblem d = make_dsa(rng, spec);
   const DsaDecodeStepArgs a = d.args();
   dsa_decode_step(a, &cpu_backend());
@@ -855,12 +808,7 @@ TEST(DsaDecodeStep, LongContextAttendsTheReferenceTopk) {
 
 TEST(DsaDecodeStep, EqualsTheThreeOpsWithASink) {
   Rng rng(31);
-  ProblemSpec spec;
-  spec.k = 32;
-  spec.heads = 8;
-  spec.block_size = 64;
-  spec.contexts = {200, 20};
-  spec.request_of = {1, 0};
+  const ProblemSpec spec{.block_size = 64, .heads = 8, .k = 32, .contexts = {200, 20}, .request_of = {1, 0}};
   DsaProblem d = make_dsa(rng, spec);
   d.sink = test::random_floats(rng, d.heads, -2.f, 2.f);
   const DsaDecodeStepArgs a = d.args();
@@ -901,11 +849,7 @@ TEST(DsaDecodeStep, EqualsTheThreeOpsWithASink) {
 
 TEST(DsaDecodeStep, ChecksNameTheStepAndArgument) {
   Rng rng(37);
-  ProblemSpec spec;
-  spec.k = 16;
-  spec.heads = 4;
-  spec.contexts = {20};
-  spec.request_of = {0};
+  const ProblemSpec spec{.heads = 4, .k = 16, .contexts = {20}, .request_of = {0}};
   DsaProblem d = make_dsa(rng, spec);
   const DsaDecodeStepArgs good = d.args();
   EXPECT_NO_THROW(check(good));

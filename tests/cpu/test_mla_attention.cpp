@@ -197,16 +197,6 @@ std::vector<int64_t> some_slots(Rng& rng, int64_t num_slots) {
   return slots;
 }
 
-// FlashMLA's tolerances (out: 1e-3 absolute, 2.01/128 relative, cosine 1 - 5e-6; lse: 1e-6, 8.01/65536), with
-// the f16 analogue for f16 outputs. bf16 outputs may come from P rounded to bf16 before P.V (as in FlashMLA),
-// whose error is bounded by 2^-8 * max|c|: cache rows here have |c| < 2, and the softmax is peaked.
-void expect_close(const reference::RefAttention& ref, const Tensor& out, const Tensor& lse) {
-  const bool bf16 = out.view.dtype == DType::bf16;
-  const double abs_tol = bf16 ? std::max(1e-3, 0x1p-8 * 2.0) : 1e-3;
-  EXPECT_EQ(test::compare(ref.out, read(out), abs_tol, bf16 ? 2.01 / 128 : 2.01 / 1024, 1 - 5e-6), "") << "out";
-  EXPECT_EQ(test::compare(ref.lse, read(lse), 1e-6, 8.01 / 65536), "") << "lse";
-}
-
 // Output tensors (strided: padded token and head strides) pre-filled with NaN.
 struct Outputs {
   Tensor out, lse;
@@ -229,6 +219,19 @@ Outputs make_outputs(const std::vector<int64_t>& lead, int64_t heads, DType dtyp
     }
   }
   return {alloc(out_shape, dtype, out_strides), alloc(lse_shape, DType::f32, lse_strides)};
+}
+
+// Every output element written (no NaN sentinel left, no padding touched) and within FlashMLA's tolerances of `ref`
+// (out: 1e-3 absolute, 2.01/128 relative, cosine 1 - 5e-6; lse: 1e-6, 8.01/65536), with the f16 analogue for f16
+// outputs. bf16 outputs may come from P rounded to bf16 before P.V (as in FlashMLA), whose error is bounded by
+// 2^-8 * max|c|: cache rows here have |c| < 2, and the softmax is peaked.
+void expect_matches(const reference::RefAttention& ref, const Outputs& o) {
+  expect_written(o.out, "out");
+  expect_written(o.lse, "lse");
+  const bool bf16 = o.out.view.dtype == DType::bf16;
+  const double abs_tol = bf16 ? std::max(1e-3, 0x1p-8 * 2.0) : 1e-3;
+  EXPECT_EQ(test::compare(ref.out, read(o.out), abs_tol, bf16 ? 2.01 / 128 : 2.01 / 1024, 1 - 5e-6), "") << "out";
+  EXPECT_EQ(test::compare(ref.lse, read(o.lse), 1e-6, 8.01 / 65536), "") << "lse";
 }
 
 // q [lead..., H, 576 | 512], strided with padding between heads and tokens when asked.
@@ -259,6 +262,20 @@ Tensor make_sink(Rng& rng, int64_t heads) {
   return sink;
 }
 
+// What a sparse_mla or paged_mla_decode problem's args end with: a sink when the case asks for one, the softmax
+// scale, and NaN-filled outputs [lead..., H, 512] and [lead..., H] in q's dtype (padded strides when `c.strided`).
+template <class Problem, class Case>
+void add_sink_and_outputs(Problem& p, const Case& c, Rng& rng, float softmax_scale, const std::vector<int64_t>& lead) {
+  if (c.sink) {
+    p.sink = make_sink(rng, c.heads);
+    p.args.attn_sink = p.sink.view;
+  }
+  p.args.softmax_scale = softmax_scale;
+  p.o = make_outputs(lead, c.heads, c.q_dtype, c.strided);
+  p.args.out = p.o.out.view;
+  p.args.lse = p.o.lse.view;
+}
+
 uint64_t seed_of(const std::string& name) { return std::hash<std::string>{}(name); }
 
 // ---------------------------------------------------------------------------
@@ -266,7 +283,7 @@ uint64_t seed_of(const std::string& name) { return std::hash<std::string>{}(name
 
 struct SparseCase {
   std::string name;
-  DType q_dtype = DType::bf16, cache_dtype = DType::bf16;
+  DType q_dtype = DType::bf16;  // the cache's dtype is cache.dtype
   int heads = 8;
   int64_t tokens = 3, topk = 64;
   CacheGeometry cache;
@@ -339,14 +356,7 @@ SparseProblem make_sparse(const SparseCase& c) {
       p.args.extra_topk_length = p.extra_topk_length.view;
     }
   }
-  if (c.sink) {
-    p.sink = make_sink(rng, c.heads);
-    p.args.attn_sink = p.sink.view;
-  }
-  p.args.softmax_scale = 0.3f;
-  p.o = make_outputs({c.tokens}, c.heads, c.q_dtype, c.strided);
-  p.args.out = p.o.out.view;
-  p.args.lse = p.o.lse.view;
+  add_sink_and_outputs(p, c, rng, 0.3f, {c.tokens});
   return p;
 }
 
@@ -361,9 +371,7 @@ TEST_P(SparseMla, MatchesReference) {
     PinIsa pin(c.isa);
     sparse_mla(p.args);
   }
-  expect_written(p.o.out, "out");
-  expect_written(p.o.lse, "lse");
-  expect_close(reference::ref_sparse_mla(p.args), p.o.out, p.o.lse);
+  expect_matches(reference::ref_sparse_mla(p.args), p.o);
 }
 
 std::string dtype_tag(DType d) {
@@ -571,8 +579,7 @@ TEST(SparseMlaSplits, SevenThreadsMatchReference) {
   omp_set_num_threads(7);  // 3 tokens on 7 threads: several splits per token
   sparse_mla(p.args);
   omp_set_num_threads(threads);
-  expect_written(p.o.out, "out");
-  expect_close(reference::ref_sparse_mla(p.args), p.o.out, p.o.lse);
+  expect_matches(reference::ref_sparse_mla(p.args), p.o);
 }
 
 // The fp8 cache gives the same results as a bf16 cache holding its dequantised values (exact in bf16),
@@ -635,8 +642,7 @@ TEST(SparseMlaFp8, AnyTileScale) {
     SCOPED_TRACE(std::string(cpu::isa_name(isa)));
     PinIsa pin(isa);
     sparse_mla(p.args);
-    expect_written(p.o.out, "out");
-    expect_close(reference::ref_sparse_mla(p.args), p.o.out, p.o.lse);
+    expect_matches(reference::ref_sparse_mla(p.args), p.o);
   }
 }
 
@@ -739,15 +745,8 @@ PagedProblem make_paged(const PagedCase& c) {
   p.args.kv_cache = p.cache.view;
   p.args.block_table = p.table.view;
   p.args.seq_lens = p.seq_lens.view;
-  if (c.sink) {
-    p.sink = make_sink(rng, c.heads);
-    p.args.attn_sink = p.sink.view;
-  }
-  p.args.softmax_scale = 0.25f;
   p.args.causal = c.causal;
-  p.o = make_outputs({c.batch, c.s_q}, c.heads, c.q_dtype, c.strided);
-  p.args.out = p.o.out.view;
-  p.args.lse = p.o.lse.view;
+  add_sink_and_outputs(p, c, rng, 0.25f, {c.batch, c.s_q});
   return p;
 }
 
@@ -762,9 +761,7 @@ TEST_P(PagedMlaDecode, MatchesReference) {
     PinIsa pin(c.isa);
     paged_mla_decode(p.args);
   }
-  expect_written(p.o.out, "out");
-  expect_written(p.o.lse, "lse");
-  expect_close(reference::ref_paged_mla_decode(p.args), p.o.out, p.o.lse);
+  expect_matches(reference::ref_paged_mla_decode(p.args), p.o);
 }
 
 // Dense paged decode equals sparse_mla fed every visible position's slot (and -1 beyond).
@@ -1175,10 +1172,9 @@ TEST(SparseMlaExtraCache, NoBlocksMeansEveryExtraIndexInvalid) {
   SparseProblem p = make_sparse(c);
   p.args.extra_kv_cache = TensorView(nullptr, {0, 4, kMlaLatentDim}, DType::bf16);
   sparse_mla(p.args);
-  expect_written(p.o.out, "out");
   SparseMlaArgs main_only = p.args;
   main_only.extra_kv_cache = main_only.extra_indices = main_only.extra_topk_length = TensorView();
-  expect_close(reference::ref_sparse_mla(main_only), p.o.out, p.o.lse);
+  expect_matches(reference::ref_sparse_mla(main_only), p.o);
   p.extra_topk_length.view.ptr<int32_t>()[0] = 13;
   expect_error([&] { sparse_mla(p.args); }, "sparse_mla: extra_topk_length: row 0 is 13");
 }

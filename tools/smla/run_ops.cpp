@@ -121,10 +121,7 @@ struct PagedCaches {
       mem.upload(w.slot_mapping, slots.data());
       write_mla_cache(w, &be);
       if (index_view.defined() && kpool == 1) {
-        WriteIndexCacheArgs wi;
-        wi.k = first_rows(keys, m);
-        wi.slot_mapping = w.slot_mapping;
-        wi.cache = index_view;
+        const WriteIndexCacheArgs wi{first_rows(keys, m), w.slot_mapping, index_view};
         mem.upload(wi.k, rng.bf16(m * kIndexHeadDim).data());
         write_index_cache(wi, &be);
       }
@@ -141,12 +138,8 @@ struct PagedCaches {
       std::vector<int64_t> slots(m);
       for (int64_t i = 0; i < m; ++i)
         slots[i] = pool_slot(static_cast<int>((start + i) / per_request), first + (start + i) % per_request);
-      WritePooledIndexCacheArgs w;
-      w.k = pools_of(keys, m);
-      w.gate = pools_of(gates, m);
-      w.ape = ape;
-      w.slot_mapping = first_rows(slot_mapping, m);
-      w.cache = index_view;
+      const WritePooledIndexCacheArgs w{pools_of(keys, m), pools_of(gates, m), ape, first_rows(slot_mapping, m),
+                                        index_view};
       mem.upload(w.k, rng.bf16(m * kpool * kIndexHeadDim).data());
       mem.upload(w.gate, rng.bf16(m * kpool * kIndexHeadDim).data());
       mem.upload(w.slot_mapping, slots.data());
@@ -244,13 +237,7 @@ struct StepData {
     return {variant(keys, s), step(slot_mapping, s), cache};
   }
   WritePooledIndexCacheArgs pool_write(const TensorView& cache, const TensorView& ape, int s) const {
-    WritePooledIndexCacheArgs w;
-    w.k = variant(pool_keys, s);
-    w.gate = variant(pool_gates, s);
-    w.ape = ape;
-    w.slot_mapping = step(pool_slots, s);
-    w.cache = cache;
-    return w;
+    return {variant(pool_keys, s), variant(pool_gates, s), ape, step(pool_slots, s), cache};
   }
 };
 
