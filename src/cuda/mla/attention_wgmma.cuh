@@ -37,10 +37,14 @@ constexpr int kGatherParts = 128 / kChunkKeys;  // warpgroup 1's threads per gat
 constexpr int kColumns = kVDim / kWarpgroups;   // O's columns per warpgroup
 constexpr int kPWords = kChunkKeys / 16 * 4;    // a thread's P fragments: 4 k-steps x 4 registers
 
-// Named barriers between the warpgroups (0 is __syncthreads'), each of all kWgmmaThreads threads: warpgroup 1 tells
-// that a chunk's keys are in their buffer (16-bit caches); warpgroup 0 that a chunk's P and rescaling factors are
-// in shared memory, warpgroup 1 that it has read them; warpgroup 0 that its P V of a chunk is done with key buffer
-// b (kKeysFree + b, 16-bit caches); all threads around the fp8 dequantisation (kTileTurn).
+// Named barriers between the warpgroups (0 is __syncthreads'), each of all kWgmmaThreads threads. Where one side
+// only arrives (bar.arrive: a release of its writes before) and the other waits: warpgroup 1 tells that a chunk's
+// keys are in their buffer (kKeysReady, 16-bit caches), warpgroup 0 that a chunk's P and rescaling factors are in
+// shared memory (kPReady) and that its P V of a chunk is done with key buffer b (kKeysFree + b, 16-bit caches).
+// Where both wait, so that reads on one side come before writes on the other (with an arrive there, racecheck
+// reported the write-after-read of P): kPFree, each chunk from the second on before warpgroup 0 writes its P
+// (warpgroup 1 is done with the chunk before's, which costs it nothing: it waits for that P next), and all threads
+// around the fp8 dequantisation (kTileTurn).
 enum WgmmaBarrier : int { kKeysReady = 1, kPReady, kPFree, kKeysFree, kTileTurn = kKeysFree + kKeyBuffers };
 
 // Shared memory, in bytes from the start (all offsets 16-byte aligned, the tiles 128-byte): the queries' tile, the
@@ -55,7 +59,9 @@ struct WgmmaLayout {
     p = staging + (is_fp8(f) ? kChunkKeys * staged_row_bytes(f, rope) : 0);
     stats = p + kPWords * 128 * 4;
     valid = stats + 2 * kWgmmaHeads * 4;
-    valid_sets = kKeyBuffers;  // the chunk in use and the one in flight
+    // The chunk in use, the one in flight, and the one before: warpgroup 1 gathers chunk c + 2 (flags c + 2) when
+    // warpgroup 0 may still read chunk c's, and a set's reuse three chunks on is ordered by kPFree.
+    valid_sets = kKeyBuffers + 1;
     total = valid + valid_sets * kChunkKeys * 4;
   }
 };
@@ -80,7 +86,9 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) wgmma_attention_kernel(const
   float* const xstat = reinterpret_cast<float*>(smem + L.stats);  // [statistic][row]
   int* const valid = reinterpret_cast<int*>(smem + L.valid);
 
-  const int tid = threadIdx.x, wg = tid / 128, wtid = tid % 128, lane = tid % 32;
+  // wg through a shuffle: ptxas then knows it uniform in each warp, and keeps the wgmma batches of the branches on
+  // it asynchronous (a plain tid / 128 made it serialise every wgmma, C7520).
+  const int tid = threadIdx.x, wg = __shfl_sync(0xffffffffu, tid / 128, 0), wtid = tid % 128, lane = tid % 32;
   const int g = lane / 4, c = lane % 4;
   const int rows[2] = {(wtid / 32) * 16 + g, (wtid / 32) * 16 + g + 8};  // this thread's rows of the tile
   const CtaWork w = cta_work(p, kWgmmaHeads);
@@ -201,8 +209,8 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) wgmma_attention_kernel(const
 #pragma unroll
         for (int r = 0; r < 4; ++r) pa[kk][r] = pack2<T>(s[8 * kk + 2 * r], s[8 * kk + 2 * r + 1]);
       }
-      // To warpgroup 1 (its thread of the same place holds the same rows and key columns), once it has read the
-      // chunk before's.
+      // To warpgroup 1 (its thread of the same place holds the same rows and key columns), once it is done with
+      // the chunk before's.
       if (i > 0) named_barrier_sync(kPFree, kWgmmaThreads);
 #pragma unroll
       for (int kk = 0; kk < kChunkKeys / 16; ++kk)
@@ -246,6 +254,7 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) wgmma_attention_kernel(const
     }
     for (int i = 0; i < n_chunks; ++i) {
       if constexpr (kFp8) tile_turn(i);
+      if (i > 0) named_barrier_sync(kPFree, kWgmmaThreads);  // done with chunk i-1's P, factors and flags
       named_barrier_sync(kPReady, kWgmmaThreads);
       uint32_t pa[kChunkKeys / 16][4];
 #pragma unroll
@@ -253,7 +262,6 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) wgmma_attention_kernel(const
 #pragma unroll
         for (int r = 0; r < 4; ++r) pa[kk][r] = xp[(4 * kk + r) * 128 + wtid];
       const float alpha[2] = {xstat[rows[0]], xstat[rows[1]]};
-      named_barrier_arrive(kPFree, kWgmmaThreads);
 
 #pragma unroll
       for (int n = 0; n < kColumns / 64; ++n)
@@ -271,6 +279,7 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) wgmma_attention_kernel(const
         issue(i + 2);                                                    // into chunk i's buffer
       }
     }
+    if (n_chunks > 0) named_barrier_sync(kPFree, kWgmmaThreads);  // done with the last factors
     cp_async_wait<0>();
   }
   __syncthreads();  // the rows' maxima and sums in shared memory
