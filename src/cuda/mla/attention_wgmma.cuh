@@ -48,8 +48,8 @@ constexpr int kPWords = kChunkKeys / 16 * 4;    // a thread's P fragments: 4 k-s
 enum WgmmaBarrier : int { kKeysReady = 1, kPReady, kPFree, kKeysFree, kTileTurn = kKeysFree + kKeyBuffers };
 
 // Shared memory, in bytes from the start (all offsets 16-byte aligned, the tiles 128-byte): the queries' tile, the
-// key tiles (fp8: one, then the staging buffer), the handed-over P fragments, the row statistics (the rescaling
-// factors, at the end the maxima and sums) and the chunks' valid flags.
+// key tiles (fp8: one, then the staging buffer), the handed-over P fragments (at the end the rows' maxima and
+// sums), the rows' rescaling factors and the chunks' valid flags.
 struct WgmmaLayout {
   int q = 0, k = 0, staging = 0, p = 0, stats = 0, valid = 0, valid_sets = 0, total = 0;
   __host__ __device__ constexpr WgmmaLayout(CacheFormat f, int rope) {
@@ -58,7 +58,7 @@ struct WgmmaLayout {
     staging = k + (is_fp8(f) ? 1 : kKeyBuffers) * tile;
     p = staging + (is_fp8(f) ? kChunkKeys * staged_row_bytes(f, rope) : 0);
     stats = p + kPWords * 128 * 4;
-    valid = stats + 2 * kWgmmaHeads * 4;
+    valid = stats + kWgmmaHeads * 4;
     // The chunk in use, the one in flight, and the one before: warpgroup 1 gathers chunk c + 2 (flags c + 2) when
     // warpgroup 0 may still read chunk c's, and a set's reuse three chunks on is ordered by kPFree.
     valid_sets = kKeyBuffers + 1;
@@ -83,7 +83,8 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) wgmma_attention_kernel(const
   uint8_t* const sk = smem + L.k;
   uint8_t* const staging = smem + L.staging;
   uint32_t* const xp = reinterpret_cast<uint32_t*>(smem + L.p);   // [word][thread of a warpgroup]
-  float* const xstat = reinterpret_cast<float*>(smem + L.stats);  // [statistic][row]
+  float* const xstat = reinterpret_cast<float*>(smem + L.stats);  // [row]: the rescaling factors
+  float* const xml = reinterpret_cast<float*>(smem + L.p);        // [max, sum][row], once P is done with
   int* const valid = reinterpret_cast<int*>(smem + L.valid);
 
   // wg through a shuffle: ptxas then knows it uniform in each warp, and keeps the wgmma batches of the branches on
@@ -229,15 +230,15 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) wgmma_attention_kernel(const
       wgmma_wait();
       if (!kFp8 && i + 2 < n_chunks) named_barrier_arrive(kKeysFree + i % kKeyBuffers, kWgmmaThreads);
     }
-    if (n_chunks > 0) named_barrier_sync(kPFree, kWgmmaThreads);  // the last rescaling factors read
+    if (n_chunks > 0) named_barrier_sync(kPFree, kWgmmaThreads);  // the last P read
     // Each row's maximum and sum (over the thread's quad) for both warpgroups.
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
       l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
       if (c == 0) {
-        xstat[rows[r]] = m[r];
-        xstat[kWgmmaHeads + rows[r]] = l[r];
+        xml[rows[r]] = m[r];
+        xml[kWgmmaHeads + rows[r]] = l[r];
       }
     }
   } else {
@@ -279,12 +280,12 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) wgmma_attention_kernel(const
         issue(i + 2);                                                    // into chunk i's buffer
       }
     }
-    if (n_chunks > 0) named_barrier_sync(kPFree, kWgmmaThreads);  // done with the last factors
+    if (n_chunks > 0) named_barrier_sync(kPFree, kWgmmaThreads);  // done with the last P
     cp_async_wait<0>();
   }
   __syncthreads();  // the rows' maxima and sums in shared memory
-  const float m[2] = {xstat[rows[0]], xstat[rows[1]]};
-  const float l[2] = {xstat[kWgmmaHeads + rows[0]], xstat[kWgmmaHeads + rows[1]]};
+  const float m[2] = {xml[rows[0]], xml[rows[1]]};
+  const float l[2] = {xml[kWgmmaHeads + rows[0]], xml[kWgmmaHeads + rows[1]]};
   if (p.early_combine) let_dependents_launch();  // the combine: placed while the partials are written
 
 #pragma unroll
