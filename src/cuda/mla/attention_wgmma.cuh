@@ -59,8 +59,9 @@ struct WgmmaLayout {
     p = staging + (is_fp8(f) ? kChunkKeys * staged_row_bytes(f, rope) : 0);
     stats = p + kPWords * 128 * 4;
     valid = stats + kWgmmaHeads * 4;
-    // The chunk in use, the one in flight, and the one before: warpgroup 1 gathers chunk c + 2 (flags c + 2) when
-    // warpgroup 0 may still read chunk c's, and a set's reuse three chunks on is ordered by kPFree.
+    // Three: warpgroup 1 writes chunk c + 2's flags after warpgroup 0's kKeysFree arrive for chunk c, which
+    // racecheck does not take as ordering warpgroup 0's reads of chunk c's before it; a set's reuse three chunks
+    // on is ordered by kPFree, where both wait.
     valid_sets = kKeyBuffers + 1;
     total = valid + valid_sets * kChunkKeys * 4;
   }
