@@ -922,6 +922,16 @@ int main(int argc, char** argv) {
                 {kernel_named(argc > 6 ? argv[6] : "auto")});
     return 0;
   }
+  if (part == "dsv4" && argc >= 5) {
+    // `bench_cuda dsv4 TOKENS HEADS bf16|fp8 [auto|small|head-tile|wide|wgmma]`: one DeepSeek-V4 c4 decode row (the
+    // window cache's 128 entries beside the ratio-4 cache's top-512, as the table below).
+    const smla::DType kv = std::string(argv[4]) == "fp8" ? smla::DType::fp8_ds_mla_v4 : smla::DType::bf16;
+    const smla::MlaHead v4{0};
+    Cache window(kv, int64_t{1} << 20, v4), c4(kv, int64_t{1} << 20, v4);
+    bench_sparse("dsv4 decode c4", window, std::atoi(argv[2]), std::atoi(argv[3]), 128, c,
+                 {kernel_named(argc > 5 ? argv[5] : "auto")}, 0, {&c4, 512});
+    return 0;
+  }
   const bool all_attention = part.empty() || part == "attention";
   if (all_attention || part == "glm53f" || part == "dsv4") {
     std::printf("%-22s %-13s %-10s %6s %5s %6s %10s %9s %8s %7s %s\n", "config", "cache", "kernel", "tokens", "heads",

@@ -40,8 +40,8 @@ struct AttentionPlan {
 };
 AttentionPlan sparse_mla_plan(const SparseMlaArgs& args, AttentionChoice choice = {});
 // Whether the current device runs smla's wgmma kernels (attention and indexer scores): a Hopper GPU whose loaded
-// code of the library holds sm_90a's features (mla::wg::sm90a_code_loaded: not so for a build of 90-real or only
-// older PTX).
+// code of the library holds sm_90a's features (DeviceInfo::sm90a_code: not so for a build of 90-real or
+// only older PTX).
 bool wgmma_kernels_available();
 AttentionPlan paged_mla_decode_plan(const PagedMlaDecodeArgs& args, AttentionChoice choice = {});
 void write_index_cache(const WriteIndexCacheArgs& args);

@@ -26,14 +26,14 @@ KernelLimits limits_of(const char* arch, bool sm90a_code = true) {
 
 // The automatic rule restated from the thresholds and the shared-memory tables (each kernel's shallowest depth).
 AttentionKernel expected_kernel(const KernelLimits& l, const KernelShape& s) {
-  const int min_tokens = s.rope ? kSmallMinTokens : kSmallMinTokensNoRope;
+  const bool sixteen_bit = s.format == CacheFormat::bf16 || s.format == CacheFormat::f16;
+  const int min_tokens = std::max(s.rope ? kSmallMinTokens : kSmallMinTokensNoRope, sixteen_bit ? kSmallMinTokens16Bit : 0);
   const int small_hpc = s.heads <= 8 ? 8 : 16;
   const bool v4 = s.format == CacheFormat::fp8_ds_mla_v4;  // never the dim split
-  if ((s.format == CacheFormat::fp8_ds_mla || (v4 && kSmallAutomaticForV4)) && s.heads <= kSmallMaxHeads &&
-      s.tokens >= min_tokens &&
+  if ((s.format == CacheFormat::fp8_ds_mla || (v4 && kSmallAutomaticForV4) || sixteen_bit) &&
+      s.heads <= (sixteen_bit ? kSmallMaxHeads16Bit : kSmallMaxHeads) && s.tokens >= min_tokens &&
       small_heads_smem(s.format, s.rope, small_hpc, small_hpc == 8 && !v4 ? 2 : 1, 2) <= l.max_smem_per_block)
     return AttentionKernel::small_heads;
-  const bool sixteen_bit = s.format == CacheFormat::bf16 || s.format == CacheFormat::f16;
   if (s.heads >= kWideMinHeads && s.tokens * s.heads >= kWideMinRows && l.compute_capability == 90 &&
       l.sm90a_code && (sixteen_bit || kWgmmaAutomaticForFp8))
     return AttentionKernel::wgmma;
@@ -52,7 +52,7 @@ TEST(KernelChoice, AutomaticOnEveryArch) {
         for (int rope : {0, 64})
           for (bool paged : {false, true})
             for (int heads : {1, 8, 16, 32, 64, 100, 128})
-              for (int64_t tokens : {1, 15, 16, 63, 64, 4096}) {
+              for (int64_t tokens : {1, 15, 16, 31, 32, 63, 64, 4096}) {
                 if (f == CacheFormat::fp8_ds_mla_v4 && rope) continue;
                 const KernelLimits l = limits_of(arch, sm90a_code);
                 const KernelShape s{f, rope, paged, tokens, heads, {}};
@@ -79,6 +79,7 @@ TEST(KernelChoice, AutomaticOnEveryArch) {
                   if (r.kernel != AttentionKernel::wgmma) continue;
                   const Rejected why = !sm90a_code                  ? Rejected::no_sm90a_code
                                        : !sixteen_bit && !kWgmmaAutomaticForFp8 ? Rejected::cache_format
+                                       : d.chosen.kernel == AttentionKernel::small_heads ? Rejected::other_kernel_won
                                        : heads < kWideMinHeads      ? Rejected::too_few_heads
                                                                     : Rejected::too_few_rows;
                   EXPECT_EQ(r.why, why);
@@ -196,8 +197,8 @@ TEST(KernelChoice, WgmmaForcedOnHopperWithSm90aCode) {
 }
 
 // Automatic on sm_90: the wgmma kernel wherever the wide tile would run with a 16-bit cache (DeepSeek-V3.2's 128
-// heads from 32 tokens on, 64 heads from 64, prefill, paged), the wide tile for fp8 caches (while
-// kWgmmaAutomaticForFp8 is off) and where the code has no sm_90a features, the 16-head tile below the wide rule's rows; each time the wgmma kernel is named with why not.
+// heads from 32 tokens on, 64 heads from 64, prefill, paged), for fp8 caches too (kWgmmaAutomaticForFp8; the wide
+// tile while it is off), the wide tile where the code has no sm_90a features, the 16-head tile below the wide rule's rows; each time the wgmma kernel is named with why not.
 TEST(KernelChoice, WgmmaAutomaticOnHopper) {
   const KernelLimits hopper = limits_of("sm_90"), no_code = limits_of("sm_90", false);
   for (CacheFormat f : {CacheFormat::bf16, CacheFormat::f16})
@@ -221,8 +222,7 @@ TEST(KernelChoice, WgmmaAutomaticOnHopper) {
     EXPECT_EQ(fp8.chosen.kernel, AttentionKernel::wide_tile);
     EXPECT_EQ(fp8.rejected[1].kernel, AttentionKernel::wgmma);
     EXPECT_EQ(rejection_text(fp8.rejected[1], fp8.chosen, 90),
-              "not chosen: automatic for bf16 and f16 caches only (fp8 caches: forced only, until their automatic choice is "
-              "tested on a GPU)");
+              "not chosen: automatic for bf16 and f16 caches only (fp8 caches: forced only)");
   }
   const KernelDecision one = choose_attention_kernel(hopper, {CacheFormat::bf16, 64, false, 1, 128, {}});
   EXPECT_EQ(one.chosen.kernel, AttentionKernel::head_tile);

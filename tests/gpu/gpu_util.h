@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "cuda/common/runtime.h"
 #include "cuda/kernels.h"
 #include "cuda/mla/attention_wgmma.h"
 #include "cuda/mla/attention_wide.h"
@@ -38,6 +39,14 @@ inline cuda::AttentionKernel automatic_many_heads_kernel(DType kv, int rope, boo
     return cuda::AttentionKernel::wgmma;
   return cuda::mla::wide::find_wide_config(f, rope, paged) != nullptr ? cuda::AttentionKernel::wide_tile
                                                                       : cuda::AttentionKernel::head_tile;
+}
+
+// Whether the current device's shared memory holds the small-heads kernel at 8 heads for cache format `f` (rope
+// width `rope`) at its shallowest depth, dims split or not: a 16-bit cache's 64-key stages do not fit the 99 KB
+// archs.
+inline bool small_heads_fit(cuda::mla::CacheFormat f, int rope) {
+  const int limit = cuda::current_device().max_smem_per_block;
+  return cuda::mla::small_heads_smem(f, rope, 8, 1, 2) <= limit || cuda::mla::small_heads_smem(f, rope, 8, 2, 2) <= limit;
 }
 
 // Device copy of a host buffer; freed at scope exit.

@@ -20,6 +20,7 @@
 #include "core/numeric.h"
 #include "cuda/common/runtime.h"
 #include "cuda/kernels.h"
+#include "cuda/mla/attention_small_heads.h"
 #include "cuda/mla/attention_wide.h"
 #include "cuda/mla/kernel_choice.h"
 #include "smla/error.h"
@@ -870,6 +871,41 @@ void vary_options(Problem& p, int n) {
   p.empty_lse_plus_inf = n % 7 == 4;
 }
 
+// Chosen by itself for 16-bit caches (bf16, f16) at up to 8 heads from 32 query rows on (64 for 512-wide heads;
+// kernel_choice.h says why) where the device's shared memory holds it, matching the CPU backend; 31 rows or 16 heads
+// keep the 16-head tile. Sparse and paged.
+TEST(CudaSparseMlaSmallHeads, AutomaticFor16BitCachesUpToEightHeads) {
+  namespace sh = cuda::mla::small;
+  uint64_t seed = 3100;
+  int n = 0;
+  for (DType kv : {DType::bf16, DType::f16})
+    for (int rope : {kMlaRopeDim, 0})
+      for (const auto& [tokens, heads] : {std::pair<int, int>{32, 8}, {64, 4}, {64, 1}, {31, 8}, {64, 16}}) {
+        Problem p;
+        p.kv_dtype = kv;
+        p.rope = rope;
+        p.tokens = tokens;
+        p.heads = heads;
+        p.topk = 640;  // ten 64-key chunks
+        vary_options(p, n++);
+        const std::optional<cuda::AttentionPlan> plan = run_sparse(p, seed++);
+        ASSERT_TRUE(plan.has_value());
+        const bool fits = small_heads_fit(kv == DType::bf16 ? cuda::mla::CacheFormat::bf16 : cuda::mla::CacheFormat::f16, rope);
+        const int min_tokens = std::max(sh::kMinTokensAutomatic16Bit, rope ? sh::kMinTokensAutomatic : sh::kMinTokensAutomaticNoRope);
+        EXPECT_EQ(plan->kernel == cuda::AttentionKernel::small_heads,
+                  heads <= sh::kMaxHeadsAutomatic16Bit && tokens >= min_tokens && fits)
+            << dtype_name(kv) << " rope " << rope << " tokens " << tokens << " heads " << heads;
+      }
+  // Paged: 32 requests of one query of 8 heads.
+  PagedMlaDecodeArgs a;
+  a.q = TensorView(nullptr, {32, 1, 8, kMlaQkDim}, DType::bf16, Device::cuda(0));
+  a.kv_cache = TensorView(nullptr, {64, 64, kMlaQkDim}, DType::bf16, Device::cuda(0));
+  a.block_table = TensorView(nullptr, {32, 16}, DType::i32, Device::cuda(0));
+  EXPECT_EQ(cuda::paged_mla_decode_plan(a).kernel == cuda::AttentionKernel::small_heads,
+            small_heads_fit(cuda::mla::CacheFormat::bf16, kMlaRopeDim));
+  run_paged(DType::bf16, DType::bf16, 32, 1, 8, 64, true, seed++);
+}
+
 // The wide-tile kernel (64 heads per CTA, 8 warps) forced: head counts that fill one tile, two, and pad one
 // (100: a tile of 36), every cache format and rope width, query dtypes, top-k from one chunk to 128, block sizes,
 // invalid indices, NaN-poisoned unused slots (and the fp8_ds_mla envelope's rope bytes without rope), outputs
@@ -1116,7 +1152,7 @@ TEST(CudaSparseMlaWgmma, UnsupportedIsAnError) {
   test::expect_error([&] { run_sparse(p, 2900); }, ErrorKind::unsupported, {"wgmma kernel", "sm_90a"});
 }
 
-// The probe of the loaded code (wg::sm90a_code_loaded) against the build: on a Hopper GPU (not emulated) a build
+// The probe of the loaded code (DeviceInfo::sm90a_code) against the build: on a Hopper GPU (not emulated) a build
 // whose arch list holds sm_90a code loads it, so the wgmma kernel runs (and its tests are not skipped); elsewhere, or
 // without it, never.
 TEST(CudaSparseMlaWgmma, Sm90aCodeFoundWhereBuilt) {
@@ -1126,15 +1162,15 @@ TEST(CudaSparseMlaWgmma, Sm90aCodeFoundWhereBuilt) {
   EXPECT_EQ(cuda::wgmma_kernels_available(), hopper && cuda::mla::sm90a_code_built());
 }
 
-// Chosen by itself on Hopper with sm_90a code: the wgmma kernel for 16-bit caches wherever the wide rule holds
-// (128 heads from 32 query rows on, 64 from 64; sparse and paged), matching the CPU backend there; an fp8 cache keeps
-// the wide tile (while kWgmmaAutomaticForFp8 is off), one token of 128 heads the 16-head tile. Elsewhere (or without
-// sm_90a code) never chosen.
+// Chosen by itself on Hopper with sm_90a code: the wgmma kernel for 16-bit caches, and fp8 ones while
+// kWgmmaAutomaticForFp8, wherever the wide rule holds (128 heads from 32 query rows on, 64 from 64; sparse and paged),
+// matching the CPU backend there; one token of 128 heads the 16-head tile. Elsewhere (or without sm_90a code) never
+// chosen.
 TEST(CudaSparseMlaWgmma, AutomaticChoiceMatchesCpu) {
   const bool runs = cuda::wgmma_kernels_available();
   uint64_t seed = 3000;
   int n = 0;
-  for (DType kv : {DType::bf16, DType::f16})
+  for (DType kv : {DType::bf16, DType::f16, DType::fp8_ds_mla})
     for (const auto& [tokens, heads] : {std::pair<int, int>{32, 128}, {64, 64}}) {
       Problem p;
       p.kv_dtype = kv;
@@ -1144,7 +1180,7 @@ TEST(CudaSparseMlaWgmma, AutomaticChoiceMatchesCpu) {
       vary_options(p, n++);
       const std::optional<cuda::AttentionPlan> plan = run_sparse(p, seed++);
       ASSERT_TRUE(plan.has_value());
-      EXPECT_EQ(plan->kernel == cuda::AttentionKernel::wgmma, runs);
+      EXPECT_EQ(plan->kernel == cuda::AttentionKernel::wgmma, runs && (kv != DType::fp8_ds_mla || cuda::mla::kWgmmaAutomaticForFp8));
     }
   // The plans alone (views of no data) of an fp8 cache and of one token.
   auto plan_of = [](DType kv, int64_t tokens) {
@@ -1164,6 +1200,11 @@ TEST(CudaSparseMlaWgmma, AutomaticChoiceMatchesCpu) {
   a.block_table = TensorView(nullptr, {32, 16}, DType::i32, Device::cuda(0));
   EXPECT_EQ(cuda::paged_mla_decode_plan(a).kernel == cuda::AttentionKernel::wgmma, runs);
   if (runs) run_paged(DType::bf16, DType::bf16, 32, 1, 128, 64, true, seed++);
+  a.kv_cache = TensorView(nullptr, {64, 64, row_elems(DType::fp8_ds_mla, kMlaRopeDim)}, DType::fp8_ds_mla, Device::cuda(0));
+  EXPECT_EQ(cuda::paged_mla_decode_plan(a).kernel == cuda::AttentionKernel::wgmma,
+            runs && cuda::mla::kWgmmaAutomaticForFp8);
+  // fp8 rows dequantised to bf16 in the key tile: CudaPagedDecodeWgmma.MatchesCpu's tolerance.
+  if (runs) run_paged(DType::bf16, DType::fp8_ds_mla, 32, 1, 128, 64, true, seed++, kMlaRopeDim, {}, 4e-3);
 }
 
 }  // namespace

@@ -41,11 +41,16 @@ struct TwoCaches {
   cuda::AttentionKernel expected_kernel() const {
     namespace sh = cuda::mla::small;
     if (choice.kernel != cuda::AttentionKernel::automatic) return choice.kernel;
+    const int min_tokens = rope ? sh::kMinTokensAutomatic : sh::kMinTokensAutomaticNoRope;
+    const bool sixteen_bit = kv_dtype == DType::bf16 || kv_dtype == DType::f16;
     const bool small =
-        heads <= sh::kMaxHeadsAutomatic &&
-        ((kv_dtype == DType::fp8_ds_mla && tokens >= (rope ? sh::kMinTokensAutomatic : sh::kMinTokensAutomaticNoRope)) ||
-         (kv_dtype == DType::fp8_ds_mla_nope && tokens >= sh::kMinTokensAutomaticNoRope) ||
-         (kv_dtype == DType::fp8_ds_mla_v4 && sh::kAutomaticForV4 && tokens >= sh::kMinTokensAutomaticNoRope));
+        (heads <= sh::kMaxHeadsAutomatic &&
+         ((kv_dtype == DType::fp8_ds_mla && tokens >= min_tokens) ||
+          (kv_dtype == DType::fp8_ds_mla_nope && tokens >= sh::kMinTokensAutomaticNoRope) ||
+          (kv_dtype == DType::fp8_ds_mla_v4 && sh::kAutomaticForV4 && tokens >= sh::kMinTokensAutomaticNoRope))) ||
+        (sixteen_bit && heads <= sh::kMaxHeadsAutomatic16Bit &&
+         tokens >= std::max(min_tokens, sh::kMinTokensAutomatic16Bit) &&
+         small_heads_fit(kv_dtype == DType::bf16 ? cuda::mla::CacheFormat::bf16 : cuda::mla::CacheFormat::f16, rope));
     return small ? cuda::AttentionKernel::small_heads : automatic_many_heads_kernel(kv_dtype, rope, false, heads, tokens);
   }
   std::string what() const {

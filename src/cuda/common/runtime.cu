@@ -35,6 +35,35 @@ int remembered(std::map<Key, int>& cache, std::mutex& mu, const Key& key, Comput
   return value;
 }
 
+// What the runtime loaded on a device, told by the one thing a query of the loaded function reports that differs
+// between the two bodies: its static shared memory (an array with sm_90a's features, none without). Not a launch
+// (no sync, no allocation: a first query inside a stream capture is as safe as the other attribute queries there),
+// not the build's arch list (the loaded image may be 90-real SASS or PTX of an older arch JIT-compiled, e.g. the
+// Python package's compute_80 PTX or CUDA_FORCE_PTX_JIT), and not binaryVersion/ptxVersion (90 for sm_90 and
+// sm_90a alike). Every translation unit of the library is built for the same arch list, so the runtime picks this
+// probe's code as it picks the wgmma kernels'. Never launched.
+__global__ void sm90a_code_probe(int* never_written) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int kMarkWords = 32;
+  __shared__ int mark[kMarkWords];
+  mark[threadIdx.x % kMarkWords] = static_cast<int>(threadIdx.x);
+  __syncthreads();
+  never_written[threadIdx.x] = mark[(threadIdx.x + 1) % kMarkWords];
+#endif
+}
+
+// Whether device `dev`'s loaded code holds sm_90a's features (the probe's attributes, asked with `dev` current).
+bool sm90a_code_loaded(int dev) {
+  int current = 0;
+  check_cuda(cudaGetDevice(&current), "cudaGetDevice");
+  if (current != dev) check_cuda(cudaSetDevice(dev), "cudaSetDevice");
+  cudaFuncAttributes attr{};
+  const cudaError_t e = cudaFuncGetAttributes(&attr, reinterpret_cast<const void*>(sm90a_code_probe));
+  if (current != dev) check_cuda(cudaSetDevice(current), "cudaSetDevice");
+  check_cuda(e, "cudaFuncGetAttributes");
+  return attr.sharedSizeBytes > 0;
+}
+
 // The properties the kernels need of device `dev`, from the driver; under the emulated-arch test mode, the
 // emulated arch's in their place (an Error where the GPU cannot stand in for it).
 DeviceInfo query_device(int dev) {
@@ -70,6 +99,7 @@ DeviceInfo query_device(int dev) {
     d.max_ctas_per_sm = e->max_ctas_per_sm;
     d.max_cluster_ranks = e->max_cluster_ranks;
   }
+  d.sm90a_code = d.compute_capability == 90 && sm90a_code_loaded(dev);
   return d;
 }
 

@@ -41,6 +41,9 @@ struct DeviceInfo {
   // driver says (max_cluster_ranks()); an emulated arch's limit (8 on SM120).
   int max_cluster_ranks = 1;
   int native_compute_capability = 0;  // the running GPU's, when another arch is emulated; else 0
+  // Whether the code the CUDA runtime loaded for this library on this device holds sm_90a's features (on sm_90
+  // only; false while another arch is emulated): then the wgmma kernels have their wgmma body rather than a trap.
+  bool sm90a_code = false;
 };
 // The current device's properties (cached per device; inside a DeviceGuard, the guard's device, not asked of the
 // driver).

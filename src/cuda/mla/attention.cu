@@ -179,7 +179,7 @@ struct Plan {
 // The device's limits, and on sm_90 whether its loaded code has sm_90a's features (asked once per device).
 mla::KernelLimits kernel_limits(const DeviceInfo& dev) {
   return {dev.compute_capability, dev.max_smem_per_block, dev.max_smem_per_sm, dev.max_threads_per_sm,
-          dev.max_ctas_per_sm, dev.compute_capability == 90 && mla::wg::sm90a_code_loaded()};
+          dev.max_ctas_per_sm, dev.sm90a_code};
 }
 
 Plan plan(CacheFormat f, int rope, bool paged, int64_t tokens, int heads, int num_keys, AttentionChoice choice) {

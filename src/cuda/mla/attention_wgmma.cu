@@ -16,22 +16,6 @@ namespace {
 
 using Kernel = void (*)(AttentionParams);
 
-// What the runtime loaded on a device, told by the one thing a query of the loaded function reports that
-// differs between the two bodies: its static shared memory (an array with sm_90a's features, none without). Not a launch (no sync, no allocation, so a first call inside a stream capture is as safe as the other
-// attribute queries there), not the build's arch list (the loaded image may be 90-real SASS or PTX of an older arch
-// JIT-compiled, e.g. the Python package's compute_80 PTX or CUDA_FORCE_PTX_JIT), and not binaryVersion/ptxVersion
-// (90 for sm_90 and sm_90a alike). It shares the wgmma kernels' translation unit, so the runtime picks its code from
-// the same fatbin the same way. Never launched.
-__global__ void sm90a_code_probe(int* never_written) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  constexpr int kMarkWords = 32;
-  __shared__ int mark[kMarkWords];
-  mark[threadIdx.x % kMarkWords] = static_cast<int>(threadIdx.x);
-  __syncthreads();
-  never_written[threadIdx.x] = mark[(threadIdx.x + 1) % kMarkWords];
-#endif
-}
-
 Kernel select(CacheFormat f, int rope, bool paged) {
   // [&]: a capture-less lambda's conversion to a function pointer draws nvcc warning 445 for each instance
   return instance_for(f, rope, paged, [&]<CacheFormat F, int kRope, bool kPaged>() {
@@ -45,7 +29,7 @@ std::string unavailable(CacheFormat f, int rope) {
   if (!wgmma_available(dev.compute_capability))
     return "needs a Hopper GPU (sm_90) and the library's sm_90a code; this is sm_" +
            std::to_string(dev.compute_capability);
-  if (!sm90a_code_loaded())
+  if (!dev.sm90a_code)
     return "needs sm_90a code, and the code loaded for this sm_90 device has none (90-real SASS or older PTX)";
   if (WgmmaLayout(f, rope).total > dev.max_smem_per_block)
     return "needs " + std::to_string(WgmmaLayout(f, rope).total) +
@@ -54,23 +38,6 @@ std::string unavailable(CacheFormat f, int rope) {
 }
 
 }  // namespace
-
-bool sm90a_code_loaded() {
-  static std::mutex mu;
-  static std::map<int, bool> loaded;  // by device
-  thread_local std::map<int, bool> mine;  // no lock once seen
-  const int device = current_device().index;
-  if (auto seen = mine.find(device); seen != mine.end()) return seen->second;
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = loaded.find(device);
-  if (it == loaded.end()) {
-    cudaFuncAttributes attr{};
-    check_cuda(cudaFuncGetAttributes(&attr, reinterpret_cast<const void*>(sm90a_code_probe)), "cudaFuncGetAttributes");
-    it = loaded.emplace(device, attr.sharedSizeBytes > 0).first;
-  }
-  mine[device] = it->second;
-  return it->second;
-}
 
 const WgmmaConfig* find_wgmma_config(CacheFormat f, int rope, bool paged) {
   using Key = std::tuple<int, CacheFormat, int, bool>;
@@ -116,6 +83,7 @@ void launch_wgmma(const AttentionParams& p, const WgmmaConfig& cfg, int splits, 
 
 namespace smla::cuda {
 bool wgmma_kernels_available() {
-  return wgmma_available(current_device().compute_capability) && mla::wg::sm90a_code_loaded();
+  const DeviceInfo& dev = current_device();
+  return wgmma_available(dev.compute_capability) && dev.sm90a_code;
 }
 }  // namespace smla::cuda

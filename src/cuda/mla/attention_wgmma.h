@@ -16,10 +16,6 @@ struct WgmmaConfig {
   int threads = 0, smem = 0, ctas_per_sm = 0;
 };
 
-// Whether the code the CUDA runtime loaded on the current device for this library holds sm_90a's features, i.e.
-// whether the wgmma kernels there have their wgmma body rather than a trap (cached per device; no launch, no sync).
-bool sm90a_code_loaded();
-
 // The configuration for format `f` (any cache format), rope width `rope` (64 or 0) and key source on the current
 // device (cached per device); null where the device cannot run it (not a Hopper GPU, no sm_90a code loaded, or too
 // little shared memory).

@@ -173,7 +173,10 @@ KernelDecision choose_attention_kernel(const KernelLimits& l, const KernelShape&
         reject(k, Rejected::forced_other);
     return d;
   }
-  const int min_tokens = s.rope ? kSmallMinTokens : kSmallMinTokensNoRope;
+  // The small-heads kernel's automatic reach for this cache format.
+  const bool sixteen_bit = !fp8(s.format);
+  const int small_max_heads = sixteen_bit ? kSmallMaxHeads16Bit : kSmallMaxHeads;
+  const int min_tokens = std::max(s.rope ? kSmallMinTokens : kSmallMinTokensNoRope, sixteen_bit ? kSmallMinTokens16Bit : 0);
   for (AttentionKernel k : kOrder) {
     if (k == AttentionKernel::wgmma && l.compute_capability != 90) continue;  // named on Hopper only
     if (k == AttentionKernel::wgmma && !l.sm90a_code) {  // the lasting reasons first
@@ -186,16 +189,16 @@ KernelDecision choose_attention_kernel(const KernelLimits& l, const KernelShape&
     }
     if (d.ok()) {  // need: the winner's threshold
       const bool small = d.chosen.kernel == AttentionKernel::small_heads;
-      reject(k, Rejected::other_kernel_won, small ? min_tokens : kWideMinHeads);
+      reject(k, Rejected::other_kernel_won, small ? min_tokens : kWideMinHeads, small ? small_max_heads : 0);
       continue;
     }
     if (k == AttentionKernel::small_heads) {
-      if (s.format != CacheFormat::fp8_ds_mla && !(s.format == CacheFormat::fp8_ds_mla_v4 && kSmallAutomaticForV4)) {
+      if (s.format == CacheFormat::fp8_ds_mla_v4 && !kSmallAutomaticForV4) {
         reject(k, Rejected::cache_format);
         continue;
       }
-      if (s.heads > kSmallMaxHeads) {
-        reject(k, Rejected::too_many_heads, kSmallMaxHeads, s.heads);
+      if (s.heads > small_max_heads) {
+        reject(k, Rejected::too_many_heads, small_max_heads, s.heads);
         continue;
       }
       if (s.tokens < min_tokens) {
@@ -245,15 +248,14 @@ std::string rejection_text(const Rejection& r, const KernelVariant& chosen, int 
     case Rejected::forced_other: return "not chosen: the " + won + " was forced";
     case Rejected::cache_format:
       if (r.kernel == AttentionKernel::wgmma)
-        return "not chosen: automatic for bf16 and f16 caches only (fp8 caches: forced only, until their automatic choice "
-               "is tested on a GPU)";
-      return std::string("not chosen: automatic for fp8_ds_mla") + (kSmallAutomaticForV4 ? " and fp8_ds_mla_v4" : "") +
-             " caches only";
+        return "not chosen: automatic for bf16 and f16 caches only (fp8 caches: forced only)";
+      return "not chosen: automatic for fp8_ds_mla, bf16 and f16 caches only (fp8_ds_mla_v4: forced only)";
     case Rejected::arch: return "needs sm_90a (wgmma); this is " + arch_text(cc);
     case Rejected::no_sm90a_code:
       return "needs sm_90a code (wgmma); this library's code for sm_90 has none (built without 90a, or PTX only)";
     case Rejected::too_many_heads:
-      return "not chosen: automatic up to " + std::to_string(r.need) + " heads, here " + std::to_string(r.have);
+      return "not chosen: automatic up to " + std::to_string(r.need) + " heads with this cache format, here " +
+             std::to_string(r.have);
     case Rejected::too_few_tokens:
       return "not chosen: automatic from " + std::to_string(r.need) + " query rows on (memory-bound decode)";
     case Rejected::too_few_heads:
@@ -266,8 +268,8 @@ std::string rejection_text(const Rejection& r, const KernelVariant& chosen, int 
              with_commas(r.have);
     case Rejected::other_kernel_won:
       if (chosen.kernel == AttentionKernel::small_heads)
-        return "not chosen: fp8 caches at up to " + std::to_string(kSmallMaxHeads) + " heads from " +
-               std::to_string(r.need) + " query rows on take the small-heads kernel";
+        return "not chosen: this cache format at up to " + std::to_string(r.have) + " heads from " +
+               std::to_string(r.need) + " query rows on takes the small-heads kernel";
       return "not chosen: " + std::to_string(r.need) + "+ heads at " + with_commas(kWideMinRows) +
              "+ query rows x heads take the " + won +
              (chosen.kernel == AttentionKernel::wgmma ? " (sm_90a code)" : "");

@@ -35,17 +35,21 @@ inline constexpr int kReservedSmemPerCta = 1024;  // the system's share of each 
 // kernel up to 32 heads, from 16 query rows on (576-wide heads) or 64 (512-wide; on an H200 at 8 heads the 16-head
 // tile took 42.1 against 46.3 us at 32 tokens, 75.3 against 64.2 at 64); the wide tile from 64 heads on.
 inline constexpr int kSmallMaxHeads = 32, kSmallMinTokens = 16, kSmallMinTokensNoRope = 64, kWideMinHeads = 64;
+// 16-bit caches (bf16, f16) take it up to 8 heads, from 32 query rows on (512-wide heads: 64), where their rows are
+// 1152 bytes: on an H200 at 8 heads and top-k 2048 (bf16, run of e9ab362) it took 99.0 against the 16-head tile's
+// 117.0 us at 128 tokens and 36.4 against 37.6 at 32, while at 16 heads it lost (32 tokens 44.4 against 39.6; dense
+// decode of batch 128 at 8K, 365.9 against 357.3).
+inline constexpr int kSmallMaxHeads16Bit = 8, kSmallMinTokens16Bit = 32;
 // The wide tile also needs this many query rows x heads (wide::kMinRowsAutomatic says why).
 inline constexpr int64_t kWideMinRows = 4096;
 // Whether fp8_ds_mla_v4 caches (512-wide) take the small-heads kernel automatically as rope-free fp8_ds_mla rows
 // do: off (small::kAutomaticForV4 says why).
 inline constexpr bool kSmallAutomaticForV4 = false;
 inline constexpr int kHeadsPerCtaTile = 16, kWideHeadsPerCta = 64, kWgmmaHeadsPerCta = 64;
-// The wgmma kernel (sm_90a code) takes the wide tile's place under the same head and row thresholds for 16-bit
-// caches: on an H200 it was 9-11% faster on every bf16 row (docs/performance.md). For fp8 caches (dequantised into
-// its key tile) forced only: 22-28% faster than the wide tile on an H200 (run of e9ab362), automatic once its
-// automatic-choice GPU tests have run with this on.
-inline constexpr bool kWgmmaAutomaticForFp8 = false;
+// The wgmma kernel (sm_90a code) takes the wide tile's place under the same head and row thresholds: on an H200 it
+// was 9-11% faster on every bf16 row, and with fp8 caches (dequantised into its key tile) 22-28% faster (run of
+// e9ab362; docs/performance.md). The switch for fp8 caches: tests and explain follow it.
+inline constexpr bool kWgmmaAutomaticForFp8 = true;
 // Registers per thread, at most, over every instance and arch (ptxas -v; the wide tile's are capped at 255 by its
 // launch bounds of one CTA per SM, the small-heads kernel's with the dim split at 128 by its bounds of two).
 inline constexpr int kHeadTileRegisters = 171, kWideRegisters = 255, kSmallHeads16Registers = 255,
@@ -73,10 +77,10 @@ struct KernelVariant {
 // other_kernel_won: the chosen kernel's threshold).
 enum class Rejected {
   forced_other,      // another kernel was forced
-  cache_format,      // the small-heads kernel: fp8_ds_mla caches only (automatically); wgmma: 16-bit ones (ditto)
+  cache_format,      // the small-heads kernel: not fp8_ds_mla_v4 (automatically); wgmma: not fp8 (ditto), each while switched off
   arch,              // the wgmma kernel: sm_90 only
   no_sm90a_code,     // the wgmma kernel on sm_90 where the loaded code lacks sm_90a's features
-  too_many_heads,    // the small-heads kernel: more heads than kMaxHeadsAutomatic
+  too_many_heads,    // the small-heads kernel: more heads than its automatic reach for the cache format
   too_few_tokens,    // the small-heads kernel: fewer query rows than it pays off at
   too_few_heads,     // the wide tile: fewer heads than kMinHeadsAutomatic
   too_few_rows,      // the wide tile: fewer query rows x heads than kWideMinRows
@@ -99,8 +103,9 @@ struct KernelDecision {
 };
 
 // THE choice. Automatic: the small-heads kernel for fp8_ds_mla caches (and fp8_ds_mla_v4 ones while
-// kSmallAutomaticForV4) up to small::kMaxHeadsAutomatic heads from
-// small::kMinTokensAutomatic query rows on (kMinTokensAutomaticNoRope for 512-wide heads), where it fits; else
+// kSmallAutomaticForV4) up to kSmallMaxHeads heads from kSmallMinTokens query rows on (kSmallMinTokensNoRope for
+// 512-wide heads), for 16-bit caches up to kSmallMaxHeads16Bit heads from kSmallMinTokens16Bit (or that), where it
+// fits; else
 // from wide::kMinHeadsAutomatic heads and wide::kMinRowsAutomatic query rows x heads on the wgmma kernel (sm_90 with
 // sm_90a code; 16-bit caches, fp8 ones while kWgmmaAutomaticForFp8), or the wide tile where it fits; else the
 // 16-head tile. Depths: the 16-head tile

@@ -69,6 +69,8 @@ static_assert(kHeadsPerCtaTile == kHeadsPerCta && kWideHeadsPerCta == wide::kWid
                   kWideMinHeads == wide::kMinHeadsAutomatic && kWideMinRows == wide::kMinRowsAutomatic && kSmallMaxHeads == small::kMaxHeadsAutomatic &&
                   kSmallMinTokens == small::kMinTokensAutomatic &&
                   kSmallMinTokensNoRope == small::kMinTokensAutomaticNoRope &&
+                  kSmallMaxHeads16Bit == small::kMaxHeadsAutomatic16Bit &&
+                  kSmallMinTokens16Bit == small::kMinTokensAutomatic16Bit &&
                   kSmallAutomaticForV4 == small::kAutomaticForV4,
               "kernel_choice.h: the automatic rules' thresholds");
 static_assert(kWideRegisters * wide::kWideThreads <= kRegistersPerSm, "the wide tile's launch bounds: one CTA per SM");
