@@ -31,6 +31,7 @@ constexpr int kHeadsPerGroup = 8;  // the mma's N
 constexpr int kKeySlots = 4;       // warps of a group that own different keys of a chunk
 constexpr int kKeysPerWarp = 16;   // the mma's M
 constexpr int kChunkKeys = kKeySlots * kKeysPerWarp;
+constexpr int kMergeSlotFloats = kHeadsPerGroup * kVDim + 32;  // a merge slot, with room for merge_index's skew
 // The running max of a head moves only when a score passes it by more than
 // this (log2 units): P stays <= 2^8, and O is rescaled rarely. Only where P
 // is f16 (fp8 and f16 caches): a bf16 P of up to 2^8 rounds a key that
@@ -70,7 +71,7 @@ struct Geometry {
 template <CacheFormat F, int kRope, int kGroups, int kSplitDims>
 struct Layout {
   using G = Geometry<F, kRope>;
-  static constexpr int kMergeBytes = kGroups * (kKeySlots / 2) * kHeadsPerGroup * kVDim * 4;
+  static constexpr int kMergeBytes = kGroups * (kKeySlots / 2) * kMergeSlotFloats * 4;
   static constexpr int kQBytes = kGroups * G::kQkSteps * 32 * 8;
   // fp8 queries' largest |q| per warp and head (the prologue's): from here on into the stats, unused until the merge.
   static constexpr int kQMaxBytes = kGroups * kHeadsPerGroup * 4;
@@ -95,14 +96,16 @@ __device__ __forceinline__ int swizzle(int row) { return (row & 7) ^ ((row & 1) 
 __device__ __forceinline__ int piece_offset(int row_base_bytes, int row, int piece) {
   return row_base_bytes + (piece & ~7) * 16 + (((piece & 7) ^ swizzle(row)) * 16);
 }
-// Where (head, dim) of a merge slot ([8 heads][512 dims] fp32) lies. A lane holds heads 2c, 2c+1, so unswizzled
-// its lane column c put the warp's stores 1024 floats apart, in the same banks (ncu: 16-way conflicts). Each head's
-// dims are XOR-swizzled by c: fp8 lanes store dims 4q..4q+3 of their 16 of a tile as one float4 and c picks which
-// of the 4 (g's parity the other half of the banks); 16-bit lanes store dims g and g + 8 of a 16-dim tile one by
-// one and c picks the 8-float block among 4.
+// Where (head, dim) of a merge slot ([8 heads][512 dims] fp32) lies. A lane holds heads 2c, 2c+1: with the heads
+// 512 floats apart the lane columns c of a warp's stores hit the same banks (ncu: 16-way conflicts). So head h
+// starts kMergeSkew floats further on per lane column h / 2: fp8 lanes store dims 16g + 4q.. as one float4, and c
+// and g's parity pick 8 different 16-byte bank groups; 16-bit lanes store dims g (+ 8) one float at a time, and c
+// picks 8 different banks. A skew, not a swizzle, so a lane's offsets stay one base plus immediates.
+template <bool kFp8>
+constexpr int kMergeSkew = kFp8 ? 4 : 8;
 template <bool kFp8>
 __device__ __forceinline__ int merge_index(int head, int dim) {
-  return head * kVDim + (dim ^ ((head >> 1 & 3) << (kFp8 ? 2 : 3)));
+  return head * kVDim + (head >> 1 & 3) * kMergeSkew<kFp8> + dim;
 }
 
 // The dims of score k-step `ks` that lane column c holds in its fragments:
@@ -201,9 +204,11 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
   // zero-filled and never read), resolved a chunk ahead from the row's index
   // (or block) loaded two chunks ahead, so the load has landed by then
   // (resolved as loaded, every chunk's issue waited a memory round trip:
-  // ncu, 7% of the stall samples at 128 tokens on one compare);
+  // ncu, 7% of the stall samples at 128 tokens on one compare). The dim-split
+  // kernels (128 registers) resolve as loaded: the held entry spilled there.
   // fp8_ds_mla_v4: also the row's place in its block, which finds its scales
   // at the block's end.
+  constexpr bool kEntryAhead = kSplitDims == 1;
   int next_in_block = 0;
   auto row_key = [&](int chunk) { return chunk * kChunkKeys + warp + kWarps * lane; };
   auto entry_for = [&](int chunk) -> int32_t {
@@ -221,7 +226,7 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
     return block + (s32 % p.block_size) * p.row_stride;
   };
   const int32_t first_entry = n_chunks > 0 ? entry_for(chunk_begin) : -1;
-  int32_t next_entry = n_chunks > 1 ? entry_for(chunk_begin + 1) : -1;  // the next chunk's, both loads in flight
+  int32_t next_entry = kEntryAhead && n_chunks > 1 ? entry_for(chunk_begin + 1) : -1;  // both loads in flight
   int64_t next_offset = offset_for(chunk_begin, first_entry);
   // Where this lane's piece jp of the warp's k-th row (row warp + kWarps k)
   // lands in a stage: dst_first[jp][k % kSwizzles] + (k / kSwizzles) *
@@ -262,8 +267,8 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
       const int64_t offsets = next_offset;
       const int in_blocks = next_in_block;
       if (i + 1 < n_chunks) {
-        next_offset = offset_for(chunk_begin + i + 1, next_entry);
-        if (i + 2 < n_chunks) next_entry = entry_for(chunk_begin + i + 2);
+        next_offset = offset_for(chunk_begin + i + 1, kEntryAhead ? next_entry : entry_for(chunk_begin + i + 1));
+        if (kEntryAhead && i + 2 < n_chunks) next_entry = entry_for(chunk_begin + i + 2);
       }
       const uint8_t* const lane_src = p.cache + 16 * lane;
       const uint32_t valid_rows = __ballot_sync(0xffffffffu, offsets >= 0);
@@ -392,7 +397,7 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
   __syncthreads();  // the query fragments written; the q maxima read
 
   // This warp's O^T (dims x heads): kMTiles tiles of 16 dims; thread (g, c)
-  // holds heads 2c, 2c+1. Which dims a tile's rows are depends on the format (see the merge).
+  // holds heads 2c, 2c+1. Which dims a tile's rows are depends on the format (out_dim).
   float o[kMTiles][4];
 #pragma unroll
   for (int i = 0; i < kMTiles; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
@@ -752,26 +757,20 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
       o[i][e + 2] *= fi;
     }
   }
-  // Slot s of this group: [8 heads][512 dims] fp32. o[i][e] is head 2c + e % 2's dim
-  //   fp8:    128 (half_d kScaleTiles + i / 8) + 16 g + 2 (i % 8) + e / 2,
-  //   16-bit: 16 (half_d kMTiles + i) + g + 8 (e / 2),
-  // at merge_index of those. Its XOR touches only dim bits that the compile-time i and e pick (fp8: 2 (i % 8) for
-  // i even; 16-bit: 16 (i % 2) + 8 (e / 2)), so its 4 outcomes are fixed per thread here and the accesses take
-  // immediate offsets (computed per access, the bf16 instances spilled).
-  float* merge = reinterpret_cast<float*>(smem) + group * (kKeySlots / 2) * kHeadsPerGroup * kVDim;
-  constexpr int kSwizzleShift = kFp8 ? 2 : 3;
-  int swz[4];
-#pragma unroll
-  for (int k = 0; k < 4; ++k) swz[k] = (k ^ c) << kSwizzleShift;
+  // Slot s of this group: [8 heads][512 dims] fp32 (merge_index). o[i][e] sits at (dim, head 2c + e % 2):
+  auto out_dim = [&](int i, int second_row) {  // second_row: accumulator elements 2, 3
+    if constexpr (kFp8) return 128 * (half_d * kScaleTiles + i / 8) + 16 * g + 2 * (i % 8) + second_row;
+    return 16 * (half_d * kMTiles + i) + g + 8 * second_row;
+  };
+  float* merge = reinterpret_cast<float*>(smem) + group * (kKeySlots / 2) * kMergeSlotFloats;
   auto visit = [&](float* slot, bool add) {
-    float* const heads = slot + 2 * c * kVDim;  // this lane's heads 2c, 2c+1
+    float* const heads = slot + merge_index<kFp8>(2 * c, 0);  // this lane's heads 2c, 2c+1
     if constexpr (kFp8) {  // dims 4q..4q+3 of a lane's 16: o[i][e], o[i][e + 2], o[i + 1][e], o[i + 1][e + 2] (i even)
 #pragma unroll
       for (int i = 0; i < kMTiles; i += 2)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          float4* at = reinterpret_cast<float4*>(heads + e * kVDim + 128 * (half_d * kScaleTiles + i / 8) + 16 * g +
-                                                 swz[(i % 8) / 2]);
+          float4* at = reinterpret_cast<float4*>(heads + e * kVDim + out_dim(i, 0));
           if (add) {
             const float4 v = *at;
             o[i][e] += v.x, o[i][e + 2] += v.y, o[i + 1][e] += v.z, o[i + 1][e + 2] += v.w;
@@ -784,16 +783,16 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
       for (int i = 0; i < kMTiles; ++i)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          float* at = heads + (e % 2) * kVDim + 16 * half_d * kMTiles + 32 * (i / 2) + g + swz[2 * (i % 2) + e / 2];
+          float* at = heads + (e % 2) * kVDim + out_dim(i, e / 2);
           if (add) o[i][e] += *at;
           else *at = o[i][e];
         }
     }
   };
   for (int half = kKeySlots / 2; half >= 1; half /= 2) {
-    if (slot_k >= half && slot_k < 2 * half) visit(merge + (slot_k - half) * kHeadsPerGroup * kVDim, false);
+    if (slot_k >= half && slot_k < 2 * half) visit(merge + (slot_k - half) * kMergeSlotFloats, false);
     __syncthreads();
-    if (slot_k < half) visit(merge + slot_k * kHeadsPerGroup * kVDim, true);
+    if (slot_k < half) visit(merge + slot_k * kMergeSlotFloats, true);
     __syncthreads();
   }
   if (slot_k == 0) visit(merge, false);
@@ -819,7 +818,7 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
     const float* st = stats + gi * kKeySlots * kStatRow;
     const float scale = st[kHeadsPerGroup + hg];
     const float4 v = *reinterpret_cast<const float4*>(reinterpret_cast<const float*>(smem) +
-                                                      gi * (kKeySlots / 2) * kHeadsPerGroup * kVDim +
+                                                      gi * (kKeySlots / 2) * kMergeSlotFloats +
                                                       merge_index<kFp8>(hg, col));
     if (p.num_splits == 1) {
       uint16_t* out =
