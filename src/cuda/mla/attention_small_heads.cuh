@@ -227,6 +227,33 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
   };
   const int32_t first_entry = n_chunks > 0 ? entry_for(chunk_begin) : -1;
   int32_t next_entry = kEntryAhead && n_chunks > 1 ? entry_for(chunk_begin + 1) : -1;  // both loads in flight
+  // Query fragments (the B operand of S^T = K Q^T), in the permuted dim order
+  // of score_dim; heads past the last are 0. fp8 caches: the latent dims are
+  // multiplied as f16 (e4m3 codes convert to f16 in one instruction), so each
+  // head's latent query is scaled by a power of two that puts its largest
+  // value in [2^14, 2^15): exact in f16 down to 2^-24 of that value.
+  // Entry e = (head group, k-step, lane) holds 4 values. Each thread loads
+  // all its entries before using any: one memory round trip per CTA, not one
+  // per entry (a split of few chunks is otherwise mostly this prologue). Loaded
+  // with the first chunks' row indices, so the two round trips overlap; the
+  // dim-split kernels load them after the gather's first chunks are issued
+  // (held across the gather's set-up they cost those kernels spills).
+  const uint16_t* q = p.q + b * p.q_stride_b + j * p.q_stride_s;
+  constexpr int kQEntries = kGroups * G::kQkSteps * 32;
+  constexpr int kQPerThread = (kQEntries + kThreadsPerCta - 1) / kThreadsPerCta;
+  auto head_of = [](int e) { return (e / (32 * G::kQkSteps)) * kHeadsPerGroup + (e % 32) / 4; };
+  auto is_latent = [](int e) { return (e / 32) % G::kQkSteps < kLatentSteps; };
+  uint2 q_raw[kQPerThread];
+  auto load_queries = [&] {
+#pragma unroll
+    for (int r = 0; r < kQPerThread; ++r) {
+      const int e = tid + r * kThreadsPerCta, h = head_of(e);
+      q_raw[r] = e < kQEntries && h < nh ? *reinterpret_cast<const uint2*>(q + (h0 + h) * p.q_stride_h +
+                                                                            score_dim<F>((e / 32) % G::kQkSteps, e % 4))
+                                         : make_uint2(0, 0);
+    }
+  };
+  if constexpr (kSplitDims == 1) load_queries();
   int64_t next_offset = offset_for(chunk_begin, first_entry);
   // Where this lane's piece jp of the warp's k-th row (row warp + kWarps k)
   // lands in a stage: dst_first[jp][k % kSwizzles] + (k / kSwizzles) *
@@ -305,29 +332,7 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
   };
   for (int i = 0; i < stages - 1; ++i) issue(i, smem + i * G::kStageBytes);
 
-  // Query fragments (the B operand of S^T = K Q^T), in the permuted dim order
-  // of score_dim; heads past the last are 0. fp8 caches: the latent dims are
-  // multiplied as f16 (e4m3 codes convert to f16 in one instruction), so each
-  // head's latent query is scaled by a power of two that puts its largest
-  // value in [2^14, 2^15): exact in f16 down to 2^-24 of that value.
-  // Entry e = (head group, k-step, lane) holds 4 values. Each thread loads
-  // all its entries before using any: one memory round trip per CTA, not one
-  // per entry (a split of few chunks is otherwise mostly this prologue). Here,
-  // after the gather's first chunks are issued, not before the wait above:
-  // held across the gather's set-up they cost the split-dims kernels spills.
-  const uint16_t* q = p.q + b * p.q_stride_b + j * p.q_stride_s;
-  constexpr int kQEntries = kGroups * G::kQkSteps * 32;
-  constexpr int kQPerThread = (kQEntries + kThreadsPerCta - 1) / kThreadsPerCta;
-  auto head_of = [](int e) { return (e / (32 * G::kQkSteps)) * kHeadsPerGroup + (e % 32) / 4; };
-  auto is_latent = [](int e) { return (e / 32) % G::kQkSteps < kLatentSteps; };
-  uint2 q_raw[kQPerThread];
-#pragma unroll
-  for (int r = 0; r < kQPerThread; ++r) {
-    const int e = tid + r * kThreadsPerCta, h = head_of(e);
-    q_raw[r] = e < kQEntries && h < nh ? *reinterpret_cast<const uint2*>(q + (h0 + h) * p.q_stride_h +
-                                                                          score_dim<F>((e / 32) % G::kQkSteps, e % 4))
-                                       : make_uint2(0, 0);
-  }
+  if constexpr (kSplitDims == 2) load_queries();
   auto q_values = [&](uint2 raw, float (&v)[4]) {
     v[0] = bits_to_float(static_cast<uint16_t>(raw.x), p.q_is_bf16);
     v[1] = bits_to_float(static_cast<uint16_t>(raw.x >> 16), p.q_is_bf16);
