@@ -204,11 +204,9 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
   // zero-filled and never read), resolved a chunk ahead from the row's index
   // (or block) loaded two chunks ahead, so the load has landed by then
   // (resolved as loaded, every chunk's issue waited a memory round trip:
-  // ncu, 7% of the stall samples at 128 tokens on one compare). The dim-split
-  // kernels (128 registers) resolve as loaded: the held entry spilled there.
+  // ncu, 7% of the stall samples at 128 tokens on one compare);
   // fp8_ds_mla_v4: also the row's place in its block, which finds its scales
   // at the block's end.
-  constexpr bool kEntryAhead = kSplitDims == 1;
   int next_in_block = 0;
   auto row_key = [&](int chunk) { return chunk * kChunkKeys + warp + kWarps * lane; };
   auto entry_for = [&](int chunk) -> int32_t {
@@ -226,7 +224,7 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
     return block + (s32 % p.block_size) * p.row_stride;
   };
   const int32_t first_entry = n_chunks > 0 ? entry_for(chunk_begin) : -1;
-  int32_t next_entry = kEntryAhead && n_chunks > 1 ? entry_for(chunk_begin + 1) : -1;  // both loads in flight
+  int32_t next_entry = n_chunks > 1 ? entry_for(chunk_begin + 1) : -1;  // both loads in flight
   // Query fragments (the B operand of S^T = K Q^T), in the permuted dim order
   // of score_dim; heads past the last are 0. fp8 caches: the latent dims are
   // multiplied as f16 (e4m3 codes convert to f16 in one instruction), so each
@@ -294,8 +292,8 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
       const int64_t offsets = next_offset;
       const int in_blocks = next_in_block;
       if (i + 1 < n_chunks) {
-        next_offset = offset_for(chunk_begin + i + 1, kEntryAhead ? next_entry : entry_for(chunk_begin + i + 1));
-        if (kEntryAhead && i + 2 < n_chunks) next_entry = entry_for(chunk_begin + i + 2);
+        next_offset = offset_for(chunk_begin + i + 1, next_entry);
+        if (i + 2 < n_chunks) next_entry = entry_for(chunk_begin + i + 2);
       }
       const uint8_t* const lane_src = p.cache + 16 * lane;
       const uint32_t valid_rows = __ballot_sync(0xffffffffu, offsets >= 0);
