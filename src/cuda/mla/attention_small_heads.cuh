@@ -31,7 +31,6 @@ constexpr int kHeadsPerGroup = 8;  // the mma's N
 constexpr int kKeySlots = 4;       // warps of a group that own different keys of a chunk
 constexpr int kKeysPerWarp = 16;   // the mma's M
 constexpr int kChunkKeys = kKeySlots * kKeysPerWarp;
-constexpr int kMergeSlotFloats = kHeadsPerGroup * kVDim + 32;  // a merge slot, with room for merge_index's skew
 // The running max of a head moves only when a score passes it by more than
 // this (log2 units): P stays <= 2^8, and O is rescaled rarely. Only where P
 // is f16 (fp8 and f16 caches): a bf16 P of up to 2^8 rounds a key that
@@ -71,7 +70,7 @@ struct Geometry {
 template <CacheFormat F, int kRope, int kGroups, int kSplitDims>
 struct Layout {
   using G = Geometry<F, kRope>;
-  static constexpr int kMergeBytes = kGroups * (kKeySlots / 2) * kMergeSlotFloats * 4;
+  static constexpr int kMergeBytes = kGroups * (kKeySlots / 2) * kHeadsPerGroup * kVDim * 4;
   static constexpr int kQBytes = kGroups * G::kQkSteps * 32 * 8;
   // fp8 queries' largest |q| per warp and head (the prologue's): from here on into the stats, unused until the merge.
   static constexpr int kQMaxBytes = kGroups * kHeadsPerGroup * 4;
@@ -96,16 +95,14 @@ __device__ __forceinline__ int swizzle(int row) { return (row & 7) ^ ((row & 1) 
 __device__ __forceinline__ int piece_offset(int row_base_bytes, int row, int piece) {
   return row_base_bytes + (piece & ~7) * 16 + (((piece & 7) ^ swizzle(row)) * 16);
 }
-// Where (head, dim) of a merge slot ([8 heads][512 dims] fp32) lies. A lane holds heads 2c, 2c+1: with the heads
-// 512 floats apart the lane columns c of a warp's stores hit the same banks (ncu: 16-way conflicts). So head h
-// starts kMergeSkew floats further on per lane column h / 2: fp8 lanes store dims 16g + 4q.. as one float4, and c
-// and g's parity pick 8 different 16-byte bank groups; 16-bit lanes store dims g (+ 8) one float at a time, and c
-// picks 8 different banks. A skew, not a swizzle, so a lane's offsets stay one base plus immediates.
-template <bool kFp8>
-constexpr int kMergeSkew = kFp8 ? 4 : 8;
+// Where (head, dim) of a merge slot ([8 heads][512 dims] fp32) lies. A lane holds heads 2c, 2c+1, so unswizzled
+// its lane column c put the warp's stores 1024 floats apart, in the same banks (ncu: 16-way conflicts). Each head's
+// dims are XOR-swizzled by c: fp8 lanes store dims 4q..4q+3 of their 16 of a tile as one float4 and c picks which
+// of the 4 (g's parity the other half of the banks); 16-bit lanes store dims g and g + 8 of a 16-dim tile one by
+// one and c picks the 8-float block among 4.
 template <bool kFp8>
 __device__ __forceinline__ int merge_index(int head, int dim) {
-  return head * kVDim + (head >> 1 & 3) * kMergeSkew<kFp8> + dim;
+  return head * kVDim + (dim ^ ((head >> 1 & 3) << (kFp8 ? 2 : 3)));
 }
 
 // The dims of score k-step `ks` that lane column c holds in its fragments:
@@ -760,20 +757,26 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
       o[i][e + 2] *= fi;
     }
   }
-  // Slot s of this group: [8 heads][512 dims] fp32 (merge_index). o[i][e] sits at (dim, head 2c + e % 2):
-  auto out_dim = [&](int i, int second_row) {  // second_row: accumulator elements 2, 3
-    if constexpr (kFp8) return 128 * (half_d * kScaleTiles + i / 8) + 16 * g + 2 * (i % 8) + second_row;
-    return 16 * (half_d * kMTiles + i) + g + 8 * second_row;
-  };
-  float* merge = reinterpret_cast<float*>(smem) + group * (kKeySlots / 2) * kMergeSlotFloats;
+  // Slot s of this group: [8 heads][512 dims] fp32. o[i][e] is head 2c + e % 2's dim
+  //   fp8:    128 (half_d kScaleTiles + i / 8) + 16 g + 2 (i % 8) + e / 2,
+  //   16-bit: 16 (half_d kMTiles + i) + g + 8 (e / 2),
+  // at merge_index of those. Its XOR touches only dim bits that the compile-time i and e pick (fp8: 2 (i % 8) for
+  // i even; 16-bit: 16 (i % 2) + 8 (e / 2)), so its 4 outcomes are fixed per thread here and the accesses take
+  // immediate offsets (computed per access, the bf16 instances spilled).
+  float* merge = reinterpret_cast<float*>(smem) + group * (kKeySlots / 2) * kHeadsPerGroup * kVDim;
+  constexpr int kSwizzleShift = kFp8 ? 2 : 3;
+  int swz[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) swz[k] = (k ^ c) << kSwizzleShift;
   auto visit = [&](float* slot, bool add) {
-    float* const heads = slot + merge_index<kFp8>(2 * c, 0);  // this lane's heads 2c, 2c+1
+    float* const heads = slot + 2 * c * kVDim;  // this lane's heads 2c, 2c+1
     if constexpr (kFp8) {  // dims 4q..4q+3 of a lane's 16: o[i][e], o[i][e + 2], o[i + 1][e], o[i + 1][e + 2] (i even)
 #pragma unroll
       for (int i = 0; i < kMTiles; i += 2)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          float4* at = reinterpret_cast<float4*>(heads + e * kVDim + out_dim(i, 0));
+          float4* at = reinterpret_cast<float4*>(heads + e * kVDim + 128 * (half_d * kScaleTiles + i / 8) + 16 * g +
+                                                 swz[(i % 8) / 2]);
           if (add) {
             const float4 v = *at;
             o[i][e] += v.x, o[i][e + 2] += v.y, o[i + 1][e] += v.z, o[i + 1][e + 2] += v.w;
@@ -786,16 +789,16 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
       for (int i = 0; i < kMTiles; ++i)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          float* at = heads + (e % 2) * kVDim + out_dim(i, e / 2);
+          float* at = heads + (e % 2) * kVDim + 16 * half_d * kMTiles + 32 * (i / 2) + g + swz[2 * (i % 2) + e / 2];
           if (add) o[i][e] += *at;
           else *at = o[i][e];
         }
     }
   };
   for (int half = kKeySlots / 2; half >= 1; half /= 2) {
-    if (slot_k >= half && slot_k < 2 * half) visit(merge + (slot_k - half) * kMergeSlotFloats, false);
+    if (slot_k >= half && slot_k < 2 * half) visit(merge + (slot_k - half) * kHeadsPerGroup * kVDim, false);
     __syncthreads();
-    if (slot_k < half) visit(merge + slot_k * kMergeSlotFloats, true);
+    if (slot_k < half) visit(merge + slot_k * kHeadsPerGroup * kVDim, true);
     __syncthreads();
   }
   if (slot_k == 0) visit(merge, false);
@@ -821,7 +824,7 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
     const float* st = stats + gi * kKeySlots * kStatRow;
     const float scale = st[kHeadsPerGroup + hg];
     const float4 v = *reinterpret_cast<const float4*>(reinterpret_cast<const float*>(smem) +
-                                                      gi * (kKeySlots / 2) * kMergeSlotFloats +
+                                                      gi * (kKeySlots / 2) * kHeadsPerGroup * kVDim +
                                                       merge_index<kFp8>(hg, col));
     if (p.num_splits == 1) {
       uint16_t* out =
