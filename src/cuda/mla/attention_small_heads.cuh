@@ -397,7 +397,7 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
   __syncthreads();  // the query fragments written; the q maxima read
 
   // This warp's O^T (dims x heads): kMTiles tiles of 16 dims; thread (g, c)
-  // holds heads 2c, 2c+1. Which dims a tile's rows are depends on the format (out_dim).
+  // holds heads 2c, 2c+1. Which dims a tile's rows are depends on the format (see the merge).
   float o[kMTiles][4];
 #pragma unroll
   for (int i = 0; i < kMTiles; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
