@@ -40,6 +40,8 @@ struct Problem {
   // Whole runs of keys invalid, so that whole splits are empty: token 0's first half, the last token's second half
   // (from 3 tokens; token 1 has no valid key at all).
   bool empty_halves = false;
+  // > 0: head h's query times 2^(head_scale_step (h % 4 - 2)), so the heads' magnitudes differ widely.
+  int head_scale_step = 0;
   int rope = kMlaRopeDim;  // 0: 512-wide heads (GLM-5.3-Flash, DeepSeek-V4)
   cuda::AttentionChoice kernel;  // forced: the op's CUDA function is called directly
   bool skip_beyond_device = true;  // a forced shape the device's shared memory cannot hold: skipped, not an error
@@ -175,6 +177,13 @@ std::optional<cuda::AttentionPlan> run_sparse(const Problem& pr, uint64_t seed,
 
   const int64_t q_row = p.q_padded ? p.qk() + 64 : p.qk();
   auto qbits = queries(rng, p.tokens * p.heads * q_row, p.q_dtype, p.kv_dtype);
+  if (p.head_scale_step > 0) {  // powers of two: the values stay exact (f16 ones may round, the same for both)
+    std::vector<float> scaled(qbits.size());
+    for (size_t i = 0; i < qbits.size(); ++i)
+      scaled[i] = std::ldexp(test::half_bits_to_float(qbits[i], p.q_dtype),
+                             p.head_scale_step * (static_cast<int>(i / q_row % p.heads) % 4 - 2));
+    qbits = test::to_half_bits(scaled, p.q_dtype);
+  }
   std::vector<float> sink = test::random_floats(rng, p.heads, -2.f, 2.f);
 
   SparseMlaArgs a;
@@ -563,6 +572,28 @@ TEST(CudaSparseMlaSmallHeads, NoRopePartHeadsFormatsTopkBlockSizes) {
     p.kernel = {cuda::AttentionKernel::small_heads, 0};
     run_sparse(p, seed++);
   }
+}
+
+// fp8 caches: each head's latent query is scaled by its own power of two for the f16 products. Heads 2^-8 to 2^4
+// in magnitude, so a scale taken from another head's largest value overflows f16 or drops the small head's bits;
+// 8 heads unsplit and dim-split, 16 heads in one CTA (two groups) and in two.
+TEST(CudaSparseMlaSmallHeads, QueryMagnitudesPerHead) {
+  uint64_t seed = 760;
+  const cuda::AttentionChoice shapes[] = {{cuda::AttentionKernel::small_heads, 0, 8, 1},
+                                          {cuda::AttentionKernel::small_heads, 0, 8, 2},
+                                          {cuda::AttentionKernel::small_heads, 0, 16, 1}};
+  for (int heads : {8, 16})
+    for (const cuda::AttentionChoice& shape : shapes)
+      for (int topk : {100, 2048}) {
+        Problem p;
+        p.kv_dtype = DType::fp8_ds_mla;
+        p.heads = heads;
+        p.topk = topk;
+        p.head_scale_step = 4;
+        p.kernel = shape;
+        p.sink = topk == 100;
+        run_sparse(p, seed++);
+      }
 }
 
 TEST(CudaSparseMlaSmallHeads, F16AndQueryDtypes) {

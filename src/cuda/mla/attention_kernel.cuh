@@ -125,18 +125,28 @@ __device__ __forceinline__ uint4 query_piece(uint4 raw, bool is_bf16) {
   return make_uint4(convert(raw.x), convert(raw.y), convert(raw.z), convert(raw.w));
 }
 
+// slot_of in two steps, for kernels that load a key's entry early and resolve it once the load has landed:
+// slot_entry loads key `key`'s index (sparse) or block (paged) for token (b, j, t), -1 past the visible keys;
+// entry_slot makes it the physical slot, or -1 when it must not be read.
+template <bool kPaged>
+__device__ __forceinline__ int32_t slot_entry(const AttentionParams& p, int t, int b, int key, int visible) {
+  if (key >= visible) return -1;
+  if constexpr (kPaged) return p.block_table[b * p.block_table_stride + key / p.block_size];
+  else return p.indices[t * p.indices_stride + key];
+}
+template <bool kPaged>
+__device__ __forceinline__ int64_t entry_slot(const AttentionParams& p, int key, int32_t entry) {
+  if constexpr (kPaged) {
+    if (entry < 0 || entry >= p.num_blocks) return -1;
+    return static_cast<int64_t>(entry) * p.block_size + key % p.block_size;
+  } else {
+    return (entry >= 0 && entry < p.num_slots) ? entry : -1;
+  }
+}
 // Physical slot of key `key` of token (b, j, t), or -1 when it must not be read.
 template <bool kPaged>
 __device__ __forceinline__ int64_t slot_of(const AttentionParams& p, int t, int b, int key, int visible) {
-  if (key >= visible) return -1;
-  if constexpr (kPaged) {
-    const int32_t block = p.block_table[b * p.block_table_stride + key / p.block_size];
-    if (block < 0 || block >= p.num_blocks) return -1;
-    return static_cast<int64_t>(block) * p.block_size + key % p.block_size;
-  } else {
-    const int32_t idx = p.indices[t * p.indices_stride + key];
-    return (idx >= 0 && idx < p.num_slots) ? idx : -1;
-  }
+  return entry_slot<kPaged>(p, key, slot_entry<kPaged>(p, t, b, key, visible));
 }
 
 // The kernel's steps, in the order it runs them. Each compiles to the same

@@ -72,15 +72,16 @@ struct Layout {
   using G = Geometry<F, kRope>;
   static constexpr int kMergeBytes = kGroups * (kKeySlots / 2) * kHeadsPerGroup * kVDim * 4;
   static constexpr int kQBytes = kGroups * G::kQkSteps * 32 * 8;
-  static constexpr int kQScaleBytes = kGroups * kHeadsPerGroup * 4;
+  // fp8 queries' largest |q| per warp and head (the prologue's): from here on into the stats, unused until the merge.
+  static constexpr int kQMaxBytes = kGroups * kHeadsPerGroup * 4;
   static constexpr int kStatBytes = kGroups * kKeySlots * kHeadsPerGroup * 3 * 4;
   // Per warp of a split: its lanes' 4 partial scores (16 keys x 8 heads).
   static constexpr int kExchangeBytes = kSplitDims == 2 ? kGroups * kKeySlots * 2 * 32 * 16 : 0;
-  int q = 0, q_scale = 0, stats = 0, exchange = 0, total = 0;
+  int q = 0, q_max = 0, stats = 0, exchange = 0, total = 0;
   __host__ __device__ constexpr explicit Layout(int stages) {
     q = stages * G::kStageBytes > kMergeBytes ? stages * G::kStageBytes : kMergeBytes;
-    q_scale = q + kQBytes;
-    stats = q_scale + kQScaleBytes;
+    q_max = q + kQBytes;
+    stats = q_max + kQMaxBytes;
     exchange = stats + kStatBytes;
     total = exchange + kExchangeBytes;
   }
@@ -93,6 +94,15 @@ struct Layout {
 __device__ __forceinline__ int swizzle(int row) { return (row & 7) ^ ((row & 1) << 2); }
 __device__ __forceinline__ int piece_offset(int row_base_bytes, int row, int piece) {
   return row_base_bytes + (piece & ~7) * 16 + (((piece & 7) ^ swizzle(row)) * 16);
+}
+// Where (head, dim) of a merge slot ([8 heads][512 dims] fp32) lies. A lane holds heads 2c, 2c+1, so unswizzled
+// its lane column c put the warp's stores 1024 floats apart, in the same banks (ncu: 16-way conflicts). Each head's
+// dims are XOR-swizzled by c: fp8 lanes store dims 4q..4q+3 of their 16 of a tile as one float4 and c picks which
+// of the 4 (g's parity the other half of the banks); 16-bit lanes store dims g and g + 8 of a 16-dim tile one by
+// one and c picks the 8-float block among 4.
+template <bool kFp8>
+__device__ __forceinline__ int merge_index(int head, int dim) {
+  return head * kVDim + (dim ^ ((head >> 1 & 3) << (kFp8 ? 2 : 3)));
 }
 
 // The dims of score k-step `ks` that lane column c holds in its fragments:
@@ -163,7 +173,6 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
   const Layout<F, kRope, kGroups, kSplitDims> L(stages);
   extern __shared__ __align__(16) uint8_t smem[];
   uint2* qfrag = reinterpret_cast<uint2*>(smem + L.q);
-  float* q_scale = reinterpret_cast<float*>(smem + L.q_scale);  // [group][head]: fp8 queries' power of two
   float* stats = reinterpret_cast<float*>(smem + L.stats);      // [group][key slot][base, sum, max][head]
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
@@ -189,12 +198,19 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
   // Gather: warp w copies rows w, w + kWarps, ... of each chunk, a row's
   // 16-byte pieces across the lanes (whole 128-byte lines per instruction).
   // Lane l holds the byte offset of the warp's l-th row (-1: invalid, then
-  // zero-filled and never read), loaded a chunk ahead; fp8_ds_mla_v4: also
-  // the row's place in its block, which finds its scales at the block's end.
+  // zero-filled and never read), resolved a chunk ahead from the row's index
+  // (or block) loaded two chunks ahead, so the load has landed by then
+  // (resolved as loaded, every chunk's issue waited a memory round trip:
+  // ncu, 7% of the stall samples at 128 tokens on one compare);
+  // fp8_ds_mla_v4: also the row's place in its block, which finds its scales
+  // at the block's end.
   int next_in_block = 0;
-  auto offset_for = [&](int chunk) -> int64_t {
-    if (lane >= kRowsPerWarp) return -1;
-    const int64_t slot = slot_of<kPaged>(p, t, b, chunk * kChunkKeys + warp + kWarps * lane, visible);
+  auto row_key = [&](int chunk) { return chunk * kChunkKeys + warp + kWarps * lane; };
+  auto entry_for = [&](int chunk) -> int32_t {
+    return lane < kRowsPerWarp ? slot_entry<kPaged>(p, t, b, row_key(chunk), visible) : -1;
+  };
+  auto offset_for = [&](int chunk, int32_t entry) -> int64_t {
+    const int64_t slot = entry_slot<kPaged>(p, row_key(chunk), entry);
     if (slot < 0) return -1;
     const int s32 = static_cast<int>(slot);  // indices are int32
     const int64_t block = (s32 / p.block_size) * p.block_stride;
@@ -204,7 +220,36 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
     }
     return block + (s32 % p.block_size) * p.row_stride;
   };
-  int64_t next_offset = n_chunks > 0 ? offset_for(chunk_begin) : -1;
+  const int32_t first_entry = n_chunks > 0 ? entry_for(chunk_begin) : -1;
+  int32_t next_entry = n_chunks > 1 ? entry_for(chunk_begin + 1) : -1;  // both loads in flight
+  // Query fragments (the B operand of S^T = K Q^T), in the permuted dim order
+  // of score_dim; heads past the last are 0. fp8 caches: the latent dims are
+  // multiplied as f16 (e4m3 codes convert to f16 in one instruction), so each
+  // head's latent query is scaled by a power of two that puts its largest
+  // value in [2^14, 2^15): exact in f16 down to 2^-24 of that value.
+  // Entry e = (head group, k-step, lane) holds 4 values. Each thread loads
+  // all its entries before using any: one memory round trip per CTA, not one
+  // per entry (a split of few chunks is otherwise mostly this prologue). Loaded
+  // with the first chunks' row indices, so the two round trips overlap; the
+  // dim-split kernels load them after the gather's first chunks are issued
+  // (held across the gather's set-up they cost those kernels spills).
+  const uint16_t* q = p.q + b * p.q_stride_b + j * p.q_stride_s;
+  constexpr int kQEntries = kGroups * G::kQkSteps * 32;
+  constexpr int kQPerThread = (kQEntries + kThreadsPerCta - 1) / kThreadsPerCta;
+  auto head_of = [](int e) { return (e / (32 * G::kQkSteps)) * kHeadsPerGroup + (e % 32) / 4; };
+  auto is_latent = [](int e) { return (e / 32) % G::kQkSteps < kLatentSteps; };
+  uint2 q_raw[kQPerThread];
+  auto load_queries = [&] {
+#pragma unroll
+    for (int r = 0; r < kQPerThread; ++r) {
+      const int e = tid + r * kThreadsPerCta, h = head_of(e);
+      q_raw[r] = e < kQEntries && h < nh ? *reinterpret_cast<const uint2*>(q + (h0 + h) * p.q_stride_h +
+                                                                            score_dim<F>((e / 32) % G::kQkSteps, e % 4))
+                                         : make_uint2(0, 0);
+    }
+  };
+  if constexpr (kSplitDims == 1) load_queries();
+  int64_t next_offset = offset_for(chunk_begin, first_entry);
   // Where this lane's piece jp of the warp's k-th row (row warp + kWarps k)
   // lands in a stage: dst_first[jp][k % kSwizzles] + (k / kSwizzles) *
   // dst_step[jp], fixed here so a row's copies take immediate offsets. With 8
@@ -243,7 +288,10 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
     if (i < n_chunks) {
       const int64_t offsets = next_offset;
       const int in_blocks = next_in_block;
-      if (i + 1 < n_chunks) next_offset = offset_for(chunk_begin + i + 1);
+      if (i + 1 < n_chunks) {
+        next_offset = offset_for(chunk_begin + i + 1, next_entry);
+        if (i + 2 < n_chunks) next_entry = entry_for(chunk_begin + i + 2);
+      }
       const uint8_t* const lane_src = p.cache + 16 * lane;
       const uint32_t valid_rows = __ballot_sync(0xffffffffu, offsets >= 0);
       const int64_t row_offsets = offsets >= 0 ? offsets : 0;
@@ -279,38 +327,25 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
   };
   for (int i = 0; i < stages - 1; ++i) issue(i, smem + i * G::kStageBytes);
 
-  // Query fragments (the B operand of S^T = K Q^T), in the permuted dim order
-  // of score_dim; heads past the last are 0. fp8 caches: the latent dims are
-  // multiplied as f16 (e4m3 codes convert to f16 in one instruction), so each
-  // head's latent query is scaled by a power of two that puts its largest
-  // value in [2^14, 2^15): exact in f16 down to 2^-24 of that value.
-  // Entry e = (head group, k-step, lane) holds 4 values. Each thread loads
-  // all its entries before using any: one memory round trip per CTA, not one
-  // per entry (a split of few chunks is otherwise mostly this prologue). Here,
-  // after the gather's first chunks are issued, not before the wait above:
-  // held across the gather's set-up they cost the split-dims kernels spills.
-  const uint16_t* q = p.q + b * p.q_stride_b + j * p.q_stride_s;
-  constexpr int kQEntries = kGroups * G::kQkSteps * 32;
-  constexpr int kQPerThread = (kQEntries + kThreadsPerCta - 1) / kThreadsPerCta;
-  auto head_of = [](int e) { return (e / (32 * G::kQkSteps)) * kHeadsPerGroup + (e % 32) / 4; };
-  auto is_latent = [](int e) { return (e / 32) % G::kQkSteps < kLatentSteps; };
-  uint2 q_raw[kQPerThread];
-#pragma unroll
-  for (int r = 0; r < kQPerThread; ++r) {
-    const int e = tid + r * kThreadsPerCta, h = head_of(e);
-    q_raw[r] = e < kQEntries && h < nh ? *reinterpret_cast<const uint2*>(q + (h0 + h) * p.q_stride_h +
-                                                                          score_dim<F>((e / 32) % G::kQkSteps, e % 4))
-                                       : make_uint2(0, 0);
-  }
+  if constexpr (kSplitDims == 2) load_queries();
   auto q_values = [&](uint2 raw, float (&v)[4]) {
     v[0] = bits_to_float(static_cast<uint16_t>(raw.x), p.q_is_bf16);
     v[1] = bits_to_float(static_cast<uint16_t>(raw.x >> 16), p.q_is_bf16);
     v[2] = bits_to_float(static_cast<uint16_t>(raw.y), p.q_is_bf16);
     v[3] = bits_to_float(static_cast<uint16_t>(raw.y >> 16), p.q_is_bf16);
   };
+  // A thread's entries are all of one head per group (head_of: lane l holds head l / 4 of the entry's group, which
+  // is the same for a warp's 32 entries).
+  auto group_of = [](int e) { return e / (32 * G::kQkSteps); };
+  float q_up[kGroups] = {};         // fp8: head g's power of two in each group
+  float q_unscale[2] = {1.f, 1.f};  // fp8: 1 / that of heads 2c, 2c+1 of this warp's group
   if constexpr (kFp8) {
-    if (tid < kGroups * kHeadsPerGroup) q_scale[tid] = 0.f;  // the largest |q| first, as int bits
-    __syncthreads();
+    // Each head's largest |q| (int bits, NaN above inf): over the thread's entries, the 4 lanes of the head, then
+    // the warps through shared memory: no atomics, one barrier.
+    constexpr int kCtaHeads = kGroups * kHeadsPerGroup;
+    using Lt = Layout<F, kRope, kGroups, kSplitDims>;
+    static_assert(kWarps * kCtaHeads * 4 <= Lt::kQMaxBytes + Lt::kStatBytes, "the q maxima fit");
+    int q_bits[kGroups] = {};
 #pragma unroll
     for (int r = 0; r < kQPerThread; ++r) {
       const int e = tid + r * kThreadsPerCta;
@@ -318,14 +353,29 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
       float v[4];
       q_values(q_raw[r], v);
       const float m = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
-      atomicMax(reinterpret_cast<int*>(q_scale) + head_of(e), __float_as_int(m));
+#pragma unroll
+      for (int gi = 0; gi < kGroups; ++gi)
+        if (group_of(e) == gi) q_bits[gi] = max(q_bits[gi], __float_as_int(m));
+    }
+    int* q_max = reinterpret_cast<int*>(smem + L.q_max);  // [warp][CTA head]
+#pragma unroll
+    for (int gi = 0; gi < kGroups; ++gi) {
+      q_bits[gi] = max(q_bits[gi], __shfl_xor_sync(0xffffffffu, q_bits[gi], 1));
+      q_bits[gi] = max(q_bits[gi], __shfl_xor_sync(0xffffffffu, q_bits[gi], 2));
+      if (c == 0) q_max[warp * kCtaHeads + gi * kHeadsPerGroup + g] = q_bits[gi];
     }
     __syncthreads();
-    if (tid < kGroups * kHeadsPerGroup) {
-      const float m = q_scale[tid];
-      q_scale[tid] = m > 0.f && m <= FLT_MAX ? ldexpf(1.f, max(-126, min(126, 14 - ilogbf(m)))) : 1.f;
-    }
-    __syncthreads();
+    auto scale_of = [&](int head) {  // the power of two that puts a CTA head's largest |q| in [2^14, 2^15)
+      int bits = 0;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) bits = max(bits, q_max[w * kCtaHeads + head]);
+      const float m = __int_as_float(bits);
+      return m > 0.f && m <= FLT_MAX ? ldexpf(1.f, max(-126, min(126, 14 - ilogbf(m)))) : 1.f;
+    };
+#pragma unroll
+    for (int gi = 0; gi < kGroups; ++gi) q_up[gi] = scale_of(gi * kHeadsPerGroup + g);
+    q_unscale[0] = 1.f / scale_of(group * kHeadsPerGroup + 2 * c);
+    q_unscale[1] = 1.f / scale_of(group * kHeadsPerGroup + 2 * c + 1);
   }
 #pragma unroll
   for (int r = 0; r < kQPerThread; ++r) {
@@ -334,22 +384,20 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
     float v[4];
     q_values(q_raw[r], v);
     if (kFp8 && is_latent(e)) {
-      const float sc = q_scale[head_of(e)];
+      float sc = q_up[0];
+#pragma unroll
+      for (int gi = 1; gi < kGroups; ++gi)
+        if (group_of(e) == gi) sc = q_up[gi];
       qfrag[e] = make_uint2(pack2<__half>(v[0] * sc, v[1] * sc), pack2<__half>(v[2] * sc, v[3] * sc));
     } else {
       qfrag[e] = make_uint2(pack2<T>(v[0], v[1]), pack2<T>(v[2], v[3]));
     }
   }
   const uint2* my_q = qfrag + group * G::kQkSteps * 32 + lane;
-  __syncthreads();
-  float q_unscale[2] = {1.f, 1.f};  // heads 2c, 2c+1
-  if constexpr (kFp8) {
-    q_unscale[0] = 1.f / q_scale[group * kHeadsPerGroup + 2 * c];
-    q_unscale[1] = 1.f / q_scale[group * kHeadsPerGroup + 2 * c + 1];
-  }
+  __syncthreads();  // the query fragments written; the q maxima read
 
   // This warp's O^T (dims x heads): kMTiles tiles of 16 dims; thread (g, c)
-  // holds heads 2c, 2c+1. Which dims a tile's rows are depends on the format (out_dim).
+  // holds heads 2c, 2c+1. Which dims a tile's rows are depends on the format (see the merge).
   float o[kMTiles][4];
 #pragma unroll
   for (int i = 0; i < kMTiles; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
@@ -709,21 +757,43 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
       o[i][e + 2] *= fi;
     }
   }
-  // Slot s of this group: [8 heads][512 dims] fp32. o[i][e] sits at (dim, head):
-  auto out_dim = [&](int i, int second_row) {  // second_row: accumulator elements 2, 3
-    if constexpr (kFp8) return 128 * (half_d * kScaleTiles + i / 8) + 16 * g + 2 * (i % 8) + second_row;
-    return 16 * (half_d * kMTiles + i) + g + 8 * second_row;
-  };
+  // Slot s of this group: [8 heads][512 dims] fp32. o[i][e] is head 2c + e % 2's dim
+  //   fp8:    128 (half_d kScaleTiles + i / 8) + 16 g + 2 (i % 8) + e / 2,
+  //   16-bit: 16 (half_d kMTiles + i) + g + 8 (e / 2),
+  // at merge_index of those. Its XOR touches only dim bits that the compile-time i and e pick (fp8: 2 (i % 8) for
+  // i even; 16-bit: 16 (i % 2) + 8 (e / 2)), so its 4 outcomes are fixed per thread here and the accesses take
+  // immediate offsets (computed per access, the bf16 instances spilled).
   float* merge = reinterpret_cast<float*>(smem) + group * (kKeySlots / 2) * kHeadsPerGroup * kVDim;
+  constexpr int kSwizzleShift = kFp8 ? 2 : 3;
+  int swz[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) swz[k] = (k ^ c) << kSwizzleShift;
   auto visit = [&](float* slot, bool add) {
+    float* const heads = slot + 2 * c * kVDim;  // this lane's heads 2c, 2c+1
+    if constexpr (kFp8) {  // dims 4q..4q+3 of a lane's 16: o[i][e], o[i][e + 2], o[i + 1][e], o[i + 1][e + 2] (i even)
 #pragma unroll
-    for (int i = 0; i < kMTiles; ++i)
+      for (int i = 0; i < kMTiles; i += 2)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float* at = slot + (2 * c + e % 2) * kVDim + out_dim(i, e / 2);
-        if (add) o[i][e] += *at;
-        else *at = o[i][e];
-      }
+        for (int e = 0; e < 2; ++e) {
+          float4* at = reinterpret_cast<float4*>(heads + e * kVDim + 128 * (half_d * kScaleTiles + i / 8) + 16 * g +
+                                                 swz[(i % 8) / 2]);
+          if (add) {
+            const float4 v = *at;
+            o[i][e] += v.x, o[i][e + 2] += v.y, o[i + 1][e] += v.z, o[i + 1][e + 2] += v.w;
+          } else {
+            *at = make_float4(o[i][e], o[i][e + 2], o[i + 1][e], o[i + 1][e + 2]);
+          }
+        }
+    } else {
+#pragma unroll
+      for (int i = 0; i < kMTiles; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float* at = heads + (e % 2) * kVDim + 16 * half_d * kMTiles + 32 * (i / 2) + g + swz[2 * (i % 2) + e / 2];
+          if (add) o[i][e] += *at;
+          else *at = o[i][e];
+        }
+    }
   };
   for (int half = kKeySlots / 2; half >= 1; half /= 2) {
     if (slot_k >= half && slot_k < 2 * half) visit(merge + (slot_k - half) * kHeadsPerGroup * kVDim, false);
@@ -732,27 +802,31 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
     __syncthreads();
   }
   if (slot_k == 0) visit(merge, false);
+  const float ln2 = 0.6931471805599453f;
   if (slot_k == 0 && half_d == 0 && lane < 4)
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {  // the head's stats for the write-out, in key slot 0's
-      my_stats[2 * c + e] = row_max[e];
-      my_stats[kHeadsPerGroup + 2 * c + e] = row_sum[e];
-      my_stats[2 * kHeadsPerGroup + 2 * c + e] = row_top[e];
+    for (int e = 0; e < 2; ++e) {  // each head's lse, output scale and max for the write-out, in key slot 0's stats
+      const int hl = group * kHeadsPerGroup + 2 * c + e;
+      const float l = row_sum[e], lse2 = l > 0.f ? row_max[e] + log2f(l) : -INFINITY;
+      float scale = l > 0.f ? 1.f / l : 0.f;
+      if (p.num_splits == 1 && p.attn_sink && l > 0.f && hl < nh) scale /= 1.f + expf(p.attn_sink[h0 + hl] - lse2 * ln2);
+      // unsplit: the lse and max logit as stored (natural log); split: the partial row's, in log2 units
+      my_stats[2 * c + e] = p.num_splits > 1 ? lse2 : l > 0.f ? lse2 * ln2 : p.empty_lse;
+      my_stats[kHeadsPerGroup + 2 * c + e] = scale;
+      my_stats[2 * kHeadsPerGroup + 2 * c + e] = p.num_splits > 1 ? row_top[e] : row_top[e] * ln2;
     }
   __syncthreads();
 
   // Write-out, 4 dims per thread: the normalised output (or this split's partial row) and the lse.
-  const float ln2 = 0.6931471805599453f;
   for (int e = tid; e < nh * (kVDim / 4); e += kThreadsPerCta) {
     const int hl = e / (kVDim / 4), col = (e % (kVDim / 4)) * 4;
     const int gi = hl / kHeadsPerGroup, hg = hl % kHeadsPerGroup, h = h0 + hl;
     const float* st = stats + gi * kKeySlots * kStatRow;
-    const float l = st[kHeadsPerGroup + hg], lse2 = l > 0.f ? st[hg] + log2f(l) : -INFINITY;
-    float scale = l > 0.f ? 1.f / l : 0.f;
+    const float scale = st[kHeadsPerGroup + hg];
     const float4 v = *reinterpret_cast<const float4*>(reinterpret_cast<const float*>(smem) +
-                                                      (gi * (kKeySlots / 2) * kHeadsPerGroup + hg) * kVDim + col);
+                                                      gi * (kKeySlots / 2) * kHeadsPerGroup * kVDim +
+                                                      merge_index<kFp8>(hg, col));
     if (p.num_splits == 1) {
-      if (p.attn_sink && l > 0.f) scale /= 1.f + expf(p.attn_sink[h] - lse2 * ln2);
       uint16_t* out =
           static_cast<uint16_t*>(p.out) + b * p.out_stride_b + j * p.out_stride_s + h * p.out_stride_h + col;
       const uint32_t lo =
@@ -761,16 +835,15 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
           p.q_is_bf16 ? pack2<__nv_bfloat16>(v.z * scale, v.w * scale) : pack2<__half>(v.z * scale, v.w * scale);
       *reinterpret_cast<uint2*>(out) = make_uint2(lo, hi);
       if (col == 0) {
-        p.lse[b * p.lse_stride_b + j * p.lse_stride_s + h * p.lse_stride_h] = l > 0.f ? lse2 * ln2 : p.empty_lse;
-        if (p.max_logits)
-          p.max_logits[t * p.max_logits_stride_t + h * p.max_logits_stride_h] = st[2 * kHeadsPerGroup + hg] * ln2;
+        p.lse[b * p.lse_stride_b + j * p.lse_stride_s + h * p.lse_stride_h] = st[hg];
+        if (p.max_logits) p.max_logits[t * p.max_logits_stride_t + h * p.max_logits_stride_h] = st[2 * kHeadsPerGroup + hg];
       }
     } else {
       const int64_t row = (static_cast<int64_t>(split) * p.num_tokens + t) * p.num_heads + h;
       *reinterpret_cast<float4*>(p.partial_out + row * kVDim + col) =
           make_float4(v.x * scale, v.y * scale, v.z * scale, v.w * scale);
       if (col == 0) {
-        p.partial_lse[row] = lse2;
+        p.partial_lse[row] = st[hg];
         p.partial_max[row] = st[2 * kHeadsPerGroup + hg];
       }
     }
