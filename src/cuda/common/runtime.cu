@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "cuda/common/runtime.h"
+#include "cuda/common/device_guard.h"
 #include "cuda/emulation.h"
 
 namespace smla::cuda {
@@ -52,15 +53,11 @@ __global__ void sm90a_code_probe(int* never_written) {
 #endif
 }
 
-// Whether device `dev`'s loaded code holds sm_90a's features (the probe's attributes, asked with `dev` current).
-bool sm90a_code_loaded(int dev) {
-  int current = 0;
-  check_cuda(cudaGetDevice(&current), "cudaGetDevice");
-  if (current != dev) check_cuda(cudaSetDevice(dev), "cudaSetDevice");
+// Whether `device`'s loaded code holds sm_90a's features (the probe's attributes, asked with it current).
+bool sm90a_code_loaded(const Device& device) {
+  const DeviceGuard current(device);
   cudaFuncAttributes attr{};
-  const cudaError_t e = cudaFuncGetAttributes(&attr, reinterpret_cast<const void*>(sm90a_code_probe));
-  if (current != dev) check_cuda(cudaSetDevice(current), "cudaSetDevice");
-  check_cuda(e, "cudaFuncGetAttributes");
+  check_cuda(cudaFuncGetAttributes(&attr, reinterpret_cast<const void*>(sm90a_code_probe)), "cudaFuncGetAttributes");
   return attr.sharedSizeBytes > 0;
 }
 
@@ -99,7 +96,7 @@ DeviceInfo query_device(int dev) {
     d.max_ctas_per_sm = e->max_ctas_per_sm;
     d.max_cluster_ranks = e->max_cluster_ranks;
   }
-  d.sm90a_code = d.compute_capability == 90 && sm90a_code_loaded(dev);
+  d.sm90a_code = d.compute_capability == 90 && sm90a_code_loaded(Device::cuda(d.compute_capability, dev));
   return d;
 }
 
@@ -296,12 +293,6 @@ DefaultWorkspace::~DefaultWorkspace() {
       return;
     }
 }
-
-}  // namespace smla::cuda
-
-#include "cuda/common/device_guard.h"
-
-namespace smla::cuda {
 
 DeviceGuard::DeviceGuard(const Device& device) : outer_(guarded_device) {
   check_cuda(cudaGetDevice(&previous_), "cudaGetDevice");
