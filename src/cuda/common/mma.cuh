@@ -211,10 +211,36 @@ __device__ __forceinline__ void cp_async_4(void* smem, const void* gmem, bool va
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
-// Marks this thread's arrival at barrier `id` of `threads` threads without waiting (the producer's side: the
-// threads that wait there with named_barrier_sync see its shared-memory writes from before).
-__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+// One-way signals between the warps of a CTA through an mbarrier in shared memory (sm_90+): each of `count`
+// producer threads arrives after its shared-memory writes (a release), the consumers wait for the phase (an
+// acquire). compute-sanitizer's racecheck orders the two, which it does not for a named barrier's bar.arrive.
+// Waits name the phase by its parity, so a producer may be at most one phase ahead of a consumer's wait. sm_90+
+// only (try_wait): the wgmma kernel's.
+__device__ __forceinline__ void mbarrier_init(uint64_t* bar, int count) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.init.shared.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+#else
+  __trap();
+#endif
+}
+__device__ __forceinline__ void mbarrier_arrive(uint64_t* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.arrive.shared.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+#else
+  __trap();
+#endif
+}
+__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, int parity) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile(
+      "{\n.reg .pred done;\nsmla_wait:\n"
+      "mbarrier.try_wait.parity.shared.b64 done, [%0], %1;\n"
+      "@!done bra smla_wait;\n}\n" ::"r"(smem_addr(bar)),
+      "r"(parity)
+      : "memory");
+#else
+  __trap();
+#endif
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>

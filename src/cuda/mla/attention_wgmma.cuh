@@ -37,21 +37,24 @@ constexpr int kGatherParts = 128 / kChunkKeys;  // warpgroup 1's threads per gat
 constexpr int kColumns = kVDim / kWarpgroups;   // O's columns per warpgroup
 constexpr int kPWords = kChunkKeys / 16 * 4;    // a thread's P fragments: 4 k-steps x 4 registers
 
-// Named barriers between the warpgroups (0 is __syncthreads'), each of all kWgmmaThreads threads. Where one side
-// only arrives (bar.arrive: a release of its writes before) and the other waits: warpgroup 1 tells that a chunk's
-// keys are in their buffer (kKeysReady, 16-bit caches), warpgroup 0 that a chunk's P and rescaling factors are in
-// shared memory (kPReady) and that its P V of a chunk is done with key buffer b (kKeysFree + b, 16-bit caches).
-// Where both wait, so that reads on one side come before writes on the other (with an arrive there, racecheck
-// reported the write-after-read of P): kPFree, each chunk from the second on before warpgroup 0 writes its P
-// (warpgroup 1 is done with the chunk before's, which costs it nothing: it waits for that P next), and all threads
-// around the fp8 dequantisation (kTileTurn).
-enum WgmmaBarrier : int { kKeysReady = 1, kPReady, kPFree, kKeysFree, kTileTurn = kKeysFree + kKeyBuffers };
+// Where one warpgroup tells the other and goes on, an mbarrier signal (mbarrier_arrive / mbarrier_wait, 128
+// arrivals a phase): warpgroup 1 that a chunk's keys are in their buffer (keys_ready, 16-bit caches), warpgroup 0
+// that a chunk's P and rescaling factors are in shared memory (p_ready) and that its P V of a chunk is done with
+// key buffer b (keys_free[b], 16-bit caches). Where both wait, so that reads on one side come before writes on the
+// other, named barriers of all kWgmmaThreads threads (0 is __syncthreads'): kPFree, each chunk from the second on
+// before warpgroup 0 writes its P (warpgroup 1 is done with the chunk before's, which costs it nothing: it waits
+// for that P next), and all threads around the fp8 dequantisation (kTileTurn). kPFree also keeps each signal's
+// producer at most one phase ahead of its consumer's wait.
+enum WgmmaBarrier : int { kPFree = 1, kTileTurn };
+struct WgmmaSignals {
+  uint64_t keys_ready, p_ready, keys_free[kKeyBuffers];
+};
 
 // Shared memory, in bytes from the start (all offsets 16-byte aligned, the tiles 128-byte): the queries' tile, the
 // key tiles (fp8: one, then the staging buffer), the handed-over P fragments (at the end the rows' maxima and
 // sums), the rows' rescaling factors and the chunks' valid flags.
 struct WgmmaLayout {
-  int q = 0, k = 0, staging = 0, p = 0, stats = 0, valid = 0, valid_sets = 0, total = 0;
+  int q = 0, k = 0, staging = 0, p = 0, stats = 0, valid = 0, valid_sets = 0, signals = 0, total = 0;
   __host__ __device__ constexpr WgmmaLayout(CacheFormat f, int rope) {
     const int tile = kWgmmaHeads * (kLatent + rope) * 2;
     k = q + tile;
@@ -59,11 +62,11 @@ struct WgmmaLayout {
     p = staging + (is_fp8(f) ? kChunkKeys * staged_row_bytes(f, rope) : 0);
     stats = p + kPWords * 128 * 4;
     valid = stats + kWgmmaHeads * 4;
-    // Three: warpgroup 1 writes chunk c + 2's flags after warpgroup 0's kKeysFree arrive for chunk c, which
-    // racecheck does not take as ordering warpgroup 0's reads of chunk c's before it; a set's reuse three chunks
-    // on is ordered by kPFree, where both wait.
+    // Three sets: warpgroup 1 writes chunk c + 2's flags once warpgroup 0 is done with key buffer c % 2
+    // (keys_free), and a set is rewritten three chunks on, after a kPFree where both warpgroups wait.
     valid_sets = kKeyBuffers + 1;
-    total = valid + valid_sets * kChunkKeys * 4;
+    signals = valid + valid_sets * kChunkKeys * 4;
+    total = signals + static_cast<int>(sizeof(WgmmaSignals));
   }
 };
 
@@ -87,6 +90,7 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) wgmma_attention_kernel(const
   float* const xstat = reinterpret_cast<float*>(smem + L.stats);  // [row]: the rescaling factors
   float* const xml = reinterpret_cast<float*>(smem + L.p);        // [max, sum][row], once P is done with
   int* const valid = reinterpret_cast<int*>(smem + L.valid);
+  WgmmaSignals& sig = *reinterpret_cast<WgmmaSignals*>(smem + L.signals);
 
   // wg through a shuffle: ptxas then knows it uniform in each warp, and keeps the wgmma batches of the branches on
   // it asynchronous (a plain tid / 128 made it serialise every wgmma, C7520).
@@ -105,7 +109,12 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) wgmma_attention_kernel(const
   wait_for_prerequisites();
   const ChunkRange range = chunk_range<kPaged>(p, t, b, j, split, kChunkKeys);
   const int visible = range.visible, chunk_begin = range.begin, n_chunks = range.count;
-  __syncthreads();  // the queries staged
+  if (tid == 0) {
+    mbarrier_init(&sig.keys_ready, 128);
+    mbarrier_init(&sig.p_ready, 128);
+    for (uint64_t& f : sig.keys_free) mbarrier_init(&f, 128);
+  }
+  __syncthreads();  // the queries staged, the signals initialised
 
   // Warpgroup 1's row of every chunk, its pieces my_part + kGatherParts k.
   const GatherLane gl = gather_lane<kGatherParts>(wtid);
@@ -166,7 +175,7 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) wgmma_attention_kernel(const
     const uint64_t q_desc = wgmma_descriptor(sq, 128, kBlockRowsBytes);
     for (int i = 0; i < n_chunks; ++i) {
       if constexpr (kFp8) tile_turn(i);
-      else named_barrier_sync(kKeysReady, kWgmmaThreads);
+      else mbarrier_wait(&sig.keys_ready, i & 1);
       const uint8_t* const kt = key_tile(i);
 
       // Scores of the chunk's 64 keys over all dims: s[4jj + e] row rows[e / 2], key 8jj + 2c + e % 2.
@@ -221,7 +230,7 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) wgmma_attention_kernel(const
       if (c == 0)
 #pragma unroll
         for (int r = 0; r < 2; ++r) xstat[rows[r]] = alpha[r];
-      named_barrier_arrive(kPReady, kWgmmaThreads);
+      mbarrier_arrive(&sig.p_ready);
 
 #pragma unroll
       for (int n = 0; n < kColumns / 64; ++n)
@@ -229,7 +238,7 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) wgmma_attention_kernel(const
         for (int e = 0; e < 32; ++e) o[n][e] *= alpha[(e / 2) % 2];
       multiply_pv(o, pa, kt);
       wgmma_wait();
-      if (!kFp8 && i + 2 < n_chunks) named_barrier_arrive(kKeysFree + i % kKeyBuffers, kWgmmaThreads);
+      if (!kFp8 && i + 2 < n_chunks) mbarrier_arrive(&sig.keys_free[i % kKeyBuffers]);
     }
     if (n_chunks > 0) named_barrier_sync(kPFree, kWgmmaThreads);  // the last P read
     // Each row's maximum and sum (over the thread's quad) for both warpgroups.
@@ -251,13 +260,13 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) wgmma_attention_kernel(const
       if (n_chunks > 0) {
         cp_async_wait<1>();
         fence_shared_for_async_proxy();
-        named_barrier_arrive(kKeysReady, kWgmmaThreads);  // chunk 0 in its buffer
+        mbarrier_arrive(&sig.keys_ready);  // chunk 0 in its buffer
       }
     }
     for (int i = 0; i < n_chunks; ++i) {
       if constexpr (kFp8) tile_turn(i);
       if (i > 0) named_barrier_sync(kPFree, kWgmmaThreads);  // done with chunk i-1's P, factors and flags
-      named_barrier_sync(kPReady, kWgmmaThreads);
+      mbarrier_wait(&sig.p_ready, i & 1);
       uint32_t pa[kChunkKeys / 16][4];
 #pragma unroll
       for (int kk = 0; kk < kChunkKeys / 16; ++kk)
@@ -273,11 +282,11 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) wgmma_attention_kernel(const
       if (!kFp8 && i + 1 < n_chunks) {
         cp_async_wait<0>();
         fence_shared_for_async_proxy();
-        named_barrier_arrive(kKeysReady, kWgmmaThreads);  // chunk i + 1 in its buffer
+        mbarrier_arrive(&sig.keys_ready);  // chunk i + 1 in its buffer
       }
       wgmma_wait();
       if (!kFp8 && i + 2 < n_chunks) {
-        named_barrier_sync(kKeysFree + i % kKeyBuffers, kWgmmaThreads);  // both P V of chunk i done
+        mbarrier_wait(&sig.keys_free[i % kKeyBuffers], (i / kKeyBuffers) & 1);  // both P V of chunk i done
         issue(i + 2);                                                    // into chunk i's buffer
       }
     }
