@@ -164,7 +164,7 @@ TEST(KernelChoice, WgmmaForcedOnHopperWithSm90aCode) {
       EXPECT_EQ(d.chosen.kernel, AttentionKernel::wgmma);
       EXPECT_EQ(d.chosen.heads_per_cta, 64);
       EXPECT_EQ(d.chosen.threads, 256);
-      EXPECT_EQ(d.chosen.smem, rope ? 230400 : 205824);
+      EXPECT_EQ(d.chosen.smem, rope ? 230432 : 205856);
       EXPECT_EQ(d.chosen.ctas_per_sm, 1);
       EXPECT_EQ(variant_text(d.chosen), std::string("wgmma kernel (64 heads/CTA, 8 warps, depth 2, ") +
                                             (rope ? "230,400" : "205,824") + " B shared memory, 1 CTA/SM)");
@@ -186,8 +186,8 @@ TEST(KernelChoice, WgmmaForcedOnHopperWithSm90aCode) {
       EXPECT_EQ(rejection_text(no_code.rejected[0], no_code.chosen, 90),
                 "needs sm_90a code (wgmma); this library's code for sm_90 has none (built without 90a, or PTX only)");
     }
-  for (const auto& [f, rope, smem] : {std::tuple{CacheFormat::fp8_ds_mla, 64, 198656},
-                                      {CacheFormat::fp8_ds_mla, 0, 174080}, {CacheFormat::fp8_ds_mla_v4, 0, 178176}}) {
+  for (const auto& [f, rope, smem] : {std::tuple{CacheFormat::fp8_ds_mla, 64, 198688},
+                                      {CacheFormat::fp8_ds_mla, 0, 174112}, {CacheFormat::fp8_ds_mla_v4, 0, 178208}}) {
     const KernelDecision fp8 = choose_attention_kernel(limits_of("sm_90"), {f, rope, false, 2, 64, {AttentionKernel::wgmma}});
     ASSERT_TRUE(fp8.ok());
     EXPECT_EQ(fp8.chosen.kernel, AttentionKernel::wgmma);
@@ -207,7 +207,7 @@ TEST(KernelChoice, WgmmaAutomaticOnHopper) {
         const KernelShape s{f, 64, paged, tokens, heads, {}};
         const KernelDecision d = choose_attention_kernel(hopper, s);
         EXPECT_EQ(d.chosen.kernel, AttentionKernel::wgmma);
-        EXPECT_EQ(d.chosen.smem, 230400);
+        EXPECT_EQ(d.chosen.smem, 230432);
         EXPECT_EQ(d.chosen.ctas_per_sm, 1);
         const KernelDecision old = choose_attention_kernel(no_code, s);
         EXPECT_EQ(old.chosen.kernel, AttentionKernel::wide_tile);

@@ -1097,7 +1097,8 @@ TEST(CudaSparseMlaWideTile, AutomaticChoiceAndSecondCache) {
 }
 
 // The wgmma kernel (sm_90a: 64 heads per CTA, two warpgroups, 64-key chunks) forced: head counts that fill one tile,
-// two, pad one (100: a tile of 36) or half of one (32); top-k of one chunk, of a chunk and a part, of 32 chunks;
+// two, pad one (100: a tile of 36) or half of one (32); top-k of one chunk, of a chunk and a part, of three and a
+// part (200: both key buffers reused and the third set of valid flags), of 32 chunks;
 // 1, 3 and 62 tokens; bf16, f16, fp8_ds_mla (dequantised into the key tile) and fp8_ds_mla_v4 caches, bf16 and f16
 // queries; both rope widths; block sizes; invalid indices and NaN-poisoned unused slots (run_sparse's; with fp8 the
 // envelope's rope bytes without rope), outputs pre-filled with NaN, topk_length, sinks, strided queries, max_logits,
@@ -1108,7 +1109,7 @@ TEST(CudaSparseMlaWgmma, HeadsFormatsTopk) {
   int n = 0;
   for (DType kv : {DType::bf16, DType::f16, DType::fp8_ds_mla, DType::fp8_ds_mla_v4})
     for (int heads : {32, 64, 100, 128})
-      for (int topk : {64, 100, 2048}) {
+      for (int topk : {64, 100, 200, 2048}) {
         Problem p;
         p.kv_dtype = kv;
         p.rope = kv == DType::fp8_ds_mla_v4 || n % 3 == 2 ? 0 : kMlaRopeDim;

@@ -108,22 +108,25 @@ __device__ __forceinline__ void wgmma(float (&d)[N / 2], const uint32_t (&a)[4],
 #undef SMLA_WGMMA_RS_N32
 #undef SMLA_WGMMA_RS_N64
 
-// D (64 x 32, fp32) = A (64 x 16) * B (16 x 32) (+ D) on 16-bit values, both operands in shared memory through
+// D (64 x 64, fp32) = A (64 x 16) * B (16 x 64) (+ D) on 16-bit values, both operands in shared memory through
 // K-major descriptors `a` and `b` (wgmma_descriptor); d as above.
 template <WgmmaIn kIn>
-__device__ __forceinline__ void wgmma_ss_n32(float (&d)[16], uint64_t a, uint64_t b, bool accumulate) {
+__device__ __forceinline__ void wgmma_ss_n64(float (&d)[32], uint64_t a, uint64_t b, bool accumulate) {
   static_assert(kIn != WgmmaIn::e4m3, "16-bit values");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define SMLA_WGMMA_SS_N32(op)                                                                                    \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n" op                                                \
-               " {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, %16, %17, p, 1, 1, 0, 0;\n}\n"        \
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
-                 "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),        \
-                 "+f"(d[15])                                                                                     \
+#define SMLA_WGMMA_SS_N64(op)                                                                                      \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n" op                                                  \
+               " {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26," \
+               "%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, 0, 0;\n}\n"                                               \
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),   \
+                 "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),          \
+                 "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]),        \
+                 "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]),        \
+                 "+f"(d[29]), "+f"(d[30]), "+f"(d[31])                                                             \
                : "l"(a), "l"(b), "r"(static_cast<int>(accumulate)))
-  if constexpr (kIn == WgmmaIn::bf16) SMLA_WGMMA_SS_N32("wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16");
-  else SMLA_WGMMA_SS_N32("wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16");
-#undef SMLA_WGMMA_SS_N32
+  if constexpr (kIn == WgmmaIn::bf16) SMLA_WGMMA_SS_N64("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16");
+  else SMLA_WGMMA_SS_N64("wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16");
+#undef SMLA_WGMMA_SS_N64
 #else
   __trap();
 #endif
@@ -142,12 +145,22 @@ __device__ __forceinline__ void wgmma_fence() {
   asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #endif
 }
-// Ends the batch and waits for it: its accumulators are ready, its A registers free.
-__device__ __forceinline__ void wgmma_commit_and_wait() {
+// Ends the batch (wgmma_wait waits for it).
+__device__ __forceinline__ void wgmma_commit() {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#endif
+}
+// Waits for every batch committed: their accumulators are ready, their A registers free.
+__device__ __forceinline__ void wgmma_wait() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 #endif
+}
+// Ends the batch and waits for it.
+__device__ __forceinline__ void wgmma_commit_and_wait() {
+  wgmma_commit();
+  wgmma_wait();
 }
 // Ordinary stores to shared memory made visible to wgmma's reads (the async proxy).
 __device__ __forceinline__ void fence_shared_for_async_proxy() {
@@ -197,6 +210,37 @@ __device__ __forceinline__ void cp_async_4(void* smem, const void* gmem, bool va
 // Barrier `id` (1-15; 0 is __syncthreads') among `threads` threads (a multiple of 32), each of which reaches it.
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+// One-way signals between the warps of a CTA through an mbarrier in shared memory (sm_90+): each of `count`
+// producer threads arrives after its shared-memory writes (a release), the consumers wait for the phase (an
+// acquire). compute-sanitizer's racecheck orders the two, which it does not for a named barrier's bar.arrive.
+// Waits name the phase by its parity, so a producer may be at most one phase ahead of a consumer's wait. sm_90+
+// only (try_wait): the wgmma kernel's.
+__device__ __forceinline__ void mbarrier_init(uint64_t* bar, int count) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.init.shared.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+#else
+  __trap();
+#endif
+}
+__device__ __forceinline__ void mbarrier_arrive(uint64_t* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.arrive.shared.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+#else
+  __trap();
+#endif
+}
+__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, int parity) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile(
+      "{\n.reg .pred done;\nsmla_wait:\n"
+      "mbarrier.try_wait.parity.shared.b64 done, [%0], %1;\n"
+      "@!done bra smla_wait;\n}\n" ::"r"(smem_addr(bar)),
+      "r"(parity)
+      : "memory");
+#else
+  __trap();
+#endif
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>

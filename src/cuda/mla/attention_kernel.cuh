@@ -165,18 +165,18 @@ __host__ __device__ constexpr int tile_piece_offset(int row, int piece, int row_
 // The row of a chunk and the part of it (kParts threads share a row) that thread `tid` gathers. A warp's 16-byte
 // cp.async writes shared memory in four wavefronts of 8 lanes, each conflict-free only when its 8 pieces land in 8
 // different 16-byte bank groups. Key rows here are 16 bytes apart in banks (rows of 16 mod 128 bytes: padded
-// 16-bit rows, fp8 rows of 656 bytes) or in wgmma's core matrices (8 rows x 16 bytes a block), so with 4 parts the
-// 8 lanes take one piece of 8 consecutive rows (two rows' 4 pieces each collided: ncu saw 6.5x the wavefronts in
-// the wgmma kernel), and with 8 parts the 8 consecutive pieces of one row. Either way a warp instruction still
-// reads whole 64- or 128-byte runs of its rows.
+// 16-bit rows, fp8 rows of 656 bytes) or in wgmma's core matrices (8 rows x 16 bytes a block), so with 2 or 4 parts
+// the 8 lanes take one piece of 8 consecutive rows (two rows' 4 pieces each collided: ncu saw 6.5x the wavefronts
+// in the wgmma kernel), and with 8 parts the 8 consecutive pieces of one row. Either way a warp instruction still
+// reads whole 32- to 128-byte runs of its rows.
 struct GatherLane {
   int row, part;
 };
 template <int kParts>
 __device__ __forceinline__ GatherLane gather_lane(int tid) {
-  static_assert(kParts == 4 || kParts == 8, "gather_lane: 4 or 8 threads a row");
+  static_assert(kParts == 2 || kParts == 4 || kParts == 8, "gather_lane: 2, 4 or 8 threads a row");
   if constexpr (kParts == 8) return {tid / 8, tid % 8};
-  else return {tid / 32 * 8 + tid % 8, tid % 32 / 8};
+  else return {tid / (8 * kParts) * 8 + tid % 8, tid % (8 * kParts) / 8};
 }
 
 // Gathers row `row` of chunk `chunk` (kChunkKeys keys) into `dst` (rows `dst_row_bytes` long, laid out as
@@ -293,13 +293,17 @@ __device__ __forceinline__ CtaWork cta_work(const AttentionParams& p, int heads_
 
 // The CTA's queries (kRows rows of kPieces 16-byte pieces, rows past w.nh zero) in the compute type T, into
 // `dst + offset(row, piece)`; the CTA's kCtaThreads threads together. Before wait_for_prerequisites: no kernel the
-// attention follows writes them.
-template <typename T, int kRows, int kPieces, int kCtaThreads, class Offset>
+// attention follows writes them. kRowInner (for core-matrix tiles, where a piece's 8 rows share a 128-byte block):
+// eight consecutive threads take one piece of 8 consecutive rows, 8 different bank groups (row after row, they
+// all hit one: ncu saw 8x the ideal wavefronts).
+template <typename T, int kRows, int kPieces, int kCtaThreads, bool kRowInner = false, class Offset>
 __device__ __forceinline__ void stage_queries(const AttentionParams& p, const CtaWork& w, uint8_t* dst, int tid,
                                               Offset offset) {
+  static_assert(!kRowInner || kRows % 8 == 0, "row-inner order takes blocks of 8 rows");
   const uint16_t* q = p.q + w.b * p.q_stride_b + w.j * p.q_stride_s + w.h0 * p.q_stride_h;
   for (int i = tid; i < kRows * kPieces; i += kCtaThreads) {
-    const int row = i / kPieces, piece = i % kPieces;
+    const int row = kRowInner ? i / (8 * kPieces) * 8 + i % 8 : i / kPieces;
+    const int piece = kRowInner ? i / 8 % kPieces : i % kPieces;
     const uint4 raw = row < w.nh ? *reinterpret_cast<const uint4*>(q + row * p.q_stride_h + piece * 8)
                                  : make_uint4(0, 0, 0, 0);
     *reinterpret_cast<uint4*>(dst + offset(row, piece)) = query_piece<T>(raw, p.q_is_bf16);
