@@ -201,12 +201,10 @@ def _dsa_decode_step(q, kv_cache, index_q, index_weights, index_cache, request_i
 def _flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, indices, topk_length, attn_sink, softmax_scale,
                             causal, kv_cache_dtype="auto", backend="", extra_k_cache=None,
                             extra_indices_in_kvcache=None, extra_topk_length=None):
+    _, k_shape, extra = _flash_mla._check_shapes(q, k_cache, indices, topk_length, extra_k_cache,
+                                                 extra_indices_in_kvcache, extra_topk_length)
     out, lse = _kvcache_out(q)
-    k_cache = _flash_mla._cache_3d(k_cache, tuple(k_cache.shape))  # FlashMLA's 4-D cache too
-    b, s_q = int(q.shape[0]), int(q.shape[1])
-    if indices is not None:
-        _flash_mla._sparse_shapes(b, s_q, indices, topk_length)
-    extra = _flash_mla._extra_cache(b, s_q, indices, extra_k_cache, extra_indices_in_kvcache, extra_topk_length)
+    k_cache = _flash_mla._cache_3d(k_cache, k_shape)  # FlashMLA's 4-D cache too
     _flash_mla._with_kvcache_into(q, k_cache, block_table, cache_seqlens, indices, topk_length, attn_sink,
                                   softmax_scale, causal, kv_cache_dtype, out, lse, backend, extra)
     return out, lse
