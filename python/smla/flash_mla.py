@@ -153,7 +153,8 @@ def flash_mla_with_kvcache(
     if torch_ops is not None and _arrays.is_torch(k_cache):
         # Host time per call matters here (a decode step calls this once per layer, issue 17): the op checks the
         # shapes (python/src/torch_ops.cpp, or the Python kernel, with _check_shapes' messages), so the wrapper
-        # reads none before it, and the schedule object's configuration is read from shapes the op has accepted.
+        # reads none before it; the FlashMLASchedMeta is set up or compared after the call, from shapes the op has
+        # accepted (a call that fails leaves it as it was).
         kv_cache_dtype = _kv_cache_dtype(k_cache, is_fp8_kvcache)
         if softmax_scale is None:
             softmax_scale = q.shape[-1] ** -0.5
@@ -174,17 +175,17 @@ def flash_mla_with_kvcache(
         return out, lse
     q_shape, k_shape, extra = _check_shapes(q, k_cache, indices, topk_length, extra_k_cache,
                                             extra_indices_in_kvcache, extra_topk_length)
-    if sched is not None:
-        _check_sched_meta(sched, _sched_config(q_shape, k_shape, causal, is_fp8_kvcache, indices, extra_k_cache,
-                                               extra_indices_in_kvcache))
+    kv_cache_dtype = _kv_cache_dtype(k_cache, is_fp8_kvcache)
     if softmax_scale is None:
         softmax_scale = q_shape[3] ** -0.5
-    kv_cache_dtype = _kv_cache_dtype(k_cache, is_fp8_kvcache)
     b, s_q, h_q, _ = q_shape
     out = _arrays.empty(q, (b, s_q, h_q, _HEAD_DIM_V))
     lse = _arrays.empty(q, (b, h_q, s_q), "float32")
     _with_kvcache_into(q, _cache_3d(k_cache, k_shape), block_table, cache_seqlens, indices, topk_length, attn_sink,
                        softmax_scale, causal, kv_cache_dtype, out, lse, backend, extra)
+    if sched is not None:  # as on torch tensors: set up or compared once the call has gone through
+        _check_sched_meta(sched, _sched_config(q_shape, k_shape, causal, is_fp8_kvcache, indices, extra_k_cache,
+                                               extra_indices_in_kvcache))
     return out, lse
 
 
