@@ -155,16 +155,20 @@ def flash_mla_with_kvcache(
         # shapes (python/src/torch_ops.cpp, or the Python kernel, with _check_shapes' messages), so the wrapper
         # reads none before it; the FlashMLASchedMeta is set up or compared after the call, from shapes the op has
         # accepted (a call that fails leaves it as it was).
-        kv_cache_dtype = _kv_cache_dtype(k_cache, is_fp8_kvcache)
+        if _arrays.is_8bit(k_cache) != bool(is_fp8_kvcache):
+            _kv_cache_dtype(k_cache, is_fp8_kvcache)  # raises, naming the mismatch
         if softmax_scale is None:
             softmax_scale = q.shape[-1] ** -0.5
         try:
-            out, lse = torch_ops.flash_mla_with_kvcache(
+            # "auto": the op reads 8-bit data as the fp8 format its row width names, as _kv_cache_dtype would.
+            out, lse = torch_ops.overloads.flash_mla_with_kvcache(
                 q, k_cache, block_table, cache_seqlens, indices, topk_length, attn_sink,
-                _ops._op_softmax_scale(softmax_scale), bool(causal), kv_cache_dtype, backend or "", extra_k_cache,
+                _ops._op_softmax_scale(softmax_scale), bool(causal), "auto", backend or "", extra_k_cache,
                 extra_indices_in_kvcache, extra_topk_length)
         except _smla.Error:
             raise
+        except (ValueError, NotImplementedError) as e:
+            raise _ops._smla_error(e) from None
         except RuntimeError:  # torch's own for an argument that is no tensor: named as the other arrays' path does
             _check_shapes(q, k_cache, indices, topk_length, extra_k_cache, extra_indices_in_kvcache,
                           extra_topk_length)
@@ -269,10 +273,10 @@ def _check_shapes(q: Tensor, k_cache: Tensor, indices: Optional[Tensor], topk_le
 
 def _sched_config(q_shape: tuple, k_shape: tuple, causal: bool, is_fp8_kvcache: bool, indices: Optional[Tensor],
                   extra_k_cache: Optional[Tensor], extra_indices: Optional[Tensor]) -> tuple:
-    """FlashMLASchedMeta.Config's fields for a call whose shapes were checked (_check_shapes), in order."""
-    b, s_q, h_q = q_shape[:3]
+    """FlashMLASchedMeta.Config's fields for a call whose shapes were checked (_check_shapes), in order (indexed,
+    not sliced: a torch.Size slice is a new torch.Size, per call)."""
     extra = extra_k_cache is not None
-    return (b, s_q, h_q, k_shape[1], k_shape[2] if len(k_shape) == 4 else 1, bool(causal), bool(is_fp8_kvcache),
+    return (q_shape[0], q_shape[1], q_shape[2], k_shape[1], k_shape[2] if len(k_shape) == 4 else 1, bool(causal), bool(is_fp8_kvcache),
             None if indices is None else indices.shape[2], extra_k_cache.shape[1] if extra else None,
             extra_indices.shape[2] if extra else None)
 
