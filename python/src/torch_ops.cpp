@@ -199,7 +199,8 @@ int64_t int_in(int64_t value, const char* name, int64_t low, int64_t high) {
 
 // An uninitialised tensor from the device's allocator (torch's caching allocator on a GPU), as at::empty makes it
 // but without dispatching an operator of its own (host time per call): the kernels are registered for the CPU and
-// CUDA keys only, so `options` names one of the two.
+// CUDA keys only, so `options` names one of the two. (at::empty's NaN fill under torch's deterministic mode is not
+// needed: the kernels write every element of their outputs, and no op relies on what scratch holds.)
 Tensor new_empty(at::IntArrayRef sizes, const at::TensorOptions& options) {
 #ifdef SMLA_TORCH_CUDA
   if (options.device().is_cuda()) return at::detail::empty_cuda(sizes, options);
