@@ -150,12 +150,13 @@ def flash_mla_with_kvcache(
         if block_table is None or cache_seqlens is None:
             raise _smla.InvalidArgumentError("block_table and cache_seqlens must be given for dense attention")
     torch_ops = _ops._torch_ops(q)
-    if torch_ops is not None and _arrays.is_torch(k_cache):
+    if torch_ops is not None:
         # Host time per call matters here (a decode step calls this once per layer, issue 17): the op checks the
         # shapes (python/src/torch_ops.cpp, or the Python kernel, with _check_shapes' messages), so the wrapper
         # reads none before it; the FlashMLASchedMeta is set up or compared after the call, from shapes the op has
         # accepted (a call that fails leaves it as it was).
         if _arrays.is_8bit(k_cache) != bool(is_fp8_kvcache):
+            _arrays.shape(k_cache, "k_cache")  # no tensor at all is named first, as _check_shapes names it
             _kv_cache_dtype(k_cache, is_fp8_kvcache)  # raises, naming the mismatch
         if softmax_scale is None:
             softmax_scale = q.shape[-1] ** -0.5
@@ -276,9 +277,9 @@ def _sched_config(q_shape: tuple, k_shape: tuple, causal: bool, is_fp8_kvcache: 
     """FlashMLASchedMeta.Config's fields for a call whose shapes were checked (_check_shapes), in order (indexed,
     not sliced: a torch.Size slice is a new torch.Size, per call)."""
     extra = extra_k_cache is not None
-    return (q_shape[0], q_shape[1], q_shape[2], k_shape[1], k_shape[2] if len(k_shape) == 4 else 1, bool(causal), bool(is_fp8_kvcache),
-            None if indices is None else indices.shape[2], extra_k_cache.shape[1] if extra else None,
-            extra_indices.shape[2] if extra else None)
+    return (q_shape[0], q_shape[1], q_shape[2], k_shape[1], k_shape[2] if len(k_shape) == 4 else 1, bool(causal),
+            bool(is_fp8_kvcache), None if indices is None else indices.shape[2],
+            extra_k_cache.shape[1] if extra else None, extra_indices.shape[2] if extra else None)
 
 
 def _sparse_shapes(b: int, s_q: int, indices: Tensor, topk_length: Optional[Tensor], indices_name: str = "indices",

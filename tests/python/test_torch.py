@@ -677,6 +677,7 @@ def test_flash_mla_errors_on_torch_tensors_are_numpys(rng):
         dict(topk_length=np.zeros(3, np.int32)),
         dict(topk_length=np.zeros((2, 1), np.int32)),
         dict(k_cache=None), dict(k_cache=k_cache.tolist()), dict(indices=indices.tolist()),
+        dict(k_cache=None, is_fp8_kvcache=True),
         dict(topk_length=[1, 2]),
         dict(is_fp8_kvcache=True),                                     # bf16 data
         dict(k_cache=np.zeros((8, 16, 1, 656), np.uint8)),             # 8-bit data without is_fp8_kvcache
