@@ -136,29 +136,11 @@ def flash_mla_with_kvcache(
     Returns (out (b, s_q, h_q, 512) in q's dtype, lse (b, h_q, s_q)
     float32): natural log, without the sink, +inf where a query has nothing
     to attend (its out is 0). ``backend`` (smla only) forces a backend."""
-    # Host time per call matters here (a decode step calls this once per layer): shapes are read once, and the
-    # checks a torch call needs are the only Python steps before the op.
     if head_dim_v != _HEAD_DIM_V:
         raise _smla.InvalidArgumentError(f"head_dim_v: must be {_HEAD_DIM_V}, got {head_dim_v}")
-    q_shape = _arrays.shape(q, "q")
-    if len(q_shape) != 4:
-        raise _smla.InvalidArgumentError(f"q: expected (batch_size, seq_len_q, num_heads_q, 576 | 512), got {q_shape}")
-    b, s_q, h_q, d = q_shape
-    k_shape = _arrays.shape(k_cache, "k_cache")
-    _check_heads_k(k_shape)
-    topk = _sparse_shapes(b, s_q, indices, topk_length) if indices is not None else None
-    extra = _extra_cache(b, s_q, indices, extra_k_cache, extra_indices_in_kvcache, extra_topk_length)
-    if isinstance(tile_scheduler_metadata, FlashMLASchedMeta):
-        if num_splits is not None:
-            raise _smla.InvalidArgumentError("num_splits: must be None with a FlashMLASchedMeta")
-        _check_sched_meta(tile_scheduler_metadata, (
-            b, s_q, h_q, k_shape[1], k_shape[2] if len(k_shape) == 4 else 1,
-            bool(causal), bool(is_fp8_kvcache), topk, int(extra[0].shape[1]) if extra else None,
-            int(extra[1].shape[2]) if extra else None))
-    if softmax_scale is None:
-        softmax_scale = d ** -0.5
-    kv_cache_dtype = _kv_cache_dtype(k_cache, is_fp8_kvcache)
-
+    sched = tile_scheduler_metadata if isinstance(tile_scheduler_metadata, FlashMLASchedMeta) else None
+    if sched is not None and num_splits is not None:
+        raise _smla.InvalidArgumentError("num_splits: must be None with a FlashMLASchedMeta")
     if indices is not None:
         if causal:
             raise _smla.InvalidArgumentError("causal: must be False when indices is given (sparse attention)")
@@ -169,15 +151,46 @@ def flash_mla_with_kvcache(
             raise _smla.InvalidArgumentError("block_table and cache_seqlens must be given for dense attention")
     torch_ops = _ops._torch_ops(q)
     if torch_ops is not None:
-        # The caches as given: the op takes FlashMLA's 4-D caches (views less to make here).
-        return torch_ops.flash_mla_with_kvcache(
-            q, k_cache, block_table, cache_seqlens, indices, topk_length, attn_sink,
-            _ops._op_softmax_scale(softmax_scale), bool(causal), kv_cache_dtype, backend or "", extra_k_cache,
-            extra_indices_in_kvcache, extra_topk_length)
+        # Host time per call matters here (a decode step calls this once per layer, issue 17): the op checks the
+        # shapes (python/src/torch_ops.cpp, or the Python kernel, with _check_shapes' messages), so the wrapper
+        # reads none before it; the FlashMLASchedMeta is set up or compared after the call, from shapes the op has
+        # accepted (a call that fails leaves it as it was).
+        if _arrays.is_8bit(k_cache) != bool(is_fp8_kvcache):
+            _arrays.shape(k_cache, "k_cache")  # no tensor at all is named first, as _check_shapes names it
+            _kv_cache_dtype(k_cache, is_fp8_kvcache)  # raises, naming the mismatch
+        if softmax_scale is None:
+            softmax_scale = q.shape[-1] ** -0.5
+        try:
+            # "auto": the op reads 8-bit data as the fp8 format its row width names, as _kv_cache_dtype would.
+            out, lse = torch_ops.overloads.flash_mla_with_kvcache(
+                q, k_cache, block_table, cache_seqlens, indices, topk_length, attn_sink,
+                _ops._op_softmax_scale(softmax_scale), bool(causal), "auto", backend or "", extra_k_cache,
+                extra_indices_in_kvcache, extra_topk_length)
+        except _smla.Error:
+            raise
+        except (ValueError, NotImplementedError) as e:
+            raise _ops._smla_error(e) from None
+        except RuntimeError:  # torch's own for an argument that is no tensor: named as the other arrays' path does
+            _check_shapes(q, k_cache, indices, topk_length, extra_k_cache, extra_indices_in_kvcache,
+                          extra_topk_length)
+            raise
+        if sched is not None:
+            _check_sched_meta(sched, _sched_config(q.shape, k_cache.shape, causal, is_fp8_kvcache, indices,
+                                                   extra_k_cache, extra_indices_in_kvcache))
+        return out, lse
+    q_shape, k_shape, extra = _check_shapes(q, k_cache, indices, topk_length, extra_k_cache,
+                                            extra_indices_in_kvcache, extra_topk_length)
+    kv_cache_dtype = _kv_cache_dtype(k_cache, is_fp8_kvcache)
+    if softmax_scale is None:
+        softmax_scale = q_shape[3] ** -0.5
+    b, s_q, h_q, _ = q_shape
     out = _arrays.empty(q, (b, s_q, h_q, _HEAD_DIM_V))
     lse = _arrays.empty(q, (b, h_q, s_q), "float32")
-    _with_kvcache_into(q, _cache_3d(k_cache, k_shape), block_table, cache_seqlens, indices, topk_length, attn_sink, softmax_scale, causal,
-                       kv_cache_dtype, out, lse, backend, extra)
+    _with_kvcache_into(q, _cache_3d(k_cache, k_shape), block_table, cache_seqlens, indices, topk_length, attn_sink,
+                       softmax_scale, causal, kv_cache_dtype, out, lse, backend, extra)
+    if sched is not None:  # as on torch tensors: set up or compared once the call has gone through
+        _check_sched_meta(sched, _sched_config(q_shape, k_shape, causal, is_fp8_kvcache, indices, extra_k_cache,
+                                               extra_indices_in_kvcache))
     return out, lse
 
 
@@ -243,9 +256,35 @@ def _check_sched_meta(meta: FlashMLASchedMeta, config: tuple) -> None:
                 "first used; use one get_mla_metadata() object per configuration")
 
 
+def _check_shapes(q: Tensor, k_cache: Tensor, indices: Optional[Tensor], topk_length: Optional[Tensor],
+                  extra_k_cache: Optional[Tensor], extra_indices: Optional[Tensor],
+                  extra_topk_length: Optional[Tensor]) -> Tuple[tuple, tuple, Optional[tuple]]:
+    """q's and k_cache's shapes and MODEL1's second cache (_extra_cache), after checking flash_mla_with_kvcache's
+    shapes against each other; python/src/torch_ops.cpp checks them in the same order with the same messages."""
+    q_shape = _arrays.shape(q, "q")
+    if len(q_shape) != 4:
+        raise _smla.InvalidArgumentError(f"q: expected (batch_size, seq_len_q, num_heads_q, 576 | 512), got {q_shape}")
+    k_shape = _arrays.shape(k_cache, "k_cache")
+    _check_heads_k(k_shape)
+    b, s_q = q_shape[:2]
+    if indices is not None:
+        _sparse_shapes(b, s_q, indices, topk_length)
+    return q_shape, k_shape, _extra_cache(b, s_q, indices, extra_k_cache, extra_indices, extra_topk_length)
+
+
+def _sched_config(q_shape: tuple, k_shape: tuple, causal: bool, is_fp8_kvcache: bool, indices: Optional[Tensor],
+                  extra_k_cache: Optional[Tensor], extra_indices: Optional[Tensor]) -> tuple:
+    """FlashMLASchedMeta.Config's fields for a call whose shapes were checked (_check_shapes), in order (indexed,
+    not sliced: a torch.Size slice is a new torch.Size, per call)."""
+    extra = extra_k_cache is not None
+    return (q_shape[0], q_shape[1], q_shape[2], k_shape[1], k_shape[2] if len(k_shape) == 4 else 1, bool(causal),
+            bool(is_fp8_kvcache), None if indices is None else indices.shape[2],
+            extra_k_cache.shape[1] if extra else None, extra_indices.shape[2] if extra else None)
+
+
 def _sparse_shapes(b: int, s_q: int, indices: Tensor, topk_length: Optional[Tensor], indices_name: str = "indices",
-                   lengths_name: str = "topk_length") -> int:
-    """topk, after checking indices (b, s_q, topk) and topk_length (b,) or (b, s_q) against q's b and s_q."""
+                   lengths_name: str = "topk_length") -> None:
+    """Checks indices (b, s_q, topk) and topk_length (b,) or (b, s_q) against q's b and s_q."""
     shape = _arrays.shape(indices, indices_name)
     if len(shape) != 3 or shape[:2] != (b, s_q):
         raise _smla.InvalidArgumentError(
@@ -256,7 +295,6 @@ def _sparse_shapes(b: int, s_q: int, indices: Tensor, topk_length: Optional[Tens
         if lengths != (b,) and lengths != (b, s_q):
             raise _smla.InvalidArgumentError(
                 f"{lengths_name}: expected ({b},) (per request) or ({b}, {s_q}) (per query token), got {lengths}")
-    return shape[2]
 
 
 def _extra_cache(b: int, s_q: int, indices: Optional[Tensor], extra_k_cache: Optional[Tensor],

@@ -129,6 +129,12 @@ def _torch_ops(x: Tensor) -> Any:
     return _torch_ops_namespace or None
 
 
+def _smla_error(e: Exception) -> Exception:
+    """A torch.ops.smla C++ kernel's error (smla's bad input leaves as ValueError, what is unsupported as
+    NotImplementedError: python/src/torch_ops.cpp) as smla's class, with its message."""
+    return (_smla.UnsupportedError if isinstance(e, NotImplementedError) else _smla.InvalidArgumentError)(str(e))
+
+
 def _backend(backend: Optional[str]) -> str:
     return backend or ""
 
@@ -300,16 +306,22 @@ def sparse_mla(q: Tensor, kv_cache: Tensor, indices: Tensor, *, softmax_scale: f
     (out [T, H, 512] in q's dtype, lse [T, H] float32, natural log, without
     the sink; -inf for a row with no valid index)."""
     ops = _torch_ops(q) if stream is None else None
-    if ops is not None:  # the hot paths (host time per call)
-        if out is None and lse is None:
-            return ops.sparse_mla(q, kv_cache, indices, topk_length, attn_sink, _op_softmax_scale(softmax_scale),
-                                  kv_cache_dtype or "auto", backend or "", extra_kv_cache, extra_indices,
-                                  extra_topk_length)
-        if _arrays.is_torch(out) and _arrays.is_torch(lse):
-            ops.sparse_mla_out(q, kv_cache, indices, topk_length, attn_sink, _op_softmax_scale(softmax_scale),
-                               kv_cache_dtype or "auto", backend or "", extra_kv_cache, extra_indices,
-                               extra_topk_length, out=out, lse=lse)
-            return out, lse
+    if ops is not None:  # the hot paths (host time per call): the overloads themselves, their errors caught here
+        try:
+            if out is None and lse is None:
+                return ops.overloads.sparse_mla(q, kv_cache, indices, topk_length, attn_sink,
+                                                _op_softmax_scale(softmax_scale), kv_cache_dtype or "auto",
+                                                backend or "", extra_kv_cache, extra_indices, extra_topk_length)
+            if _arrays.is_torch(out) and _arrays.is_torch(lse):
+                ops.overloads.sparse_mla_out(q, kv_cache, indices, topk_length, attn_sink,
+                                             _op_softmax_scale(softmax_scale), kv_cache_dtype or "auto",
+                                             backend or "", extra_kv_cache, extra_indices, extra_topk_length,
+                                             out=out, lse=lse)
+                return out, lse
+        except _smla.Error:
+            raise
+        except (ValueError, NotImplementedError) as e:
+            raise _smla_error(e) from None
     out, lse = _attention_outputs(q, out, lse)
     _sparse_mla(q, kv_cache, indices, topk_length, attn_sink, softmax_scale, out, lse, kv_cache_dtype, stream,
                 backend, extra=(extra_kv_cache, extra_indices, extra_topk_length))

@@ -61,17 +61,29 @@ def _overload(name: str) -> Any:
     return getattr(torch.ops.smla, name).default
 
 
+class _Overloads:
+    """``torch.ops.smla``'s overloads by name (_overload), found as plain attributes after the first use."""
+
+    def __getattr__(self, name: str) -> Any:
+        op = _overload(name)
+        setattr(self, name, op)
+        return op
+
+
 class _Routed:
     """``torch.ops.smla`` as smla's functions call it, by name (``sparse_mla``, ``sparse_mla_out`` for
     ``sparse_mla.out``). With the C++ kernels (`translate`), their bad-input errors (ValueError) and unsupported
     cases (NotImplementedError) come back as smla.InvalidArgumentError / smla.UnsupportedError, as the Python
-    kernels raise them."""
+    kernels raise them. ``overloads`` has the same names without that wrapper (a Python call less: the hot
+    functions catch and translate those errors themselves, through smla.ops._smla_error)."""
+
+    overloads = _Overloads()
 
     def __init__(self, translate: bool) -> None:
         self._translate = translate
 
     def __getattr__(self, name: str) -> Callable:
-        op = _overload(name)
+        op = getattr(self.overloads, name)
         if not self._translate:
             setattr(self, name, op)
             return op
@@ -81,10 +93,8 @@ class _Routed:
                 return op(*args, **kwargs)
             except _smla.Error:
                 raise
-            except ValueError as e:
-                raise _smla.InvalidArgumentError(str(e)) from None
-            except NotImplementedError as e:
-                raise _smla.UnsupportedError(str(e)) from None
+            except (ValueError, NotImplementedError) as e:
+                raise _ops._smla_error(e) from None
 
         setattr(self, name, call)  # found as an attribute from now on: no __getattr__
         return call
@@ -201,12 +211,10 @@ def _dsa_decode_step(q, kv_cache, index_q, index_weights, index_cache, request_i
 def _flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, indices, topk_length, attn_sink, softmax_scale,
                             causal, kv_cache_dtype="auto", backend="", extra_k_cache=None,
                             extra_indices_in_kvcache=None, extra_topk_length=None):
+    _, k_shape, extra = _flash_mla._check_shapes(q, k_cache, indices, topk_length, extra_k_cache,
+                                                 extra_indices_in_kvcache, extra_topk_length)
     out, lse = _kvcache_out(q)
-    k_cache = _flash_mla._cache_3d(k_cache, tuple(k_cache.shape))  # FlashMLA's 4-D cache too
-    b, s_q = int(q.shape[0]), int(q.shape[1])
-    if indices is not None:
-        _flash_mla._sparse_shapes(b, s_q, indices, topk_length)
-    extra = _flash_mla._extra_cache(b, s_q, indices, extra_k_cache, extra_indices_in_kvcache, extra_topk_length)
+    k_cache = _flash_mla._cache_3d(k_cache, k_shape)  # FlashMLA's 4-D cache too
     _flash_mla._with_kvcache_into(q, k_cache, block_table, cache_seqlens, indices, topk_length, attn_sink,
                                   softmax_scale, causal, kv_cache_dtype, out, lse, backend, extra)
     return out, lse

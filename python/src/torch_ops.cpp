@@ -8,14 +8,14 @@
 // Errors: smla's bad-input errors leave as c10::ValueError (Python ValueError), unsupported ones as
 // c10::NotImplementedError, the rest as c10::Error (RuntimeError); python/smla/torch_ops.py turns the first two back
 // into smla.InvalidArgumentError / smla.UnsupportedError for smla's own functions.
+#include <ATen/EmptyTensor.h>
 #include <ATen/core/DimVector.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
 #ifdef SMLA_TORCH_CUDA
+#include <ATen/cuda/EmptyTensor.h>
 #include <c10/cuda/CUDAStream.h>
 #endif
 
@@ -197,17 +197,28 @@ int64_t int_in(int64_t value, const char* name, int64_t low, int64_t high) {
 
 // --- outputs, scratch, streams ----------------------------------------------------------------------------------
 
+// An uninitialised tensor from the device's allocator (torch's caching allocator on a GPU), as at::empty makes it
+// but without dispatching an operator of its own (host time per call): the kernels are registered for the CPU and
+// CUDA keys only, so `options` names one of the two. (at::empty's NaN fill under torch's deterministic mode is not
+// needed: the kernels write every element of their outputs, and no op relies on what scratch holds.)
+Tensor new_empty(at::IntArrayRef sizes, const at::TensorOptions& options) {
+#ifdef SMLA_TORCH_CUDA
+  if (options.device().is_cuda()) return at::detail::empty_cuda(sizes, options);
+#endif
+  return at::detail::empty_cpu(sizes, options);
+}
+
 // smla.torch_ops._attention_out: out [..., 512] in q's dtype and lse [...] float32.
 std::tuple<Tensor, Tensor> attention_out(const Tensor& q) {
   at::DimVector lead(q.sizes().begin(), q.sizes().end());  // on the stack: no allocation but the outputs'
   if (!lead.empty()) lead.pop_back();
-  Tensor lse = at::empty(lead, q.options().dtype(at::kFloat));
+  Tensor lse = new_empty(lead, q.options().dtype(at::kFloat));
   lead.push_back(kLatentDim);
-  return {at::empty(lead, q.options()), lse};
+  return {new_empty(lead, q.options()), lse};
 }
 
 Tensor topk_out(const Tensor& q, int64_t topk) {
-  return at::empty({q.dim() > 0 ? q.size(0) : 0, int_in(topk, "topk", 1, kMaxTopk)}, q.options().dtype(at::kInt));
+  return new_empty({q.dim() > 0 ? q.size(0) : 0, int_in(topk, "topk", 1, kMaxTopk)}, q.options().dtype(at::kInt));
 }
 
 // The stream the op runs on: torch's current one on `ref`'s GPU (none on the CPU).
@@ -228,7 +239,7 @@ void run_on_stream(Args& a, const Tensor& q, std::string_view backend, Op op) {
   a.stream = stream_of(q);
   Tensor workspace;
   const auto from_torch = [&](size_t bytes) {
-    workspace = at::empty({static_cast<int64_t>(bytes)}, q.options().dtype(at::kByte));
+    workspace = new_empty({static_cast<int64_t>(bytes)}, q.options().dtype(at::kByte));
     return view(workspace, "workspace");
   };
   op(a, backend_by_name(backend, a.q.device), WorkspaceSource(from_torch));
@@ -415,7 +426,7 @@ Tensor positions_to_slots_kernel(const Tensor& positions, const Tensor& request_
     a.request_ids = view(request_ids, "request_ids");
     a.block_table = view(block_table, "block_table");
     a.block_size = static_cast<int>(int_in(block_size, "block_size", 1, INT32_MAX));
-    Tensor slots = at::empty(positions.sizes(), positions.options().dtype(at::kInt));
+    Tensor slots = new_empty(positions.sizes(), positions.options().dtype(at::kInt));
     a.slots = view(slots, "slots");
     a.stream = stream_of(positions);
     positions_to_slots(a, backend_by_name(backend, a.positions.device));
@@ -499,15 +510,16 @@ std::tuple<Tensor, Tensor> flash_mla_with_kvcache_kernel(
     bool causal, c10::string_view kv_cache_dtype, c10::string_view backend, const OptTensor& extra_k_cache,
     const OptTensor& extra_indices_in_kvcache, const OptTensor& extra_topk_length) {
   return translated([&] {
+    // smla.flash_mla._check_shapes' checks, in its order: the wrapper reads no shape before this op on torch tensors.
+    if (q.dim() != 4) fail("q: expected (batch_size, seq_len_q, num_heads_q, 576 | 512), got " + py_tuple(q.sizes()));
     if (k_cache.dim() == 4 && k_cache.size(2) != 1)
       fail("k_cache: num_heads_k must be 1 (MLA), got " + py_tuple(k_cache.sizes()));
-    if (q.dim() < 3) fail("q: expected (batch_size, seq_len_q, num_heads_q, 576 | 512), got " + py_tuple(q.sizes()));
     const int64_t b = q.size(0), s_q = q.size(1), h_q = q.size(2);
     if (indices) check_sparse_shapes(b, s_q, *indices, topk_length, "indices", "topk_length");
     const ExtraCache extra =
         flash_mla_extra_cache(b, s_q, indices, extra_k_cache, extra_indices_in_kvcache, extra_topk_length);
-    Tensor out = at::empty({b, s_q, h_q, kLatentDim}, q.options());
-    Tensor lse = at::empty({b, h_q, s_q}, q.options().dtype(at::kFloat));
+    Tensor out = new_empty({b, s_q, h_q, kLatentDim}, q.options());
+    Tensor lse = new_empty({b, h_q, s_q}, q.options().dtype(at::kFloat));
     const TensorView out_view = view(out, "out"), lse_view = transposed(view(lse, "lse"));
     if (!indices) {
       PagedMlaDecodeArgs a = paged_mla_decode_args(q, k_cache, block_table, cache_seqlens, attn_sink, softmax_scale,
@@ -548,7 +560,7 @@ std::tuple<Tensor, Tensor, Tensor> flash_mla_sparse_fwd_kernel(const Tensor& q, 
                                                                c10::string_view backend) {
   return translated([&] {
     auto [out, lse] = attention_out(q);
-    Tensor max_logits = at::empty_like(lse);
+    Tensor max_logits = new_empty(lse.sizes(), lse.options());
     // As smla.flash_mla._sparse_fwd_into checks them: kv is read as s_kv blocks of one token.
     if (kv.dim() != 3 || kv.size(1) != 1)
       fail("kv: expected (s_kv, 1, d_qk) (h_kv must be 1), got " + py_tuple(kv.sizes()));

@@ -660,6 +660,64 @@ def test_flash_mla_model1_errors_on_torch_tensors_are_numpys(rng):
         assert errors[0] == errors[1], kwargs
 
 
+
+def test_flash_mla_errors_on_torch_tensors_are_numpys(rng):
+    """flash_mla_with_kvcache on torch tensors leaves the shape checks to torch.ops.smla (no shape read in Python
+    before it): every bad argument still raises the numpy path's class and message, an argument that is no tensor
+    is named, and a call that fails does not set up its FlashMLASchedMeta."""
+    q, cache, idx = attention_case(rng, tokens=4, fp8=False)
+    q, k_cache, indices = q.reshape(2, 2, 16, QK), cache[:, :, None], idx.reshape(2, 2, -1)
+    table, seqlens = np.arange(8, dtype=np.int32).reshape(2, 4), np.array([5, 60], np.int32)
+    cases = [
+        dict(q=q[:, 0]),                                               # 3-D q
+        dict(q=q[None]),                                               # 5-D q
+        dict(k_cache=np.repeat(k_cache, 2, axis=2)),                   # two heads in the cache
+        dict(indices=np.zeros((3, 2, 16), np.int32)),                  # batch 3, q's is 2
+        dict(indices=indices[:, :, None]),                             # 4-D indices
+        dict(topk_length=np.zeros(3, np.int32)),
+        dict(topk_length=np.zeros((2, 1), np.int32)),
+        dict(k_cache=None), dict(k_cache=k_cache.tolist()), dict(indices=indices.tolist()),
+        dict(k_cache=None, is_fp8_kvcache=True),
+        dict(topk_length=[1, 2]),
+        dict(is_fp8_kvcache=True),                                     # bf16 data
+        dict(k_cache=np.zeros((8, 16, 1, 656), np.uint8)),             # 8-bit data without is_fp8_kvcache
+        dict(softmax_scale=1e300), dict(softmax_scale=-1.0),
+        dict(causal=True),
+        dict(indices=None, block_table=table),                         # dense without cache_seqlens
+        dict(indices=None, block_table=table, cache_seqlens=seqlens, topk_length=seqlens),
+        dict(head_dim_v=128),
+        dict(num_splits=np.zeros(3, np.int32)),
+    ]
+
+    def call(convert, meta, **kwargs):
+        args = dict(q=q, k_cache=k_cache, block_table=None, cache_seqlens=None, head_dim_v=512,
+                    tile_scheduler_metadata=meta, indices=indices, softmax_scale=0.05)
+        args.update(kwargs)
+        return flash_mla_with_kvcache(**{k: convert(v) if isinstance(v, np.ndarray) else v for k, v in args.items()})
+
+    for kwargs in cases:
+        errors = []
+        for convert in (lambda a: a, to_torch):
+            meta = get_mla_metadata()[0]
+            with pytest.raises(smla.InvalidArgumentError) as e:
+                call(convert, meta, **kwargs)
+            errors.append((type(e.value), str(e.value)))
+            assert not meta.have_initialized, kwargs
+        assert errors[0] == errors[1], kwargs
+    # A FlashMLASchedMeta set up by one call rejects another configuration, named by its field.
+    errors = []
+    for convert in (lambda a: a, to_torch):
+        meta = get_mla_metadata()[0]
+        call(convert, meta)
+        for kwargs in (dict(indices=indices[..., :32]), dict(q=q[:, :1], indices=indices[:, :1]), dict(causal=False)):
+            if "causal" in kwargs:
+                call(convert, meta, **kwargs)  # the same configuration: accepted
+                continue
+            with pytest.raises(smla.InvalidArgumentError) as e:
+                call(convert, meta, **kwargs)
+            errors.append(str(e.value))
+    assert errors[:2] == errors[2:] and "topk is 32 but was 64" in errors[0] and "s_q is 1 but was 2" in errors[1]
+
 def two_cache_reference(q, k_cache, indices, topk_length, extra_k_cache, extra_indices, extra_topk_length, scale,
                         sink=None):
     """Sparse attention over two caches under one softmax, in float64: both caches' rows stacked, the extra slots

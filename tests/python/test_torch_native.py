@@ -251,6 +251,7 @@ def test_errors_are_smlas_with_the_python_kernels_messages():
         ("sparse_mla", (q, bf16, idx, None, None, 0.05, "auto", "cuda_mma")),  # a GPU backend for CPU tensors
         ("flash_mla_with_kvcache", (q[:, None], bf16[:, :, None].expand(-1, -1, 2, -1), None, None, idx[:, None],
                                     None, None, 0.05, False, "auto")),  # two heads in the cache
+        ("flash_mla_with_kvcache", (q, bf16, None, None, idx[:, None], None, None, 0.05, False)),  # 3-D q
     ]
     # MODEL1's extra cache, as smla.flash_mla._extra_cache and the core check it.
     q1, cache1, idx1, extra1, extra_idx1 = model1_inputs(g)
