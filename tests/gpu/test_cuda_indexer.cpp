@@ -1024,6 +1024,46 @@ TEST(CudaTopk, HeldRowsEqualTheStreamedPath) {
     }
 }
 
+// The CTA of 1024 threads (indexer_topk.cu's kWideThreads) where one CTA holds every row in registers and k <= 2048,
+// 512 otherwise (k 8192, a table longer than 16384 positions, the row streamed, split); held rows on it against the
+// CTA of 512 streaming them: the CPU's result each, and the same positions and slots bit for bit (sorted and unsorted,
+// k 2048 and 37; distinct scores, exact ties, all equal: the select over the candidates, a fp16 bin, a short row).
+TEST(CudaTopk, WideCtaOnHeldRows) {
+  const auto threads = [](int64_t blocks, int k, cuda::TopkSplit split) {
+    std::vector<uint8_t> no_cache(16);
+    IndexerTopkArgs a;
+    a.q = TensorView(nullptr, {1, 1, kIndexHeadDim}, DType::bf16);
+    a.index_cache = TensorView(no_cache.data(), {1, 64, kFp8IndexRowBytes}, DType::fp8_e4m3);
+    a.request_ids = TensorView(nullptr, {1}, DType::i32);
+    a.context_lens = TensorView(nullptr, {1}, DType::i32);
+    a.block_table = TensorView(nullptr, {1, blocks}, DType::i32);
+    a.topk = TensorView(nullptr, {1, k}, DType::i32);
+    return cuda::topk_cta_threads(a, split);
+  };
+  EXPECT_EQ(threads(256, 2048, cuda::TopkSplit::automatic), 1024);
+  EXPECT_EQ(threads(256, 2048, cuda::TopkSplit::one_cta), 1024);
+  EXPECT_EQ(threads(2, 37, cuda::TopkSplit::one_cta), 1024);
+  EXPECT_EQ(threads(256, 8192, cuda::TopkSplit::one_cta), 512);
+  EXPECT_EQ(threads(257, 2048, cuda::TopkSplit::one_cta), 512);
+  EXPECT_EQ(threads(256, 2048, cuda::TopkSplit::one_cta_streamed), 512);
+  EXPECT_EQ(threads(256, 2048, cuda::TopkSplit::slices), 512);
+  const std::vector<CraftedRow> rows = {
+      {"distinct", 8192, distinct_score},
+      {"exact ties", 16384 - 5, [](int64_t, test::Rng& rng) { return static_cast<float>(rng() % 3000); }},
+      {"all equal", 16384, [](int64_t, test::Rng&) { return 0.75f; }},
+      {"one fp16 bin", 6000, [](int64_t, test::Rng& rng) { return 1.f + 1e-7f * static_cast<float>(rng() % 5000); }},
+      {"short", 1500, distinct_score},
+  };
+  for (bool sorted : {true, false})
+    for (int k : {2048, 37}) {
+      TopkResult wide, streamed;
+      check_crafted_rows(rows, k, 700, cuda::TopkSplit::one_cta, true, sorted, false, &wide);
+      check_crafted_rows(rows, k, 700, cuda::TopkSplit::one_cta_streamed, true, sorted, false, &streamed);
+      EXPECT_EQ(wide.positions, streamed.positions) << "k " << k << (sorted ? "" : ", unsorted");
+      EXPECT_EQ(wide.slots, streamed.slots) << "k " << k << (sorted ? "" : ", unsorted");
+    }
+}
+
 // Clusters of 16 ranks forced (non-portable, Hopper), at the decode shapes issue 23 is about: 1 and 8 tokens of
 // rows of 32K (2048 positions per rank) and 128K, sorted and unsorted, with the fused slots; distinct scores, exact
 // ties, four values (the select over the row by rank 0) and a row so short most ranks have nothing (test_cuda_emulation

@@ -21,7 +21,8 @@
 // consecutive: steps 1 and 2 take the scores from there (the compaction one
 // block scan of per-thread counts), not from two passes over the row; unsorted,
 // the chosen candidates are marked in a bitmap of positions and one more scan
-// of per-thread counts places every chosen position in position order.
+// of per-thread counts places every chosen position in position order. Where
+// every row is held and k <= 2048, the CTA has 1024 threads (kWideThreads).
 // Each phase's time on the H200 follows the instructions its warps execute
 // (see docs/performance.md), so loops over a thread's items have no branch per
 // item and rarely-long loops are not unrolled.
@@ -298,10 +299,11 @@ __device__ int2 compact_by_bin(const RowSource& src, const RowPlan& plan, Entry*
 }
 
 // A row of at most kHeldRow scores, read once into registers (one CTA of kBlock threads per row): thread i holds
-// `pieces` (at most kPieces) consecutive 16-byte pieces, positions [first, first + 4 * pieces) with first = 4 * pieces * i, so the CTA's position order
-// is that of (thread, item) and a compaction in position order is one scan of the threads' counts. Every load is
-// issued before any is used. The loops over the items have no branch per item (the phases' time goes with the
-// instructions each warp issues): items past the row's end are masked out by `valid`.
+// `pieces` (at most kPieces) consecutive 16-byte pieces, positions [first, first + 4 * pieces) with first = 4 *
+// pieces * i, so the CTA's position order is that of (thread, item) and a compaction in position order is one scan
+// of the threads' counts. Every load is issued before any is used. The loops over the items have no branch per item
+// (the phases' time goes with the instructions each warp issues): items past the row's end are masked out by
+// `valid`.
 template <int kBlock>
 struct HeldRow {
   static constexpr int kPieces = kHeldRow / (4 * kBlock);
@@ -533,7 +535,8 @@ __device__ bool place_by_counting(const uint32_t (&keys)[kSortItems], const int3
   }
 #pragma unroll
   for (int q = 0; q < kPieces; ++q)
-    counts[q] = reinterpret_cast<int4*>(cursor + first)[q] = make_int4(at[4 * q], at[4 * q + 1], at[4 * q + 2], at[4 * q + 3]);
+    counts[q] = reinterpret_cast<int4*>(cursor + first)[q] =
+        make_int4(at[4 * q], at[4 * q + 1], at[4 * q + 2], at[4 * q + 3]);
   __syncthreads();
   if (*largest > kMaxBucket) return false;
 #pragma unroll
@@ -1009,7 +1012,8 @@ __global__ void __launch_bounds__(kBlock, 1) topk_kernel(const TopkParams p) {
     SMLA_STAMP(p, kTopkStored);
   };
   if (!p.sorted && held && plan.fits) {
-    place_held<kBlock, kSortItems>(held_classes, rest, want - above, want, marks, scan, reinterpret_cast<int*>(list), store);
+    place_held<kBlock, kSortItems>(held_classes, rest, want - above, want, marks, scan, reinterpret_cast<int*>(list),
+                                   store);
     return;
   }
   if (!p.sorted) {
@@ -1237,6 +1241,10 @@ size_t topk_scratch_bytes(const IndexerTopkArgs& a, TopkSplit split) {
 }
 
 bool topk_reads_histograms(const IndexerTopkArgs& a, TopkSplit split) { return plan_topk(a, split).slices == 0; }
+
+int topk_cta_threads(const IndexerTopkArgs& a, TopkSplit split) {
+  return plan_topk(a, split).wide ? kWideThreads : kThreads;
+}
 
 size_t topk_histogram_bytes(const IndexerTopkArgs& a) {
   return static_cast<size_t>(a.q.size(0)) * kCoarseBins * sizeof(int);
