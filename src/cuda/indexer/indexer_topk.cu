@@ -128,10 +128,11 @@ __device__ __forceinline__ void copy_bins(const int* counted, int* hist) {
 // Calls f(value) for the row's n scores: each thread loads kBatch 16-byte
 // pieces (those the row has) before it uses the first (f's shared-memory
 // atomics would otherwise keep the next load from being issued: one load in
-// flight per thread, a trip to memory each).
+// flight per thread, a trip to memory each); 64 KB in flight per CTA (a CTA of 1024 threads has half the
+// registers a thread).
 template <int kBlock, class F>
 __device__ __forceinline__ void for_each_score(const float* row, int64_t n, F&& f) {
-  constexpr int kBatch = 8;
+  constexpr int kBatch = 4096 / kBlock;
   const float4* row4 = reinterpret_cast<const float4*>(row);
   const int64_t n4 = n / 4;
   for (int64_t i = threadIdx.x; i < n4; i += kBatch * kBlock) {
