@@ -961,7 +961,8 @@ TEST(CudaTopk, UnsortedAtDecodeShapes) {
 // the row), 4096, 8192, 16384 (the longest held) and 16385 (the row read twice from memory again, on the same rows),
 // each length with distinct scores, exact ties, four values, all equal, one fp16 bin, signs with zeros and -inf, and
 // a row a third as long (fewer visible than the table holds), sorted and unsorted, k 2048, 37 and 8192, with the fused
-// slots; NaN rows give valid positions. One CTA forced and as select_topk picks (one CTA for rows this short).
+// slots; NaN rows give valid positions. One CTA forced and as select_topk picks (one CTA for rows this short: of
+// 1024 threads for k 2048 and 37 up to 16384, of 512 for k 8192 and the 16385 positions).
 TEST(CudaTopk, RowsHeldInRegisters) {
   const auto some_nan = [](int64_t i, test::Rng& rng) {
     return i % 5 == 0 ? (i % 10 == 0 ? NAN : -NAN) : static_cast<float>(rng() % 1000) / 7.f;
