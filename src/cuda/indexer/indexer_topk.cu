@@ -60,7 +60,8 @@ namespace {
 
 // Threads per CTA: kThreads, but kWideThreads for a held row (below) of top-k <= 2048: a phase's time follows the
 // instructions each warp issues, 16 warps issuing about one every 2 cycles per scheduler (H200), so twice the warps
-// with half the items each hide more of that latency. Helpers take the CTA's threads as kBlock.
+// with half the items each should hide more of that latency (not yet measured: docs/performance.md, issue 23).
+// Helpers take the CTA's threads as kBlock.
 constexpr int kThreads = 512, kWideThreads = 1024;
 constexpr int kFineCopies = 8, kFineBins = 257;  // 8-bit radix digits; 8 copies (thread % 8) cut same-address atomics
 constexpr int kRun = 16;                         // consecutive positions per thread per compaction chunk
