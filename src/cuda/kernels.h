@@ -110,6 +110,9 @@ struct TopkFusion {
 // Whether select_topk with `split` takes TopkFusion::histograms for these args on the current device (every split
 // but slices).
 bool topk_reads_histograms(const IndexerTopkArgs& args, TopkSplit split = TopkSplit::automatic);
+// Threads per CTA of select_topk's kernel with `split` for these args on the current device: 1024 where one CTA holds
+// every row in registers (one CTA per row, every row at most 16384 positions, k <= 2048), else 512.
+int topk_cta_threads(const IndexerTopkArgs& args, TopkSplit split = TopkSplit::automatic);
 void select_topk(const IndexerTopkArgs& args, const float* scores, TopkSplit split = TopkSplit::automatic,
                  void* scratch = nullptr, const TopkFusion& fusion = {});
 

@@ -961,7 +961,8 @@ TEST(CudaTopk, UnsortedAtDecodeShapes) {
 // the row), 4096, 8192, 16384 (the longest held) and 16385 (the row read twice from memory again, on the same rows),
 // each length with distinct scores, exact ties, four values, all equal, one fp16 bin, signs with zeros and -inf, and
 // a row a third as long (fewer visible than the table holds), sorted and unsorted, k 2048, 37 and 8192, with the fused
-// slots; NaN rows give valid positions. One CTA forced and as select_topk picks (one CTA for rows this short).
+// slots; NaN rows give valid positions. One CTA forced and as select_topk picks (one CTA for rows this short: of
+// 1024 threads for k 2048 and 37 up to 16384, of 512 for k 8192 and the 16385 positions).
 TEST(CudaTopk, RowsHeldInRegisters) {
   const auto some_nan = [](int64_t i, test::Rng& rng) {
     return i % 5 == 0 ? (i % 10 == 0 ? NAN : -NAN) : static_cast<float>(rng() % 1000) / 7.f;
@@ -1021,6 +1022,46 @@ TEST(CudaTopk, HeldRowsEqualTheStreamedPath) {
           EXPECT_EQ(held.slots, streamed.slots) << "k " << k << (sorted ? "" : ", unsorted");
           EXPECT_FALSE(held.positions.empty());
         }
+    }
+}
+
+// The CTA of 1024 threads (indexer_topk.cu's kWideThreads) where one CTA holds every row in registers and k <= 2048,
+// 512 otherwise (k 8192, a table longer than 16384 positions, the row streamed, split); held rows on it against the
+// CTA of 512 streaming them: the CPU's result each, and the same positions and slots bit for bit (sorted and unsorted,
+// k 2048 and 37; distinct scores, exact ties, all equal: the select over the candidates, a fp16 bin, a short row).
+TEST(CudaTopk, WideCtaOnHeldRows) {
+  const auto threads = [](int64_t blocks, int k, cuda::TopkSplit split) {
+    std::vector<uint8_t> no_cache(16);
+    IndexerTopkArgs a;
+    a.q = TensorView(nullptr, {1, 1, kIndexHeadDim}, DType::bf16);
+    a.index_cache = TensorView(no_cache.data(), {1, 64, kFp8IndexRowBytes}, DType::fp8_e4m3);
+    a.request_ids = TensorView(nullptr, {1}, DType::i32);
+    a.context_lens = TensorView(nullptr, {1}, DType::i32);
+    a.block_table = TensorView(nullptr, {1, blocks}, DType::i32);
+    a.topk = TensorView(nullptr, {1, k}, DType::i32);
+    return cuda::topk_cta_threads(a, split);
+  };
+  EXPECT_EQ(threads(256, 2048, cuda::TopkSplit::automatic), 1024);
+  EXPECT_EQ(threads(256, 2048, cuda::TopkSplit::one_cta), 1024);
+  EXPECT_EQ(threads(2, 37, cuda::TopkSplit::one_cta), 1024);
+  EXPECT_EQ(threads(256, 8192, cuda::TopkSplit::one_cta), 512);
+  EXPECT_EQ(threads(257, 2048, cuda::TopkSplit::one_cta), 512);
+  EXPECT_EQ(threads(256, 2048, cuda::TopkSplit::one_cta_streamed), 512);
+  EXPECT_EQ(threads(256, 2048, cuda::TopkSplit::slices), 512);
+  const std::vector<CraftedRow> rows = {
+      {"distinct", 8192, distinct_score},
+      {"exact ties", 16384 - 5, [](int64_t, test::Rng& rng) { return static_cast<float>(rng() % 3000); }},
+      {"all equal", 16384, [](int64_t, test::Rng&) { return 0.75f; }},
+      {"one fp16 bin", 6000, [](int64_t, test::Rng& rng) { return 1.f + 1e-7f * static_cast<float>(rng() % 5000); }},
+      {"short", 1500, distinct_score},
+  };
+  for (bool sorted : {true, false})
+    for (int k : {2048, 37}) {
+      TopkResult wide, streamed;
+      check_crafted_rows(rows, k, 700, cuda::TopkSplit::one_cta, true, sorted, false, &wide);
+      check_crafted_rows(rows, k, 700, cuda::TopkSplit::one_cta_streamed, true, sorted, false, &streamed);
+      EXPECT_EQ(wide.positions, streamed.positions) << "k " << k << (sorted ? "" : ", unsorted");
+      EXPECT_EQ(wide.slots, streamed.slots) << "k " << k << (sorted ? "" : ", unsorted");
     }
 }
 

@@ -21,7 +21,8 @@
 // consecutive: steps 1 and 2 take the scores from there (the compaction one
 // block scan of per-thread counts), not from two passes over the row; unsorted,
 // the chosen candidates are marked in a bitmap of positions and one more scan
-// of per-thread counts places every chosen position in position order.
+// of per-thread counts places every chosen position in position order. Where
+// every row is held and k <= 2048, the CTA has 1024 threads (kWideThreads).
 // Each phase's time on the H200 follows the instructions its warps execute
 // (see docs/performance.md), so loops over a thread's items have no branch per
 // item and rarely-long loops are not unrolled.
@@ -57,15 +58,19 @@ namespace smla::cuda {
 
 namespace {
 
-constexpr int kThreads = 512;
+// Threads per CTA: kThreads, but kWideThreads for a held row (below) of top-k <= 2048: a phase's time follows the
+// instructions each warp issues, 16 warps issuing about one every 2 cycles per scheduler (H200), so twice the warps
+// with half the items each should hide more of that latency (not yet measured: docs/performance.md, issue 23).
+// Helpers take the CTA's threads as kBlock.
+constexpr int kThreads = 512, kWideThreads = 1024;
 constexpr int kFineCopies = 8, kFineBins = 257;  // 8-bit radix digits; 8 copies (thread % 8) cut same-address atomics
 constexpr int kRun = 16;                         // consecutive positions per thread per compaction chunk
 constexpr int kFewCopies = 2;                    // of a run's, read again rather than tested in registers
-constexpr int kHeldPieces = 8;                   // 16-byte pieces of a held row per thread
-constexpr int kHeldRow = 4 * kHeldPieces * kThreads;  // the longest row one CTA holds in registers (16384)
+constexpr int kHeldRow = 16384;                  // the longest row one CTA holds in registers
 static_assert(kFineCopies * kFineBins <= kCoarseBins, "the fine histograms reuse the coarse one's memory");
 
-using Scan = cub::BlockScan<int, kThreads>;
+template <int kBlock>
+using Scan = cub::BlockScan<int, kBlock>;
 
 // Thread block clusters exist from SM90 on; the host launches clusters of
 // more than one CTA only there, so on older archs these are never reached.
@@ -101,48 +106,51 @@ __device__ __forceinline__ uint32_t order_key(float v) {
 
 // hist[0, kCoarseBins) = 0 (hist 16-byte aligned), by 16-byte stores (a fixed count a thread: a loop to a bound
 // the compiler cannot see through compiles to ~60 instructions).
+template <int kBlock>
 __device__ __forceinline__ void zero_bins(int* hist) {
-  constexpr int kPer = kCoarseBins / 4 / kThreads;
-  static_assert(kPer * 4 * kThreads == kCoarseBins, "whole 16-byte pieces per thread");
+  constexpr int kPer = kCoarseBins / 4 / kBlock;
+  static_assert(kPer * 4 * kBlock == kCoarseBins, "whole 16-byte pieces per thread");
 #pragma unroll
-  for (int k = 0; k < kPer; ++k) reinterpret_cast<int4*>(hist)[k * kThreads + threadIdx.x] = make_int4(0, 0, 0, 0);
+  for (int k = 0; k < kPer; ++k) reinterpret_cast<int4*>(hist)[k * kBlock + threadIdx.x] = make_int4(0, 0, 0, 0);
 }
 
 // hist[0, kCoarseBins) = counted[0, kCoarseBins) (both 16-byte aligned), every load issued before the first store.
+template <int kBlock>
 __device__ __forceinline__ void copy_bins(const int* counted, int* hist) {
-  constexpr int kPer = kCoarseBins / 4 / kThreads;
-  static_assert(kPer * 4 * kThreads == kCoarseBins, "whole 16-byte pieces per thread");
+  constexpr int kPer = kCoarseBins / 4 / kBlock;
+  static_assert(kPer * 4 * kBlock == kCoarseBins, "whole 16-byte pieces per thread");
   int4 piece[kPer];
 #pragma unroll
-  for (int k = 0; k < kPer; ++k) piece[k] = reinterpret_cast<const int4*>(counted)[k * kThreads + threadIdx.x];
+  for (int k = 0; k < kPer; ++k) piece[k] = reinterpret_cast<const int4*>(counted)[k * kBlock + threadIdx.x];
 #pragma unroll
-  for (int k = 0; k < kPer; ++k) reinterpret_cast<int4*>(hist)[k * kThreads + threadIdx.x] = piece[k];
+  for (int k = 0; k < kPer; ++k) reinterpret_cast<int4*>(hist)[k * kBlock + threadIdx.x] = piece[k];
 }
 
 // Calls f(value) for the row's n scores: each thread loads kBatch 16-byte
 // pieces (those the row has) before it uses the first (f's shared-memory
 // atomics would otherwise keep the next load from being issued: one load in
-// flight per thread, a trip to memory each).
-template <class F>
+// flight per thread, a trip to memory each); 64 KB in flight per CTA (a CTA of 1024 threads has half the
+// registers a thread).
+template <int kBlock, class F>
 __device__ __forceinline__ void for_each_score(const float* row, int64_t n, F&& f) {
-  constexpr int kBatch = 8;
+  constexpr int kBatch = 4096 / kBlock;
   const float4* row4 = reinterpret_cast<const float4*>(row);
   const int64_t n4 = n / 4;
-  for (int64_t i = threadIdx.x; i < n4; i += kBatch * kThreads) {
+  for (int64_t i = threadIdx.x; i < n4; i += kBatch * kBlock) {
     float4 v[kBatch];
 #pragma unroll
     for (int b = 0; b < kBatch; ++b)
-      if (i + b * kThreads < n4) v[b] = row4[i + b * kThreads];
+      if (i + b * kBlock < n4) v[b] = row4[i + b * kBlock];
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
-      if (i + b * kThreads >= n4) break;
+      if (i + b * kBlock >= n4) break;
       f(v[b].x);
       f(v[b].y);
       f(v[b].z);
       f(v[b].w);
     }
   }
-  for (int64_t j = 4 * n4 + threadIdx.x; j < n; j += kThreads) f(row[j]);
+  for (int64_t j = 4 * n4 + threadIdx.x; j < n; j += kBlock) f(row[j]);
 }
 
 // Positions [first, first + count) of a row's scores (rows start 16-byte
@@ -195,7 +203,8 @@ struct ListSource {
 
 // Where compact keeps its warps' counts: two sets, used by turns, so one CTA
 // barrier per chunk suffices.
-using WarpTotals = int[2][kThreads / 32];
+template <int kBlock>
+using WarpTotals = int[2][kBlock / 32];
 
 // Copies, in source order, the entries whose items `classify` puts in class
 // 1 to first[] and those in class 2 to second[] (only the first second_limit
@@ -204,10 +213,10 @@ using WarpTotals = int[2][kThreads / 32];
 // warps' totals give each run its place. The caller synchronises before it
 // reads the copies or calls again. Returns how many items of each class
 // there were (all of class 2, beyond second_limit too).
-template <class Source, class Classify>
+template <int kBlock, class Source, class Classify>
 __device__ int2 compact(const Source& src, Classify classify, Entry* first, Entry* second, int second_limit,
-                        WarpTotals& totals) {
-  constexpr int kChunk = kRun * kThreads, kWarps = kThreads / 32;
+                        WarpTotals<kBlock>& totals) {
+  constexpr int kChunk = kRun * kBlock, kWarps = kBlock / 32;
   static_assert(kChunk < (1 << 16), "a chunk's counts of both classes fit in one int");
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, mine = kRun * threadIdx.x;
   int first_base = 0, second_base = 0, turn = 0;
@@ -280,53 +289,62 @@ constexpr int kPlanInts = sizeof(RowPlan) / sizeof(int);
 
 // Compacts a row's scores in bins above plan.bin to first[] and those in it to second[] (bin b holds the half
 // keys b * 16 .. b * 16 + 15).
+template <int kBlock>
 __device__ int2 compact_by_bin(const RowSource& src, const RowPlan& plan, Entry* first, Entry* second,
-                               int second_limit, WarpTotals& totals) {
+                               int second_limit, WarpTotals<kBlock>& totals) {
   const uint32_t lowest_in = static_cast<uint32_t>(plan.bin) << 4, lowest_above = lowest_in + 16;
   const auto by_bin = [&](float v) {
     const uint32_t key = half_key(v);
     return key >= lowest_above ? 1 : key >= lowest_in ? 2 : 0;
   };
-  return compact(src, by_bin, first, second, second_limit, totals);
+  return compact<kBlock>(src, by_bin, first, second, second_limit, totals);
 }
 
-// A row of at most kHeldRow scores, read once into registers (one CTA per row): thread i holds `pieces` consecutive
-// 16-byte pieces, positions [first, first + 4 * pieces) with first = 4 * pieces * i, so the CTA's position order
-// is that of (thread, item) and a compaction in position order is one scan of the threads' counts. Every load is
-// issued before any is used. The loops over the items have no branch per item (the phases' time goes with the
-// instructions each warp issues): items past the row's end are masked out by `valid`.
+// A row of at most kHeldRow scores, read once into registers (one CTA of kBlock threads per row): thread i holds
+// `pieces` (at most kPieces) consecutive 16-byte pieces, positions [first, first + 4 * pieces) with first = 4 *
+// pieces * i, so the CTA's position order is that of (thread, item) and a compaction in position order is one scan
+// of the threads' counts. Every load is issued before any is used. The loops over the items have no branch per item
+// (the phases' time goes with the instructions each warp issues): items past the row's end are masked out by
+// `valid`.
+template <int kBlock>
 struct HeldRow {
-  float4 piece[kHeldPieces];
+  static constexpr int kPieces = kHeldRow / (4 * kBlock);
+  static_assert(4 * kPieces <= 32, "a thread's items are the bits of one word");
+  float4 piece[kPieces];
   int pieces, first;
   uint32_t valid;  // the bits (see for_each) of the thread's items that lie in the row
 
   __device__ __forceinline__ HeldRow(const float* row, int n)
-      : pieces((n + 4 * kThreads - 1) / (4 * kThreads)), first(4 * pieces * threadIdx.x) {
+      : pieces((n + 4 * kBlock - 1) / (4 * kBlock)), first(4 * pieces * threadIdx.x) {
     const int items = max(0, min(4 * pieces, n - first));
     valid = items >= 32 ? ~0u : (1u << items) - 1;
 #pragma unroll
-    for (int g = 0; g < kHeldPieces; ++g) {
+    for (int g = 0; g < kPieces; ++g) {
       piece[g] = make_float4(0.f, 0.f, 0.f, 0.f);
       if (g < pieces && first + 4 * g < n) piece[g] = reinterpret_cast<const float4*>(row + first)[g];
     }
   }
   // The score of item `bit` (see for_each) by a tree of selects over the registers, one level a bit of the piece's
-  // index: an indexed read of `piece` (or a chain of compares, which the compiler makes one) puts it in local memory.
+  // index, highest first: an indexed read of `piece` (or a chain of compares, which the compiler makes one) puts it
+  // in local memory.
   __device__ __forceinline__ float score_of(int bit) const {
-    static_assert(kHeldPieces == 8, "three levels of selects");
-    const auto pick = [](bool second, const float4& a, const float4& b) { return second ? b : a; };
-    const bool b2 = bit & 4, b3 = bit & 8, b4 = bit & 16;
-    const float4 v = pick(b4, pick(b3, pick(b2, piece[0], piece[1]), pick(b2, piece[2], piece[3])),
-                          pick(b3, pick(b2, piece[4], piece[5]), pick(b2, piece[6], piece[7])));
+    static_assert((kPieces & (kPieces - 1)) == 0, "whole levels of selects");
+    float4 v[kPieces];
+#pragma unroll
+    for (int g = 0; g < kPieces; ++g) v[g] = piece[g];
+#pragma unroll
+    for (int half = kPieces / 2; half >= 1; half /= 2)
+#pragma unroll
+      for (int g = 0; g < half; ++g) v[g] = (bit >> 2) & half ? v[g + half] : v[g];
     const int c = bit & 3;
-    return c == 0 ? v.x : c == 1 ? v.y : c == 2 ? v.z : v.w;
+    return c == 0 ? v[0].x : c == 1 ? v[0].y : c == 2 ? v[0].z : v[0].w;
   }
   // Calls f(bit, score) for each of the thread's items, those past the row's end too (bit 4g + c: item c of piece
   // g, position first + bit), in position order.
   template <class F>
   __device__ __forceinline__ void for_each(F&& f) const {
 #pragma unroll
-    for (int g = 0; g < kHeldPieces; ++g) {
+    for (int g = 0; g < kPieces; ++g) {
       if (g >= pieces) break;  // the same for the whole CTA
       f(4 * g, piece[g].x);
       f(4 * g + 1, piece[g].y);
@@ -335,10 +353,10 @@ struct HeldRow {
     }
   }
 };
-static_assert(4 * kHeldPieces <= 32, "a thread's items are the bits of one word");
 
 // The coarse histogram of a held row (hist zeroed): an item past the row's end adds 0.
-__device__ __forceinline__ void held_histogram(const HeldRow& r, int* hist) {
+template <int kBlock>
+__device__ __forceinline__ void held_histogram(const HeldRow<kBlock>& r, int* hist) {
   r.for_each([&](int bit, float v) { atomicAdd(&hist[coarse_bin(v)], static_cast<int>((r.valid >> bit) & 1)); });
 }
 
@@ -356,9 +374,9 @@ struct HeldClasses {
 // instructions an item, SASS, every item, where about one in four is written; reading the items written again from
 // memory made the sorted order's writes slower on the H200, the row likely not in L1). The caller synchronises
 // before it reads the copies.
-template <class Counted>
-__device__ HeldClasses compact_held(const HeldRow& r, const RowPlan& plan, Entry* first, Entry* second,
-                                    bool selected_too, Scan::TempStorage& scan, Counted counted) {
+template <int kBlock, class Counted>
+__device__ HeldClasses compact_held(const HeldRow<kBlock>& r, const RowPlan& plan, Entry* first, Entry* second,
+                                    bool selected_too, typename Scan<kBlock>::TempStorage& scan, Counted counted) {
   static_assert(kHeldRow < (1 << 16), "a class's count over the row fits 16 bits");
   const uint32_t lowest_in = static_cast<uint32_t>(plan.bin) << 4, lowest_above = lowest_in + 16;
   HeldClasses classes;
@@ -371,7 +389,7 @@ __device__ HeldClasses compact_held(const HeldRow& r, const RowPlan& plan, Entry
   classes.selected &= r.valid;
   classes.candidates &= r.valid;
   int before;
-  Scan(scan).ExclusiveSum(__popc(classes.selected) | __popc(classes.candidates) << 16, before);
+  Scan<kBlock>(scan).ExclusiveSum(__popc(classes.selected) | __popc(classes.candidates) << 16, before);
   counted();
   const auto write = [&](uint32_t bits, Entry* to) {
     for (; bits != 0; bits &= bits - 1) {
@@ -386,13 +404,15 @@ __device__ HeldClasses compact_held(const HeldRow& r, const RowPlan& plan, Entry
 
 // The bin of hist[0, bins) in which the want-th largest falls, counting from
 // the top, and how many lie in the bins above it: result[0], result[1].
-__device__ void find_from_top(const int* hist, int bins, int want, Scan::TempStorage& scan, int* result) {
-  const int per = (bins + kThreads - 1) / kThreads;
+template <int kBlock>
+__device__ void find_from_top(const int* hist, int bins, int want, typename Scan<kBlock>::TempStorage& scan,
+                              int* result) {
+  const int per = (bins + kBlock - 1) / kBlock;
   const int hi = bins - static_cast<int>(threadIdx.x) * per;  // this thread's bins: [hi - per, hi)
   int local = 0;
   for (int b = hi - 1; b >= max(hi - per, 0); --b) local += hist[b];
   int before;
-  Scan(scan).ExclusiveSum(local, before);
+  Scan<kBlock>(scan).ExclusiveSum(local, before);
   if (before < want && want <= before + local) {
     int above = before, b = hi - 1;
     while (above + hist[b] < want) above += hist[b--];
@@ -403,9 +423,10 @@ __device__ void find_from_top(const int* hist, int bins, int want, Scan::TempSto
 }
 
 // The plan of a row from its coarse histogram (every thread gets it).
-__device__ RowPlan plan_from_histogram(const int* hist, int want, int list_capacity, Scan::TempStorage& scan,
-                                       int* result) {
-  find_from_top(hist, kCoarseBins, want, scan, result);
+template <int kBlock>
+__device__ RowPlan plan_from_histogram(const int* hist, int want, int list_capacity,
+                                       typename Scan<kBlock>::TempStorage& scan, int* result) {
+  find_from_top<kBlock>(hist, kCoarseBins, want, scan, result);
   const int bin = result[0];
   return {bin, result[1], hist[bin], want + hist[bin] <= list_capacity};
 }
@@ -416,25 +437,26 @@ __device__ RowPlan plan_from_histogram(const int* hist, int want, int list_capac
 // highest]: the digits above the highest where those two differ are known
 // (candidates of one coarse bin share the top one or two), so the rounds
 // start below them (none when lowest == highest).
-template <class ForEachKey>
-__device__ void radix_select(ForEachKey for_each_key, int want, int* hist, Scan::TempStorage& scan, int* result,
+template <int kBlock, class ForEachKey>
+__device__ void radix_select(ForEachKey for_each_key, int want, int* hist, typename Scan<kBlock>::TempStorage& scan,
+                             int* result,
                              uint32_t& threshold, int& remaining, uint32_t lowest = 0, uint32_t highest = ~0u) {
   const int top = lowest == highest ? -8 : (31 - __clz(lowest ^ highest)) / 8 * 8;  // shift of the first digit
   uint32_t mask = top == -8 ? ~0u : top == 24 ? 0u : ~0u << (top + 8);
   uint32_t prefix = lowest & mask;
   remaining = want;
   for (int shift = top; shift >= 0; shift -= 8) {
-    for (int i = threadIdx.x; i < kFineCopies * kFineBins; i += kThreads) hist[i] = 0;
+    for (int i = threadIdx.x; i < kFineCopies * kFineBins; i += kBlock) hist[i] = 0;
     __syncthreads();
     int* mine = hist + (threadIdx.x % kFineCopies) * kFineBins;
     for_each_key([&](uint32_t key) {
       if ((key & mask) == prefix) atomicAdd(&mine[(key >> shift) & 0xff], 1);
     });
     __syncthreads();
-    for (int b = threadIdx.x; b < 256; b += kThreads)
+    for (int b = threadIdx.x; b < 256; b += kBlock)
       for (int c = 1; c < kFineCopies; ++c) hist[b] += hist[c * kFineBins + b];
     __syncthreads();
-    find_from_top(hist, 256, remaining, scan, result);
+    find_from_top<kBlock>(hist, 256, remaining, scan, result);
     prefix |= static_cast<uint32_t>(result[0]) << shift;
     remaining -= result[1];
     mask |= 0xffu << shift;
@@ -445,13 +467,13 @@ __device__ void radix_select(ForEachKey for_each_key, int want, int* hist, Scan:
 
 constexpr int kMaxBucket = 64;  // the most entries in one bucket that place_by_counting takes
 
-// store(in_order) with in_order[j] = ordered[j * kThreads + threadIdx.x], -1 from want on.
-template <int kItems, class Store>
+// store(in_order) with in_order[j] = ordered[j * kBlock + threadIdx.x], -1 from want on.
+template <int kBlock, int kItems, class Store>
 __device__ __forceinline__ void store_striped(const int* ordered, int want, Store store) {
   int32_t in_order[kItems];
 #pragma unroll
   for (int j = 0; j < kItems; ++j) {
-    const int i = j * kThreads + threadIdx.x;
+    const int i = j * kBlock + threadIdx.x;
     in_order[j] = i < want ? ordered[i] : -1;
   }
   store(in_order);
@@ -462,18 +484,18 @@ __device__ __forceinline__ void store_striped(const int* ordered, int want, Stor
 // width of the highest less it). A bucket's place is the count of chosen in higher buckets; an entry's, its
 // bucket's plus the count of its bucket's entries that go before it (a higher key, or the same key at a lower
 // position: the order of the stable sort). Calls store(in_order) with the positions in their places, striped
-// (thread i the places i, i + kThreads, ...: coalesced stores; -1 from want on); returns false, having stored
+// (thread i the places i, i + kBlock, ...: coalesced stores; -1 from want on); returns false, having stored
 // nothing, when a bucket holds more than kMaxBucket (many equal or close keys: the radix sort costs less then).
 // Uses hist (16-byte aligned) and scan, and in the free list memory `bucketed` (want entries) and `cursor`
 // (kCoarseBins ints, then want more).
-template <int kSortItems, class Store>
+template <int kBlock, int kSortItems, class Store>
 __device__ bool place_by_counting(const uint32_t (&keys)[kSortItems], const int32_t (&positions)[kSortItems], int want,
-                                  uint32_t lowest, int bits, int* hist, Scan::TempStorage& scan, int* largest,
-                                  Entry* bucketed, int* cursor, Store store) {
-  constexpr int kPer = kCoarseBins / kThreads;
-  static_assert(kPer == 8, "a thread's buckets are two 16-byte pieces");
+                                  uint32_t lowest, int bits, int* hist, typename Scan<kBlock>::TempStorage& scan,
+                                  int* largest, Entry* bucketed, int* cursor, Store store) {
+  constexpr int kPer = kCoarseBins / kBlock, kPieces = kPer / 4;
+  static_assert(kPieces * 4 == kPer, "a thread's buckets are whole 16-byte pieces");
   const int shift = max(0, bits - 12);  // (key - lowest) >> shift < 2^12
-  zero_bins(hist);
+  zero_bins<kBlock>(hist);
   if (threadIdx.x == 0) *largest = 0;
   __syncthreads();
   int bucket[kSortItems];
@@ -488,8 +510,15 @@ __device__ bool place_by_counting(const uint32_t (&keys)[kSortItems], const int3
   // meet in a quarter of the banks.
   const int first = kCoarseBins - (static_cast<int>(threadIdx.x) + 1) * kPer;
   int4* counts = reinterpret_cast<int4*>(hist + first);
-  const int4 low = counts[0], high = counts[1];
-  const int n[kPer] = {low.x, low.y, low.z, low.w, high.x, high.y, high.z, high.w};
+  int n[kPer];
+#pragma unroll
+  for (int q = 0; q < kPieces; ++q) {
+    const int4 c = counts[q];
+    n[4 * q] = c.x;
+    n[4 * q + 1] = c.y;
+    n[4 * q + 2] = c.z;
+    n[4 * q + 3] = c.w;
+  }
   int local = 0, most = 0;
 #pragma unroll
   for (int b = 0; b < kPer; ++b) {
@@ -497,7 +526,7 @@ __device__ bool place_by_counting(const uint32_t (&keys)[kSortItems], const int3
     most = max(most, n[b]);
   }
   int before;
-  Scan(scan).ExclusiveSum(local, before);
+  Scan<kBlock>(scan).ExclusiveSum(local, before);
   most = __reduce_max_sync(0xffffffffu, most);
   if (threadIdx.x % 32 == 0) atomicMax(largest, most);
   int at[kPer];
@@ -506,8 +535,10 @@ __device__ bool place_by_counting(const uint32_t (&keys)[kSortItems], const int3
     at[b] = before;
     before += n[b];
   }
-  counts[0] = reinterpret_cast<int4*>(cursor + first)[0] = make_int4(at[0], at[1], at[2], at[3]);
-  counts[1] = reinterpret_cast<int4*>(cursor + first)[1] = make_int4(at[4], at[5], at[6], at[7]);
+#pragma unroll
+  for (int q = 0; q < kPieces; ++q)
+    counts[q] = reinterpret_cast<int4*>(cursor + first)[q] =
+        make_int4(at[4 * q], at[4 * q + 1], at[4 * q + 2], at[4 * q + 3]);
   __syncthreads();
   if (*largest > kMaxBucket) return false;
 #pragma unroll
@@ -528,7 +559,7 @@ __device__ bool place_by_counting(const uint32_t (&keys)[kSortItems], const int3
     ordered[place] = positions[j];
   }
   __syncthreads();
-  store_striped<kSortItems>(ordered, want, store);
+  store_striped<kBlock, kSortItems>(ordered, want, store);
   return true;
 }
 
@@ -536,13 +567,13 @@ __device__ bool place_by_counting(const uint32_t (&keys)[kSortItems], const int3
 // want), each in position order, no position twice: an entry's place among all in position order is its index in
 // its run plus, for each other run, how many entries there lie at lower positions (a binary search). The places go
 // through `ordered` (want ints, overwriting the runs once all are read) to store(in_order) as in place_by_counting.
-template <int kItems, class At, class Store>
+template <int kBlock, int kItems, class At, class Store>
 __device__ void place_by_position(At at, int want, int second, int third, int* ordered, Store store) {
   const int starts[4] = {0, second, third, want};
   int place[kItems], position[kItems];
 #pragma unroll
   for (int j = 0; j < kItems; ++j) {
-    const int i = j * kThreads + threadIdx.x;
+    const int i = j * kBlock + threadIdx.x;
     if (i >= want) continue;
     position[j] = at(i).pos;
     place[j] = 0;
@@ -564,9 +595,9 @@ __device__ void place_by_position(At at, int want, int second, int third, int* o
   __syncthreads();  // every run read
 #pragma unroll
   for (int j = 0; j < kItems; ++j)
-    if (j * kThreads + threadIdx.x < want) ordered[place[j]] = position[j];
+    if (j * kBlock + threadIdx.x < want) ordered[place[j]] = position[j];
   __syncthreads();
-  store_striped<kItems>(ordered, want, store);
+  store_striped<kBlock, kItems>(ordered, want, store);
 }
 
 // Step 4 for sorted = false on a held row: the chosen are its selected items and the candidates rest[0, need). Those
@@ -575,19 +606,19 @@ __device__ void place_by_position(At at, int want, int second, int third, int* o
 // in position order. The places go through `ordered` (want ints, over `rest`: written once it is read) to
 // store(in_order) as in place_by_counting.
 constexpr int kMarkWords = kHeldRow / 32 + 1;  // one more: a thread's bits may straddle the last word
-template <int kItems, class Store>
+template <int kBlock, int kItems, class Store>
 __device__ void place_held(const HeldClasses& classes, const Entry* rest, int need, int want, uint32_t* marks,
-                           Scan::TempStorage& scan, int* ordered, Store store) {
-  for (int i = threadIdx.x; i < need; i += kThreads) atomicOr(&marks[rest[i].pos / 32], 1u << (rest[i].pos % 32));
+                           typename Scan<kBlock>::TempStorage& scan, int* ordered, Store store) {
+  for (int i = threadIdx.x; i < need; i += kBlock) atomicOr(&marks[rest[i].pos / 32], 1u << (rest[i].pos % 32));
   __syncthreads();
   const int word = classes.first / 32, offset = classes.first % 32;
   const uint32_t marked = offset == 0 ? marks[word] : marks[word] >> offset | marks[word + 1] << (32 - offset);
   uint32_t chosen = classes.selected | (classes.candidates & marked);
   int place;
-  Scan(scan).ExclusiveSum(__popc(chosen), place);
+  Scan<kBlock>(scan).ExclusiveSum(__popc(chosen), place);
   for (; chosen != 0; chosen &= chosen - 1) ordered[place++] = classes.first + __ffs(chosen) - 1;
   __syncthreads();
-  store_striped<kItems>(ordered, want, store);
+  store_striped<kBlock, kItems>(ordered, want, store);
 }
 
 constexpr int kTableInShared = 2048;  // block-table entries the top-k copies for its fused slots, at most
@@ -611,6 +642,7 @@ struct TopkParams {
   int ranks = 1;      // CTAs per token: a cluster's when more than one
   bool sorted = true;  // false: the chosen in position order (IndexerTopkArgs::sorted)
   bool hold = true;    // false: no row held in registers (TopkSplit::one_cta_streamed)
+  bool wide = false;   // launched with kWideThreads (see plan_topk)
   // The split path (slices > 0): per token, `slices` histograms of kCoarseBins, a plan (RowPlan then two
   // offsets per slice) and a list of entries (the selected, then from kMaxIndexerTopk on the candidates).
   int slices;
@@ -635,7 +667,7 @@ __global__ void __launch_bounds__(kThreads) slice_histogram_kernel(const TopkPar
   for (int i = threadIdx.x; i < kCoarseBins; i += kThreads) hist[i] = 0;
   __syncthreads();
   if (first < n)
-    for_each_score(p.scores + t * p.score_stride + first, min(p.slice_len, n - first),
+    for_each_score<kThreads>(p.scores + t * p.score_stride + first, min(p.slice_len, n - first),
                    [&](float v) { atomicAdd(&hist[coarse_bin(v)], 1); });
   __syncthreads();
   int* out = p.slice_hists + (static_cast<int64_t>(t) * p.slices + blockIdx.x) * kCoarseBins;
@@ -647,7 +679,7 @@ __global__ void __launch_bounds__(kThreads) slice_histogram_kernel(const TopkPar
 // candidates the slices before it hold (its offsets in the lists).
 __global__ void __launch_bounds__(kThreads) row_plan_kernel(const TopkParams p) {
   __shared__ int hist[kCoarseBins];
-  __shared__ Scan::TempStorage scan;
+  __shared__ Scan<kThreads>::TempStorage scan;
   __shared__ int result[2];
   const int t = blockIdx.x, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int want = static_cast<int>(min(static_cast<int64_t>(p.k), p.rows.visible(t)));
@@ -659,7 +691,7 @@ __global__ void __launch_bounds__(kThreads) row_plan_kernel(const TopkParams p) 
     hist[b] = sum;
   }
   __syncthreads();
-  const RowPlan plan = plan_from_histogram(hist, want, p.list_capacity, scan, result);
+  const RowPlan plan = plan_from_histogram<kThreads>(hist, want, p.list_capacity, scan, result);
   // Each warp counts a slice's selected and candidates.
   for (int s = warp; s < p.slices; s += kThreads / 32) {
     int selected = 0;
@@ -689,7 +721,7 @@ __global__ void __launch_bounds__(kThreads) row_plan_kernel(const TopkParams p) 
 // compacted in position order into token blockIdx.y's lists at the offsets
 // of its plan.
 __global__ void __launch_bounds__(kThreads, 2) slice_compact_kernel(const TopkParams p) {
-  __shared__ WarpTotals totals;
+  __shared__ WarpTotals<kThreads> totals;
   const int t = blockIdx.y, slice = blockIdx.x;
   const int64_t n = p.rows.visible(t), first = slice * p.slice_len;
   if (min(static_cast<int64_t>(p.k), n) == 0 || first >= n) return;
@@ -698,22 +730,22 @@ __global__ void __launch_bounds__(kThreads, 2) slice_compact_kernel(const TopkPa
   if (!row.fits) return;
   const int selected_before = p.slice_offsets(t, slice)[0], candidates_before = p.slice_offsets(t, slice)[1];
   Entry* list = p.lists + t * p.list_stride;
-  compact_by_bin(
+  compact_by_bin<kThreads>(
       RowSource{p.scores + t * p.score_stride, static_cast<int>(min(p.slice_len, n - first)), static_cast<int>(first)},
       row, list + selected_before, list + kMaxIndexerTopk + candidates_before, row.in_bin - candidates_before, totals);
 }
 
 // One CTA per SM (its list takes the shared memory), told to ptxas so that it does not cap the registers lower
-// (for SM120 it chose 64 and spilled).
-template <int kSortItems>
-__global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
-  using Sort = cub::BlockRadixSort<uint32_t, kThreads, kSortItems, int32_t>;
+// (for SM120 it chose 64 and spilled). kBlock: kThreads, or kWideThreads (held rows only, top-k <= 2048).
+template <int kSortItems, int kBlock>
+__global__ void __launch_bounds__(kBlock, 1) topk_kernel(const TopkParams p) {
+  using Sort = cub::BlockRadixSort<uint32_t, kBlock, kSortItems, int32_t>;
   // The entry list, and once the chosen entries are in registers, the sort's scratch.
   extern __shared__ __align__(16) uint8_t smem_raw[];
   Entry* list = reinterpret_cast<Entry*>(smem_raw);
   __shared__ __align__(16) int hist[kCoarseBins];
-  __shared__ Scan::TempStorage scan;
-  __shared__ WarpTotals totals;
+  __shared__ typename Scan<kBlock>::TempStorage scan;
+  __shared__ WarpTotals<kBlock> totals;
   __shared__ int result[2];
   __shared__ uint32_t key_range[2];  // the lowest and highest key chosen
   __shared__ int counts[2];          // a cluster rank's selected and candidates
@@ -721,14 +753,18 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
   __shared__ int largest_bucket;           // place_by_counting's
   __shared__ int32_t table[kTableInShared];  // the fused slots' block-table row, when it fits
   SMLA_STAMP_START_END(p, kTopkFirstStart, kTopkLastEnd);
+  // The wide kernel runs only where one CTA holds every row (plan_topk): the split paths compiled out (in registers
+  // they would spill).
+  constexpr bool kHeldOnly = kBlock == kWideThreads;
+  const int ranks = kHeldOnly ? 1 : p.ranks, slices = kHeldOnly ? 0 : p.slices;
   if (threadIdx.x == 0) {
     key_range[0] = candidate_range[0] = 0xffffffffu;
     key_range[1] = candidate_range[1] = 0;
   }
-  // Token t's row is shared by p.ranks CTAs (a cluster's when more than one),
+  // Token t's row is shared by ranks CTAs (a cluster's when more than one),
   // rank r taking positions [r * len, (r + 1) * len) (maybe none). Its length and request are read while the
   // scores kernel may still run: they are not its output (it was launched once the stream's earlier work was done).
-  const int t = blockIdx.x / p.ranks, rank = blockIdx.x % p.ranks;
+  const int t = blockIdx.x / ranks, rank = blockIdx.x % ranks;
   const float* row = p.scores + t * p.score_stride;
   const int64_t n = p.rows.visible(t);
   const int want = static_cast<int>(min(static_cast<int64_t>(p.k), n));
@@ -737,7 +773,7 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
   // The row's coarse histogram: counted by the scores kernel (read once they are done), else here from zero (zeroed
   // while the scores kernel may still run).
   const int* counted = p.histograms == nullptr ? nullptr : p.histograms + static_cast<int64_t>(t) * kCoarseBins;
-  if (counted == nullptr) zero_bins(hist);
+  if (counted == nullptr) zero_bins<kBlock>(hist);
   // The fused slots' block-table row (an input too) into shared memory, when it fits, for the stores at the end: their
   // table loads then wait on no trip to memory (with the slots, an 8K row's stores took ~1 us longer: H200 stamps).
   const int32_t request = p.rows.request(t);
@@ -748,7 +784,7 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
           : min(p.slot_map.max_blocks, (n + p.slot_map.block_size - 1) / p.slot_map.block_size);
   const bool table_shared = table_blocks > 0 && table_blocks <= kTableInShared;
   if (table_shared)
-    for (int i = threadIdx.x; i < table_blocks; i += kThreads)
+    for (int i = threadIdx.x; i < table_blocks; i += kBlock)
       table[i] = p.slot_map.block_table[request * p.slot_map.table_stride + i];
   wait_for_prerequisites();  // launched as the scores kernel's dependent: every score written
   SMLA_STAMP(p, kTopkWaited);
@@ -757,17 +793,17 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
   let_dependents_launch();
   if (want == 0) {
     if (rank == 0)
-      for (int i = threadIdx.x; i < p.k; i += kThreads) {
+      for (int i = threadIdx.x; i < p.k; i += kBlock) {
         out[i] = -1;
         if (p.slots) slots[i] = -1;
       }
     return;
   }
-  const int64_t len = ((n + p.ranks - 1) / p.ranks + 3) / 4 * 4, first = min(n, rank * len);
+  const int64_t len = ((n + ranks - 1) / ranks + 3) / 4 * 4, first = min(n, rank * len);
   const RowSource whole{row, static_cast<int>(n)}, slice{row, static_cast<int>(min(n, first + len) - first),
                                                          static_cast<int>(first)};
   // A row one CTA has alone and that fits in registers is read once, into them: steps 1 and 2 take it from there.
-  const bool held = p.hold && p.ranks == 1 && p.slices == 0 && n <= kHeldRow;
+  const bool held = kHeldOnly || (p.hold && ranks == 1 && slices == 0 && n <= kHeldRow);
   HeldClasses held_classes;  // a held row's, for the unsorted order
   // Past the fine histograms, which step 3 may count in hist: the unsorted order's marks (see place_held).
   uint32_t* marks = reinterpret_cast<uint32_t*>(hist) + kCoarseBins - kMarkWords;
@@ -775,19 +811,19 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
 
   // 1. Coarse histogram: the bin of the want-th largest (the split path's plan has it).
   RowPlan plan;
-  if (p.slices > 0) {
+  if (slices > 0) {
     plan = *reinterpret_cast<const RowPlan*>(p.plan(t));
   } else if (held) {
-    const HeldRow scores(row, static_cast<int>(n));
+    const HeldRow<kBlock> scores(row, static_cast<int>(n));
     if (counted != nullptr) {
-      copy_bins(counted, hist);
+      copy_bins<kBlock>(counted, hist);
     } else {
       __syncthreads();  // hist zeroed
       held_histogram(scores, hist);
     }
     __syncthreads();
     SMLA_STAMP(p, kTopkHistogram);
-    plan = plan_from_histogram(hist, want, p.list_capacity, scan, result);
+    plan = plan_from_histogram<kBlock>(hist, want, p.list_capacity, scan, result);
     __syncthreads();  // result and hist (marks) are reused below
     SMLA_STAMP(p, kTopkPlan);
     if (plan.fits) {  // 2., here while the scores are in registers
@@ -795,32 +831,32 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
                                   [&] { SMLA_STAMP(p, kTopkCounted); });
       if (!p.sorted) {
 #pragma unroll
-        for (int k = 0; k < (kMarkWords + kThreads - 1) / kThreads; ++k)
-          if (k * kThreads + threadIdx.x < kMarkWords) marks[k * kThreads + threadIdx.x] = 0;
+        for (int k = 0; k < (kMarkWords + kBlock - 1) / kBlock; ++k)
+          if (k * kBlock + threadIdx.x < kMarkWords) marks[k * kBlock + threadIdx.x] = 0;
       }
     }
   } else if (counted != nullptr) {  // every rank reads the whole row's
-    copy_bins(counted, hist);
+    copy_bins<kBlock>(counted, hist);
     __syncthreads();
     SMLA_STAMP(p, kTopkHistogram);
-    plan = plan_from_histogram(hist, want, p.list_capacity, scan, result);
+    plan = plan_from_histogram<kBlock>(hist, want, p.list_capacity, scan, result);
     __syncthreads();  // hist, result and the list are reused below
     SMLA_STAMP(p, kTopkPlan);
   } else {
     __syncthreads();  // hist zeroed
-    for_each_score(row + slice.first, slice.count, [&](float v) { atomicAdd(&hist[coarse_bin(v)], 1); });
+    for_each_score<kBlock>(row + slice.first, slice.count, [&](float v) { atomicAdd(&hist[coarse_bin(v)], 1); });
     const int* total = hist;
-    if (p.ranks > 1) {
+    if (ranks > 1) {
       cluster_sync();  // every rank's histogram is complete
       // The sum of all ranks' histograms, into every rank's list memory (unused until step 2): each rank sums
       // its share of the bins over the ranks and writes the sums to all of them (1 / ranks of the traffic of
       // every rank reading every histogram).
       int* summed = reinterpret_cast<int*>(list);
-      const int share = (kCoarseBins + p.ranks - 1) / p.ranks;
-      for (int b = rank * share + threadIdx.x; b < min((rank + 1) * share, kCoarseBins); b += kThreads) {
+      const int share = (kCoarseBins + ranks - 1) / ranks;
+      for (int b = rank * share + threadIdx.x; b < min((rank + 1) * share, kCoarseBins); b += kBlock) {
         int sum = 0;
-        for (int r = 0; r < p.ranks; ++r) sum += rank_shared(hist, r)[b];
-        for (int r = 0; r < p.ranks; ++r) rank_shared(summed, r)[b] = sum;
+        for (int r = 0; r < ranks; ++r) sum += rank_shared(hist, r)[b];
+        for (int r = 0; r < ranks; ++r) rank_shared(summed, r)[b] = sum;
       }
       total = summed;
       cluster_sync();  // every share delivered; no rank rewrites or leaves its hist while another reads it
@@ -828,7 +864,7 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
       __syncthreads();
     }
     SMLA_STAMP(p, kTopkHistogram);
-    plan = plan_from_histogram(total, want, p.list_capacity, scan, result);
+    plan = plan_from_histogram<kBlock>(total, want, p.list_capacity, scan, result);
     __syncthreads();  // hist, result and the list are reused below
     SMLA_STAMP(p, kTopkPlan);
   }
@@ -842,14 +878,14 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
   if (plan.fits) {
     // 2. Higher bins: selected; the bin itself: candidates.
     Entry* candidates = list + above;
-    if (p.slices > 0) {  // slice_compact_kernel listed them
+    if (slices > 0) {  // slice_compact_kernel listed them
       const Entry* listed_by_slices = p.lists + t * p.list_stride;
-      for (int i = threadIdx.x; i < above; i += kThreads) list[i] = listed_by_slices[i];
-      for (int i = threadIdx.x; i < in_bin; i += kThreads) candidates[i] = listed_by_slices[kMaxIndexerTopk + i];
+      for (int i = threadIdx.x; i < above; i += kBlock) list[i] = listed_by_slices[i];
+      for (int i = threadIdx.x; i < in_bin; i += kBlock) candidates[i] = listed_by_slices[kMaxIndexerTopk + i];
     } else if (!held) {  // (a held row's were compacted in step 1)
       // Every rank lists its slice at the same places (a slice has at most `above` selected).
-      const int2 wrote = compact_by_bin(slice, plan, list, candidates, in_bin, totals);
-      if (p.ranks > 1) {
+      const int2 wrote = compact_by_bin<kBlock>(slice, plan, list, candidates, in_bin, totals);
+      if (ranks > 1) {
         if (threadIdx.x == 0) {
           counts[0] = wrote.x;
           counts[1] = wrote.y;
@@ -864,8 +900,8 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
         }
         if (rank > 0) {
           Entry* to = rank_shared(list, 0);
-          for (int i = threadIdx.x; i < wrote.x; i += kThreads) to[selected_before + i] = list[i];
-          for (int i = threadIdx.x; i < wrote.y; i += kThreads) to[above + candidates_before + i] = candidates[i];
+          for (int i = threadIdx.x; i < wrote.x; i += kBlock) to[selected_before + i] = list[i];
+          for (int i = threadIdx.x; i < wrote.y; i += kBlock) to[above + candidates_before + i] = candidates[i];
         }
         cluster_sync();  // rank 0 has every list
         if (rank != 0) return;
@@ -873,7 +909,7 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
     }
     __syncthreads();
     SMLA_STAMP(p, kTopkCompacted);
-    // 3. The candidates that complete the want: few (one a thread or less), each ranked by counting those that go
+    // 3. The candidates that complete the want: few (at most kThreads), each ranked by counting those that go
     // before it (a higher key, or the same at a lower position), the need best put in that order (equal keys in
     // position order, as step 4 wants them); else by a radix select.
     const int need = want - above;
@@ -883,7 +919,7 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
       // Each candidate is ranked by `share` neighbouring lanes (a power of 2 up to 32, as many as the CTA has
       // threads for), each counting over every share-th candidate: one lane counting all, 59 candidates took
       // ~1 µs, 175 ~2.5 µs (H200).
-      const int share = 1 << (31 - __clz(min(32, kThreads / in_bin)));
+      const int share = 1 << (31 - __clz(min(32, kBlock / in_bin)));
       const int mine = threadIdx.x / share;
       Entry e{0, -1};
       int rank = 0;
@@ -901,14 +937,14 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
         if (chosen) rest[rank] = e;
       } else {  // in the candidates' (position) order: each after the chosen before it
         int place;
-        Scan(scan).ExclusiveSum(static_cast<int>(chosen), place);
+        Scan<kBlock>(scan).ExclusiveSum(static_cast<int>(chosen), place);
         if (chosen) rest[place] = e;
       }
       __syncthreads();
     } else if (need < in_bin) {
       const ListSource cand{candidates, in_bin};
       uint32_t lowest = 0xffffffffu, highest = 0;
-      for (int i = threadIdx.x; i < in_bin; i += kThreads) {
+      for (int i = threadIdx.x; i < in_bin; i += kBlock) {
         lowest = min(lowest, candidates[i].key);
         highest = max(highest, candidates[i].key);
       }
@@ -921,13 +957,13 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
       __syncthreads();
       uint32_t threshold;
       int remaining;
-      radix_select(
+      radix_select<kBlock>(
           [&](auto&& f) {
-            for (int i = threadIdx.x; i < in_bin; i += kThreads) f(candidates[i].key);
+            for (int i = threadIdx.x; i < in_bin; i += kBlock) f(candidates[i].key);
           },
           need, hist, scan, result, threshold, remaining, candidate_range[0], candidate_range[1]);
       rest = candidates + in_bin;
-      compact(
+      compact<kBlock>(
           cand, [&](const Entry& e) { return e.key > threshold ? 1 : e.key == threshold ? 2 : 0; }, rest,
           rest + (need - remaining), remaining, totals);
       __syncthreads();
@@ -939,13 +975,13 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
     if (rank != 0) return;
     uint32_t threshold;
     int remaining;
-    radix_select([&](auto&& f) { for_each_score(row, n, [&](float v) { f(order_key(v)); }); }, want, hist, scan,
-                 result, threshold, remaining);
+    radix_select<kBlock>([&](auto&& f) { for_each_score<kBlock>(row, n, [&](float v) { f(order_key(v)); }); }, want,
+                         hist, scan, result, threshold, remaining);
     const auto by_threshold = [&](float v) {
       const uint32_t key = order_key(v);
       return key > threshold ? 1 : key == threshold ? 2 : 0;
     };
-    compact(whole, by_threshold, list, list + (want - remaining), remaining, totals);
+    compact<kBlock>(whole, by_threshold, list, list + (want - remaining), remaining, totals);
     __syncthreads();
     listed = want;
     rest = list + want;
@@ -953,7 +989,7 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
   }
   SMLA_STAMP(p, kTopkSelected);
 
-  // Stores the positions of ranks j * kThreads + threadIdx.x (every rank < p.k: k <= kSortItems * kThreads) and,
+  // Stores the positions of ranks j * kBlock + threadIdx.x (every rank < p.k: k <= kSortItems * kBlock) and,
   // fused, their slots: every block-table load issued before the first slot store (a store might alias the table).
   // One code path for either copy of the row, by a generic load (the two inlined apart were twice the code).
   const int32_t* table_row = table_shared    ? table
@@ -963,7 +999,7 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
     SMLA_STAMP(p, kTopkOrdered);
 #pragma unroll
     for (int j = 0; j < kSortItems; ++j)
-      if (j * kThreads + threadIdx.x < p.k) out[j * kThreads + threadIdx.x] = position[j];
+      if (j * kBlock + threadIdx.x < p.k) out[j * kBlock + threadIdx.x] = position[j];
     if (p.slots == nullptr) {
       SMLA_STAMP(p, kTopkStored);
       return;
@@ -974,16 +1010,17 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
       slot[j] = p.slot_map.slot_in(table_row, request, position[j]);
 #pragma unroll
     for (int j = 0; j < kSortItems; ++j)
-      if (j * kThreads + threadIdx.x < p.k) slots[j * kThreads + threadIdx.x] = slot[j];
+      if (j * kBlock + threadIdx.x < p.k) slots[j * kBlock + threadIdx.x] = slot[j];
     SMLA_STAMP(p, kTopkStored);
   };
   if (!p.sorted && held && plan.fits) {
-    place_held<kSortItems>(held_classes, rest, want - above, want, marks, scan, reinterpret_cast<int*>(list), store);
+    place_held<kBlock, kSortItems>(held_classes, rest, want - above, want, marks, scan, reinterpret_cast<int*>(list),
+                                   store);
     return;
   }
   if (!p.sorted) {
-    place_by_position<kSortItems>([&](int i) { return i < listed ? list[i] : rest[i - listed]; }, want, second_run,
-                                  third_run, reinterpret_cast<int*>(list), store);
+    place_by_position<kBlock, kSortItems>([&](int i) { return i < listed ? list[i] : rest[i - listed]; }, want,
+                                          second_run, third_run, reinterpret_cast<int*>(list), store);
     return;
   }
 
@@ -1013,9 +1050,9 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
   }
   __syncthreads();  // the key range is known; the counting's or the sort's scratch overwrites the list
   const int bits = max(1, 32 - __clz(static_cast<int>(key_range[1] - key_range[0])));
-  if constexpr (kSortItems * kThreads <= 2048) {
-    if (place_by_counting(keys, positions, want, key_range[0], bits, hist, scan, &largest_bucket, list,
-                          reinterpret_cast<int*>(list + kSortItems * kThreads), store))
+  if constexpr (kSortItems * kBlock <= 2048) {
+    if (place_by_counting<kBlock>(keys, positions, want, key_range[0], bits, hist, scan, &largest_bucket, list,
+                          reinterpret_cast<int*>(list + kSortItems * kBlock), store))
       return;
   }
 #pragma unroll
@@ -1024,7 +1061,7 @@ __global__ void __launch_bounds__(kThreads, 1) topk_kernel(const TopkParams p) {
       .SortDescendingBlockedToStriped(keys, positions, 0, bits);
 #pragma unroll
   for (int j = 0; j < kSortItems; ++j)
-    if (j * kThreads + threadIdx.x >= want) positions[j] = -1;
+    if (j * kBlock + threadIdx.x >= want) positions[j] = -1;
   store(positions);
 }
 
@@ -1042,27 +1079,30 @@ TopkScratch scratch_layout(const TopkParams& p, int tokens) {
   return s;
 }
 
-template <int kSortItems>
+template <int kSortItems, int kBlock>
 const void* topk_kernel_ptr() {
-  static_assert(sizeof(typename cub::BlockRadixSort<uint32_t, kThreads, kSortItems, int32_t>::TempStorage) <=
+  static_assert(sizeof(typename cub::BlockRadixSort<uint32_t, kBlock, kSortItems, int32_t>::TempStorage) <=
                     kMaxIndexerTopk * sizeof(Entry),
                 "the sort's scratch fits where the list is");
-  return reinterpret_cast<const void*>(topk_kernel<kSortItems>);
+  return reinterpret_cast<const void*>(topk_kernel<kSortItems, kBlock>);
 }
-const void* topk_kernel_for(int k) {
-  return k <= 2048 ? topk_kernel_ptr<2048 / kThreads>() : topk_kernel_ptr<kMaxIndexerTopk / kThreads>();
+// The kernel select_topk launches for top-k (TopkParams::wide: the held rows' of kWideThreads, k <= 2048).
+const void* topk_kernel_for(int k, bool wide = false) {
+  if (wide) return topk_kernel_ptr<2048 / kWideThreads, kWideThreads>();
+  return k <= 2048 ? topk_kernel_ptr<2048 / kThreads, kThreads>()
+                   : topk_kernel_ptr<kMaxIndexerTopk / kThreads, kThreads>();
 }
 
 // p.ranks is the most CTAs per token wanted; fewer (down to min_ranks) when the device could not run every
 // token's cluster at once (a second wave would cost more than smaller clusters). `scratch`: scratch_layout(p).total
 // bytes when p.slices > 0.
 // after_scores: launched as the programmatic dependent of the kernel before it (see TopkFusion).
-template <int kSortItems>
+template <int kSortItems, int kBlock>
 void launch_topk(TopkParams p, int tokens, int min_ranks, bool after_scores, cudaStream_t stream, uint8_t* scratch) {
-  const auto kernel = topk_kernel<kSortItems>;
+  const auto kernel = topk_kernel<kSortItems, kBlock>;
   const int smem = max_dynamic_smem(reinterpret_cast<const void*>(kernel));
   while (p.ranks > min_ranks &&
-         tokens > max_active_clusters(reinterpret_cast<const void*>(kernel), kThreads, smem, p.ranks))
+         tokens > max_active_clusters(reinterpret_cast<const void*>(kernel), kBlock, smem, p.ranks))
     --p.ranks;
   if (p.slices > 0) {
     const TopkScratch layout = scratch_layout(p, tokens);
@@ -1091,7 +1131,7 @@ void launch_topk(TopkParams p, int tokens, int min_ranks, bool after_scores, cud
   }
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(p.ranks * tokens);  // x, not y: more than 65535 tokens stay possible
-  config.blockDim = dim3(kThreads);
+  config.blockDim = dim3(kBlock);
   config.dynamicSmemBytes = smem;
   config.stream = stream;
   config.attrs = attrs;
@@ -1173,6 +1213,12 @@ TopkParams plan_topk(const IndexerTopkArgs& a, TopkSplit split) {
     p.slice_len = (p.slice_len + 3) / 4 * 4;
     p.list_stride = kMaxIndexerTopk + p.list_capacity;
   }
+  // Every row held in registers by one CTA (top-k <= 2048): the kernel of kWideThreads, its own list capacity.
+  if (p.hold && p.ranks == 1 && p.slices == 0 && capacity <= kHeldRow && k <= 2048) {
+    p.wide = true;
+    p.list_capacity = max_dynamic_smem(topk_kernel_for(k, true)) / static_cast<int>(sizeof(Entry));
+    require(p.list_capacity >= kMaxIndexerTopk, "indexer_topk: the device has too little shared memory per block");
+  }
   return p;
 }
 
@@ -1197,6 +1243,10 @@ size_t topk_scratch_bytes(const IndexerTopkArgs& a, TopkSplit split) {
 }
 
 bool topk_reads_histograms(const IndexerTopkArgs& a, TopkSplit split) { return plan_topk(a, split).slices == 0; }
+
+int topk_cta_threads(const IndexerTopkArgs& a, TopkSplit split) {
+  return plan_topk(a, split).wide ? kWideThreads : kThreads;
+}
 
 size_t topk_histogram_bytes(const IndexerTopkArgs& a) {
   return static_cast<size_t>(a.q.size(0)) * kCoarseBins * sizeof(int);
@@ -1232,8 +1282,9 @@ void select_topk(const IndexerTopkArgs& a, const float* scores, TopkSplit split,
   auto* bytes = static_cast<uint8_t*>(scratch);
   const int min_ranks = split == TopkSplit::cluster16 ? kWideRanks : split == TopkSplit::cluster ? 2 : 1;
   const bool after_scores = fusion.after_scores && current_device().compute_capability >= 90;
-  if (p.k <= 2048) launch_topk<2048 / kThreads>(p, tokens, min_ranks, after_scores, stream, bytes);
-  else launch_topk<kMaxIndexerTopk / kThreads>(p, tokens, min_ranks, after_scores, stream, bytes);
+  if (p.wide) launch_topk<2048 / kWideThreads, kWideThreads>(p, tokens, min_ranks, after_scores, stream, bytes);
+  else if (p.k <= 2048) launch_topk<2048 / kThreads, kThreads>(p, tokens, min_ranks, after_scores, stream, bytes);
+  else launch_topk<kMaxIndexerTopk / kThreads, kThreads>(p, tokens, min_ranks, after_scores, stream, bytes);
 }
 
 #ifdef SMLA_TOPK_STAMPS
