@@ -739,15 +739,15 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
           const uint32_t lo01 = kp.lo01[k], hi01 = kp.hi01[k], lo23 = kp.lo23[k], hi23 = kp.hi23[k];
+          // Each half converted where its mma use it: only one half's fragment live at a time.
           const uint32_t a_lo[4] = {e4m3x2_to_f16x2(lo01), e4m3x2_to_f16x2<true>(lo01), e4m3x2_to_f16x2(lo23),
                                     e4m3x2_to_f16x2<true>(lo23)};
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) mma_16816<__half>(o[8 * tt + 2 * k][nt], a_lo, {pt[nt].x, pt[nt].y});
           const uint32_t a_hi[4] = {e4m3x2_to_f16x2(hi01), e4m3x2_to_f16x2<true>(hi01), e4m3x2_to_f16x2(hi23),
                                     e4m3x2_to_f16x2<true>(hi23)};
 #pragma unroll
-          for (int nt = 0; nt < NT; ++nt) {
-            mma_16816<__half>(o[8 * tt + 2 * k][nt], a_lo, {pt[nt].x, pt[nt].y});
-            mma_16816<__half>(o[8 * tt + 2 * k + 1][nt], a_hi, {pt[nt].x, pt[nt].y});
-          }
+          for (int nt = 0; nt < NT; ++nt) mma_16816<__half>(o[8 * tt + 2 * k + 1][nt], a_hi, {pt[nt].x, pt[nt].y});
         }
       }
     } else {
