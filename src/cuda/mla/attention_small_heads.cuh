@@ -739,7 +739,7 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
           const uint32_t lo01 = kp.lo01[k], hi01 = kp.hi01[k], lo23 = kp.lo23[k], hi23 = kp.hi23[k];
-          // Each half converted where its mma use it: only one half's fragment live at a time.
+          // Each half converted where its mmas use it: only one half's fragment live at a time.
           const uint32_t a_lo[4] = {e4m3x2_to_f16x2(lo01), e4m3x2_to_f16x2<true>(lo01), e4m3x2_to_f16x2(lo23),
                                     e4m3x2_to_f16x2<true>(lo23)};
 #pragma unroll
