@@ -63,6 +63,12 @@ namespace {
 
 // The deepest pipeline that keeps the most CTAs of `fn` resident per SM, or
 // exactly `stages` when > 0; fn null when none fits the device.
+// 16 heads per CTA unforced: 16 heads a warp (dims split) where kSixteenHeadsPerWarpAutomatic, else two groups;
+// fp8_ds_mla_v4 never splits the dims.
+int automatic_split_16(CacheFormat f) {
+  return kSixteenHeadsPerWarpAutomatic && f != CacheFormat::fp8_ds_mla_v4 ? 2 : 1;
+}
+
 // `blocks`: 8-head blocks per CTA (1 or 2).
 SmallHeadsConfig deepest(Kernel fn, CacheFormat f, int rope, int blocks, int split_dims, int stages) {
   const int threads = std::max(blocks, split_dims) * kKeySlots * 32;  // 16 heads: 8 warps either way
@@ -107,8 +113,7 @@ const SmallHeadsConfig* find_small_heads_config(CacheFormat f, int rope, bool pa
   if (it == configs.end()) {
     SmallHeadsConfig cfg;
     if (groups == 2) {
-      // 16 heads a warp (dims split) unless forced into two groups; fp8_ds_mla_v4 never splits the dims.
-      const int split_dims = shape.split_dims != 0 ? shape.split_dims : f == CacheFormat::fp8_ds_mla_v4 ? 1 : 2;
+      const int split_dims = shape.split_dims != 0 ? shape.split_dims : automatic_split_16(f);
       cfg = deepest(select(f, paged, rope, 2, split_dims), f, rope, 2, split_dims, shape.stages);
     } else if (shape.split_dims != 0 || f == CacheFormat::fp8_ds_mla_v4) {  // forced, or never split (kSplitsDims)
       const int split_dims = shape.split_dims != 0 ? shape.split_dims : 1;
@@ -135,7 +140,7 @@ const SmallHeadsConfig& small_heads_config(CacheFormat f, int rope, bool paged, 
   if (const SmallHeadsConfig* cfg = find_small_heads_config(f, rope, paged, num_heads, shape)) return *cfg;
   const int groups = shape.heads_per_cta == 8 || (shape.heads_per_cta == 0 && num_heads <= kHeadsPerGroup) ? 1 : 2;
   const int stages = shape.stages > 0 ? shape.stages : 2;
-  const int split_dims = shape.split_dims != 0 ? shape.split_dims : groups == 2 && f != CacheFormat::fp8_ds_mla_v4 ? 2 : 1;
+  const int split_dims = shape.split_dims != 0 ? shape.split_dims : groups == 2 ? automatic_split_16(f) : 1;
   const int bytes = smem_bytes(f, rope, groups, split_dims, stages);
   throw Error(ErrorKind::unsupported, "MLA attention (small-heads kernel, " + std::to_string(stages) +
                                           " stages) needs " + std::to_string(bytes) +

@@ -579,7 +579,6 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
     // Online softmax per head column, over the 16 keys of lanes with the same
     // c; the max moves (and O is rescaled) only past kMaxSlack<F>.
     float cmax[NT][2];
-    bool grows = false;
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -588,8 +587,10 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
         for (int off = 4; off < 32; off *= 2)
           cmax[nt][e] = fmaxf(cmax[nt][e], __shfl_xor_sync(0xffffffffu, cmax[nt][e], off));
         top[nt][e] = fmaxf(top[nt][e], cmax[nt][e]);
-        grows = grows || cmax[nt][e] > m[nt][e] + kMaxSlack<F>;
       }
+    bool grows = false;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) grows = grows || cmax[nt][0] > m[nt][0] + kMaxSlack<F> || cmax[nt][1] > m[nt][1] + kMaxSlack<F>;
     if (__any_sync(0xffffffffu, grows)) {
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {

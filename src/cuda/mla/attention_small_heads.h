@@ -23,6 +23,10 @@ constexpr int kMaxHeadsAutomatic16Bit = 8, kMinTokensAutomatic16Bit = 32;
 // 128 tokens x 8 heads 80.3 against 63.8 us, 1 token 46.6 against 16.3). Forced, the kernel serves V4 (its tests
 // pass) with that caveat.
 constexpr bool kAutomaticForV4 = false;
+// Whether 16 heads per CTA run as 16 heads a warp with the output dims split (each fp8 key fragment converted once
+// for both 8-head tiles) unless forced, instead of two groups of 4 warps with 8 heads each (each group converting
+// every row). Off until measured: the layout has passed no GPU run yet (forced: SmallHeadsShape{0, 16, 2}).
+constexpr bool kSixteenHeadsPerWarpAutomatic = false;
 
 struct SmallHeadsConfig {
   const void* fn = nullptr;
@@ -32,8 +36,8 @@ struct SmallHeadsConfig {
 // What tests and benchmarks may force (0: as the kernel sees fit): the pipeline
 // depth (2-4), heads per CTA (8 or 16) and whether the output dims are split
 // between two warps per key slot (2) or not (1). 16 heads per CTA: split, each
-// warp holds all 16 heads (the default but for fp8_ds_mla_v4); unsplit, two
-// groups of 4 warps hold 8 heads each.
+// warp holds all 16 heads; unsplit, two groups of 4 warps hold 8 heads each
+// (unforced: kSixteenHeadsPerWarpAutomatic picks; fp8_ds_mla_v4 never splits).
 struct SmallHeadsShape {
   int stages = 0, heads_per_cta = 0, split_dims = 0;
 };
@@ -41,7 +45,7 @@ struct SmallHeadsShape {
 // The configuration for `num_heads` heads of format `f` and rope width `rope`
 // (64: 576-wide heads; 0: rope-free 512-wide ones, of whose fp8 rows only the
 // first 528 bytes are read, laid out alike in fp8_ds_mla and fp8_ds_mla_nope)
-// on the current device (cached per device and shape): 8 heads per CTA up to 8 heads, else 16 (dims split); the
+// on the current device (cached per device and shape): 8 heads per CTA up to 8 heads, else 16; the
 // deepest pipeline that keeps the most CTAs resident per SM; at 8 heads the
 // output dims split between two warps where the unsplit CTAs leave fewer
 // than 8 warps per SM and the split keeps as many CTAs (the 99 KB archs; not an H200). Null when the device's shared memory cannot hold it (bf16 rows

@@ -73,7 +73,8 @@ static_assert(kHeadsPerCtaTile == kHeadsPerCta && kWideHeadsPerCta == wide::kWid
                   kSmallMinTokensNoRope == small::kMinTokensAutomaticNoRope &&
                   kSmallMaxHeads16Bit == small::kMaxHeadsAutomatic16Bit &&
                   kSmallMinTokens16Bit == small::kMinTokensAutomatic16Bit &&
-                  kSmallAutomaticForV4 == small::kAutomaticForV4,
+                  kSmallAutomaticForV4 == small::kAutomaticForV4 &&
+                  kSmallSixteenHeadsPerWarp == small::kSixteenHeadsPerWarpAutomatic,
               "kernel_choice.h: the automatic rules' thresholds");
 static_assert(kWideRegisters * wide::kWideThreads <= kRegistersPerSm, "the wide tile's launch bounds: one CTA per SM");
 static_assert(kWgmmaRegisters * wg::kWgmmaThreads <= kRegistersPerSm, "the wgmma kernel's launch bounds: one CTA per SM");
