@@ -576,12 +576,13 @@ TEST(CudaSparseMlaSmallHeads, NoRopePartHeadsFormatsTopkBlockSizes) {
 
 // fp8 caches: each head's latent query is scaled by its own power of two for the f16 products. Heads 2^-8 to 2^4
 // in magnitude, so a scale taken from another head's largest value overflows f16 or drops the small head's bits;
-// 8 heads unsplit and dim-split, 16 heads in one CTA (two groups) and in two.
+// 8 heads unsplit and dim-split, 16 heads in one CTA (two groups, or 16 heads a warp with the dims split) and in two.
 TEST(CudaSparseMlaSmallHeads, QueryMagnitudesPerHead) {
   uint64_t seed = 760;
   const cuda::AttentionChoice shapes[] = {{cuda::AttentionKernel::small_heads, 0, 8, 1},
                                           {cuda::AttentionKernel::small_heads, 0, 8, 2},
-                                          {cuda::AttentionKernel::small_heads, 0, 16, 1}};
+                                          {cuda::AttentionKernel::small_heads, 0, 16, 1},
+                                          {cuda::AttentionKernel::small_heads, 0, 16, 2}};
   for (int heads : {8, 16})
     for (const cuda::AttentionChoice& shape : shapes)
       for (int topk : {100, 2048}) {

@@ -113,7 +113,7 @@ TEST(CudaEmulation, PlansKeepToTheDevicesSharedMemory) {
 }
 
 // Where the archs must choose otherwise than an H200, from their shared memory: the small-heads kernel's bf16 rows
-// at 16 heads (two 64-row stages, 167232 bytes, measured on the H200) fit an H200 but neither an A100 (166912 bytes
+// at 16 heads (two 64-row stages, 167232 bytes, 175424 with the dims split; measured on the H200) fit an H200 but neither an A100 (166912 bytes
 // per block) nor the 99 KB archs; its fp8 rows at 8 heads (42240 bytes a stage, 13728 more with the dims split) run
 // two 2-stage CTAs per SM on an H200 (228 KB), one 3-stage CTA on an A100 (164 KB per SM; 4 stages do not fit
 // 163 KB), one 2-stage CTA on SM86/89/120 (3 stages do not fit 99 KB).

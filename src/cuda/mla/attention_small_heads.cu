@@ -1,4 +1,5 @@
 // Instantiations and launch configuration of the small-heads MLA attention kernel.
+#include <algorithm>
 #include <map>
 #include <mutex>
 #include <string>
@@ -18,37 +19,42 @@ constexpr int kMaxStages = 4;  // cp_async_wait_dynamic's deepest count is stage
 
 using Kernel = void (*)(AttentionParams, int);
 
-// Head groups x dim split compiled: 8 heads on 4 or 8 warps, 16 heads on 8. fp8_ds_mla_v4 rows are not read with
-// the output dims split: at 128 registers a thread that form spilled (sm_90a: 12-28 bytes).
+// 8-head blocks x dim split compiled: 8 heads on 4 or 8 warps; 16 heads on 8, as two groups of 4 warps (split 1)
+// or as 16 heads a warp with the dims split (split 2). fp8_ds_mla_v4 rows are not read with the output dims split:
+// at 128 registers a thread that form spilled (sm_90a: 12-28 bytes).
 template <CacheFormat F>
 constexpr bool kSplitsDims = F != CacheFormat::fp8_ds_mla_v4;
 template <CacheFormat F, bool kPaged, int kRope>
-Kernel kernel_for(int groups, int split_dims) {
-  if (groups == 2) return small_heads_kernel<F, kPaged, 2, 1, kRope>;
-  if constexpr (!kSplitsDims<F>) return small_heads_kernel<F, kPaged, 1, 1, kRope>;
-  else return split_dims == 2 ? small_heads_kernel<F, kPaged, 1, 2, kRope> : small_heads_kernel<F, kPaged, 1, 1, kRope>;
+Kernel kernel_for(int blocks, int split_dims) {
+  if constexpr (!kSplitsDims<F>) {
+    return blocks == 2 ? small_heads_kernel<F, kPaged, 2, 1, kRope> : small_heads_kernel<F, kPaged, 1, 1, kRope>;
+  } else {
+    if (blocks == 2)
+      return split_dims == 2 ? small_heads_kernel<F, kPaged, 1, 2, kRope, 2> : small_heads_kernel<F, kPaged, 2, 1, kRope>;
+    return split_dims == 2 ? small_heads_kernel<F, kPaged, 1, 2, kRope> : small_heads_kernel<F, kPaged, 1, 1, kRope>;
+  }
 }
 
-Kernel select(CacheFormat f, bool paged, int rope, int groups, int split_dims) {
-  return instance_for(f, rope, paged, [groups, split_dims]<CacheFormat F, int kRope, bool kPaged>() {
-    return kernel_for<F, kPaged, kRope>(groups, split_dims);
+Kernel select(CacheFormat f, bool paged, int rope, int blocks, int split_dims) {
+  return instance_for(f, rope, paged, [blocks, split_dims]<CacheFormat F, int kRope, bool kPaged>() {
+    return kernel_for<F, kPaged, kRope>(blocks, split_dims);
   });
 }
 
 template <CacheFormat F, int kRope>
-int smem_bytes(int groups, int split_dims, int stages) {
-  if (groups == 2) return Layout<F, kRope, 2, 1>(stages).total;
+int smem_bytes(int blocks, int split_dims, int stages) {
+  if (blocks == 2) return split_dims == 2 ? Layout<F, kRope, 1, 2, 2>(stages).total : Layout<F, kRope, 2, 1>(stages).total;
   return split_dims == 2 ? Layout<F, kRope, 1, 2>(stages).total : Layout<F, kRope, 1, 1>(stages).total;
 }
 
-int smem_bytes(CacheFormat f, int rope, int groups, int split_dims, int stages) {
-  if (f == CacheFormat::fp8_ds_mla_v4) return smem_bytes<CacheFormat::fp8_ds_mla_v4, 0>(groups, split_dims, stages);
+int smem_bytes(CacheFormat f, int rope, int blocks, int split_dims, int stages) {
+  if (f == CacheFormat::fp8_ds_mla_v4) return smem_bytes<CacheFormat::fp8_ds_mla_v4, 0>(blocks, split_dims, stages);
   if (f == CacheFormat::fp8_ds_mla)
-    return rope ? smem_bytes<CacheFormat::fp8_ds_mla, 64>(groups, split_dims, stages)
-                : smem_bytes<CacheFormat::fp8_ds_mla, 0>(groups, split_dims, stages);
+    return rope ? smem_bytes<CacheFormat::fp8_ds_mla, 64>(blocks, split_dims, stages)
+                : smem_bytes<CacheFormat::fp8_ds_mla, 0>(blocks, split_dims, stages);
   // bf16 and f16 rows are laid out alike
-  return rope ? smem_bytes<CacheFormat::bf16, 64>(groups, split_dims, stages)
-              : smem_bytes<CacheFormat::bf16, 0>(groups, split_dims, stages);
+  return rope ? smem_bytes<CacheFormat::bf16, 64>(blocks, split_dims, stages)
+              : smem_bytes<CacheFormat::bf16, 0>(blocks, split_dims, stages);
 }
 
 }  // namespace
@@ -57,20 +63,27 @@ namespace {
 
 // The deepest pipeline that keeps the most CTAs of `fn` resident per SM, or
 // exactly `stages` when > 0; fn null when none fits the device.
-SmallHeadsConfig deepest(Kernel fn, CacheFormat f, int rope, int groups, int split_dims, int stages) {
-  const int threads = groups * kKeySlots * split_dims * 32;
+// 16 heads per CTA unforced: 16 heads a warp (dims split) where kSixteenHeadsPerWarpAutomatic, else two groups;
+// fp8_ds_mla_v4 never splits the dims.
+int automatic_split_16(CacheFormat f) {
+  return kSixteenHeadsPerWarpAutomatic && f != CacheFormat::fp8_ds_mla_v4 ? 2 : 1;
+}
+
+// `blocks`: 8-head blocks per CTA (1 or 2).
+SmallHeadsConfig deepest(Kernel fn, CacheFormat f, int rope, int blocks, int split_dims, int stages) {
+  const int threads = std::max(blocks, split_dims) * kKeySlots * 32;  // 16 heads: 8 warps either way
   // The kernel is opted in to all the device allows once: configurations of
   // other depths, made in any order, then launch it with less.
   const int limit = max_dynamic_smem(reinterpret_cast<const void*>(fn));
   SmallHeadsConfig best;
   for (int s = 2; s <= kMaxStages; ++s) {
     if (stages > 0 && s != stages) continue;
-    const int bytes = smem_bytes(f, rope, groups, split_dims, s);
+    const int bytes = smem_bytes(f, rope, blocks, split_dims, s);
     if (bytes > limit) continue;
     const int ctas = resident_ctas_per_sm(reinterpret_cast<const void*>(fn), threads, bytes);
     // Depths ascend: a deeper pipeline wins unless it costs resident CTAs.
     if (ctas > 0 && ctas >= best.ctas_per_sm)
-      best = {reinterpret_cast<const void*>(fn), threads, bytes, s, ctas, groups * kHeadsPerGroup, split_dims};
+      best = {reinterpret_cast<const void*>(fn), threads, bytes, s, ctas, blocks * kHeadsPerGroup, split_dims};
   }
   return best;
 }
@@ -100,7 +113,8 @@ const SmallHeadsConfig* find_small_heads_config(CacheFormat f, int rope, bool pa
   if (it == configs.end()) {
     SmallHeadsConfig cfg;
     if (groups == 2) {
-      cfg = deepest(select(f, paged, rope, 2, 1), f, rope, 2, 1, shape.stages);
+      const int split_dims = shape.split_dims != 0 ? shape.split_dims : automatic_split_16(f);
+      cfg = deepest(select(f, paged, rope, 2, split_dims), f, rope, 2, split_dims, shape.stages);
     } else if (shape.split_dims != 0 || f == CacheFormat::fp8_ds_mla_v4) {  // forced, or never split (kSplitsDims)
       const int split_dims = shape.split_dims != 0 ? shape.split_dims : 1;
       cfg = deepest(select(f, paged, rope, 1, split_dims), f, rope, 1, split_dims, shape.stages);
@@ -126,7 +140,8 @@ const SmallHeadsConfig& small_heads_config(CacheFormat f, int rope, bool paged, 
   if (const SmallHeadsConfig* cfg = find_small_heads_config(f, rope, paged, num_heads, shape)) return *cfg;
   const int groups = shape.heads_per_cta == 8 || (shape.heads_per_cta == 0 && num_heads <= kHeadsPerGroup) ? 1 : 2;
   const int stages = shape.stages > 0 ? shape.stages : 2;
-  const int bytes = smem_bytes(f, rope, groups, shape.split_dims == 2 ? 2 : 1, stages);
+  const int split_dims = shape.split_dims != 0 ? shape.split_dims : groups == 2 ? automatic_split_16(f) : 1;
+  const int bytes = smem_bytes(f, rope, groups, split_dims, stages);
   throw Error(ErrorKind::unsupported, "MLA attention (small-heads kernel, " + std::to_string(stages) +
                                           " stages) needs " + std::to_string(bytes) +
                                           " bytes of shared memory per block; this device allows " +

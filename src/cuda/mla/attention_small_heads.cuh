@@ -1,10 +1,11 @@
 // MLA attention for few heads per token (1-16 per CTA; the memory-bound
 // decode of tensor-parallel shards: GLM-5 TP8 runs 8 heads, DeepSeek-V3.2 16).
 //
-// One CTA = one query token, up to kGroups x 8 heads and a range of 64-key
+// One CTA = one query token, up to kGroups x kHeadTiles x 8 heads and a range of 64-key
 // chunks. Keys go on the mma's M side and heads on N (S^T = K Q^T, O^T =
 // V^T P^T), so 8 heads fill an n8 tile with nothing wasted. Each warp owns 16
-// keys of every chunk and all 512 output dims of its head group: it runs its
+// keys of every chunk and all 512 output dims of its head group (kHeadTiles n8
+// tiles of heads: 16 heads share each converted key fragment): it runs its
 // own online softmax with no barrier but the one per chunk of the cp.async
 // pipeline, and the warps of a group are merged once at the end. fp8_ds_mla
 // rows are dequantised from shared memory straight into mma fragments (e4m3
@@ -67,16 +68,17 @@ struct Geometry {
 // Shared memory: `stages` pipeline stages (the merge buffers reuse them once
 // the loop is done), then the query fragments, the warps' softmax stats and,
 // when the output dims are split, the two halves' partial scores.
-template <CacheFormat F, int kRope, int kGroups, int kSplitDims>
+template <CacheFormat F, int kRope, int kGroups, int kSplitDims, int kHeadTiles = 1>
 struct Layout {
   using G = Geometry<F, kRope>;
-  static constexpr int kMergeBytes = kGroups * (kKeySlots / 2) * kHeadsPerGroup * kVDim * 4;
-  static constexpr int kQBytes = kGroups * G::kQkSteps * 32 * 8;
+  static constexpr int kGroupHeads = kHeadTiles * kHeadsPerGroup;
+  static constexpr int kMergeBytes = kGroups * (kKeySlots / 2) * kGroupHeads * kVDim * 4;
+  static constexpr int kQBytes = kGroups * kHeadTiles * G::kQkSteps * 32 * 8;
   // fp8 queries' largest |q| per warp and head (the prologue's): from here on into the stats, unused until the merge.
-  static constexpr int kQMaxBytes = kGroups * kHeadsPerGroup * 4;
-  static constexpr int kStatBytes = kGroups * kKeySlots * kHeadsPerGroup * 3 * 4;
-  // Per warp of a split: its lanes' 4 partial scores (16 keys x 8 heads).
-  static constexpr int kExchangeBytes = kSplitDims == 2 ? kGroups * kKeySlots * 2 * 32 * 16 : 0;
+  static constexpr int kQMaxBytes = kGroups * kGroupHeads * 4;
+  static constexpr int kStatBytes = kGroups * kKeySlots * kGroupHeads * 3 * 4;
+  // Per warp of a split: its lanes' 4 partial scores per head tile (16 keys x 8 heads).
+  static constexpr int kExchangeBytes = kSplitDims == 2 ? kGroups * kKeySlots * 2 * 32 * 16 * kHeadTiles : 0;
   int q = 0, q_max = 0, stats = 0, exchange = 0, total = 0;
   __host__ __device__ constexpr explicit Layout(int stages) {
     q = stages * G::kStageBytes > kMergeBytes ? stages * G::kStageBytes : kMergeBytes;
@@ -157,20 +159,27 @@ __device__ __forceinline__ void cp_async_wait_dynamic(int pending) {
 // query dims and add the other's partial sums (through shared memory, a
 // barrier of the pair); each keeps half of O^T, so twice the warps fit in the
 // registers for about the same instructions in all.
-template <CacheFormat F, bool kPaged, int kGroups, int kSplitDims, int kRope = 64>
-__global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitDims == 2 ? 2 : 1)
+// kHeadTiles 2 (16 heads, with the dims split: O^T of 16 heads x 256 dims, as many registers as 8 x 512): each
+// key fragment converted from fp8 (or loaded) once feeds both head tiles' mma, where two groups of 8 heads
+// converted every row twice.
+template <CacheFormat F, bool kPaged, int kGroups, int kSplitDims, int kRope = 64, int kHeadTiles = 1>
+__global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitDims == 2 && kHeadTiles == 1 ? 2 : 1)
     small_heads_kernel(const AttentionParams p, int stages) {
   using T = ComputeT<F>;
   using G = Geometry<F, kRope>;
   constexpr bool kFp8 = G::kFp8, kV4 = G::kV4;
   constexpr int kWarpsPerGroup = kKeySlots * kSplitDims;
   constexpr int kWarps = kGroups * kWarpsPerGroup, kThreadsPerCta = kWarps * 32;
+  constexpr int NT = kHeadTiles, kGroupHeads = NT * kHeadsPerGroup, kHeadBlocks = kGroups * NT;
+  // 128 registers a thread (two CTAs of 8 warps per SM): the gather and the query loads are arranged to fit.
+  constexpr bool kTightRegisters = kSplitDims == 2 && NT == 1;
+  static_assert(NT == 1 || (kSplitDims == 2 && kGroups == 1 && !G::kV4), "16 heads a warp split the dims");
   constexpr int kRowsPerWarp = kChunkKeys / kWarps;
   constexpr int kLatentSteps = G::kLatentSteps, kTileSteps = 128 / 16;
   constexpr int kMTiles = kVDim / 16 / kSplitDims;  // this warp's 16-dim tiles of O^T
   constexpr int kScaleTiles = 4 / kSplitDims;       // ... and its fp8 128-dim scale tiles
   static_assert(kRowsPerWarp >= 1 && kRowsPerWarp <= 32, "a lane holds each of its warp's rows");
-  const Layout<F, kRope, kGroups, kSplitDims> L(stages);
+  const Layout<F, kRope, kGroups, kSplitDims, NT> L(stages);
   extern __shared__ __align__(16) uint8_t smem[];
   uint2* qfrag = reinterpret_cast<uint2*>(smem + L.q);
   float* stats = reinterpret_cast<float*>(smem + L.stats);      // [group][key slot][base, sum, max][head]
@@ -179,12 +188,12 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
   const int group = warp / kWarpsPerGroup, wig = warp % kWarpsPerGroup;
   const int slot_k = wig % kKeySlots, half_d = wig / kKeySlots;
   const int g = lane / 4, c = lane % 4;
-  const int cta_heads = kGroups * kHeadsPerGroup;
+  const int cta_heads = kGroups * kGroupHeads;
   const int head_blocks = (p.num_heads + cta_heads - 1) / cta_heads;
   const int t = blockIdx.x / head_blocks;
   const int h0 = (blockIdx.x % head_blocks) * cta_heads;
   const int nh = min(cta_heads, p.num_heads - h0);
-  const bool group_active = group * kHeadsPerGroup < nh;
+  const bool group_active = group * kGroupHeads < nh;
   const int split = blockIdx.y;
   const int b = t / p.s_q, j = t % p.s_q;
 
@@ -227,14 +236,14 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
   // multiplied as f16 (e4m3 codes convert to f16 in one instruction), so each
   // head's latent query is scaled by a power of two that puts its largest
   // value in [2^14, 2^15): exact in f16 down to 2^-24 of that value.
-  // Entry e = (head group, k-step, lane) holds 4 values. Each thread loads
+  // Entry e = (8-head block, k-step, lane) holds 4 values. Each thread loads
   // all its entries before using any: one memory round trip per CTA, not one
   // per entry (a split of few chunks is otherwise mostly this prologue). Loaded
   // with the first chunks' row indices, so the two round trips overlap; the
   // dim-split kernels load them after the gather's first chunks are issued
   // (held across the gather's set-up they cost those kernels spills).
   const uint16_t* q = p.q + b * p.q_stride_b + j * p.q_stride_s;
-  constexpr int kQEntries = kGroups * G::kQkSteps * 32;
+  constexpr int kQEntries = kHeadBlocks * G::kQkSteps * 32;
   constexpr int kQPerThread = (kQEntries + kThreadsPerCta - 1) / kThreadsPerCta;
   auto head_of = [](int e) { return (e / (32 * G::kQkSteps)) * kHeadsPerGroup + (e % 32) / 4; };
   auto is_latent = [](int e) { return (e / 32) % G::kQkSteps < kLatentSteps; };
@@ -248,7 +257,7 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
                                          : make_uint2(0, 0);
     }
   };
-  if constexpr (kSplitDims == 1) load_queries();
+  if constexpr (!kTightRegisters) load_queries();
   int64_t next_offset = offset_for(chunk_begin, first_entry);
   // Where this lane's piece jp of the warp's k-th row (row warp + kWarps k)
   // lands in a stage: dst_first[jp][k % kSwizzles] + (k / kSwizzles) *
@@ -281,7 +290,7 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
   }
   // Rows unrolled at once: all of them, but 4 at 128 registers a thread (the dim split), where the shuffled
   // offsets of all rows held live made the fp8 kernels spill on sm_80.
-  constexpr int kGatherUnroll = kSplitDims == 2 ? 4 : kRowsPerWarp;
+  constexpr int kGatherUnroll = kTightRegisters ? 4 : kRowsPerWarp;
   // Chunk i of this split into `stage` (stage i % stages), if it exists. Per chunk the row offsets become a mask of
   // the valid rows and offsets with 0 for the invalid ones, so a row costs a shuffle, an add and its copies.
   auto issue = [&](int i, uint8_t* stage) {
@@ -327,25 +336,27 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
   };
   for (int i = 0; i < stages - 1; ++i) issue(i, smem + i * G::kStageBytes);
 
-  if constexpr (kSplitDims == 2) load_queries();
+  if constexpr (kTightRegisters) load_queries();
   auto q_values = [&](uint2 raw, float (&v)[4]) {
     v[0] = bits_to_float(static_cast<uint16_t>(raw.x), p.q_is_bf16);
     v[1] = bits_to_float(static_cast<uint16_t>(raw.x >> 16), p.q_is_bf16);
     v[2] = bits_to_float(static_cast<uint16_t>(raw.y), p.q_is_bf16);
     v[3] = bits_to_float(static_cast<uint16_t>(raw.y >> 16), p.q_is_bf16);
   };
-  // A thread's entries are all of one head per group (head_of: lane l holds head l / 4 of the entry's group, which
-  // is the same for a warp's 32 entries).
+  // A thread's entries are all of one head per 8-head block (head_of: lane l holds head l / 4 of the entry's block,
+  // which is the same for a warp's 32 entries).
   auto group_of = [](int e) { return e / (32 * G::kQkSteps); };
-  float q_up[kGroups] = {};         // fp8: head g's power of two in each group
-  float q_unscale[2] = {1.f, 1.f};  // fp8: 1 / that of heads 2c, 2c+1 of this warp's group
+  float q_up[kHeadBlocks] = {};  // fp8: head g's power of two in each 8-head block
+  float q_unscale[NT][2];        // fp8: 1 / that of heads 2c, 2c+1 of each of this warp's head tiles
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) q_unscale[nt][0] = q_unscale[nt][1] = 1.f;
   if constexpr (kFp8) {
     // Each head's largest |q| (int bits, NaN above inf): over the thread's entries, the 4 lanes of the head, then
     // the warps through shared memory: no atomics, one barrier.
-    constexpr int kCtaHeads = kGroups * kHeadsPerGroup;
-    using Lt = Layout<F, kRope, kGroups, kSplitDims>;
+    constexpr int kCtaHeads = kHeadBlocks * kHeadsPerGroup;
+    using Lt = Layout<F, kRope, kGroups, kSplitDims, NT>;
     static_assert(kWarps * kCtaHeads * 4 <= Lt::kQMaxBytes + Lt::kStatBytes, "the q maxima fit");
-    int q_bits[kGroups] = {};
+    int q_bits[kHeadBlocks] = {};
 #pragma unroll
     for (int r = 0; r < kQPerThread; ++r) {
       const int e = tid + r * kThreadsPerCta;
@@ -354,12 +365,12 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
       q_values(q_raw[r], v);
       const float m = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
 #pragma unroll
-      for (int gi = 0; gi < kGroups; ++gi)
+      for (int gi = 0; gi < kHeadBlocks; ++gi)
         if (group_of(e) == gi) q_bits[gi] = max(q_bits[gi], __float_as_int(m));
     }
     int* q_max = reinterpret_cast<int*>(smem + L.q_max);  // [warp][CTA head]
 #pragma unroll
-    for (int gi = 0; gi < kGroups; ++gi) {
+    for (int gi = 0; gi < kHeadBlocks; ++gi) {
       q_bits[gi] = max(q_bits[gi], __shfl_xor_sync(0xffffffffu, q_bits[gi], 1));
       q_bits[gi] = max(q_bits[gi], __shfl_xor_sync(0xffffffffu, q_bits[gi], 2));
       if (c == 0) q_max[warp * kCtaHeads + gi * kHeadsPerGroup + g] = q_bits[gi];
@@ -373,9 +384,11 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
       return m > 0.f && m <= FLT_MAX ? ldexpf(1.f, max(-126, min(126, 14 - ilogbf(m)))) : 1.f;
     };
 #pragma unroll
-    for (int gi = 0; gi < kGroups; ++gi) q_up[gi] = scale_of(gi * kHeadsPerGroup + g);
-    q_unscale[0] = 1.f / scale_of(group * kHeadsPerGroup + 2 * c);
-    q_unscale[1] = 1.f / scale_of(group * kHeadsPerGroup + 2 * c + 1);
+    for (int gi = 0; gi < kHeadBlocks; ++gi) q_up[gi] = scale_of(gi * kHeadsPerGroup + g);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) q_unscale[nt][e] = 1.f / scale_of(group * kGroupHeads + nt * kHeadsPerGroup + 2 * c + e);
   }
 #pragma unroll
   for (int r = 0; r < kQPerThread; ++r) {
@@ -386,24 +399,32 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
     if (kFp8 && is_latent(e)) {
       float sc = q_up[0];
 #pragma unroll
-      for (int gi = 1; gi < kGroups; ++gi)
+      for (int gi = 1; gi < kHeadBlocks; ++gi)
         if (group_of(e) == gi) sc = q_up[gi];
       qfrag[e] = make_uint2(pack2<__half>(v[0] * sc, v[1] * sc), pack2<__half>(v[2] * sc, v[3] * sc));
     } else {
       qfrag[e] = make_uint2(pack2<T>(v[0], v[1]), pack2<T>(v[2], v[3]));
     }
   }
-  const uint2* my_q = qfrag + group * G::kQkSteps * 32 + lane;
+  // Head tile nt of this warp's group: my_q + nt * kQTile.
+  constexpr int kQTile = G::kQkSteps * 32;
+  const uint2* my_q = qfrag + group * NT * kQTile + lane;
   __syncthreads();  // the query fragments written; the q maxima read
 
-  // This warp's O^T (dims x heads): kMTiles tiles of 16 dims; thread (g, c)
-  // holds heads 2c, 2c+1. Which dims a tile's rows are depends on the format (see the merge).
-  float o[kMTiles][4];
+  // This warp's O^T (dims x heads): kMTiles tiles of 16 dims by NT tiles of 8 heads; thread (g, c) holds heads
+  // 2c, 2c+1 of each head tile. Which dims a tile's rows are depends on the format (see the merge).
+  float o[kMTiles][NT][4];
 #pragma unroll
-  for (int i = 0; i < kMTiles; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
-  // Heads 2c, 2c+1: the softmax's base (the running max, moved lazily), the
-  // sum of this lane's P, the exact max score.
-  float m[2] = {-INFINITY, -INFINITY}, l_part[2] = {0.f, 0.f}, top[2] = {-INFINITY, -INFINITY};
+  for (int i = 0; i < kMTiles; ++i)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) o[i][nt][0] = o[i][nt][1] = o[i][nt][2] = o[i][nt][3] = 0.f;
+  // Heads 2c, 2c+1 of each head tile: the softmax's base (the running max, moved lazily), the sum of this lane's
+  // P, the exact max score.
+  float m[NT][2], l_part[NT][2], top[NT][2];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) m[nt][e] = -INFINITY, l_part[nt][e] = 0.f, top[nt][e] = -INFINITY;
   // fp8 P V runs in f16 with each key's scale folded into P over a power of
   // two per 128-dim tile: P * scale * 2^(133 - e) for e the largest biased
   // exponent of the tile's scales this warp has met (at least 6). With P <=
@@ -443,12 +464,16 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
     auto score_piece = [&](int base, int grp, int h, bool second) {
       return load((h ? base ^ 64 : base) + 128 * grp + (second ? 8 * G::kRowBytes : 0));
     };
-    // Scores: acc[0 .. kScoreTiles - 1] this warp's latent tiles (each with its fp8 scale), acc[kScoreTiles] the rope.
-    float acc[kScoreTiles + 1][4] = {};
-    auto latent_step = [&](float (&d)[4], const uint32_t (&a)[4], int ks) {  // ks: from the warp's first tile
-      const uint2 qb = q_lat[ks * 32];
-      if constexpr (kFp8) mma_16816<__half>(d, a, {qb.x, qb.y});
-      else mma_16816<T>(d, a, {qb.x, qb.y});
+    // Scores: acc[0 .. kScoreTiles - 1] this warp's latent tiles (each with its fp8 scale), acc[kScoreTiles] the
+    // rope; [nt] the head tile.
+    float acc[kScoreTiles + 1][NT][4] = {};
+    auto latent_step = [&](float (&d)[NT][4], const uint32_t (&a)[4], int ks) {  // ks: from the warp's first tile
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const uint2 qb = q_lat[nt * kQTile + ks * 32];
+        if constexpr (kFp8) mma_16816<__half>(d[nt], a, {qb.x, qb.y});
+        else mma_16816<T>(d[nt], a, {qb.x, qb.y});
+      }
     };
     const int r0 = kr + g, r1 = kr + g + 8;
     // fp8_ds_mla_v4: the scale byte (biased exponent) of a row's 64-dim tile (the eighth byte is the pad).
@@ -464,7 +489,7 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
           if (kV4 && v4_tile >= MlaV4CacheLayout::kTiles) continue;  // its bf16 dims are the tail's
           const uint4 x0 = score_piece(s_lat, tt, half, false), x1 = score_piece(s_lat, tt, half, true);
           const uint32_t w0[4] = {x0.x, x0.y, x0.z, x0.w}, w1[4] = {x1.x, x1.y, x1.z, x1.w};
-          float v4_acc[4] = {};
+          float v4_acc[NT][4] = {};
 #pragma unroll
           for (int k = 0; k < 4; ++k) {
             const uint32_t a[4] = {e4m3x2_to_f16x2(w0[k]), e4m3x2_to_f16x2(w1[k]), e4m3x2_to_f16x2<true>(w0[k]),
@@ -474,10 +499,13 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
           }
           if constexpr (kV4) {  // each 64-dim tile's scale on its fp32 partial scores
             const float s0 = ue8m0_to_float(v4_exponent(r0, v4_tile)), s1 = ue8m0_to_float(v4_exponent(r1, v4_tile));
-            acc[tt][0] += v4_acc[0] * s0;
-            acc[tt][1] += v4_acc[1] * s0;
-            acc[tt][2] += v4_acc[2] * s1;
-            acc[tt][3] += v4_acc[3] * s1;
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+              acc[tt][nt][0] += v4_acc[nt][0] * s0;
+              acc[tt][nt][1] += v4_acc[nt][1] * s0;
+              acc[tt][nt][2] += v4_acc[nt][2] * s1;
+              acc[tt][nt][3] += v4_acc[nt][3] * s1;
+            }
           }
         }
     } else {
@@ -497,13 +525,16 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
         const int half = rope_half0 + rh;
         const uint4 x0 = score_piece(s_off + G::kLatentBytes, grp, half, false);
         const uint4 x1 = score_piece(s_off + G::kLatentBytes, grp, half, true);
-        const uint2* qk = my_q + (kLatentSteps + 4 * grp + 2 * half) * 32;
-        mma_16816<T>(acc[kScoreTiles], {x0.x, x1.x, x0.y, x1.y}, {qk[0].x, qk[0].y});
-        mma_16816<T>(acc[kScoreTiles], {x0.z, x1.z, x0.w, x1.w}, {qk[32].x, qk[32].y});
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          const uint2* qk = my_q + nt * kQTile + (kLatentSteps + 4 * grp + 2 * half) * 32;
+          mma_16816<T>(acc[kScoreTiles][nt], {x0.x, x1.x, x0.y, x1.y}, {qk[0].x, qk[0].y});
+          mma_16816<T>(acc[kScoreTiles][nt], {x0.z, x1.z, x0.w, x1.w}, {qk[32].x, qk[32].y});
+        }
       }
 
-    // s[0..1]: key r0, heads 2c, 2c+1; s[2..3]: key r1.
-    float s[4];
+    // s[nt][0..1]: key r0, heads 2c, 2c+1 of head tile nt; s[nt][2..3]: key r1.
+    float s[NT][4];
     float4 sc0 = make_float4(1.f, 1.f, 1.f, 1.f), sc1 = sc0;  // fp8_ds_mla_v4: applied above
     if constexpr (kFp8 && !kV4) {
       sc0 = *reinterpret_cast<const float4*>(scales + r0 * 4);
@@ -511,70 +542,91 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
     }
     const float sc0v[4] = {sc0.x, sc0.y, sc0.z, sc0.w}, sc1v[4] = {sc1.x, sc1.y, sc1.z, sc1.w};
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const float* sc = e < 2 ? sc0v : sc1v;
-      float latent = acc[0][e] * sc[tile0];
+    for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-      for (int tt = 1; tt < kScoreTiles; ++tt) latent += acc[tt][e] * sc[tile0 + tt];
-      s[e] = latent * q_unscale[e % 2] + acc[kScoreTiles][e];
-    }
+      for (int e = 0; e < 4; ++e) {
+        const float* sc = e < 2 ? sc0v : sc1v;
+        float latent = acc[0][nt][e] * sc[tile0];
+#pragma unroll
+        for (int tt = 1; tt < kScoreTiles; ++tt) latent += acc[tt][nt][e] * sc[tile0 + tt];
+        s[nt][e] = latent * q_unscale[nt][e % 2] + acc[kScoreTiles][nt][e];
+      }
     if constexpr (kSplitDims == 2) {  // add the other half's partial scores (lane l of both holds the same keys, heads)
-      float4* mine =
-          reinterpret_cast<float4*>(smem + L.exchange) + ((group * kKeySlots + slot_k) * 2 + half_d) * 32 + lane;
-      *mine = make_float4(s[0], s[1], s[2], s[3]);
+      float4* mine = reinterpret_cast<float4*>(smem + L.exchange) +
+                     ((group * kKeySlots + slot_k) * 2 + half_d) * NT * 32 + lane;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) mine[nt * 32] = make_float4(s[nt][0], s[nt][1], s[nt][2], s[nt][3]);
       named_barrier_sync(1 + group * kKeySlots + slot_k, 64);  // the key slot's two warps
-      const float4 other = *(half_d ? mine - 32 : mine + 32);
-      s[0] += other.x;
-      s[1] += other.y;
-      s[2] += other.z;
-      s[3] += other.w;
+      const float4* other = half_d ? mine - NT * 32 : mine + NT * 32;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const float4 x = other[nt * 32];
+        s[nt][0] += x.x;
+        s[nt][1] += x.y;
+        s[nt][2] += x.z;
+        s[nt][3] += x.w;
+      }
     }
     const bool v0 = valid[r0], v1 = valid[r1];
-    s[0] = v0 ? s[0] * p.scale_log2 : -INFINITY;
-    s[1] = v0 ? s[1] * p.scale_log2 : -INFINITY;
-    s[2] = v1 ? s[2] * p.scale_log2 : -INFINITY;
-    s[3] = v1 ? s[3] * p.scale_log2 : -INFINITY;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      s[nt][0] = v0 ? s[nt][0] * p.scale_log2 : -INFINITY;
+      s[nt][1] = v0 ? s[nt][1] * p.scale_log2 : -INFINITY;
+      s[nt][2] = v1 ? s[nt][2] * p.scale_log2 : -INFINITY;
+      s[nt][3] = v1 ? s[nt][3] * p.scale_log2 : -INFINITY;
+    }
 
     // Online softmax per head column, over the 16 keys of lanes with the same
     // c; the max moves (and O is rescaled) only past kMaxSlack<F>.
-    float cmax[2];
+    float cmax[NT][2];
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      cmax[e] = fmaxf(s[e], s[e + 2]);
-      for (int off = 4; off < 32; off *= 2) cmax[e] = fmaxf(cmax[e], __shfl_xor_sync(0xffffffffu, cmax[e], off));
-      top[e] = fmaxf(top[e], cmax[e]);
-    }
-    if (__any_sync(0xffffffffu, cmax[0] > m[0] + kMaxSlack<F> || cmax[1] > m[1] + kMaxSlack<F>)) {
-      float alpha[2];
+    for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const float m_new = fmaxf(m[e], cmax[e]);
-        alpha[e] = m_new == -INFINITY ? 1.f : exp2f(m[e] - m_new);
-        l_part[e] *= alpha[e];
-        m[e] = m_new;
+        cmax[nt][e] = fmaxf(s[nt][e], s[nt][e + 2]);
+        for (int off = 4; off < 32; off *= 2)
+          cmax[nt][e] = fmaxf(cmax[nt][e], __shfl_xor_sync(0xffffffffu, cmax[nt][e], off));
+        top[nt][e] = fmaxf(top[nt][e], cmax[nt][e]);
       }
+    bool grows = false;
 #pragma unroll
-      for (int i = 0; i < kMTiles; ++i) {
-        o[i][0] *= alpha[0];
-        o[i][1] *= alpha[1];
-        o[i][2] *= alpha[0];
-        o[i][3] *= alpha[1];
+    for (int nt = 0; nt < NT; ++nt) grows = grows || cmax[nt][0] > m[nt][0] + kMaxSlack<F> || cmax[nt][1] > m[nt][1] + kMaxSlack<F>;
+    if (__any_sync(0xffffffffu, grows)) {
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        float alpha[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float m_new = fmaxf(m[nt][e], cmax[nt][e]);
+          alpha[e] = m_new == -INFINITY ? 1.f : exp2f(m[nt][e] - m_new);
+          l_part[nt][e] *= alpha[e];
+          m[nt][e] = m_new;
+        }
+#pragma unroll
+        for (int i = 0; i < kMTiles; ++i) {
+          o[i][nt][0] *= alpha[0];
+          o[i][nt][1] *= alpha[1];
+          o[i][nt][2] *= alpha[0];
+          o[i][nt][3] *= alpha[1];
+        }
       }
     }
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const float base = m[e] == -INFINITY ? 0.f : m[e];  // nothing valid yet: stays at zero
-      s[e] = exp2f(s[e] - base);
-      s[e + 2] = exp2f(s[e + 2] - base);
-      l_part[e] += s[e] + s[e + 2];
-    }
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float base = m[nt][e] == -INFINITY ? 0.f : m[nt][e];  // nothing valid yet: stays at zero
+        s[nt][e] = exp2f(s[nt][e] - base);
+        s[nt][e + 2] = exp2f(s[nt][e + 2] - base);
+        l_part[nt][e] += s[nt][e] + s[nt][e + 2];
+      }
 
-    // P^T as the B operand (keys x heads): P rows are keys here, so each 8x8
-    // half is transposed in registers.
-    auto p_fragment = [&](auto one, float scale0, float scale1) {
+    // P^T of head tile nt as the B operand (keys x heads): P rows are keys here, so each 8x8 half is transposed in
+    // registers.
+    auto p_fragment = [&](int nt, auto one, float scale0, float scale1) {
       using U = decltype(one);
-      return uint2{movmatrix_trans(pack2<U>(s[0] * scale0, s[1] * scale0)),
-                   movmatrix_trans(pack2<U>(s[2] * scale1, s[3] * scale1))};
+      return uint2{movmatrix_trans(pack2<U>(s[nt][0] * scale0, s[nt][1] * scale0)),
+                   movmatrix_trans(pack2<U>(s[nt][2] * scale1, s[nt][3] * scale1))};
     };
     // fp8 values of rows kr+2c, kr+2c+1, kr+2c+8, kr+2c+9 at piece g of `tile` (16 dims of 4 keys), as byte pairs
     // (key kr+2c, kr+2c+1 in lo01/hi01; kr+2c+8, kr+2c+9 in lo23/hi23) per dim: [k] holds dims 4k, 4k+1 (lo) and
@@ -601,7 +653,7 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
       // exponent and tile_exp the largest this warp has met in the 128-dim tile (so at most 448 * 2^7 < 65504,
       // exact down to f16's 2^-24); P stays unscaled. In the last tile, lanes g >= 4 hold the bf16 tail's dims
       // instead (converted to f16, unscaled), and their O is never rescaled.
-      const uint2 pt = p_fragment(__half{}, 1.f, 1.f);
+      const uint2 pt = p_fragment(0, __half{}, 1.f, 1.f);  // one head tile (NT 1)
       // Scale bytes of the keys of this lane's A columns: kr+2c, kr+2c+1, kr+2c+8, kr+2c+9.
       const uint8_t* const key_scales = reinterpret_cast<const uint8_t*>(scales) + (kr + 2 * c) * 16;
       auto hmul2 = [](uint32_t a, uint32_t b) {
@@ -622,7 +674,9 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
         if (e > tile_exp[tt]) {  // warp-uniform
           const float f = tail_lane ? 1.f : exp2f(static_cast<float>(tile_exp[tt] - e));
 #pragma unroll
-          for (int i = 8 * tt; i < 8 * tt + 8; ++i) o[i][0] *= f, o[i][1] *= f, o[i][2] *= f, o[i][3] *= f;
+          for (int i = 8 * tt; i < 8 * tt + 8; ++i)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) o[i][nt][0] *= f, o[i][nt][1] *= f, o[i][nt][2] *= f, o[i][nt][3] *= f;
           tile_exp[tt] = e;
         }
         auto multiplier = [&](int key) -> uint32_t {  // f16 bits of this lane's tile's factor for key kr+2c+key
@@ -658,8 +712,8 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
               a_hi[3] = bf16x2_to_f16x2(byte_perm(y2.y, y3.y, 0x7632));
             }
           }
-          mma_16816<__half>(o[8 * tt + 2 * k], a_lo, {pt.x, pt.y});
-          mma_16816<__half>(o[8 * tt + 2 * k + 1], a_hi, {pt.x, pt.y});
+          mma_16816<__half>(o[8 * tt + 2 * k][0], a_lo, {pt.x, pt.y});
+          mma_16816<__half>(o[8 * tt + 2 * k + 1][0], a_hi, {pt.x, pt.y});
         }
       }
     } else if constexpr (kFp8) {
@@ -673,30 +727,40 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
         if (e > tile_exp[tt]) {  // warp-uniform
           const float f = exp2f(static_cast<float>(tile_exp[tt] - e));
 #pragma unroll
-          for (int i = 8 * tt; i < 8 * tt + 8; ++i) o[i][0] *= f, o[i][1] *= f, o[i][2] *= f, o[i][3] *= f;
+          for (int i = 8 * tt; i < 8 * tt + 8; ++i)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) o[i][nt][0] *= f, o[i][nt][1] *= f, o[i][nt][2] *= f, o[i][nt][3] *= f;
           tile_exp[tt] = e;
         }
         const float up = __uint_as_float(static_cast<uint32_t>(260 - tile_exp[tt]) << 23);  // 2^(133 - e)
-        const uint2 pt = p_fragment(__half{}, sc0v[tile] * up, sc1v[tile] * up);
+        uint2 pt[NT];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) pt[nt] = p_fragment(nt, __half{}, sc0v[tile] * up, sc1v[tile] * up);
         const KeyPairs kp = key_pairs(tile);
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
           const uint32_t lo01 = kp.lo01[k], hi01 = kp.hi01[k], lo23 = kp.lo23[k], hi23 = kp.hi23[k];
-          mma_16816<__half>(o[8 * tt + 2 * k], {e4m3x2_to_f16x2(lo01), e4m3x2_to_f16x2<true>(lo01),
-                                                e4m3x2_to_f16x2(lo23), e4m3x2_to_f16x2<true>(lo23)},
-                            {pt.x, pt.y});
-          mma_16816<__half>(o[8 * tt + 2 * k + 1], {e4m3x2_to_f16x2(hi01), e4m3x2_to_f16x2<true>(hi01),
-                                                    e4m3x2_to_f16x2(hi23), e4m3x2_to_f16x2<true>(hi23)},
-                            {pt.x, pt.y});
+          // Each half converted where its mmas use it: only one half's fragment live at a time.
+          const uint32_t a_lo[4] = {e4m3x2_to_f16x2(lo01), e4m3x2_to_f16x2<true>(lo01), e4m3x2_to_f16x2(lo23),
+                                    e4m3x2_to_f16x2<true>(lo23)};
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) mma_16816<__half>(o[8 * tt + 2 * k][nt], a_lo, {pt[nt].x, pt[nt].y});
+          const uint32_t a_hi[4] = {e4m3x2_to_f16x2(hi01), e4m3x2_to_f16x2<true>(hi01), e4m3x2_to_f16x2(hi23),
+                                    e4m3x2_to_f16x2<true>(hi23)};
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) mma_16816<__half>(o[8 * tt + 2 * k + 1][nt], a_hi, {pt[nt].x, pt[nt].y});
         }
       }
     } else {
-      const uint2 pt = p_fragment(T{}, 1.f, 1.f);
+      uint2 pt[NT];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) pt[nt] = p_fragment(nt, T{}, 1.f, 1.f);
 #pragma unroll
       for (int i = 0; i < kMTiles; ++i) {
         uint32_t a[4];
         ldmatrix_x4_trans(a, rows + ld_off[i % 4] + 128 * (i / 4));
-        mma_16816<T>(o[i], a, {pt.x, pt.y});
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) mma_16816<T>(o[i][nt], a, {pt[nt].x, pt[nt].y});
       }
     }
   };
@@ -714,117 +778,132 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
   // then a tree of adds through shared memory leaves the sum in merge slot 0
   // (the two dim halves of a key slot hold disjoint dims of the same slots).
 #pragma unroll
-  for (int e = 0; e < 2; ++e)
-    for (int off = 4; off < 32; off *= 2) l_part[e] += __shfl_xor_sync(0xffffffffu, l_part[e], off);
-  constexpr int kStatRow = 3 * kHeadsPerGroup;  // one key slot's stats
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int e = 0; e < 2; ++e)
+      for (int off = 4; off < 32; off *= 2) l_part[nt][e] += __shfl_xor_sync(0xffffffffu, l_part[nt][e], off);
+  constexpr int kStatRow = 3 * kGroupHeads;  // one key slot's stats
   float* my_stats = stats + group * kKeySlots * kStatRow;
   if (lane < 4 && half_d == 0)
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      my_stats[slot_k * kStatRow + 2 * c + e] = m[e];
-      my_stats[slot_k * kStatRow + kHeadsPerGroup + 2 * c + e] = l_part[e];
-      my_stats[slot_k * kStatRow + 2 * kHeadsPerGroup + 2 * c + e] = top[e];
-    }
-  __syncthreads();  // stats published; every warp is done with the stages
-  float row_max[2], row_sum[2], row_top[2];
+    for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-  for (int e = 0; e < 2; ++e) {
-    const int h = 2 * c + e;
-    float mx = -INFINITY, tp = -INFINITY;
-    for (int w = 0; w < kKeySlots; ++w) {
-      mx = fmaxf(mx, my_stats[w * kStatRow + h]);
-      tp = fmaxf(tp, my_stats[w * kStatRow + 2 * kHeadsPerGroup + h]);
-    }
-    float sum = 0.f;
-    for (int w = 0; w < kKeySlots; ++w) {
-      const float mw = my_stats[w * kStatRow + h];
-      sum += mw == -INFINITY ? 0.f : my_stats[w * kStatRow + kHeadsPerGroup + h] * exp2f(mw - mx);
-    }
-    row_max[e] = mx;
-    row_sum[e] = sum;
-    row_top[e] = tp;
-    const float f = m[e] == -INFINITY ? 0.f : exp2f(m[e] - mx);
-#pragma unroll
-    for (int i = 0; i < kMTiles; ++i) {
-      // fp8: O's tile back from its power of two (not fp8_ds_mla_v4's bf16 tail)
-      float fi = f;
-      if constexpr (kV4) {
-        if (!(half_d * kScaleTiles + i / 8 == kV4TailTile && g >= 4)) fi = ldexpf(f, tile_exp[i / 8] - 127 - kV4ValueExp);
-      } else if constexpr (kFp8) {
-        fi = ldexpf(f, tile_exp[i / 8] - 133);
+      for (int e = 0; e < 2; ++e) {
+        const int h = nt * kHeadsPerGroup + 2 * c + e;
+        my_stats[slot_k * kStatRow + h] = m[nt][e];
+        my_stats[slot_k * kStatRow + kGroupHeads + h] = l_part[nt][e];
+        my_stats[slot_k * kStatRow + 2 * kGroupHeads + h] = top[nt][e];
       }
-      o[i][e] *= fi;
-      o[i][e + 2] *= fi;
+  __syncthreads();  // stats published; every warp is done with the stages
+  float row_max[NT][2], row_sum[NT][2], row_top[NT][2];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int h = nt * kHeadsPerGroup + 2 * c + e;
+      float mx = -INFINITY, tp = -INFINITY;
+      for (int w = 0; w < kKeySlots; ++w) {
+        mx = fmaxf(mx, my_stats[w * kStatRow + h]);
+        tp = fmaxf(tp, my_stats[w * kStatRow + 2 * kGroupHeads + h]);
+      }
+      float sum = 0.f;
+      for (int w = 0; w < kKeySlots; ++w) {
+        const float mw = my_stats[w * kStatRow + h];
+        sum += mw == -INFINITY ? 0.f : my_stats[w * kStatRow + kGroupHeads + h] * exp2f(mw - mx);
+      }
+      row_max[nt][e] = mx;
+      row_sum[nt][e] = sum;
+      row_top[nt][e] = tp;
+      const float f = m[nt][e] == -INFINITY ? 0.f : exp2f(m[nt][e] - mx);
+#pragma unroll
+      for (int i = 0; i < kMTiles; ++i) {
+        // fp8: O's tile back from its power of two (not fp8_ds_mla_v4's bf16 tail)
+        float fi = f;
+        if constexpr (kV4) {
+          if (!(half_d * kScaleTiles + i / 8 == kV4TailTile && g >= 4)) fi = ldexpf(f, tile_exp[i / 8] - 127 - kV4ValueExp);
+        } else if constexpr (kFp8) {
+          fi = ldexpf(f, tile_exp[i / 8] - 133);
+        }
+        o[i][nt][e] *= fi;
+        o[i][nt][e + 2] *= fi;
+      }
     }
-  }
-  // Slot s of this group: [8 heads][512 dims] fp32. o[i][e] is head 2c + e % 2's dim
+  // Slot s of this group: [kGroupHeads heads][512 dims] fp32. o[i][nt][e] is head 8 nt + 2c + e % 2's dim
   //   fp8:    128 (half_d kScaleTiles + i / 8) + 16 g + 2 (i % 8) + e / 2,
   //   16-bit: 16 (half_d kMTiles + i) + g + 8 (e / 2),
   // at merge_index of those. Its XOR touches only dim bits that the compile-time i and e pick (fp8: 2 (i % 8) for
   // i even; 16-bit: 16 (i % 2) + 8 (e / 2)), so its 4 outcomes are fixed per thread here and the accesses take
   // immediate offsets (computed per access, the bf16 instances spilled).
-  float* merge = reinterpret_cast<float*>(smem) + group * (kKeySlots / 2) * kHeadsPerGroup * kVDim;
+  float* merge = reinterpret_cast<float*>(smem) + group * (kKeySlots / 2) * kGroupHeads * kVDim;
   constexpr int kSwizzleShift = kFp8 ? 2 : 3;
   int swz[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) swz[k] = (k ^ c) << kSwizzleShift;
+  // (Heads 8 nt + 2c, +1 swizzle by c as heads 2c, 2c+1 do.)
   auto visit = [&](float* slot, bool add) {
-    float* const heads = slot + 2 * c * kVDim;  // this lane's heads 2c, 2c+1
-    if constexpr (kFp8) {  // dims 4q..4q+3 of a lane's 16: o[i][e], o[i][e + 2], o[i + 1][e], o[i + 1][e + 2] (i even)
 #pragma unroll
-      for (int i = 0; i < kMTiles; i += 2)
+    for (int nt = 0; nt < NT; ++nt) {
+      float* const heads = slot + (nt * kHeadsPerGroup + 2 * c) * kVDim;  // this lane's heads of head tile nt
+      if constexpr (kFp8) {  // dims 4q..4q+3 of a lane's 16: o[i][e], o[i][e + 2], o[i + 1][e], o[i + 1][e + 2] (i even)
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float4* at = reinterpret_cast<float4*>(heads + e * kVDim + 128 * (half_d * kScaleTiles + i / 8) + 16 * g +
-                                                 swz[(i % 8) / 2]);
-          if (add) {
-            const float4 v = *at;
-            o[i][e] += v.x, o[i][e + 2] += v.y, o[i + 1][e] += v.z, o[i + 1][e + 2] += v.w;
-          } else {
-            *at = make_float4(o[i][e], o[i][e + 2], o[i + 1][e], o[i + 1][e + 2]);
+        for (int i = 0; i < kMTiles; i += 2)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            float4* at = reinterpret_cast<float4*>(heads + e * kVDim + 128 * (half_d * kScaleTiles + i / 8) + 16 * g +
+                                                   swz[(i % 8) / 2]);
+            float(&a)[4] = o[i][nt];
+            float(&b)[4] = o[i + 1][nt];
+            if (add) {
+              const float4 v = *at;
+              a[e] += v.x, a[e + 2] += v.y, b[e] += v.z, b[e + 2] += v.w;
+            } else {
+              *at = make_float4(a[e], a[e + 2], b[e], b[e + 2]);
+            }
           }
-        }
-    } else {
+      } else {
 #pragma unroll
-      for (int i = 0; i < kMTiles; ++i)
+        for (int i = 0; i < kMTiles; ++i)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          float* at = heads + (e % 2) * kVDim + 16 * half_d * kMTiles + 32 * (i / 2) + g + swz[2 * (i % 2) + e / 2];
-          if (add) o[i][e] += *at;
-          else *at = o[i][e];
-        }
+          for (int e = 0; e < 4; ++e) {
+            float* at = heads + (e % 2) * kVDim + 16 * half_d * kMTiles + 32 * (i / 2) + g + swz[2 * (i % 2) + e / 2];
+            if (add) o[i][nt][e] += *at;
+            else *at = o[i][nt][e];
+          }
+      }
     }
   };
   for (int half = kKeySlots / 2; half >= 1; half /= 2) {
-    if (slot_k >= half && slot_k < 2 * half) visit(merge + (slot_k - half) * kHeadsPerGroup * kVDim, false);
+    if (slot_k >= half && slot_k < 2 * half) visit(merge + (slot_k - half) * kGroupHeads * kVDim, false);
     __syncthreads();
-    if (slot_k < half) visit(merge + slot_k * kHeadsPerGroup * kVDim, true);
+    if (slot_k < half) visit(merge + slot_k * kGroupHeads * kVDim, true);
     __syncthreads();
   }
   if (slot_k == 0) visit(merge, false);
   const float ln2 = 0.6931471805599453f;
   if (slot_k == 0 && half_d == 0 && lane < 4)
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {  // each head's lse, output scale and max for the write-out, in key slot 0's stats
-      const int hl = group * kHeadsPerGroup + 2 * c + e;
-      const float l = row_sum[e], lse2 = l > 0.f ? row_max[e] + log2f(l) : -INFINITY;
-      float scale = l > 0.f ? 1.f / l : 0.f;
-      if (p.num_splits == 1 && p.attn_sink && l > 0.f && hl < nh) scale /= 1.f + expf(p.attn_sink[h0 + hl] - lse2 * ln2);
-      // unsplit: the lse and max logit as stored (natural log); split: the partial row's, in log2 units
-      my_stats[2 * c + e] = p.num_splits > 1 ? lse2 : l > 0.f ? lse2 * ln2 : p.empty_lse;
-      my_stats[kHeadsPerGroup + 2 * c + e] = scale;
-      my_stats[2 * kHeadsPerGroup + 2 * c + e] = p.num_splits > 1 ? row_top[e] : row_top[e] * ln2;
-    }
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {  // each head's lse, output scale and max for the write-out, in key slot 0's stats
+        const int hw = nt * kHeadsPerGroup + 2 * c + e, hl = group * kGroupHeads + hw;
+        const float l = row_sum[nt][e], lse2 = l > 0.f ? row_max[nt][e] + log2f(l) : -INFINITY;
+        float scale = l > 0.f ? 1.f / l : 0.f;
+        if (p.num_splits == 1 && p.attn_sink && l > 0.f && hl < nh) scale /= 1.f + expf(p.attn_sink[h0 + hl] - lse2 * ln2);
+        // unsplit: the lse and max logit as stored (natural log); split: the partial row's, in log2 units
+        my_stats[hw] = p.num_splits > 1 ? lse2 : l > 0.f ? lse2 * ln2 : p.empty_lse;
+        my_stats[kGroupHeads + hw] = scale;
+        my_stats[2 * kGroupHeads + hw] = p.num_splits > 1 ? row_top[nt][e] : row_top[nt][e] * ln2;
+      }
   __syncthreads();
 
   // Write-out, 4 dims per thread: the normalised output (or this split's partial row) and the lse.
   for (int e = tid; e < nh * (kVDim / 4); e += kThreadsPerCta) {
     const int hl = e / (kVDim / 4), col = (e % (kVDim / 4)) * 4;
-    const int gi = hl / kHeadsPerGroup, hg = hl % kHeadsPerGroup, h = h0 + hl;
+    const int gi = hl / kGroupHeads, hg = hl % kGroupHeads, h = h0 + hl;
     const float* st = stats + gi * kKeySlots * kStatRow;
-    const float scale = st[kHeadsPerGroup + hg];
+    const float scale = st[kGroupHeads + hg];
     const float4 v = *reinterpret_cast<const float4*>(reinterpret_cast<const float*>(smem) +
-                                                      gi * (kKeySlots / 2) * kHeadsPerGroup * kVDim +
+                                                      gi * (kKeySlots / 2) * kGroupHeads * kVDim +
                                                       merge_index<kFp8>(hg, col));
     if (p.num_splits == 1) {
       uint16_t* out =
@@ -836,7 +915,7 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
       *reinterpret_cast<uint2*>(out) = make_uint2(lo, hi);
       if (col == 0) {
         p.lse[b * p.lse_stride_b + j * p.lse_stride_s + h * p.lse_stride_h] = st[hg];
-        if (p.max_logits) p.max_logits[t * p.max_logits_stride_t + h * p.max_logits_stride_h] = st[2 * kHeadsPerGroup + hg];
+        if (p.max_logits) p.max_logits[t * p.max_logits_stride_t + h * p.max_logits_stride_h] = st[2 * kGroupHeads + hg];
       }
     } else {
       const int64_t row = (static_cast<int64_t>(split) * p.num_tokens + t) * p.num_heads + h;
@@ -844,7 +923,7 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
           make_float4(v.x * scale, v.y * scale, v.z * scale, v.w * scale);
       if (col == 0) {
         p.partial_lse[row] = st[hg];
-        p.partial_max[row] = st[2 * kHeadsPerGroup + hg];
+        p.partial_max[row] = st[2 * kGroupHeads + hg];
       }
     }
   }

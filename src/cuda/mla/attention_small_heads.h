@@ -23,6 +23,10 @@ constexpr int kMaxHeadsAutomatic16Bit = 8, kMinTokensAutomatic16Bit = 32;
 // 128 tokens x 8 heads 80.3 against 63.8 us, 1 token 46.6 against 16.3). Forced, the kernel serves V4 (its tests
 // pass) with that caveat.
 constexpr bool kAutomaticForV4 = false;
+// Whether 16 heads per CTA run as 16 heads a warp with the output dims split (each fp8 key fragment converted once
+// for both 8-head tiles) unless forced, instead of two groups of 4 warps with 8 heads each (each group converting
+// every row). Off until measured: the layout has passed no GPU run yet (forced: SmallHeadsShape{0, 16, 2}).
+constexpr bool kSixteenHeadsPerWarpAutomatic = false;
 
 struct SmallHeadsConfig {
   const void* fn = nullptr;
@@ -30,8 +34,10 @@ struct SmallHeadsConfig {
 };
 
 // What tests and benchmarks may force (0: as the kernel sees fit): the pipeline
-// depth (2-4), heads per CTA (8 or 16) and, at 8 heads per CTA, whether the
-// output dims are split between two warps per key slot (2) or not (1).
+// depth (2-4), heads per CTA (8 or 16) and whether the output dims are split
+// between two warps per key slot (2) or not (1). 16 heads per CTA: split, each
+// warp holds all 16 heads; unsplit, two groups of 4 warps hold 8 heads each
+// (unforced: kSixteenHeadsPerWarpAutomatic picks; fp8_ds_mla_v4 never splits).
 struct SmallHeadsShape {
   int stages = 0, heads_per_cta = 0, split_dims = 0;
 };

@@ -51,8 +51,7 @@ KernelVariant small_shape(const KernelLimits& l, const KernelShape& s, int heads
   KernelVariant best;
   for (int d = 2; d <= 4; ++d) {
     if (s.forced.stages > 0 && d != s.forced.stages) continue;
-    const KernelVariant v = fit(l, AttentionKernel::small_heads, heads_per_cta, threads, d,
-                                heads_per_cta == 16 ? 1 : split_dims,
+    const KernelVariant v = fit(l, AttentionKernel::small_heads, heads_per_cta, threads, d, split_dims,
                                 small_heads_smem(s.format, s.rope, heads_per_cta, split_dims, d));
     if (v.ctas_per_sm > 0 && v.ctas_per_sm >= best.ctas_per_sm) best = v;
   }
@@ -63,10 +62,16 @@ KernelVariant small_shape(const KernelLimits& l, const KernelShape& s, int heads
 // unsplit CTAs leave fewer than 8 warps per SM and the split keeps as many CTAs (twice the warps, the same rows in
 // flight), unless forced. With 8 warps either way (an H200's two CTAs) the unsplit kernel is faster: it issues a
 // third fewer instructions per key (docs/performance.md, "The small-heads kernel's instructions per chunk").
-// fp8_ds_mla_v4 rows never split the dims (at 128 registers a thread that form spilled).
+// fp8_ds_mla_v4 rows never split the dims (at 128 registers a thread that form spilled). 16 heads per CTA split
+// them (each warp then holds all 16 heads, so a key fragment converted once feeds both head tiles) where forced or
+// kSmallSixteenHeadsPerWarp, else run as two groups of 8 heads that each convert every row.
+int split_16(const KernelShape& s) {
+  if (s.forced.split_dims > 0) return s.forced.split_dims;
+  return kSmallSixteenHeadsPerWarp && s.format != CacheFormat::fp8_ds_mla_v4 ? 2 : 1;
+}
 KernelVariant small_heads(const KernelLimits& l, const KernelShape& s) {
   const int hpc = s.forced.heads_per_cta > 0 ? s.forced.heads_per_cta : s.heads <= 8 ? 8 : 16;
-  if (hpc == 16) return small_shape(l, s, 16, 1);
+  if (hpc == 16) return small_shape(l, s, 16, split_16(s));
   if (s.forced.split_dims > 0) return small_shape(l, s, 8, s.forced.split_dims);
   if (s.format == CacheFormat::fp8_ds_mla_v4) return small_shape(l, s, 8, 1);
   const KernelVariant one = small_shape(l, s, 8, 1), two = small_shape(l, s, 8, 2);
@@ -110,7 +115,8 @@ int least_smem(const KernelShape& s, AttentionKernel k) {
     case AttentionKernel::wide_tile: return wide_smem(s.format, s.rope, d > 0 ? d : 2);
     case AttentionKernel::small_heads: {
       const int hpc = s.forced.heads_per_cta > 0 ? s.forced.heads_per_cta : s.heads <= 8 ? 8 : 16;
-      return small_heads_smem(s.format, s.rope, hpc, s.forced.split_dims == 2 ? 2 : 1, d > 0 ? d : 2);
+      return small_heads_smem(s.format, s.rope, hpc, hpc == 16 ? split_16(s) : s.forced.split_dims == 2 ? 2 : 1,
+                              d > 0 ? d : 2);
     }
     case AttentionKernel::wgmma: return wgmma_smem(s.format, s.rope);
     case AttentionKernel::automatic: break;

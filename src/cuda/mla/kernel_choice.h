@@ -45,6 +45,9 @@ inline constexpr int64_t kWideMinRows = 4096;
 // Whether fp8_ds_mla_v4 caches (512-wide) take the small-heads kernel automatically as rope-free fp8_ds_mla rows
 // do: off (small::kAutomaticForV4 says why).
 inline constexpr bool kSmallAutomaticForV4 = false;
+// Whether 16 heads per CTA take the small-heads kernel's 16-heads-a-warp layout (dims split) unless forced
+// (small::kSixteenHeadsPerWarpAutomatic says why not yet).
+inline constexpr bool kSmallSixteenHeadsPerWarp = false;
 inline constexpr int kHeadsPerCtaTile = 16, kWideHeadsPerCta = 64, kWgmmaHeadsPerCta = 64;
 // The wgmma kernel (sm_90a code) takes the wide tile's place under the same head and row thresholds: on an H200 it
 // was 9-11% faster on every bf16 row, and with fp8 caches (dequantised into its key tile) 22-28% faster (run of
@@ -137,14 +140,15 @@ inline constexpr int kHeadTileSmem[3][2][4] = {{{0, 77504, 110912, 144320}, {0, 
 inline constexpr int kWideSmem[3][2][2] = {{{176128, 209536}, {192512, 230016}},
                                     {{176768, 193792}, {197248, 218368}},
                                     {{180864, 199936}, {0, 0}}};
-// Small heads, depths 2-4, by [format][rope][shape: 16 heads, 8 heads on 4 warps, 8 heads on 8 warps (the output
-// dims split; never for fp8_ds_mla_v4)].
-inline constexpr int kSmallSmem[3][2][3][3] = {
-    {{{148800, 214592, 280384}, {140192, 205984, 271776}, {144288, 210080, 275872}},
-     {{167232, 241216, 315200}, {157600, 231584, 305568}, {161696, 235680, 309664}}},
-    {{{85312, 119360, 153408}, {76704, 110752, 144800}, {80800, 114848, 148896}},
-     {{103744, 145984, 188224}, {94112, 136352, 178592}, {98208, 140448, 182688}}},
-    {{{101696, 143936, 186176}, {93088, 135328, 177568}, {0, 0, 0}}, {{0, 0, 0}, {0, 0, 0}, {0, 0, 0}}}};
+// Small heads, depths 2-4, by [format][rope][shape: 16 heads in two groups, 8 heads on 4 warps, 8 heads on 8 warps
+// (the output dims split), 16 heads a warp on 8 warps (dims split); never split for fp8_ds_mla_v4].
+inline constexpr int kSmallSmem[3][2][4][3] = {
+    {{{148800, 214592, 280384}, {140192, 205984, 271776}, {144288, 210080, 275872}, {156992, 222784, 288576}},
+     {{167232, 241216, 315200}, {157600, 231584, 305568}, {161696, 235680, 309664}, {175424, 249408, 323392}}},
+    {{{85312, 119360, 153408}, {76704, 110752, 144800}, {80800, 114848, 148896}, {93504, 127552, 161600}},
+     {{103744, 145984, 188224}, {94112, 136352, 178592}, {98208, 140448, 182688}, {111936, 154176, 196416}}},
+    {{{101696, 143936, 186176}, {93088, 135328, 177568}, {0, 0, 0}, {0, 0, 0}},
+     {{0, 0, 0}, {0, 0, 0}, {0, 0, 0}, {0, 0, 0}}}};
 
 }  // namespace tables
 constexpr int head_tile_smem(CacheFormat f, int rope, int stages) {
@@ -164,7 +168,7 @@ constexpr int wgmma_smem(CacheFormat f, int rope) { return kWgmmaSmem[tables::fo
 constexpr int small_heads_smem(CacheFormat f, int rope, int heads_per_cta, int split_dims, int stages) {
   if (stages < 2 || stages > 4) return 0;
   return tables::kSmallSmem[tables::format_row(f)][rope ? 1 : 0]
-                           [heads_per_cta == 16 ? 0 : split_dims == 2 ? 2 : 1][stages - 2];
+                           [heads_per_cta == 16 ? (split_dims == 2 ? 3 : 0) : split_dims == 2 ? 2 : 1][stages - 2];
 }
 
 // Registers per thread, at most, of each kernel's instances (the GPU test checks them against the compiled ones).

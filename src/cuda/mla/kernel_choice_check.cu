@@ -33,6 +33,7 @@ template <CacheFormat F, int kRope>
 constexpr bool small_layouts_match() {
   for (int s = 2; s <= 4; ++s)
     if (small_heads_smem(F, kRope, 16, 1, s) != small::Layout<F, kRope, 2, 1>(s).total ||
+        small_heads_smem(F, kRope, 16, 2, s) != small::Layout<F, kRope, 1, 2, 2>(s).total ||
         small_heads_smem(F, kRope, 8, 1, s) != small::Layout<F, kRope, 1, 1>(s).total ||
         small_heads_smem(F, kRope, 8, 2, s) != small::Layout<F, kRope, 1, 2>(s).total)
       return false;
@@ -59,7 +60,8 @@ constexpr bool v4_small_layouts_match() {  // rope-free, and never the dim split
             small::Layout<CacheFormat::fp8_ds_mla_v4, 0, 2, 1>(s).total ||
         small_heads_smem(CacheFormat::fp8_ds_mla_v4, 0, 8, 1, s) !=
             small::Layout<CacheFormat::fp8_ds_mla_v4, 0, 1, 1>(s).total ||
-        small_heads_smem(CacheFormat::fp8_ds_mla_v4, 0, 8, 2, s) != 0)
+        small_heads_smem(CacheFormat::fp8_ds_mla_v4, 0, 8, 2, s) != 0 ||
+        small_heads_smem(CacheFormat::fp8_ds_mla_v4, 0, 16, 2, s) != 0)
       return false;
   return true;
 }
@@ -71,7 +73,8 @@ static_assert(kHeadsPerCtaTile == kHeadsPerCta && kWideHeadsPerCta == wide::kWid
                   kSmallMinTokensNoRope == small::kMinTokensAutomaticNoRope &&
                   kSmallMaxHeads16Bit == small::kMaxHeadsAutomatic16Bit &&
                   kSmallMinTokens16Bit == small::kMinTokensAutomatic16Bit &&
-                  kSmallAutomaticForV4 == small::kAutomaticForV4,
+                  kSmallAutomaticForV4 == small::kAutomaticForV4 &&
+                  kSmallSixteenHeadsPerWarp == small::kSixteenHeadsPerWarpAutomatic,
               "kernel_choice.h: the automatic rules' thresholds");
 static_assert(kWideRegisters * wide::kWideThreads <= kRegistersPerSm, "the wide tile's launch bounds: one CTA per SM");
 static_assert(kWgmmaRegisters * wg::kWgmmaThreads <= kRegistersPerSm, "the wgmma kernel's launch bounds: one CTA per SM");
