@@ -32,8 +32,9 @@ AttentionKernel expected_kernel(const KernelLimits& l, const KernelShape& s) {
   const bool v4 = s.format == CacheFormat::fp8_ds_mla_v4;  // never the dim split
   if ((s.format == CacheFormat::fp8_ds_mla || (v4 && kSmallAutomaticForV4) || sixteen_bit) &&
       s.heads <= (sixteen_bit ? kSmallMaxHeads16Bit : kSmallMaxHeads) && s.tokens >= min_tokens &&
-      small_heads_smem(s.format, s.rope, small_hpc, !v4 && (small_hpc == 8 || kSmallSixteenHeadsPerWarp) ? 2 : 1, 2) <=
-          l.max_smem_per_block)
+      (small_heads_smem(s.format, s.rope, small_hpc, 1, 2) <= l.max_smem_per_block ||
+       (!v4 && (small_hpc == 8 || kSmallSixteenHeadsPerWarp) &&
+        small_heads_smem(s.format, s.rope, small_hpc, 2, 2) <= l.max_smem_per_block)))
     return AttentionKernel::small_heads;
   if (s.heads >= kWideMinHeads && s.tokens * s.heads >= kWideMinRows && l.compute_capability == 90 &&
       l.sm90a_code && (sixteen_bit || kWgmmaAutomaticForFp8))

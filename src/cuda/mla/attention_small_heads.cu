@@ -63,8 +63,8 @@ namespace {
 
 // The deepest pipeline that keeps the most CTAs of `fn` resident per SM, or
 // exactly `stages` when > 0; fn null when none fits the device.
-// 16 heads per CTA unforced: 16 heads a warp (dims split) where kSixteenHeadsPerWarpAutomatic, else two groups;
-// fp8_ds_mla_v4 never splits the dims.
+// 16 heads per CTA unforced: 16 heads a warp (dims split) where kSixteenHeadsPerWarpAutomatic and that layout fits
+// the device (find_small_heads_config), else two groups; fp8_ds_mla_v4 never splits the dims.
 int automatic_split_16(CacheFormat f) {
   return kSixteenHeadsPerWarpAutomatic && f != CacheFormat::fp8_ds_mla_v4 ? 2 : 1;
 }
@@ -115,6 +115,8 @@ const SmallHeadsConfig* find_small_heads_config(CacheFormat f, int rope, bool pa
     if (groups == 2) {
       const int split_dims = shape.split_dims != 0 ? shape.split_dims : automatic_split_16(f);
       cfg = deepest(select(f, paged, rope, 2, split_dims), f, rope, 2, split_dims, shape.stages);
+      if (cfg.fn == nullptr && shape.split_dims == 0 && split_dims == 2)  // as mla::choose_attention_kernel does
+        cfg = deepest(select(f, paged, rope, 2, 1), f, rope, 2, 1, shape.stages);
     } else if (shape.split_dims != 0 || f == CacheFormat::fp8_ds_mla_v4) {  // forced, or never split (kSplitsDims)
       const int split_dims = shape.split_dims != 0 ? shape.split_dims : 1;
       cfg = deepest(select(f, paged, rope, 1, split_dims), f, rope, 1, split_dims, shape.stages);

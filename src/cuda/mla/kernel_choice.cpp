@@ -64,14 +64,17 @@ KernelVariant small_shape(const KernelLimits& l, const KernelShape& s, int heads
 // third fewer instructions per key (docs/performance.md, "The small-heads kernel's instructions per chunk").
 // fp8_ds_mla_v4 rows never split the dims (at 128 registers a thread that form spilled). 16 heads per CTA split
 // them (each warp then holds all 16 heads, so a key fragment converted once feeds both head tiles) where forced or
-// kSmallSixteenHeadsPerWarp, else run as two groups of 8 heads that each convert every row.
-int split_16(const KernelShape& s) {
+// kSmallSixteenHeadsPerWarp and its shared memory fits the device (2 stages: fp8_ds_mla with rope 112 KB, not on
+// the 99 KB archs), else run as two groups of 8 heads that each convert every row.
+int split_16(const KernelLimits& l, const KernelShape& s) {
   if (s.forced.split_dims > 0) return s.forced.split_dims;
-  return kSmallSixteenHeadsPerWarp && s.format != CacheFormat::fp8_ds_mla_v4 ? 2 : 1;
+  const bool fits = small_heads_smem(s.format, s.rope, 16, 2, s.forced.stages > 0 ? s.forced.stages : 2) <=
+                    l.max_smem_per_block;
+  return kSmallSixteenHeadsPerWarp && s.format != CacheFormat::fp8_ds_mla_v4 && fits ? 2 : 1;
 }
 KernelVariant small_heads(const KernelLimits& l, const KernelShape& s) {
   const int hpc = s.forced.heads_per_cta > 0 ? s.forced.heads_per_cta : s.heads <= 8 ? 8 : 16;
-  if (hpc == 16) return small_shape(l, s, 16, split_16(s));
+  if (hpc == 16) return small_shape(l, s, 16, split_16(l, s));
   if (s.forced.split_dims > 0) return small_shape(l, s, 8, s.forced.split_dims);
   if (s.format == CacheFormat::fp8_ds_mla_v4) return small_shape(l, s, 8, 1);
   const KernelVariant one = small_shape(l, s, 8, 1), two = small_shape(l, s, 8, 2);
@@ -108,14 +111,14 @@ Rejection unfit(const KernelLimits& l, const KernelShape& s, AttentionKernel k, 
 }
 
 // The shallowest depth's shared memory: what a kernel that does not fit needs at least.
-int least_smem(const KernelShape& s, AttentionKernel k) {
+int least_smem(const KernelLimits& l, const KernelShape& s, AttentionKernel k) {
   const int d = s.forced.stages;
   switch (k) {
     case AttentionKernel::head_tile: return head_tile_smem(s.format, s.rope, fp8(s.format) ? 1 : 2);
     case AttentionKernel::wide_tile: return wide_smem(s.format, s.rope, d > 0 ? d : 2);
     case AttentionKernel::small_heads: {
       const int hpc = s.forced.heads_per_cta > 0 ? s.forced.heads_per_cta : s.heads <= 8 ? 8 : 16;
-      return small_heads_smem(s.format, s.rope, hpc, hpc == 16 ? split_16(s) : s.forced.split_dims == 2 ? 2 : 1,
+      return small_heads_smem(s.format, s.rope, hpc, hpc == 16 ? split_16(l, s) : s.forced.split_dims == 2 ? 2 : 1,
                               d > 0 ? d : 2);
     }
     case AttentionKernel::wgmma: return wgmma_smem(s.format, s.rope);
@@ -173,7 +176,9 @@ KernelDecision choose_attention_kernel(const KernelLimits& l, const KernelShape&
                                         AttentionKernel::wide_tile, AttentionKernel::head_tile};
   if (s.forced.kernel != AttentionKernel::automatic) {
     d.chosen = variant(l, s, s.forced.kernel);
-    if (!d.ok()) d.rejected[static_cast<size_t>(d.num_rejected++)] = unfit(l, s, s.forced.kernel, least_smem(s, s.forced.kernel));
+    if (!d.ok())
+      d.rejected[static_cast<size_t>(d.num_rejected++)] =
+          unfit(l, s, s.forced.kernel, least_smem(l, s, s.forced.kernel));
     for (AttentionKernel k : kOrder)
       if (k != s.forced.kernel && (k != AttentionKernel::wgmma || l.compute_capability == 90))
         reject(k, Rejected::forced_other);
@@ -219,7 +224,7 @@ KernelDecision choose_attention_kernel(const KernelLimits& l, const KernelShape&
     }
     d.chosen = variant(l, s, k);
     if (!d.ok()) {
-      d.rejected[static_cast<size_t>(d.num_rejected++)] = unfit(l, s, k, least_smem(s, k));
+      d.rejected[static_cast<size_t>(d.num_rejected++)] = unfit(l, s, k, least_smem(l, s, k));
     } else if (wide_rule && s.tokens * s.heads < kWideMinRows) {  // fits, but too few rows
       d.chosen = {};
       reject(k, Rejected::too_few_rows, static_cast<int>(kWideMinRows), static_cast<int>(s.tokens * s.heads));

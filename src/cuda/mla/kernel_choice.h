@@ -45,9 +45,9 @@ inline constexpr int64_t kWideMinRows = 4096;
 // Whether fp8_ds_mla_v4 caches (512-wide) take the small-heads kernel automatically as rope-free fp8_ds_mla rows
 // do: off (small::kAutomaticForV4 says why).
 inline constexpr bool kSmallAutomaticForV4 = false;
-// Whether 16 heads per CTA take the small-heads kernel's 16-heads-a-warp layout (dims split) unless forced
-// (small::kSixteenHeadsPerWarpAutomatic says why not yet).
-inline constexpr bool kSmallSixteenHeadsPerWarp = false;
+// Whether 16 heads per CTA take the small-heads kernel's 16-heads-a-warp layout (dims split) unless forced, where
+// it fits (small::kSixteenHeadsPerWarpAutomatic).
+inline constexpr bool kSmallSixteenHeadsPerWarp = true;
 inline constexpr int kHeadsPerCtaTile = 16, kWideHeadsPerCta = 64, kWgmmaHeadsPerCta = 64;
 // The wgmma kernel (sm_90a code) takes the wide tile's place under the same head and row thresholds: on an H200 it
 // was 9-11% faster on every bf16 row, and with fp8 caches (dequantised into its key tile) 22-28% faster (run of
