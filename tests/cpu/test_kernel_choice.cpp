@@ -169,7 +169,7 @@ TEST(KernelChoice, WgmmaForcedOnHopperWithSm90aCode) {
       EXPECT_EQ(d.chosen.smem, rope ? 230432 : 205856);
       EXPECT_EQ(d.chosen.ctas_per_sm, 1);
       EXPECT_EQ(variant_text(d.chosen), std::string("wgmma kernel (64 heads/CTA, 8 warps, depth 2, ") +
-                                            (rope ? "230,400" : "205,824") + " B shared memory, 1 CTA/SM)");
+                                            (rope ? "230,432" : "205,856") + " B shared memory, 1 CTA/SM)");
       ASSERT_EQ(d.num_rejected, 3);
       for (int i = 0; i < d.num_rejected; ++i) EXPECT_EQ(d.rejected[static_cast<size_t>(i)].why, Rejected::forced_other);
       for (const char* arch : {"sm_80", "sm_86", "sm_89", "sm_100", "sm_120"}) {
