@@ -156,10 +156,12 @@ def flash_mla_with_kvcache(
         # reads none before it; the FlashMLASchedMeta is set up or compared after the call, from shapes the op has
         # accepted (a call that fails leaves it as it was).
         if _arrays.is_8bit(k_cache) != bool(is_fp8_kvcache):
-            _arrays.shape(k_cache, "k_cache")  # no tensor at all is named first, as _check_shapes names it
-            _kv_cache_dtype(k_cache, is_fp8_kvcache)  # raises, naming the mismatch
+            # The shapes first, as the other arrays' path checks them, then the dtype mismatch (raises).
+            _check_shapes(q, k_cache, indices, topk_length, extra_k_cache, extra_indices_in_kvcache,
+                          extra_topk_length)
+            _kv_cache_dtype(k_cache, is_fp8_kvcache)
         if softmax_scale is None:
-            softmax_scale = q.shape[-1] ** -0.5
+            softmax_scale = q.shape[-1] ** -0.5 if q.dim() else 1.0  # a 0-d q: the op names it
         try:
             # "auto": the op reads 8-bit data as the fp8 format its row width names, as _kv_cache_dtype would.
             out, lse = torch_ops.overloads.flash_mla_with_kvcache(
@@ -171,8 +173,11 @@ def flash_mla_with_kvcache(
         except (ValueError, NotImplementedError) as e:
             raise _ops._smla_error(e) from None
         except RuntimeError:  # torch's own for an argument that is no tensor: named as the other arrays' path does
-            _check_shapes(q, k_cache, indices, topk_length, extra_k_cache, extra_indices_in_kvcache,
-                          extra_topk_length)
+            try:
+                _check_shapes(q, k_cache, indices, topk_length, extra_k_cache, extra_indices_in_kvcache,
+                              extra_topk_length)
+            except _smla.Error as err:
+                raise err from None
             raise
         if sched is not None:
             _check_sched_meta(sched, _sched_config(q.shape, k_cache.shape, causal, is_fp8_kvcache, indices,

@@ -681,6 +681,8 @@ def test_flash_mla_errors_on_torch_tensors_are_numpys(rng):
         dict(topk_length=[1, 2]),
         dict(is_fp8_kvcache=True),                                     # bf16 data
         dict(k_cache=np.zeros((8, 16, 1, 656), np.uint8)),             # 8-bit data without is_fp8_kvcache
+        dict(q=q[:, 0], k_cache=np.zeros((8, 16, 1, 656), np.uint8)),  # both: the shapes named first
+        dict(q=q[0, 0, 0, 0], softmax_scale=None),                     # 0-d q, the scale from its width
         dict(softmax_scale=1e300), dict(softmax_scale=-1.0),
         dict(causal=True),
         dict(indices=None, block_table=table),                         # dense without cache_seqlens

@@ -142,7 +142,8 @@ const SmallHeadsConfig& small_heads_config(CacheFormat f, int rope, bool paged, 
   if (const SmallHeadsConfig* cfg = find_small_heads_config(f, rope, paged, num_heads, shape)) return *cfg;
   const int groups = shape.heads_per_cta == 8 || (shape.heads_per_cta == 0 && num_heads <= kHeadsPerGroup) ? 1 : 2;
   const int stages = shape.stages > 0 ? shape.stages : 2;
-  const int split_dims = shape.split_dims != 0 ? shape.split_dims : groups == 2 ? automatic_split_16(f) : 1;
+  // Unforced, the last layout tried (16 heads: the two groups, the smaller), as explain names it.
+  const int split_dims = shape.split_dims != 0 ? shape.split_dims : 1;
   const int bytes = smem_bytes(f, rope, groups, split_dims, stages);
   throw Error(ErrorKind::unsupported, "MLA attention (small-heads kernel, " + std::to_string(stages) +
                                           " stages) needs " + std::to_string(bytes) +

@@ -11,8 +11,8 @@
 // keys (m64n64k16, both operands in shared memory), its softmax, hands the probabilities (bf16 A fragments) and
 // the rows' rescaling factors to warpgroup 1 through shared memory, and multiplies O's columns 0-255; warpgroup 1
 // gathers the keys (cp.async, two threads a row) and multiplies columns 256-511 from the handed-over P. The two
-// meet only at named barriers, so warpgroup 0's next scores run on the tensor cores while warpgroup 1's P V of
-// the chunk before does, and the gather's cp.async issue (and its stalls) stays off warpgroup 0's path.
+// meet only at mbarrier signals and named barriers (below), so warpgroup 0's next scores run on the tensor cores
+// while warpgroup 1's P V of the chunk before does, and the gather's cp.async issue (and its stalls) stays off warpgroup 0's path.
 // 16-bit caches: two key buffers; the gather of chunk c+2 starts once both warpgroups' P V of chunk c are done.
 // fp8 caches (fp8_ds_mla, fp8_ds_mla_v4): one key tile and one staging buffer of 64 raw rows (42 KB at 656 bytes;
 // two bf16 tiles and staging would not fit 227 KB); at each chunk all threads dequantise the staged rows into the
@@ -62,8 +62,9 @@ struct WgmmaLayout {
     p = staging + (is_fp8(f) ? kChunkKeys * staged_row_bytes(f, rope) : 0);
     stats = p + kPWords * 128 * 4;
     valid = stats + kWgmmaHeads * 4;
-    // Three sets: warpgroup 1 writes chunk c + 2's flags once warpgroup 0 is done with key buffer c % 2
-    // (keys_free), and a set is rewritten three chunks on, after a kPFree where both warpgroups wait.
+    // Warpgroup 1 writes chunk c + 2's flags (16-bit caches) once warpgroup 0, done with chunk c's, has signalled
+    // keys_free, and chunk c + 1's (fp8) after the kTileTurn of chunk c: two sets would do; three (256 bytes more)
+    // are the layout the H200 runs measured and racechecked.
     valid_sets = kKeyBuffers + 1;
     signals = valid + valid_sets * kChunkKeys * 4;
     total = signals + static_cast<int>(sizeof(WgmmaSignals));
