@@ -30,7 +30,8 @@ Kernel kernel_for(int blocks, int split_dims) {
     return blocks == 2 ? small_heads_kernel<F, kPaged, 2, 1, kRope> : small_heads_kernel<F, kPaged, 1, 1, kRope>;
   } else {
     if (blocks == 2)
-      return split_dims == 2 ? small_heads_kernel<F, kPaged, 1, 2, kRope, 2> : small_heads_kernel<F, kPaged, 2, 1, kRope>;
+      return split_dims == 2 ? small_heads_kernel<F, kPaged, 1, 2, kRope, 2>
+                             : small_heads_kernel<F, kPaged, 2, 1, kRope>;
     return split_dims == 2 ? small_heads_kernel<F, kPaged, 1, 2, kRope> : small_heads_kernel<F, kPaged, 1, 1, kRope>;
   }
 }
@@ -43,7 +44,8 @@ Kernel select(CacheFormat f, bool paged, int rope, int blocks, int split_dims) {
 
 template <CacheFormat F, int kRope>
 int smem_bytes(int blocks, int split_dims, int stages) {
-  if (blocks == 2) return split_dims == 2 ? Layout<F, kRope, 1, 2, 2>(stages).total : Layout<F, kRope, 2, 1>(stages).total;
+  if (blocks == 2)
+    return split_dims == 2 ? Layout<F, kRope, 1, 2, 2>(stages).total : Layout<F, kRope, 2, 1>(stages).total;
   return split_dims == 2 ? Layout<F, kRope, 1, 2>(stages).total : Layout<F, kRope, 1, 1>(stages).total;
 }
 
@@ -61,15 +63,14 @@ int smem_bytes(CacheFormat f, int rope, int blocks, int split_dims, int stages) 
 
 namespace {
 
-// The deepest pipeline that keeps the most CTAs of `fn` resident per SM, or
-// exactly `stages` when > 0; fn null when none fits the device.
 // 16 heads per CTA unforced: 16 heads a warp (dims split) where kSixteenHeadsPerWarpAutomatic and that layout fits
 // the device (find_small_heads_config), else two groups; fp8_ds_mla_v4 never splits the dims.
 int automatic_split_16(CacheFormat f) {
   return kSixteenHeadsPerWarpAutomatic && f != CacheFormat::fp8_ds_mla_v4 ? 2 : 1;
 }
 
-// `blocks`: 8-head blocks per CTA (1 or 2).
+// The deepest pipeline that keeps the most CTAs of `fn` resident per SM, or
+// exactly `stages` when > 0; fn null when none fits the device. `blocks`: 8-head blocks per CTA (1 or 2).
 SmallHeadsConfig deepest(Kernel fn, CacheFormat f, int rope, int blocks, int split_dims, int stages) {
   const int threads = std::max(blocks, split_dims) * kKeySlots * 32;  // 16 heads: 8 warps either way
   // The kernel is opted in to all the device allows once: configurations of

@@ -12,7 +12,8 @@
 // the rows' rescaling factors to warpgroup 1 through shared memory, and multiplies O's columns 0-255; warpgroup 1
 // gathers the keys (cp.async, two threads a row) and multiplies columns 256-511 from the handed-over P. The two
 // meet only at mbarrier signals and named barriers (below), so warpgroup 0's next scores run on the tensor cores
-// while warpgroup 1's P V of the chunk before does, and the gather's cp.async issue (and its stalls) stays off warpgroup 0's path.
+// while warpgroup 1's P V of the chunk before does, and the gather's cp.async issue (and its stalls) stays off
+// warpgroup 0's path.
 // 16-bit caches: two key buffers; the gather of chunk c+2 starts once both warpgroups' P V of chunk c are done.
 // fp8 caches (fp8_ds_mla, fp8_ds_mla_v4): one key tile and one staging buffer of 64 raw rows (42 KB at 656 bytes;
 // two bf16 tiles and staging would not fit 227 KB); at each chunk all threads dequantise the staged rows into the
