@@ -299,16 +299,15 @@ std::string kernel_name(AttentionChoice k) {
   return n;
 }
 
-void report(const char* name, const char* kv, AttentionChoice kernel, int tokens, int heads, int keys, int qk_dim,
+void report(const char* name, const char* kv, const std::string& kernel, int tokens, int heads, int keys, int qk_dim,
             double ms, double bytes, const Ceilings& c) {
   const double tflops = 2.0 * heads * keys * (qk_dim + 512.0) * tokens / (ms * 1e-3) / 1e12;
   const double gbs = bytes / (ms * 1e-3) / 1e9;
   const double mem_frac = gbs / c.copy_gbs, compute_frac = tflops / c.gemm_tflops;
-  std::printf("%-22s %-13s %-10s %6d %5d %6d %10.1f %9.1f %8.1f %6.0f%% %s\n", name, kv, kernel_name(kernel).c_str(),
-              tokens, heads, keys, ms * 1e3, tflops, gbs, 100 * std::max(mem_frac, compute_frac),
+  std::printf("%-22s %-13s %-10s %6d %5d %6d %10.1f %9.1f %8.1f %6.0f%% %s\n", name, kv, kernel.c_str(), tokens, heads, keys, ms * 1e3, tflops, gbs, 100 * std::max(mem_frac, compute_frac),
               mem_frac >= compute_frac ? "memory" : "compute");
   attention_rows.push_back(
-      {name, kv, kernel_name(kernel), tokens, heads, keys, ms * 1e3, tflops, gbs, mem_frac, compute_frac});
+      {name, kv, kernel, tokens, heads, keys, ms * 1e3, tflops, gbs, mem_frac, compute_frac});
 }
 
 // The op's own choices: the benchmarks call the public op then, else the CUDA function with the choice forced.
@@ -376,7 +375,7 @@ void bench_sparse(const char* name, Cache& cache, int tokens, int heads, int top
     else smla::cuda::sparse_mla(a, kernel);
   }, ms);
   if (ran)
-    report(name, std::string(smla::dtype_name(cache.dtype)).c_str(), kernel, tokens, heads, topk + extra.topk, qk, ms,
+    report(name, std::string(smla::dtype_name(cache.dtype)).c_str(), kernel_name(kernel), tokens, heads, topk + extra.topk, qk, ms,
            static_cast<double>(tokens) *
                (static_cast<double>(topk) * cache.row_bytes() +
                 (extra.cache ? static_cast<double>(extra.topk) * extra.cache->row_bytes() : 0.0)),
@@ -386,6 +385,47 @@ void bench_sparse(const char* name, Cache& cache, int tokens, int heads, int top
   cudaFree(q);
   cudaFree(out);
   cudaFree(lse);
+}
+
+// The gather ceiling: the rows a sparse call reads (the same cache, indices drawn as bench_sparse draws them), read
+// by plain 16-byte loads with nothing else to do, 64 rows a CTA, every row's pieces spread over the CTA's threads
+// and four loads in flight a thread. What random whole rows of this size can give at most, next to the copy
+// bandwidth (sequential) the goals are stated against.
+constexpr int kGatherRows = 64, kGatherThreads = 256;
+__global__ void __launch_bounds__(kGatherThreads) gather_kernel(const uint8_t* cache, const int32_t* indices,
+                                                               int row_stride, int pieces, unsigned* sink) {
+  __shared__ int64_t offsets[kGatherRows];
+  if (threadIdx.x < kGatherRows)
+    offsets[threadIdx.x] = int64_t{indices[int64_t{blockIdx.x} * kGatherRows + threadIdx.x]} * row_stride;
+  __syncthreads();
+  uint4 acc{0, 0, 0, 0};
+#pragma unroll 4
+  for (int p = threadIdx.x; p < kGatherRows * pieces; p += kGatherThreads) {
+    const uint4 v = __ldg(reinterpret_cast<const uint4*>(cache + offsets[p / pieces]) + p % pieces);
+    acc.x ^= v.x, acc.y ^= v.y, acc.z ^= v.z, acc.w ^= v.w;
+  }
+  if ((acc.x ^ acc.y ^ acc.z ^ acc.w) == 0x9e3779b9u) *sink = acc.x;  // keeps the loads; practically never taken
+}
+
+void bench_gather(const char* name, Cache& cache, int tokens, int topk, const Ceilings& c) {
+  std::mt19937_64 rng(tokens * 131 + 8);  // bench_sparse's draw for 8 heads
+  std::vector<int32_t> idx(static_cast<size_t>(tokens) * topk);
+  for (auto& i : idx) i = static_cast<int32_t>(rng() % cache.slots);
+  int32_t* didx;
+  unsigned* sink;
+  CHECK(cudaMalloc(&didx, idx.size() * 4));
+  CHECK(cudaMalloc(&sink, 4));
+  CHECK(cudaMemcpy(didx, idx.data(), idx.size() * 4, cudaMemcpyHostToDevice));
+  const int ctas = static_cast<int>(idx.size() / kGatherRows);
+  const double ms = time_ms([&] {
+    gather_kernel<<<ctas, kGatherThreads>>>(static_cast<const uint8_t*>(cache.data), didx, cache.row_stride_bytes(),
+                                            cache.row_bytes() / 16, sink);
+  });
+  CHECK(cudaGetLastError());
+  report(name, std::string(smla::dtype_name(cache.dtype)).c_str(), "gather", tokens, 0, topk, 0, ms,
+         static_cast<double>(tokens) * topk * cache.row_bytes(), c);
+  cudaFree(didx);
+  cudaFree(sink);
 }
 
 void bench_paged(const char* name, Cache& cache, int batch, int context, int heads, const Ceilings& c,
@@ -420,7 +460,7 @@ void bench_paged(const char* name, Cache& cache, int batch, int context, int hea
     else smla::cuda::paged_mla_decode(a, kernel);
   }, ms);
   if (ran)
-    report(name, std::string(smla::dtype_name(cache.dtype)).c_str(), kernel, batch, heads, context, 576, ms,
+    report(name, std::string(smla::dtype_name(cache.dtype)).c_str(), kernel_name(kernel), batch, heads, context, 576, ms,
            static_cast<double>(batch) * context * cache.row_bytes(), c);
   cudaFree(dtable);
   cudaFree(dseq);
@@ -915,6 +955,12 @@ int main(int argc, char** argv) {
     bench_sparse("sparse", cache, std::atoi(argv[2]), std::atoi(argv[3]), std::atoi(argv[4]), c, kernel);
     return 0;
   }
+  if (part == "gather" && argc >= 5) {
+    // `bench_cuda gather TOKENS TOPK bf16|fp8`: the gather ceiling of one sparse shape (its rows read, no attention).
+    Cache cache(std::string(argv[4]) == "fp8" ? smla::DType::fp8_ds_mla : smla::DType::bf16, int64_t{1} << 20);
+    bench_gather("gather ceiling", cache, std::atoi(argv[2]), std::atoi(argv[3]), c);
+    return 0;
+  }
   if (part == "paged" && argc >= 6) {
     // `bench_cuda paged BATCH CONTEXT HEADS bf16|fp8 [auto|head-tile|wide|wgmma]`: one dense paged decode config.
     Cache cache(std::string(argv[5]) == "fp8" ? smla::DType::fp8_ds_mla : smla::DType::bf16, int64_t{1} << 20);
@@ -944,6 +990,7 @@ int main(int argc, char** argv) {
     for (smla::DType kv : {smla::DType::bf16, smla::DType::fp8_ds_mla}) {
       if (!all_attention) break;
       Cache cache(kv, slots);
+      for (int t : {32, 128}) bench_gather("gather ceiling", cache, t, 2048, c);
       for (int t : {1, 8, 32, 64, 128}) bench_sparse("glm5-tp8 decode", cache, t, 8, 2048, c);
       for (int t : {1, 32, 128}) bench_sparse("dsv32-tp8 decode", cache, t, 16, 2048, c);
       for (int h : {1, 4, 20, 32}) bench_sparse("decode (heads)", cache, 128, h, 2048, c);
