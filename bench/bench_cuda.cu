@@ -304,10 +304,10 @@ void report(const char* name, const char* kv, const std::string& kernel, int tok
   const double tflops = 2.0 * heads * keys * (qk_dim + 512.0) * tokens / (ms * 1e-3) / 1e12;
   const double gbs = bytes / (ms * 1e-3) / 1e9;
   const double mem_frac = gbs / c.copy_gbs, compute_frac = tflops / c.gemm_tflops;
-  std::printf("%-22s %-13s %-10s %6d %5d %6d %10.1f %9.1f %8.1f %6.0f%% %s\n", name, kv, kernel.c_str(), tokens, heads, keys, ms * 1e3, tflops, gbs, 100 * std::max(mem_frac, compute_frac),
+  std::printf("%-22s %-13s %-10s %6d %5d %6d %10.1f %9.1f %8.1f %6.0f%% %s\n", name, kv, kernel.c_str(), tokens,
+              heads, keys, ms * 1e3, tflops, gbs, 100 * std::max(mem_frac, compute_frac),
               mem_frac >= compute_frac ? "memory" : "compute");
-  attention_rows.push_back(
-      {name, kv, kernel, tokens, heads, keys, ms * 1e3, tflops, gbs, mem_frac, compute_frac});
+  attention_rows.push_back({name, kv, kernel, tokens, heads, keys, ms * 1e3, tflops, gbs, mem_frac, compute_frac});
 }
 
 // The op's own choices: the benchmarks call the public op then, else the CUDA function with the choice forced.
@@ -375,7 +375,8 @@ void bench_sparse(const char* name, Cache& cache, int tokens, int heads, int top
     else smla::cuda::sparse_mla(a, kernel);
   }, ms);
   if (ran)
-    report(name, std::string(smla::dtype_name(cache.dtype)).c_str(), kernel_name(kernel), tokens, heads, topk + extra.topk, qk, ms,
+    report(name, std::string(smla::dtype_name(cache.dtype)).c_str(), kernel_name(kernel), tokens, heads,
+           topk + extra.topk, qk, ms,
            static_cast<double>(tokens) *
                (static_cast<double>(topk) * cache.row_bytes() +
                 (extra.cache ? static_cast<double>(extra.topk) * extra.cache->row_bytes() : 0.0)),
@@ -407,7 +408,59 @@ __global__ void __launch_bounds__(kGatherThreads) gather_kernel(const uint8_t* c
   if ((acc.x ^ acc.y ^ acc.z ^ acc.w) == 0x9e3779b9u) *sink = acc.x;  // keeps the loads; practically never taken
 }
 
-void bench_gather(const char* name, Cache& cache, int tokens, int topk, const Ceilings& c) {
+// The same rows through the small-heads kernel's pipeline with no attention: one CTA per token and key split, its
+// warps copying 64-row chunks into `kStages` shared-memory stages by cp.async (a row's 16-byte pieces across a
+// warp's lanes, each row's offset loaded a chunk ahead), one barrier a chunk, then `spin` clock cycles standing in
+// for the chunk's attention. With `spin` 0 it is what that pipeline depth and residency (`smem` bytes a CTA) can
+// move at most; the kernel's time against it says how much its own work costs.
+template <int kStages>
+__global__ void pipelined_gather_kernel(const uint8_t* cache, const int32_t* indices, int topk, int row_stride,
+                                        int pieces, int splits, int spin, unsigned* sink) {
+  extern __shared__ __align__(16) uint8_t stages[];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  const int rows_per_warp = kGatherRows / warps, stage_bytes = kGatherRows * pieces * 16;
+  const int chunks = topk / kGatherRows / splits;
+  const int32_t* idx =
+      indices + int64_t{blockIdx.x / splits} * topk + int64_t{blockIdx.x % splits} * chunks * kGatherRows;
+  auto row_offset = [&](int i) -> int64_t {
+    if (i >= chunks || lane >= rows_per_warp) return 0;
+    return int64_t{__ldg(idx + i * kGatherRows + warp + warps * lane)} * row_stride;
+  };
+  int64_t next = row_offset(0);
+  auto issue = [&](int i) {
+    if (i < chunks) {
+      const int64_t mine = next;
+      next = row_offset(i + 1);
+      uint8_t* stage = stages + (i % kStages) * stage_bytes;
+      for (int k = 0; k < rows_per_warp; ++k) {
+        const int64_t offset = __shfl_sync(0xffffffffu, mine, k);
+        const int row = warp + warps * k;
+        for (int pc = lane; pc < pieces; pc += 32)
+          smla::cuda::cp_async_16(stage + (row * pieces + pc) * 16, cache + offset + pc * 16, true);
+      }
+    }
+    smla::cuda::cp_async_commit();
+  };
+  for (int i = 0; i < kStages - 1; ++i) issue(i);
+  unsigned acc = 0;
+  for (int i = 0; i < chunks; ++i) {
+    smla::cuda::cp_async_wait<kStages - 2>();
+    __syncthreads();  // chunk i landed for every thread; chunk i - 1's stage is free
+    issue(i + kStages - 1);
+    acc ^= reinterpret_cast<const unsigned*>(stages + (i % kStages) * stage_bytes)[threadIdx.x];
+    for (const long long t0 = clock64(); clock64() - t0 < spin;) {
+    }
+  }
+  if (acc == 0x9e3779b9u) *sink = acc;
+}
+
+// How the gather ceiling is read: plain loads (stages 0), or the pipeline above with `stages` (2-4), `threads` a
+// CTA, `splits` CTAs a token, `spin` cycles a chunk and at least `smem` bytes of shared memory a CTA.
+struct GatherPipeline {
+  int stages = 0, threads = 128, splits = 2, spin = 0, smem = 0;
+};
+
+void bench_gather(const char* name, Cache& cache, int tokens, int topk, const Ceilings& c, GatherPipeline pipe = {}) {
   std::mt19937_64 rng(tokens * 131 + 8);  // bench_sparse's draw for 8 heads
   std::vector<int32_t> idx(static_cast<size_t>(tokens) * topk);
   for (auto& i : idx) i = static_cast<int32_t>(rng() % cache.slots);
@@ -416,13 +469,30 @@ void bench_gather(const char* name, Cache& cache, int tokens, int topk, const Ce
   CHECK(cudaMalloc(&didx, idx.size() * 4));
   CHECK(cudaMalloc(&sink, 4));
   CHECK(cudaMemcpy(didx, idx.data(), idx.size() * 4, cudaMemcpyHostToDevice));
-  const int ctas = static_cast<int>(idx.size() / kGatherRows);
-  const double ms = time_ms([&] {
-    gather_kernel<<<ctas, kGatherThreads>>>(static_cast<const uint8_t*>(cache.data), didx, cache.row_stride_bytes(),
-                                            cache.row_bytes() / 16, sink);
-  });
+  const auto* rows = static_cast<const uint8_t*>(cache.data);
+  const int pieces = cache.row_bytes() / 16;
+  std::string kernel = "gather";
+  double ms = 0;
+  if (pipe.stages == 0) {
+    const int ctas = static_cast<int>(idx.size() / kGatherRows);
+    ms = time_ms([&] { gather_kernel<<<ctas, kGatherThreads>>>(rows, didx, cache.row_stride_bytes(), pieces, sink); });
+  } else {
+    auto* fn = pipe.stages == 2 ? pipelined_gather_kernel<2>
+               : pipe.stages == 3 ? pipelined_gather_kernel<3>
+                                  : pipelined_gather_kernel<4>;
+    const int smem = std::max(pipe.smem, std::min(pipe.stages, 4) * kGatherRows * pieces * 16);
+    CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    int resident = 0;
+    CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, fn, pipe.threads, smem));
+    ms = time_ms([&] {
+      fn<<<tokens * pipe.splits, pipe.threads, smem>>>(rows, didx, topk, cache.row_stride_bytes(), pieces, pipe.splits,
+                                                       pipe.spin, sink);
+    });
+    kernel = "pipe/s" + std::to_string(pipe.stages) + "/t" + std::to_string(pipe.threads) + "/k" +
+             std::to_string(pipe.splits) + "/c" + std::to_string(resident) + "/w" + std::to_string(pipe.spin);
+  }
   CHECK(cudaGetLastError());
-  report(name, std::string(smla::dtype_name(cache.dtype)).c_str(), "gather", tokens, 0, topk, 0, ms,
+  report(name, std::string(smla::dtype_name(cache.dtype)).c_str(), kernel, tokens, 0, topk, 0, ms,
          static_cast<double>(tokens) * topk * cache.row_bytes(), c);
   cudaFree(didx);
   cudaFree(sink);
@@ -460,7 +530,8 @@ void bench_paged(const char* name, Cache& cache, int batch, int context, int hea
     else smla::cuda::paged_mla_decode(a, kernel);
   }, ms);
   if (ran)
-    report(name, std::string(smla::dtype_name(cache.dtype)).c_str(), kernel_name(kernel), batch, heads, context, 576, ms,
+    report(name, std::string(smla::dtype_name(cache.dtype)).c_str(), kernel_name(kernel), batch, heads, context,
+           576, ms,
            static_cast<double>(batch) * context * cache.row_bytes(), c);
   cudaFree(dtable);
   cudaFree(dseq);
@@ -956,9 +1027,21 @@ int main(int argc, char** argv) {
     return 0;
   }
   if (part == "gather" && argc >= 5) {
-    // `bench_cuda gather TOKENS TOPK bf16|fp8`: the gather ceiling of one sparse shape (its rows read, no attention).
+    // `bench_cuda gather TOKENS TOPK bf16|fp8 [STAGES [THREADS [SPLITS [SPIN [SMEM]]]]]`: the gather ceiling of one
+    // sparse shape (its rows read, no attention), by plain loads or (STAGES 2-4) through a cp.async pipeline.
     Cache cache(std::string(argv[4]) == "fp8" ? smla::DType::fp8_ds_mla : smla::DType::bf16, int64_t{1} << 20);
-    bench_gather("gather ceiling", cache, std::atoi(argv[2]), std::atoi(argv[3]), c);
+    GatherPipeline pipe;
+    if (argc > 5) pipe.stages = std::atoi(argv[5]);
+    if (argc > 6) pipe.threads = std::atoi(argv[6]);
+    if (argc > 7) pipe.splits = std::atoi(argv[7]);
+    if (argc > 8) pipe.spin = std::atoi(argv[8]);
+    if (argc > 9) pipe.smem = std::atoi(argv[9]);
+    if (pipe.stages != 0 && (pipe.stages < 2 || pipe.stages > 4 || pipe.threads % 32 || pipe.threads > 1024 ||
+                             pipe.threads < 32 || kGatherRows % (pipe.threads / 32) || pipe.splits < 1 ||
+                             std::atoi(argv[3]) % (kGatherRows * pipe.splits)))
+      return std::fprintf(stderr, "bench_cuda gather: STAGES 2-4, THREADS a multiple of 32 dividing 64 rows among its "
+                                  "warps, TOPK a multiple of 64 x SPLITS\n"), 2;
+    bench_gather("gather ceiling", cache, std::atoi(argv[2]), std::atoi(argv[3]), c, pipe);
     return 0;
   }
   if (part == "paged" && argc >= 6) {
