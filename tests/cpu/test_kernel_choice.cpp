@@ -30,8 +30,13 @@ AttentionKernel expected_kernel(const KernelLimits& l, const KernelShape& s) {
   const int min_tokens = std::max(s.rope ? kSmallMinTokens : kSmallMinTokensNoRope, sixteen_bit ? kSmallMinTokens16Bit : 0);
   const int small_hpc = s.heads <= 8 ? 8 : 16;
   const bool v4 = s.format == CacheFormat::fp8_ds_mla_v4;  // never the dim split
+  // 16-bit caches: past 8 heads only as 16 heads a warp (its 2 stages fit).
+  const bool sixteen_a_warp =
+      kSmallSixteenHeadsPerWarp && small_heads_smem(s.format, s.rope, 16, 2, 2) <= l.max_smem_per_block;
+  const int small_max_heads =
+      !sixteen_bit ? kSmallMaxHeads : sixteen_a_warp ? kSmallMaxHeads16Bit : kSmallMaxHeads16BitTwoGroups;
   if ((s.format == CacheFormat::fp8_ds_mla || (v4 && kSmallAutomaticForV4) || sixteen_bit) &&
-      s.heads <= (sixteen_bit ? kSmallMaxHeads16Bit : kSmallMaxHeads) && s.tokens >= min_tokens &&
+      s.heads <= small_max_heads && s.tokens >= min_tokens &&
       (small_heads_smem(s.format, s.rope, small_hpc, 1, 2) <= l.max_smem_per_block ||
        (!v4 && (small_hpc == 8 || kSmallSixteenHeadsPerWarp) &&
         small_heads_smem(s.format, s.rope, small_hpc, 2, 2) <= l.max_smem_per_block)))

@@ -13,8 +13,9 @@ constexpr int kSmallChunkKeys = 64;       // keys per pipeline stage (kChunkKeys
 // or from kMinTokensAutomaticNoRope (rope-free 512-wide ones; on an H200 at 8 heads the 16-head-tile kernel took
 // 42.1 against 46.3 us at 32 tokens, 75.3 against 64.2 at 64).
 constexpr int kMaxHeadsAutomatic = 32, kMinTokensAutomatic = 16, kMinTokensAutomaticNoRope = 64;
-// 16-bit caches: up to 8 heads, from 32 query tokens on (or kMinTokensAutomaticNoRope); kernel_choice.h says why.
-constexpr int kMaxHeadsAutomatic16Bit = 8, kMinTokensAutomatic16Bit = 32;
+// 16-bit caches: up to 16 heads where 16 heads a warp fits (else 8), from 32 query tokens on (or
+// kMinTokensAutomaticNoRope); kernel_choice.h says why.
+constexpr int kMaxHeadsAutomatic16Bit = 16, kMaxHeadsAutomatic16BitTwoGroups = 8, kMinTokensAutomatic16Bit = 32;
 // Whether fp8_ds_mla_v4 caches (one or two) take it automatically as rope-free fp8_ds_mla rows do. Off: on an
 // H200 (ef245df) with it on, CudaPagedDecodeV4.MatchesCpu (74 requests x 16 heads) found one output of 606208
 // 13% off the CPU's (-0.0221 against -0.0195): in P V the kernel scales a 128-dim tile's values to f16 by powers

@@ -186,7 +186,9 @@ KernelDecision choose_attention_kernel(const KernelLimits& l, const KernelShape&
   }
   // The small-heads kernel's automatic reach for this cache format.
   const bool sixteen_bit = !fp8(s.format);
-  const int small_max_heads = sixteen_bit ? kSmallMaxHeads16Bit : kSmallMaxHeads;
+  const int small_max_heads = !sixteen_bit        ? kSmallMaxHeads
+                              : split_16(l, s) == 2 ? kSmallMaxHeads16Bit
+                                                    : kSmallMaxHeads16BitTwoGroups;
   const int min_tokens = std::max(s.rope ? kSmallMinTokens : kSmallMinTokensNoRope, sixteen_bit ? kSmallMinTokens16Bit : 0);
   for (AttentionKernel k : kOrder) {
     if (k == AttentionKernel::wgmma && l.compute_capability != 90) continue;  // named on Hopper only

@@ -35,11 +35,13 @@ inline constexpr int kReservedSmemPerCta = 1024;  // the system's share of each 
 // kernel up to 32 heads, from 16 query rows on (576-wide heads) or 64 (512-wide; on an H200 at 8 heads the 16-head
 // tile took 42.1 against 46.3 us at 32 tokens, 75.3 against 64.2 at 64); the wide tile from 64 heads on.
 inline constexpr int kSmallMaxHeads = 32, kSmallMinTokens = 16, kSmallMinTokensNoRope = 64, kWideMinHeads = 64;
-// 16-bit caches (bf16, f16) take it up to 8 heads, from 32 query rows on (512-wide heads: 64), where their rows are
-// 1152 bytes: on an H200 at 8 heads and top-k 2048 (bf16, run of e9ab362) it took 99.0 against the 16-head tile's
-// 117.0 us at 128 tokens and 36.4 against 37.6 at 32, while at 16 heads it lost (32 tokens 44.4 against 39.6; dense
-// decode of batch 128 at 8K, 365.9 against 357.3).
-inline constexpr int kSmallMaxHeads16Bit = 8, kSmallMinTokens16Bit = 32;
+// 16-bit caches (bf16, f16) take it from 32 query rows on (512-wide heads: 64), where their rows are 1152 bytes: up
+// to 16 heads where 16 heads a warp fits (kSmallSixteenHeadsPerWarp; 175 KB at 2 stages, so sm_90 and sm_100), else
+// up to 8. On an H200 at top-k 2048 (bf16): 8 heads, 99.0 against the 16-head tile's 117.0 us at 128 tokens and
+// 36.4 against 37.6 at 32 (run of e9ab362); 16 heads as two groups of 8 lost (32 tokens 44.4 against 39.6; dense
+// decode of batch 128 at 8K, 365.9 against 357.3), 16 heads a warp won (128 tokens 92.4 against 119.7, run of
+// 6846f1e; TODO rows of this session).
+inline constexpr int kSmallMaxHeads16Bit = 16, kSmallMaxHeads16BitTwoGroups = 8, kSmallMinTokens16Bit = 32;
 // The wide tile also needs this many query rows x heads (wide::kMinRowsAutomatic says why).
 inline constexpr int64_t kWideMinRows = 4096;
 // Whether fp8_ds_mla_v4 caches (512-wide) take the small-heads kernel automatically as rope-free fp8_ds_mla rows

@@ -72,6 +72,7 @@ static_assert(kHeadsPerCtaTile == kHeadsPerCta && kWideHeadsPerCta == wide::kWid
                   kSmallMinTokens == small::kMinTokensAutomatic &&
                   kSmallMinTokensNoRope == small::kMinTokensAutomaticNoRope &&
                   kSmallMaxHeads16Bit == small::kMaxHeadsAutomatic16Bit &&
+                  kSmallMaxHeads16BitTwoGroups == small::kMaxHeadsAutomatic16BitTwoGroups &&
                   kSmallMinTokens16Bit == small::kMinTokensAutomatic16Bit &&
                   kSmallAutomaticForV4 == small::kAutomaticForV4 &&
                   kSmallSixteenHeadsPerWarp == small::kSixteenHeadsPerWarpAutomatic,
