@@ -739,7 +739,7 @@ void bench_topk(int tokens, int context) {
 // scores kernel counting the top-k's histograms (with their zeroing kernel), the top-k reading them, and the step's
 // kernels that way (not the library's: slower on the H200).
 struct StepRow {
-  int tokens, context;
+  int tokens, context, requests;
   double scores_us, topk_us, attention_us, ops_us, step_us, cold_us, unsorted_step_us;
   double counted_scores_us, counted_topk_us, counted_step_us;
 };
@@ -769,22 +769,27 @@ struct StepCaches {
   ~StepCaches() { cudaFree(index); }
 };
 
-// One step's inputs over `caches`: `tokens` requests of `context` positions (GLM-5 TP8, as bench_step describes).
+// One step's inputs over `caches`: `tokens` requests of `context` positions (GLM-5 TP8, as bench_step describes), or
+// with `shared`, `tokens` consecutive positions of one request (multi-token decode) ending at `context`.
 struct StepInputs {
   smla::DsaDecodeStepArgs a;
   float* scores;    // select_topk's input, for the top-k alone
   int* histograms;  // the scores' coarse-bin counts (indexer_scores with histograms)
   std::vector<void*> buffers;
 
-  StepInputs(StepCaches& caches, int tokens, int context) {
+  StepInputs(StepCaches& caches, int tokens, int context, bool shared = false) {
     const smla::Device dev = smla::Device::cuda(90);
     const int heads = 8, index_heads = 32, topk = 2048, bs = 64, blocks_per_req = context / bs;
+    const int requests = shared ? 1 : tokens;
     std::mt19937 rng(tokens * 7 + context);
-    std::vector<int32_t> perm(caches.blocks()), req(tokens), ctx(tokens, context);
+    std::vector<int32_t> perm(caches.blocks()), req(tokens, 0), ctx(tokens, context);
     std::iota(perm.begin(), perm.end(), 0);
     std::shuffle(perm.begin(), perm.end(), rng);
-    perm.resize(static_cast<size_t>(tokens) * blocks_per_req);
-    std::iota(req.begin(), req.end(), 0);
+    perm.resize(static_cast<size_t>(requests) * blocks_per_req);
+    if (shared)
+      for (int t = 0; t < tokens; ++t) ctx[t] = context - (tokens - 1 - t);  // each token sees the ones before it
+    else
+      std::iota(req.begin(), req.end(), 0);
     std::vector<uint8_t> codes(static_cast<size_t>(tokens) * index_heads * 128);
     for (auto& c : codes) c = static_cast<uint8_t>(rng() % 0x70) | (rng() & 0x80);
     std::vector<float> w(static_cast<size_t>(tokens) * index_heads), q_scale(w.size());
@@ -815,7 +820,7 @@ struct StepInputs {
     ix.weights = smla::TensorView(dw, {tokens, index_heads}, smla::DType::f32, dev);
     ix.index_cache = smla::TensorView(caches.index, {caches.blocks(), bs, 132}, smla::DType::fp8_e4m3, dev);
     ix.request_ids = smla::TensorView(dreq, {tokens}, smla::DType::i32, dev);
-    ix.block_table = smla::TensorView(dtable, {tokens, blocks_per_req}, smla::DType::i32, dev);
+    ix.block_table = smla::TensorView(dtable, {requests, blocks_per_req}, smla::DType::i32, dev);
     ix.context_lens = smla::TensorView(dctx, {tokens}, smla::DType::i32, dev);
     ix.topk = smla::TensorView(dtopk, {tokens, topk}, smla::DType::i32, dev);
     a.slots = smla::TensorView(dslots, {tokens, topk}, smla::DType::i32, dev);
@@ -847,12 +852,12 @@ void counted_step(StepInputs& in, cudaStream_t s) {
   smla::cuda::sparse_mla(smla::attention_step(step), {}, smla::cuda::AttentionLaunch::after_own_kernel);
 }
 
-void bench_step(StepCaches& caches, int tokens, int context) {
+void bench_step(StepCaches& caches, int tokens, int context, bool shared = false) {
   const smla::Backend& be = *smla::Registry::global().find("cuda_mma");
-  StepInputs in(caches, tokens, context);
+  StepInputs in(caches, tokens, context, shared);
   float* scores = in.scores;
   const auto on = [&](cudaStream_t s) { return in.on(s); };
-  StepRow r{tokens, context};
+  StepRow r{tokens, context, shared ? 1 : tokens};
   r.scores_us = graph_us([&](cudaStream_t s) { smla::cuda::indexer_scores(smla::indexer_step(on(s)), scores); });
   r.topk_us = graph_us([&](cudaStream_t s) { smla::cuda::select_topk(smla::indexer_step(on(s)), scores); });
   smla::dsa_decode_step(on(nullptr), &be);  // slots for the attention alone
@@ -877,8 +882,8 @@ void bench_step(StepCaches& caches, int tokens, int context) {
                             {nullptr, false, in.histograms});
   });
   r.counted_step_us = graph_us([&](cudaStream_t s) { counted_step(in, s); });
-  std::printf("%6d %7d %9.1f %9.1f %9.1f %9.1f %9.1f %9.1f %9.1f %12.0f %9.1f %9.1f %9.1f\n", tokens, context,
-              r.scores_us, r.topk_us, r.attention_us, r.ops_us, r.step_us, r.cold_us, r.unsorted_step_us,
+  std::printf("%6d %7d %5d %9.1f %9.1f %9.1f %9.1f %9.1f %9.1f %9.1f %12.0f %9.1f %9.1f %9.1f\n", tokens, context,
+              r.requests, r.scores_us, r.topk_us, r.attention_us, r.ops_us, r.step_us, r.cold_us, r.unsorted_step_us,
               1e6 / (78 * r.step_us), r.counted_scores_us, r.counted_topk_us, r.counted_step_us);
   step_rows.push_back(r);
 }
@@ -1220,13 +1225,16 @@ int main(int argc, char** argv) {
                 "fp8_ds_mla cache); us per call from a CUDA graph replayed back to back, unless cold; 3 ops: "
                 "indexer_topk + positions_to_slots + sparse_mla as separate calls; step unsorted: sorted = false "
                 "(graph); counted: the scores counting the top-k's histograms and the top-k reading them; step cntd: the "
-                "step's kernels that way (off in the library: slower; graph)\n");
-    std::printf("%6s %7s %9s %9s %9s %9s %9s %9s %9s %12s %9s %9s %9s\n", "tokens", "context", "scores", "top-k",
-                "attention", "3 ops", "step", "cold step", "unsorted", "tok/s 78 L", "sc count", "tk counted",
+                "step's kernels that way (off in the library: slower; graph); reqs 1 with more tokens: consecutive "
+                "positions of one request (multi-token decode)\n");
+    std::printf("%6s %7s %5s %9s %9s %9s %9s %9s %9s %9s %12s %9s %9s %9s\n", "tokens", "context", "reqs", "scores",
+                "top-k", "attention", "3 ops", "step", "cold step", "unsorted", "tok/s 78 L", "sc count", "tk counted",
                 "step cntd");
     StepCaches caches;
-    for (int context : {8192, 131072})
+    for (int context : {8192, 131072}) {
       for (int tokens : {1, 8}) bench_step(caches, tokens, context);
+      bench_step(caches, 8, context, true);
+    }
   }
   if (!json_path.empty()) {
     FILE* f = std::fopen(json_path.c_str(), "w");
@@ -1265,11 +1273,13 @@ int main(int argc, char** argv) {
     for (size_t i = 0; i < step_rows.size(); ++i) {
       const StepRow& r = step_rows[i];
       std::fprintf(f,
-                   "    {\"config\": \"glm5-tp8 fp8\", \"tokens\": %d, \"context\": %d, \"scores_us\": %.2f, "
+                   "    {\"config\": \"glm5-tp8 fp8\", \"tokens\": %d, \"context\": %d, \"requests\": %d, "
+                   "\"scores_us\": %.2f, "
                    "\"topk_us\": %.2f, \"attention_us\": %.2f, \"three_ops_us\": %.2f, \"step_us\": %.2f, "
                    "\"step_cold_us\": %.2f, \"step_unsorted_us\": %.2f, \"counted_scores_us\": %.2f, "
                    "\"counted_topk_us\": %.2f, \"counted_step_us\": %.2f}%s\n",
-                   r.tokens, r.context, r.scores_us, r.topk_us, r.attention_us, r.ops_us, r.step_us, r.cold_us,
+                   r.tokens, r.context, r.requests, r.scores_us, r.topk_us, r.attention_us, r.ops_us, r.step_us,
+                   r.cold_us,
                    r.unsorted_step_us, r.counted_scores_us, r.counted_topk_us, r.counted_step_us,
                    i + 1 < step_rows.size() ? "," : "");
     }
