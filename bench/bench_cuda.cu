@@ -1279,8 +1279,7 @@ int main(int argc, char** argv) {
                    "\"step_cold_us\": %.2f, \"step_unsorted_us\": %.2f, \"counted_scores_us\": %.2f, "
                    "\"counted_topk_us\": %.2f, \"counted_step_us\": %.2f}%s\n",
                    r.tokens, r.context, r.requests, r.scores_us, r.topk_us, r.attention_us, r.ops_us, r.step_us,
-                   r.cold_us,
-                   r.unsorted_step_us, r.counted_scores_us, r.counted_topk_us, r.counted_step_us,
+                   r.cold_us, r.unsorted_step_us, r.counted_scores_us, r.counted_topk_us, r.counted_step_us,
                    i + 1 < step_rows.size() ? "," : "");
     }
     std::fprintf(f, "  ]\n}\n");
