@@ -39,8 +39,8 @@ inline constexpr int kSmallMaxHeads = 32, kSmallMinTokens = 16, kSmallMinTokensN
 // to 16 heads where 16 heads a warp fits (kSmallSixteenHeadsPerWarp; 175 KB at 2 stages, so sm_90 and sm_100), else
 // up to 8. On an H200 at top-k 2048 (bf16): 8 heads, 99.0 against the 16-head tile's 117.0 us at 128 tokens and
 // 36.4 against 37.6 at 32 (run of e9ab362); 16 heads as two groups of 8 lost (32 tokens 44.4 against 39.6; dense
-// decode of batch 128 at 8K, 365.9 against 357.3), 16 heads a warp won (128 tokens 92.4 against 119.7, run of
-// 6846f1e; TODO rows of this session).
+// decode of batch 128 at 8K, 365.9 against 357.3), 16 heads a warp won (run of 620aa84: 32 tokens 36.5 against
+// 39.2, 128 tokens 92.2 against 118.8, dense decode of batch 128 at 8K 341.8 against 375.5).
 inline constexpr int kSmallMaxHeads16Bit = 16, kSmallMaxHeads16BitTwoGroups = 8, kSmallMinTokens16Bit = 32;
 // The wide tile also needs this many query rows x heads (wide::kMinRowsAutomatic says why).
 inline constexpr int64_t kWideMinRows = 4096;
