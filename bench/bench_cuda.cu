@@ -263,6 +263,16 @@ struct Cache {
   }
 };
 
+// `n` sparse indices drawn uniformly from [0, range) by `rng`, on the device (cudaFree them).
+int32_t* device_random_indices(std::mt19937_64& rng, size_t n, int64_t range) {
+  std::vector<int32_t> idx(n);
+  for (auto& i : idx) i = static_cast<int32_t>(rng() % range);
+  int32_t* d;
+  CHECK(cudaMalloc(&d, n * 4));
+  CHECK(cudaMemcpy(d, idx.data(), n * 4, cudaMemcpyHostToDevice));
+  return d;
+}
+
 void* device_random_half(size_t n) {
   std::vector<uint16_t> h(n);
   std::mt19937 rng(3);
@@ -343,16 +353,9 @@ void bench_sparse(const char* name, Cache& cache, int tokens, int heads, int top
   const smla::Backend& be = *smla::Registry::global().find("cuda_mma");
   const smla::Device dev = smla::Device::cuda(90);
   std::mt19937_64 rng(tokens * 131 + heads);
-  auto device_indices = [&](int k, int64_t range) {
-    std::vector<int32_t> idx(static_cast<size_t>(tokens) * k);
-    for (auto& i : idx) i = static_cast<int32_t>(rng() % range);
-    int32_t* d;
-    CHECK(cudaMalloc(&d, idx.size() * 4));
-    CHECK(cudaMemcpy(d, idx.data(), idx.size() * 4, cudaMemcpyHostToDevice));
-    return d;
-  };
-  int32_t* didx = device_indices(topk, context > 0 ? context : cache.slots);
-  int32_t* dextra = extra.cache ? device_indices(extra.topk, extra.cache->slots) : nullptr;
+  int32_t* didx = device_random_indices(rng, static_cast<size_t>(tokens) * topk, context > 0 ? context : cache.slots);
+  int32_t* dextra =
+      extra.cache ? device_random_indices(rng, static_cast<size_t>(tokens) * extra.topk, extra.cache->slots) : nullptr;
   const int qk = cache.head.qk_dim();
   void* q = device_random_half(static_cast<size_t>(tokens) * heads * qk);
   void *out, *lse;
@@ -462,25 +465,21 @@ struct GatherPipeline {
 
 void bench_gather(const char* name, Cache& cache, int tokens, int topk, const Ceilings& c, GatherPipeline pipe = {}) {
   std::mt19937_64 rng(tokens * 131 + 8);  // bench_sparse's draw for 8 heads
-  std::vector<int32_t> idx(static_cast<size_t>(tokens) * topk);
-  for (auto& i : idx) i = static_cast<int32_t>(rng() % cache.slots);
-  int32_t* didx;
+  int32_t* didx = device_random_indices(rng, static_cast<size_t>(tokens) * topk, cache.slots);
   unsigned* sink;
-  CHECK(cudaMalloc(&didx, idx.size() * 4));
   CHECK(cudaMalloc(&sink, 4));
-  CHECK(cudaMemcpy(didx, idx.data(), idx.size() * 4, cudaMemcpyHostToDevice));
   const auto* rows = static_cast<const uint8_t*>(cache.data);
   const int pieces = cache.row_bytes() / 16;
   std::string kernel = "gather";
   double ms = 0;
   if (pipe.stages == 0) {
-    const int ctas = static_cast<int>(idx.size() / kGatherRows);
+    const int ctas = tokens * topk / kGatherRows;
     ms = time_ms([&] { gather_kernel<<<ctas, kGatherThreads>>>(rows, didx, cache.row_stride_bytes(), pieces, sink); });
   } else {
     auto* fn = pipe.stages == 2 ? pipelined_gather_kernel<2>
                : pipe.stages == 3 ? pipelined_gather_kernel<3>
                                   : pipelined_gather_kernel<4>;
-    const int smem = std::max(pipe.smem, std::min(pipe.stages, 4) * kGatherRows * pieces * 16);
+    const int smem = std::max(pipe.smem, pipe.stages * kGatherRows * pieces * 16);
     CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     int resident = 0;
     CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, fn, pipe.threads, smem));
