@@ -36,6 +36,14 @@ namespace {
     }                                                                              \
   } while (0)
 
+// The current device's compute capability major (9: Hopper).
+int device_major() {
+  int device = 0, major = 0;
+  CHECK(cudaGetDevice(&device));
+  CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  return major;
+}
+
 // Time in ms of one call of fn: calls are queued back to back (no sync between
 // them), so a kernel shorter than its host-side launch is not charged for the
 // host; median over `trials` runs of `reps` calls, after warm-up.
@@ -411,57 +419,96 @@ __global__ void __launch_bounds__(kGatherThreads) gather_kernel(const uint8_t* c
   if ((acc.x ^ acc.y ^ acc.z ^ acc.w) == 0x9e3779b9u) *sink = acc.x;  // keeps the loads; practically never taken
 }
 
-// The same rows through the small-heads kernel's pipeline with no attention: one CTA per token and key split, its
-// warps copying 64-row chunks into `kStages` shared-memory stages by cp.async (a row's 16-byte pieces across a
-// warp's lanes, each row's offset loaded a chunk ahead), one barrier a chunk, then `spin` clock cycles standing in
-// for the chunk's attention. With `spin` 0 it is what that pipeline depth and residency (`smem` bytes a CTA) can
-// move at most; the kernel's time against it says how much its own work costs.
-template <int kStages>
+// The same rows through a pipeline like the small-heads kernel's, with no attention: one CTA per token and key split,
+// its warps copying `rows`-row chunks into `kStages` shared-memory stages, then `spin` clock cycles a chunk standing
+// in for the chunk's attention. With `spin` 0 it is what that pipeline shape and residency (`smem` bytes a CTA) can
+// move at most; the kernel's time against it says how much its own work costs. How a chunk is copied and waited for:
+//  - cta: the kernel's way today. Each row's 16-byte pieces by cp.async across a warp's lanes, rows interleaved over
+//    the warps, then one CTA barrier a chunk (every warp waits for the chunk's slowest row);
+//  - warp: the same copies, but each warp copies the rows it will read itself and waits only for them (no barrier
+//    across warps);
+//  - bulk: each warp's rows one bulk copy a row (cp.async.bulk, sm_90+) onto the warp's mbarrier of the stage.
+enum class PipeSync { cta, warp, bulk };
+template <int kStages, PipeSync kSync>
 __global__ void pipelined_gather_kernel(const uint8_t* cache, const int32_t* indices, int topk, int row_stride,
-                                        int pieces, int splits, int spin, unsigned* sink) {
+                                        int row_bytes, int rows, int splits, int spin, unsigned* sink) {
   extern __shared__ __align__(16) uint8_t stages[];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
-  const int rows_per_warp = kGatherRows / warps, stage_bytes = kGatherRows * pieces * 16;
-  const int chunks = topk / kGatherRows / splits;
-  const int32_t* idx =
-      indices + int64_t{blockIdx.x / splits} * topk + int64_t{blockIdx.x % splits} * chunks * kGatherRows;
+  const int rows_per_warp = rows / warps, stage_bytes = rows * row_bytes, pieces = row_bytes / 16;
+  const int chunks = topk / rows / splits;
+  const int32_t* idx = indices + int64_t{blockIdx.x / splits} * topk + int64_t{blockIdx.x % splits} * chunks * rows;
+  uint64_t* bars = reinterpret_cast<uint64_t*>(stages + kStages * stage_bytes) + warp * kStages;  // bulk: [stage]
+  auto row_of = [&](int k) { return kSync == PipeSync::cta ? warp + warps * k : warp * rows_per_warp + k; };
   auto row_offset = [&](int i) -> int64_t {
     if (i >= chunks || lane >= rows_per_warp) return 0;
-    return int64_t{__ldg(idx + i * kGatherRows + warp + warps * lane)} * row_stride;
+    return int64_t{__ldg(idx + i * rows + row_of(lane))} * row_stride;
   };
+  if constexpr (kSync == PipeSync::bulk) {
+    if (lane == 0)
+      for (int st = 0; st < kStages; ++st) smla::cuda::mbarrier_init(&bars[st], 1);
+    smla::cuda::fence_mbarrier_init();
+    __syncwarp();
+  }
   int64_t next = row_offset(0);
   auto issue = [&](int i) {
-    if (i < chunks) {
-      const int64_t mine = next;
-      next = row_offset(i + 1);
-      uint8_t* stage = stages + (i % kStages) * stage_bytes;
-      for (int k = 0; k < rows_per_warp; ++k) {
-        const int64_t offset = __shfl_sync(0xffffffffu, mine, k);
-        const int row = warp + warps * k;
-        for (int pc = lane; pc < pieces; pc += 32)
-          smla::cuda::cp_async_16(stage + (row * pieces + pc) * 16, cache + offset + pc * 16, true);
-      }
+    uint8_t* stage = stages + (i % kStages) * stage_bytes;
+    const int64_t mine = next;
+    if (i < chunks) next = row_offset(i + 1);
+    if constexpr (kSync == PipeSync::bulk) {
+      if (i >= chunks) return;
+      smla::cuda::fence_proxy_async_shared();  // this warp's reads of the stage's last chunk come first
+      if (lane == 0) smla::cuda::mbarrier_expect_bytes(&bars[i % kStages], rows_per_warp * row_bytes);
+      __syncwarp();
+      if (lane < rows_per_warp)
+        smla::cuda::bulk_copy_to_shared(stage + row_of(lane) * row_bytes, cache + mine, row_bytes,
+                                        &bars[i % kStages]);
+    } else {
+      if (i < chunks)
+        for (int k = 0; k < rows_per_warp; ++k) {
+          const int64_t offset = __shfl_sync(0xffffffffu, mine, k);
+          for (int pc = lane; pc < pieces; pc += 32)
+            smla::cuda::cp_async_16(stage + row_of(k) * row_bytes + pc * 16, cache + offset + pc * 16, true);
+        }
+      smla::cuda::cp_async_commit();
     }
-    smla::cuda::cp_async_commit();
   };
   for (int i = 0; i < kStages - 1; ++i) issue(i);
   unsigned acc = 0;
   for (int i = 0; i < chunks; ++i) {
-    smla::cuda::cp_async_wait<kStages - 2>();
-    __syncthreads();  // chunk i landed for every thread; chunk i - 1's stage is free
+    if constexpr (kSync == PipeSync::bulk) {
+      smla::cuda::mbarrier_wait(&bars[i % kStages], (i / kStages) & 1);
+    } else {
+      smla::cuda::cp_async_wait<kStages - 2>();
+      if constexpr (kSync == PipeSync::cta) __syncthreads();  // chunk i landed; chunk i - 1's stage is free
+      else __syncwarp();
+    }
+    // A word of one of the rows this thread's warp reads (all of them: cta), before its stage is refilled.
+    acc ^= reinterpret_cast<const unsigned*>(stages + (i % kStages) * stage_bytes +
+                                             row_of(lane % rows_per_warp) * row_bytes)[lane / rows_per_warp];
+    __syncwarp();
     issue(i + kStages - 1);
-    acc ^= reinterpret_cast<const unsigned*>(stages + (i % kStages) * stage_bytes)[threadIdx.x];
     for (const long long t0 = clock64(); clock64() - t0 < spin;) {
     }
   }
   if (acc == 0x9e3779b9u) *sink = acc;
 }
 
-// How the gather ceiling is read: plain loads (stages 0), or the pipeline above with `stages` (2-4), `threads` a
-// CTA, `splits` CTAs a token, `spin` cycles a chunk and at least `smem` bytes of shared memory a CTA.
+// How the gather ceiling is read: plain loads (stages 0), or the pipeline above with `stages` (2, 3, 4, 6 or 8),
+// `threads` a CTA, `rows` a chunk, `splits` CTAs a token, `spin` cycles a chunk, at least `smem` bytes of shared
+// memory a CTA, and a chunk copied and waited for as `sync` says.
 struct GatherPipeline {
-  int stages = 0, threads = 128, splits = 2, spin = 0, smem = 0;
+  int stages = 0, threads = 128, splits = 2, spin = 0, smem = 0, rows = kGatherRows;
+  PipeSync sync = PipeSync::cta;
 };
+
+template <PipeSync kSync>
+auto pipelined_gather(int stages) {
+  return stages == 2   ? pipelined_gather_kernel<2, kSync>
+         : stages == 3 ? pipelined_gather_kernel<3, kSync>
+         : stages == 4 ? pipelined_gather_kernel<4, kSync>
+         : stages == 6 ? pipelined_gather_kernel<6, kSync>
+                       : pipelined_gather_kernel<8, kSync>;
+}
 
 void bench_gather(const char* name, Cache& cache, int tokens, int topk, const Ceilings& c, GatherPipeline pipe = {}) {
   std::mt19937_64 rng(tokens * 131 + 8);  // bench_sparse's draw for 8 heads
@@ -476,18 +523,20 @@ void bench_gather(const char* name, Cache& cache, int tokens, int topk, const Ce
     const int ctas = tokens * topk / kGatherRows;
     ms = time_ms([&] { gather_kernel<<<ctas, kGatherThreads>>>(rows, didx, cache.row_stride_bytes(), pieces, sink); });
   } else {
-    auto* fn = pipe.stages == 2 ? pipelined_gather_kernel<2>
-               : pipe.stages == 3 ? pipelined_gather_kernel<3>
-                                  : pipelined_gather_kernel<4>;
-    const int smem = std::max(pipe.smem, pipe.stages * kGatherRows * pieces * 16);
+    auto* fn = pipe.sync == PipeSync::cta    ? pipelined_gather<PipeSync::cta>(pipe.stages)
+               : pipe.sync == PipeSync::warp ? pipelined_gather<PipeSync::warp>(pipe.stages)
+                                             : pipelined_gather<PipeSync::bulk>(pipe.stages);
+    const int smem = std::max(pipe.smem, pipe.stages * (pipe.rows * pieces * 16 + pipe.threads / 32 * 8));
     CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     int resident = 0;
     CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, fn, pipe.threads, smem));
     ms = time_ms([&] {
-      fn<<<tokens * pipe.splits, pipe.threads, smem>>>(rows, didx, topk, cache.row_stride_bytes(), pieces, pipe.splits,
-                                                       pipe.spin, sink);
+      fn<<<tokens * pipe.splits, pipe.threads, smem>>>(rows, didx, topk, cache.row_stride_bytes(), pieces * 16,
+                                                       pipe.rows, pipe.splits, pipe.spin, sink);
     });
-    kernel = "pipe/s" + std::to_string(pipe.stages) + "/t" + std::to_string(pipe.threads) + "/k" +
+    static const char* const kSyncNames[] = {"cta", "warp", "bulk"};
+    kernel = std::string("pipe/") + kSyncNames[static_cast<int>(pipe.sync)] + "/s" + std::to_string(pipe.stages) +
+             "/r" + std::to_string(pipe.rows) + "/t" + std::to_string(pipe.threads) + "/k" +
              std::to_string(pipe.splits) + "/c" + std::to_string(resident) + "/w" + std::to_string(pipe.spin);
   }
   CHECK(cudaGetLastError());
@@ -690,9 +739,7 @@ void bench_topk(int tokens, int context) {
   CHECK(cudaMalloc(&scores, hs.size() * 4));
   CHECK(cudaMemcpy(scores, hs.data(), hs.size() * 4, cudaMemcpyHostToDevice));
   using smla::cuda::TopkSplit;
-  int device = 0, major = 0;
-  CHECK(cudaGetDevice(&device));
-  CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  const int major = device_major();
   const auto us = [&](TopkSplit split) { return 1e3 * time_ms([&] { smla::cuda::select_topk(a, scores, split); }); };
   const double one_cta = us(TopkSplit::one_cta), slices = us(TopkSplit::slices);
   char cluster[16] = "-";
@@ -1031,8 +1078,9 @@ int main(int argc, char** argv) {
     return 0;
   }
   if (part == "gather" && argc >= 5) {
-    // `bench_cuda gather TOKENS TOPK bf16|fp8 [STAGES [THREADS [SPLITS [SPIN [SMEM]]]]]`: the gather ceiling of one
-    // sparse shape (its rows read, no attention), by plain loads or (STAGES 2-4) through a cp.async pipeline.
+    // `bench_cuda gather TOKENS TOPK bf16|fp8 [STAGES [THREADS [SPLITS [SPIN [SMEM [ROWS [cta|warp|bulk]]]]]]]`: the
+    // gather ceiling of one sparse shape (its rows read, no attention), by plain loads or (STAGES 2, 3, 4, 6, 8)
+    // through a pipeline of ROWS-row chunks (64 unless given).
     Cache cache(std::string(argv[4]) == "fp8" ? smla::DType::fp8_ds_mla : smla::DType::bf16, int64_t{1} << 20);
     GatherPipeline pipe;
     if (argc > 5) pipe.stages = std::atoi(argv[5]);
@@ -1040,12 +1088,21 @@ int main(int argc, char** argv) {
     if (argc > 7) pipe.splits = std::atoi(argv[7]);
     if (argc > 8) pipe.spin = std::atoi(argv[8]);
     if (argc > 9) pipe.smem = std::atoi(argv[9]);
-    if (pipe.stages != 0 && (pipe.stages < 2 || pipe.stages > 4 || pipe.threads % 32 || pipe.threads > 1024 ||
-                             pipe.threads < 32 || kGatherRows % (pipe.threads / 32) || pipe.splits < 1 ||
-                             std::atoi(argv[3]) % (kGatherRows * pipe.splits)))
-      return std::fprintf(stderr, "bench_cuda gather: STAGES 2-4, THREADS a multiple of 32 dividing 64 rows among its "
-                                  "warps, TOPK a multiple of 64 x SPLITS\n"), 2;
-    bench_gather("gather ceiling", cache, std::atoi(argv[2]), std::atoi(argv[3]), c, pipe);
+    if (argc > 10) pipe.rows = std::atoi(argv[10]);
+    const std::string sync = argc > 11 ? argv[11] : "cta";
+    pipe.sync = sync == "warp" ? PipeSync::warp : sync == "bulk" ? PipeSync::bulk : PipeSync::cta;
+    const int warps = pipe.threads / 32, topk = std::atoi(argv[3]);
+    const bool stages_ok = pipe.stages == 0 || pipe.stages == 2 || pipe.stages == 3 || pipe.stages == 4 ||
+                           pipe.stages == 6 || pipe.stages == 8;
+    if (!stages_ok || (sync != "cta" && sync != "warp" && sync != "bulk") ||
+        (pipe.sync == PipeSync::bulk && device_major() < 9) ||
+        (pipe.stages != 0 &&
+         (pipe.threads % 32 || pipe.threads > 1024 || pipe.threads < 32 || pipe.rows < 1 || pipe.rows % warps ||
+          pipe.rows / warps > 32 || pipe.splits < 1 || topk % (pipe.rows * pipe.splits))))
+      return std::fprintf(stderr, "bench_cuda gather: STAGES 2, 3, 4, 6 or 8; THREADS a multiple of 32 whose warps "
+                                  "divide ROWS, at most 32 rows a warp; TOPK a multiple of ROWS x SPLITS; cta, warp "
+                                  "or bulk (sm_90+)\n"), 2;
+    bench_gather("gather ceiling", cache, std::atoi(argv[2]), topk, c, pipe);
     return 0;
   }
   if (part == "paged" && argc >= 6) {

@@ -242,6 +242,43 @@ __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, int parity) {
   __trap();
 #endif
 }
+// One bulk copy of `bytes` (a multiple of 16, both addresses 16-byte aligned) global -> shared that completes its
+// bytes on `bar`, whose phase expects them (mbarrier_expect_bytes): one instruction a row where cp.async takes one
+// per 16 bytes. sm_90+ only.
+__device__ __forceinline__ void mbarrier_expect_bytes(uint64_t* bar, int bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.arrive.expect_tx.shared.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+#else
+  __trap();
+#endif
+}
+__device__ __forceinline__ void bulk_copy_to_shared(void* smem, const void* gmem, int bytes, uint64_t* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                   smem_addr(smem)),
+               "l"(gmem), "r"(bytes), "r"(smem_addr(bar))
+               : "memory");
+#else
+  __trap();
+#endif
+}
+// Makes this thread's mbarrier_init visible to bulk copies (the async proxy) that complete on the barriers. sm_90+.
+__device__ __forceinline__ void fence_mbarrier_init() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+#else
+  __trap();
+#endif
+}
+// Orders this thread's earlier shared-memory accesses before later bulk copies into the same bytes (the copies write
+// through the async proxy). sm_90+ only.
+__device__ __forceinline__ void fence_proxy_async_shared() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#else
+  __trap();
+#endif
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
