@@ -303,7 +303,7 @@ using smla::cuda::AttentionChoice;
 using smla::cuda::AttentionKernel;
 
 // "small/s3/h8/d2": the small-heads kernel forced to 3 stages, 8 heads per CTA, output dims split in 2; "/k8": the
-// keys split 8 ways.
+// keys split 8 ways; "/pieces", "/bulk": its rows copied so.
 std::string kernel_name(AttentionChoice k) {
   std::string n = k.kernel == AttentionKernel::automatic   ? "auto"
                   : k.kernel == AttentionKernel::head_tile ? "head-tile"
@@ -314,6 +314,7 @@ std::string kernel_name(AttentionChoice k) {
   if (k.heads_per_cta > 0) n += "/h" + std::to_string(k.heads_per_cta);
   if (k.split_dims > 0) n += "/d" + std::to_string(k.split_dims);
   if (k.splits > 0) n += "/k" + std::to_string(k.splits);
+  if (k.copy != smla::cuda::RowCopy::automatic) n += k.copy == smla::cuda::RowCopy::bulk ? "/bulk" : "/pieces";
   return n;
 }
 
@@ -331,7 +332,7 @@ void report(const char* name, const char* kv, const std::string& kernel, int tok
 // The op's own choices: the benchmarks call the public op then, else the CUDA function with the choice forced.
 bool is_automatic(AttentionChoice k) {
   return k.kernel == AttentionKernel::automatic && k.stages == 0 && k.heads_per_cta == 0 && k.split_dims == 0 &&
-         k.splits == 0;
+         k.splits == 0 && k.copy == smla::cuda::RowCopy::automatic;
 }
 
 // Times `call` (the op as the backend runs it, or its CUDA function with a forced kernel); a forced kernel
@@ -1069,10 +1070,15 @@ int main(int argc, char** argv) {
   };
   if (part == "sparse" && argc >= 6) {
     // `bench_cuda sparse TOKENS HEADS TOPK bf16|fp8 [auto|small|head-tile|wide|wgmma] [STAGES [HEADS_PER_CTA
-    // [SPLIT_DIMS [SPLITS]]]]`: one sparse config (0: as the op picks).
+    // [SPLIT_DIMS [SPLITS [auto|pieces|bulk]]]]]`: one sparse config (0, auto: as the op picks; the last, how the
+    // small-heads kernel copies rows).
+    const std::string copy = argc > 11 ? argv[11] : "auto";
     const AttentionChoice kernel{kernel_named(argc > 6 ? argv[6] : "auto"), argc > 7 ? std::atoi(argv[7]) : 0,
                                  argc > 8 ? std::atoi(argv[8]) : 0, argc > 9 ? std::atoi(argv[9]) : 0,
-                                 argc > 10 ? std::atoi(argv[10]) : 0};
+                                 argc > 10 ? std::atoi(argv[10]) : 0,
+                                 copy == "pieces" ? smla::cuda::RowCopy::pieces
+                                 : copy == "bulk" ? smla::cuda::RowCopy::bulk
+                                                  : smla::cuda::RowCopy::automatic};
     Cache cache(std::string(argv[5]) == "fp8" ? smla::DType::fp8_ds_mla : smla::DType::bf16, int64_t{1} << 20);
     bench_sparse("sparse", cache, std::atoi(argv[2]), std::atoi(argv[3]), std::atoi(argv[4]), c, kernel);
     return 0;
@@ -1147,6 +1153,11 @@ int main(int argc, char** argv) {
       for (int h : {8, 16})
         for (int stages : {2, 3, 4})
           bench_sparse("decode (depth)", cache, 128, h, 2048, c, {AttentionKernel::small_heads, stages});
+      // The small-heads kernel's rows copied by 16-byte cp.async pieces (every arch's way; bulk copies from sm_90 on).
+      for (int h : {8, 16})
+        for (int t : {32, 128})
+          bench_sparse("decode (cp.async rows)", cache, t, h, 2048, c,
+                       {AttentionKernel::small_heads, 0, 0, 0, 0, smla::cuda::RowCopy::pieces});
       for (int t : {32, 128}) {
         bench_sparse("decode (dims unsplit)", cache, t, 8, 2048, c, {AttentionKernel::small_heads, 0, 8, 1});
         bench_sparse("decode (dims split)", cache, t, 8, 2048, c, {AttentionKernel::small_heads, 0, 8, 2});

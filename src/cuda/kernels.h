@@ -18,11 +18,15 @@ void write_mla_cache(const WriteMlaCacheArgs& args);
 // f16 caches with two 64-key buffers, fp8 ones forced with one and a staging buffer; 64 heads per CTA) takes no
 // `stages`.
 // `splits` > 0 forces the number of splits of each row's keys (at most one per chunk of keys; 1: unsplit); a
-// caller's workspace too small for the forced plan is an error.
+// caller's workspace too small for the forced plan is an error. `copy` forces how the small-heads kernel copies its
+// rows: 16-byte cp.async pieces (every arch) or one bulk copy a row (sm_90+, not fp8_ds_mla_v4: an error
+// elsewhere); automatic takes bulk copies where they exist.
 enum class AttentionKernel { automatic, head_tile, small_heads, wide_tile, wgmma };
+enum class RowCopy { automatic, pieces, bulk };
 struct AttentionChoice {
   AttentionKernel kernel = AttentionKernel::automatic;
   int stages = 0, heads_per_cta = 0, split_dims = 0, splits = 0;
+  RowCopy copy = RowCopy::automatic;
 };
 // How sparse_mla's attention kernel follows the work before it on the stream: in order (every caller's call), or
 // as the programmatic dependent of the kernel before it (SM90+; dsa_decode_step alone, where that kernel is its own

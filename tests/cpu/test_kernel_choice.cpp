@@ -152,7 +152,7 @@ TEST(KernelChoice, ForcedKernelsAndDepths) {
   // A depth the kernel does not compile is no choice either (the ops report it as a bad argument).
   s.forced.stages = 4;
   EXPECT_FALSE(choose_attention_kernel(limits_of("sm_90"), s).ok());
-  // The small-heads kernel forced at 16 heads per CTA on bf16 rows (157 KB and more): sm_90 only of these.
+  // The small-heads kernel forced at 16 heads per CTA on bf16 rows (160 KB and more): sm_90 only of these.
   const KernelShape small{CacheFormat::bf16, 64, true, 1, 16, {AttentionKernel::small_heads, 0, 16}};
   EXPECT_TRUE(choose_attention_kernel(limits_of("sm_90"), small).ok());
   EXPECT_FALSE(choose_attention_kernel(limits_of("sm_86"), small).ok());
@@ -303,6 +303,41 @@ TEST(KernelChoice, ExplainNamesTheVariantOnEveryArch) {
         }
       }
     }
+}
+
+// How the small-heads kernel copies its rows: one bulk copy a row from sm_90 on (not fp8_ds_mla_v4 rows, whose
+// 8 scale bytes are no bulk copy), 16-byte cp.async pieces elsewhere or where forced; bulk copies forced where there
+// are none: no choice. Explain names the bulk copies.
+TEST(KernelChoice, SmallHeadsRowCopies) {
+  for (const char* arch : kArchs) {
+    const KernelLimits l = limits_of(arch);
+    const bool bulk = l.compute_capability >= 90;
+    SCOPED_TRACE(arch);
+    for (CacheFormat f : {CacheFormat::bf16, CacheFormat::fp8_ds_mla, CacheFormat::fp8_ds_mla_v4}) {
+      const int rope = f == CacheFormat::fp8_ds_mla_v4 ? 0 : 64;
+      KernelShape s{f, rope, false, 128, 8, {AttentionKernel::small_heads}};
+      const KernelDecision automatic = choose_attention_kernel(l, s);
+      if (!automatic.ok()) {  // bf16 rows on the 99 KB archs
+        EXPECT_EQ(automatic.rejected[0].why, Rejected::smem);
+        continue;
+      }
+      const bool expected = bulk && f != CacheFormat::fp8_ds_mla_v4;
+      EXPECT_EQ(automatic.chosen.bulk_copies, expected);
+      EXPECT_EQ(variant_text(automatic.chosen).find("rows by bulk copy") != std::string::npos, expected);
+      s.forced.copy = RowCopy::pieces;
+      const KernelDecision pieces = choose_attention_kernel(l, s);
+      ASSERT_TRUE(pieces.ok());
+      EXPECT_FALSE(pieces.chosen.bulk_copies);
+      EXPECT_EQ(pieces.chosen.smem, automatic.chosen.smem);  // one layout for both
+      s.forced.copy = RowCopy::bulk;
+      const KernelDecision forced = choose_attention_kernel(l, s);
+      EXPECT_EQ(forced.ok(), expected);
+      if (forced.ok()) EXPECT_TRUE(forced.chosen.bulk_copies);
+    }
+    // The other kernels copy no rows so.
+    const KernelDecision tile = choose_attention_kernel(l, {CacheFormat::bf16, 64, false, 1, 16, {}});
+    EXPECT_FALSE(tile.chosen.bulk_copies);
+  }
 }
 
 // glm-5 at tp 8 (8 heads per rank) with an fp8 cache: the small-heads kernel in prefill (8 heads per CTA; the dim

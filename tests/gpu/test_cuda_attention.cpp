@@ -459,14 +459,16 @@ TEST(CudaSparseMlaSmallHeads, DepthsInAnyOrder) {
 }
 
 // Case n of a small-heads sweep: the block size (1/16/64), topk_length, sink, strided queries, max_logits, empty
-// rows' lse and the kernel's head grouping (as picked or 8) and output-dim split (as picked, unsplit or in 2) cycle
-// with n at periods of 2 to 7, so that a sweep meets many combinations; `stages`: the pipeline depth forced.
+// rows' lse, the kernel's head grouping (as picked or 8), output-dim split (as picked, unsplit or in 2) and row
+// copies (as picked: bulk copies from sm_90 on; or cp.async pieces) cycle with n at periods of 2 to 7, so that a
+// sweep meets many combinations; `stages`: the pipeline depth forced.
 void vary_small_heads_case(Problem& p, int n, int stages) {
   p.block_size = std::array<int, 3>{1, 16, 64}[n % 3];
   p.topk_length = n % 4 == 1;
   p.sink = n % 5 == 2;
   p.q_padded = n % 3 == 2;
   p.kernel = {cuda::AttentionKernel::small_heads, stages, n % 4 >= 2 ? 8 : 0, n % 3};
+  p.kernel.copy = n % 6 >= 3 ? cuda::RowCopy::pieces : cuda::RowCopy::automatic;
   p.max_logits = n % 2 == 0;  // the exact max score, whatever the softmax's lazily moved base
   p.empty_lse_plus_inf = n % 7 == 3;
 }
@@ -876,6 +878,44 @@ TEST(CudaSparseMlaV4, SmallHeadsKernel) {
     split.kernel = {cuda::AttentionKernel::small_heads, 0};
     expect_splits_run(split, seed++);
   }
+}
+
+// The small-heads kernel's two ways of copying rows (16-byte cp.async pieces; one bulk copy a row, sm_90+) land the
+// same bytes in the same places: outputs equal bit for bit (each also against the CPU backend), over invalid
+// indices, topk_length, whole empty halves, both head groupings and dim splits, and 16-bit, fp8_ds_mla (576- and
+// 512-wide) and fp8_ds_mla_nope rows. Bulk copies forced where the device has none, or on fp8_ds_mla_v4 rows (whose
+// 8 scale bytes are no bulk copy), are an error that says so.
+TEST(CudaSparseMlaSmallHeads, RowCopiesAgreeBitForBit) {
+  const bool bulk = cuda::current_device().compute_capability >= 90;
+  uint64_t seed = 1500;
+  int n = 0;
+  for (DType kv : {DType::bf16, DType::fp8_ds_mla, DType::fp8_ds_mla_nope})
+    for (int heads : {8, 16}) {
+      Problem p;
+      p.kv_dtype = kv;
+      p.rope = kv == DType::fp8_ds_mla_nope || n % 3 == 2 ? 0 : kMlaRopeDim;
+      p.heads = heads;
+      p.topk = 1000;
+      p.block_size = n % 2 ? 64 : 16;
+      p.topk_length = n % 2 == 0;
+      p.empty_halves = true;
+      p.kernel = {cuda::AttentionKernel::small_heads, 0, 0, n % 4 == 3 ? 2 : 0};
+      p.kernel.copy = cuda::RowCopy::pieces;
+      std::vector<uint16_t> by_pieces, by_bulk;
+      ++n;
+      if (!run_sparse(p, seed, &by_pieces)) continue;
+      p.kernel.copy = cuda::RowCopy::bulk;
+      if (!bulk) {
+        test::expect_error([&] { run_sparse(p, seed); }, ErrorKind::unsupported, {"small-heads kernel", "bulk", "sm_90"});
+        continue;
+      }
+      ASSERT_TRUE(run_sparse(p, seed++, &by_bulk));
+      EXPECT_EQ(by_pieces, by_bulk) << dtype_name(kv) << " heads " << heads;
+    }
+  Problem v4 = v4_problem(8, 256, 64);
+  v4.kernel = {cuda::AttentionKernel::small_heads, 0};
+  v4.kernel.copy = cuda::RowCopy::bulk;
+  test::expect_error([&] { run_sparse(v4, seed); }, ErrorKind::unsupported, {"small-heads kernel", "bulk", "fp8_ds_mla_v4"});
 }
 
 // On an fp8_ds_mla_v4 cache the small-heads kernel does not split the output dims (that form spilled): forcing it

@@ -185,9 +185,9 @@ mla::KernelLimits kernel_limits(const DeviceInfo& dev) {
 Plan plan(CacheFormat f, int rope, bool paged, int64_t tokens, int heads, int num_keys, AttentionChoice choice) {
   const DeviceInfo& dev = current_device();
   const mla::KernelDecision d = mla::choose_attention_kernel(kernel_limits(dev), {f, rope, paged, tokens, heads, choice});
-  const mla::small::SmallHeadsShape shape{choice.stages, choice.heads_per_cta, choice.split_dims};
+  const mla::small::SmallHeadsShape shape{choice.stages, choice.heads_per_cta, choice.split_dims, choice.copy};
   // A forced kernel's configuration checks the forced shape first: its errors name a bad depth, heads per CTA or
-  // dim split (invalid_argument), or what does not fit.
+  // dim split (invalid_argument), row copies the device lacks, or what does not fit.
   if (choice.kernel == AttentionKernel::small_heads) mla::small::small_heads_config(f, rope, paged, heads, shape);
   if (choice.kernel == AttentionKernel::wide_tile) mla::wide::wide_config(f, rope, paged, choice.stages);
   if (choice.kernel == AttentionKernel::wgmma) mla::wg::wgmma_config(f, rope, paged);
@@ -199,7 +199,9 @@ Plan plan(CacheFormat f, int rope, bool paged, int64_t tokens, int heads, int nu
   const mla::KernelVariant& v = d.chosen;
   Plan s;
   if (v.kernel == AttentionKernel::small_heads)
-    s.small = &mla::small::small_heads_config(f, rope, paged, heads, {v.stages, v.heads_per_cta, v.split_dims});
+    s.small = &mla::small::small_heads_config(f, rope, paged, heads,
+                                              {v.stages, v.heads_per_cta, v.split_dims,
+                                               v.bulk_copies ? RowCopy::bulk : RowCopy::pieces});
   else if (v.kernel == AttentionKernel::wide_tile)
     s.wide = &mla::wide::wide_config(f, rope, paged, v.stages);
   else if (v.kernel == AttentionKernel::wgmma)

@@ -8,6 +8,7 @@
 #include "cuda/common/runtime.h"
 #include "cuda/mla/attention_small_heads.cuh"
 #include "cuda/mla/attention_small_heads.h"
+#include "cuda/mla/kernel_choice.h"
 
 namespace smla::cuda::mla::small {
 
@@ -15,9 +16,7 @@ static_assert(kSmallChunkKeys == kChunkKeys, "attention_small_heads.h mirrors th
 
 namespace {
 
-constexpr int kMaxStages = 4;  // cp_async_wait_dynamic's deepest count is stages - 2
-
-using Kernel = void (*)(AttentionParams, int);
+using Kernel = void (*)(AttentionParams, int, bool);
 
 // 8-head blocks x dim split compiled: 8 heads on 4 or 8 warps; 16 heads on 8, as two groups of 4 warps (split 1)
 // or as 16 heads a warp with the dims split (split 2). fp8_ds_mla_v4 rows are not read with the output dims split:
@@ -101,13 +100,18 @@ const SmallHeadsConfig* find_small_heads_config(CacheFormat f, int rope, bool pa
       (shape.split_dims != 0 && shape.split_dims != 1 && shape.split_dims != 2))
     throw Error(ErrorKind::invalid_argument, "MLA attention (small-heads kernel): stages must be 2-4, heads per CTA "
                                              "8 or 16, dim split 1 or 2 (0: as the kernel sees fit)");
-  using Key = std::tuple<int, CacheFormat, int, bool, int, int, int>;
+  const DeviceInfo& dev = current_device();
+  const bool bulk_possible = mla::small_heads_bulk_copies(f, dev.compute_capability);
+  if (shape.copy == RowCopy::bulk && !bulk_possible)
+    throw Error(ErrorKind::unsupported, "MLA attention (small-heads kernel): bulk row copies need sm_90 or newer and "
+                                        "a cache other than fp8_ds_mla_v4");
+  const bool bulk = bulk_possible && shape.copy != RowCopy::pieces;
+  using Key = std::tuple<int, CacheFormat, int, bool, int, int, int, bool>;
   static std::mutex mu;
   static std::map<Key, SmallHeadsConfig> configs;  // nodes never move
   thread_local std::map<Key, const SmallHeadsConfig*> mine;  // no lock once seen
-  const DeviceInfo& dev = current_device();
   const int groups = shape.heads_per_cta == 8 || (shape.heads_per_cta == 0 && num_heads <= kHeadsPerGroup) ? 1 : 2;
-  const Key key = std::make_tuple(dev.index, f, rope, paged, groups, shape.split_dims, shape.stages);
+  const Key key = std::make_tuple(dev.index, f, rope, paged, groups, shape.split_dims, shape.stages, bulk);
   if (auto seen = mine.find(key); seen != mine.end()) return seen->second->fn != nullptr ? seen->second : nullptr;
   std::lock_guard<std::mutex> lock(mu);
   auto it = configs.find(key);
@@ -132,6 +136,7 @@ const SmallHeadsConfig* find_small_heads_config(CacheFormat f, int rope, bool pa
           (cfg.fn == nullptr || (split.ctas_per_sm >= cfg.ctas_per_sm && cfg.ctas_per_sm * cfg.threads < 8 * 32)))
         cfg = split;
     }
+    cfg.bulk = bulk;
     it = configs.emplace(key, cfg).first;
   }
   mine[key] = &it->second;
@@ -157,7 +162,8 @@ void launch_small_heads(const AttentionParams& p, const SmallHeadsConfig& cfg, i
   const int head_blocks = (p.num_heads + cfg.heads_per_cta - 1) / cfg.heads_per_cta;
   const dim3 grid(static_cast<unsigned>(static_cast<int64_t>(p.num_tokens) * head_blocks), splits);
   int stages = cfg.stages;
-  void* args[] = {const_cast<AttentionParams*>(&p), &stages};
+  bool bulk = cfg.bulk;
+  void* args[] = {const_cast<AttentionParams*>(&p), &stages, &bulk};
   launch_kernel_args(cfg.fn, grid, dim3(cfg.threads), args, cfg.smem, stream, dependent,
                      "smla MLA attention kernel (small heads)");
 }

@@ -6,18 +6,24 @@
 // V^T P^T), so 8 heads fill an n8 tile with nothing wasted. Each warp owns 16
 // keys of every chunk and all 512 output dims of its head group (kHeadTiles n8
 // tiles of heads: 16 heads share each converted key fragment): it runs its
-// own online softmax with no barrier but the one per chunk of the cp.async
+// own online softmax with no barrier but its key slot's one per chunk of the
 // pipeline, and the warps of a group are merged once at the end. fp8_ds_mla
 // rows are dequantised from shared memory straight into mma fragments (e4m3
 // pairs -> f16x2, one instruction from SM89 on, for both products); their
 // per-128-dim scales are applied to the fp32 scores and folded into P for
 // P V. fp8_ds_mla_v4 rows (448 e4m3 dims in 7 tiles of 64 with power-of-two
-// scales, then 64 bf16 dims) are laid out as fp8_ds_mla's with a rope part:
-// the 16-bit dims take the rope's place, the eighth 64-dim tile is never
-// read; their scales are applied per 64 dims to the scores and, in P V, to the
+// scales, then 64 bf16 dims) are read as fp8_ds_mla's with a rope part: the
+// 16-bit dims in the rope's place (the eighth 64-dim tile's), their scales
+// applied per 64 dims to the scores and, in P V, to the
 // values (the dims of one mma span two tiles). Dims inside a thread's fragments are permuted (the dot products do not
-// care) so every operand is one 16-byte shared load; 16-byte pieces are
-// XOR-swizzled per row so those loads and ldmatrix hit distinct banks.
+// care) so every operand is one 16-byte shared load.
+//
+// A chunk's rows land in shared memory as they lie in the cache, each an odd number of 16-byte pieces from the
+// next, so the loads below (8 lanes a bank cycle: rows g, g+1 at pieces 2c, 2c+1; rows 2c, 2c+1 at piece g;
+// ldmatrix's 8 rows at one piece) each hit 8 different bank groups (fp8_ds_mla_v4's scores: 2-way conflicts). That lets a row be one bulk copy (sm_90+:
+// cp.async.bulk, one instruction a row onto an mbarrier; on an H200 a bare pipeline of them moves 83% of copy
+// bandwidth where 16-byte cp.async pieces move 64%), else 16-byte cp.async pieces. The 16 rows of a key slot are
+// read only by the slot's warps, which copy them and wait for them alone: no barrier across the CTA a chunk.
 #pragma once
 
 #include <cuda_fp8.h>
@@ -32,6 +38,7 @@ constexpr int kHeadsPerGroup = 8;  // the mma's N
 constexpr int kKeySlots = 4;       // warps of a group that own different keys of a chunk
 constexpr int kKeysPerWarp = 16;   // the mma's M
 constexpr int kChunkKeys = kKeySlots * kKeysPerWarp;
+constexpr int kMaxStages = 4;  // cp_async_wait_dynamic's deepest count is stages - 2
 // The running max of a head moves only when a score passes it by more than
 // this (log2 units): P stays <= 2^8, and O is rescaled rarely. Only where P
 // is f16 (fp8 and f16 caches): a bf16 P of up to 2^8 rounds a key that
@@ -43,10 +50,10 @@ constexpr float kMaxSlack = F == CacheFormat::bf16 ? 0.f : 8.f;
 // f16's largest), and its 128-dim tile kV4TailTile ends in the 64 bf16 dims.
 constexpr int kV4ValueExp = 7, kV4TailTile = MlaV4CacheLayout::kTiles / 2;
 
-// Row geometry for rope width kRope (64 for DeepSeek/GLM-5's MLA; 0 for a
-// rope-free 512-wide head): the latent values of a row (fp8 or 16-bit) and
-// its 16-bit tail (the rope; fp8_ds_mla_v4's 64 bf16 dims) take whole
-// 128-byte shared-memory groups; fp8 scales live apart.
+// Row geometry for rope width kRope (64 for DeepSeek/GLM-5's MLA; 0 for a rope-free 512-wide head). A row in a
+// stage is the cache's row: fp8_ds_mla its 512 e4m3 latent bytes, 4 float scales, the bf16 rope (rope-free: the
+// first 528 bytes); fp8_ds_mla_v4 its 448 e4m3 bytes and 64 bf16 dims, then its 8 scale bytes (from the block's
+// end); 16-bit rows the latent then the rope.
 template <CacheFormat F, int kRope>
 struct Geometry {
   static constexpr bool kFp8 = is_fp8(F), kV4 = F == CacheFormat::fp8_ds_mla_v4;
@@ -54,20 +61,25 @@ struct Geometry {
   static constexpr int kLatentDims = kV4 ? MlaV4CacheLayout::kNopeDim : kLatent;  // before the 16-bit tail
   static constexpr int kTailDims = kV4 ? MlaV4CacheLayout::kRopeDim : kRope;
   static constexpr int kLatentSteps = kLatentDims / 16;
-  static constexpr int kLatentBytes = kFp8 ? kLatent : 2 * kLatent;  // V4: 448 bytes in 4 groups, the last half used
-  static constexpr int kRopeBytes = 2 * kTailDims;
-  static constexpr int kRowBytes = kLatentBytes + kRopeBytes;  // in shared memory, without scales
-  static constexpr int kScaleBytes = kFp8 ? 16 : 0;            // V4: its 8 scale bytes in the first half
-  // 16-byte pieces of a cache row as the gather reads them (V4: its values, then its scales from the block's end).
-  static constexpr int kGlobalPieces = kV4 ? MlaV4CacheLayout::kValueBytes / 16 + 1 : (kRowBytes + kScaleBytes) / 16;
+  static constexpr int kTileBytes = kFp8 ? 128 : 256;  // a 128-dim latent tile (V4: 3.5 of them)
+  // The bytes of one copy from the cache (V4: the values; its scales are an 8-byte copy of their own).
+  static constexpr int kCopyBytes =
+      kV4 ? MlaV4CacheLayout::kValueBytes : kFp8 ? kLatent + 16 + 2 * kRope : 2 * (kLatent + kRope);
+  static constexpr int kScaleOffset = kV4 ? MlaV4CacheLayout::kValueBytes : kLatent;  // fp8 only
+  static constexpr int kTailOffset = kV4 ? MlaV4CacheLayout::kNopeDim : kFp8 ? kLatent + 16 : 2 * kLatent;
+  // 16-byte pieces of a cache row as the gather reads them (V4: its values, then its scales).
+  static constexpr int kGlobalPieces = kV4 ? kCopyBytes / 16 + 1 : kCopyBytes / 16;
+  // From one row to the next in a stage: an odd number of pieces.
+  static constexpr int kRowStride = 16 * (kGlobalPieces | 1);
   static constexpr int kQkSteps = (kLatentDims + kTailDims) / 16;  // score k-steps
-  static constexpr int kStageBytes = kChunkKeys * (kRowBytes + kScaleBytes + 4);  // rows, scales, valid flags
-  static_assert(kRowBytes % 128 == 0, "rows are whole 128-byte groups");
+  static constexpr int kStageBytes = kChunkKeys * (kRowStride + 4);  // rows, valid flags
+  static_assert(kCopyBytes % 16 == 0 && kTailOffset % 16 == 0, "rows and their tails are whole pieces");
 };
 
 // Shared memory: `stages` pipeline stages (the merge buffers reuse them once
-// the loop is done), then the query fragments, the warps' softmax stats and,
-// when the output dims are split, the two halves' partial scores.
+// the loop is done), then the query fragments, the warps' softmax stats,
+// when the output dims are split the two halves' partial scores, and the bulk
+// copies' mbarriers ([key slot][stage]).
 template <CacheFormat F, int kRope, int kGroups, int kSplitDims, int kHeadTiles = 1>
 struct Layout {
   using G = Geometry<F, kRope>;
@@ -79,24 +91,18 @@ struct Layout {
   static constexpr int kStatBytes = kGroups * kKeySlots * kGroupHeads * 3 * 4;
   // Per warp of a split: its lanes' 4 partial scores per head tile (16 keys x 8 heads).
   static constexpr int kExchangeBytes = kSplitDims == 2 ? kGroups * kKeySlots * 2 * 32 * 16 * kHeadTiles : 0;
-  int q = 0, q_max = 0, stats = 0, exchange = 0, total = 0;
+  static constexpr int kBarrierBytes = kKeySlots * kMaxStages * 8;
+  int q = 0, q_max = 0, stats = 0, exchange = 0, barriers = 0, total = 0;
   __host__ __device__ constexpr explicit Layout(int stages) {
     q = stages * G::kStageBytes > kMergeBytes ? stages * G::kStageBytes : kMergeBytes;
     q_max = q + kQBytes;
     stats = q_max + kQMaxBytes;
     exchange = stats + kStatBytes;
-    total = exchange + kExchangeBytes;
+    barriers = exchange + kExchangeBytes;
+    total = barriers + kBarrierBytes;
   }
 };
 
-// The XOR pattern of row r's 16-byte pieces inside each 128-byte group. It
-// makes three access patterns conflict-free: rows g and g+1 read by lanes
-// c = 0..3 (scores), rows 2c(+1) read by lanes g = 0..1 (fp8 P V), and eight
-// consecutive rows at one piece (ldmatrix).
-__device__ __forceinline__ int swizzle(int row) { return (row & 7) ^ ((row & 1) << 2); }
-__device__ __forceinline__ int piece_offset(int row_base_bytes, int row, int piece) {
-  return row_base_bytes + (piece & ~7) * 16 + (((piece & 7) ^ swizzle(row)) * 16);
-}
 // Where (head, dim) of a merge slot ([8 heads][512 dims] fp32) lies. A lane holds heads 2c, 2c+1, so unswizzled
 // its lane column c put the warp's stores 1024 floats apart, in the same banks (ncu: 16-way conflicts). Each head's
 // dims are XOR-swizzled by c: fp8 lanes store dims 4q..4q+3 of their 16 of a tile as one float4 and c picks which
@@ -107,14 +113,21 @@ __device__ __forceinline__ int merge_index(int head, int dim) {
   return head * kVDim + (dim ^ ((head >> 1 & 3) << (kFp8 ? 2 : 3)));
 }
 
+// The piece of a 128-byte group that lane column c reads for the scores, half h of two: 2c + h, so rows g and g+1
+// (an odd number of pieces apart) fall in 8 bank groups. fp8_ds_mla_v4: 4h + c, each half one 64-dim scale tile
+// (2-way conflicts).
+template <CacheFormat F>
+__host__ __device__ constexpr int score_piece_index(int c, int h) {
+  return F == CacheFormat::fp8_ds_mla_v4 ? 4 * h + c : 2 * c + h;
+}
 // The dims of score k-step `ks` that lane column c holds in its fragments:
 // d0..d0+1 in the first register, d0+2..d0+3 in the second.
 template <CacheFormat F>
 __host__ __device__ constexpr int score_dim(int ks, int c) {
   if ((F == CacheFormat::fp8_ds_mla && ks < kLatent / 16) ||
       (F == CacheFormat::fp8_ds_mla_v4 && ks < MlaV4CacheLayout::kNopeDim / 16))  // a piece = 16 e4m3 dims = 4 k-steps
-    return 128 * (ks / 8) + 64 * ((ks / 4) % 2) + 16 * c + 4 * (ks % 4);
-  return 64 * (ks / 4) + 32 * ((ks / 2) % 2) + 8 * c + 4 * (ks % 2);  // a piece = 8 16-bit dims = 2 k-steps
+    return 128 * (ks / 8) + 16 * score_piece_index<F>(c, (ks / 4) % 2) + 4 * (ks % 4);
+  return 64 * (ks / 4) + 8 * score_piece_index<F>(c, (ks / 2) % 2) + 4 * (ks % 2);  // a piece = 8 16-bit dims
 }
 
 __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t v) {
@@ -164,7 +177,7 @@ __device__ __forceinline__ void cp_async_wait_dynamic(int pending) {
 // converted every row twice.
 template <CacheFormat F, bool kPaged, int kGroups, int kSplitDims, int kRope = 64, int kHeadTiles = 1>
 __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitDims == 2 && kHeadTiles == 1 ? 2 : 1)
-    small_heads_kernel(const AttentionParams p, int stages) {
+    small_heads_kernel(const AttentionParams p, int stages, bool bulk) {
   using T = ComputeT<F>;
   using G = Geometry<F, kRope>;
   constexpr bool kFp8 = G::kFp8, kV4 = G::kV4;
@@ -174,7 +187,8 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
   // 128 registers a thread (two CTAs of 8 warps per SM): the gather and the query loads are arranged to fit.
   constexpr bool kTightRegisters = kSplitDims == 2 && NT == 1;
   static_assert(NT == 1 || (kSplitDims == 2 && kGroups == 1 && !G::kV4), "16 heads a warp split the dims");
-  constexpr int kRowsPerWarp = kChunkKeys / kWarps;
+  // A key slot's 16 rows are copied by the slot's warps (each group's, each dim half's): kRowsPerWarp each.
+  constexpr int kSlotWarps = kGroups * kSplitDims, kRowsPerWarp = kKeysPerWarp / kSlotWarps;
   constexpr int kLatentSteps = G::kLatentSteps, kTileSteps = 128 / 16;
   constexpr int kMTiles = kVDim / 16 / kSplitDims;  // this warp's 16-dim tiles of O^T
   constexpr int kScaleTiles = 4 / kSplitDims;       // ... and its fp8 128-dim scale tiles
@@ -196,6 +210,19 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
   const bool group_active = group * kGroupHeads < nh;
   const int split = blockIdx.y;
   const int b = t / p.s_q, j = t % p.s_q;
+  const int kr = slot_k * kKeysPerWarp;  // this warp's first row of each chunk
+  const int slot_warp = warp / kKeySlots;  // which of the slot's warps this is
+
+  // Bulk copies: one mbarrier per key slot and stage, whose phase completes when each of the slot's warps has
+  // arrived with its rows' bytes expected and those bytes have landed.
+  uint64_t* const slot_barriers = reinterpret_cast<uint64_t*>(smem + L.barriers) + slot_k * kMaxStages;
+  if (bulk) {
+    if (tid < kKeySlots * kMaxStages) {
+      mbarrier_init(reinterpret_cast<uint64_t*>(smem + L.barriers) + tid, kSlotWarps);
+      fence_mbarrier_init();
+    }
+    __syncthreads();
+  }
 
   // Everything from here reads what the kernel before may write (indices, cache) when dsa_decode_step launches
   // this one as the top-k's programmatic dependent; without that launch the wait returns at once. Paged decode is
@@ -204,17 +231,14 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
   const ChunkRange range = chunk_range<kPaged>(p, t, b, j, split, kChunkKeys);
   const int visible = range.visible, chunk_begin = range.begin, n_chunks = range.count;
 
-  // Gather: warp w copies rows w, w + kWarps, ... of each chunk, a row's
-  // 16-byte pieces across the lanes (whole 128-byte lines per instruction).
-  // Lane l holds the byte offset of the warp's l-th row (-1: invalid, then
-  // zero-filled and never read), resolved a chunk ahead from the row's index
-  // (or block) loaded two chunks ahead, so the load has landed by then
-  // (resolved as loaded, every chunk's issue waited a memory round trip:
-  // ncu, 7% of the stall samples at 128 tokens on one compare);
-  // fp8_ds_mla_v4: also the row's place in its block, which finds its scales
-  // at the block's end.
+  // Gather: the slot's warp w copies rows kr + w kRowsPerWarp, ... of each chunk. Lane l holds the byte offset of
+  // the warp's l-th row (-1: invalid, then zero-filled and never read), resolved a chunk ahead from the row's index
+  // (or block) loaded two chunks ahead, so the load has landed by then (resolved as loaded, every chunk's issue
+  // waited a memory round trip: ncu, 7% of the stall samples at 128 tokens on one compare); fp8_ds_mla_v4: also the
+  // row's place in its block, which finds its scales at the block's end.
   int next_in_block = 0;
-  auto row_key = [&](int chunk) { return chunk * kChunkKeys + warp + kWarps * lane; };
+  auto chunk_row = [&](int k) { return kr + slot_warp * kRowsPerWarp + k; };
+  auto row_key = [&](int chunk) { return chunk * kChunkKeys + chunk_row(lane); };
   auto entry_for = [&](int chunk) -> int32_t {
     return lane < kRowsPerWarp ? slot_entry<kPaged>(p, t, b, row_key(chunk), visible) : -1;
   };
@@ -259,41 +283,14 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
   };
   if constexpr (!kTightRegisters) load_queries();
   int64_t next_offset = offset_for(chunk_begin, first_entry);
-  // Where this lane's piece jp of the warp's k-th row (row warp + kWarps k)
-  // lands in a stage: dst_first[jp][k % kSwizzles] + (k / kSwizzles) *
-  // dst_step[jp], fixed here so a row's copies take immediate offsets. With 8
-  // warps every row of a warp has the swizzle of its first, with 4 they
-  // alternate between two. The fp8 scales are kept apart, 16 bytes a row
-  // after the chunk's rows (fp8_ds_mla: the piece after the latent;
-  // fp8_ds_mla_v4: the last piece, whose bf16 dims before it go to the group
-  // after the latent's).
   constexpr int kLanePieces = (G::kGlobalPieces + 31) / 32;
-  constexpr int kScalePiece = kV4 ? G::kGlobalPieces - 1 : kLatent / 16;
-  constexpr int kSwizzles = kWarps % 8 == 0 ? 1 : 2;
-  static_assert(kWarps * kSwizzles % 8 == 0, "rows kWarps * kSwizzles apart share a swizzle");
-  auto smem_piece = [](int pc) {
-    if constexpr (kV4) return pc < G::kLatentDims / 16 ? pc : pc - G::kLatentDims / 16 + G::kLatentBytes / 16;
-    return pc > kScalePiece ? pc - 1 : pc;
-  };
-  int dst_first[kLanePieces][kSwizzles], dst_step[kLanePieces];
-#pragma unroll
-  for (int jp = 0; jp < kLanePieces; ++jp) {
-    const int pc = lane + 32 * jp;
-    const bool scale = kFp8 && pc == kScalePiece;
-#pragma unroll
-    for (int r = 0; r < kSwizzles; ++r) {
-      const int row = warp + kWarps * r;
-      dst_first[jp][r] = scale ? kChunkKeys * G::kRowBytes + row * 16
-                               : piece_offset(row * G::kRowBytes, row, kFp8 ? smem_piece(pc) : pc);
-    }
-    dst_step[jp] = kSwizzles * kWarps * (scale ? 16 : G::kRowBytes);
-  }
   // Rows unrolled at once: all of them, but 4 at 128 registers a thread (the dim split), where the shuffled
   // offsets of all rows held live made the fp8 kernels spill on sm_80.
   constexpr int kGatherUnroll = kTightRegisters ? 4 : kRowsPerWarp;
-  // Chunk i of this split into `stage` (stage i % stages), if it exists. Per chunk the row offsets become a mask of
-  // the valid rows and offsets with 0 for the invalid ones, so a row costs a shuffle, an add and its copies.
-  auto issue = [&](int i, uint8_t* stage) {
+  // Chunk i of this split into `stage` (its mbarrier `bar` for bulk copies), if it exists. Per chunk the row offsets
+  // become a mask of the valid rows and offsets with 0 for the invalid ones, so a row costs a shuffle, an add and its
+  // copies (bulk: one copy by the row's lane; an invalid row zeroed by the warp before the warp's arrival).
+  auto issue = [&](int i, uint8_t* stage, uint64_t* bar) {
     if (i < n_chunks) {
       const int64_t offsets = next_offset;
       const int in_blocks = next_in_block;
@@ -301,40 +298,50 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
         next_offset = offset_for(chunk_begin + i + 1, next_entry);
         if (i + 2 < n_chunks) next_entry = entry_for(chunk_begin + i + 2);
       }
+      const uint32_t valid_rows = __ballot_sync(0xffffffffu, offsets >= 0) & ((1u << kRowsPerWarp) - 1);
+      if (lane < kRowsPerWarp) reinterpret_cast<int*>(stage + kChunkKeys * G::kRowStride)[chunk_row(lane)] = offsets >= 0;
+      if (bulk && !kV4) {
+        if (valid_rows != (1u << kRowsPerWarp) - 1) {
+          for (uint32_t invalid = ~valid_rows & ((1u << kRowsPerWarp) - 1); invalid != 0; invalid &= invalid - 1)
+            for (int pc = lane; pc < G::kRowStride / 16; pc += 32)
+              reinterpret_cast<uint4*>(stage + chunk_row(__ffs(invalid) - 1) * G::kRowStride)[pc] = make_uint4(0, 0, 0, 0);
+          __syncwarp();  // the zeros before this warp's arrival
+        }
+        if (lane == 0) mbarrier_expect_bytes(bar, __popc(valid_rows) * G::kCopyBytes);
+        __syncwarp();  // the bytes expected before any lands
+        if (offsets >= 0) bulk_copy_to_shared(stage + chunk_row(lane) * G::kRowStride, p.cache + offsets, G::kCopyBytes, bar);
+        return;
+      }
       const uint8_t* const lane_src = p.cache + 16 * lane;
-      const uint32_t valid_rows = __ballot_sync(0xffffffffu, offsets >= 0);
       const int64_t row_offsets = offsets >= 0 ? offsets : 0;
-      if (lane < kRowsPerWarp)
-        reinterpret_cast<int*>(stage + kChunkKeys * (G::kRowBytes + G::kScaleBytes))[warp + kWarps * lane] =
-            offsets >= 0;
 #pragma unroll kGatherUnroll
       for (int k = 0; k < kRowsPerWarp; ++k) {
         const bool valid = valid_rows >> k & 1;
         const int64_t offset = __shfl_sync(0xffffffffu, row_offsets, k);
+        uint8_t* const row = stage + chunk_row(k) * G::kRowStride + 16 * lane;
 #pragma unroll
         for (int jp = 0; jp < kLanePieces; ++jp) {
           const int pc = lane + 32 * jp;
-          uint8_t* const dst = stage + dst_first[jp][k % kSwizzles] + (k / kSwizzles) * dst_step[jp];
           if constexpr (kV4) {
             using V4 = MlaV4CacheLayout;
             // Every lane takes part in the shuffle; the scale piece's lane uses it: block + block_size * 576 + i * 8.
             const int in_block = jp == kLanePieces - 1 ? __shfl_sync(0xffffffffu, in_blocks, k) : 0;
-            if (pc == kScalePiece)
-              cp_async_8(dst,
+            if (pc == G::kGlobalPieces - 1)
+              cp_async_8(row + 512 * jp,
                          p.cache + offset + static_cast<int64_t>(p.block_size) * V4::kValueBytes -
                              in_block * (V4::kValueBytes - V4::kScaleBytes),
                          valid);
             else if (pc < G::kGlobalPieces)
-              cp_async_16(dst, lane_src + offset + 512 * jp, valid);
+              cp_async_16(row + 512 * jp, lane_src + offset + 512 * jp, valid);
           } else if (pc < G::kGlobalPieces) {
-            cp_async_16(dst, lane_src + offset + 512 * jp, valid);
+            cp_async_16(row + 512 * jp, lane_src + offset + 512 * jp, valid);
           }
         }
       }
     }
-    cp_async_commit();  // empty groups keep the wait counts uniform
+    if (!bulk || kV4) cp_async_commit();  // empty groups keep the wait counts uniform
   };
-  for (int i = 0; i < stages - 1; ++i) issue(i, smem + i * G::kStageBytes);
+  for (int i = 0; i < stages - 1; ++i) issue(i, smem + i * G::kStageBytes, slot_barriers + i);
 
   if constexpr (kTightRegisters) load_queries();
   auto q_values = [&](uint2 raw, float (&v)[4]) {
@@ -434,35 +441,33 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
 #pragma unroll
   for (int tt = 0; tt < kScaleTiles; ++tt) tile_exp[tt] = 6;
 
-  const int kr = slot_k * kKeysPerWarp;  // this warp's first row of each chunk
-  // Byte offsets in a stage, fixed per thread, so the loads below take
-  // immediate offsets (128 bytes per group, 8 rows per kRowBytes * 8):
-  // scores read piece c (and c + 4) of each group of rows kr+g and kr+g+8;
-  const int s_off = piece_offset((kr + g) * G::kRowBytes, kr + g, c);
+  // Byte offsets in a stage, fixed per thread, so the loads below take immediate offsets (128 bytes per group,
+  // 8 rows per kRowStride * 8): scores read pieces score_piece_index(c, 0) and (c, 1) of each group of rows kr+g
+  // and kr+g+8;
+  constexpr int kStride = G::kRowStride;
+  const int s_row = (kr + g) * kStride;
+  const int s_piece[2] = {16 * score_piece_index<F>(c, 0), 16 * score_piece_index<F>(c, 1)};
   // fp8 P V reads piece g of rows kr+2c, kr+2c+1 (and 8 rows on);
-  const int v_off0 = piece_offset((kr + 2 * c) * G::kRowBytes, kr + 2 * c, g);
-  const int v_off1 = piece_offset((kr + 2 * c + 1) * G::kRowBytes, kr + 2 * c + 1, g);
+  const int v_off0 = (kr + 2 * c) * kStride + 16 * g, v_off1 = v_off0 + kStride;
   // 16-bit P V: ldmatrix rows kr + (lane / 16) * 8 + lane % 8, pieces 2q + (lane / 8) % 2 of each group.
   const int ld_row = kr + (lane / 16) * 8 + lane % 8;
   int ld_off[4];
 #pragma unroll
   for (int q4 = 0; q4 < 4; ++q4)
-    ld_off[q4] = piece_offset(ld_row * G::kRowBytes, ld_row, 2 * q4 + (lane / 8) % 2) + half_d * (kMTiles / 4) * 128;
+    ld_off[q4] = ld_row * kStride + 16 * (2 * q4 + (lane / 8) % 2) + half_d * (kMTiles / 4) * 128;
   // The score dims this warp sums: the latent's 128-dim tiles tile0 .. tile0 + kScoreTiles - 1 and 32-dim halves
   // rope_half0 .. of each 64-dim rope group (all of them, or its half's when the dims are split).
   constexpr int kScoreTiles = 4 / kSplitDims, kRopeHalves = 2 / kSplitDims;
   const int tile0 = half_d * kScoreTiles, rope_half0 = half_d * kRopeHalves;
-  const int s_lat = s_off + tile0 * (G::kLatentBytes / 4);       // a tile is 1 (fp8) or 2 (16-bit) 128-byte groups
+  const int s_lat = s_row + tile0 * G::kTileBytes;           // a tile is 1 (fp8) or 2 (16-bit) 128-byte groups
   const uint2* const q_lat = my_q + tile0 * kTileSteps * 32;  // ... and kTileSteps k-steps
   auto attend = [&](const uint8_t* stage) {
     const uint8_t* rows = stage;
-    const float* scales = reinterpret_cast<const float*>(stage + kChunkKeys * G::kRowBytes);
-    const int* valid = reinterpret_cast<const int*>(stage + kChunkKeys * (G::kRowBytes + G::kScaleBytes));
+    const int* valid = reinterpret_cast<const int*>(stage + kChunkKeys * kStride);
     auto load = [&](int offset) { return *reinterpret_cast<const uint4*>(rows + offset); };
-    // Piece 4h + c of 128-byte group `grp` (from `base`) of row kr+g (second: kr+g+8); piece slots XOR 4 = byte
-    // offsets XOR 64.
+    // Piece score_piece_index(c, h) of 128-byte group `grp` (from `base`) of row kr+g (second: kr+g+8).
     auto score_piece = [&](int base, int grp, int h, bool second) {
-      return load((h ? base ^ 64 : base) + 128 * grp + (second ? 8 * G::kRowBytes : 0));
+      return load(base + s_piece[h] + 128 * grp + (second ? 8 * kStride : 0));
     };
     // Scores: acc[0 .. kScoreTiles - 1] this warp's latent tiles (each with its fp8 scale), acc[kScoreTiles] the
     // rope; [nt] the head tile.
@@ -477,9 +482,7 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
     };
     const int r0 = kr + g, r1 = kr + g + 8;
     // fp8_ds_mla_v4: the scale byte (biased exponent) of a row's 64-dim tile (the eighth byte is the pad).
-    auto v4_exponent = [&](int row, int v4_tile) -> int {
-      return reinterpret_cast<const uint8_t*>(scales)[16 * row + v4_tile];
-    };
+    auto v4_exponent = [&](int row, int v4_tile) -> int { return rows[row * kStride + G::kScaleOffset + v4_tile]; };
     if constexpr (kFp8) {
 #pragma unroll
       for (int tt = 0; tt < kScoreTiles; ++tt)
@@ -523,8 +526,8 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
 #pragma unroll
       for (int rh = 0; rh < kRopeHalves; ++rh) {
         const int half = rope_half0 + rh;
-        const uint4 x0 = score_piece(s_off + G::kLatentBytes, grp, half, false);
-        const uint4 x1 = score_piece(s_off + G::kLatentBytes, grp, half, true);
+        const uint4 x0 = score_piece(s_row + G::kTailOffset, grp, half, false);
+        const uint4 x1 = score_piece(s_row + G::kTailOffset, grp, half, true);
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
           const uint2* qk = my_q + nt * kQTile + (kLatentSteps + 4 * grp + 2 * half) * 32;
@@ -537,8 +540,8 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
     float s[NT][4];
     float4 sc0 = make_float4(1.f, 1.f, 1.f, 1.f), sc1 = sc0;  // fp8_ds_mla_v4: applied above
     if constexpr (kFp8 && !kV4) {
-      sc0 = *reinterpret_cast<const float4*>(scales + r0 * 4);
-      sc1 = *reinterpret_cast<const float4*>(scales + r1 * 4);
+      sc0 = *reinterpret_cast<const float4*>(rows + r0 * kStride + G::kScaleOffset);
+      sc1 = *reinterpret_cast<const float4*>(rows + r1 * kStride + G::kScaleOffset);
     }
     const float sc0v[4] = {sc0.x, sc0.y, sc0.z, sc0.w}, sc1v[4] = {sc1.x, sc1.y, sc1.z, sc1.w};
 #pragma unroll
@@ -636,7 +639,7 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
     };
     auto key_pairs = [&](int tile) {
       const uint4 x0 = load(v_off0 + 128 * tile), x1 = load(v_off1 + 128 * tile);
-      const uint4 x2 = load(v_off0 + 128 * tile + 8 * G::kRowBytes), x3 = load(v_off1 + 128 * tile + 8 * G::kRowBytes);
+      const uint4 x2 = load(v_off0 + 128 * tile + 8 * kStride), x3 = load(v_off1 + 128 * tile + 8 * kStride);
       const uint32_t w0[4] = {x0.x, x0.y, x0.z, x0.w}, w1[4] = {x1.x, x1.y, x1.z, x1.w};
       const uint32_t w2[4] = {x2.x, x2.y, x2.z, x2.w}, w3[4] = {x3.x, x3.y, x3.z, x3.w};
       KeyPairs kp;
@@ -655,7 +658,7 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
       // instead (converted to f16, unscaled), and their O is never rescaled.
       const uint2 pt = p_fragment(0, __half{}, 1.f, 1.f);  // one head tile (NT 1)
       // Scale bytes of the keys of this lane's A columns: kr+2c, kr+2c+1, kr+2c+8, kr+2c+9.
-      const uint8_t* const key_scales = reinterpret_cast<const uint8_t*>(scales) + (kr + 2 * c) * 16;
+      const uint8_t* const key_scales = rows + (kr + 2 * c) * kStride + G::kScaleOffset;
       auto hmul2 = [](uint32_t a, uint32_t b) {
         uint32_t r;
         asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(r) : "r"(a), "r"(b));
@@ -680,7 +683,7 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
           tile_exp[tt] = e;
         }
         auto multiplier = [&](int key) -> uint32_t {  // f16 bits of this lane's tile's factor for key kr+2c+key
-          const int ek = key_scales[16 * key + 2 * tile + g / 4], d = ek - tile_exp[tt] + kV4ValueExp;
+          const int ek = key_scales[key * kStride + 2 * tile + g / 4], d = ek - tile_exp[tt] + kV4ValueExp;
           if (ek == 255) return 0x7e00u;  // a NaN scale, as the CPU backend reads it
           return d >= -14 ? static_cast<uint32_t>(d + 15) << 10 : d >= -24 ? 1u << (d + 24) : 0u;
         };
@@ -696,8 +699,8 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
           if (tail) {  // warp-uniform; lanes g >= 4 take the tail's dims 4k, 4k+1 (a_lo) and 4k+2, 4k+3 (a_hi)
             // Dims 4k..4k+3 of the lane's 16 (tail pieces 2(g - 4), +1): 8 bytes of piece k / 2 of each row.
             auto load8 = [&](int row) {
-              const int piece = G::kLatentBytes / 16 + 2 * (g % 4) + k / 2;
-              return *reinterpret_cast<const uint2*>(rows + piece_offset(row * G::kRowBytes, row, piece) + 8 * (k % 2));
+              return *reinterpret_cast<const uint2*>(rows + row * kStride + G::kTailOffset + 16 * (2 * (g % 4) + k / 2) +
+                                                     8 * (k % 2));
             };
             const uint2 y0 = load8(kr + 2 * c), y1 = load8(kr + 2 * c + 1), y2 = load8(kr + 2 * c + 8),
                         y3 = load8(kr + 2 * c + 9);
@@ -765,12 +768,28 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
     }
   };
 
-  for (int i = 0, read_at = 0; i < n_chunks; ++i) {  // read_at: chunk i's stage, in bytes
-    cp_async_wait_dynamic(stages - 2);
-    __syncthreads();  // chunk i has landed; every warp is done with chunk i-1
-    issue(i + stages - 1, smem + (read_at > 0 ? read_at : stages * G::kStageBytes) - G::kStageBytes);  // chunk i-1's
+  // The key slot's warps meet (barriers 9-12; the dim split's exchange takes 1-8).
+  auto slot_sync = [&] {
+    if constexpr (kSlotWarps == 1) __syncwarp();
+    else named_barrier_sync(9 + slot_k, kSlotWarps * 32);
+  };
+  // read_at: chunk i's stage, in bytes; stage its index, parity its bulk phase.
+  for (int i = 0, read_at = 0, stage = 0, parity = 0; i < n_chunks; ++i) {
+    uint8_t* const refill = smem + (read_at > 0 ? read_at : stages * G::kStageBytes) - G::kStageBytes;  // chunk i-1's
+    uint64_t* const refill_barrier = slot_barriers + (stage > 0 ? stage : stages) - 1;
+    if (bulk && !kV4) {
+      fence_proxy_async_shared();  // this thread's reads of chunk i-1 before the copies into its stage
+      slot_sync();                 // the slot's warps are done with chunk i-1
+      issue(i + stages - 1, refill, refill_barrier);
+      mbarrier_wait(slot_barriers + stage, parity);  // chunk i has landed
+    } else {
+      cp_async_wait_dynamic(stages - 2);
+      slot_sync();  // chunk i has landed (each warp's copies); the slot's warps are done with chunk i-1
+      issue(i + stages - 1, refill, refill_barrier);
+    }
     if (group_active) attend(smem + read_at);
-    read_at = read_at + G::kStageBytes < stages * G::kStageBytes ? read_at + G::kStageBytes : 0;
+    read_at += G::kStageBytes;
+    if (++stage == stages) read_at = 0, stage = 0, parity ^= 1;
   }
   cp_async_wait<0>();
 

@@ -4,6 +4,7 @@
 
 #include <cuda_runtime.h>
 
+#include "cuda/kernels.h"
 #include "cuda/mla/params.h"
 
 namespace smla::cuda::mla::small {
@@ -33,15 +34,18 @@ constexpr bool kSixteenHeadsPerWarpAutomatic = true;
 struct SmallHeadsConfig {
   const void* fn = nullptr;
   int threads = 0, smem = 0, stages = 0, ctas_per_sm = 0, heads_per_cta = 0, split_dims = 0;
+  bool bulk = false;  // rows by bulk copies (else 16-byte cp.async pieces)
 };
 
 // What tests and benchmarks may force (0: as the kernel sees fit): the pipeline
 // depth (2-4), heads per CTA (8 or 16) and whether the output dims are split
 // between two warps per key slot (2) or not (1). 16 heads per CTA: split, each
 // warp holds all 16 heads; unsplit, two groups of 4 warps hold 8 heads each
-// (unforced: kSixteenHeadsPerWarpAutomatic picks; fp8_ds_mla_v4 never splits).
+// (unforced: kSixteenHeadsPerWarpAutomatic picks; fp8_ds_mla_v4 never splits), and how rows are copied
+// (automatic: bulk copies where mla::small_heads_bulk_copies says the device has them).
 struct SmallHeadsShape {
   int stages = 0, heads_per_cta = 0, split_dims = 0;
+  RowCopy copy = RowCopy::automatic;
 };
 
 // The configuration for `num_heads` heads of format `f` and rope width `rope`
@@ -51,7 +55,7 @@ struct SmallHeadsShape {
 // deepest pipeline that keeps the most CTAs resident per SM; at 8 heads the
 // output dims split between two warps where the unsplit CTAs leave fewer
 // than 8 warps per SM and the split keeps as many CTAs (the 99 KB archs; not an H200). Null when the device's shared memory cannot hold it (bf16 rows
-// need 157 KB, 140 KB rope-free); an invalid forced shape is an error.
+// need 160 KB, 142 KB rope-free); an invalid forced shape is an error.
 // fp8_ds_mla_v4 caches (rope 0) take fp8_ds_mla's shared memory with a rope part, and never split the output dims
 // (forcing that is an error).
 const SmallHeadsConfig* find_small_heads_config(CacheFormat f, int rope, bool paged, int num_heads,

@@ -45,9 +45,13 @@ KernelVariant wide_tile(const KernelLimits& l, const KernelShape& s) {
   return best;
 }
 
-// The small-heads kernel of one shape: the deepest depth that keeps the most CTAs per SM, or the one forced.
+// The small-heads kernel of one shape: the deepest depth that keeps the most CTAs per SM, or the one forced; rows by
+// bulk copies where the arch has them, unless cp.async pieces are forced (bulk copies forced where there are none:
+// no variant).
 KernelVariant small_shape(const KernelLimits& l, const KernelShape& s, int heads_per_cta, int split_dims) {
   const int threads = (heads_per_cta == 16 ? 2 : split_dims) * 4 * 32;
+  const bool bulk = small_heads_bulk_copies(s.format, l.compute_capability);
+  if (s.forced.copy == RowCopy::bulk && !bulk) return {};
   KernelVariant best;
   for (int d = 2; d <= 4; ++d) {
     if (s.forced.stages > 0 && d != s.forced.stages) continue;
@@ -55,6 +59,7 @@ KernelVariant small_shape(const KernelLimits& l, const KernelShape& s, int heads
                                 small_heads_smem(s.format, s.rope, heads_per_cta, split_dims, d));
     if (v.ctas_per_sm > 0 && v.ctas_per_sm >= best.ctas_per_sm) best = v;
   }
+  best.bulk_copies = best.ctas_per_sm > 0 && bulk && s.forced.copy != RowCopy::pieces;
   return best;
 }
 
@@ -107,6 +112,9 @@ KernelVariant variant(const KernelLimits& l, const KernelShape& s, AttentionKern
 Rejection unfit(const KernelLimits& l, const KernelShape& s, AttentionKernel k, int need) {
   if (k == AttentionKernel::wgmma && l.compute_capability != 90) return {k, Rejected::arch};
   if (k == AttentionKernel::wgmma && !l.sm90a_code) return {k, Rejected::no_sm90a_code};
+  if (k == AttentionKernel::small_heads && s.forced.copy == RowCopy::bulk &&
+      !small_heads_bulk_copies(s.format, l.compute_capability))
+    return {k, Rejected::arch};
   return {k, Rejected::smem, need, l.max_smem_per_block};
 }
 
@@ -250,6 +258,7 @@ std::string variant_text(const KernelVariant& v) {
   std::string t = std::string(kernel_name(v.kernel)) + " (" + std::to_string(v.heads_per_cta) + " heads/CTA, " +
                   std::to_string(v.threads / 32) + " warps, depth " + std::to_string(v.stages);
   if (v.split_dims == 2) t += ", output dims split over 2 warps";
+  if (v.bulk_copies) t += ", rows by bulk copy";
   return t + ", " + with_commas(v.smem) + " B shared memory, " + std::to_string(v.ctas_per_sm) + " CTA" +
          (v.ctas_per_sm == 1 ? "" : "s") + "/SM)";
 }
@@ -263,7 +272,10 @@ std::string rejection_text(const Rejection& r, const KernelVariant& chosen, int 
       if (r.kernel == AttentionKernel::wgmma)
         return "not chosen: automatic for bf16 and f16 caches only (fp8 caches: forced only)";
       return "not chosen: automatic for fp8_ds_mla, bf16 and f16 caches only (fp8_ds_mla_v4: forced only)";
-    case Rejected::arch: return "needs sm_90a (wgmma); this is " + arch_text(cc);
+    case Rejected::arch:
+      if (r.kernel == AttentionKernel::small_heads)
+        return "bulk row copies need sm_90 or newer and a cache other than fp8_ds_mla_v4; this is " + arch_text(cc);
+      return "needs sm_90a (wgmma); this is " + arch_text(cc);
     case Rejected::no_sm90a_code:
       return "needs sm_90a code (wgmma); this library's code for sm_90 has none (built without 90a, or PTX only)";
     case Rejected::too_many_heads:

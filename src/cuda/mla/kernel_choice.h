@@ -36,7 +36,7 @@ inline constexpr int kReservedSmemPerCta = 1024;  // the system's share of each 
 // tile took 42.1 against 46.3 us at 32 tokens, 75.3 against 64.2 at 64); the wide tile from 64 heads on.
 inline constexpr int kSmallMaxHeads = 32, kSmallMinTokens = 16, kSmallMinTokensNoRope = 64, kWideMinHeads = 64;
 // 16-bit caches (bf16, f16) take it from 32 query rows on (512-wide heads: 64), where their rows are 1152 bytes: up
-// to 16 heads where 16 heads a warp fits (kSmallSixteenHeadsPerWarp; 175 KB at 2 stages, so sm_90 and sm_100), else
+// to 16 heads where 16 heads a warp fits (kSmallSixteenHeadsPerWarp; 178 KB at 2 stages, so sm_90 and sm_100), else
 // up to 8. On an H200 at top-k 2048 (bf16): 8 heads, 99.0 against the 16-head tile's 117.0 us at 128 tokens and
 // 36.4 against 37.6 at 32 (run of e9ab362); 16 heads as two groups of 8 lost (32 tokens 44.4 against 39.6; dense
 // decode of batch 128 at 8K, 365.9 against 357.3), 16 heads a warp won (run of 620aa84: 32 tokens 36.5 against
@@ -72,10 +72,12 @@ struct KernelShape {
 };
 
 // One compiled variant: its kernel, heads per CTA, threads, pipeline depth, the small-heads kernel's dim split
-// (1 or 2; 0 for the others), dynamic shared memory, registers per thread (a bound) and resident CTAs per SM.
+// (1 or 2; 0 for the others), dynamic shared memory, registers per thread (a bound), resident CTAs per SM, and
+// whether the small-heads kernel copies its rows by bulk copies (sm_90+, not fp8_ds_mla_v4) or cp.async pieces.
 struct KernelVariant {
   AttentionKernel kernel = AttentionKernel::automatic;  // automatic: none
   int heads_per_cta = 0, threads = 0, stages = 0, split_dims = 0, smem = 0, registers = 0, ctas_per_sm = 0;
+  bool bulk_copies = false;
 };
 
 // Why a kernel was not chosen. `need`/`have`: shared memory in bytes (smem), heads or tokens (the automatic rules;
@@ -83,7 +85,7 @@ struct KernelVariant {
 enum class Rejected {
   forced_other,      // another kernel was forced
   cache_format,      // the small-heads kernel: not fp8_ds_mla_v4 (automatically); wgmma: not fp8 (ditto), each while switched off
-  arch,              // the wgmma kernel: sm_90 only
+  arch,              // the wgmma kernel: sm_90 only; the small-heads kernel's bulk row copies forced: sm_90+
   no_sm90a_code,     // the wgmma kernel on sm_90 where the loaded code lacks sm_90a's features
   too_many_heads,    // the small-heads kernel: more heads than its automatic reach for the cache format
   too_few_tokens,    // the small-heads kernel: fewer query rows than it pays off at
@@ -128,6 +130,9 @@ std::string variant_text(const KernelVariant& v);
 // memory per block; sm_120 allows 101,376".
 std::string rejection_text(const Rejection& r, const KernelVariant& chosen, int compute_capability);
 
+// Whether the small-heads kernel can copy rows of format `f` by bulk copies on compute capability `cc`.
+constexpr bool small_heads_bulk_copies(CacheFormat f, int cc) { return cc >= 90 && f != CacheFormat::fp8_ds_mla_v4; }
+
 // The dynamic shared memory of each kernel at depth `stages` (0: that depth is not compiled), from tables that
 // kernel_choice_check.cu holds equal to the kernels' layouts. f16 rows are laid out as bf16 ones.
 namespace tables {
@@ -145,11 +150,11 @@ inline constexpr int kWideSmem[3][2][2] = {{{176128, 209536}, {192512, 230016}},
 // Small heads, depths 2-4, by [format][rope][shape: 16 heads in two groups, 8 heads on 4 warps, 8 heads on 8 warps
 // (the output dims split), 16 heads a warp on 8 warps (dims split); never split for fp8_ds_mla_v4].
 inline constexpr int kSmallSmem[3][2][4][3] = {
-    {{{148800, 214592, 280384}, {140192, 205984, 271776}, {144288, 210080, 275872}, {156992, 222784, 288576}},
-     {{167232, 241216, 315200}, {157600, 231584, 305568}, {161696, 235680, 309664}, {175424, 249408, 323392}}},
-    {{{85312, 119360, 153408}, {76704, 110752, 144800}, {80800, 114848, 148896}, {93504, 127552, 161600}},
-     {{103744, 145984, 188224}, {94112, 136352, 178592}, {98208, 140448, 182688}, {111936, 154176, 196416}}},
-    {{{101696, 143936, 186176}, {93088, 135328, 177568}, {0, 0, 0}, {0, 0, 0}},
+    {{{150976, 217792, 284608}, {142368, 209184, 276000}, {146464, 213280, 280096}, {159168, 225984, 292800}},
+     {{169408, 244416, 319424}, {159776, 234784, 309792}, {163872, 238880, 313888}, {177600, 252608, 327616}}},
+    {{{85440, 119488, 153536}, {76832, 110880, 144928}, {80928, 114976, 149024}, {93632, 127680, 161728}},
+     {{103872, 146112, 188352}, {94240, 136480, 178720}, {98336, 140576, 182816}, {112064, 154304, 196544}}},
+    {{{93632, 131776, 169920}, {85024, 123168, 161312}, {0, 0, 0}, {0, 0, 0}},
      {{0, 0, 0}, {0, 0, 0}, {0, 0, 0}, {0, 0, 0}}}};
 
 }  // namespace tables
