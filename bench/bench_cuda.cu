@@ -296,6 +296,7 @@ struct AttentionRow {
   std::string config, cache, kernel;
   int tokens, heads, keys;
   double us, tflops, gbs, copy_frac, gemm_frac;
+  double graph_us;  // < 0: not timed from a graph
 };
 std::vector<AttentionRow> attention_rows;
 
@@ -318,15 +319,20 @@ std::string kernel_name(AttentionChoice k) {
   return n;
 }
 
+// `graph_us`: the same call replayed from a CUDA graph (latency rows, whose back-to-back calls wait on the host), or
+// < 0 where not timed so; printed after the row, which stays the back-to-back time.
 void report(const char* name, const char* kv, const std::string& kernel, int tokens, int heads, int keys, int qk_dim,
-            double ms, double bytes, const Ceilings& c) {
+            double ms, double bytes, const Ceilings& c, double graph_us = -1) {
   const double tflops = 2.0 * heads * keys * (qk_dim + 512.0) * tokens / (ms * 1e-3) / 1e12;
   const double gbs = bytes / (ms * 1e-3) / 1e9;
   const double mem_frac = gbs / c.copy_gbs, compute_frac = tflops / c.gemm_tflops;
-  std::printf("%-22s %-13s %-10s %6d %5d %6d %10.1f %9.1f %8.1f %6.0f%% %s\n", name, kv, kernel.c_str(), tokens,
+  std::printf("%-22s %-13s %-10s %6d %5d %6d %10.1f %9.1f %8.1f %6.0f%% %s", name, kv, kernel.c_str(), tokens,
               heads, keys, ms * 1e3, tflops, gbs, 100 * std::max(mem_frac, compute_frac),
               mem_frac >= compute_frac ? "memory" : "compute");
-  attention_rows.push_back({name, kv, kernel, tokens, heads, keys, ms * 1e3, tflops, gbs, mem_frac, compute_frac});
+  if (graph_us >= 0) std::printf("  graph %.1f us", graph_us);
+  std::printf("\n");
+  attention_rows.push_back(
+      {name, kv, kernel, tokens, heads, keys, ms * 1e3, tflops, gbs, mem_frac, compute_frac, graph_us});
 }
 
 // The op's own choices: the benchmarks call the public op then, else the CUDA function with the choice forced.
@@ -353,6 +359,9 @@ struct ExtraCache {
   const Cache* cache = nullptr;
   int topk = 0;
 };
+
+// Rows of at most this many tokens are latency rows: timed from a CUDA graph too.
+constexpr int kLatencyTokens = 8;
 
 // Sparse attention: each token's `topk` indices drawn from the first `context` slots (0: the whole cache,
 // so the gathers miss L2; a prefill's 32K context is shared by its tokens); with `extra`, also `extra.topk` indices
@@ -382,17 +391,25 @@ void bench_sparse(const char* name, Cache& cache, int tokens, int heads, int top
   a.out = smla::TensorView(out, {tokens, heads, 512}, smla::DType::bf16, dev);
   a.lse = smla::TensorView(lse, {tokens, heads}, smla::DType::f32, dev);
   double ms = 0;
-  const bool ran = timed(kernel, [&] {
+  const auto call = [&] {
     if (is_automatic(kernel)) smla::sparse_mla(a, &be);
     else smla::cuda::sparse_mla(a, kernel);
-  }, ms);
+  };
+  const bool ran = timed(kernel, call, ms);
+  // A few tokens' calls queued back to back wait on the host's enqueueing (docs/performance.md, "Host time per
+  // call"): those rows are also timed as an engine runs them, from a graph.
+  const double graph = ran && tokens <= kLatencyTokens ? graph_us([&](cudaStream_t s) {
+    a.stream = s;
+    call();
+  }) : -1;
+  a.stream = nullptr;
   if (ran)
     report(name, std::string(smla::dtype_name(cache.dtype)).c_str(), kernel_name(kernel), tokens, heads,
            topk + extra.topk, qk, ms,
            static_cast<double>(tokens) *
                (static_cast<double>(topk) * cache.row_bytes() +
                 (extra.cache ? static_cast<double>(extra.topk) * extra.cache->row_bytes() : 0.0)),
-           c);
+           c, graph);
   cudaFree(didx);
   cudaFree(dextra);
   cudaFree(q);
@@ -1317,12 +1334,14 @@ int main(int argc, char** argv) {
     std::fprintf(f, "  \"attention\": [\n");
     for (size_t i = 0; i < attention_rows.size(); ++i) {
       const AttentionRow& r = attention_rows[i];
+      char graph[48] = "";
+      if (r.graph_us >= 0) std::snprintf(graph, sizeof graph, ", \"graph_us\": %.2f", r.graph_us);
       std::fprintf(f,
                    "    {\"config\": \"%s\", \"cache\": \"%s\", \"kernel\": \"%s\", \"tokens\": %d, \"heads\": %d, "
                    "\"keys\": %d, \"us\": %.2f, \"tflops\": %.2f, \"gbs\": %.1f, \"copy_fraction\": %.4f, "
-                   "\"gemm_fraction\": %.4f}%s\n",
+                   "\"gemm_fraction\": %.4f%s}%s\n",
                    r.config.c_str(), r.cache.c_str(), r.kernel.c_str(), r.tokens, r.heads, r.keys, r.us, r.tflops,
-                   r.gbs, r.copy_frac, r.gemm_frac, i + 1 < attention_rows.size() ? "," : "");
+                   r.gbs, r.copy_frac, r.gemm_frac, graph, i + 1 < attention_rows.size() ? "," : "");
     }
     std::fprintf(f, "  ],\n  \"topk\": [\n");
     for (size_t i = 0; i < topk_rows.size(); ++i) {

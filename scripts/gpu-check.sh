@@ -36,7 +36,7 @@ if [[ " $parts " == *" tests "* ]]; then
     SMLA_CUDA_EMULATE=$emulated ./build-gpu/tests/gpu/test_gpu 2>&1 | tee "$out/test-$emulated.log" |
       grep -E "^\[  (PASSED|FAILED)|Failure|error|Expected|Which is|which is" | head -20
   done
-  small="CudaSparseMla.TopkLengthSinksAndStridedQ:CudaSparseMla.NoRopePartDtypesFormatsBlockSizes:CudaPagedDecode.*:CudaWriteMlaCache.*:CudaIndexer.TiesGoToTheLowerPosition:CudaIndexer.StridedQueriesScoreAsDenseOnes:CudaIndexer.PositionsToSlotsMatchesCpu:CudaIndexer.DsaDecodeStepMatchesCpu"
+  small="CudaSparseMla.TopkLengthSinksAndStridedQ:CudaSparseMla.NoRopePartDtypesFormatsBlockSizes:CudaSparseMlaSmallHeads.DepthsInAnyOrder:CudaSparseMlaSmallHeads.RowCopiesAgreeBitForBit:CudaPagedDecode.*:CudaWriteMlaCache.*:CudaIndexer.TiesGoToTheLowerPosition:CudaIndexer.StridedQueriesScoreAsDenseOnes:CudaIndexer.PositionsToSlotsMatchesCpu:CudaIndexer.DsaDecodeStepMatchesCpu"
   if command -v compute-sanitizer >/dev/null; then
     for tool in memcheck racecheck; do
       echo "== compute-sanitizer $tool"
