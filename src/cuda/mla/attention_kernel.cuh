@@ -60,11 +60,14 @@ __host__ __device__ constexpr bool is_fp8(CacheFormat f) {
 template <CacheFormat F, int kRope>
 struct Fp8Row;
 // fp8_ds_mla: the row's first fp8_row_bytes, as in the cache: 512 e4m3 | 4 fp32 scales | 64 bf16 rope (if kRope).
+// scales(row): the row's scales, one per tile of kTileUnits 16-byte pieces of codes; scale_of(scales, tile).
 template <int kRope>
 struct Fp8Row<CacheFormat::fp8_ds_mla, kRope> {
   static constexpr int kE4m3 = kLatent, kTail = kLatent + 16, kStagedBytes = HeadDims<kRope>::kFp8RowBytes;
-  __device__ static float scale(const uint8_t* row, int dim) {
-    return reinterpret_cast<const float*>(row + kLatent)[dim / 128];
+  static constexpr int kTileUnits = 128 / 16;
+  __device__ static float4 scales(const uint8_t* row) { return *reinterpret_cast<const float4*>(row + kLatent); }
+  __device__ static float scale_of(const float4& s, int tile) {
+    return tile == 0 ? s.x : tile == 1 ? s.y : tile == 2 ? s.z : s.w;
   }
 };
 // fp8_ds_mla_v4 (512-wide heads): the token's 576 value bytes (448 e4m3 | 64 bf16 rope), then its 8 scale bytes
@@ -77,8 +80,10 @@ template <>
 struct Fp8Row<CacheFormat::fp8_ds_mla_v4, 0> {
   using V4 = MlaV4CacheLayout;
   static constexpr int kE4m3 = V4::kNopeDim, kTail = V4::kNopeDim, kStagedBytes = V4::kValueBytes + 16;
-  __device__ static float scale(const uint8_t* row, int dim) {
-    return ue8m0_to_float(row[V4::kValueBytes + dim / V4::kTile]);
+  static constexpr int kTileUnits = V4::kTile / 16;
+  __device__ static uint2 scales(const uint8_t* row) { return *reinterpret_cast<const uint2*>(row + V4::kValueBytes); }
+  __device__ static float scale_of(const uint2& s, int tile) {
+    return ue8m0_to_float(((tile < 4 ? s.x : s.y) >> (8 * (tile % 4))) & 0xffu);
   }
 };
 __host__ __device__ constexpr int staged_row_bytes(CacheFormat f, int rope) {
@@ -216,36 +221,89 @@ __device__ __forceinline__ void gather_row(const AttentionParams& p, const int& 
   if (part == 0) valid[(chunk % valid_sets) * kChunkKeys + row] = slot >= 0;
 }
 
+// Two e4m3 codes (the low or, kHigh, the high 16 bits of `codes`, low byte
+// first) -> f16x2, exactly: one instruction from SM89 on (the half picked by
+// the instruction itself, no shift).
+template <bool kHigh = false>
+__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t codes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  uint32_t r;
+  if constexpr (kHigh)
+    asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %1;\ncvt.rn.f16x2.e4m3x2 %0, hi;\n}\n" : "=r"(r) : "r"(codes));
+  else
+    asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %1;\ncvt.rn.f16x2.e4m3x2 %0, lo;\n}\n" : "=r"(r) : "r"(codes));
+  return r;
+#else
+  const __half2_raw h =
+      __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(kHigh ? codes >> 16 : codes), __NV_E4M3);
+  return static_cast<uint32_t>(h.x) | static_cast<uint32_t>(h.y) << 16;
+#endif
+}
+// Two e4m3 codes of `codes` (as e4m3x2_to_f16x2 picks them) times `scale`, rounded once to T.
+template <typename T, bool kHigh>
+__device__ __forceinline__ uint32_t scaled_e4m3x2(uint32_t codes, float scale) {
+  const uint32_t h = e4m3x2_to_f16x2<kHigh>(codes);
+  const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
+  return pack2<T>(f.x * scale, f.y * scale);
+}
+
 // Dequantises a chunk of kChunkKeys staged fp8 rows into the key rows `keys`, all threads
 // together (the CTA's kCtaThreads; Fp8Row: e4m3 codes times their tile's scale, then the 16-bit values): rows of
-// kRowElems, or (kCoreMatrices) the wgmma kernel's unpadded core-matrix tile, where eight threads in a row fill one
-// 128-byte block (eight rows' same piece: no bank conflict on either side).
+// kRowElems, or (kCoreMatrices) the wgmma kernel's unpadded core-matrix tile. A thread keeps one row and takes every
+// kGroups-th 16-byte unit of it (16 codes, or 8 16-bit values), so a warp's lanes read and write one unit of
+// consecutive rows: distinct bank groups, as staged and key rows are an odd number of 16-byte pieces apart (or 8
+// rows' same piece form one 128-byte core-matrix block). It loads kBatch units before converting them, with no
+// division or branch per unit: 424 instructions a thread for a chunk of 576-wide rows in the 16-head tile (sm_90a),
+// where a piece at a time took about 750, each piece's loads, conversion and store one dependent chain.
 template <CacheFormat F, typename T, int kRope, int kCtaThreads = kThreads, int kChunkKeys = kKeysPerChunk,
           bool kCoreMatrices = false>
 __device__ __forceinline__ void dequantise_chunk(const uint8_t* rows, T* keys, int tid) {
   using D = HeadDims<kRope>;
   using R = Fp8Row<F, kRope>;
-  for (int i = tid; i < kChunkKeys * D::kPieces; i += kCtaThreads) {
-    const int row = kCoreMatrices ? i / (8 * D::kPieces) * 8 + i % 8 : i / D::kPieces;
-    const int piece = kCoreMatrices ? i / 8 % D::kPieces : i % D::kPieces;
-    const uint8_t* src = rows + row * R::kStagedBytes;
-    uint4 out;
-    if (piece < R::kE4m3 / 8) {
-      const float scale = R::scale(src, piece * 8);
-      const uint2 codes = *reinterpret_cast<const uint2*>(src + piece * 8);
-      const __nv_fp8x2_storage_t* c2 = reinterpret_cast<const __nv_fp8x2_storage_t*>(&codes);
-      uint32_t* ow = reinterpret_cast<uint32_t*>(&out);
-      for (int e = 0; e < 4; ++e) {
-        const float2 f = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(c2[e], __NV_E4M3)));
-        ow[e] = pack2<T>(f.x * scale, f.y * scale);
-      }
-    } else {
-      out = *reinterpret_cast<const uint4*>(src + R::kTail + (piece - R::kE4m3 / 8) * 16);
-    }
+  static_assert(kCtaThreads % kChunkKeys == 0, "dequantise_chunk: the same number of threads for every row");
+  constexpr int kGroups = kCtaThreads / kChunkKeys;  // threads a row
+  constexpr int kCodeUnits = R::kE4m3 / 16, kUnits = kCodeUnits + (D::kQkDim - R::kE4m3) / 8;
+  constexpr int kPerThread = (kUnits + kGroups - 1) / kGroups;
+  constexpr int kBatch = 2;  // units loaded before any is converted: 4 took the wide and wgmma kernels to 255 registers
+  const int row = tid % kChunkKeys, first = tid / kChunkKeys;  // this thread's units: first + k * kGroups
+  const uint8_t* src = rows + row * R::kStagedBytes;
+  // Whether unit k of this thread exists and holds codes; known at compile time where kGroups divides the counts.
+  const auto exists = [&](int k) { return kUnits % kGroups == 0 || first + k * kGroups < kUnits; };
+  const auto holds_codes = [&](int k) {
+    return kCodeUnits % kGroups == 0 ? k < kCodeUnits / kGroups : first + k * kGroups < kCodeUnits;
+  };
+  const auto store = [&](int piece, const uint4& v) {
     if constexpr (kCoreMatrices)
-      *reinterpret_cast<uint4*>(reinterpret_cast<uint8_t*>(keys) + tile_piece_offset<true>(row, piece, D::kQkDim * 2)) = out;
+      *reinterpret_cast<uint4*>(reinterpret_cast<uint8_t*>(keys) + tile_piece_offset<true>(row, piece, D::kQkDim * 2)) = v;
     else
-      *reinterpret_cast<uint4*>(keys + row * D::kRowElems + piece * 8) = out;
+      *reinterpret_cast<uint4*>(keys + row * D::kRowElems + piece * 8) = v;
+  };
+  const auto scales = R::scales(src);
+#pragma unroll
+  for (int k0 = 0; k0 < kPerThread; k0 += kBatch) {
+    uint4 raw[kBatch];
+#pragma unroll
+    for (int k = k0; k < k0 + kBatch && k < kPerThread; ++k) {
+      const int u = first + k * kGroups;
+      if (exists(k))
+        raw[k - k0] = *reinterpret_cast<const uint4*>(src + (holds_codes(k) ? u * 16 : R::kTail + (u - kCodeUnits) * 16));
+    }
+#pragma unroll
+    for (int k = k0; k < k0 + kBatch && k < kPerThread; ++k) {
+      const int u = first + k * kGroups;
+      const uint4& r = raw[k - k0];
+      if (!exists(k)) continue;
+      if (holds_codes(k)) {  // dims 16u .. 16u + 15: output pieces 2u and 2u + 1
+        const int tile = R::kTileUnits % kGroups == 0 ? k * kGroups / R::kTileUnits : u / R::kTileUnits;
+        const float s = R::scale_of(scales, tile);
+        store(2 * u, make_uint4(scaled_e4m3x2<T, false>(r.x, s), scaled_e4m3x2<T, true>(r.x, s),
+                                scaled_e4m3x2<T, false>(r.y, s), scaled_e4m3x2<T, true>(r.y, s)));
+        store(2 * u + 1, make_uint4(scaled_e4m3x2<T, false>(r.z, s), scaled_e4m3x2<T, true>(r.z, s),
+                                    scaled_e4m3x2<T, false>(r.w, s), scaled_e4m3x2<T, true>(r.w, s)));
+      } else {
+        store(2 * kCodeUnits + u - kCodeUnits, r);  // 8 16-bit values as cached
+      }
+    }
   }
 }
 

@@ -140,24 +140,6 @@ __device__ __forceinline__ uint32_t byte_perm(uint32_t a, uint32_t b, uint32_t s
   asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
   return r;
 }
-// Two e4m3 codes (the low or, kHigh, the high 16 bits of `codes`, low byte
-// first) -> f16x2, exactly: one instruction from SM89 on (the half picked by
-// the instruction itself, no shift).
-template <bool kHigh = false>
-__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t codes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-  uint32_t r;
-  if constexpr (kHigh)
-    asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %1;\ncvt.rn.f16x2.e4m3x2 %0, hi;\n}\n" : "=r"(r) : "r"(codes));
-  else
-    asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %1;\ncvt.rn.f16x2.e4m3x2 %0, lo;\n}\n" : "=r"(r) : "r"(codes));
-  return r;
-#else
-  const __half2_raw h =
-      __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(kHigh ? codes >> 16 : codes), __NV_E4M3);
-  return static_cast<uint32_t>(h.x) | static_cast<uint32_t>(h.y) << 16;
-#endif
-}
 __device__ __forceinline__ void cp_async_wait_dynamic(int pending) {
   switch (pending) {
     case 0: cp_async_wait<0>(); break;
