@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Builds test_gpu and bench_cuda on this (CPU) machine and packs them, with the OpenBLAS runtime they link, into one
+# archive that a GPU machine runs as it is: no build there, so a device call spends its time on the GPU (the build
+# there took ~100 s of a 30-minute session). docs/gpu-testing.md, "Binaries built here".
+#
+#   scripts/pack-gpu-binaries.sh BUILD ARCHIVE     e.g. build-hb .gpu/bin.tgz
+#
+# BUILD: a build directory configured for the GPU's arch (for the H200: -DCMAKE_CUDA_ARCHITECTURES=90a-real, see
+# docs/gpu-testing.md); it is built first. On the GPU machine, from the repository root:
+#   tar xzf .gpu/bin.tgz -C .gpu && LD_LIBRARY_PATH=.gpu/bin/lib .gpu/bin/test_gpu
+set -euo pipefail
+[[ $# -eq 2 ]] || { echo "usage: $0 BUILD ARCHIVE" >&2; exit 2; }
+build=$1
+archive=$(realpath -m "$2")
+[[ -f "$build/CMakeCache.txt" ]] || { echo "$0: $build is not a configured build directory" >&2; exit 1; }
+archs=$(sed -n 's/^CMAKE_CUDA_ARCHITECTURES:[A-Z]*=//p' "$build/CMakeCache.txt")
+[[ -n "$archs" ]] || { echo "$0: $build was configured without CUDA (no CUDA compiler found, or SMLA_CUDA=OFF)" >&2; exit 1; }
+echo "packing the binaries of $build, CUDA architectures $archs"
+cmake --build "$build" -j "$(nproc)" --target test_gpu bench_cuda
+
+stage=$(mktemp -d)
+trap 'rm -rf "$stage"' EXIT
+mkdir -p "$stage/bin/lib"
+strip -o "$stage/bin/test_gpu" "$build/tests/gpu/test_gpu"
+strip -o "$stage/bin/bench_cuda" "$build/bench/bench_cuda"
+# The shared libraries they need that a CUDA image may lack (OpenBLAS and its Fortran runtime): those ldd resolves
+# outside the system's C/C++ runtime and CUDA's own.
+ldd "$stage/bin/test_gpu" "$stage/bin/bench_cuda" | awk '$2 == "=>" {print $3}' | sort -u |
+  grep -E 'openblas|gfortran|quadmath' | xargs -r -I{} cp -L {} "$stage/bin/lib/"
+mkdir -p "$(dirname "$archive")"
+tar czf "$archive" -C "$stage" bin
+tar tzf "$archive"
+echo "$archive: $(du -h "$archive" | cut -f1)"
