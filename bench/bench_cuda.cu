@@ -402,7 +402,6 @@ void bench_sparse(const char* name, Cache& cache, int tokens, int heads, int top
     a.stream = s;
     call();
   }) : -1;
-  a.stream = nullptr;
   if (ran)
     report(name, std::string(smla::dtype_name(cache.dtype)).c_str(), kernel_name(kernel), tokens, heads,
            topk + extra.topk, qk, ms,
