@@ -1145,8 +1145,9 @@ TEST(CudaSparseMlaWideTile, AutomaticChoiceAndSecondCache) {
 
 // The wgmma kernel (sm_90a: 64 heads per CTA, two warpgroups, 64-key chunks) forced: head counts that fill one tile,
 // two, pad one (100: a tile of 36) or half of one (32); top-k of one chunk, of a chunk and a part, of three and a
-// part (200: both key buffers reused and the third set of valid flags), of 32 chunks;
-// 1, 3 and 62 tokens; bf16, f16, fp8_ds_mla (dequantised into the key tile) and fp8_ds_mla_v4 caches, bf16 and f16
+// part (200: the staging buffer and both sets of valid flags reused), of 32 chunks;
+// 1, 3 and 62 tokens; bf16, f16 (copied into the key tile), fp8_ds_mla (dequantised into it; both by bulk copies)
+// and fp8_ds_mla_v4 caches (cp.async pieces), bf16 and f16
 // queries; both rope widths; block sizes; invalid indices and NaN-poisoned unused slots (run_sparse's; with fp8 the
 // envelope's rope bytes without rope), outputs pre-filled with NaN, topk_length, sinks, strided queries, max_logits,
 // both empty-row lse conventions. Skipped only where the device cannot run wgmma.

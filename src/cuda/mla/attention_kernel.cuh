@@ -255,9 +255,10 @@ __device__ __forceinline__ uint32_t scaled_e4m3x2(uint32_t codes, float scale) {
 // rows' same piece form one 128-byte core-matrix block). It loads kBatch units before converting them, with no
 // division or branch per unit: 424 instructions a thread for a chunk of 576-wide rows in the 16-head tile (sm_90a),
 // where a piece at a time took about 750, each piece's loads, conversion and store one dependent chain.
+// `invalid`: this thread's row is not one to read (the wgmma kernel's staging holds whatever was there): zeros.
 template <CacheFormat F, typename T, int kRope, int kCtaThreads = kThreads, int kChunkKeys = kKeysPerChunk,
           bool kCoreMatrices = false>
-__device__ __forceinline__ void dequantise_chunk(const uint8_t* rows, T* keys, int tid) {
+__device__ __forceinline__ void dequantise_chunk(const uint8_t* rows, T* keys, int tid, bool invalid = false) {
   using D = HeadDims<kRope>;
   using R = Fp8Row<F, kRope>;
   static_assert(kCtaThreads % kChunkKeys == 0, "dequantise_chunk: the same number of threads for every row");
@@ -279,14 +280,17 @@ __device__ __forceinline__ void dequantise_chunk(const uint8_t* rows, T* keys, i
       *reinterpret_cast<uint4*>(keys + row * D::kRowElems + piece * 8) = v;
   };
   const auto scales = R::scales(src);
+  const uint32_t keep = invalid ? 0u : ~0u;  // codes and 16-bit values masked, and the scale 0 (it may be NaN)
 #pragma unroll
   for (int k0 = 0; k0 < kPerThread; k0 += kBatch) {
     uint4 raw[kBatch];
 #pragma unroll
     for (int k = k0; k < k0 + kBatch && k < kPerThread; ++k) {
       const int u = first + k * kGroups;
-      if (exists(k))
+      if (exists(k)) {
         raw[k - k0] = *reinterpret_cast<const uint4*>(src + (holds_codes(k) ? u * 16 : R::kTail + (u - kCodeUnits) * 16));
+        raw[k - k0] = make_uint4(raw[k - k0].x & keep, raw[k - k0].y & keep, raw[k - k0].z & keep, raw[k - k0].w & keep);
+      }
     }
 #pragma unroll
     for (int k = k0; k < k0 + kBatch && k < kPerThread; ++k) {
@@ -295,7 +299,7 @@ __device__ __forceinline__ void dequantise_chunk(const uint8_t* rows, T* keys, i
       if (!exists(k)) continue;
       if (holds_codes(k)) {  // dims 16u .. 16u + 15: output pieces 2u and 2u + 1
         const int tile = R::kTileUnits % kGroups == 0 ? k * kGroups / R::kTileUnits : u / R::kTileUnits;
-        const float s = R::scale_of(scales, tile);
+        const float s = invalid ? 0.f : R::scale_of(scales, tile);
         store(2 * u, make_uint4(scaled_e4m3x2<T, false>(r.x, s), scaled_e4m3x2<T, true>(r.x, s),
                                 scaled_e4m3x2<T, false>(r.y, s), scaled_e4m3x2<T, true>(r.y, s)));
         store(2 * u + 1, make_uint4(scaled_e4m3x2<T, false>(r.z, s), scaled_e4m3x2<T, true>(r.z, s),

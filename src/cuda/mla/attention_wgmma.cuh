@@ -10,18 +10,17 @@
 // Roles (FlashMLA's sm90 decode splits the work the same way): warpgroup 0 computes a chunk's scores over all 64
 // keys (m64n64k16, both operands in shared memory), its softmax, hands the probabilities (bf16 A fragments) and
 // the rows' rescaling factors to warpgroup 1 through shared memory, and multiplies O's columns 0-255; warpgroup 1
-// gathers the keys (cp.async, two threads a row) and multiplies columns 256-511 from the handed-over P. The two
-// meet only at mbarrier signals and named barriers (below), so warpgroup 0's next scores run on the tensor cores
-// while warpgroup 1's P V of the chunk before does, and the gather's cp.async issue (and its stalls) stays off
-// warpgroup 0's path.
-// 16-bit caches: two key buffers; the gather of chunk c+2 starts once both warpgroups' P V of chunk c are done.
-// fp8 caches (fp8_ds_mla, fp8_ds_mla_v4): one key tile and one staging buffer of 64 raw rows (42 KB at 656 bytes;
-// two bf16 tiles and staging would not fit 227 KB); at each chunk all threads dequantise the staged rows into the
-// tile (dequantise_chunk), then warpgroup 1 gathers chunk c+1 into staging while chunk c is multiplied.
-//
-// Both warpgroups' accumulators hold 64 rows x 256 columns (128 fp32 a thread). The row maxima and sums (log2
-// domain, as the other kernels) live in warpgroup 0 and reach warpgroup 1 at the end. Heads past num_heads are
-// zero queries, never stored.
+// gathers the keys and multiplies columns 256-511 from the handed-over P. The two meet only at an mbarrier signal
+// and named barriers (below), so warpgroup 0's next scores run on the tensor cores while warpgroup 1's P V of the
+// chunk before does.
+// Rows land in a staging buffer as they lie in the cache, one cp.async.bulk a row onto the `staged` mbarrier
+// (issued by warpgroup 1's first 64 threads, a row each): the cp.async pieces they replaced, 41 (fp8) or 72
+// (bf16) 16-byte copies a row each to another cache line, kept the load/store unit busy and warpgroup 1's P V
+// waiting behind them (ncu: 34% of the stalls on the registers of those copies). fp8_ds_mla_v4 rows keep cp.async
+// pieces: their 8 scale bytes lie at the block's end, no 16-byte bulk copy. At each chunk all threads turn the
+// staged rows into the one key tile (dequantise_chunk for fp8, a copy for 16-bit rows), writing zeros for the
+// chunk's invalid rows (never copied, so staging holds whatever was there), then warpgroup 1 gathers chunk c+1
+// into staging while chunk c is multiplied. (A second bf16 key tile and staging would not fit 227 KB.)
 #pragma once
 
 #include <type_traits>
@@ -33,44 +32,74 @@ namespace smla::cuda::mla::wg {
 
 constexpr int kWarpgroups = 2, kWgmmaThreads = kWarpgroups * 128;
 constexpr int kChunkKeys = kWgmmaChunkKeys;
-constexpr int kKeyBuffers = 2;
-constexpr int kGatherParts = 128 / kChunkKeys;  // warpgroup 1's threads per gathered row
+constexpr int kGatherParts = 128 / kChunkKeys;  // warpgroup 1's threads per gathered row (cp.async pieces)
 constexpr int kColumns = kVDim / kWarpgroups;   // O's columns per warpgroup
 constexpr int kPWords = kChunkKeys / 16 * 4;    // a thread's P fragments: 4 k-steps x 4 registers
 
-// Where one warpgroup tells the other and goes on, an mbarrier signal (mbarrier_arrive / mbarrier_wait, 128
-// arrivals a phase): warpgroup 1 that a chunk's keys are in their buffer (keys_ready, 16-bit caches), warpgroup 0
-// that a chunk's P and rescaling factors are in shared memory (p_ready) and that its P V of a chunk is done with
-// key buffer b (keys_free[b], 16-bit caches). Where both wait, so that reads on one side come before writes on the
-// other, named barriers of all kWgmmaThreads threads (0 is __syncthreads'): kPFree, each chunk from the second on
-// before warpgroup 0 writes its P (warpgroup 1 is done with the chunk before's, which costs it nothing: it waits
-// for that P next), and all threads around the fp8 dequantisation (kTileTurn). kPFree also keeps each signal's
-// producer at most one phase ahead of its consumer's wait.
+// Whether rows of format `f` are gathered by one bulk copy each (all but fp8_ds_mla_v4's; see above).
+__host__ __device__ constexpr bool bulk_rows(CacheFormat f) { return f != CacheFormat::fp8_ds_mla_v4; }
+// Bytes from one staged row to the next: an fp8 row's staged bytes (an odd number of 16-byte pieces), a 16-bit
+// row's values and one more piece, so that the turn's loads of one piece of consecutive rows meet no bank conflict.
+__host__ __device__ constexpr int wgmma_staged_row_bytes(CacheFormat f, int rope) {
+  return is_fp8(f) ? staged_row_bytes(f, rope) : (kLatent + rope) * 2 + 16;
+}
+
+// Where one warpgroup tells the other and goes on, an mbarrier signal: warpgroup 0 to warpgroup 1 that a chunk's
+// P and rescaling factors are in shared memory (p_ready, 128 arrivals a phase). `staged`: a chunk's bulk-copied
+// rows have landed (warpgroup 1's two gathering warps arrive with the bytes they expect). Where both wait, so that
+// reads on one side come before writes on the other, named barriers of all kWgmmaThreads threads (0 is
+// __syncthreads'): kPFree, each chunk from the second on before warpgroup 0 writes its P (warpgroup 1 is done with
+// the chunk before's, which costs it nothing: it waits for that P next), and around the turn of the staged rows
+// into the key tile (kTileTurn). kPFree also keeps p_ready's producer at most one phase ahead of its consumer.
 enum WgmmaBarrier : int { kPFree = 1, kTileTurn };
 struct WgmmaSignals {
-  uint64_t keys_ready, p_ready, keys_free[kKeyBuffers];
+  uint64_t p_ready, staged;
 };
+constexpr int kStagedArrivals = kChunkKeys / 32;  // the gathering warps
 
 // Shared memory, in bytes from the start (all offsets 16-byte aligned, the tiles 128-byte): the queries' tile, the
-// key tiles (fp8: one, then the staging buffer), the handed-over P fragments (at the end the rows' maxima and
-// sums), the rows' rescaling factors and the chunks' valid flags.
+// key tile, the staging buffer, the handed-over P fragments (at the end the rows' maxima and sums), the rows'
+// rescaling factors and the chunks' valid flags.
 struct WgmmaLayout {
   int q = 0, k = 0, staging = 0, p = 0, stats = 0, valid = 0, valid_sets = 0, signals = 0, total = 0;
   __host__ __device__ constexpr WgmmaLayout(CacheFormat f, int rope) {
     const int tile = kWgmmaHeads * (kLatent + rope) * 2;
     k = q + tile;
-    staging = k + (is_fp8(f) ? 1 : kKeyBuffers) * tile;
-    p = staging + (is_fp8(f) ? kChunkKeys * staged_row_bytes(f, rope) : 0);
+    staging = k + tile;
+    p = staging + kChunkKeys * wgmma_staged_row_bytes(f, rope);
     stats = p + kPWords * 128 * 4;
     valid = stats + kWgmmaHeads * 4;
-    // Warpgroup 1 writes chunk c + 2's flags (16-bit caches) once warpgroup 0, done with chunk c's, has signalled
-    // keys_free, and chunk c + 1's (fp8) after the kTileTurn of chunk c: two sets would do; three (256 bytes more)
-    // are the layout the H200 runs measured and racechecked.
-    valid_sets = kKeyBuffers + 1;
+    // Warpgroup 1 writes chunk c + 1's flags after the turn of chunk c, when every thread is done with chunk c - 1's:
+    // two sets.
+    valid_sets = 2;
     signals = valid + valid_sets * kChunkKeys * 4;
     total = signals + static_cast<int>(sizeof(WgmmaSignals));
   }
 };
+
+// A chunk's staged 16-bit rows into the core-matrix key tile, all threads together: a thread keeps one row and
+// takes every kGroups-th 16-byte piece of it, so a warp's lanes move one piece of 32 consecutive rows (staged rows
+// an odd number of pieces apart, a core-matrix block 8 rows' same piece: no bank conflict on either side). Zeros
+// for an `invalid` row.
+template <int kRope>
+__device__ __forceinline__ void copy_chunk(const uint8_t* staging, uint8_t* tile, int tid, bool invalid) {
+  using D = HeadDims<kRope>;
+  constexpr int kGroups = kWgmmaThreads / kChunkKeys, kPerThread = D::kPieces / kGroups, kBatch = 2;
+  static_assert(D::kPieces % kGroups == 0 && kPerThread % kBatch == 0, "copy_chunk: whole batches a thread");
+  const int row = tid % kChunkKeys, first = tid / kChunkKeys;
+  const uint8_t* const src = staging + row * (D::kQkDim * 2 + 16);
+  const uint32_t keep = invalid ? 0u : ~0u;
+#pragma unroll
+  for (int k0 = 0; k0 < kPerThread; k0 += kBatch) {
+    uint4 v[kBatch];
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) v[k] = *reinterpret_cast<const uint4*>(src + (first + (k0 + k) * kGroups) * 16);
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k)
+      *reinterpret_cast<uint4*>(tile + tile_piece_offset<true>(row, first + (k0 + k) * kGroups, D::kQkDim * 2)) =
+          make_uint4(v[k].x & keep, v[k].y & keep, v[k].z & keep, v[k].w & keep);
+  }
+}
 
 template <CacheFormat F, int kRope, bool kPaged>
 __global__ void __launch_bounds__(kWgmmaThreads, 1) wgmma_attention_kernel(const AttentionParams p) {
@@ -80,10 +109,11 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) wgmma_attention_kernel(const
   using T = ComputeT<F>;
   constexpr WgmmaIn kIn = std::is_same_v<T, __half> ? WgmmaIn::f16 : WgmmaIn::bf16;
   using D = HeadDims<kRope>;
-  constexpr int kPieces = D::kPieces, kRowBytes = D::kQkDim * 2, kTileBytes = kWgmmaHeads * kRowBytes;
+  constexpr int kPieces = D::kPieces, kRowBytes = D::kQkDim * 2;
   constexpr int kBlockRowsBytes = 8 * kRowBytes;  // from one block of 8 rows to the next
   constexpr WgmmaLayout L(F, kRope);
-  constexpr int kStagedBytes = kFp8 ? staged_row_bytes(F, kRope) : 0;  // a staged fp8 row, 16-byte pieces
+  constexpr int kStagedBytes = wgmma_staged_row_bytes(F, kRope);  // from one staged row to the next
+  constexpr int kCopyBytes = kFp8 ? kStagedBytes : kRowBytes;        // a row's bytes read from the cache
   extern __shared__ __align__(128) uint8_t smem[];
   uint8_t* const sq = smem + L.q;
   uint8_t* const sk = smem + L.k;
@@ -112,44 +142,57 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) wgmma_attention_kernel(const
   const ChunkRange range = chunk_range<kPaged>(p, t, b, j, split, kChunkKeys);
   const int visible = range.visible, chunk_begin = range.begin, n_chunks = range.count;
   if (tid == 0) {
-    mbarrier_init(&sig.keys_ready, 128);
     mbarrier_init(&sig.p_ready, 128);
-    for (uint64_t& f : sig.keys_free) mbarrier_init(&f, 128);
+    mbarrier_init(&sig.staged, kStagedArrivals);  // bulk copies only
   }
   __syncthreads();  // the queries staged, the signals initialised
 
-  // Warpgroup 1's row of every chunk, its pieces my_part + kGatherParts k.
-  const GatherLane gl = gather_lane<kGatherParts>(wtid);
+  // Warpgroup 1's row of every chunk: bulk copies, thread wtid < kChunkKeys row wtid; cp.async pieces, gather_lane's
+  // row and its pieces my_part + kGatherParts k.
+  const GatherLane gl = bulk_rows(F) ? GatherLane{wtid, 0} : gather_lane<kGatherParts>(wtid);
   const int my_row = gl.row, my_part = gl.part;
-  int64_t next_slot =
-      wg == 1 && n_chunks > 0 ? slot_of<kPaged>(p, t, b, chunk_begin * kChunkKeys + my_row, visible) : -1;
-  auto issue = [&](int i) {  // warpgroup 1: chunk i, if it exists, into key buffer i % kKeyBuffers (fp8: staging)
-    if constexpr (kFp8) {
+  const bool gathers = wg == 1 && (!bulk_rows(F) || wtid < kChunkKeys);  // warp-uniform
+  int64_t next_slot = gathers && n_chunks > 0 ? slot_of<kPaged>(p, t, b, chunk_begin * kChunkKeys + my_row, visible) : -1;
+  auto issue = [&](int i) {  // warpgroup 1: chunk i, if it exists, into staging
+    if constexpr (bulk_rows(F)) {
+      if (i >= n_chunks || !gathers) return;
+      const int chunk = chunk_begin + i;
+      const int64_t slot = next_slot;
+      if (i + 1 < n_chunks) next_slot = slot_of<kPaged>(p, t, b, (chunk + 1) * kChunkKeys + my_row, visible);
+      valid[(chunk % L.valid_sets) * kChunkKeys + my_row] = slot >= 0;
+      const int copied = __popc(__ballot_sync(0xffffffffu, slot >= 0));
+      __syncwarp();  // the warp's flags before its arrival
+      if (lane == 0) mbarrier_expect_bytes(&sig.staged, copied * kCopyBytes);
+      __syncwarp();  // the bytes expected before any lands
+      if (slot >= 0) {
+        const int s32 = static_cast<int>(slot);  // indices are int32
+        bulk_copy_to_shared(staging + my_row * kStagedBytes,
+                            p.cache + (s32 / p.block_size) * p.block_stride + (s32 % p.block_size) * p.row_stride,
+                            kCopyBytes, &sig.staged);
+      }
+    } else {
       if (i < n_chunks)
         gather_row<F, kPaged, kGatherParts, kChunkKeys>(p, t, b, visible, chunk_begin + i, chunk_begin, n_chunks,
                                                         my_row, my_part, next_slot, staging, kStagedBytes,
                                                         kStagedBytes / 16, valid, L.valid_sets);
-    } else {
-      if (i < n_chunks)
-        gather_row<F, kPaged, kGatherParts, kChunkKeys, true>(p, t, b, visible, chunk_begin + i, chunk_begin, n_chunks,
-                                                              my_row, my_part, next_slot,
-                                                              sk + (i % kKeyBuffers) * kTileBytes, kRowBytes, kPieces,
-                                                              valid, L.valid_sets);
+      cp_async_commit();
     }
-    cp_async_commit();
   };
-  // fp8, both warpgroups: chunk i from staging into the tile, then the gather of chunk i + 1 into staging.
+  // Both warpgroups: chunk i from staging into the key tile (zeros for its invalid rows), then warpgroup 1's gather
+  // of chunk i + 1 into staging.
   auto tile_turn = [&](int i) {
-    if constexpr (kFp8) {
-      if (wg == 1) cp_async_wait<0>();
-      named_barrier_sync(kTileTurn, kWgmmaThreads);  // chunk i staged; chunk i-1's products done with the tile
-      dequantise_chunk<F, T, kRope, kWgmmaThreads, kChunkKeys, true>(staging, reinterpret_cast<T*>(sk), tid);
-      fence_shared_for_async_proxy();
-      named_barrier_sync(kTileTurn, kWgmmaThreads);  // chunk i in the tile, visible to wgmma; staging free
-      if (wg == 1) issue(i + 1);
-    }
+    if constexpr (bulk_rows(F)) mbarrier_wait(&sig.staged, i & 1);
+    else if (wg == 1) cp_async_wait<0>();
+    named_barrier_sync(kTileTurn, kWgmmaThreads);  // chunk i staged; chunk i-1's products done with the tile
+    const bool invalid = !valid[((chunk_begin + i) % L.valid_sets) * kChunkKeys + tid % kChunkKeys];
+    if constexpr (kFp8)
+      dequantise_chunk<F, T, kRope, kWgmmaThreads, kChunkKeys, true>(staging, reinterpret_cast<T*>(sk), tid, invalid);
+    else
+      copy_chunk<kRope>(staging, sk, tid, invalid);
+    fence_shared_for_async_proxy();
+    named_barrier_sync(kTileTurn, kWgmmaThreads);  // chunk i in the tile, visible to wgmma; staging free
+    if (wg == 1) issue(i + 1);
   };
-  auto key_tile = [&](int i) { return sk + (kFp8 ? 0 : (i % kKeyBuffers) * kTileBytes); };
   // O += P V over this warpgroup's columns of chunk i's tile `kt` (batched, not waited for).
   auto multiply_pv = [&](float (&o)[kColumns / 64][32], const uint32_t (&pa)[kChunkKeys / 16][4],
                          const uint8_t* kt) {
@@ -176,9 +219,8 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) wgmma_attention_kernel(const
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // l: this thread's share of its rows' keys
     const uint64_t q_desc = wgmma_descriptor(sq, 128, kBlockRowsBytes);
     for (int i = 0; i < n_chunks; ++i) {
-      if constexpr (kFp8) tile_turn(i);
-      else mbarrier_wait(&sig.keys_ready, i & 1);
-      const uint8_t* const kt = key_tile(i);
+      tile_turn(i);
+      const uint8_t* const kt = sk;
 
       // Scores of the chunk's 64 keys over all dims: s[4jj + e] row rows[e / 2], key 8jj + 2c + e % 2.
       float s[kChunkKeys / 2];
@@ -240,7 +282,6 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) wgmma_attention_kernel(const
         for (int e = 0; e < 32; ++e) o[n][e] *= alpha[(e / 2) % 2];
       multiply_pv(o, pa, kt);
       wgmma_wait();
-      if (!kFp8 && i + 2 < n_chunks) mbarrier_arrive(&sig.keys_free[i % kKeyBuffers]);
     }
     if (n_chunks > 0) named_barrier_sync(kPFree, kWgmmaThreads);  // the last P read
     // Each row's maximum and sum (over the thread's quad) for both warpgroups.
@@ -254,19 +295,9 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) wgmma_attention_kernel(const
       }
     }
   } else {
-    if constexpr (kFp8) {
-      issue(0);
-    } else {
-      issue(0);
-      issue(1);
-      if (n_chunks > 0) {
-        cp_async_wait<1>();
-        fence_shared_for_async_proxy();
-        mbarrier_arrive(&sig.keys_ready);  // chunk 0 in its buffer
-      }
-    }
+    issue(0);
     for (int i = 0; i < n_chunks; ++i) {
-      if constexpr (kFp8) tile_turn(i);
+      tile_turn(i);
       if (i > 0) named_barrier_sync(kPFree, kWgmmaThreads);  // done with chunk i-1's P, factors and flags
       mbarrier_wait(&sig.p_ready, i & 1);
       uint32_t pa[kChunkKeys / 16][4];
@@ -280,17 +311,8 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) wgmma_attention_kernel(const
       for (int n = 0; n < kColumns / 64; ++n)
 #pragma unroll
         for (int e = 0; e < 32; ++e) o[n][e] *= alpha[(e / 2) % 2];
-      multiply_pv(o, pa, key_tile(i));
-      if (!kFp8 && i + 1 < n_chunks) {
-        cp_async_wait<0>();
-        fence_shared_for_async_proxy();
-        mbarrier_arrive(&sig.keys_ready);  // chunk i + 1 in its buffer
-      }
+      multiply_pv(o, pa, sk);
       wgmma_wait();
-      if (!kFp8 && i + 2 < n_chunks) {
-        mbarrier_wait(&sig.keys_free[i % kKeyBuffers], (i / kKeyBuffers) & 1);  // both P V of chunk i done
-        issue(i + 2);                                                    // into chunk i's buffer
-      }
     }
     if (n_chunks > 0) named_barrier_sync(kPFree, kWgmmaThreads);  // done with the last P
     cp_async_wait<0>();

@@ -87,8 +87,7 @@ KernelVariant small_heads(const KernelLimits& l, const KernelShape& s) {
   return split ? two : one;
 }
 
-// The wgmma kernel: Hopper only, with sm_90a code; 64-key chunks (16-bit caches: two key buffers; fp8: one and a
-// staging buffer).
+// The wgmma kernel: Hopper only, with sm_90a code; 64-key chunks (one key tile and a staging buffer).
 KernelVariant wgmma(const KernelLimits& l, const KernelShape& s) {
   if (l.compute_capability != 90 || !l.sm90a_code) return {};
   const KernelVariant v = fit(l, AttentionKernel::wgmma, kWgmmaHeadsPerCta, kWideThreads, 2, 0,

@@ -168,8 +168,8 @@ constexpr int wide_smem(CacheFormat f, int rope, int stages) {
   return tables::kWideSmem[tables::format_row(f)][rope ? 1 : 0][stages - 2];
 }
 
-// The wgmma kernel (two key buffers; fp8: one, and a staging buffer), by [format][rope 0, 64].
-inline constexpr int kWgmmaSmem[3][2] = {{205856, 230432}, {174112, 198688}, {178208, 0}};
+// The wgmma kernel (the queries, one key tile and a staging buffer), by [format][rope 0, 64].
+inline constexpr int kWgmmaSmem[3][2] = {{206608, 231184}, {173840, 198416}, {177936, 0}};
 constexpr int wgmma_smem(CacheFormat f, int rope) { return kWgmmaSmem[tables::format_row(f)][rope ? 1 : 0]; }
 
 constexpr int small_heads_smem(CacheFormat f, int rope, int heads_per_cta, int split_dims, int stages) {
