@@ -17,12 +17,15 @@ for d in "$a" "$b"; do
   [[ -x "$d/bench_cuda" ]] || { echo "$0: no bench_cuda in $d" >&2; exit 1; }
 done
 
-# One row of one build: its row line (cache format, kernel, then tokens, heads and keys), or "(no row)".
+# One row of one build: the ceilings its invocation measured ("ceilings measured now: ...", to stderr) and its row
+# line (cache format as bench_cuda prints it: bfloat16, float16, fp8_ds_mla...; kernel, then tokens, heads and keys),
+# or "(no row)".
 row_line() {
-  local dir=$1 args=$2
+  local dir=$1 args=$2 out
   # shellcheck disable=SC2086  # the row's arguments are words
-  LD_LIBRARY_PATH="$dir/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" timeout 120 "$dir/bench_cuda" $args 2>&1 |
-    grep -E ' (bf16|f16|fp8_ds_mla[a-z0-9_]*) +[a-z][a-z0-9/-]* +[0-9]+ +[0-9]+ +[0-9]+ ' | tail -1 | grep . ||
+  out=$(LD_LIBRARY_PATH="$dir/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" timeout 120 "$dir/bench_cuda" $args 2>&1)
+  grep -m1 'ceilings measured now' <<<"$out" >&2
+  grep -E ' (bfloat16|float16|fp8_ds_mla[a-z0-9_]*) +[a-z][a-z0-9/-]* +[0-9]+ +[0-9]+ +[0-9]+ ' <<<"$out" | tail -1 | grep . ||
     echo "(no row)"
 }
 # µs of a row line: the field three before its fraction ("33%"); and its graph µs ("graph 7.8 us"), or "-".
