@@ -154,18 +154,32 @@ double copy_bandwidth_gbs() {
   return 2.0 * bytes / (ms * 1e-3) / 1e9;  // read + written
 }
 
+// The benchmark's random data is drawn on the device from a counter-based hash (splitmix64's finaliser) of a seed
+// and an element's index: a host generator took ~10 s of each bench_cuda invocation for a 1M-row cache and the GEMM's
+// operands.
+__device__ __forceinline__ uint64_t hash64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+// n bf16 values uniform in [-1, 1).
+__global__ void fill_uniform_bf16(__nv_bfloat16* x, size_t n, uint64_t seed) {
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n; i += static_cast<size_t>(gridDim.x) * blockDim.x)
+    x[i] = __float2bfloat16(static_cast<float>(hash64(seed << 40 ^ i) >> 40) * 0x1p-23f - 1.f);
+}
+
 double gemm_tflops() {
   const int n = 8192;
-  std::vector<__nv_bfloat16> h(static_cast<size_t>(n) * n);
-  std::mt19937 rng(1);
-  std::uniform_real_distribution<float> d(-1, 1);
-  for (auto& x : h) x = __float2bfloat16(d(rng));
+  const size_t elems = static_cast<size_t>(n) * n;
   __nv_bfloat16 *a, *b, *c;
-  CHECK(cudaMalloc(&a, h.size() * 2));
-  CHECK(cudaMalloc(&b, h.size() * 2));
-  CHECK(cudaMalloc(&c, h.size() * 2));
-  CHECK(cudaMemcpy(a, h.data(), h.size() * 2, cudaMemcpyHostToDevice));
-  CHECK(cudaMemcpy(b, h.data(), h.size() * 2, cudaMemcpyHostToDevice));
+  CHECK(cudaMalloc(&a, elems * 2));
+  CHECK(cudaMalloc(&b, elems * 2));
+  CHECK(cudaMalloc(&c, elems * 2));
+  fill_uniform_bf16<<<1024, 256>>>(a, elems, 1);
+  fill_uniform_bf16<<<1024, 256>>>(b, elems, 2);
+  CHECK(cudaGetLastError());
   cublasHandle_t handle;
   cublasCreate(&handle);
   const float one = 1, zero = 0;
@@ -215,6 +229,41 @@ struct Ceilings {
   double copy_gbs, gemm_tflops, mma_tflops;
 };
 
+// Row r of a cache of format d, one thread a row: bf16 values of modest magnitude with random signs; fp8 rows random
+// codes < 0x70 with random signs and scale 2^-4 (fp8_ds_mla_v4: per block, MlaV4CacheLayout), the rope part
+// positive bf16 values.
+__global__ void fill_cache_rows(uint8_t* data, int64_t n, smla::DType d, int qk_dim, int row_stride,
+                                int64_t block_stride, int block_size) {
+  const int64_t r = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (r >= n) return;
+  auto random = [&](int i) { return hash64(static_cast<uint64_t>(r) << 12 ^ static_cast<uint64_t>(i)); };
+  auto code = [](uint64_t h) { return static_cast<uint8_t>((h % 0x70) | ((h >> 32) & 0x80)); };
+  auto rope = [](uint64_t h) { return static_cast<uint16_t>(0x3c00 + h % 256); };
+  if (d == smla::DType::fp8_ds_mla_v4) {
+    using V4 = smla::MlaV4CacheLayout;
+    uint8_t* block = data + (r / block_size) * block_stride;
+    uint8_t* values = block + (r % block_size) * V4::kValueBytes;  // V4::value_offset, a host function
+    for (int i = 0; i < V4::kNopeDim; ++i) values[i] = code(random(i));
+    for (int i = 0; i < V4::kRopeDim; ++i) reinterpret_cast<uint16_t*>(values + V4::kNopeDim)[i] = rope(random(1024 + i));
+    uint8_t* scales = block + static_cast<int64_t>(block_size) * V4::kValueBytes + (r % block_size) * V4::kScaleBytes;
+    for (int i = 0; i < V4::kScaleBytes; ++i) scales[i] = 127 - 4;
+    return;
+  }
+  uint8_t* row = data + (r / block_size) * block_stride + (r % block_size) * row_stride;
+  if (d == smla::DType::bf16) {
+    for (int i = 0; i < qk_dim; ++i) {
+      const uint64_t h = random(i);
+      reinterpret_cast<uint16_t*>(row)[i] = rope(h) | static_cast<uint16_t>(((h >> 32) & 1) << 15);
+    }
+    return;
+  }
+  // either fp8 form (the envelope's rope part is unused with a rope-free head)
+  for (int i = 0; i < 512; ++i) row[i] = code(random(i));
+  for (int i = 0; i < 4; ++i) reinterpret_cast<float*>(row + 512)[i] = 0.0625f;
+  if (d == smla::DType::fp8_ds_mla)
+    for (int i = 0; i < 64; ++i) reinterpret_cast<uint16_t*>(row + 528)[i] = rope(random(1024 + i));
+}
+
 // One cache of `slots` rows in blocks of `block_size` shared by every config (random bf16 or fp8 rows) for heads of
 // `head`'s width.
 struct Cache {
@@ -227,31 +276,11 @@ struct Cache {
       : dtype(d), slots(n), head(mla_head), block_size(block) {
     const size_t bytes = static_cast<size_t>(n / block_size) * block_stride_bytes();
     CHECK(cudaMalloc(&data, bytes));
-    std::vector<uint8_t> h(bytes);
-    std::mt19937 rng(2);
-    // bf16 bytes of modest random values; fp8 rows: random codes < 0x70 and scale 2^-4.
-    for (int64_t r = 0; r < n && d == smla::DType::fp8_ds_mla_v4; ++r) {  // per block: MlaV4CacheLayout
-      using V4 = smla::MlaV4CacheLayout;
-      uint8_t* block = h.data() + (r / block_size) * block_stride_bytes();
-      uint8_t* values = block + V4::value_offset(r % block_size);
-      for (int i = 0; i < V4::kNopeDim; ++i) values[i] = static_cast<uint8_t>(rng() % 0x70) | (rng() & 0x80);
-      for (int i = 0; i < V4::kRopeDim; ++i)
-        reinterpret_cast<uint16_t*>(values + V4::kNopeDim)[i] = 0x3c00 + (rng() % 256);
-      for (int i = 0; i < V4::kScaleBytes; ++i) block[V4::scale_offset(block_size, r % block_size) + i] = 127 - 4;
-    }
-    for (int64_t r = 0; r < n && d != smla::DType::fp8_ds_mla_v4; ++r) {
-      uint8_t* row = h.data() + r * row_stride_bytes();
-      if (d != smla::DType::bf16) {  // either fp8 form (the envelope's rope part is unused with a rope-free head)
-        for (int i = 0; i < 512; ++i) row[i] = static_cast<uint8_t>(rng() % 0x70) | (rng() & 0x80);
-        for (int i = 0; i < 4; ++i) reinterpret_cast<float*>(row + 512)[i] = 0.0625f;
-        if (d == smla::DType::fp8_ds_mla)
-          for (int i = 0; i < 64; ++i) reinterpret_cast<uint16_t*>(row + 528)[i] = 0x3c00 + (rng() % 256);
-      } else {
-        for (int i = 0; i < head.qk_dim(); ++i)
-          reinterpret_cast<uint16_t*>(row)[i] = (0x3c00 + (rng() % 256)) | ((rng() & 1) << 15);
-      }
-    }
-    CHECK(cudaMemcpy(data, h.data(), bytes, cudaMemcpyHostToDevice));
+    CHECK(cudaMemset(data, 0, bytes));
+    fill_cache_rows<<<(n + 255) / 256, 256>>>(static_cast<uint8_t*>(data), n, d, head.qk_dim(), row_stride_bytes(),
+                                              block_stride_bytes(), block_size);
+    CHECK(cudaGetLastError());
+    CHECK(cudaDeviceSynchronize());
   }
   ~Cache() { cudaFree(data); }
   // Bytes a row and a block take in memory (fp8_ds_mla_v4's blocks padded as FlashMLA pads them, to a multiple of
