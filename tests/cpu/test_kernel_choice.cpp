@@ -171,10 +171,10 @@ TEST(KernelChoice, WgmmaForcedOnHopperWithSm90aCode) {
       EXPECT_EQ(d.chosen.kernel, AttentionKernel::wgmma);
       EXPECT_EQ(d.chosen.heads_per_cta, 64);
       EXPECT_EQ(d.chosen.threads, 256);
-      EXPECT_EQ(d.chosen.smem, rope ? 230432 : 205856);
+      EXPECT_EQ(d.chosen.smem, rope ? 231184 : 206608);
       EXPECT_EQ(d.chosen.ctas_per_sm, 1);
       EXPECT_EQ(variant_text(d.chosen), std::string("wgmma kernel (64 heads/CTA, 8 warps, depth 2, ") +
-                                            (rope ? "230,432" : "205,856") + " B shared memory, 1 CTA/SM)");
+                                            (rope ? "231,184" : "206,608") + " B shared memory, 1 CTA/SM)");
       ASSERT_EQ(d.num_rejected, 3);
       for (int i = 0; i < d.num_rejected; ++i) EXPECT_EQ(d.rejected[static_cast<size_t>(i)].why, Rejected::forced_other);
       for (const char* arch : {"sm_80", "sm_86", "sm_89", "sm_100", "sm_120"}) {
@@ -193,8 +193,8 @@ TEST(KernelChoice, WgmmaForcedOnHopperWithSm90aCode) {
       EXPECT_EQ(rejection_text(no_code.rejected[0], no_code.chosen, 90),
                 "needs sm_90a code (wgmma); this library's code for sm_90 has none (built without 90a, or PTX only)");
     }
-  for (const auto& [f, rope, smem] : {std::tuple{CacheFormat::fp8_ds_mla, 64, 198688},
-                                      {CacheFormat::fp8_ds_mla, 0, 174112}, {CacheFormat::fp8_ds_mla_v4, 0, 178208}}) {
+  for (const auto& [f, rope, smem] : {std::tuple{CacheFormat::fp8_ds_mla, 64, 198416},
+                                      {CacheFormat::fp8_ds_mla, 0, 173840}, {CacheFormat::fp8_ds_mla_v4, 0, 177936}}) {
     const KernelDecision fp8 = choose_attention_kernel(limits_of("sm_90"), {f, rope, false, 2, 64, {AttentionKernel::wgmma}});
     ASSERT_TRUE(fp8.ok());
     EXPECT_EQ(fp8.chosen.kernel, AttentionKernel::wgmma);
@@ -214,7 +214,7 @@ TEST(KernelChoice, WgmmaAutomaticOnHopper) {
         const KernelShape s{f, 64, paged, tokens, heads, {}};
         const KernelDecision d = choose_attention_kernel(hopper, s);
         EXPECT_EQ(d.chosen.kernel, AttentionKernel::wgmma);
-        EXPECT_EQ(d.chosen.smem, 230432);
+        EXPECT_EQ(d.chosen.smem, 231184);
         EXPECT_EQ(d.chosen.ctas_per_sm, 1);
         const KernelDecision old = choose_attention_kernel(no_code, s);
         EXPECT_EQ(old.chosen.kernel, AttentionKernel::wide_tile);

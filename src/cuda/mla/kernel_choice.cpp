@@ -67,6 +67,9 @@ KernelVariant small_shape(const KernelLimits& l, const KernelShape& s, int heads
 // unsplit CTAs leave fewer than 8 warps per SM and the split keeps as many CTAs (twice the warps, the same rows in
 // flight), unless forced. With 8 warps either way (an H200's two CTAs) the unsplit kernel is faster: it issues a
 // third fewer instructions per key (docs/performance.md, "The small-heads kernel's instructions per chunk").
+// 16-bit rows never split the dims unless forced: on an H200 (one CTA per SM either way) the unsplit CTA of 4 warps
+// took 85.3 us against 95.6 at 128 tokens x 8 heads, 32.9 against 34.4 at 32, and 81.2 against 88.0 with rope-free
+// heads (docs/performance.md, "The runs in bench/results/h200-1ebeefc.json").
 // fp8_ds_mla_v4 rows never split the dims (at 128 registers a thread that form spilled). 16 heads per CTA split
 // them (each warp then holds all 16 heads, so a key fragment converted once feeds both head tiles) where forced or
 // kSmallSixteenHeadsPerWarp and its shared memory fits the device (2 stages: fp8_ds_mla with rope 112 KB, not on
@@ -81,7 +84,7 @@ KernelVariant small_heads(const KernelLimits& l, const KernelShape& s) {
   const int hpc = s.forced.heads_per_cta > 0 ? s.forced.heads_per_cta : s.heads <= 8 ? 8 : 16;
   if (hpc == 16) return small_shape(l, s, 16, split_16(l, s));
   if (s.forced.split_dims > 0) return small_shape(l, s, 8, s.forced.split_dims);
-  if (s.format == CacheFormat::fp8_ds_mla_v4) return small_shape(l, s, 8, 1);
+  if (s.format != CacheFormat::fp8_ds_mla) return small_shape(l, s, 8, 1);
   const KernelVariant one = small_shape(l, s, 8, 1), two = small_shape(l, s, 8, 2);
   const bool split = two.ctas_per_sm > 0 && two.ctas_per_sm >= one.ctas_per_sm && one.ctas_per_sm * one.threads < 8 * 32;
   return split ? two : one;
