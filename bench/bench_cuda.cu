@@ -502,7 +502,7 @@ __global__ void pipelined_gather_kernel(const uint8_t* cache, const int32_t* ind
     if (i < chunks) next = row_offset(i + 1);
     if constexpr (kSync == PipeSync::bulk) {
       if (i >= chunks) return;
-      smla::cuda::fence_proxy_async_shared();  // this warp's reads of the stage's last chunk come first
+      smla::cuda::fence_shared_for_async_proxy();  // this warp's reads of the stage's last chunk come first
       if (lane == 0) smla::cuda::mbarrier_expect_bytes(&bars[i % kStages], rows_per_warp * row_bytes);
       __syncwarp();
       if (lane < rows_per_warp)

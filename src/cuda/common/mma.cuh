@@ -162,7 +162,8 @@ __device__ __forceinline__ void wgmma_commit_and_wait() {
   wgmma_commit();
   wgmma_wait();
 }
-// Ordinary stores to shared memory made visible to wgmma's reads (the async proxy).
+// Orders this thread's ordinary shared-memory accesses with the async proxy's: its stores before wgmma's reads, its
+// reads before later bulk copies into the same bytes. A no-op below sm_90, which has neither.
 __device__ __forceinline__ void fence_shared_for_async_proxy() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
@@ -266,15 +267,6 @@ __device__ __forceinline__ void bulk_copy_to_shared(void* smem, const void* gmem
 __device__ __forceinline__ void fence_mbarrier_init() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-#else
-  __trap();
-#endif
-}
-// Orders this thread's earlier shared-memory accesses before later bulk copies into the same bytes (the copies write
-// through the async proxy). sm_90+ only.
-__device__ __forceinline__ void fence_proxy_async_shared() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 #else
   __trap();
 #endif

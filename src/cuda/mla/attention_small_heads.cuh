@@ -760,7 +760,7 @@ __global__ void __launch_bounds__(kGroups * kKeySlots * kSplitDims * 32, kSplitD
     uint8_t* const refill = smem + (read_at > 0 ? read_at : stages * G::kStageBytes) - G::kStageBytes;  // chunk i-1's
     uint64_t* const refill_barrier = slot_barriers + (stage > 0 ? stage : stages) - 1;
     if (bulk && !kV4) {
-      fence_proxy_async_shared();  // this thread's reads of chunk i-1 before the copies into its stage
+      fence_shared_for_async_proxy();  // this thread's reads of chunk i-1 before the copies into its stage
       slot_sync();                 // the slot's warps are done with chunk i-1
       issue(i + stages - 1, refill, refill_barrier);
       mbarrier_wait(slot_barriers + stage, parity);  // chunk i has landed
