@@ -139,6 +139,15 @@ __device__ __forceinline__ uint64_t wgmma_descriptor(const void* smem, uint32_t 
   return uint64_t{(smem_addr(smem) >> 4) & 0x3fffu} | uint64_t{(k_stride >> 4) & 0x3fffu} << 16 |
          uint64_t{(n_stride >> 4) & 0x3fffu} << 32;
 }
+// An operand of wgmma in shared memory in the 128-byte swizzle (lines of 64 16-bit values, 8 lines to a 1024-byte
+// atom, 16-byte place k of line r at k ^ (r % 8); the atom 1024-byte aligned): A or B K-major (lines along K, 8-row
+// groups of M or N 1024 bytes apart) or B MN-major (lines along N, 8-row groups of K 1024 bytes apart). Both
+// offsets are 1024: the instructions here never span two atoms along a line (K 16 K-major, N 64 MN-major), so the
+// other offset is never used. A K-step inside a line moves the start by 32 bytes (a `+ 2` on the descriptor).
+__device__ __forceinline__ uint64_t wgmma_descriptor_swizzled(const void* smem) {
+  return uint64_t{(smem_addr(smem) >> 4) & 0x3fffu} | uint64_t{1024 >> 4} << 16 | uint64_t{1024 >> 4} << 32 |
+         uint64_t{1} << 62;
+}
 // Before the first wgmma of a batch (its registers were written by ordinary instructions).
 __device__ __forceinline__ void wgmma_fence() {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)

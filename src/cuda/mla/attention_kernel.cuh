@@ -159,21 +159,25 @@ __device__ __forceinline__ int64_t slot_of(const AttentionParams& p, int t, int 
 // are const references, as the lambda before it captured them, because passed
 // by value nvcc ordered the index arithmetic differently in every kernel.
 
-// Where 16-byte piece `piece` of row `row` lies in a tile of rows `row_bytes` long: row-major, or (kCoreMatrices)
-// in wgmma's core matrices without swizzle, 8 rows x 16 bytes in each 128-byte block, the blocks of 8 rows one
-// after another along the row (the attention_wgmma.cuh tiles).
-template <bool kCoreMatrices>
+// Where 16-byte piece `piece` of row `row` lies in a tile of rows `row_bytes` long: row-major, or (kSwizzled) in
+// wgmma's K-major layout with the 128-byte swizzle, the attention_wgmma.cuh tiles of kSwizzledTileRows rows: the
+// dims in slabs of 64 16-bit values (128 bytes of a row, kSwizzledTileRows x 128 bytes a slab), a row's line of a
+// slab at 128 bytes from the row before, its piece k at 16-byte place k ^ (row % 8) (row_bytes unused). So the 8
+// pieces of one row's line, and one piece of 8 consecutive rows, each fall in 8 different bank groups.
+constexpr int kSwizzledTileRows = 64;
+template <bool kSwizzled>
 __host__ __device__ constexpr int tile_piece_offset(int row, int piece, int row_bytes) {
-  return kCoreMatrices ? (row / 8) * 8 * row_bytes + piece * 128 + (row % 8) * 16 : row * row_bytes + piece * 16;
+  return kSwizzled ? (piece / 8) * kSwizzledTileRows * 128 + row * 128 + ((piece % 8) ^ (row % 8)) * 16
+                   : row * row_bytes + piece * 16;
 }
 
 // The row of a chunk and the part of it (kParts threads share a row) that thread `tid` gathers. A warp's 16-byte
 // cp.async writes shared memory in four wavefronts of 8 lanes, each conflict-free only when its 8 pieces land in 8
 // different 16-byte bank groups. Key rows here are 16 bytes apart in banks (rows of 16 mod 128 bytes: padded
-// 16-bit rows, fp8 rows of 656 bytes) or in wgmma's core matrices (8 rows x 16 bytes a block), so with 2 or 4 parts
-// the 8 lanes take one piece of 8 consecutive rows (two rows' 4 pieces each collided: ncu saw 6.5x the wavefronts
-// in the wgmma kernel), and with 8 parts the 8 consecutive pieces of one row. Either way a warp instruction still
-// reads whole 32- to 128-byte runs of its rows.
+// 16-bit rows, fp8 rows of 656 bytes), so with 2 or 4 parts the 8 lanes take one piece of 8 consecutive rows (two
+// rows' 4 pieces each collided), and with 8 parts the 8 consecutive pieces of one row (one 128-byte line; in the
+// wgmma kernel's swizzled tiles those too land in 8 bank groups). Either way a warp instruction still reads whole
+// 32- to 128-byte runs of its rows.
 struct GatherLane {
   int row, part;
 };
@@ -185,14 +189,14 @@ __device__ __forceinline__ GatherLane gather_lane(int tid) {
 }
 
 // Gathers row `row` of chunk `chunk` (kChunkKeys keys) into `dst` (rows `dst_row_bytes` long, laid out as
-// tile_piece_offset<kCoreMatrices> says):
+// tile_piece_offset<kSwizzled> says):
 // this thread's 16-byte pieces (`part`, part + kParts, ... below `pieces`: kParts threads share a row) one
 // cp.async each (fp8_ds_mla_v4: the last piece is the token's 8 scale bytes,
 // from the block's end); an invalid row is zero-filled, never read, and
 // marked so in the chunk's set of `valid`. The row's slot was loaded a chunk
 // earlier (`next_slot`; this loads the next chunk's, if the split has one), so
 // the index load's latency is off the critical path.
-template <CacheFormat F, bool kPaged, int kParts = 4, int kChunkKeys = kKeysPerChunk, bool kCoreMatrices = false>
+template <CacheFormat F, bool kPaged, int kParts = 4, int kChunkKeys = kKeysPerChunk, bool kSwizzled = false>
 __device__ __forceinline__ void gather_row(const AttentionParams& p, const int& t, const int& b, const int& visible,
                                            int chunk, const int& chunk_begin, const int& n_chunks, const int& row,
                                            const int& part, int64_t& next_slot, uint8_t* dst, int dst_row_bytes,
@@ -214,7 +218,7 @@ __device__ __forceinline__ void gather_row(const AttentionParams& p, const int& 
     }
   }
   for (int piece = part; piece < pieces; piece += kParts) {
-    uint8_t* to = dst + tile_piece_offset<kCoreMatrices>(row, piece, dst_row_bytes);
+    uint8_t* to = dst + tile_piece_offset<kSwizzled>(row, piece, dst_row_bytes);
     if (kV4 && piece == pieces - 1) cp_async_8(to, scales, slot >= 0);
     else cp_async_16(to, src + piece * 16, slot >= 0);
   }
@@ -249,15 +253,15 @@ __device__ __forceinline__ uint32_t scaled_e4m3x2(uint32_t codes, float scale) {
 
 // Dequantises a chunk of kChunkKeys staged fp8 rows into the key rows `keys`, all threads
 // together (the CTA's kCtaThreads; Fp8Row: e4m3 codes times their tile's scale, then the 16-bit values): rows of
-// kRowElems, or (kCoreMatrices) the wgmma kernel's unpadded core-matrix tile. A thread keeps one row and takes every
+// kRowElems, or (kSwizzled) the wgmma kernel's swizzled tile. A thread keeps one row and takes every
 // kGroups-th 16-byte unit of it (16 codes, or 8 16-bit values), so a warp's lanes read and write one unit of
 // consecutive rows: distinct bank groups, as staged and key rows are an odd number of 16-byte pieces apart (or 8
-// rows' same piece form one 128-byte core-matrix block). It loads kBatch units before converting them, with no
+// rows' same piece lie at 8 swizzled places). It loads kBatch units before converting them, with no
 // division or branch per unit: 424 instructions a thread for a chunk of 576-wide rows in the 16-head tile (sm_90a),
 // where a piece at a time took about 750, each piece's loads, conversion and store one dependent chain.
 // `invalid`: this thread's row is not one to read (the wgmma kernel's staging holds whatever was there): zeros.
 template <CacheFormat F, typename T, int kRope, int kCtaThreads = kThreads, int kChunkKeys = kKeysPerChunk,
-          bool kCoreMatrices = false>
+          bool kSwizzled = false>
 __device__ __forceinline__ void dequantise_chunk(const uint8_t* rows, T* keys, int tid, bool invalid = false) {
   using D = HeadDims<kRope>;
   using R = Fp8Row<F, kRope>;
@@ -274,8 +278,8 @@ __device__ __forceinline__ void dequantise_chunk(const uint8_t* rows, T* keys, i
     return kCodeUnits % kGroups == 0 ? k < kCodeUnits / kGroups : first + k * kGroups < kCodeUnits;
   };
   const auto store = [&](int piece, const uint4& v) {
-    if constexpr (kCoreMatrices)
-      *reinterpret_cast<uint4*>(reinterpret_cast<uint8_t*>(keys) + tile_piece_offset<true>(row, piece, D::kQkDim * 2)) = v;
+    if constexpr (kSwizzled)
+      *reinterpret_cast<uint4*>(reinterpret_cast<uint8_t*>(keys) + tile_piece_offset<true>(row, piece, 0)) = v;
     else
       *reinterpret_cast<uint4*>(keys + row * D::kRowElems + piece * 8) = v;
   };
@@ -354,18 +358,14 @@ __device__ __forceinline__ CtaWork cta_work(const AttentionParams& p, int heads_
 }
 
 // The CTA's queries (kRows rows of kPieces 16-byte pieces, rows past w.nh zero) in the compute type T, into
-// `dst + offset(row, piece)`; the CTA's kCtaThreads threads together. Before wait_for_prerequisites: no kernel the
-// attention follows writes them. kRowInner (for core-matrix tiles, where a piece's 8 rows share a 128-byte block):
-// eight consecutive threads take one piece of 8 consecutive rows, 8 different bank groups (row after row, they
-// all hit one: ncu saw 8x the ideal wavefronts).
-template <typename T, int kRows, int kPieces, int kCtaThreads, bool kRowInner = false, class Offset>
+// `dst + offset(row, piece)`; the CTA's kCtaThreads threads together, row after row (8 consecutive threads read a
+// 128-byte line). Before wait_for_prerequisites: no kernel the attention follows writes them.
+template <typename T, int kRows, int kPieces, int kCtaThreads, class Offset>
 __device__ __forceinline__ void stage_queries(const AttentionParams& p, const CtaWork& w, uint8_t* dst, int tid,
                                               Offset offset) {
-  static_assert(!kRowInner || kRows % 8 == 0, "row-inner order takes blocks of 8 rows");
   const uint16_t* q = p.q + w.b * p.q_stride_b + w.j * p.q_stride_s + w.h0 * p.q_stride_h;
   for (int i = tid; i < kRows * kPieces; i += kCtaThreads) {
-    const int row = kRowInner ? i / (8 * kPieces) * 8 + i % 8 : i / kPieces;
-    const int piece = kRowInner ? i / 8 % kPieces : i % kPieces;
+    const int row = i / kPieces, piece = i % kPieces;
     const uint4 raw = row < w.nh ? *reinterpret_cast<const uint4*>(q + row * p.q_stride_h + piece * 8)
                                  : make_uint4(0, 0, 0, 0);
     *reinterpret_cast<uint4*>(dst + offset(row, piece)) = query_piece<T>(raw, p.q_is_bf16);

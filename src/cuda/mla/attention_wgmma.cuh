@@ -4,8 +4,8 @@
 // chunk_range, store_head_row, the split partials and combine_kernel.
 //
 // The queries (64 x 576 16-bit values, 72 KB) and each chunk's 64 gathered keys sit in shared memory in wgmma's
-// core matrices without swizzle (tile_piece_offset<true>: 8 rows x 16 bytes per 128-byte block), so one key tile is
-// B of both products: K-major for S = Q K^T, MN-major (imm-trans-b) for O += P V, its first 512 dims being V.
+// 128-byte swizzle (tile_piece_offset<true>: slabs of 64 dims, a row's 128 bytes of a slab one line), so one key
+// tile is B of both products: K-major for S = Q K^T, MN-major (imm-trans-b) for O += P V, its first 512 dims being V.
 //
 // The math (FlashMLA's sm90 decode splits it the same way): warpgroup 0 computes a chunk's scores over all 64 keys
 // (m64n64k16, both operands in shared memory), its softmax, hands the probabilities (bf16 A fragments) and the
@@ -16,9 +16,11 @@
 // The keys, two ways:
 // - 16-bit rows (has_producer): a third warpgroup, the producer, gathers each chunk's rows by cp.async pieces
 //   straight into one of two key tiles (Q and two tiles: 216 KB), chunk c + 1 while the math warpgroups use chunk
-//   c, and hands them over by the tile's `full` mbarrier; the math warpgroups give it back by its `empty` one. The
-//   producer needs few registers (setmaxnreg gives them to the math warpgroups), and the tensor cores never wait
-//   for a turn of the tile.
+//   c, and hands them over by the tile's `full` mbarrier; the math warpgroups give it back by its `empty` one. 8
+//   threads a row, so a warp's cp.async reads 4 whole 128-byte lines (one piece of 16 rows, as the core-matrix
+//   tiles before the swizzle took it, made this kernel 33% slower than the staged one below). The producer needs
+//   few registers (setmaxnreg gives them to the math warpgroups), and the tensor cores never wait for a turn of
+//   the tile.
 // - fp8 rows: they land in a staging buffer as they lie in the cache, one cp.async.bulk a row onto the `staged`
 //   mbarrier (issued by warpgroup 1's first 64 threads, a row each); fp8_ds_mla_v4 rows keep cp.async pieces (their
 //   8 scale bytes lie at the block's end, no 16-byte bulk copy). At each chunk all threads dequantise the staged
@@ -36,14 +38,16 @@ namespace smla::cuda::mla::wg {
 
 constexpr int kMathThreads = 256;  // the two math warpgroups
 constexpr int kChunkKeys = kWgmmaChunkKeys;
-constexpr int kGatherParts = 128 / kChunkKeys;  // one warpgroup's threads per gathered row (cp.async pieces)
+constexpr int kGatherParts = 128 / kChunkKeys;  // warpgroup 1's threads per staged row (fp8_ds_mla_v4's pieces)
+constexpr int kProducerParts = 8;               // the producer's threads per row: a 128-byte line a row
+static_assert(kWgmmaHeads == kSwizzledTileRows && kChunkKeys == kSwizzledTileRows, "the tiles' rows");
 constexpr int kColumns = kVDim / 2;             // O's columns per math warpgroup
 constexpr int kPWords = kChunkKeys / 16 * 4;    // a thread's P fragments: 4 k-steps x 4 registers
 // Registers per thread once the producer has handed its share over (setmaxnreg; a multiple of 8 each): the launch
 // gives each of the 384 threads 168 (65536 / 384 rounded down to 8), and the three warpgroups' counts add up to
-// three times that. Warpgroup 0 holds its O quarter, the scores and P; warpgroup 1 its O quarter and P; the
-// producer only addresses.
-constexpr int kLaunchRegisters = 168, kScoresRegisters = 232, kValuesRegisters = 216, kProducerRegisters = 56;
+// three times that. Warpgroup 0 holds its half of O, the scores and P; warpgroup 1 its half of O and P; the
+// producer only addresses (ptxas: 232 / 184 / 88 spilled 1.7 KB, 224 / 208 / 72 nothing).
+constexpr int kLaunchRegisters = 168, kScoresRegisters = 224, kValuesRegisters = 208, kProducerRegisters = 72;
 static_assert(kScoresRegisters + kValuesRegisters + kProducerRegisters == 3 * kLaunchRegisters &&
                   kLaunchRegisters * wgmma_threads(CacheFormat::bf16) <= 65536,
               "the wgmma kernel's registers: the producer gives the math warpgroups what it does not use");
@@ -95,11 +99,11 @@ __global__ void __launch_bounds__(wgmma_threads(F), 1) wgmma_attention_kernel(co
   using T = ComputeT<F>;
   constexpr WgmmaIn kIn = std::is_same_v<T, __half> ? WgmmaIn::f16 : WgmmaIn::bf16;
   using D = HeadDims<kRope>;
-  constexpr int kPieces = D::kPieces, kRowBytes = D::kQkDim * 2;
-  constexpr int kBlockRowsBytes = 8 * kRowBytes;  // from one block of 8 rows to the next
+  constexpr int kPieces = D::kPieces;
+  constexpr int kSlabBytes = kSwizzledTileRows * 128;  // from one 64-dim slab of a tile to the next
   constexpr WgmmaLayout L(F, kRope);
   constexpr int kStagedBytes = kProducer ? 0 : staged_row_bytes(F, kRope);  // from one staged row to the next
-  extern __shared__ __align__(128) uint8_t smem[];
+  extern __shared__ __align__(1024) uint8_t smem[];  // the swizzle's atoms: 1024-byte aligned
   uint8_t* const sq = smem + L.q;
   uint8_t* const sk = smem + L.k;
   uint8_t* const staging = smem + L.staging;
@@ -118,8 +122,8 @@ __global__ void __launch_bounds__(wgmma_threads(F), 1) wgmma_attention_kernel(co
   const int t = w.t, h0 = w.h0, nh = w.nh, split = w.split, b = w.b, j = w.j;
 
   // The queries into their tile, made visible to wgmma.
-  stage_queries<T, kWgmmaHeads, kPieces, wgmma_threads(F), true>(
-      p, w, sq, tid, [](int row, int piece) { return tile_piece_offset<true>(row, piece, kRowBytes); });
+  stage_queries<T, kWgmmaHeads, kPieces, wgmma_threads(F)>(
+      p, w, sq, tid, [](int row, int piece) { return tile_piece_offset<true>(row, piece, 0); });
   fence_shared_for_async_proxy();
   // Everything from here reads what the kernel before may write (indices, cache) when dsa_decode_step launches
   // this one as the top-k's programmatic dependent; without that launch the wait returns at once.
@@ -141,16 +145,23 @@ __global__ void __launch_bounds__(wgmma_threads(F), 1) wgmma_attention_kernel(co
   const auto flags_of = [&](int i) -> const int* { return valid + ((chunk_begin + i) % L.valid_sets) * kChunkKeys; };
 
   if constexpr (kProducer) {
-    if (wg == 2) {  // the producer: each chunk's rows into a free key tile
+    if (wg == 2) {  // the producer: each chunk's rows into a free key tile, rows first + 16 r of each chunk
       registers_decrease_to<kProducerRegisters>();
-      const GatherLane gl = gather_lane<kGatherParts>(wtid);
-      int64_t next_slot = n_chunks > 0 ? slot_of<kPaged>(p, t, b, chunk_begin * kChunkKeys + gl.row, visible) : -1;
+      constexpr int kRowsEach = kChunkKeys * kProducerParts / 128;
+      const int first = wtid / kProducerParts, part = wtid % kProducerParts;
+      int64_t next_slot[kRowsEach];
+#pragma unroll
+      for (int r = 0; r < kRowsEach; ++r)
+        next_slot[r] = n_chunks > 0 ? slot_of<kPaged>(p, t, b, chunk_begin * kChunkKeys + first + 16 * r, visible) : -1;
       for (int i = 0; i < n_chunks; ++i) {
         const int k = tile_of(i);
         mbarrier_wait(&sig.empty[k], ((i / 2) & 1) ^ 1);  // a tile's first use waits for nothing
-        gather_row<F, kPaged, kGatherParts, kChunkKeys, true>(p, t, b, visible, chunk_begin + i, chunk_begin, n_chunks,
-                                                             gl.row, gl.part, next_slot, sk + k * L.tile_bytes,
-                                                             kRowBytes, kPieces, valid, L.valid_sets);
+#pragma unroll
+        for (int r = 0; r < kRowsEach; ++r)
+          gather_row<F, kPaged, kProducerParts, kChunkKeys, true>(p, t, b, visible, chunk_begin + i, chunk_begin,
+                                                                 n_chunks, first + 16 * r, part, next_slot[r],
+                                                                 sk + k * L.tile_bytes, 0, kPieces, valid,
+                                                                 L.valid_sets);
         cp_async_arrive(&sig.full[k]);  // once the pieces have landed
         mbarrier_arrive(&sig.full[k]);  // the flags
       }
@@ -223,8 +234,8 @@ __global__ void __launch_bounds__(wgmma_threads(F), 1) wgmma_attention_kernel(co
     for (int kk = 0; kk < kChunkKeys / 16; ++kk)
 #pragma unroll
       for (int n = 0; n < kColumns / 64; ++n) {
-        const int col = wg * kColumns + 64 * n;
-        const uint64_t v_desc = wgmma_descriptor(kt + 2 * kk * kBlockRowsBytes + (col / 8) * 128, kBlockRowsBytes, 128);
+        const int col = wg * kColumns + 64 * n;  // slab col / 64; its keys 16kk.. from line 16kk
+        const uint64_t v_desc = wgmma_descriptor_swizzled(kt + (col / 64) * kSlabBytes + 16 * kk * 128);
         wgmma<kIn, 64, true>(o[n], pa[kk], v_desc, true);
       }
     wgmma_commit();
@@ -239,16 +250,19 @@ __global__ void __launch_bounds__(wgmma_threads(F), 1) wgmma_attention_kernel(co
 
   if (wg == 0) {
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // l: this thread's share of its rows' keys
-    const uint64_t q_desc = wgmma_descriptor(sq, 128, kBlockRowsBytes);
+    const uint64_t q_desc = wgmma_descriptor_swizzled(sq);
     for (int i = 0; i < n_chunks; ++i) {
       const uint8_t* const kt = acquire(i);
 
       // Scores of the chunk's 64 keys over all dims: s[4jj + e] row rows[e / 2], key 8jj + 2c + e % 2.
       float s[kChunkKeys / 2];
       wgmma_fence();
-      const uint64_t k_desc = wgmma_descriptor(kt, 128, kBlockRowsBytes);
+      const uint64_t k_desc = wgmma_descriptor_swizzled(kt);
 #pragma unroll
-      for (int ks = 0; ks < D::kQkDim / 16; ++ks) wgmma_ss_n64<kIn>(s, q_desc + 16 * ks, k_desc + 16 * ks, ks > 0);
+      for (int ks = 0; ks < D::kQkDim / 16; ++ks) {  // k-step ks: slab ks / 4, 32 bytes a step inside its lines
+        const uint64_t step = (ks / 4) * (kSlabBytes >> 4) + (ks % 4) * 2;
+        wgmma_ss_n64<kIn>(s, q_desc + step, k_desc + step, ks > 0);
+      }
       wgmma_commit_and_wait();
 
       const int* vmask = flags_of(i);
