@@ -280,26 +280,6 @@ __device__ __forceinline__ void fence_mbarrier_init() {
   __trap();
 #endif
 }
-// Arrives on `bar` once every cp.async this thread issued before it has landed (the phase then waits for those
-// copies as well as for its expected arrivals: the pending count is raised now and lowered as they complete).
-__device__ __forceinline__ void cp_async_arrive(uint64_t* bar) {
-  asm volatile("cp.async.mbarrier.arrive.shared.b64 [%0];\n" ::"r"(smem_addr(bar)) : "memory");
-}
-// Hands registers between the warpgroups of a warp-specialised CTA (sm_90a): every warp of a warpgroup executes the
-// same one; `dec` returns registers to the CTA's pool, `inc` waits until it holds enough. kRegisters: per thread,
-// a multiple of 8 in 24-256; the launch bounds set what each thread starts with.
-template <int kRegisters>
-__device__ __forceinline__ void registers_decrease_to() {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
-#endif
-}
-template <int kRegisters>
-__device__ __forceinline__ void registers_increase_to() {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
-#endif
-}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {

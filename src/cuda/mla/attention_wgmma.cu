@@ -55,8 +55,8 @@ const WgmmaConfig* find_wgmma_config(CacheFormat f, int rope, bool paged) {
       const int bytes = WgmmaLayout(f, rope).total;
       const Kernel fn = select(f, rope, paged);
       allow_dynamic_smem(reinterpret_cast<const void*>(fn), bytes);
-      const int ctas = resident_ctas_per_sm(reinterpret_cast<const void*>(fn), wgmma_threads(f), bytes);
-      if (ctas > 0) cfg = {reinterpret_cast<const void*>(fn), wgmma_threads(f), bytes, ctas};
+      const int ctas = resident_ctas_per_sm(reinterpret_cast<const void*>(fn), kWgmmaThreads, bytes);
+      if (ctas > 0) cfg = {reinterpret_cast<const void*>(fn), kWgmmaThreads, bytes, ctas};
     }
     it = configs.emplace(key, cfg).first;
   }

@@ -1,32 +1,26 @@
 // MLA attention on Hopper's warpgroup mma (sm_90a; issue 19's compute-bound shapes: 64-128 heads, prefill, dense
-// decode): one CTA = one query token, kWgmmaHeads (64) heads and a range of 64-key chunks, warpgroups with different
-// roles. It calls the 16-head tile's steps (attention_kernel.cuh): cta_work, stage_queries, gather_row,
+// decode): one CTA = one query token, kWgmmaHeads (64) heads and a range of 64-key chunks, two warpgroups with
+// different roles. It calls the 16-head tile's steps (attention_kernel.cuh): cta_work, stage_queries, gather_row,
 // chunk_range, store_head_row, the split partials and combine_kernel.
 //
 // The queries (64 x 576 16-bit values, 72 KB) and each chunk's 64 gathered keys sit in shared memory in wgmma's
 // 128-byte swizzle (tile_piece_offset<true>: slabs of 64 dims, a row's 128 bytes of a slab one line), so one key
 // tile is B of both products: K-major for S = Q K^T, MN-major (imm-trans-b) for O += P V, its first 512 dims being V.
 //
-// The math (FlashMLA's sm90 decode splits it the same way): warpgroup 0 computes a chunk's scores over all 64 keys
-// (m64n64k16, both operands in shared memory), its softmax, hands the probabilities (bf16 A fragments) and the
-// rows' rescaling factors to warpgroup 1 through shared memory, and multiplies O's columns 0-255; warpgroup 1
-// multiplies columns 256-511 from the handed-over P. They meet only at an mbarrier signal and a named barrier
-// (below), so warpgroup 0's next scores run on the tensor cores while warpgroup 1's P V of the chunk before does.
-//
-// The keys, two ways:
-// - 16-bit rows (has_producer): a third warpgroup, the producer, gathers each chunk's rows by cp.async pieces
-//   straight into one of two key tiles (Q and two tiles: 216 KB), chunk c + 1 while the math warpgroups use chunk
-//   c, and hands them over by the tile's `full` mbarrier; the math warpgroups give it back by its `empty` one. 8
-//   threads a row, so a warp's cp.async reads 4 whole 128-byte lines (one piece of 16 rows, as the core-matrix
-//   tiles before the swizzle took it, made this kernel 33% slower than the staged one below). The producer needs
-//   few registers (setmaxnreg gives them to the math warpgroups), and the tensor cores never wait for a turn of
-//   the tile.
-// - fp8 rows: they land in a staging buffer as they lie in the cache, one cp.async.bulk a row onto the `staged`
-//   mbarrier (issued by warpgroup 1's first 64 threads, a row each); fp8_ds_mla_v4 rows keep cp.async pieces (their
-//   8 scale bytes lie at the block's end, no 16-byte bulk copy). At each chunk all threads dequantise the staged
-//   rows into the one key tile, writing zeros for the chunk's invalid rows (never copied, so staging holds whatever
-//   was there), then warpgroup 1 gathers chunk c + 1 into staging while chunk c is multiplied. (A second key tile
-//   and the staging buffer would not fit 227 KB.)
+// Roles (FlashMLA's sm90 decode splits the work the same way): warpgroup 0 computes a chunk's scores over all 64
+// keys (m64n64k16, both operands in shared memory), its softmax, hands the probabilities (bf16 A fragments) and
+// the rows' rescaling factors to warpgroup 1 through shared memory, and multiplies O's columns 0-255; warpgroup 1
+// gathers the keys and multiplies columns 256-511 from the handed-over P. The two meet only at an mbarrier signal
+// and named barriers (below), so warpgroup 0's next scores run on the tensor cores while warpgroup 1's P V of the
+// chunk before does.
+// Rows land in a staging buffer as they lie in the cache, one cp.async.bulk a row onto the `staged` mbarrier
+// (issued by warpgroup 1's first 64 threads, a row each): the cp.async pieces they replaced, 41 (fp8) or 72
+// (bf16) 16-byte copies a row each to another cache line, kept the load/store unit busy and warpgroup 1's P V
+// waiting behind them (ncu: 34% of the stalls on the registers of those copies). fp8_ds_mla_v4 rows keep cp.async
+// pieces: their 8 scale bytes lie at the block's end, no 16-byte bulk copy. At each chunk all threads turn the
+// staged rows into the one key tile (dequantise_chunk for fp8, a copy for 16-bit rows), writing zeros for the
+// chunk's invalid rows (never copied, so staging holds whatever was there), then warpgroup 1 gathers chunk c+1
+// into staging while chunk c is multiplied. (A second bf16 key tile and staging would not fit 227 KB.)
 #pragma once
 
 #include <type_traits>
@@ -36,73 +30,91 @@
 
 namespace smla::cuda::mla::wg {
 
-constexpr int kMathThreads = 256;  // the two math warpgroups
+constexpr int kWarpgroups = 2, kWgmmaThreads = kWarpgroups * 128;
 constexpr int kChunkKeys = kWgmmaChunkKeys;
-constexpr int kGatherParts = 128 / kChunkKeys;  // warpgroup 1's threads per staged row (fp8_ds_mla_v4's pieces)
-constexpr int kProducerParts = 8;               // the producer's threads per row: a 128-byte line a row
-static_assert(kWgmmaHeads == kSwizzledTileRows && kChunkKeys == kSwizzledTileRows, "the tiles' rows");
-constexpr int kColumns = kVDim / 2;             // O's columns per math warpgroup
+constexpr int kGatherParts = 128 / kChunkKeys;  // warpgroup 1's threads per gathered row (cp.async pieces)
+constexpr int kColumns = kVDim / kWarpgroups;   // O's columns per warpgroup
 constexpr int kPWords = kChunkKeys / 16 * 4;    // a thread's P fragments: 4 k-steps x 4 registers
-// Registers per thread once the producer has handed its share over (setmaxnreg; a multiple of 8 each): the launch
-// gives each of the 384 threads 168 (65536 / 384 rounded down to 8), and the three warpgroups' counts add up to
-// three times that. Warpgroup 0 holds its half of O, the scores and P; warpgroup 1 its half of O and P; the
-// producer only addresses (ptxas: 232 / 184 / 88 spilled 1.7 KB, 224 / 208 / 72 nothing).
-constexpr int kLaunchRegisters = 168, kScoresRegisters = 224, kValuesRegisters = 208, kProducerRegisters = 72;
-static_assert(kScoresRegisters + kValuesRegisters + kProducerRegisters == 3 * kLaunchRegisters &&
-                  kLaunchRegisters * wgmma_threads(CacheFormat::bf16) <= 65536,
-              "the wgmma kernel's registers: the producer gives the math warpgroups what it does not use");
+static_assert(kWgmmaHeads == kSwizzledTileRows && kChunkKeys == kSwizzledTileRows, "the tiles' rows");
 
-// Whether rows of format `f` are gathered by one bulk copy each (fp8_ds_mla's; 16-bit rows go by the producer's
-// cp.async pieces straight into the key tiles, fp8_ds_mla_v4's by cp.async pieces into staging).
-__host__ __device__ constexpr bool bulk_rows(CacheFormat f) { return f == CacheFormat::fp8_ds_mla; }
+// Whether rows of format `f` are gathered by one bulk copy each (all but fp8_ds_mla_v4's; see above).
+__host__ __device__ constexpr bool bulk_rows(CacheFormat f) { return f != CacheFormat::fp8_ds_mla_v4; }
+// Bytes from one staged row to the next: an fp8 row's staged bytes (an odd number of 16-byte pieces), a 16-bit
+// row's values and one more piece, so that the turn's loads of one piece of consecutive rows meet no bank conflict.
+__host__ __device__ constexpr int wgmma_staged_row_bytes(CacheFormat f, int rope) {
+  return is_fp8(f) ? staged_row_bytes(f, rope) : (kLatent + rope) * 2 + 16;
+}
 
-// Where one warpgroup tells the others and goes on, mbarrier signals: warpgroup 0 to warpgroup 1 that a chunk's P
-// and rescaling factors are in shared memory (p_ready, 128 arrivals a phase); with a producer, that key tile t holds
-// its chunk (full[t]: the producer's 128 threads, each once its cp.async pieces have landed) and that the math
-// warpgroups are done with it (empty[t], their 256 threads); fp8 rows: `staged`, a chunk's bulk-copied rows have
-// landed (warpgroup 1's two gathering warps arrive with the bytes they expect). Where both math warpgroups wait, so
-// that reads on one side come before writes on the other, named barriers of their kMathThreads threads (0 is
+// Where one warpgroup tells the other and goes on, an mbarrier signal: warpgroup 0 to warpgroup 1 that a chunk's
+// P and rescaling factors are in shared memory (p_ready, 128 arrivals a phase). `staged`: a chunk's bulk-copied
+// rows have landed (warpgroup 1's two gathering warps arrive with the bytes they expect). Where both wait, so that
+// reads on one side come before writes on the other, named barriers of all kWgmmaThreads threads (0 is
 // __syncthreads'): kPFree, each chunk from the second on before warpgroup 0 writes its P (warpgroup 1 is done with
-// the chunk before's, which costs it nothing: it waits for that P next), around the turn of the staged rows into
-// the key tile (kTileTurn), and kMathDone before the output. kPFree also keeps p_ready's producer at most one phase
-// ahead of its consumer.
-enum WgmmaBarrier : int { kPFree = 1, kTileTurn, kMathDone };
+// the chunk before's, which costs it nothing: it waits for that P next), and around the turn of the staged rows
+// into the key tile (kTileTurn). kPFree also keeps p_ready's producer at most one phase ahead of its consumer.
+enum WgmmaBarrier : int { kPFree = 1, kTileTurn };
 struct WgmmaSignals {
-  uint64_t p_ready, staged, full[2], empty[2];
+  uint64_t p_ready, staged;
 };
 constexpr int kStagedArrivals = kChunkKeys / 32;  // the gathering warps
 
 // Shared memory, in bytes from the start (all offsets 16-byte aligned, the tiles 128-byte): the queries' tile, the
-// key tiles (two with a producer, else one and the staging buffer), the handed-over P fragments (at the end the
-// rows' maxima and sums), the rows' rescaling factors and the chunks' valid flags (two sets: a chunk's are written
-// while the chunk before is in use).
+// key tile, the staging buffer, the handed-over P fragments (at the end the rows' maxima and sums), the rows'
+// rescaling factors and the chunks' valid flags.
 struct WgmmaLayout {
-  int tile_bytes = 0, q = 0, k = 0, staging = 0, p = 0, stats = 0, valid = 0, signals = 0, total = 0;
-  static constexpr int valid_sets = 2;
+  int q = 0, k = 0, staging = 0, p = 0, stats = 0, valid = 0, valid_sets = 0, signals = 0, total = 0;
   __host__ __device__ constexpr WgmmaLayout(CacheFormat f, int rope) {
-    tile_bytes = kWgmmaHeads * (kLatent + rope) * 2;
-    k = q + tile_bytes;
-    staging = k + (has_producer(f) ? 2 : 1) * tile_bytes;
-    p = staging + (has_producer(f) ? 0 : kChunkKeys * staged_row_bytes(f, rope));
+    const int tile = kWgmmaHeads * (kLatent + rope) * 2;
+    k = q + tile;
+    staging = k + tile;
+    p = staging + kChunkKeys * wgmma_staged_row_bytes(f, rope);
     stats = p + kPWords * 128 * 4;
     valid = stats + kWgmmaHeads * 4;
+    // Warpgroup 1 writes chunk c + 1's flags after the turn of chunk c, when every thread is done with chunk c - 1's:
+    // two sets.
+    valid_sets = 2;
     signals = valid + valid_sets * kChunkKeys * 4;
     total = signals + static_cast<int>(sizeof(WgmmaSignals));
   }
 };
 
+// A chunk's staged 16-bit rows into the swizzled key tile, all threads together: a thread keeps one row and takes
+// every kGroups-th 16-byte piece of it, so a warp's lanes move one piece of 32 consecutive rows (staged rows an odd
+// number of pieces apart, 8 rows' same piece at 8 swizzled places: no bank conflict on either side). Zeros for an
+// `invalid` row.
+template <int kRope>
+__device__ __forceinline__ void copy_chunk(const uint8_t* staging, uint8_t* tile, int tid, bool invalid) {
+  using D = HeadDims<kRope>;
+  constexpr int kGroups = kWgmmaThreads / kChunkKeys, kPerThread = D::kPieces / kGroups, kBatch = 2;
+  static_assert(D::kPieces % kGroups == 0 && kPerThread % kBatch == 0, "copy_chunk: whole batches a thread");
+  const int row = tid % kChunkKeys, first = tid / kChunkKeys;
+  const uint8_t* const src = staging + row * (D::kQkDim * 2 + 16);
+  const uint32_t keep = invalid ? 0u : ~0u;
+#pragma unroll
+  for (int k0 = 0; k0 < kPerThread; k0 += kBatch) {
+    uint4 v[kBatch];
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) v[k] = *reinterpret_cast<const uint4*>(src + (first + (k0 + k) * kGroups) * 16);
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k)
+      *reinterpret_cast<uint4*>(tile + tile_piece_offset<true>(row, first + (k0 + k) * kGroups, 0)) =
+          make_uint4(v[k].x & keep, v[k].y & keep, v[k].z & keep, v[k].w & keep);
+  }
+}
+
 template <CacheFormat F, int kRope, bool kPaged>
-__global__ void __launch_bounds__(wgmma_threads(F), 1) wgmma_attention_kernel(const AttentionParams p) {
+__global__ void __launch_bounds__(kWgmmaThreads, 1) wgmma_attention_kernel(const AttentionParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(F != CacheFormat::fp8_ds_mla_v4 || kRope == 0, "fp8_ds_mla_v4 holds 512-wide heads");
-  constexpr bool kProducer = has_producer(F);
+  constexpr bool kFp8 = is_fp8(F);
   using T = ComputeT<F>;
   constexpr WgmmaIn kIn = std::is_same_v<T, __half> ? WgmmaIn::f16 : WgmmaIn::bf16;
   using D = HeadDims<kRope>;
-  constexpr int kPieces = D::kPieces;
+  constexpr int kPieces = D::kPieces, kRowBytes = D::kQkDim * 2;
   constexpr int kSlabBytes = kSwizzledTileRows * 128;  // from one 64-dim slab of a tile to the next
   constexpr WgmmaLayout L(F, kRope);
-  constexpr int kStagedBytes = kProducer ? 0 : staged_row_bytes(F, kRope);  // from one staged row to the next
+  constexpr int kStagedBytes = wgmma_staged_row_bytes(F, kRope);  // from one staged row to the next
+  constexpr int kCopyBytes = kFp8 ? kStagedBytes : kRowBytes;        // a row's bytes read from the cache
   extern __shared__ __align__(1024) uint8_t smem[];  // the swizzle's atoms: 1024-byte aligned
   uint8_t* const sq = smem + L.q;
   uint8_t* const sk = smem + L.k;
@@ -122,7 +134,7 @@ __global__ void __launch_bounds__(wgmma_threads(F), 1) wgmma_attention_kernel(co
   const int t = w.t, h0 = w.h0, nh = w.nh, split = w.split, b = w.b, j = w.j;
 
   // The queries into their tile, made visible to wgmma.
-  stage_queries<T, kWgmmaHeads, kPieces, wgmma_threads(F)>(
+  stage_queries<T, kWgmmaHeads, kPieces, kWgmmaThreads>(
       p, w, sq, tid, [](int row, int piece) { return tile_piece_offset<true>(row, piece, 0); });
   fence_shared_for_async_proxy();
   // Everything from here reads what the kernel before may write (indices, cache) when dsa_decode_step launches
@@ -133,51 +145,16 @@ __global__ void __launch_bounds__(wgmma_threads(F), 1) wgmma_attention_kernel(co
   if (tid == 0) {
     mbarrier_init(&sig.p_ready, 128);
     mbarrier_init(&sig.staged, kStagedArrivals);  // bulk copies only
-    for (int k = 0; k < 2; ++k) {
-      mbarrier_init(&sig.full[k], 128);
-      mbarrier_init(&sig.empty[k], kMathThreads);
-    }
   }
   __syncthreads();  // the queries staged, the signals initialised
 
-  // Chunk i's key tile, its set of valid flags and its use of the tile (a tile's uses alternate their parity).
-  const auto tile_of = [&](int i) { return kProducer ? (chunk_begin + i) % 2 : 0; };
-  const auto flags_of = [&](int i) -> const int* { return valid + ((chunk_begin + i) % L.valid_sets) * kChunkKeys; };
-
-  if constexpr (kProducer) {
-    if (wg == 2) {  // the producer: each chunk's rows into a free key tile, rows first + 16 r of each chunk
-      registers_decrease_to<kProducerRegisters>();
-      constexpr int kRowsEach = kChunkKeys * kProducerParts / 128;
-      const int first = wtid / kProducerParts, part = wtid % kProducerParts;
-      int64_t next_slot[kRowsEach];
-#pragma unroll
-      for (int r = 0; r < kRowsEach; ++r)
-        next_slot[r] = n_chunks > 0 ? slot_of<kPaged>(p, t, b, chunk_begin * kChunkKeys + first + 16 * r, visible) : -1;
-      for (int i = 0; i < n_chunks; ++i) {
-        const int k = tile_of(i);
-        mbarrier_wait(&sig.empty[k], ((i / 2) & 1) ^ 1);  // a tile's first use waits for nothing
-#pragma unroll
-        for (int r = 0; r < kRowsEach; ++r)
-          gather_row<F, kPaged, kProducerParts, kChunkKeys, true>(p, t, b, visible, chunk_begin + i, chunk_begin,
-                                                                 n_chunks, first + 16 * r, part, next_slot[r],
-                                                                 sk + k * L.tile_bytes, 0, kPieces, valid,
-                                                                 L.valid_sets);
-        cp_async_arrive(&sig.full[k]);  // once the pieces have landed
-        mbarrier_arrive(&sig.full[k]);  // the flags
-      }
-      return;  // every piece it issued is waited for by the math warpgroups
-    }
-    if (wg == 0) registers_increase_to<kScoresRegisters>();
-    else registers_increase_to<kValuesRegisters>();
-  }
-
-  // fp8 rows, warpgroup 1: chunk i, if it exists, into staging (a row a thread by bulk copies, thread wtid <
-  // kChunkKeys row wtid; cp.async pieces, gather_lane's row and its pieces my_part + kGatherParts k).
+  // Warpgroup 1's row of every chunk: bulk copies, thread wtid < kChunkKeys row wtid; cp.async pieces, gather_lane's
+  // row and its pieces my_part + kGatherParts k.
   const GatherLane gl = bulk_rows(F) ? GatherLane{wtid, 0} : gather_lane<kGatherParts>(wtid);
   const int my_row = gl.row, my_part = gl.part;
-  const bool gathers = !kProducer && wg == 1 && (!bulk_rows(F) || wtid < kChunkKeys);  // warp-uniform
+  const bool gathers = wg == 1 && (!bulk_rows(F) || wtid < kChunkKeys);  // warp-uniform
   int64_t next_slot = gathers && n_chunks > 0 ? slot_of<kPaged>(p, t, b, chunk_begin * kChunkKeys + my_row, visible) : -1;
-  auto issue = [&](int i) {
+  auto issue = [&](int i) {  // warpgroup 1: chunk i, if it exists, into staging
     if constexpr (bulk_rows(F)) {
       if (i >= n_chunks || !gathers) return;
       const int chunk = chunk_begin + i;
@@ -186,15 +163,15 @@ __global__ void __launch_bounds__(wgmma_threads(F), 1) wgmma_attention_kernel(co
       valid[(chunk % L.valid_sets) * kChunkKeys + my_row] = slot >= 0;
       const int copied = __popc(__ballot_sync(0xffffffffu, slot >= 0));
       __syncwarp();  // the warp's flags before its arrival
-      if (lane == 0) mbarrier_expect_bytes(&sig.staged, copied * kStagedBytes);
+      if (lane == 0) mbarrier_expect_bytes(&sig.staged, copied * kCopyBytes);
       __syncwarp();  // the bytes expected before any lands
       if (slot >= 0) {
         const int s32 = static_cast<int>(slot);  // indices are int32
         bulk_copy_to_shared(staging + my_row * kStagedBytes,
                             p.cache + (s32 / p.block_size) * p.block_stride + (s32 % p.block_size) * p.row_stride,
-                            kStagedBytes, &sig.staged);
+                            kCopyBytes, &sig.staged);
       }
-    } else if constexpr (!kProducer) {
+    } else {
       if (i < n_chunks)
         gather_row<F, kPaged, kGatherParts, kChunkKeys>(p, t, b, visible, chunk_begin + i, chunk_begin, n_chunks,
                                                         my_row, my_part, next_slot, staging, kStagedBytes,
@@ -202,29 +179,20 @@ __global__ void __launch_bounds__(wgmma_threads(F), 1) wgmma_attention_kernel(co
       cp_async_commit();
     }
   };
-  // The math warpgroups: chunk i's key tile, once it holds the chunk and this warpgroup's wgmma may read it.
-  // fp8 rows: both dequantise chunk i from staging into the tile (zeros for its invalid rows), then warpgroup 1
-  // gathers chunk i + 1 into staging.
-  auto acquire = [&](int i) -> const uint8_t* {
-    if constexpr (kProducer) {
-      mbarrier_wait(&sig.full[tile_of(i)], (i / 2) & 1);
-      fence_shared_for_async_proxy();  // cp.async wrote the tile as ordinary stores
-      return sk + tile_of(i) * L.tile_bytes;
-    } else {
-      if constexpr (bulk_rows(F)) mbarrier_wait(&sig.staged, i & 1);
-      else if (wg == 1) cp_async_wait<0>();
-      named_barrier_sync(kTileTurn, kMathThreads);  // chunk i staged; chunk i-1's products done with the tile
-      const bool invalid = !flags_of(i)[tid % kChunkKeys];
-      dequantise_chunk<F, T, kRope, kMathThreads, kChunkKeys, true>(staging, reinterpret_cast<T*>(sk), tid, invalid);
-      fence_shared_for_async_proxy();
-      named_barrier_sync(kTileTurn, kMathThreads);  // chunk i in the tile, visible to wgmma; staging free
-      if (wg == 1) issue(i + 1);
-      return sk;
-    }
-  };
-  // The math warpgroups, each once its products of chunk i are done: the tile back to the producer.
-  auto release = [&](int i) {
-    if constexpr (kProducer) mbarrier_arrive(&sig.empty[tile_of(i)]);
+  // Both warpgroups: chunk i from staging into the key tile (zeros for its invalid rows), then warpgroup 1's gather
+  // of chunk i + 1 into staging.
+  auto tile_turn = [&](int i) {
+    if constexpr (bulk_rows(F)) mbarrier_wait(&sig.staged, i & 1);
+    else if (wg == 1) cp_async_wait<0>();
+    named_barrier_sync(kTileTurn, kWgmmaThreads);  // chunk i staged; chunk i-1's products done with the tile
+    const bool invalid = !valid[((chunk_begin + i) % L.valid_sets) * kChunkKeys + tid % kChunkKeys];
+    if constexpr (kFp8)
+      dequantise_chunk<F, T, kRope, kWgmmaThreads, kChunkKeys, true>(staging, reinterpret_cast<T*>(sk), tid, invalid);
+    else
+      copy_chunk<kRope>(staging, sk, tid, invalid);
+    fence_shared_for_async_proxy();
+    named_barrier_sync(kTileTurn, kWgmmaThreads);  // chunk i in the tile, visible to wgmma; staging free
+    if (wg == 1) issue(i + 1);
   };
   // O += P V over this warpgroup's columns of chunk i's tile `kt` (batched, not waited for).
   auto multiply_pv = [&](float (&o)[kColumns / 64][32], const uint32_t (&pa)[kChunkKeys / 16][4],
@@ -252,7 +220,8 @@ __global__ void __launch_bounds__(wgmma_threads(F), 1) wgmma_attention_kernel(co
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // l: this thread's share of its rows' keys
     const uint64_t q_desc = wgmma_descriptor_swizzled(sq);
     for (int i = 0; i < n_chunks; ++i) {
-      const uint8_t* const kt = acquire(i);
+      tile_turn(i);
+      const uint8_t* const kt = sk;
 
       // Scores of the chunk's 64 keys over all dims: s[4jj + e] row rows[e / 2], key 8jj + 2c + e % 2.
       float s[kChunkKeys / 2];
@@ -265,7 +234,7 @@ __global__ void __launch_bounds__(wgmma_threads(F), 1) wgmma_attention_kernel(co
       }
       wgmma_commit_and_wait();
 
-      const int* vmask = flags_of(i);
+      const int* vmask = valid + ((chunk_begin + i) % L.valid_sets) * kChunkKeys;
       float cmax[2] = {-INFINITY, -INFINITY};
 #pragma unroll
       for (int jj = 0; jj < kChunkKeys / 8; ++jj)
@@ -301,7 +270,7 @@ __global__ void __launch_bounds__(wgmma_threads(F), 1) wgmma_attention_kernel(co
       }
       // To warpgroup 1 (its thread of the same place holds the same rows and key columns), once it is done with
       // the chunk before's.
-      if (i > 0) named_barrier_sync(kPFree, kMathThreads);
+      if (i > 0) named_barrier_sync(kPFree, kWgmmaThreads);
 #pragma unroll
       for (int kk = 0; kk < kChunkKeys / 16; ++kk)
 #pragma unroll
@@ -317,9 +286,8 @@ __global__ void __launch_bounds__(wgmma_threads(F), 1) wgmma_attention_kernel(co
         for (int e = 0; e < 32; ++e) o[n][e] *= alpha[(e / 2) % 2];
       multiply_pv(o, pa, kt);
       wgmma_wait();
-      release(i);
     }
-    if (n_chunks > 0) named_barrier_sync(kPFree, kMathThreads);  // the last P read
+    if (n_chunks > 0) named_barrier_sync(kPFree, kWgmmaThreads);  // the last P read
     // Each row's maximum and sum (over the thread's quad) for both warpgroups.
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -331,10 +299,10 @@ __global__ void __launch_bounds__(wgmma_threads(F), 1) wgmma_attention_kernel(co
       }
     }
   } else {
-    if constexpr (!kProducer) issue(0);
+    issue(0);
     for (int i = 0; i < n_chunks; ++i) {
-      const uint8_t* const kt = acquire(i);
-      if (i > 0) named_barrier_sync(kPFree, kMathThreads);  // done with chunk i-1's P, factors and flags
+      tile_turn(i);
+      if (i > 0) named_barrier_sync(kPFree, kWgmmaThreads);  // done with chunk i-1's P, factors and flags
       mbarrier_wait(&sig.p_ready, i & 1);
       uint32_t pa[kChunkKeys / 16][4];
 #pragma unroll
@@ -347,14 +315,13 @@ __global__ void __launch_bounds__(wgmma_threads(F), 1) wgmma_attention_kernel(co
       for (int n = 0; n < kColumns / 64; ++n)
 #pragma unroll
         for (int e = 0; e < 32; ++e) o[n][e] *= alpha[(e / 2) % 2];
-      multiply_pv(o, pa, kt);
+      multiply_pv(o, pa, sk);
       wgmma_wait();
-      release(i);
     }
-    if (n_chunks > 0) named_barrier_sync(kPFree, kMathThreads);  // done with the last P
+    if (n_chunks > 0) named_barrier_sync(kPFree, kWgmmaThreads);  // done with the last P
     cp_async_wait<0>();
   }
-  named_barrier_sync(kMathDone, kMathThreads);  // the rows' maxima and sums in shared memory
+  __syncthreads();  // the rows' maxima and sums in shared memory
   const float m[2] = {xml[rows[0]], xml[rows[1]]};
   const float l[2] = {xml[kWgmmaHeads + rows[0]], xml[kWgmmaHeads + rows[1]]};
   if (p.early_combine) let_dependents_launch();  // the combine: placed while the partials are written

@@ -11,11 +11,6 @@ namespace smla::cuda::mla::wg {
 constexpr int kWgmmaHeads = 64;  // heads per CTA: the wgmma's M (whether the ops pick it: kernel_choice.h)
 constexpr int kWgmmaChunkKeys = 64;  // keys per pipeline stage
 
-// Whether a producer warpgroup gathers the rows of format `f` into two key tiles (16-bit rows), or the two math
-// warpgroups stage and dequantise them into one (fp8 rows); the CTA's threads. attention_wgmma.cuh says why.
-__host__ __device__ constexpr bool has_producer(CacheFormat f) { return f == CacheFormat::bf16 || f == CacheFormat::f16; }
-__host__ __device__ constexpr int wgmma_threads(CacheFormat f) { return has_producer(f) ? 384 : 256; }
-
 struct WgmmaConfig {
   const void* fn = nullptr;
   int threads = 0, smem = 0, ctas_per_sm = 0;

@@ -78,14 +78,7 @@ static_assert(kHeadsPerCtaTile == kHeadsPerCta && kWideHeadsPerCta == wide::kWid
                   kSmallSixteenHeadsPerWarp == small::kSixteenHeadsPerWarpAutomatic,
               "kernel_choice.h: the automatic rules' thresholds");
 static_assert(kWideRegisters * wide::kWideThreads <= kRegistersPerSm, "the wide tile's launch bounds: one CTA per SM");
-constexpr bool wgmma_threads_match() {
-  for (CacheFormat f : {CacheFormat::bf16, CacheFormat::f16, CacheFormat::fp8_ds_mla, CacheFormat::fp8_ds_mla_v4})
-    if (wgmma_threads(f) != wg::wgmma_threads(f) || wgmma_registers(f) * wgmma_threads(f) > kRegistersPerSm ||
-        (wg::has_producer(f) && wgmma_registers(f) != wg::kLaunchRegisters))
-      return false;
-  return true;
-}
-static_assert(wgmma_threads_match(), "kernel_choice.h: the wgmma kernel's threads and launch bounds");
+static_assert(kWgmmaRegisters * wg::kWgmmaThreads <= kRegistersPerSm, "the wgmma kernel's launch bounds: one CTA per SM");
 
 }  // namespace
 
