@@ -9,14 +9,13 @@ void write_mla_cache(const WriteMlaCacheArgs& args);
 // Which kernel the attention ops run: as mla::choose_attention_kernel (cuda/mla/kernel_choice.h) picks it, the
 // choice `smla explain` reports (the small-heads kernel for fp8 caches up to 32 heads from 16 query tokens on, 64
 // for rope-free heads, where the device fits it; the wide-tile kernel, 64 heads per CTA, from 64
-// heads on where the device fits it, in its place on Hopper the wgmma kernel for bf16 and f16 caches where the code the
+// heads on where the device fits it, in its place on Hopper the wgmma kernel for every cache format where the code the
 // driver loaded holds sm_90a's features; else the 16-head-tile kernel; with sparse_mla's second cache the same rules),
 // or forced (tests, benchmarks). For the
 // small-heads kernel, values > 0 force its pipeline depth (`stages`, 2-4), heads per CTA (8 or 16) and at 8 heads
 // per CTA the split of the output dims between 1 or 2 warps (an error where the device cannot hold the result);
-// for the wide-tile kernel, `stages` > 0 forces its pipeline depth (2 or 3). The wgmma kernel (sm_90a; bf16 and
-// f16 caches with two 64-key buffers, fp8 ones forced with one and a staging buffer; 64 heads per CTA) takes no
-// `stages`.
+// for the wide-tile kernel, `stages` > 0 forces its pipeline depth (2 or 3). The wgmma kernel (sm_90a; every cache
+// format, one 64-key tile and a staging buffer; 64 heads per CTA) takes no `stages`.
 // `splits` > 0 forces the number of splits of each row's keys (at most one per chunk of keys; 1: unsplit); a
 // caller's workspace too small for the forced plan is an error. `copy` forces how the small-heads kernel copies its
 // rows: 16-byte cp.async pieces (every arch) or one bulk copy a row (sm_90+, not fp8_ds_mla_v4: an error

@@ -311,46 +311,134 @@ TensorView workspace_view(const DeviceBuffer& b, size_t bytes) {
   return view(b.ptr, {static_cast<int64_t>(bytes)}, DType::u8);
 }
 
+// `op` run eagerly, then captured on a brand-new non-blocking stream with a caller-owned workspace, replayed on its
+// second inputs: equal bit for bit to an eager call on them, different from the first inputs' result.
+void expect_replays(OpCase& op) {
+  const size_t bytes = op.size();
+  EXPECT_EQ(op.size(), bytes) << "workspace_size is deterministic";
+  DeviceBuffer ws(bytes);
+  const TensorView workspace = bytes ? workspace_view(ws, bytes) : TensorView{};
+  cudaStream_t stream = nullptr;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+
+  op.load(false);
+  op.poison();
+  op.run(stream, workspace);
+  CUDA_OK(cudaStreamSynchronize(stream));
+  const auto first = op.outputs();
+
+  // Captured on a brand-new stream, the first thing it runs. Global mode: any unsafe call in the op
+  // (allocation, synchronisation) invalidates the capture.
+  cudaStream_t capturing = nullptr;
+  CUDA_OK(cudaStreamCreateWithFlags(&capturing, cudaStreamNonBlocking));
+  const CapturedGraph graph(capturing, cudaStreamCaptureModeGlobal, [&] { op.run(capturing, workspace); });
+
+  op.load(true);
+  op.poison();
+  CUDA_OK(cudaGraphLaunch(graph.exec(), capturing));
+  CUDA_OK(cudaStreamSynchronize(capturing));
+  const auto replayed = op.outputs();
+  op.poison();
+  op.run(capturing, workspace);
+  CUDA_OK(cudaStreamSynchronize(capturing));
+  const auto eager = op.outputs();
+  EXPECT_TRUE(replayed == eager) << "the replay differs from an eager call on the same inputs";
+  EXPECT_FALSE(replayed == first) << "the replay did not read the new inputs";
+
+  CUDA_OK(cudaStreamDestroy(capturing));
+  CUDA_OK(cudaStreamDestroy(stream));
+}
+
 TEST(CudaCapture, EveryOpReplaysOnANewNonBlockingStreamWithACallerWorkspace) {
   for (auto& op : all_ops()) {
     SCOPED_TRACE(op->name);
-    const size_t bytes = op->size();
     if (op->name == "sparse_mla" || op->name == "paged_mla_decode" || op->name == "indexer_topk" ||
         op->name == "dsa_decode_step")
-      EXPECT_GT(bytes, 0u) << "the problem is meant to need scratch";
-    EXPECT_EQ(op->size(), bytes) << "workspace_size is deterministic";
-    DeviceBuffer ws(bytes);
-    const TensorView workspace = bytes ? workspace_view(ws, bytes) : TensorView{};
-    cudaStream_t stream = nullptr;
-    CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-
-    op->load(false);
-    op->poison();
-    op->run(stream, workspace);
-    CUDA_OK(cudaStreamSynchronize(stream));
-    const auto first = op->outputs();
-
-    // Captured on a brand-new stream, the first thing it runs. Global mode: any unsafe call in the op
-    // (allocation, synchronisation) invalidates the capture.
-    cudaStream_t capturing = nullptr;
-    CUDA_OK(cudaStreamCreateWithFlags(&capturing, cudaStreamNonBlocking));
-    const CapturedGraph graph(capturing, cudaStreamCaptureModeGlobal, [&] { op->run(capturing, workspace); });
-
-    op->load(true);
-    op->poison();
-    CUDA_OK(cudaGraphLaunch(graph.exec(), capturing));
-    CUDA_OK(cudaStreamSynchronize(capturing));
-    const auto replayed = op->outputs();
-    op->poison();
-    op->run(capturing, workspace);
-    CUDA_OK(cudaStreamSynchronize(capturing));
-    const auto eager = op->outputs();
-    EXPECT_TRUE(replayed == eager) << "the replay differs from an eager call on the same inputs";
-    EXPECT_FALSE(replayed == first) << "the replay did not read the new inputs";
-
-    CUDA_OK(cudaStreamDestroy(capturing));
-    CUDA_OK(cudaStreamDestroy(stream));
+      EXPECT_GT(op->size(), 0u) << "the problem is meant to need scratch";
+    expect_replays(*op);
   }
+}
+
+// Every attention kernel the device runs, forced (the ops above take the one the automatic choice makes for 16
+// heads): sparse_mla and paged_mla_decode over a bf16 and an fp8_ds_mla cache, 64 heads of two tokens, the keys split
+// (so the combine runs too), captured and replayed as above. The workspace is what the forced plan's splits need.
+TEST(CudaCapture, EveryAttentionKernelReplaysInAGraph) {
+  constexpr int64_t kTokens = 2, kWideHeads = 64;
+  Rng rng(77);
+  const auto table = shuffled_table(rng);
+  for (cuda::AttentionKernel kernel : {cuda::AttentionKernel::small_heads, cuda::AttentionKernel::head_tile,
+                                       cuda::AttentionKernel::wide_tile, cuda::AttentionKernel::wgmma})
+    for (DType kv : {DType::bf16, DType::fp8_ds_mla})
+      for (bool paged : {false, true}) {
+        SCOPED_TRACE(std::string(cuda::mla::kernel_name(kernel)) + (paged ? ", paged, " : ", sparse, ") +
+                     std::string(dtype_name(kv)));
+        if (kernel == cuda::AttentionKernel::wgmma && !cuda::wgmma_kernels_available()) continue;
+        const cuda::AttentionChoice choice{kernel, 0, 0, 0, 4};  // four splits of each row's keys
+        const int64_t row = MlaHead{kMlaRopeDim}.cache_row(kv), row_bytes = row * static_cast<int64_t>(dtype_size(kv));
+        const auto random_cache = [&] {  // bf16 rows, or fp8_ds_mla rows: e4m3 codes (no NaN), scales, bf16 rope
+          std::vector<uint8_t> c(static_cast<size_t>(kSlots * row_bytes));
+          const auto values = bf16(rng, c.size() / 2);
+          std::memcpy(c.data(), values.data(), c.size());
+          if (kv == DType::fp8_ds_mla)
+            for (int64_t slot = 0; slot < kSlots; ++slot) {
+              uint8_t* row = c.data() + slot * row_bytes;
+              for (int d = 0; d < kMlaLatentDim; ++d) row[d] = static_cast<uint8_t>(rng() % 0x7f | (rng() & 0x80));
+              for (int t = 0; t < 4; ++t) {
+                const float scale = 0.005f + 0.001f * static_cast<float>(rng() % 40);
+                std::memcpy(row + kMlaLatentDim + 4 * t, &scale, 4);
+              }
+            }
+          return c;
+        };
+        const auto cache = random_cache(), cache2 = random_cache();
+        OpCase c;
+        const auto q = [&] {
+          return c.input(bf16(rng, kTokens * kWideHeads * kMlaQkDim), bf16(rng, kTokens * kWideHeads * kMlaQkDim));
+        };
+        const TensorView kv_cache = view(c.input(cache, cache2), {kBlocks, kBlockSize, row}, kv);
+        if (!paged) {
+          SparseMlaArgs a;
+          a.q = view(q(), {kTokens, kWideHeads, kMlaQkDim}, DType::bf16);
+          a.kv_cache = kv_cache;
+          a.indices = view(c.input(random_slots(rng, kTokens * kTopk), random_slots(rng, kTokens * kTopk)),
+                           {kTokens, kTopk}, DType::i32);
+          a.softmax_scale = 0.07f;
+          a.out = view(c.output(kTokens * kWideHeads * kMlaVDim * 2), {kTokens, kWideHeads, kMlaVDim}, DType::bf16);
+          a.lse = view(c.output(kTokens * kWideHeads * 4), {kTokens, kWideHeads}, DType::f32);
+          const int splits = cuda::sparse_mla_plan(a, choice).num_splits;
+          c.run = [a, choice](cudaStream_t s, TensorView ws) mutable {
+            a.stream = s;
+            a.workspace = ws;
+            cuda::sparse_mla(a, choice);
+          };
+          c.size = [splits] { return size_t{4} * splits * kTokens * kWideHeads * (kMlaVDim + 2); };
+          EXPECT_EQ(splits, 4);
+        } else {
+          PagedMlaDecodeArgs a;
+          a.q = view(q(), {kTokens, 1, kWideHeads, kMlaQkDim}, DType::bf16);
+          a.kv_cache = kv_cache;
+          a.block_table = view(c.same_input([&] {
+                                 std::vector<int32_t> t(table);
+                                 t.insert(t.end(), table.rbegin(), table.rend());
+                                 return t;
+                               }()),
+                               {kTokens, kBlocks}, DType::i32);
+          a.seq_lens = view(c.input(std::vector<int32_t>{3000, 4096}, std::vector<int32_t>{2500, 4000}), {kTokens},
+                            DType::i32);
+          a.softmax_scale = 0.07f;
+          a.out = view(c.output(kTokens * kWideHeads * kMlaVDim * 2), {kTokens, 1, kWideHeads, kMlaVDim}, DType::bf16);
+          a.lse = view(c.output(kTokens * kWideHeads * 4), {kTokens, 1, kWideHeads}, DType::f32);
+          const int splits = cuda::paged_mla_decode_plan(a, choice).num_splits;
+          c.run = [a, choice](cudaStream_t s, TensorView ws) mutable {
+            a.stream = s;
+            a.workspace = ws;
+            cuda::paged_mla_decode(a, choice);
+          };
+          c.size = [splits] { return size_t{4} * splits * kTokens * kWideHeads * (kMlaVDim + 2); };
+          EXPECT_EQ(splits, 4);
+        }
+        expect_replays(c);
+      }
 }
 
 // Without a workspace, warmed up on another stream: the library's own workspace for the capturing stream would
