@@ -396,27 +396,31 @@ TEST(CudaCapture, EveryAttentionKernelReplaysInAGraph) {
           return c.input(bf16(rng, kTokens * kWideHeads * kMlaQkDim), bf16(rng, kTokens * kWideHeads * kMlaQkDim));
         };
         const TensorView kv_cache = view(c.input(cache, cache2), {kBlocks, kBlockSize, row}, kv);
+        // The op's run, and the workspace its forced plan's splits need (partial outputs, lses and maxima).
+        const auto finish = [&](auto a, auto plan_of, auto call) {
+          a.kv_cache = kv_cache;
+          a.softmax_scale = 0.07f;
+          const int splits = plan_of(a, choice).num_splits;
+          EXPECT_EQ(splits, 4);
+          c.run = [a, choice, call](cudaStream_t s, TensorView ws) mutable {
+            a.stream = s;
+            a.workspace = ws;
+            call(a, choice);
+          };
+          c.size = [splits] { return size_t{4} * splits * kTokens * kWideHeads * (kMlaVDim + 2); };
+        };
         if (!paged) {
           SparseMlaArgs a;
           a.q = view(q(), {kTokens, kWideHeads, kMlaQkDim}, DType::bf16);
-          a.kv_cache = kv_cache;
           a.indices = view(c.input(random_slots(rng, kTokens * kTopk), random_slots(rng, kTokens * kTopk)),
                            {kTokens, kTopk}, DType::i32);
-          a.softmax_scale = 0.07f;
           a.out = view(c.output(kTokens * kWideHeads * kMlaVDim * 2), {kTokens, kWideHeads, kMlaVDim}, DType::bf16);
           a.lse = view(c.output(kTokens * kWideHeads * 4), {kTokens, kWideHeads}, DType::f32);
-          const int splits = cuda::sparse_mla_plan(a, choice).num_splits;
-          c.run = [a, choice](cudaStream_t s, TensorView ws) mutable {
-            a.stream = s;
-            a.workspace = ws;
-            cuda::sparse_mla(a, choice);
-          };
-          c.size = [splits] { return size_t{4} * splits * kTokens * kWideHeads * (kMlaVDim + 2); };
-          EXPECT_EQ(splits, 4);
+          finish(a, [](const SparseMlaArgs& x, cuda::AttentionChoice ch) { return cuda::sparse_mla_plan(x, ch); },
+                 [](const SparseMlaArgs& x, cuda::AttentionChoice ch) { cuda::sparse_mla(x, ch); });
         } else {
           PagedMlaDecodeArgs a;
           a.q = view(q(), {kTokens, 1, kWideHeads, kMlaQkDim}, DType::bf16);
-          a.kv_cache = kv_cache;
           a.block_table = view(c.same_input([&] {
                                  std::vector<int32_t> t(table);
                                  t.insert(t.end(), table.rbegin(), table.rend());
@@ -425,17 +429,11 @@ TEST(CudaCapture, EveryAttentionKernelReplaysInAGraph) {
                                {kTokens, kBlocks}, DType::i32);
           a.seq_lens = view(c.input(std::vector<int32_t>{3000, 4096}, std::vector<int32_t>{2500, 4000}), {kTokens},
                             DType::i32);
-          a.softmax_scale = 0.07f;
           a.out = view(c.output(kTokens * kWideHeads * kMlaVDim * 2), {kTokens, 1, kWideHeads, kMlaVDim}, DType::bf16);
           a.lse = view(c.output(kTokens * kWideHeads * 4), {kTokens, 1, kWideHeads}, DType::f32);
-          const int splits = cuda::paged_mla_decode_plan(a, choice).num_splits;
-          c.run = [a, choice](cudaStream_t s, TensorView ws) mutable {
-            a.stream = s;
-            a.workspace = ws;
-            cuda::paged_mla_decode(a, choice);
-          };
-          c.size = [splits] { return size_t{4} * splits * kTokens * kWideHeads * (kMlaVDim + 2); };
-          EXPECT_EQ(splits, 4);
+          finish(
+              a, [](const PagedMlaDecodeArgs& x, cuda::AttentionChoice ch) { return cuda::paged_mla_decode_plan(x, ch); },
+              [](const PagedMlaDecodeArgs& x, cuda::AttentionChoice ch) { cuda::paged_mla_decode(x, ch); });
         }
         expect_replays(c);
       }
