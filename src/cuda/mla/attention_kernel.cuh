@@ -60,13 +60,12 @@ __host__ __device__ constexpr bool is_fp8(CacheFormat f) {
 template <CacheFormat F, int kRope>
 struct Fp8Row;
 // fp8_ds_mla: the row's first fp8_row_bytes, as in the cache: 512 e4m3 | 4 fp32 scales | 64 bf16 rope (if kRope).
-// scales(row, high): the row's scales, one per tile of kTileUnits 16-byte pieces of codes (`high`: fp8_ds_mla_v4's
-// 8 scale bytes are the high half of their staged 16-byte piece); scale_of(scales, tile).
+// scales(row): the row's scales, one per tile of kTileUnits 16-byte pieces of codes; scale_of(scales, tile).
 template <int kRope>
 struct Fp8Row<CacheFormat::fp8_ds_mla, kRope> {
   static constexpr int kE4m3 = kLatent, kTail = kLatent + 16, kStagedBytes = HeadDims<kRope>::kFp8RowBytes;
   static constexpr int kTileUnits = 128 / 16;
-  __device__ static float4 scales(const uint8_t* row, bool) { return *reinterpret_cast<const float4*>(row + kLatent); }
+  __device__ static float4 scales(const uint8_t* row) { return *reinterpret_cast<const float4*>(row + kLatent); }
   __device__ static float scale_of(const float4& s, int tile) {
     return tile == 0 ? s.x : tile == 1 ? s.y : tile == 2 ? s.z : s.w;
   }
@@ -82,9 +81,7 @@ struct Fp8Row<CacheFormat::fp8_ds_mla_v4, 0> {
   using V4 = MlaV4CacheLayout;
   static constexpr int kE4m3 = V4::kNopeDim, kTail = V4::kNopeDim, kStagedBytes = V4::kValueBytes + 16;
   static constexpr int kTileUnits = V4::kTile / 16;
-  __device__ static uint2 scales(const uint8_t* row, bool high) {
-    return *reinterpret_cast<const uint2*>(row + V4::kValueBytes + (high ? 8 : 0));
-  }
+  __device__ static uint2 scales(const uint8_t* row) { return *reinterpret_cast<const uint2*>(row + V4::kValueBytes); }
   __device__ static float scale_of(const uint2& s, int tile) {
     return ue8m0_to_float(((tile < 4 ? s.x : s.y) >> (8 * (tile % 4))) & 0xffu);
   }
@@ -263,12 +260,9 @@ __device__ __forceinline__ uint32_t scaled_e4m3x2(uint32_t codes, float scale) {
 // division or branch per unit: 424 instructions a thread for a chunk of 576-wide rows in the 16-head tile (sm_90a),
 // where a piece at a time took about 750, each piece's loads, conversion and store one dependent chain.
 // `invalid`: this thread's row is not one to read (the wgmma kernel's staging holds whatever was there): zeros.
-// `scales_high`: the row's fp8_ds_mla_v4 scales are the high half of their staged piece (the wgmma kernel's bulk
-// copies move the aligned 16 bytes around them).
 template <CacheFormat F, typename T, int kRope, int kCtaThreads = kThreads, int kChunkKeys = kKeysPerChunk,
           bool kSwizzled = false>
-__device__ __forceinline__ void dequantise_chunk(const uint8_t* rows, T* keys, int tid, bool invalid = false,
-                                                 bool scales_high = false) {
+__device__ __forceinline__ void dequantise_chunk(const uint8_t* rows, T* keys, int tid, bool invalid = false) {
   using D = HeadDims<kRope>;
   using R = Fp8Row<F, kRope>;
   static_assert(kCtaThreads % kChunkKeys == 0, "dequantise_chunk: the same number of threads for every row");
@@ -289,7 +283,7 @@ __device__ __forceinline__ void dequantise_chunk(const uint8_t* rows, T* keys, i
     else
       *reinterpret_cast<uint4*>(keys + row * D::kRowElems + piece * 8) = v;
   };
-  const auto scales = R::scales(src, scales_high);
+  const auto scales = R::scales(src);
   const uint32_t keep = invalid ? 0u : ~0u;  // codes and 16-bit values masked, and the scale 0 (it may be NaN)
 #pragma unroll
   for (int k0 = 0; k0 < kPerThread; k0 += kBatch) {

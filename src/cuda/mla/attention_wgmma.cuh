@@ -1,6 +1,6 @@
 // MLA attention on Hopper's warpgroup mma (sm_90a; issue 19's compute-bound shapes: 64-128 heads, prefill, dense
 // decode): one CTA = one query token, kWgmmaHeads (64) heads and a range of 64-key chunks, two warpgroups with
-// different roles. It calls the 16-head tile's steps (attention_kernel.cuh): cta_work, stage_queries, slot_of,
+// different roles. It calls the 16-head tile's steps (attention_kernel.cuh): cta_work, stage_queries, gather_row,
 // chunk_range, store_head_row, the split partials and combine_kernel.
 //
 // The queries (64 x 576 16-bit values, 72 KB) and each chunk's 64 gathered keys sit in shared memory in wgmma's
@@ -16,10 +16,8 @@
 // Rows land in a staging buffer as they lie in the cache, one cp.async.bulk a row onto the `staged` mbarrier
 // (issued by warpgroup 1's first 64 threads, a row each): the cp.async pieces they replaced, 41 (fp8) or 72
 // (bf16) 16-byte copies a row each to another cache line, kept the load/store unit busy and warpgroup 1's P V
-// waiting behind them (ncu: 34% of the stalls on the registers of those copies). An fp8_ds_mla_v4 row takes two:
-// its 576 value bytes, and the aligned 16 bytes at the block's end that hold its 8 scale bytes (those of the token
-// at an even offset, then the odd one's; the row's flag says which half; the last token of an odd-sized block
-// loads its 8 bytes instead). At each chunk all threads turn the
+// waiting behind them (ncu: 34% of the stalls on the registers of those copies). fp8_ds_mla_v4 rows keep cp.async
+// pieces: their 8 scale bytes lie at the block's end, no 16-byte bulk copy. At each chunk all threads turn the
 // staged rows into the one key tile (dequantise_chunk for fp8, a copy for 16-bit rows), writing zeros for the
 // chunk's invalid rows (never copied, so staging holds whatever was there), then warpgroup 1 gathers chunk c+1
 // into staging while chunk c is multiplied. (A second bf16 key tile and staging would not fit 227 KB.)
@@ -34,13 +32,13 @@ namespace smla::cuda::mla::wg {
 
 constexpr int kWarpgroups = 2, kWgmmaThreads = kWarpgroups * 128;
 constexpr int kChunkKeys = kWgmmaChunkKeys;
+constexpr int kGatherParts = 128 / kChunkKeys;  // warpgroup 1's threads per gathered row (cp.async pieces)
 constexpr int kColumns = kVDim / kWarpgroups;   // O's columns per warpgroup
 constexpr int kPWords = kChunkKeys / 16 * 4;    // a thread's P fragments: 4 k-steps x 4 registers
 static_assert(kWgmmaHeads == kSwizzledTileRows && kChunkKeys == kSwizzledTileRows, "the tiles' rows");
 
-// A row's valid flag: 0 not to be read (zeros in the tile), kRowValid, and with fp8_ds_mla_v4 kHighScales where
-// its scale bytes are the high half of their staged piece.
-constexpr int kRowValid = 1, kHighScales = 2;
+// Whether rows of format `f` are gathered by one bulk copy each (all but fp8_ds_mla_v4's; see above).
+__host__ __device__ constexpr bool bulk_rows(CacheFormat f) { return f != CacheFormat::fp8_ds_mla_v4; }
 // Bytes from one staged row to the next: an fp8 row's staged bytes (an odd number of 16-byte pieces), a 16-bit
 // row's values and one more piece, so that the turn's loads of one piece of consecutive rows meet no bank conflict.
 __host__ __device__ constexpr int wgmma_staged_row_bytes(CacheFormat f, int rope) {
@@ -150,54 +148,48 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) wgmma_attention_kernel(const
   }
   __syncthreads();  // the queries staged, the signals initialised
 
-  // Warpgroup 1's threads wtid < kChunkKeys: row wtid of every chunk.
-  const int my_row = wtid;
-  const bool gathers = wg == 1 && wtid < kChunkKeys;  // warp-uniform
+  // Warpgroup 1's row of every chunk: bulk copies, thread wtid < kChunkKeys row wtid; cp.async pieces, gather_lane's
+  // row and its pieces my_part + kGatherParts k.
+  const GatherLane gl = bulk_rows(F) ? GatherLane{wtid, 0} : gather_lane<kGatherParts>(wtid);
+  const int my_row = gl.row, my_part = gl.part;
+  const bool gathers = wg == 1 && (!bulk_rows(F) || wtid < kChunkKeys);  // warp-uniform
   int64_t next_slot = gathers && n_chunks > 0 ? slot_of<kPaged>(p, t, b, chunk_begin * kChunkKeys + my_row, visible) : -1;
   auto issue = [&](int i) {  // warpgroup 1: chunk i, if it exists, into staging
-    if (i >= n_chunks || !gathers) return;
-    const int chunk = chunk_begin + i;
-    const int64_t slot = next_slot;
-    if (i + 1 < n_chunks) next_slot = slot_of<kPaged>(p, t, b, (chunk + 1) * kChunkKeys + my_row, visible);
-    const int s32 = static_cast<int>(slot);  // indices are int32
-    const int offset = slot >= 0 ? s32 % p.block_size : 0;
-    const uint8_t* const block = p.cache + (slot >= 0 ? (s32 / p.block_size) * p.block_stride : 0);
-    uint8_t* const row = staging + my_row * kStagedBytes;
-    constexpr bool kV4 = F == CacheFormat::fp8_ds_mla_v4;
-    using V4 = MlaV4CacheLayout;
-    // fp8_ds_mla_v4: the last token of an odd-sized block has no aligned 16 bytes around its scales inside the block
-    // (the cache may end 8 bytes after them): its 8 bytes are loaded here, before the warp's arrival.
-    const bool scales_loaded = kV4 && slot >= 0 && offset % 2 == 0 && offset + 1 == p.block_size;
-    if (scales_loaded)
-      *reinterpret_cast<uint2*>(row + V4::kValueBytes) =
-          *reinterpret_cast<const uint2*>(block + p.block_size * V4::kValueBytes + offset * V4::kScaleBytes);
-    valid[(chunk % L.valid_sets) * kChunkKeys + my_row] =
-        slot < 0 ? 0 : kRowValid | (kV4 && offset % 2 ? kHighScales : 0);
-    const int bytes = __reduce_add_sync(0xffffffffu, slot < 0 ? 0 : scales_loaded ? kCopyBytes - 16 : kCopyBytes);
-    __syncwarp();  // the warp's flags (and loaded scales) before its arrival
-    if (lane == 0) mbarrier_expect_bytes(&sig.staged, bytes);
-    __syncwarp();  // the bytes expected before any lands
-    if (slot < 0) return;
-    if constexpr (kV4) {
-      bulk_copy_to_shared(row, block + offset * V4::kValueBytes, V4::kValueBytes, &sig.staged);
-      if (!scales_loaded)
-        bulk_copy_to_shared(row + V4::kValueBytes,
-                            block + p.block_size * V4::kValueBytes + (offset & ~1) * V4::kScaleBytes, 16, &sig.staged);
+    if constexpr (bulk_rows(F)) {
+      if (i >= n_chunks || !gathers) return;
+      const int chunk = chunk_begin + i;
+      const int64_t slot = next_slot;
+      if (i + 1 < n_chunks) next_slot = slot_of<kPaged>(p, t, b, (chunk + 1) * kChunkKeys + my_row, visible);
+      valid[(chunk % L.valid_sets) * kChunkKeys + my_row] = slot >= 0;
+      const int copied = __popc(__ballot_sync(0xffffffffu, slot >= 0));
+      __syncwarp();  // the warp's flags before its arrival
+      if (lane == 0) mbarrier_expect_bytes(&sig.staged, copied * kCopyBytes);
+      __syncwarp();  // the bytes expected before any lands
+      if (slot >= 0) {
+        const int s32 = static_cast<int>(slot);  // indices are int32
+        bulk_copy_to_shared(staging + my_row * kStagedBytes,
+                            p.cache + (s32 / p.block_size) * p.block_stride + (s32 % p.block_size) * p.row_stride,
+                            kCopyBytes, &sig.staged);
+      }
     } else {
-      bulk_copy_to_shared(row, block + offset * p.row_stride, kCopyBytes, &sig.staged);
+      if (i < n_chunks)
+        gather_row<F, kPaged, kGatherParts, kChunkKeys>(p, t, b, visible, chunk_begin + i, chunk_begin, n_chunks,
+                                                        my_row, my_part, next_slot, staging, kStagedBytes,
+                                                        kStagedBytes / 16, valid, L.valid_sets);
+      cp_async_commit();
     }
   };
   // Both warpgroups: chunk i from staging into the key tile (zeros for its invalid rows), then warpgroup 1's gather
   // of chunk i + 1 into staging.
   auto tile_turn = [&](int i) {
-    mbarrier_wait(&sig.staged, i & 1);
+    if constexpr (bulk_rows(F)) mbarrier_wait(&sig.staged, i & 1);
+    else if (wg == 1) cp_async_wait<0>();
     named_barrier_sync(kTileTurn, kWgmmaThreads);  // chunk i staged; chunk i-1's products done with the tile
-    const int flag = valid[((chunk_begin + i) % L.valid_sets) * kChunkKeys + tid % kChunkKeys];
+    const bool invalid = !valid[((chunk_begin + i) % L.valid_sets) * kChunkKeys + tid % kChunkKeys];
     if constexpr (kFp8)
-      dequantise_chunk<F, T, kRope, kWgmmaThreads, kChunkKeys, true>(staging, reinterpret_cast<T*>(sk), tid, flag == 0,
-                                                                     flag & kHighScales);
+      dequantise_chunk<F, T, kRope, kWgmmaThreads, kChunkKeys, true>(staging, reinterpret_cast<T*>(sk), tid, invalid);
     else
-      copy_chunk<kRope>(staging, sk, tid, flag == 0);
+      copy_chunk<kRope>(staging, sk, tid, invalid);
     fence_shared_for_async_proxy();
     named_barrier_sync(kTileTurn, kWgmmaThreads);  // chunk i in the tile, visible to wgmma; staging free
     if (wg == 1) issue(i + 1);
@@ -327,6 +319,7 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) wgmma_attention_kernel(const
       wgmma_wait();
     }
     if (n_chunks > 0) named_barrier_sync(kPFree, kWgmmaThreads);  // done with the last P
+    cp_async_wait<0>();
   }
   __syncthreads();  // the rows' maxima and sums in shared memory
   const float m[2] = {xml[rows[0]], xml[rows[1]]};
