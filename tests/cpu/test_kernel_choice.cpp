@@ -158,9 +158,9 @@ TEST(KernelChoice, ForcedKernelsAndDepths) {
   EXPECT_FALSE(choose_attention_kernel(limits_of("sm_86"), small).ok());
 }
 
-// The wgmma kernel forced: on sm_90 with sm_90a code, every cache format; 64 heads per CTA, 8 warps, 225 KB
-// (576-wide heads) or 201 KB for 16-bit caches, 194 KB, 170 KB or 174 KB for fp8 ones (one key tile and a staging
-// buffer), one CTA per SM. Elsewhere a forced wgmma kernel is no choice, and why: the arch, or the code loaded on
+// The wgmma kernel forced: on sm_90 with sm_90a code, every cache format; 64 heads per CTA; for 16-bit caches the
+// pairs kernel (12 warps, two key tiles and two P tiles: 226 KB for 576-wide heads, 210 KB for 512-wide ones), for
+// fp8 ones the staged kernel (8 warps, one key tile and a staging buffer: 194 KB, 170 KB or 174 KB), one CTA per SM. Elsewhere a forced wgmma kernel is no choice, and why: the arch, or the code loaded on
 // sm_90.
 TEST(KernelChoice, WgmmaForcedOnHopperWithSm90aCode) {
   for (CacheFormat f : {CacheFormat::bf16, CacheFormat::f16})
@@ -170,11 +170,11 @@ TEST(KernelChoice, WgmmaForcedOnHopperWithSm90aCode) {
       ASSERT_TRUE(d.ok());
       EXPECT_EQ(d.chosen.kernel, AttentionKernel::wgmma);
       EXPECT_EQ(d.chosen.heads_per_cta, 64);
-      EXPECT_EQ(d.chosen.threads, 256);
-      EXPECT_EQ(d.chosen.smem, rope ? 231184 : 206608);
+      EXPECT_EQ(d.chosen.threads, 384);
+      EXPECT_EQ(d.chosen.smem, rope ? 231016 : 214632);
       EXPECT_EQ(d.chosen.ctas_per_sm, 1);
-      EXPECT_EQ(variant_text(d.chosen), std::string("wgmma kernel (64 heads/CTA, 8 warps, depth 2, ") +
-                                            (rope ? "231,184" : "206,608") + " B shared memory, 1 CTA/SM)");
+      EXPECT_EQ(variant_text(d.chosen), std::string("wgmma kernel (64 heads/CTA, 12 warps, depth 2, ") +
+                                            (rope ? "231,016" : "214,632") + " B shared memory, 1 CTA/SM)");
       ASSERT_EQ(d.num_rejected, 3);
       for (int i = 0; i < d.num_rejected; ++i) EXPECT_EQ(d.rejected[static_cast<size_t>(i)].why, Rejected::forced_other);
       for (const char* arch : {"sm_80", "sm_86", "sm_89", "sm_100", "sm_120"}) {
@@ -199,6 +199,7 @@ TEST(KernelChoice, WgmmaForcedOnHopperWithSm90aCode) {
     ASSERT_TRUE(fp8.ok());
     EXPECT_EQ(fp8.chosen.kernel, AttentionKernel::wgmma);
     EXPECT_EQ(fp8.chosen.smem, smem);
+    EXPECT_EQ(fp8.chosen.threads, 256);
     EXPECT_EQ(fp8.chosen.ctas_per_sm, 1);
   }
 }
@@ -214,7 +215,7 @@ TEST(KernelChoice, WgmmaAutomaticOnHopper) {
         const KernelShape s{f, 64, paged, tokens, heads, {}};
         const KernelDecision d = choose_attention_kernel(hopper, s);
         EXPECT_EQ(d.chosen.kernel, AttentionKernel::wgmma);
-        EXPECT_EQ(d.chosen.smem, 231184);
+        EXPECT_EQ(d.chosen.smem, 231016);
         EXPECT_EQ(d.chosen.ctas_per_sm, 1);
         const KernelDecision old = choose_attention_kernel(no_code, s);
         EXPECT_EQ(old.chosen.kernel, AttentionKernel::wide_tile);

@@ -109,21 +109,21 @@ __device__ __forceinline__ void wgmma(float (&d)[N / 2], const uint32_t (&a)[4],
 #undef SMLA_WGMMA_RS_N64
 
 // D (64 x 64, fp32) = A (64 x 16) * B (16 x 64) (+ D) on 16-bit values, both operands in shared memory through
-// K-major descriptors `a` and `b` (wgmma_descriptor); d as above.
-template <WgmmaIn kIn>
+// descriptors `a` (K-major) and `b` (K-major, or kMnMajorB as for wgmma above); d as above.
+template <WgmmaIn kIn, bool kMnMajorB = false>
 __device__ __forceinline__ void wgmma_ss_n64(float (&d)[32], uint64_t a, uint64_t b, bool accumulate) {
   static_assert(kIn != WgmmaIn::e4m3, "16-bit values");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define SMLA_WGMMA_SS_N64(op)                                                                                      \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n" op                                                  \
                " {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26," \
-               "%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, 0, 0;\n}\n"                                               \
+               "%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, 0, %35;\n}\n"                                             \
                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),   \
                  "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),          \
                  "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]),        \
                  "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]),        \
                  "+f"(d[29]), "+f"(d[30]), "+f"(d[31])                                                             \
-               : "l"(a), "l"(b), "r"(static_cast<int>(accumulate)))
+               : "l"(a), "l"(b), "r"(static_cast<int>(accumulate)), "n"(kMnMajorB ? 1 : 0))
   if constexpr (kIn == WgmmaIn::bf16) SMLA_WGMMA_SS_N64("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16");
   else SMLA_WGMMA_SS_N64("wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16");
 #undef SMLA_WGMMA_SS_N64
@@ -164,6 +164,13 @@ __device__ __forceinline__ void wgmma_commit() {
 __device__ __forceinline__ void wgmma_wait() {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+#endif
+}
+// Waits until at most N of the batches committed are still running (the oldest first complete).
+template <int N>
+__device__ __forceinline__ void wgmma_wait_until() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 #endif
 }
 // Ends the batch and waits for it.
@@ -278,6 +285,30 @@ __device__ __forceinline__ void fence_mbarrier_init() {
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 #else
   __trap();
+#endif
+}
+// Arrives on `bar` once every cp.async this thread issued before it has landed, as one of the arrivals the phase
+// expects (noinc). sm_90+ only here (the wgmma kernels').
+__device__ __forceinline__ void cp_async_arrive(uint64_t* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared.b64 [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+#else
+  __trap();
+#endif
+}
+// Hands registers between the warpgroups of a warp-specialised CTA (sm_90a): every warp of a warpgroup executes the
+// same one; `decrease` returns registers to the CTA's pool, `increase` waits until it holds enough. kRegisters: per
+// thread, a multiple of 8 in 24-256; the launch bounds set what each thread starts with.
+template <int kRegisters>
+__device__ __forceinline__ void registers_decrease_to() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
+#endif
+}
+template <int kRegisters>
+__device__ __forceinline__ void registers_increase_to() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
 #endif
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }

@@ -1,5 +1,5 @@
-// Instantiations and launch configuration of the wgmma MLA attention kernel (every cache format; sm_90a code only,
-// a trap elsewhere, which the host never launches).
+// Instantiations and launch configuration of the wgmma MLA attention kernels (sm_90a code only, a trap elsewhere,
+// which the host never launches): the pairs kernel for 16-bit caches, the staged one for fp8 caches.
 #include <map>
 #include <mutex>
 #include <string>
@@ -9,6 +9,7 @@
 #include "cuda/kernels.h"
 #include "cuda/mla/attention_wgmma.cuh"
 #include "cuda/mla/attention_wgmma.h"
+#include "cuda/mla/attention_wgmma_pairs.cuh"
 
 namespace smla::cuda::mla::wg {
 
@@ -19,9 +20,14 @@ using Kernel = void (*)(AttentionParams);
 Kernel select(CacheFormat f, int rope, bool paged) {
   // [&]: a capture-less lambda's conversion to a function pointer draws nvcc warning 445 for each instance
   return instance_for(f, rope, paged, [&]<CacheFormat F, int kRope, bool kPaged>() {
-    return static_cast<Kernel>(wgmma_attention_kernel<F, kRope, kPaged>);
+    if constexpr (is_fp8(F)) return static_cast<Kernel>(wgmma_attention_kernel<F, kRope, kPaged>);
+    else return static_cast<Kernel>(wgmma_pairs_kernel<F, kRope, kPaged>);
   });
 }
+
+// The CTA's threads and shared-memory bytes for format `f`.
+int cta_threads(CacheFormat f) { return is_fp8(f) ? kWgmmaThreads : kPairThreads; }
+int cta_smem(CacheFormat f, int rope) { return is_fp8(f) ? WgmmaLayout(f, rope).total : PairLayout(rope).total; }
 
 // Why this device cannot run the kernel for `f`, or empty.
 std::string unavailable(CacheFormat f, int rope) {
@@ -31,8 +37,8 @@ std::string unavailable(CacheFormat f, int rope) {
            std::to_string(dev.compute_capability);
   if (!dev.sm90a_code)
     return "needs sm_90a code, and the code loaded for this sm_90 device has none (90-real SASS or older PTX)";
-  if (WgmmaLayout(f, rope).total > dev.max_smem_per_block)
-    return "needs " + std::to_string(WgmmaLayout(f, rope).total) +
+  if (cta_smem(f, rope) > dev.max_smem_per_block)
+    return "needs " + std::to_string(cta_smem(f, rope)) +
            " bytes of shared memory per block; this device allows " + std::to_string(dev.max_smem_per_block);
   return {};
 }
@@ -52,11 +58,11 @@ const WgmmaConfig* find_wgmma_config(CacheFormat f, int rope, bool paged) {
   if (it == configs.end()) {
     WgmmaConfig cfg;
     if (unavailable(f, rope).empty()) {
-      const int bytes = WgmmaLayout(f, rope).total;
+      const int bytes = cta_smem(f, rope), threads = cta_threads(f);
       const Kernel fn = select(f, rope, paged);
       allow_dynamic_smem(reinterpret_cast<const void*>(fn), bytes);
-      const int ctas = resident_ctas_per_sm(reinterpret_cast<const void*>(fn), kWgmmaThreads, bytes);
-      if (ctas > 0) cfg = {reinterpret_cast<const void*>(fn), kWgmmaThreads, bytes, ctas};
+      const int ctas = resident_ctas_per_sm(reinterpret_cast<const void*>(fn), threads, bytes);
+      if (ctas > 0) cfg = {reinterpret_cast<const void*>(fn), threads, bytes, ctas};
     }
     it = configs.emplace(key, cfg).first;
   }

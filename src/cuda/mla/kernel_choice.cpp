@@ -10,9 +10,9 @@ bool fp8(CacheFormat f) { return f == CacheFormat::fp8_ds_mla || f == CacheForma
 
 constexpr int kHeadTileThreads = 128, kWideThreads = 256;
 
-KernelVariant fit(const KernelLimits& l, AttentionKernel k, int heads_per_cta, int threads, int stages,
-                  int split_dims, int smem) {
-  const int regs = kernel_registers(k, heads_per_cta, split_dims);
+KernelVariant fit(const KernelLimits& l, const KernelShape& s, AttentionKernel k, int heads_per_cta, int threads,
+                  int stages, int split_dims, int smem) {
+  const int regs = kernel_registers(k, s.format, heads_per_cta, split_dims);
   const int ctas = smem > 0 && smem <= l.max_smem_per_block ? ctas_per_sm(l, threads, regs, smem) : 0;
   return {k, heads_per_cta, threads, stages, split_dims, smem, regs, ctas};
 }
@@ -23,7 +23,7 @@ KernelVariant head_tile(const KernelLimits& l, const KernelShape& s) {
   std::array<KernelVariant, 4> fits{};
   int most = 0;
   for (int d = 1; d <= 4; ++d) {
-    fits[d - 1] = fit(l, AttentionKernel::head_tile, kHeadsPerCtaTile, kHeadTileThreads, d, 0,
+    fits[d - 1] = fit(l, s, AttentionKernel::head_tile, kHeadsPerCtaTile, kHeadTileThreads, d, 0,
                       head_tile_smem(s.format, s.rope, d));
     most = std::max(most, fits[d - 1].ctas_per_sm);
   }
@@ -38,7 +38,7 @@ KernelVariant wide_tile(const KernelLimits& l, const KernelShape& s) {
   KernelVariant best;
   for (int d = 2; d <= 3; ++d) {
     if (s.forced.stages > 0 && d != s.forced.stages) continue;
-    const KernelVariant v = fit(l, AttentionKernel::wide_tile, kWideHeadsPerCta, kWideThreads, d, 0,
+    const KernelVariant v = fit(l, s, AttentionKernel::wide_tile, kWideHeadsPerCta, kWideThreads, d, 0,
                                 wide_smem(s.format, s.rope, d));
     if (v.ctas_per_sm > 0) best = v;
   }
@@ -55,7 +55,7 @@ KernelVariant small_shape(const KernelLimits& l, const KernelShape& s, int heads
   KernelVariant best;
   for (int d = 2; d <= 4; ++d) {
     if (s.forced.stages > 0 && d != s.forced.stages) continue;
-    const KernelVariant v = fit(l, AttentionKernel::small_heads, heads_per_cta, threads, d, split_dims,
+    const KernelVariant v = fit(l, s, AttentionKernel::small_heads, heads_per_cta, threads, d, split_dims,
                                 small_heads_smem(s.format, s.rope, heads_per_cta, split_dims, d));
     if (v.ctas_per_sm > 0 && v.ctas_per_sm >= best.ctas_per_sm) best = v;
   }
@@ -90,10 +90,11 @@ KernelVariant small_heads(const KernelLimits& l, const KernelShape& s) {
   return split ? two : one;
 }
 
-// The wgmma kernel: Hopper only, with sm_90a code; 64-key chunks (one key tile and a staging buffer).
+// The wgmma kernels: Hopper only, with sm_90a code; 64-key chunks (16-bit rows: the pairs kernel; fp8 rows: the
+// staged kernel).
 KernelVariant wgmma(const KernelLimits& l, const KernelShape& s) {
   if (l.compute_capability != 90 || !l.sm90a_code) return {};
-  const KernelVariant v = fit(l, AttentionKernel::wgmma, kWgmmaHeadsPerCta, kWideThreads, 2, 0,
+  const KernelVariant v = fit(l, s, AttentionKernel::wgmma, kWgmmaHeadsPerCta, wgmma_threads(s.format), 2, 0,
                               wgmma_smem(s.format, s.rope));
   return v.ctas_per_sm > 0 ? v : KernelVariant{};
 }
@@ -147,14 +148,14 @@ std::string arch_text(int cc) { return "sm_" + std::to_string(cc); }
 
 }  // namespace
 
-int kernel_registers(AttentionKernel kernel, int heads_per_cta, int split_dims) {
+int kernel_registers(AttentionKernel kernel, CacheFormat f, int heads_per_cta, int split_dims) {
   switch (kernel) {
     case AttentionKernel::head_tile: return kHeadTileRegisters;
     case AttentionKernel::wide_tile: return kWideRegisters;
     case AttentionKernel::small_heads:
       return heads_per_cta == 16 ? kSmallHeads16Registers : split_dims == 2 ? kSmallHeadsSplitRegisters
                                                                             : kSmallHeads8Registers;
-    case AttentionKernel::wgmma: return kWgmmaRegisters;
+    case AttentionKernel::wgmma: return wgmma_registers(f);
     case AttentionKernel::automatic: break;
   }
   return 0;

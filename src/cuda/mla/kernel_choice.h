@@ -58,7 +58,7 @@ inline constexpr bool kWgmmaAutomaticForFp8 = true;
 // Registers per thread, at most, over every instance and arch (ptxas -v; the wide tile's are capped at 255 by its
 // launch bounds of one CTA per SM, the small-heads kernel's with the dim split at 128 by its bounds of two).
 inline constexpr int kHeadTileRegisters = 171, kWideRegisters = 255, kSmallHeads16Registers = 255,
-                     kSmallHeads8Registers = 255, kSmallHeadsSplitRegisters = 128, kWgmmaRegisters = 255;
+                     kSmallHeads8Registers = 255, kSmallHeadsSplitRegisters = 128;
 
 // The attention's shape: cache format, rope width (64 or 0), paged (dense decode) or a slot list (sparse), query
 // rows, heads per rank, and what a test or benchmark forces (AttentionChoice: kernel, depth, small-heads shape).
@@ -168,9 +168,14 @@ constexpr int wide_smem(CacheFormat f, int rope, int stages) {
   return tables::kWideSmem[tables::format_row(f)][rope ? 1 : 0][stages - 2];
 }
 
-// The wgmma kernel (the queries, one key tile and a staging buffer), by [format][rope 0, 64].
-inline constexpr int kWgmmaSmem[3][2] = {{206608, 231184}, {173840, 198416}, {177936, 0}};
+// The wgmma kernels (16-bit caches: the pairs kernel, the queries, two key tiles and two P tiles; fp8 caches: the
+// staged kernel, the queries, one key tile and a staging buffer), by [format][rope 0, 64].
+inline constexpr int kWgmmaSmem[3][2] = {{214632, 231016}, {173840, 198416}, {177936, 0}};
 constexpr int wgmma_smem(CacheFormat f, int rope) { return kWgmmaSmem[tables::format_row(f)][rope ? 1 : 0]; }
+// Their threads (the pairs kernel: two math warpgroups and a producer) and registers per thread at launch (the
+// launch bounds of one CTA per SM: 65536 / 384 rounded down to 8, or 255).
+constexpr int wgmma_threads(CacheFormat f) { return tables::format_row(f) == 0 ? 384 : 256; }
+constexpr int wgmma_registers(CacheFormat f) { return tables::format_row(f) == 0 ? 168 : 255; }
 
 constexpr int small_heads_smem(CacheFormat f, int rope, int heads_per_cta, int split_dims, int stages) {
   if (stages < 2 || stages > 4) return 0;
@@ -178,8 +183,9 @@ constexpr int small_heads_smem(CacheFormat f, int rope, int heads_per_cta, int s
                            [heads_per_cta == 16 ? (split_dims == 2 ? 3 : 0) : split_dims == 2 ? 2 : 1][stages - 2];
 }
 
-// Registers per thread, at most, of each kernel's instances (the GPU test checks them against the compiled ones).
-int kernel_registers(AttentionKernel kernel, int heads_per_cta, int split_dims);
+// Registers per thread, at most, of each kernel's instances for cache format `f` (the GPU test checks them against
+// the compiled ones).
+int kernel_registers(AttentionKernel kernel, CacheFormat f, int heads_per_cta, int split_dims);
 // Resident CTAs per SM of `threads`-thread CTAs with `registers` each and `smem` dynamic bytes, as cudaOccupancy
 // counts them (registers in 256-register units per warp; each CTA's shared memory plus the system's 1 KB in
 // 128-byte units).

@@ -4,6 +4,7 @@
 #include "cuda/mla/attention_small_heads.cuh"
 #include "cuda/mla/attention_small_heads.h"
 #include "cuda/mla/attention_wgmma.cuh"
+#include "cuda/mla/attention_wgmma_pairs.cuh"
 #include "cuda/mla/attention_wide.cuh"
 #include "cuda/mla/kernel_choice.h"
 
@@ -41,8 +42,8 @@ constexpr bool small_layouts_match() {
 }
 
 static_assert(tile_layouts_match(), "kernel_choice.h: the tile kernels' shared-memory table");
-static_assert(wgmma_smem(CacheFormat::bf16, 0) == wg::WgmmaLayout(CacheFormat::bf16, 0).total &&
-                  wgmma_smem(CacheFormat::f16, kMlaRopeDim) == wg::WgmmaLayout(CacheFormat::f16, kMlaRopeDim).total &&
+static_assert(wgmma_smem(CacheFormat::bf16, 0) == wg::PairLayout(0).total &&
+                  wgmma_smem(CacheFormat::f16, kMlaRopeDim) == wg::PairLayout(kMlaRopeDim).total &&
                   wgmma_smem(CacheFormat::fp8_ds_mla, 0) == wg::WgmmaLayout(CacheFormat::fp8_ds_mla, 0).total &&
                   wgmma_smem(CacheFormat::fp8_ds_mla, kMlaRopeDim) ==
                       wg::WgmmaLayout(CacheFormat::fp8_ds_mla, kMlaRopeDim).total &&
@@ -78,7 +79,12 @@ static_assert(kHeadsPerCtaTile == kHeadsPerCta && kWideHeadsPerCta == wide::kWid
                   kSmallSixteenHeadsPerWarp == small::kSixteenHeadsPerWarpAutomatic,
               "kernel_choice.h: the automatic rules' thresholds");
 static_assert(kWideRegisters * wide::kWideThreads <= kRegistersPerSm, "the wide tile's launch bounds: one CTA per SM");
-static_assert(kWgmmaRegisters * wg::kWgmmaThreads <= kRegistersPerSm, "the wgmma kernel's launch bounds: one CTA per SM");
+static_assert(wgmma_threads(CacheFormat::bf16) == wg::kPairThreads &&
+                  wgmma_threads(CacheFormat::fp8_ds_mla) == wg::kWgmmaThreads &&
+                  wgmma_registers(CacheFormat::bf16) == wg::kPairLaunchRegisters &&
+                  wgmma_registers(CacheFormat::bf16) * wg::kPairThreads <= kRegistersPerSm &&
+                  wgmma_registers(CacheFormat::fp8_ds_mla) * wg::kWgmmaThreads <= kRegistersPerSm,
+              "kernel_choice.h: the wgmma kernels' threads and launch bounds");
 
 }  // namespace
 

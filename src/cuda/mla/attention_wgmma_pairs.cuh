@@ -1,0 +1,395 @@
+// MLA attention on Hopper's warpgroup mma for 16-bit caches (bf16, f16; sm_90a): one CTA = one query token,
+// kWgmmaHeads (64) heads and a range of 64-key chunks, taken two at a time (a pair): three warpgroups. It calls the
+// 16-head tile's steps (attention_kernel.cuh): cta_work, stage_queries, chunk_range, slot_of, store_head_row, the
+// split partials and combine_kernel.
+//
+// The schedule is FlashMLA's sm90 sparse prefill's ("alternate blocks"), written anew here:
+// - warpgroup 2, the producer, gathers the rows of a pair's two chunks by cp.async pieces (8 threads a row, a
+//   128-byte line each) straight into two key tiles in wgmma's 128-byte swizzle, each tile in two halves with their
+//   own ready and free signals: the left half (dims 0-255, V's columns of warpgroup 0) and the right one (dims
+//   256-575, V's other columns and the rope);
+// - warpgroup 0 takes the pair's first chunk (tile 0), warpgroup 1 its second (tile 1): each computes its chunk's
+//   scores over all dims (m64n64k16, both operands in shared memory) and softmax, so the two score products run on
+//   the tensor cores at once;
+// - O's 512 columns are split between them (warpgroup w: 256w..256w+255), so each multiplies both chunks' P by its
+//   columns of V: its own P from registers, the other's from shared memory. The two agree on each row's maximum
+//   first: warpgroup 0 hands its new maximum over, warpgroup 1 takes the larger of that and its own and hands it
+//   back, and warpgroup 0 rescales its P and O to it. A half tile is given back as soon as both products that read
+//   it are done, so the producer refills it while the rest of the pair is still multiplied.
+// Every hand-over is an mbarrier signal of one phase a pair (the consumer waits for the pair's parity): a producer
+// of one is never more than a phase ahead of its consumer, as each waits for the other's signal of the pair before.
+// With a rope part, warpgroup 0's P for warpgroup 1 lies in its tile's rope slab (tile 0's rope is used by its
+// scores only, done by then; the slab is free again once warpgroup 1's product from it is), which keeps the CTA in
+// 227 KB.
+#pragma once
+
+#include <type_traits>
+
+#include "cuda/mla/attention_kernel.cuh"
+#include "cuda/mla/attention_wgmma.h"
+
+namespace smla::cuda::mla::wg {
+
+constexpr int kPairThreads = 384, kPairMathThreads = 256;  // two math warpgroups and the producer
+constexpr int kSlabBytes = kSwizzledTileRows * 128;        // a 64-dim slab of a swizzled tile
+constexpr int kLeftSlabs = 4;                              // the left half of a key tile: dims 0-255
+constexpr int kProducerParts = 8;                          // the producer's threads a row: a 128-byte line each
+constexpr int kProducerRows = kWgmmaChunkKeys * kProducerParts / 128;  // its rows of a chunk per thread
+// Registers per thread once the producer has handed its share over (setmaxnreg; multiples of 8): the launch gives
+// each of the 384 threads 168 (65536 / 384 rounded down to 8); the math warpgroups hold O's half (128), the scores
+// or probabilities (32) and P's A fragments (16), the producer a pair's row offsets (ptxas, sm_90a: 216 / 72 spilled
+// 768 bytes and serialised the wgmmas, 224 / 56 nothing; the producer's offsets loaded a pair ahead spilled at 56).
+constexpr int kPairLaunchRegisters = 168, kPairMathRegisters = 224, kPairProducerRegisters = 56;
+static_assert(2 * kPairMathRegisters + kPairProducerRegisters == 3 * kPairLaunchRegisters &&
+                  kPairLaunchRegisters * kPairThreads <= 65536,
+              "the pairs kernel's registers: the producer gives the math warpgroups what it does not use");
+
+struct PairSignals {
+  uint64_t ready[2][2], free[2][2];  // [tile][half]: the producer's copies landed | both products done with them
+  uint64_t max[2];                   // warpgroup w's rows' maxima of the pair in shared memory
+  uint64_t p[2];                     // warpgroup w's P of the pair in shared memory
+  uint64_t valid;                    // the pair's valid flags
+};
+
+// Shared memory, in bytes from the start (the tiles 1024-byte aligned): the queries, the two key tiles, the two P
+// tiles (64 heads x 64 keys, one swizzled slab each; with a rope part, P 0 is tile 0's rope slab), the rows'
+// maxima of each warpgroup, their sums, the pair's valid flags and the signals.
+struct PairLayout {
+  int tile = 0, q = 0, k = 0, p0 = 0, p1 = 0, max = 0, sum = 0, valid = 0, signals = 0, total = 0;
+  __host__ __device__ constexpr explicit PairLayout(int rope) {
+    tile = kWgmmaHeads * (kLatent + rope) * 2;
+    k = q + tile;
+    p1 = k + 2 * tile;
+    p0 = rope ? k + (kLatent / 64) * kSlabBytes : p1 + kSlabBytes;
+    max = (rope ? p1 : p0) + kSlabBytes;
+    sum = max + 2 * kWgmmaHeads * 4;
+    valid = sum + 2 * kWgmmaHeads * 4;
+    signals = valid + 2 * kWgmmaChunkKeys * 4;
+    total = signals + static_cast<int>(sizeof(PairSignals));
+  }
+};
+
+// S (+)= Q K^T over the 64-dim slabs [kBegin, kEnd) of key tile `k_desc` (issued, not committed).
+template <WgmmaIn kIn, int kBegin, int kEnd>
+__device__ __forceinline__ void pair_scores(float (&s)[32], uint64_t q_desc, uint64_t k_desc, bool accumulate) {
+#pragma unroll
+  for (int slab = kBegin; slab < kEnd; ++slab)
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {  // 32 bytes a k-step inside the slab's lines
+      const uint64_t step = slab * (kSlabBytes >> 4) + ks * 2;
+      wgmma_ss_n64<kIn>(s, q_desc + step, k_desc + step, accumulate || slab > kBegin || ks > 0);
+    }
+}
+
+template <CacheFormat F, int kRope, bool kPaged>
+__global__ void __launch_bounds__(kPairThreads, 1) wgmma_pairs_kernel(const AttentionParams p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  static_assert(!is_fp8(F), "16-bit caches");
+  using T = ComputeT<F>;
+  constexpr WgmmaIn kIn = std::is_same_v<T, __half> ? WgmmaIn::f16 : WgmmaIn::bf16;
+  using D = HeadDims<kRope>;
+  constexpr int kSlabs = D::kQkDim / 64, kKeys = kWgmmaChunkKeys;
+  constexpr PairLayout L(kRope);
+  constexpr float kNoMax = -1e30f;  // a row's maximum before any valid key: finite, so no inf - inf
+  extern __shared__ __align__(1024) uint8_t smem[];
+  uint8_t* const sq = smem + L.q;
+  // Key tile `chunk` of a pair, and warpgroup w's P tile (arithmetic, not arrays of pointers: those went to the stack).
+  const auto tile = [&](int chunk) { return smem + L.k + chunk * L.tile; };
+  const auto ptile = [&](int w) { return smem + (w ? L.p1 : L.p0); };
+  float* const xmax = reinterpret_cast<float*>(smem + L.max);  // [warpgroup][row]
+  float* const xsum = reinterpret_cast<float*>(smem + L.sum);  // [warpgroup][row]
+  int* const valid = reinterpret_cast<int*>(smem + L.valid);   // [chunk of the pair][key]
+  PairSignals& sig = *reinterpret_cast<PairSignals*>(smem + L.signals);
+
+  // wg through a shuffle: ptxas then knows it uniform in each warp (see attention_wgmma.cuh).
+  const int tid = threadIdx.x, wg = __shfl_sync(0xffffffffu, tid / 128, 0), wtid = tid % 128, lane = tid % 32;
+  const int g = lane / 4, c = lane % 4;
+  const int rows[2] = {(wtid / 32) * 16 + g, (wtid / 32) * 16 + g + 8};  // a math thread's rows of the tile
+  const CtaWork w = cta_work(p, kWgmmaHeads);
+  const int t = w.t, h0 = w.h0, nh = w.nh, split = w.split, b = w.b, j = w.j;
+
+  stage_queries<T, kWgmmaHeads, D::kPieces, kPairThreads>(
+      p, w, sq, tid, [](int row, int piece) { return tile_piece_offset<true>(row, piece, 0); });
+  fence_shared_for_async_proxy();
+  // Everything from here reads what the kernel before may write (indices, cache) when dsa_decode_step launches
+  // this one as the top-k's programmatic dependent; without that launch the wait returns at once.
+  wait_for_prerequisites();
+  const ChunkRange range = chunk_range<kPaged>(p, t, b, j, split, kKeys);
+  const int visible = range.visible, chunk_begin = range.begin, n_chunks = range.count;
+  const int pairs = (n_chunks + 1) / 2;  // an odd count's last pair has an empty second chunk
+  if (tid == 0) {
+    for (int k = 0; k < 2; ++k)
+      for (int h = 0; h < 2; ++h) {
+        mbarrier_init(&sig.ready[k][h], 128);
+        mbarrier_init(&sig.free[k][h], 128);
+      }
+    for (int k = 0; k < 2; ++k) {
+      mbarrier_init(&sig.max[k], 128);
+      mbarrier_init(&sig.p[k], 128);
+    }
+    mbarrier_init(&sig.valid, 128);
+  }
+  __syncthreads();  // the queries staged, the signals initialised
+
+  if (wg == 2) {  // the producer: rows first + 16 r of each chunk, its 16-byte piece `part` of each slab's line
+    registers_decrease_to<kPairProducerRegisters>();
+    const int first = wtid / kProducerParts, part = wtid % kProducerParts;
+    int64_t offsets[2][kProducerRows];  // the pair's rows' byte offsets in the cache, -1: not read
+    const auto offsets_of = [&](int k) {
+#pragma unroll
+      for (int chunk = 0; chunk < 2; ++chunk)
+#pragma unroll
+        for (int r = 0; r < kProducerRows; ++r) {
+          const int i = 2 * k + chunk;
+          const int64_t slot =
+              i < n_chunks ? slot_of<kPaged>(p, t, b, (chunk_begin + i) * kKeys + first + 16 * r, visible) : -1;
+          offsets[chunk][r] =
+              slot < 0 ? -1 : (slot / p.block_size) * p.block_stride + (slot % p.block_size) * p.row_stride;
+        }
+    };
+    for (int k = 0; k < pairs; ++k) {
+      offsets_of(k);
+      const int parity = (k & 1) ^ 1;  // the pair before's release (a fresh barrier's passes at once)
+      // In the order the math warpgroups read them: each its own tile's first half (tile 0's left, tile 1's right),
+      // then the other halves.
+#pragma unroll
+      for (int step = 0; step < 4; ++step) {
+        const int chunk = step % 2, half = step == 1 || step == 2;
+        mbarrier_wait(&sig.free[chunk][half], parity);
+        const int begin = half ? kLeftSlabs : 0, end = half ? kSlabs : kLeftSlabs;
+#pragma unroll
+        for (int r = 0; r < kProducerRows; ++r) {
+          const int row = first + 16 * r;
+          const int64_t offset = offsets[chunk][r];
+          const uint8_t* const src = p.cache + (offset < 0 ? 0 : offset) + part * 16;
+          uint8_t* const dst = tile(chunk) + row * 128 + ((part ^ (row % 8)) << 4);
+#pragma unroll
+          for (int slab = begin; slab < end; ++slab) cp_async_16(dst + slab * kSlabBytes, src + slab * 128, offset >= 0);
+        }
+        cp_async_arrive(&sig.ready[chunk][half]);
+      }
+      if (part == 0)  // the last free signal waited for came after both warpgroups' use of the pair before's flags
+#pragma unroll
+        for (int chunk = 0; chunk < 2; ++chunk)
+#pragma unroll
+          for (int r = 0; r < kProducerRows; ++r) valid[chunk * kKeys + first + 16 * r] = offsets[chunk][r] >= 0;
+      mbarrier_arrive(&sig.valid);
+    }
+    return;  // every copy it issued is waited for by the math warpgroups
+  }
+  registers_increase_to<kPairMathRegisters>();
+
+  const uint64_t q_desc = wgmma_descriptor_swizzled(sq);
+  const uint64_t k_desc[2] = {wgmma_descriptor_swizzled(tile(0)), wgmma_descriptor_swizzled(tile(1))};
+  const auto acquire = [&](int chunk, int half, int k) {
+    mbarrier_wait(&sig.ready[chunk][half], k & 1);
+    fence_shared_for_async_proxy();  // cp.async wrote the tile as ordinary stores
+  };
+  // o[n]: columns 256 wg + 64n + 8jj + 2c (+1) of rows[0] (elements 4jj, 4jj + 1) and rows[1] (4jj + 2, + 3).
+  float o[4][32];
+#pragma unroll
+  for (int n = 0; n < 4; ++n)
+#pragma unroll
+    for (int e = 0; e < 32; ++e) o[n][e] = 0.f;
+  float m[2] = {kNoMax, kNoMax}, l[2] = {0.f, 0.f};  // l: this thread's share of its rows' sums
+  float s[32];  // scores, then probabilities: s[4jj + e] row rows[e / 2], key 8jj + 2c + e % 2
+  uint32_t pa[4][4];  // P as the A fragments of the chunk's four 16-key k-steps
+
+  // Scale and mask the chunk's scores; each row's maximum among them.
+  const auto masked_max = [&](const int* vmask, float (&cmax)[2]) {
+    cmax[0] = cmax[1] = -INFINITY;
+#pragma unroll
+    for (int jj = 0; jj < 8; ++jj)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float& v = s[4 * jj + e];
+        v = vmask[8 * jj + 2 * c + e % 2] ? v * p.scale_log2 : -INFINITY;
+        cmax[e / 2] = fmaxf(cmax[e / 2], v);
+      }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      cmax[r] = fmaxf(cmax[r], __shfl_xor_sync(0xffffffffu, cmax[r], 1));
+      cmax[r] = fmaxf(cmax[r], __shfl_xor_sync(0xffffffffu, cmax[r], 2));
+    }
+  };
+  // The rows' new maxima: O and the sums rescaled to them, the probabilities and their A fragments.
+  const auto exponentiate = [&](const float (&m_new)[2]) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float alpha = exp2f(m[r] - m_new[r]);
+      m[r] = m_new[r];
+      l[r] *= alpha;
+#pragma unroll
+      for (int n = 0; n < 4; ++n)
+#pragma unroll
+        for (int e = 0; e < 32; ++e)
+          if ((e / 2) % 2 == r) o[n][e] *= alpha;
+    }
+#pragma unroll
+    for (int e = 0; e < 32; ++e) {
+      s[e] = exp2f(s[e] - m[(e / 2) % 2]);
+      l[(e / 2) % 2] += s[e];
+    }
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) pa[kk][r] = pack2<T>(s[8 * kk + 2 * r], s[8 * kk + 2 * r + 1]);
+  };
+  // P's fragments into this warpgroup's P tile (K-major, swizzled: fragment r of k-step kk is row rows[r % 2], keys
+  // 16kk + 8(r / 2) + 2c, + 1), for the other warpgroup's product.
+  const auto hand_over_p = [&]() {
+    uint8_t* const dst = ptile(wg);
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+      for (int r = 0; r < 4; ++r)
+        *reinterpret_cast<uint32_t*>(dst + rows[r % 2] * 128 + (((2 * kk + r / 2) ^ g) << 4) + 4 * c) = pa[kk][r];
+    fence_shared_for_async_proxy();
+    mbarrier_arrive(&sig.p[wg]);
+  };
+  // O += P V over this warpgroup's columns of key tile `chunk`: P from registers, or (kShared) the other
+  // warpgroup's P tile. Issued and committed, not waited for.
+  const auto multiply_pv = [&](int chunk, auto shared) {
+    constexpr bool kShared = decltype(shared)::value;
+    wgmma_fence();
+    const uint64_t p_desc = wgmma_descriptor_swizzled(ptile(chunk));
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+      for (int n = 0; n < 4; ++n) {  // slab 4 wg + n of the tile; its keys 16kk.. from line 16kk
+        const uint64_t v_desc = wgmma_descriptor_swizzled(tile(chunk) + (4 * wg + n) * kSlabBytes + 16 * kk * 128);
+        if constexpr (kShared) wgmma_ss_n64<kIn, true>(o[n], p_desc + 2 * kk, v_desc, true);
+        else wgmma<kIn, 64, true>(o[n], pa[kk], v_desc, true);
+      }
+    wgmma_commit();
+  };
+  using FromRegisters = std::false_type;
+  using FromShared = std::true_type;
+
+  if (wg == 0) {
+    if (pairs > 0) {
+      acquire(0, 0, 0);
+      wgmma_fence();
+      pair_scores<kIn, 0, kLeftSlabs>(s, q_desc, k_desc[0], false);
+      acquire(0, 1, 0);
+      pair_scores<kIn, kLeftSlabs, kSlabs>(s, q_desc, k_desc[0], true);
+      wgmma_commit_and_wait();
+    }
+    for (int k = 0; k < pairs; ++k) {
+      const int parity = k & 1;
+      mbarrier_wait(&sig.valid, parity);
+      float cmax[2];
+      masked_max(valid, cmax);
+      const float m_new[2] = {fmaxf(m[0], cmax[0]), fmaxf(m[1], cmax[1])};
+      exponentiate(m_new);
+      if (c == 0)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) xmax[rows[r]] = m[r];
+      mbarrier_arrive(&sig.max[0]);
+      multiply_pv(0, FromRegisters{});
+      wgmma_wait();
+      mbarrier_arrive(&sig.free[0][0]);
+      // Warpgroup 1's maxima, the pair's: P and O rescaled to them; P to warpgroup 1.
+      mbarrier_wait(&sig.max[1], parity);
+      float beta[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const float m_pair = xmax[kWgmmaHeads + rows[r]];
+        beta[r] = exp2f(m[r] - m_pair);
+        m[r] = m_pair;
+        l[r] *= beta[r];
+      }
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+        for (int r = 0; r < 4; ++r)
+          pa[kk][r] = pack2<T>(s[8 * kk + 2 * r] * beta[r % 2], s[8 * kk + 2 * r + 1] * beta[r % 2]);
+      hand_over_p();
+#pragma unroll
+      for (int n = 0; n < 4; ++n)
+#pragma unroll
+        for (int e = 0; e < 32; ++e) o[n][e] *= beta[(e / 2) % 2];
+      mbarrier_wait(&sig.p[1], parity);
+      multiply_pv(1, FromShared{});
+      if (k + 1 < pairs) {  // the next pair's scores while that product runs
+        acquire(0, 0, k + 1);
+        wgmma_fence();
+        pair_scores<kIn, 0, kLeftSlabs>(s, q_desc, k_desc[0], false);
+        wgmma_commit();
+        wgmma_wait_until<1>();  // the product from tile 1's left half
+        mbarrier_arrive(&sig.free[1][0]);
+        acquire(0, 1, k + 1);
+        pair_scores<kIn, kLeftSlabs, kSlabs>(s, q_desc, k_desc[0], true);
+        wgmma_commit_and_wait();
+      } else {
+        wgmma_wait();
+        mbarrier_arrive(&sig.free[1][0]);
+      }
+    }
+  } else {
+    for (int k = 0; k < pairs; ++k) {
+      const int parity = k & 1;
+      acquire(1, 1, k);
+      wgmma_fence();
+      pair_scores<kIn, kLeftSlabs, kSlabs>(s, q_desc, k_desc[1], false);
+      acquire(1, 0, k);
+      pair_scores<kIn, 0, kLeftSlabs>(s, q_desc, k_desc[1], true);
+      wgmma_commit_and_wait();
+      mbarrier_wait(&sig.valid, parity);
+      float cmax[2];
+      masked_max(valid + kKeys, cmax);
+      // The pair's maxima: warpgroup 0's new ones (never below this warpgroup's old) and this chunk's.
+      mbarrier_wait(&sig.max[0], parity);
+      const float m_new[2] = {fmaxf(xmax[rows[0]], cmax[0]), fmaxf(xmax[rows[1]], cmax[1])};
+      exponentiate(m_new);
+      if (c == 0)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) xmax[kWgmmaHeads + rows[r]] = m[r];
+      mbarrier_arrive(&sig.max[1]);
+      multiply_pv(1, FromRegisters{});
+      hand_over_p();
+      mbarrier_wait(&sig.p[0], parity);
+      multiply_pv(0, FromShared{});
+      wgmma_wait_until<1>();
+      mbarrier_arrive(&sig.free[1][1]);
+      wgmma_wait();
+      mbarrier_arrive(&sig.free[0][1]);
+    }
+  }
+
+  // Each row's sum over both warpgroups' keys (over the thread's quad, then the other warpgroup's).
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+    if (c == 0) xsum[wg * kWgmmaHeads + rows[r]] = l[r];
+  }
+  named_barrier_sync(1, kPairMathThreads);
+  float l_row[2], m_row[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l_row[r] = xsum[rows[r]] + xsum[kWgmmaHeads + rows[r]];
+    m_row[r] = l_row[r] > 0.f ? m[r] : -INFINITY;
+  }
+  if (p.early_combine) let_dependents_launch();  // the combine: placed while the partials are written
+
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    if (rows[r] >= nh) continue;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float cols[16][4];  // 128 columns in store_head_row's order
+#pragma unroll
+      for (int n = 0; n < 16; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) cols[n][e] = o[2 * half + n / 8][4 * (n % 8) + e];
+      store_head_row(p, cols, r, t, b, j, split, h0 + rows[r], 256 * wg + 128 * half + 2 * c, m_row[r], l_row[r],
+                     wg == 0 && half == 0 && c == 0);
+    }
+  }
+#else
+  __trap();  // sm_90a only: the host never launches it elsewhere
+#endif
+}
+
+}  // namespace smla::cuda::mla::wg
