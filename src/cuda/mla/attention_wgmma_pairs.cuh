@@ -37,8 +37,8 @@ constexpr int kProducerParts = 8;                          // the producer's thr
 constexpr int kProducerRows = kWgmmaChunkKeys * kProducerParts / 128;  // its rows of a chunk per thread
 // Registers per thread once the producer has handed its share over (setmaxnreg; multiples of 8): the launch gives
 // each of the 384 threads 168 (65536 / 384 rounded down to 8); the math warpgroups hold O's half (128), the scores
-// or probabilities (32) and P's A fragments (16), the producer a pair's row offsets (ptxas, sm_90a: 216 / 72 spilled
-// 768 bytes and serialised the wgmmas, 224 / 56 nothing; the producer's offsets loaded a pair ahead spilled at 56).
+// or probabilities (32) and P's A fragments (16), the producer two pairs' rows (ptxas, sm_90a: 216 / 72 spilled 768
+// bytes and serialised the wgmmas, 224 / 56 nothing).
 constexpr int kPairLaunchRegisters = 168, kPairMathRegisters = 224, kPairProducerRegisters = 56;
 static_assert(2 * kPairMathRegisters + kPairProducerRegisters == 3 * kPairLaunchRegisters &&
                   kPairLaunchRegisters * kPairThreads <= 65536,
@@ -134,21 +134,37 @@ __global__ void __launch_bounds__(kPairThreads, 1) wgmma_pairs_kernel(const Atte
   if (wg == 2) {  // the producer: rows first + 16 r of each chunk, its 16-byte piece `part` of each slab's line
     registers_decrease_to<kPairProducerRegisters>();
     const int first = wtid / kProducerParts, part = wtid % kProducerParts;
-    int64_t offsets[2][kProducerRows];  // the pair's rows' byte offsets in the cache, -1: not read
-    const auto offsets_of = [&](int k) {
+    // A pair's rows: their cache entries (index, or block of the table), loaded a pair ahead so that they land while
+    // the pair before is copied; then each row's block and place in it (-1: not read), so that a copy's address is
+    // two multiply-adds (a 64-bit division a row in the copies' path made this kernel a third slower).
+    int entries[2][kProducerRows], blocks[2][kProducerRows], places[2][kProducerRows];
+    const bool pow2 = (p.block_size & (p.block_size - 1)) == 0;
+    const int shift = __ffs(p.block_size) - 1;
+    const auto key_of = [&](int k, int chunk, int r) { return (chunk_begin + 2 * k + chunk) * kKeys + first + 16 * r; };
+    const auto load_entries = [&](int k) {
+#pragma unroll
+      for (int chunk = 0; chunk < 2; ++chunk)
+#pragma unroll
+        for (int r = 0; r < kProducerRows; ++r)
+          entries[chunk][r] = 2 * k + chunk < n_chunks ? slot_entry<kPaged>(p, t, b, key_of(k, chunk, r), visible) : -1;
+    };
+    const auto resolve = [&](int k) {
 #pragma unroll
       for (int chunk = 0; chunk < 2; ++chunk)
 #pragma unroll
         for (int r = 0; r < kProducerRows; ++r) {
-          const int i = 2 * k + chunk;
-          const int64_t slot =
-              i < n_chunks ? slot_of<kPaged>(p, t, b, (chunk_begin + i) * kKeys + first + 16 * r, visible) : -1;
-          offsets[chunk][r] =
-              slot < 0 ? -1 : (slot / p.block_size) * p.block_stride + (slot % p.block_size) * p.row_stride;
+          const int slot = static_cast<int>(entry_slot<kPaged>(p, key_of(k, chunk, r), entries[chunk][r]));
+          const int block = slot < 0 ? 0 : pow2 ? slot >> shift : slot / p.block_size;
+          blocks[chunk][r] = block;
+          places[chunk][r] = slot < 0 ? -1 : slot - block * p.block_size;
         }
     };
+    if (pairs > 0) {
+      load_entries(0);
+      resolve(0);
+    }
     for (int k = 0; k < pairs; ++k) {
-      offsets_of(k);
+      if (k + 1 < pairs) load_entries(k + 1);
       const int parity = (k & 1) ^ 1;  // the pair before's release (a fresh barrier's passes at once)
       // In the order the math warpgroups read them: each its own tile's first half (tile 0's left, tile 1's right),
       // then the other halves.
@@ -159,12 +175,12 @@ __global__ void __launch_bounds__(kPairThreads, 1) wgmma_pairs_kernel(const Atte
         const int begin = half ? kLeftSlabs : 0, end = half ? kSlabs : kLeftSlabs;
 #pragma unroll
         for (int r = 0; r < kProducerRows; ++r) {
-          const int row = first + 16 * r;
-          const int64_t offset = offsets[chunk][r];
-          const uint8_t* const src = p.cache + (offset < 0 ? 0 : offset) + part * 16;
+          const int row = first + 16 * r, place = places[chunk][r];
+          const uint8_t* const src = p.cache + blocks[chunk][r] * p.block_stride + (place < 0 ? 0 : place) * p.row_stride +
+                                     part * 16;
           uint8_t* const dst = tile(chunk) + row * 128 + ((part ^ (row % 8)) << 4);
 #pragma unroll
-          for (int slab = begin; slab < end; ++slab) cp_async_16(dst + slab * kSlabBytes, src + slab * 128, offset >= 0);
+          for (int slab = begin; slab < end; ++slab) cp_async_16(dst + slab * kSlabBytes, src + slab * 128, place >= 0);
         }
         cp_async_arrive(&sig.ready[chunk][half]);
       }
@@ -172,8 +188,9 @@ __global__ void __launch_bounds__(kPairThreads, 1) wgmma_pairs_kernel(const Atte
 #pragma unroll
         for (int chunk = 0; chunk < 2; ++chunk)
 #pragma unroll
-          for (int r = 0; r < kProducerRows; ++r) valid[chunk * kKeys + first + 16 * r] = offsets[chunk][r] >= 0;
+          for (int r = 0; r < kProducerRows; ++r) valid[chunk * kKeys + first + 16 * r] = places[chunk][r] >= 0;
       mbarrier_arrive(&sig.valid);
+      if (k + 1 < pairs) resolve(k + 1);
     }
     return;  // every copy it issued is waited for by the math warpgroups
   }
