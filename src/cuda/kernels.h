@@ -14,8 +14,9 @@ void write_mla_cache(const WriteMlaCacheArgs& args);
 // or forced (tests, benchmarks). For the
 // small-heads kernel, values > 0 force its pipeline depth (`stages`, 2-4), heads per CTA (8 or 16) and at 8 heads
 // per CTA the split of the output dims between 1 or 2 warps (an error where the device cannot hold the result);
-// for the wide-tile kernel, `stages` > 0 forces its pipeline depth (2 or 3). The wgmma kernel (sm_90a; every cache
-// format, one 64-key tile and a staging buffer; 64 heads per CTA) takes no `stages`.
+// for the wide-tile kernel, `stages` > 0 forces its pipeline depth (2 or 3). The wgmma kernel (sm_90a; 64 heads per
+// CTA; 16-bit caches: the pairs kernel, a producer warpgroup and two 64-key tiles; fp8 caches: the staged kernel,
+// one 64-key tile and a staging buffer) takes no `stages`.
 // `splits` > 0 forces the number of splits of each row's keys (at most one per chunk of keys; 1: unsplit); a
 // caller's workspace too small for the forced plan is an error. `copy` forces how the small-heads kernel copies its
 // rows: 16-byte cp.async pieces (every arch) or one bulk copy a row (sm_90+, not fp8_ds_mla_v4: an error

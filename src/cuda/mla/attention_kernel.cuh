@@ -159,25 +159,22 @@ __device__ __forceinline__ int64_t slot_of(const AttentionParams& p, int t, int 
 // are const references, as the lambda before it captured them, because passed
 // by value nvcc ordered the index arithmetic differently in every kernel.
 
-// Where 16-byte piece `piece` of row `row` lies in a tile of rows `row_bytes` long: row-major, or (kSwizzled) in
-// wgmma's K-major layout with the 128-byte swizzle, the attention_wgmma.cuh tiles of kSwizzledTileRows rows: the
-// dims in slabs of 64 16-bit values (128 bytes of a row, kSwizzledTileRows x 128 bytes a slab), a row's line of a
-// slab at 128 bytes from the row before, its piece k at 16-byte place k ^ (row % 8) (row_bytes unused). So the 8
-// pieces of one row's line, and one piece of 8 consecutive rows, each fall in 8 different bank groups.
+// Where 16-byte piece `piece` of row `row` lies in wgmma's K-major layout with the 128-byte swizzle, the wgmma
+// kernels' tiles of kSwizzledTileRows rows: the dims in slabs of 64 16-bit values (128 bytes of a row,
+// kSwizzledTileRows x 128 bytes a slab), a row's line of a slab at 128 bytes from the row before, its piece k at
+// 16-byte place k ^ (row % 8). So the 8 pieces of one row's line, and one piece of 8 consecutive rows, each fall in 8
+// different bank groups.
 constexpr int kSwizzledTileRows = 64;
-template <bool kSwizzled>
-__host__ __device__ constexpr int tile_piece_offset(int row, int piece, int row_bytes) {
-  return kSwizzled ? (piece / 8) * kSwizzledTileRows * 128 + row * 128 + ((piece % 8) ^ (row % 8)) * 16
-                   : row * row_bytes + piece * 16;
+__host__ __device__ constexpr int swizzled_piece_offset(int row, int piece) {
+  return (piece / 8) * kSwizzledTileRows * 128 + row * 128 + ((piece % 8) ^ (row % 8)) * 16;
 }
 
 // The row of a chunk and the part of it (kParts threads share a row) that thread `tid` gathers. A warp's 16-byte
 // cp.async writes shared memory in four wavefronts of 8 lanes, each conflict-free only when its 8 pieces land in 8
 // different 16-byte bank groups. Key rows here are 16 bytes apart in banks (rows of 16 mod 128 bytes: padded
 // 16-bit rows, fp8 rows of 656 bytes), so with 2 or 4 parts the 8 lanes take one piece of 8 consecutive rows (two
-// rows' 4 pieces each collided), and with 8 parts the 8 consecutive pieces of one row (one 128-byte line; in the
-// wgmma kernel's swizzled tiles those too land in 8 bank groups). Either way a warp instruction still reads whole
-// 32- to 128-byte runs of its rows.
+// rows' 4 pieces each collided), and with 8 parts the 8 consecutive pieces of one row (one 128-byte line). Either
+// way a warp instruction still reads whole 32- to 128-byte runs of its rows.
 struct GatherLane {
   int row, part;
 };
@@ -188,15 +185,13 @@ __device__ __forceinline__ GatherLane gather_lane(int tid) {
   else return {tid / (8 * kParts) * 8 + tid % 8, tid % (8 * kParts) / 8};
 }
 
-// Gathers row `row` of chunk `chunk` (kChunkKeys keys) into `dst` (rows `dst_row_bytes` long, laid out as
-// tile_piece_offset<kSwizzled> says):
-// this thread's 16-byte pieces (`part`, part + kParts, ... below `pieces`: kParts threads share a row) one
+// Gathers row `row` of chunk `chunk` (kChunkKeys keys) into `dst` (rows `dst_row_bytes` long): this thread's 16-byte pieces (`part`, part + kParts, ... below `pieces`: kParts threads share a row) one
 // cp.async each (fp8_ds_mla_v4: the last piece is the token's 8 scale bytes,
 // from the block's end); an invalid row is zero-filled, never read, and
 // marked so in the chunk's set of `valid`. The row's slot was loaded a chunk
 // earlier (`next_slot`; this loads the next chunk's, if the split has one), so
 // the index load's latency is off the critical path.
-template <CacheFormat F, bool kPaged, int kParts = 4, int kChunkKeys = kKeysPerChunk, bool kSwizzled = false>
+template <CacheFormat F, bool kPaged, int kParts = 4, int kChunkKeys = kKeysPerChunk>
 __device__ __forceinline__ void gather_row(const AttentionParams& p, const int& t, const int& b, const int& visible,
                                            int chunk, const int& chunk_begin, const int& n_chunks, const int& row,
                                            const int& part, int64_t& next_slot, uint8_t* dst, int dst_row_bytes,
@@ -218,7 +213,7 @@ __device__ __forceinline__ void gather_row(const AttentionParams& p, const int& 
     }
   }
   for (int piece = part; piece < pieces; piece += kParts) {
-    uint8_t* to = dst + tile_piece_offset<kSwizzled>(row, piece, dst_row_bytes);
+    uint8_t* to = dst + row * dst_row_bytes + piece * 16;
     if (kV4 && piece == pieces - 1) cp_async_8(to, scales, slot >= 0);
     else cp_async_16(to, src + piece * 16, slot >= 0);
   }
@@ -279,7 +274,7 @@ __device__ __forceinline__ void dequantise_chunk(const uint8_t* rows, T* keys, i
   };
   const auto store = [&](int piece, const uint4& v) {
     if constexpr (kSwizzled)
-      *reinterpret_cast<uint4*>(reinterpret_cast<uint8_t*>(keys) + tile_piece_offset<true>(row, piece, 0)) = v;
+      *reinterpret_cast<uint4*>(reinterpret_cast<uint8_t*>(keys) + swizzled_piece_offset(row, piece)) = v;
     else
       *reinterpret_cast<uint4*>(keys + row * D::kRowElems + piece * 8) = v;
   };

@@ -1,10 +1,11 @@
-// MLA attention on Hopper's warpgroup mma (sm_90a; issue 19's compute-bound shapes: 64-128 heads, prefill, dense
-// decode): one CTA = one query token, kWgmmaHeads (64) heads and a range of 64-key chunks, two warpgroups with
-// different roles. It calls the 16-head tile's steps (attention_kernel.cuh): cta_work, stage_queries, gather_row,
-// chunk_range, store_head_row, the split partials and combine_kernel.
+// MLA attention on Hopper's warpgroup mma for fp8 caches (fp8_ds_mla, fp8_ds_mla_v4; sm_90a; issue 19's
+// compute-bound shapes: 64-128 heads, prefill, dense decode; 16-bit caches take the pairs kernel,
+// attention_wgmma_pairs.cuh): one CTA = one query token, kWgmmaHeads (64) heads and a range of 64-key chunks, two
+// warpgroups with different roles. It calls the 16-head tile's steps (attention_kernel.cuh): cta_work,
+// stage_queries, gather_row, chunk_range, dequantise_chunk, store_head_row, the split partials and combine_kernel.
 //
-// The queries (64 x 576 16-bit values, 72 KB) and each chunk's 64 gathered keys sit in shared memory in wgmma's
-// 128-byte swizzle (tile_piece_offset<true>: slabs of 64 dims, a row's 128 bytes of a slab one line), so one key
+// The queries (64 x 576 16-bit values, 72 KB) and each chunk's 64 dequantised keys sit in shared memory in wgmma's
+// 128-byte swizzle (swizzled_piece_offset: slabs of 64 dims, a row's 128 bytes of a slab one line), so one key
 // tile is B of both products: K-major for S = Q K^T, MN-major (imm-trans-b) for O += P V, its first 512 dims being V.
 //
 // Roles (FlashMLA's sm90 decode splits the work the same way): warpgroup 0 computes a chunk's scores over all 64
@@ -14,13 +15,13 @@
 // and named barriers (below), so warpgroup 0's next scores run on the tensor cores while warpgroup 1's P V of the
 // chunk before does.
 // Rows land in a staging buffer as they lie in the cache, one cp.async.bulk a row onto the `staged` mbarrier
-// (issued by warpgroup 1's first 64 threads, a row each): the cp.async pieces they replaced, 41 (fp8) or 72
-// (bf16) 16-byte copies a row each to another cache line, kept the load/store unit busy and warpgroup 1's P V
-// waiting behind them (ncu: 34% of the stalls on the registers of those copies). fp8_ds_mla_v4 rows keep cp.async
-// pieces: their 8 scale bytes lie at the block's end, no 16-byte bulk copy. At each chunk all threads turn the
-// staged rows into the one key tile (dequantise_chunk for fp8, a copy for 16-bit rows), writing zeros for the
-// chunk's invalid rows (never copied, so staging holds whatever was there), then warpgroup 1 gathers chunk c+1
-// into staging while chunk c is multiplied. (A second bf16 key tile and staging would not fit 227 KB.)
+// (issued by warpgroup 1's first 64 threads, a row each): the cp.async pieces they replaced, 41 16-byte copies a
+// row each to another cache line, kept the load/store unit busy and warpgroup 1's P V waiting behind them (ncu: 34%
+// of the stalls on the registers of those copies). fp8_ds_mla_v4 rows keep cp.async pieces: their 8 scale bytes lie
+// at the block's end, no 16-byte bulk copy. At each chunk all threads dequantise the staged rows into the one key
+// tile, writing zeros for the chunk's invalid rows (never copied, so staging holds whatever was there), then
+// warpgroup 1 gathers chunk c+1 into staging while chunk c is multiplied. (A second key tile and the staging
+// buffer would not fit 227 KB.)
 #pragma once
 
 #include <type_traits>
@@ -37,13 +38,8 @@ constexpr int kColumns = kVDim / kWarpgroups;   // O's columns per warpgroup
 constexpr int kPWords = kChunkKeys / 16 * 4;    // a thread's P fragments: 4 k-steps x 4 registers
 static_assert(kWgmmaHeads == kSwizzledTileRows && kChunkKeys == kSwizzledTileRows, "the tiles' rows");
 
-// Whether rows of format `f` are gathered by one bulk copy each (all but fp8_ds_mla_v4's; see above).
+// Whether rows of format `f` are gathered by one bulk copy each (fp8_ds_mla's; see above).
 __host__ __device__ constexpr bool bulk_rows(CacheFormat f) { return f != CacheFormat::fp8_ds_mla_v4; }
-// Bytes from one staged row to the next: an fp8 row's staged bytes (an odd number of 16-byte pieces), a 16-bit
-// row's values and one more piece, so that the turn's loads of one piece of consecutive rows meet no bank conflict.
-__host__ __device__ constexpr int wgmma_staged_row_bytes(CacheFormat f, int rope) {
-  return is_fp8(f) ? staged_row_bytes(f, rope) : (kLatent + rope) * 2 + 16;
-}
 
 // Where one warpgroup tells the other and goes on, an mbarrier signal: warpgroup 0 to warpgroup 1 that a chunk's
 // P and rescaling factors are in shared memory (p_ready, 128 arrivals a phase). `staged`: a chunk's bulk-copied
@@ -67,7 +63,7 @@ struct WgmmaLayout {
     const int tile = kWgmmaHeads * (kLatent + rope) * 2;
     k = q + tile;
     staging = k + tile;
-    p = staging + kChunkKeys * wgmma_staged_row_bytes(f, rope);
+    p = staging + kChunkKeys * staged_row_bytes(f, rope);
     stats = p + kPWords * 128 * 4;
     valid = stats + kWgmmaHeads * 4;
     // Warpgroup 1 writes chunk c + 1's flags after the turn of chunk c, when every thread is done with chunk c - 1's:
@@ -78,43 +74,18 @@ struct WgmmaLayout {
   }
 };
 
-// A chunk's staged 16-bit rows into the swizzled key tile, all threads together: a thread keeps one row and takes
-// every kGroups-th 16-byte piece of it, so a warp's lanes move one piece of 32 consecutive rows (staged rows an odd
-// number of pieces apart, 8 rows' same piece at 8 swizzled places: no bank conflict on either side). Zeros for an
-// `invalid` row.
-template <int kRope>
-__device__ __forceinline__ void copy_chunk(const uint8_t* staging, uint8_t* tile, int tid, bool invalid) {
-  using D = HeadDims<kRope>;
-  constexpr int kGroups = kWgmmaThreads / kChunkKeys, kPerThread = D::kPieces / kGroups, kBatch = 2;
-  static_assert(D::kPieces % kGroups == 0 && kPerThread % kBatch == 0, "copy_chunk: whole batches a thread");
-  const int row = tid % kChunkKeys, first = tid / kChunkKeys;
-  const uint8_t* const src = staging + row * (D::kQkDim * 2 + 16);
-  const uint32_t keep = invalid ? 0u : ~0u;
-#pragma unroll
-  for (int k0 = 0; k0 < kPerThread; k0 += kBatch) {
-    uint4 v[kBatch];
-#pragma unroll
-    for (int k = 0; k < kBatch; ++k) v[k] = *reinterpret_cast<const uint4*>(src + (first + (k0 + k) * kGroups) * 16);
-#pragma unroll
-    for (int k = 0; k < kBatch; ++k)
-      *reinterpret_cast<uint4*>(tile + tile_piece_offset<true>(row, first + (k0 + k) * kGroups, 0)) =
-          make_uint4(v[k].x & keep, v[k].y & keep, v[k].z & keep, v[k].w & keep);
-  }
-}
-
 template <CacheFormat F, int kRope, bool kPaged>
 __global__ void __launch_bounds__(kWgmmaThreads, 1) wgmma_attention_kernel(const AttentionParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  static_assert(is_fp8(F), "fp8 caches (16-bit ones take the pairs kernel)");
   static_assert(F != CacheFormat::fp8_ds_mla_v4 || kRope == 0, "fp8_ds_mla_v4 holds 512-wide heads");
-  constexpr bool kFp8 = is_fp8(F);
   using T = ComputeT<F>;
   constexpr WgmmaIn kIn = std::is_same_v<T, __half> ? WgmmaIn::f16 : WgmmaIn::bf16;
   using D = HeadDims<kRope>;
-  constexpr int kPieces = D::kPieces, kRowBytes = D::kQkDim * 2;
+  constexpr int kPieces = D::kPieces;
   constexpr int kSlabBytes = kSwizzledTileRows * 128;  // from one 64-dim slab of a tile to the next
   constexpr WgmmaLayout L(F, kRope);
-  constexpr int kStagedBytes = wgmma_staged_row_bytes(F, kRope);  // from one staged row to the next
-  constexpr int kCopyBytes = kFp8 ? kStagedBytes : kRowBytes;        // a row's bytes read from the cache
+  constexpr int kStagedBytes = staged_row_bytes(F, kRope);  // a row's bytes read from the cache, and staged
   extern __shared__ __align__(1024) uint8_t smem[];  // the swizzle's atoms: 1024-byte aligned
   uint8_t* const sq = smem + L.q;
   uint8_t* const sk = smem + L.k;
@@ -135,7 +106,7 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) wgmma_attention_kernel(const
 
   // The queries into their tile, made visible to wgmma.
   stage_queries<T, kWgmmaHeads, kPieces, kWgmmaThreads>(
-      p, w, sq, tid, [](int row, int piece) { return tile_piece_offset<true>(row, piece, 0); });
+      p, w, sq, tid, [](int row, int piece) { return swizzled_piece_offset(row, piece); });
   fence_shared_for_async_proxy();
   // Everything from here reads what the kernel before may write (indices, cache) when dsa_decode_step launches
   // this one as the top-k's programmatic dependent; without that launch the wait returns at once.
@@ -163,13 +134,13 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) wgmma_attention_kernel(const
       valid[(chunk % L.valid_sets) * kChunkKeys + my_row] = slot >= 0;
       const int copied = __popc(__ballot_sync(0xffffffffu, slot >= 0));
       __syncwarp();  // the warp's flags before its arrival
-      if (lane == 0) mbarrier_expect_bytes(&sig.staged, copied * kCopyBytes);
+      if (lane == 0) mbarrier_expect_bytes(&sig.staged, copied * kStagedBytes);
       __syncwarp();  // the bytes expected before any lands
       if (slot >= 0) {
         const int s32 = static_cast<int>(slot);  // indices are int32
         bulk_copy_to_shared(staging + my_row * kStagedBytes,
                             p.cache + (s32 / p.block_size) * p.block_stride + (s32 % p.block_size) * p.row_stride,
-                            kCopyBytes, &sig.staged);
+                            kStagedBytes, &sig.staged);
       }
     } else {
       if (i < n_chunks)
@@ -179,17 +150,14 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) wgmma_attention_kernel(const
       cp_async_commit();
     }
   };
-  // Both warpgroups: chunk i from staging into the key tile (zeros for its invalid rows), then warpgroup 1's gather
+  // Both warpgroups: chunk i dequantised from staging into the key tile (zeros for its invalid rows), then warpgroup 1's gather
   // of chunk i + 1 into staging.
   auto tile_turn = [&](int i) {
     if constexpr (bulk_rows(F)) mbarrier_wait(&sig.staged, i & 1);
     else if (wg == 1) cp_async_wait<0>();
     named_barrier_sync(kTileTurn, kWgmmaThreads);  // chunk i staged; chunk i-1's products done with the tile
     const bool invalid = !valid[((chunk_begin + i) % L.valid_sets) * kChunkKeys + tid % kChunkKeys];
-    if constexpr (kFp8)
-      dequantise_chunk<F, T, kRope, kWgmmaThreads, kChunkKeys, true>(staging, reinterpret_cast<T*>(sk), tid, invalid);
-    else
-      copy_chunk<kRope>(staging, sk, tid, invalid);
+    dequantise_chunk<F, T, kRope, kWgmmaThreads, kChunkKeys, true>(staging, reinterpret_cast<T*>(sk), tid, invalid);
     fence_shared_for_async_proxy();
     named_barrier_sync(kTileTurn, kWgmmaThreads);  // chunk i in the tile, visible to wgmma; staging free
     if (wg == 1) issue(i + 1);

@@ -109,7 +109,7 @@ __global__ void __launch_bounds__(kPairThreads, 1) wgmma_pairs_kernel(const Atte
   const int t = w.t, h0 = w.h0, nh = w.nh, split = w.split, b = w.b, j = w.j;
 
   stage_queries<T, kWgmmaHeads, D::kPieces, kPairThreads>(
-      p, w, sq, tid, [](int row, int piece) { return tile_piece_offset<true>(row, piece, 0); });
+      p, w, sq, tid, [](int row, int piece) { return swizzled_piece_offset(row, piece); });
   fence_shared_for_async_proxy();
   // Everything from here reads what the kernel before may write (indices, cache) when dsa_decode_step launches
   // this one as the top-k's programmatic dependent; without that launch the wait returns at once.
@@ -135,11 +135,10 @@ __global__ void __launch_bounds__(kPairThreads, 1) wgmma_pairs_kernel(const Atte
     registers_decrease_to<kPairProducerRegisters>();
     const int first = wtid / kProducerParts, part = wtid % kProducerParts;
     // A pair's rows: their cache entries (index, or block of the table), loaded a pair ahead so that they land while
-    // the pair before is copied; then each row's block and place in it (-1: not read), so that a copy's address is
-    // two multiply-adds (a 64-bit division a row in the copies' path made this kernel a third slower).
+    // the pair before is copied; then, once its copies are issued, each row's block and place in it (-1: not read),
+    // so that a copy's address is two multiply-adds (a 64-bit division a row in the copies' path made this kernel a
+    // third slower; a shift for power-of-two blocks cost the producer a spill).
     int entries[2][kProducerRows], blocks[2][kProducerRows], places[2][kProducerRows];
-    const bool pow2 = (p.block_size & (p.block_size - 1)) == 0;
-    const int shift = __ffs(p.block_size) - 1;
     const auto key_of = [&](int k, int chunk, int r) { return (chunk_begin + 2 * k + chunk) * kKeys + first + 16 * r; };
     const auto load_entries = [&](int k) {
 #pragma unroll
@@ -154,7 +153,7 @@ __global__ void __launch_bounds__(kPairThreads, 1) wgmma_pairs_kernel(const Atte
 #pragma unroll
         for (int r = 0; r < kProducerRows; ++r) {
           const int slot = static_cast<int>(entry_slot<kPaged>(p, key_of(k, chunk, r), entries[chunk][r]));
-          const int block = slot < 0 ? 0 : pow2 ? slot >> shift : slot / p.block_size;
+          const int block = slot < 0 ? 0 : slot / p.block_size;
           blocks[chunk][r] = block;
           places[chunk][r] = slot < 0 ? -1 : slot - block * p.block_size;
         }
@@ -178,7 +177,7 @@ __global__ void __launch_bounds__(kPairThreads, 1) wgmma_pairs_kernel(const Atte
           const int row = first + 16 * r, place = places[chunk][r];
           const uint8_t* const src = p.cache + blocks[chunk][r] * p.block_stride + (place < 0 ? 0 : place) * p.row_stride +
                                      part * 16;
-          uint8_t* const dst = tile(chunk) + row * 128 + ((part ^ (row % 8)) << 4);
+          uint8_t* const dst = tile(chunk) + swizzled_piece_offset(row, part);  // slab 0's piece; slab s 8 KB on
 #pragma unroll
           for (int slab = begin; slab < end; ++slab) cp_async_16(dst + slab * kSlabBytes, src + slab * 128, place >= 0);
         }
