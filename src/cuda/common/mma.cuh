@@ -132,6 +132,54 @@ __device__ __forceinline__ void wgmma_ss_n64(float (&d)[32], uint64_t a, uint64_
 #endif
 }
 
+// O (64 x 256, fp32) (+)= A (64 x 16) * B (16 x 256) on 16-bit values, B MN-major in the 128-byte swizzle through
+// `b` (wgmma_descriptor_swizzled, its 64-column atoms `mn_atom_bytes` apart): A from registers (`a`, as wgmma
+// above), or kSharedA from shared memory through the K-major descriptor `a_desc`. d[4j + e]: column 8j + 2c + e % 2
+// of the warp's row g + 8 (e / 2), as four N-64 products' accumulators one after another.
+#define SMLA_WGMMA_N256_OPERANDS \
+  "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15," \
+  "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31," \
+  "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47," \
+  "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63," \
+  "%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79," \
+  "%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95," \
+  "%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111," \
+  "%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127"
+#define SMLA_D8(i)                                                                                           \
+  "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), \
+      "+f"(d[i + 7])
+#define SMLA_D128                                                                                                   \
+  SMLA_D8(0), SMLA_D8(8), SMLA_D8(16), SMLA_D8(24), SMLA_D8(32), SMLA_D8(40), SMLA_D8(48), SMLA_D8(56), SMLA_D8(64), \
+      SMLA_D8(72), SMLA_D8(80), SMLA_D8(88), SMLA_D8(96), SMLA_D8(104), SMLA_D8(112), SMLA_D8(120)
+#define SMLA_WGMMA_N256_SS(type)                                                                                    \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\nwgmma.mma_async.sync.aligned.m64n256k16.f32." type     \
+               " {" SMLA_WGMMA_N256_OPERANDS "}, %128, %129, p, 1, 1, 0, 1;\n}\n"                                   \
+               : SMLA_D128                                                                                          \
+               : "l"(a_desc), "l"(b), "r"(static_cast<int>(accumulate)))
+#define SMLA_WGMMA_N256_RS(type)                                                                                    \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\nwgmma.mma_async.sync.aligned.m64n256k16.f32." type     \
+               " {" SMLA_WGMMA_N256_OPERANDS "}, {%128,%129,%130,%131}, %132, p, 1, 1, 1;\n}\n"                    \
+               : SMLA_D128                                                                                          \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(static_cast<int>(accumulate)))
+template <WgmmaIn kIn, bool kSharedA>
+__device__ __forceinline__ void wgmma_n256_mn_major_b(float (&d)[128], const uint32_t (&a)[4], uint64_t a_desc,
+                                                      uint64_t b, bool accumulate) {
+  static_assert(kIn != WgmmaIn::e4m3, "16-bit values");
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  if constexpr (kSharedA && kIn == WgmmaIn::bf16) SMLA_WGMMA_N256_SS("bf16.bf16");
+  else if constexpr (kSharedA) SMLA_WGMMA_N256_SS("f16.f16");
+  else if constexpr (kIn == WgmmaIn::bf16) SMLA_WGMMA_N256_RS("bf16.bf16");
+  else SMLA_WGMMA_N256_RS("f16.f16");
+#else
+  __trap();
+#endif
+}
+#undef SMLA_WGMMA_N256_RS
+#undef SMLA_WGMMA_N256_SS
+#undef SMLA_D128
+#undef SMLA_D8
+#undef SMLA_WGMMA_N256_OPERANDS
+
 // An operand of wgmma in shared memory without swizzle (A or B K-major, or B MN-major): 8 x 16-byte core matrices,
 // `k_stride` bytes apart along K and `n_stride` bytes apart along M or N (both multiples of 16, the start 16-byte
 // aligned).
@@ -141,12 +189,12 @@ __device__ __forceinline__ uint64_t wgmma_descriptor(const void* smem, uint32_t 
 }
 // An operand of wgmma in shared memory in the 128-byte swizzle (lines of 64 16-bit values, 8 lines to a 1024-byte
 // atom, 16-byte place k of line r at k ^ (r % 8); the atom 1024-byte aligned): A or B K-major (lines along K, 8-row
-// groups of M or N 1024 bytes apart) or B MN-major (lines along N, 8-row groups of K 1024 bytes apart). Both
-// offsets are 1024: the instructions here never span two atoms along a line (K 16 K-major, N 64 MN-major), so the
-// other offset is never used. A K-step inside a line moves the start by 32 bytes (a `+ 2` on the descriptor).
-__device__ __forceinline__ uint64_t wgmma_descriptor_swizzled(const void* smem) {
-  return uint64_t{(smem_addr(smem) >> 4) & 0x3fffu} | uint64_t{1024 >> 4} << 16 | uint64_t{1024 >> 4} << 32 |
-         uint64_t{1} << 62;
+// groups of M or N 1024 bytes apart: the stride offset) or B MN-major (lines along N, 8-row groups of K 1024 bytes
+// apart, and atoms along N `mn_atom_bytes` apart: the leading offset, used where N spans more than one line, unused
+// K-major). A K-step inside a line moves the start by 32 bytes (a `+ 2` on the descriptor).
+__device__ __forceinline__ uint64_t wgmma_descriptor_swizzled(const void* smem, uint32_t mn_atom_bytes = 1024) {
+  return uint64_t{(smem_addr(smem) >> 4) & 0x3fffu} | uint64_t{(mn_atom_bytes >> 4) & 0x3fffu} << 16 |
+         uint64_t{1024 >> 4} << 32 | uint64_t{1} << 62;
 }
 // Before the first wgmma of a batch (its registers were written by ordinary instructions).
 __device__ __forceinline__ void wgmma_fence() {

@@ -201,12 +201,10 @@ __global__ void __launch_bounds__(kPairThreads, 1) wgmma_pairs_kernel(const Atte
     mbarrier_wait(&sig.ready[chunk][half], k & 1);
     fence_shared_for_async_proxy();  // cp.async wrote the tile as ordinary stores
   };
-  // o[n]: columns 256 wg + 64n + 8jj + 2c (+1) of rows[0] (elements 4jj, 4jj + 1) and rows[1] (4jj + 2, + 3).
-  float o[4][32];
+  // O's columns 256 wg + 8jj + 2c (+1) of rows[0] (elements 4jj, 4jj + 1) and rows[1] (4jj + 2, + 3).
+  float o[128];
 #pragma unroll
-  for (int n = 0; n < 4; ++n)
-#pragma unroll
-    for (int e = 0; e < 32; ++e) o[n][e] = 0.f;
+  for (int e = 0; e < 128; ++e) o[e] = 0.f;
   float m[2] = {kNoMax, kNoMax}, l[2] = {0.f, 0.f};  // l: this thread's share of its rows' sums
   float s[32];  // scores, then probabilities: s[4jj + e] row rows[e / 2], key 8jj + 2c + e % 2
   uint32_t pa[4][4];  // P as the A fragments of the chunk's four 16-key k-steps
@@ -236,10 +234,8 @@ __global__ void __launch_bounds__(kPairThreads, 1) wgmma_pairs_kernel(const Atte
       m[r] = m_new[r];
       l[r] *= alpha;
 #pragma unroll
-      for (int n = 0; n < 4; ++n)
-#pragma unroll
-        for (int e = 0; e < 32; ++e)
-          if ((e / 2) % 2 == r) o[n][e] *= alpha;
+      for (int e = 0; e < 128; ++e)
+        if ((e / 2) % 2 == r) o[e] *= alpha;
     }
 #pragma unroll
     for (int e = 0; e < 32; ++e) {
@@ -263,20 +259,17 @@ __global__ void __launch_bounds__(kPairThreads, 1) wgmma_pairs_kernel(const Atte
     fence_shared_for_async_proxy();
     mbarrier_arrive(&sig.p[wg]);
   };
-  // O += P V over this warpgroup's columns of key tile `chunk`: P from registers, or (kShared) the other
-  // warpgroup's P tile. Issued and committed, not waited for.
+  // O += P V over this warpgroup's columns of key tile `chunk` (slabs 4 wg.. 4 wg + 3, one m64n256k16 a 16-key
+  // k-step): P from registers, or (kShared) the other warpgroup's P tile. Issued and committed, not waited for.
   const auto multiply_pv = [&](int chunk, auto shared) {
     constexpr bool kShared = decltype(shared)::value;
     wgmma_fence();
     const uint64_t p_desc = wgmma_descriptor_swizzled(ptile(chunk));
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk)
-#pragma unroll
-      for (int n = 0; n < 4; ++n) {  // slab 4 wg + n of the tile; its keys 16kk.. from line 16kk
-        const uint64_t v_desc = wgmma_descriptor_swizzled(tile(chunk) + (4 * wg + n) * kSlabBytes + 16 * kk * 128);
-        if constexpr (kShared) wgmma_ss_n64<kIn, true>(o[n], p_desc + 2 * kk, v_desc, true);
-        else wgmma<kIn, 64, true>(o[n], pa[kk], v_desc, true);
-      }
+    for (int kk = 0; kk < 4; ++kk) {  // keys 16kk.. from line 16kk of each slab
+      const uint64_t v_desc = wgmma_descriptor_swizzled(tile(chunk) + 4 * wg * kSlabBytes + 16 * kk * 128, kSlabBytes);
+      wgmma_n256_mn_major_b<kIn, kShared>(o, pa[kk], p_desc + 2 * kk, v_desc, true);
+    }
     wgmma_commit();
   };
   using FromRegisters = std::false_type;
@@ -322,9 +315,7 @@ __global__ void __launch_bounds__(kPairThreads, 1) wgmma_pairs_kernel(const Atte
           pa[kk][r] = pack2<T>(s[8 * kk + 2 * r] * beta[r % 2], s[8 * kk + 2 * r + 1] * beta[r % 2]);
       hand_over_p();
 #pragma unroll
-      for (int n = 0; n < 4; ++n)
-#pragma unroll
-        for (int e = 0; e < 32; ++e) o[n][e] *= beta[(e / 2) % 2];
+      for (int e = 0; e < 128; ++e) o[e] *= beta[(e / 2) % 2];
       mbarrier_wait(&sig.p[1], parity);
       multiply_pv(1, FromShared{});
       if (k + 1 < pairs) {  // the next pair's scores while that product runs
@@ -398,7 +389,7 @@ __global__ void __launch_bounds__(kPairThreads, 1) wgmma_pairs_kernel(const Atte
 #pragma unroll
       for (int n = 0; n < 16; ++n)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) cols[n][e] = o[2 * half + n / 8][4 * (n % 8) + e];
+        for (int e = 0; e < 4; ++e) cols[n][e] = o[64 * half + 4 * n + e];
       store_head_row(p, cols, r, t, b, j, split, h0 + rows[r], 256 * wg + 128 * half + 2 * c, m_row[r], l_row[r],
                      wg == 0 && half == 0 && c == 0);
     }
