@@ -37,9 +37,10 @@ constexpr int kProducerParts = 8;                          // the producer's thr
 constexpr int kProducerRows = kWgmmaChunkKeys * kProducerParts / 128;  // its rows of a chunk per thread
 // Registers per thread once the producer has handed its share over (setmaxnreg; multiples of 8): the launch gives
 // each of the 384 threads 168 (65536 / 384 rounded down to 8); the math warpgroups hold O's half (128), the scores
-// or probabilities (32) and P's A fragments (16), the producer two pairs' rows (ptxas, sm_90a: 216 / 72 spilled 768
-// bytes and serialised the wgmmas, 224 / 56 nothing).
-constexpr int kPairLaunchRegisters = 168, kPairMathRegisters = 224, kPairProducerRegisters = 56;
+// or probabilities (32) and P's A fragments (16), the producer two pairs' rows (ptxas, sm_90a: with P V as four
+// m64n64k16 a k-step, 216 / 72 spilled 768 bytes and serialised the wgmmas; with one m64n256k16, 216 / 72 nothing,
+// where the producer's 56 had spilled).
+constexpr int kPairLaunchRegisters = 168, kPairMathRegisters = 216, kPairProducerRegisters = 72;
 static_assert(2 * kPairMathRegisters + kPairProducerRegisters == 3 * kPairLaunchRegisters &&
                   kPairLaunchRegisters * kPairThreads <= 65536,
               "the pairs kernel's registers: the producer gives the math warpgroups what it does not use");
@@ -137,7 +138,7 @@ __global__ void __launch_bounds__(kPairThreads, 1) wgmma_pairs_kernel(const Atte
     // A pair's rows: their cache entries (index, or block of the table), loaded a pair ahead so that they land while
     // the pair before is copied; then, once its copies are issued, each row's block and place in it (-1: not read),
     // so that a copy's address is two multiply-adds (a 64-bit division a row in the copies' path made this kernel a
-    // third slower; a shift for power-of-two blocks cost the producer a spill).
+    // third slower); where the blocks lie one after another, as they usually do, with no division at all.
     int entries[2][kProducerRows], blocks[2][kProducerRows], places[2][kProducerRows];
     const auto key_of = [&](int k, int chunk, int r) { return (chunk_begin + 2 * k + chunk) * kKeys + first + 16 * r; };
     const auto load_entries = [&](int k) {
@@ -153,7 +154,9 @@ __global__ void __launch_bounds__(kPairThreads, 1) wgmma_pairs_kernel(const Atte
 #pragma unroll
         for (int r = 0; r < kProducerRows; ++r) {
           const int slot = static_cast<int>(entry_slot<kPaged>(p, key_of(k, chunk, r), entries[chunk][r]));
-          const int block = slot < 0 ? 0 : slot / p.block_size;
+          // Blocks one after another (the usual cache): the slot is the row's place in the first.
+          const bool flat = p.block_stride == static_cast<int64_t>(p.block_size) * p.row_stride;
+          const int block = slot < 0 || flat ? 0 : slot / p.block_size;
           blocks[chunk][r] = block;
           places[chunk][r] = slot < 0 ? -1 : slot - block * p.block_size;
         }
