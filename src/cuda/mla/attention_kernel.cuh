@@ -403,6 +403,29 @@ __device__ __forceinline__ void store_head_row(const AttentionParams& p, const f
   }
 }
 
+// The end of a split in the wgmma kernels: a warpgroup's 256 output columns from `col0` (its thread's quad
+// position c included: col0 + 2c) of its 64 rows, `o_at(i)` the thread's element i of them in wgmma's accumulator
+// order (4j + e: column 8j + 2c + e % 2 of row rows[e / 2]), through store_head_row; rows at or past `nh` are
+// padding. `stats`: this thread writes its rows' lse and max score.
+template <class OAt>
+__device__ __forceinline__ void store_warpgroup_rows(const AttentionParams& p, OAt o_at, const int (&rows)[2], int nh,
+                                                     int t, int b, int j, int split, int h0, int col0,
+                                                     const float (&m)[2], const float (&l)[2], bool stats) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    if (rows[r] >= nh) continue;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float cols[16][4];  // 128 columns in store_head_row's order
+#pragma unroll
+      for (int n = 0; n < 16; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) cols[n][e] = o_at(64 * half + 4 * n + e);
+      store_head_row(p, cols, r, t, b, j, split, h0 + rows[r], col0 + 128 * half, m[r], l[r], stats && half == 0);
+    }
+  }
+}
+
 template <CacheFormat F, int kRope, bool kPaged, int kStages>
 __global__ void __launch_bounds__(kThreads) attention_kernel(const AttentionParams p) {
   using T = ComputeT<F>;

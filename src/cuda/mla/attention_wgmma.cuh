@@ -2,7 +2,8 @@
 // compute-bound shapes: 64-128 heads, prefill, dense decode; 16-bit caches take the pairs kernel,
 // attention_wgmma_pairs.cuh): one CTA = one query token, kWgmmaHeads (64) heads and a range of 64-key chunks, two
 // warpgroups with different roles. It calls the 16-head tile's steps (attention_kernel.cuh): cta_work,
-// stage_queries, gather_row, chunk_range, dequantise_chunk, store_head_row, the split partials and combine_kernel.
+// stage_queries, gather_row, chunk_range, dequantise_chunk, store_warpgroup_rows, the split partials and
+// combine_kernel.
 //
 // The queries (64 x 576 16-bit values, 72 KB) and each chunk's 64 dequantised keys sit in shared memory in wgmma's
 // 128-byte swizzle (swizzled_piece_offset: slabs of 64 dims, a row's 128 bytes of a slab one line), so one key
@@ -294,20 +295,8 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) wgmma_attention_kernel(const
   const float l[2] = {xml[kWgmmaHeads + rows[0]], xml[kWgmmaHeads + rows[1]]};
   if (p.early_combine) let_dependents_launch();  // the combine: placed while the partials are written
 
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    if (rows[r] >= nh) continue;
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      float cols[16][4];  // 128 columns in store_head_row's order
-#pragma unroll
-      for (int n = 0; n < 16; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) cols[n][e] = o[2 * half + n / 8][4 * (n % 8) + e];
-      store_head_row(p, cols, r, t, b, j, split, h0 + rows[r], wg * kColumns + 128 * half + 2 * c, m[r], l[r],
-                     wg == 0 && half == 0 && c == 0);
-    }
-  }
+  store_warpgroup_rows(p, [&](int i) { return o[i / 32][i % 32]; }, rows, nh, t, b, j, split, h0,
+                       wg * kColumns + 2 * c, m, l, wg == 0 && c == 0);
 #else
   __trap();  // sm_90a only: the host never launches it elsewhere
 #endif

@@ -1,7 +1,7 @@
 // MLA attention on Hopper's warpgroup mma for 16-bit caches (bf16, f16; sm_90a): one CTA = one query token,
 // kWgmmaHeads (64) heads and a range of 64-key chunks, taken two at a time (a pair): three warpgroups. It calls the
-// 16-head tile's steps (attention_kernel.cuh): cta_work, stage_queries, chunk_range, slot_of, store_head_row, the
-// split partials and combine_kernel.
+// 16-head tile's steps (attention_kernel.cuh): cta_work, stage_queries, chunk_range, slot_entry, entry_slot,
+// store_warpgroup_rows, the split partials and combine_kernel.
 //
 // The schedule is FlashMLA's sm90 sparse prefill's ("alternate blocks"), written anew here:
 // - warpgroup 2, the producer, gathers the rows of a pair's two chunks by cp.async pieces (8 threads a row, a
@@ -178,8 +178,8 @@ __global__ void __launch_bounds__(kPairThreads, 1) wgmma_pairs_kernel(const Atte
 #pragma unroll
         for (int r = 0; r < kProducerRows; ++r) {
           const int row = first + 16 * r, place = places[chunk][r];
-          const uint8_t* const src = p.cache + blocks[chunk][r] * p.block_stride + (place < 0 ? 0 : place) * p.row_stride +
-                                     part * 16;
+          const uint8_t* const src =
+              p.cache + blocks[chunk][r] * p.block_stride + (place < 0 ? 0 : place) * p.row_stride + part * 16;
           uint8_t* const dst = tile(chunk) + swizzled_piece_offset(row, part);  // slab 0's piece; slab s 8 KB on
 #pragma unroll
           for (int slab = begin; slab < end; ++slab) cp_async_16(dst + slab * kSlabBytes, src + slab * 128, place >= 0);
@@ -383,20 +383,8 @@ __global__ void __launch_bounds__(kPairThreads, 1) wgmma_pairs_kernel(const Atte
   }
   if (p.early_combine) let_dependents_launch();  // the combine: placed while the partials are written
 
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    if (rows[r] >= nh) continue;
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      float cols[16][4];  // 128 columns in store_head_row's order
-#pragma unroll
-      for (int n = 0; n < 16; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) cols[n][e] = o[64 * half + 4 * n + e];
-      store_head_row(p, cols, r, t, b, j, split, h0 + rows[r], 256 * wg + 128 * half + 2 * c, m_row[r], l_row[r],
-                     wg == 0 && half == 0 && c == 0);
-    }
-  }
+  store_warpgroup_rows(p, [&](int i) { return o[i]; }, rows, nh, t, b, j, split, h0, 256 * wg + 2 * c, m_row, l_row,
+                       wg == 0 && c == 0);
 #else
   __trap();  // sm_90a only: the host never launches it elsewhere
 #endif
