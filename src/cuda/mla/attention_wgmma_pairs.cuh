@@ -138,7 +138,8 @@ __global__ void __launch_bounds__(kPairThreads, 1) wgmma_pairs_kernel(const Atte
     // A pair's rows: their cache entries (index, or block of the table), loaded a pair ahead so that they land while
     // the pair before is copied; then, once its copies are issued, each row's block and place in it (-1: not read),
     // so that a copy's address is two multiply-adds (a 64-bit division a row in the copies' path made this kernel a
-    // third slower); where the blocks lie one after another, as they usually do, with no division at all.
+    // third slower); no division of the slot at all for a block table (the entry is the block) or where the blocks
+    // lie one after another, as they usually do.
     int entries[2][kProducerRows], blocks[2][kProducerRows], places[2][kProducerRows];
     const auto key_of = [&](int k, int chunk, int r) { return (chunk_begin + 2 * k + chunk) * kKeys + first + 16 * r; };
     const auto load_entries = [&](int k) {
@@ -153,12 +154,18 @@ __global__ void __launch_bounds__(kPairThreads, 1) wgmma_pairs_kernel(const Atte
       for (int chunk = 0; chunk < 2; ++chunk)
 #pragma unroll
         for (int r = 0; r < kProducerRows; ++r) {
-          const int slot = static_cast<int>(entry_slot<kPaged>(p, key_of(k, chunk, r), entries[chunk][r]));
-          // Blocks one after another (the usual cache): the slot is the row's place in the first.
-          const bool flat = p.block_stride == static_cast<int64_t>(p.block_size) * p.row_stride;
-          const int block = slot < 0 || flat ? 0 : slot / p.block_size;
-          blocks[chunk][r] = block;
-          places[chunk][r] = slot < 0 ? -1 : slot - block * p.block_size;
+          const int key = key_of(k, chunk, r), entry = entries[chunk][r];
+          const int slot = static_cast<int>(entry_slot<kPaged>(p, key, entry));
+          if constexpr (kPaged) {  // slot = entry * block size + key % block size: the entry is the block
+            blocks[chunk][r] = slot < 0 ? 0 : entry;
+            places[chunk][r] = slot < 0 ? -1 : key % p.block_size;
+          } else {
+            // Blocks one after another (the usual cache): the slot is the row's place in the first.
+            const bool flat = p.block_stride == static_cast<int64_t>(p.block_size) * p.row_stride;
+            const int block = slot < 0 || flat ? 0 : slot / p.block_size;
+            blocks[chunk][r] = block;
+            places[chunk][r] = slot < 0 ? -1 : slot - block * p.block_size;
+          }
         }
     };
     if (pairs > 0) {
