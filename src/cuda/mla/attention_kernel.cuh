@@ -139,10 +139,14 @@ __device__ __forceinline__ int32_t slot_entry(const AttentionParams& p, int t, i
   if constexpr (kPaged) return p.block_table[b * p.block_table_stride + key / p.block_size];
   else return p.indices[t * p.indices_stride + key];
 }
+// Whether block-table entry `entry` names one of the cache's blocks.
+__device__ __forceinline__ bool block_entry_valid(const AttentionParams& p, int32_t entry) {
+  return entry >= 0 && entry < p.num_blocks;
+}
 template <bool kPaged>
 __device__ __forceinline__ int64_t entry_slot(const AttentionParams& p, int key, int32_t entry) {
   if constexpr (kPaged) {
-    if (entry < 0 || entry >= p.num_blocks) return -1;
+    if (!block_entry_valid(p, entry)) return -1;
     return static_cast<int64_t>(entry) * p.block_size + key % p.block_size;
   } else {
     return (entry >= 0 && entry < p.num_slots) ? entry : -1;

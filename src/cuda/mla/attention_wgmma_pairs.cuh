@@ -154,12 +154,13 @@ __global__ void __launch_bounds__(kPairThreads, 1) wgmma_pairs_kernel(const Atte
       for (int chunk = 0; chunk < 2; ++chunk)
 #pragma unroll
         for (int r = 0; r < kProducerRows; ++r) {
-          const int key = key_of(k, chunk, r), entry = entries[chunk][r];
-          const int slot = static_cast<int>(entry_slot<kPaged>(p, key, entry));
-          if constexpr (kPaged) {  // slot = entry * block size + key % block size: the entry is the block
-            blocks[chunk][r] = slot < 0 ? 0 : entry;
-            places[chunk][r] = slot < 0 ? -1 : key % p.block_size;
+          if constexpr (kPaged) {  // the entry is the block (entry_slot's slot, divided by the block size again)
+            const int entry = entries[chunk][r];
+            const bool read = block_entry_valid(p, entry);
+            blocks[chunk][r] = read ? entry : 0;
+            places[chunk][r] = read ? key_of(k, chunk, r) % p.block_size : -1;
           } else {
+            const int slot = static_cast<int>(entry_slot<kPaged>(p, key_of(k, chunk, r), entries[chunk][r]));
             // Blocks one after another (the usual cache): the slot is the row's place in the first.
             const bool flat = p.block_stride == static_cast<int64_t>(p.block_size) * p.row_stride;
             const int block = slot < 0 || flat ? 0 : slot / p.block_size;
