@@ -109,21 +109,21 @@ __device__ __forceinline__ void wgmma(float (&d)[N / 2], const uint32_t (&a)[4],
 #undef SMLA_WGMMA_RS_N64
 
 // D (64 x 64, fp32) = A (64 x 16) * B (16 x 64) (+ D) on 16-bit values, both operands in shared memory through
-// descriptors `a` (K-major) and `b` (K-major, or kMnMajorB as for wgmma above); d as above.
-template <WgmmaIn kIn, bool kMnMajorB = false>
+// K-major descriptors `a` and `b` (wgmma_descriptor); d as above.
+template <WgmmaIn kIn>
 __device__ __forceinline__ void wgmma_ss_n64(float (&d)[32], uint64_t a, uint64_t b, bool accumulate) {
   static_assert(kIn != WgmmaIn::e4m3, "16-bit values");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define SMLA_WGMMA_SS_N64(op)                                                                                      \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n" op                                                  \
                " {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26," \
-               "%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, 0, %35;\n}\n"                                             \
+               "%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, 0, 0;\n}\n"                                               \
                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),   \
                  "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),          \
                  "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]),        \
                  "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]),        \
                  "+f"(d[29]), "+f"(d[30]), "+f"(d[31])                                                             \
-               : "l"(a), "l"(b), "r"(static_cast<int>(accumulate)), "n"(kMnMajorB ? 1 : 0))
+               : "l"(a), "l"(b), "r"(static_cast<int>(accumulate)))
   if constexpr (kIn == WgmmaIn::bf16) SMLA_WGMMA_SS_N64("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16");
   else SMLA_WGMMA_SS_N64("wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16");
 #undef SMLA_WGMMA_SS_N64

@@ -168,9 +168,22 @@ __device__ __forceinline__ int64_t slot_of(const AttentionParams& p, int t, int 
 // kSwizzledTileRows x 128 bytes a slab), a row's line of a slab at 128 bytes from the row before, its piece k at
 // 16-byte place k ^ (row % 8). So the 8 pieces of one row's line, and one piece of 8 consecutive rows, each fall in 8
 // different bank groups.
-constexpr int kSwizzledTileRows = 64;
+constexpr int kSwizzledTileRows = 64, kSwizzledSlabBytes = kSwizzledTileRows * 128;
 __host__ __device__ constexpr int swizzled_piece_offset(int row, int piece) {
-  return (piece / 8) * kSwizzledTileRows * 128 + row * 128 + ((piece % 8) ^ (row % 8)) * 16;
+  return (piece / 8) * kSwizzledSlabBytes + row * 128 + ((piece % 8) ^ (row % 8)) * 16;
+}
+// The wgmma kernels' scores: S (+)= Q K^T over the 64-dim slabs [kBegin, kEnd) of the swizzled query tile `q_desc`
+// and key tile `k_desc` (m64n64k16, both in shared memory; 32 bytes a k-step inside a slab's lines): issued, not
+// committed. `accumulate` false: the first product overwrites s.
+template <WgmmaIn kIn, int kBegin, int kEnd>
+__device__ __forceinline__ void swizzled_scores(float (&s)[32], uint64_t q_desc, uint64_t k_desc, bool accumulate) {
+#pragma unroll
+  for (int slab = kBegin; slab < kEnd; ++slab)
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+      const uint64_t step = slab * (kSwizzledSlabBytes >> 4) + ks * 2;
+      wgmma_ss_n64<kIn>(s, q_desc + step, k_desc + step, accumulate || slab > kBegin || ks > 0);
+    }
 }
 
 // The row of a chunk and the part of it (kParts threads share a row) that thread `tid` gathers. A warp's 16-byte
@@ -189,7 +202,8 @@ __device__ __forceinline__ GatherLane gather_lane(int tid) {
   else return {tid / (8 * kParts) * 8 + tid % 8, tid % (8 * kParts) / 8};
 }
 
-// Gathers row `row` of chunk `chunk` (kChunkKeys keys) into `dst` (rows `dst_row_bytes` long): this thread's 16-byte pieces (`part`, part + kParts, ... below `pieces`: kParts threads share a row) one
+// Gathers row `row` of chunk `chunk` (kChunkKeys keys) into `dst` (rows `dst_row_bytes` long): this thread's
+// 16-byte pieces (`part`, part + kParts, ... below `pieces`: kParts threads share a row) one
 // cp.async each (fp8_ds_mla_v4: the last piece is the token's 8 scale bytes,
 // from the block's end); an invalid row is zero-filled, never read, and
 // marked so in the chunk's set of `valid`. The row's slot was loaded a chunk

@@ -84,7 +84,6 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) wgmma_attention_kernel(const
   constexpr WgmmaIn kIn = std::is_same_v<T, __half> ? WgmmaIn::f16 : WgmmaIn::bf16;
   using D = HeadDims<kRope>;
   constexpr int kPieces = D::kPieces;
-  constexpr int kSlabBytes = kSwizzledTileRows * 128;  // from one 64-dim slab of a tile to the next
   constexpr WgmmaLayout L(F, kRope);
   constexpr int kStagedBytes = staged_row_bytes(F, kRope);  // a row's bytes read from the cache, and staged
   extern __shared__ __align__(1024) uint8_t smem[];  // the swizzle's atoms: 1024-byte aligned
@@ -151,8 +150,8 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) wgmma_attention_kernel(const
       cp_async_commit();
     }
   };
-  // Both warpgroups: chunk i dequantised from staging into the key tile (zeros for its invalid rows), then warpgroup 1's gather
-  // of chunk i + 1 into staging.
+  // Both warpgroups: chunk i dequantised from staging into the key tile (zeros for its invalid rows), then
+  // warpgroup 1's gather of chunk i + 1 into staging.
   auto tile_turn = [&](int i) {
     if constexpr (bulk_rows(F)) mbarrier_wait(&sig.staged, i & 1);
     else if (wg == 1) cp_async_wait<0>();
@@ -172,7 +171,7 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) wgmma_attention_kernel(const
 #pragma unroll
       for (int n = 0; n < kColumns / 64; ++n) {
         const int col = wg * kColumns + 64 * n;  // slab col / 64; its keys 16kk.. from line 16kk
-        const uint64_t v_desc = wgmma_descriptor_swizzled(kt + (col / 64) * kSlabBytes + 16 * kk * 128);
+        const uint64_t v_desc = wgmma_descriptor_swizzled(kt + (col / 64) * kSwizzledSlabBytes + 16 * kk * 128);
         wgmma<kIn, 64, true>(o[n], pa[kk], v_desc, true);
       }
     wgmma_commit();
@@ -195,12 +194,7 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) wgmma_attention_kernel(const
       // Scores of the chunk's 64 keys over all dims: s[4jj + e] row rows[e / 2], key 8jj + 2c + e % 2.
       float s[kChunkKeys / 2];
       wgmma_fence();
-      const uint64_t k_desc = wgmma_descriptor_swizzled(kt);
-#pragma unroll
-      for (int ks = 0; ks < D::kQkDim / 16; ++ks) {  // k-step ks: slab ks / 4, 32 bytes a step inside its lines
-        const uint64_t step = (ks / 4) * (kSlabBytes >> 4) + (ks % 4) * 2;
-        wgmma_ss_n64<kIn>(s, q_desc + step, k_desc + step, ks > 0);
-      }
+      swizzled_scores<kIn, 0, D::kQkDim / 64>(s, q_desc, wgmma_descriptor_swizzled(kt), false);
       wgmma_commit_and_wait();
 
       const int* vmask = valid + ((chunk_begin + i) % L.valid_sets) * kChunkKeys;

@@ -31,7 +31,6 @@
 namespace smla::cuda::mla::wg {
 
 constexpr int kPairThreads = 384, kPairMathThreads = 256;  // two math warpgroups and the producer
-constexpr int kSlabBytes = kSwizzledTileRows * 128;        // a 64-dim slab of a swizzled tile
 constexpr int kLeftSlabs = 4;                              // the left half of a key tile: dims 0-255
 constexpr int kProducerParts = 8;                          // the producer's threads a row: a 128-byte line each
 constexpr int kProducerRows = kWgmmaChunkKeys * kProducerParts / 128;  // its rows of a chunk per thread
@@ -61,26 +60,14 @@ struct PairLayout {
     tile = kWgmmaHeads * (kLatent + rope) * 2;
     k = q + tile;
     p1 = k + 2 * tile;
-    p0 = rope ? k + (kLatent / 64) * kSlabBytes : p1 + kSlabBytes;
-    max = (rope ? p1 : p0) + kSlabBytes;
+    p0 = rope ? k + (kLatent / 64) * kSwizzledSlabBytes : p1 + kSwizzledSlabBytes;
+    max = (rope ? p1 : p0) + kSwizzledSlabBytes;
     sum = max + 2 * kWgmmaHeads * 4;
     valid = sum + 2 * kWgmmaHeads * 4;
     signals = valid + 2 * kWgmmaChunkKeys * 4;
     total = signals + static_cast<int>(sizeof(PairSignals));
   }
 };
-
-// S (+)= Q K^T over the 64-dim slabs [kBegin, kEnd) of key tile `k_desc` (issued, not committed).
-template <WgmmaIn kIn, int kBegin, int kEnd>
-__device__ __forceinline__ void pair_scores(float (&s)[32], uint64_t q_desc, uint64_t k_desc, bool accumulate) {
-#pragma unroll
-  for (int slab = kBegin; slab < kEnd; ++slab)
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks) {  // 32 bytes a k-step inside the slab's lines
-      const uint64_t step = slab * (kSlabBytes >> 4) + ks * 2;
-      wgmma_ss_n64<kIn>(s, q_desc + step, k_desc + step, accumulate || slab > kBegin || ks > 0);
-    }
-}
 
 template <CacheFormat F, int kRope, bool kPaged>
 __global__ void __launch_bounds__(kPairThreads, 1) wgmma_pairs_kernel(const AttentionParams p) {
@@ -190,7 +177,8 @@ __global__ void __launch_bounds__(kPairThreads, 1) wgmma_pairs_kernel(const Atte
               p.cache + blocks[chunk][r] * p.block_stride + (place < 0 ? 0 : place) * p.row_stride + part * 16;
           uint8_t* const dst = tile(chunk) + swizzled_piece_offset(row, part);  // slab 0's piece; slab s 8 KB on
 #pragma unroll
-          for (int slab = begin; slab < end; ++slab) cp_async_16(dst + slab * kSlabBytes, src + slab * 128, place >= 0);
+          for (int slab = begin; slab < end; ++slab)
+            cp_async_16(dst + slab * kSwizzledSlabBytes, src + slab * 128, place >= 0);
         }
         cp_async_arrive(&sig.ready[chunk][half]);
       }
@@ -278,7 +266,8 @@ __global__ void __launch_bounds__(kPairThreads, 1) wgmma_pairs_kernel(const Atte
     const uint64_t p_desc = wgmma_descriptor_swizzled(ptile(chunk));
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {  // keys 16kk.. from line 16kk of each slab
-      const uint64_t v_desc = wgmma_descriptor_swizzled(tile(chunk) + 4 * wg * kSlabBytes + 16 * kk * 128, kSlabBytes);
+      const uint64_t v_desc =
+          wgmma_descriptor_swizzled(tile(chunk) + 4 * wg * kSwizzledSlabBytes + 16 * kk * 128, kSwizzledSlabBytes);
       wgmma_n256_mn_major_b<kIn, kShared>(o, pa[kk], p_desc + 2 * kk, v_desc, true);
     }
     wgmma_commit();
@@ -290,9 +279,9 @@ __global__ void __launch_bounds__(kPairThreads, 1) wgmma_pairs_kernel(const Atte
     if (pairs > 0) {
       acquire(0, 0, 0);
       wgmma_fence();
-      pair_scores<kIn, 0, kLeftSlabs>(s, q_desc, k_desc[0], false);
+      swizzled_scores<kIn, 0, kLeftSlabs>(s, q_desc, k_desc[0], false);
       acquire(0, 1, 0);
-      pair_scores<kIn, kLeftSlabs, kSlabs>(s, q_desc, k_desc[0], true);
+      swizzled_scores<kIn, kLeftSlabs, kSlabs>(s, q_desc, k_desc[0], true);
       wgmma_commit_and_wait();
     }
     for (int k = 0; k < pairs; ++k) {
@@ -332,12 +321,12 @@ __global__ void __launch_bounds__(kPairThreads, 1) wgmma_pairs_kernel(const Atte
       if (k + 1 < pairs) {  // the next pair's scores while that product runs
         acquire(0, 0, k + 1);
         wgmma_fence();
-        pair_scores<kIn, 0, kLeftSlabs>(s, q_desc, k_desc[0], false);
+        swizzled_scores<kIn, 0, kLeftSlabs>(s, q_desc, k_desc[0], false);
         wgmma_commit();
         wgmma_wait_until<1>();  // the product from tile 1's left half
         mbarrier_arrive(&sig.free[1][0]);
         acquire(0, 1, k + 1);
-        pair_scores<kIn, kLeftSlabs, kSlabs>(s, q_desc, k_desc[0], true);
+        swizzled_scores<kIn, kLeftSlabs, kSlabs>(s, q_desc, k_desc[0], true);
         wgmma_commit_and_wait();
       } else {
         wgmma_wait();
@@ -349,9 +338,9 @@ __global__ void __launch_bounds__(kPairThreads, 1) wgmma_pairs_kernel(const Atte
       const int parity = k & 1;
       acquire(1, 1, k);
       wgmma_fence();
-      pair_scores<kIn, kLeftSlabs, kSlabs>(s, q_desc, k_desc[1], false);
+      swizzled_scores<kIn, kLeftSlabs, kSlabs>(s, q_desc, k_desc[1], false);
       acquire(1, 0, k);
-      pair_scores<kIn, 0, kLeftSlabs>(s, q_desc, k_desc[1], true);
+      swizzled_scores<kIn, 0, kLeftSlabs>(s, q_desc, k_desc[1], true);
       wgmma_commit_and_wait();
       mbarrier_wait(&sig.valid, parity);
       float cmax[2];
