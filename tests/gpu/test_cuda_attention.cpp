@@ -1175,6 +1175,28 @@ TEST(CudaSparseMlaWgmma, HeadsFormatsTopk) {
       }
 }
 
+// HeadsFormatsTopk's fp8 case of 100 heads, top-k 100 cut by per-token lengths, block size 64 and no rope (its 42nd),
+// for every cache format with its seeds and two more: a partial pair of chunks without a rope slab on a padded head
+// tile, which its 16-bit cases never combine (an fp8 version of the pairs kernel was off there on one output).
+TEST(CudaSparseMlaWgmma, PartialPairWithoutRope) {
+  if (!cuda::wgmma_kernels_available()) GTEST_SKIP() << "needs a Hopper GPU running the library's sm_90a code";
+  for (DType kv : {DType::bf16, DType::f16, DType::fp8_ds_mla})
+    for (uint64_t seed : {2641, 2642, 2643}) {
+      Problem p;
+      p.kv_dtype = kv;
+      p.rope = 0;
+      p.heads = 100;
+      p.topk = 100;
+      p.tokens = 62;
+      vary_options(p, 41);
+      p.kernel = {cuda::AttentionKernel::wgmma};
+      p.skip_beyond_device = false;
+      const std::optional<cuda::AttentionPlan> plan = run_sparse(p, seed);
+      ASSERT_TRUE(plan.has_value());
+      EXPECT_EQ(plan->kernel, cuda::AttentionKernel::wgmma);
+    }
+}
+
 // The wgmma kernel's splits (64-key chunks: 32 of them), both cache kinds.
 TEST(CudaSparseMlaWgmma, ForcedSplits) {
   if (!cuda::wgmma_kernels_available()) GTEST_SKIP() << "needs a Hopper GPU running the library's sm_90a code";
