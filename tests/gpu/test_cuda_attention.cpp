@@ -1143,6 +1143,20 @@ TEST(CudaSparseMlaWideTile, AutomaticChoiceAndSecondCache) {
       }
 }
 
+// A case of the wgmma kernel's tests below, that kernel forced, with case n's options (vary_options).
+Problem wgmma_case(DType kv, int rope, int heads, int topk, int tokens, int n) {
+  Problem p;
+  p.kv_dtype = kv;
+  p.rope = rope;
+  p.heads = heads;
+  p.topk = topk;
+  p.tokens = tokens;
+  vary_options(p, n);
+  p.kernel = {cuda::AttentionKernel::wgmma};
+  p.skip_beyond_device = false;
+  return p;
+}
+
 // The wgmma kernel (sm_90a: 64 heads per CTA, two warpgroups, 64-key chunks) forced: head counts that fill one tile,
 // two, pad one (100: a tile of 36) or half of one (32); top-k of one chunk, of a chunk and a part, of three and a
 // part (200: the staging buffer and both sets of valid flags reused), of 32 chunks;
@@ -1158,16 +1172,9 @@ TEST(CudaSparseMlaWgmma, HeadsFormatsTopk) {
   for (DType kv : {DType::bf16, DType::f16, DType::fp8_ds_mla, DType::fp8_ds_mla_v4})
     for (int heads : {32, 64, 100, 128})
       for (int topk : {64, 100, 200, 2048}) {
-        Problem p;
-        p.kv_dtype = kv;
-        p.rope = kv == DType::fp8_ds_mla_v4 || n % 3 == 2 ? 0 : kMlaRopeDim;
-        p.heads = heads;
-        p.topk = topk;
-        p.tokens = topk == 2048 ? (n % 2 ? 1 : 3) : (n % 2 ? 62 : 3);
-        vary_options(p, n);
-        p.kernel = {cuda::AttentionKernel::wgmma};
-        p.skip_beyond_device = false;
-        ++n;
+        const int rope = kv == DType::fp8_ds_mla_v4 || n % 3 == 2 ? 0 : kMlaRopeDim;
+        const int tokens = topk == 2048 ? (n % 2 ? 1 : 3) : (n % 2 ? 62 : 3);
+        const Problem p = wgmma_case(kv, rope, heads, topk, tokens, n++);
         const std::optional<cuda::AttentionPlan> plan = run_sparse(p, seed++);
         ASSERT_TRUE(plan.has_value());
         EXPECT_EQ(plan->kernel, cuda::AttentionKernel::wgmma);
@@ -1182,16 +1189,7 @@ TEST(CudaSparseMlaWgmma, PartialPairWithoutRope) {
   if (!cuda::wgmma_kernels_available()) GTEST_SKIP() << "needs a Hopper GPU running the library's sm_90a code";
   for (DType kv : {DType::bf16, DType::f16, DType::fp8_ds_mla})
     for (uint64_t seed : {2641, 2642, 2643}) {
-      Problem p;
-      p.kv_dtype = kv;
-      p.rope = 0;
-      p.heads = 100;
-      p.topk = 100;
-      p.tokens = 62;
-      vary_options(p, 41);
-      p.kernel = {cuda::AttentionKernel::wgmma};
-      p.skip_beyond_device = false;
-      const std::optional<cuda::AttentionPlan> plan = run_sparse(p, seed);
+      const std::optional<cuda::AttentionPlan> plan = run_sparse(wgmma_case(kv, 0, 100, 100, 62, 41), seed);
       ASSERT_TRUE(plan.has_value());
       EXPECT_EQ(plan->kernel, cuda::AttentionKernel::wgmma);
     }
