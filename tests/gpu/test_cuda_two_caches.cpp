@@ -14,6 +14,7 @@
 #include <optional>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "cuda/kernels.h"
@@ -52,6 +53,11 @@ struct TwoCaches {
          tokens >= std::max(min_tokens, sh::kMinTokensAutomatic16Bit) &&
          small_heads_fit(kv_dtype == DType::bf16 ? cuda::mla::CacheFormat::bf16 : cuda::mla::CacheFormat::f16, rope));
     return small ? cuda::AttentionKernel::small_heads : automatic_many_heads_kernel(kv_dtype, rope, false, heads, tokens);
+  }
+  // Whether the plan reads both caches in one launch (the wgmma kernel on 16-bit caches): its splits are the
+  // chunks of both lists together, so one split and no partials where the keys need not split.
+  bool one_launch(const cuda::AttentionPlan& plan) const {
+    return plan.kernel == cuda::AttentionKernel::wgmma && (kv_dtype == DType::bf16 || kv_dtype == DType::f16);
   }
   std::string what() const {
     return "q=" + std::string(dtype_name(q_dtype)) + " kv=" + std::string(dtype_name(kv_dtype)) +
@@ -235,9 +241,9 @@ cuda::AttentionPlan run_two_caches(const TwoCaches& p, uint64_t seed) {
   OnGpu g(in);
   const cuda::AttentionPlan plan = cuda::sparse_mla_plan(g.args, p.choice);
   EXPECT_EQ(plan.kernel, p.expected_kernel()) << what;
-  EXPECT_GE(plan.num_splits, 2) << what << ": each cache takes at least one split";
+  if (!p.one_launch(plan)) EXPECT_GE(plan.num_splits, 2) << what << ": each cache takes at least one split";
   const size_t bytes = workspace_size(g.args, &gpu());  // the automatic plan's
-  if (!p.forced()) {
+  if (!p.forced() && plan.num_splits > 1) {
     EXPECT_GE(bytes, static_cast<size_t>(plan.num_splits) * p.tokens * p.heads * (kMlaVDim + 2) * sizeof(float))
         << what;
   }
@@ -374,9 +380,9 @@ TEST(CudaTwoCaches, SmallHeadsKernel) {
 }
 
 
-// The wgmma kernel over two 16-bit caches (each cache's launch writes its splits' partials for the one combine):
-// forced at 64, 100 (a padded tile) and 128 heads, both head widths, sinks; and chosen by itself at 32 tokens of 128
-// heads (the wide rule's rows), where Hopper with sm_90a code takes it.
+// The wgmma kernel over two 16-bit caches (one launch reads both lists): forced at 64, 100 (a padded tile) and 128
+// heads, both head widths, sinks; and chosen by itself at 32 tokens of 128 heads (the wide rule's rows), where
+// Hopper with sm_90a code takes it.
 TEST(CudaTwoCaches, WgmmaKernel) {
   if (!cuda::wgmma_kernels_available()) GTEST_SKIP() << "needs a Hopper GPU running the library's sm_90a code";
   uint64_t seed = 450;
@@ -401,6 +407,50 @@ TEST(CudaTwoCaches, WgmmaKernel) {
   automatic.topk = 256;
   automatic.extra_topk = 64;
   EXPECT_EQ(run_two_caches(automatic, seed++).kernel, cuda::AttentionKernel::wgmma);
+}
+
+// The wgmma kernel's one launch over both lists: top-k and extra top-k of odd chunk counts (64-key chunks) and
+// lengths that cut both lists, so a pair of chunks takes its first from the main list and its second from the
+// extra one; each cache its own block size (1, 2, 61, 64, 69, 576: rows in one block or many, blocks padded);
+// forced splits that cut the lists anywhere (the plan's splits count the chunks of both lists together); and
+// DeepSeek-V4's bf16 decode batches of 64 heads, where the automatic plan takes it.
+TEST(CudaTwoCaches, WgmmaKernelReadsBothListsInOneLaunch) {
+  if (!cuda::wgmma_kernels_available()) GTEST_SKIP() << "needs a Hopper GPU running the library's sm_90a code";
+  uint64_t seed = 470;
+  const std::pair<int, int> block_sizes[] = {{1, 576}, {2, 69}, {61, 64}, {64, 61}, {69, 2}, {576, 1}};
+  const std::pair<int, int> topks[] = {{100, 300}, {128, 512}, {1, 65}, {300, 1}, {64, 2048}, {2048, 100}};
+  for (int i = 0; i < 6; ++i)
+    for (int splits : {0, 1, 2, 7}) {
+      TwoCaches p;
+      p.kv_dtype = p.q_dtype = i % 2 ? DType::f16 : DType::bf16;
+      p.rope = i % 3 == 2 ? kMlaRopeDim : 0;
+      p.heads = i % 2 ? 100 : 64;
+      p.tokens = 5;
+      std::tie(p.topk, p.extra_topk) = topks[i];
+      std::tie(p.block_size, p.extra_block_size) = block_sizes[(i + splits) % 6];
+      p.sink = splits % 2 == 0;
+      p.lengths = i != 4;
+      p.choice.kernel = cuda::AttentionKernel::wgmma;
+      p.choice.splits = splits;
+      const cuda::AttentionPlan plan = run_two_caches(p, seed++);
+      // Chunks of both lists dealt to at most `splits` splits.
+      const int chunks = (p.topk + 63) / 64 + (p.extra_topk + 63) / 64;
+      if (splits > 0) {
+        const int per_split = (chunks + std::min(splits, chunks) - 1) / std::min(splits, chunks);
+        EXPECT_EQ(plan.num_splits, (chunks + per_split - 1) / per_split) << p.what();
+      }
+    }
+  for (int batch : {74, 130}) {  // V4's window (top-k 128, blocks of 64) and c4 (top-k 512) caches, automatic
+    TwoCaches p;
+    p.heads = 64;
+    p.topk = 128;
+    p.extra_topk = 512;
+    p.block_size = p.extra_block_size = 64;
+    p.tokens = batch;
+    p.sink = true;
+    p.caller_workspace = batch == 130;
+    EXPECT_EQ(run_two_caches(p, seed++).kernel, cuda::AttentionKernel::wgmma);
+  }
 }
 // A workspace smaller than workspace_size (which counts both caches' splits) is refused.
 TEST(CudaTwoCaches, WorkspaceTooSmallIsAnError) {

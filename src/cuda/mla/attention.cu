@@ -294,21 +294,39 @@ void launch(AttentionParams& p, CacheFormat f, int rope, bool paged, int num_key
 // Sparse attention over two caches under one softmax (DeepSeek-V4's window cache and its compressed cache).
 // DeepSeek-V4's bf16 / f16 head is the 512-wide rope-free geometry exactly: its score is q.k over all 512 values
 // of the row (448 nope + 64 rope, which the score need not tell apart) and its value the whole row, so the kernels
-// serve it unchanged. Each cache's keys run as the splits of one launch of the kernel its plan picks (the rules of
-// one cache: small-heads, wide-tile or 16-head-tile), the main cache's
-// splits first, then the extra cache's, all writing partial rows (out, lse, max) into one array that the combine
-// merges as one list of splits: the sink is applied once, and a row with no valid key in either cache gets out 0,
-// the empty lse and max_logits -inf, as with one cache. The kernel writes partials whenever num_splits > 1 (here
-// always, each cache having at least one split) at split blockIdx.y of its partial pointers, so the extra cache's
-// launch gets pointers past the main cache's splits.
+// serve it unchanged.
+// - Where the wgmma kernel runs on a 16-bit cache, one launch reads both lists (`one_launch`: its two-list
+//   instance, mla::ExtraKeys): a token's main chunks, then its extra ones, are the chunks one plan splits, and only
+//   a split plan writes partials for a combine. (An H200's V4 decode of 128 tokens x 64 heads took 73.7 us as three
+//   launches: the window's, the compressed cache's and the combine of their 32 MB of partials.)
+// - Otherwise each cache's keys run as the splits of one launch of the kernel its plan picks (the rules of one
+//   cache), the main cache's splits first, then the extra cache's, all writing partial rows (out, lse, max) into
+//   one array that the combine merges as one list of splits. The kernel writes partials whenever num_splits > 1
+//   (here always, each cache having at least one split) at split blockIdx.y of its partial pointers, so the extra
+//   cache's launch gets pointers past the main cache's splits.
+// Either way the sink is applied once, and a row with no valid key in either cache gets out 0, the empty lse and
+// max_logits -inf, as with one cache.
 struct TwoCachePlan {
-  Plan main, extra;
-  int num_splits() const { return main.num_splits + extra.num_splits; }
-  size_t partial_bytes(int64_t tokens, int heads) const { return split_partial_bytes(num_splits(), tokens, heads); }
+  Plan main, extra;  // one_launch: `main` covers both lists, `extra` unused
+  bool one_launch = false;
+  int num_splits() const { return one_launch ? main.num_splits : main.num_splits + extra.num_splits; }
+  size_t partial_bytes(int64_t tokens, int heads) const {
+    return one_launch ? main.partial_bytes(tokens, heads) : split_partial_bytes(num_splits(), tokens, heads);
+  }
 };
 
 TwoCachePlan two_cache_plan(CacheFormat f, int rope, int64_t tokens, int heads, int keys, int extra_keys,
                             AttentionChoice choice) {
+  if (mla::wg::two_lists_in_one_launch(f)) {
+    // Each list's chunks: the most a token can have of both.
+    const int chunk_keys = mla::wg::kWgmmaChunkKeys;
+    const auto chunks_of = [&](int n) { return (std::max(n, 1) + chunk_keys - 1) / chunk_keys; };
+    Plan both = plan(f, rope, false, tokens, heads, (chunks_of(keys) + chunks_of(extra_keys)) * chunk_keys, choice);
+    if (both.wgmma) {
+      both.wgmma = &mla::wg::wgmma_config(f, rope, false, true);
+      return {both, {}, true};
+    }
+  }
   auto one = [&](int num_keys) {
     Plan s = plan(f, rope, false, tokens, heads, num_keys, choice);
     if (s.num_splits > mla::kMaxSplits / 2) {  // the combine merges at most kMaxSplits: half for each cache
@@ -337,12 +355,20 @@ void sparse_mla_two_caches(AttentionParams& p, const SparseMlaArgs& a, Attention
   require_workspace(a.workspace, bytes, "sparse_mla");
   std::optional<DefaultWorkspace> own;
   p.num_splits = tp.num_splits();
-  set_partials(p, static_cast<float*>(workspace_or(a.workspace, own, stream, bytes, "sparse_mla")));
+  if (bytes > 0) set_partials(p, static_cast<float*>(workspace_or(a.workspace, own, stream, bytes, "sparse_mla")));
   p.chunks_per_split = tp.main.chunks_per_split;
 
   AttentionParams e = p;
   set_cache(e, "sparse_mla", "extra_kv_cache", a.extra_kv_cache);
   set_slot_list(e, a.extra_indices, a.extra_topk_length);
+  if (tp.one_launch) {
+    p.extra = {e.cache,   e.block_stride,   e.row_stride, e.block_size,  e.num_slots,
+               e.indices, e.indices_stride, e.topk,       e.topk_length, e.topk_length_stride};
+    p.early_combine = p.num_splits > 1 && tp.main.one_wave;
+    launch_planned(tp.main, p, stream, dependent);
+    if (p.num_splits > 1) launch_combine(p, stream);
+    return;
+  }
   e.chunks_per_split = tp.extra.chunks_per_split;
   e.early_combine = tp.extra.one_wave;  // the combine is the extra cache's kernel's dependent, not the main one's
   const int64_t main_rows = static_cast<int64_t>(tp.main.num_splits) * p.num_tokens * p.num_heads;

@@ -17,11 +17,14 @@ namespace {
 
 using Kernel = void (*)(AttentionParams);
 
-Kernel select(CacheFormat f, int rope, bool paged) {
+Kernel select(CacheFormat f, int rope, bool paged, bool two_lists) {
   // [&]: a capture-less lambda's conversion to a function pointer draws nvcc warning 445 for each instance
   return instance_for(f, rope, paged, [&]<CacheFormat F, int kRope, bool kPaged>() {
     if constexpr (is_fp8(F)) return static_cast<Kernel>(wgmma_attention_kernel<F, kRope, kPaged>);
-    else return static_cast<Kernel>(wgmma_pairs_kernel<F, kRope, kPaged>);
+    else if constexpr (kPaged) return static_cast<Kernel>(wgmma_pairs_kernel<F, kRope, true>);
+    else
+      return two_lists ? static_cast<Kernel>(wgmma_pairs_kernel<F, kRope, false, true>)
+                       : static_cast<Kernel>(wgmma_pairs_kernel<F, kRope, false>);
   });
 }
 
@@ -45,13 +48,14 @@ std::string unavailable(CacheFormat f, int rope) {
 
 }  // namespace
 
-const WgmmaConfig* find_wgmma_config(CacheFormat f, int rope, bool paged) {
-  using Key = std::tuple<int, CacheFormat, int, bool>;
+const WgmmaConfig* find_wgmma_config(CacheFormat f, int rope, bool paged, bool two_lists) {
+  two_lists = two_lists && two_lists_in_one_launch(f) && !paged;
+  using Key = std::tuple<int, CacheFormat, int, bool, bool>;
   static std::mutex mu;
   static std::map<Key, WgmmaConfig> configs;  // nodes never move
   thread_local std::map<Key, const WgmmaConfig*> mine;  // no lock once seen
   const DeviceInfo& dev = current_device();
-  const Key key = std::make_tuple(dev.index, f, rope, paged);
+  const Key key = std::make_tuple(dev.index, f, rope, paged, two_lists);
   if (auto seen = mine.find(key); seen != mine.end()) return seen->second->fn != nullptr ? seen->second : nullptr;
   std::lock_guard<std::mutex> lock(mu);
   auto it = configs.find(key);
@@ -59,7 +63,7 @@ const WgmmaConfig* find_wgmma_config(CacheFormat f, int rope, bool paged) {
     WgmmaConfig cfg;
     if (unavailable(f, rope).empty()) {
       const int bytes = cta_smem(f, rope), threads = cta_threads(f);
-      const Kernel fn = select(f, rope, paged);
+      const Kernel fn = select(f, rope, paged, two_lists);
       allow_dynamic_smem(reinterpret_cast<const void*>(fn), bytes);
       const int ctas = resident_ctas_per_sm(reinterpret_cast<const void*>(fn), threads, bytes);
       if (ctas > 0) cfg = {reinterpret_cast<const void*>(fn), threads, bytes, ctas};
@@ -70,8 +74,8 @@ const WgmmaConfig* find_wgmma_config(CacheFormat f, int rope, bool paged) {
   return it->second.fn != nullptr ? &it->second : nullptr;
 }
 
-const WgmmaConfig& wgmma_config(CacheFormat f, int rope, bool paged) {
-  if (const WgmmaConfig* cfg = find_wgmma_config(f, rope, paged)) return *cfg;
+const WgmmaConfig& wgmma_config(CacheFormat f, int rope, bool paged, bool two_lists) {
+  if (const WgmmaConfig* cfg = find_wgmma_config(f, rope, paged, two_lists)) return *cfg;
   const std::string why = unavailable(f, rope);
   throw Error(ErrorKind::unsupported, "MLA attention (wgmma kernel, sm_90a, " + std::to_string(kWgmmaHeads) +
                                           " heads per CTA) " + (why.empty() ? "cannot run on this device" : why));

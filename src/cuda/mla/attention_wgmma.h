@@ -18,10 +18,14 @@ struct WgmmaConfig {
 
 // The configuration for format `f` (any cache format), rope width `rope` (64 or 0) and key source on the current
 // device (cached per device); null where the device cannot run it (not a Hopper GPU, no sm_90a code loaded, or too
-// little shared memory).
-const WgmmaConfig* find_wgmma_config(CacheFormat f, int rope, bool paged);
+// little shared memory). `two_lists`: the instance that reads sparse_mla's two caches in one launch (ExtraKeys;
+// 16-bit caches, sparse only: two_lists_in_one_launch).
+const WgmmaConfig* find_wgmma_config(CacheFormat f, int rope, bool paged, bool two_lists = false);
 // The same, an error naming what is missing.
-const WgmmaConfig& wgmma_config(CacheFormat f, int rope, bool paged);
+const WgmmaConfig& wgmma_config(CacheFormat f, int rope, bool paged, bool two_lists = false);
+// Whether the wgmma kernel reads both of sparse_mla's caches in one launch for format `f`: the pairs kernel (16-bit
+// caches) does; the staged one (fp8) runs one launch a cache.
+constexpr bool two_lists_in_one_launch(CacheFormat f) { return f == CacheFormat::bf16 || f == CacheFormat::f16; }
 
 // Launches one attention of `p` (its split fields filled) with `cfg` over `splits` splits of its keys on `stream`;
 // `dependent`: as the programmatic dependent of the kernel before it (launch_kernel_args).

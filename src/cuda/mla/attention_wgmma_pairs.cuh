@@ -69,10 +69,12 @@ struct PairLayout {
   }
 };
 
-template <CacheFormat F, int kRope, bool kPaged>
+// kTwoLists: sparse_mla's two caches in one launch (p.extra; two_list_range), the producer alone telling them apart.
+template <CacheFormat F, int kRope, bool kPaged, bool kTwoLists = false>
 __global__ void __launch_bounds__(kPairThreads, 1) wgmma_pairs_kernel(const AttentionParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(!is_fp8(F), "16-bit caches");
+  static_assert(!(kTwoLists && kPaged), "two key lists are sparse_mla's");
   using T = ComputeT<F>;
   constexpr WgmmaIn kIn = std::is_same_v<T, __half> ? WgmmaIn::f16 : WgmmaIn::bf16;
   using D = HeadDims<kRope>;
@@ -102,7 +104,16 @@ __global__ void __launch_bounds__(kPairThreads, 1) wgmma_pairs_kernel(const Atte
   // Everything from here reads what the kernel before may write (indices, cache) when dsa_decode_step launches
   // this one as the top-k's programmatic dependent; without that launch the wait returns at once.
   wait_for_prerequisites();
-  const ChunkRange range = chunk_range<kPaged>(p, t, b, j, split, kKeys);
+  ChunkRange range;
+  int main_chunks = 0, extra_visible = 0;  // two lists: the main list's chunks, the extra list's visible keys
+  if constexpr (kTwoLists) {
+    const TwoListRange both = two_list_range(p, t, split, kKeys);
+    range = both.range;
+    main_chunks = both.main_chunks;
+    extra_visible = both.extra_visible;
+  } else {
+    range = chunk_range<kPaged>(p, t, b, j, split, kKeys);
+  }
   const int visible = range.visible, chunk_begin = range.begin, n_chunks = range.count;
   const int pairs = (n_chunks + 1) / 2;  // an odd count's last pair has an empty second chunk
   if (tid == 0) {
@@ -128,13 +139,24 @@ __global__ void __launch_bounds__(kPairThreads, 1) wgmma_pairs_kernel(const Atte
     // third slower); no division of the slot at all for a block table (the entry is the block) or where the blocks
     // lie one after another, as they usually do.
     int entries[2][kProducerRows], blocks[2][kProducerRows], places[2][kProducerRows];
-    const auto key_of = [&](int k, int chunk, int r) { return (chunk_begin + 2 * k + chunk) * kKeys + first + 16 * r; };
+    // Whether chunk `chunk` of pair k is the extra list's (two lists: past the main list's chunks), and its key r.
+    const auto from_extra = [&](int k, int chunk) { return kTwoLists && chunk_begin + 2 * k + chunk >= main_chunks; };
+    const auto key_of = [&](int k, int chunk, int r) {
+      return (chunk_begin + 2 * k + chunk - (from_extra(k, chunk) ? main_chunks : 0)) * kKeys + first + 16 * r;
+    };
     const auto load_entries = [&](int k) {
 #pragma unroll
-      for (int chunk = 0; chunk < 2; ++chunk)
+      for (int chunk = 0; chunk < 2; ++chunk) {
+        const bool extra = from_extra(k, chunk);
 #pragma unroll
-        for (int r = 0; r < kProducerRows; ++r)
-          entries[chunk][r] = 2 * k + chunk < n_chunks ? slot_entry<kPaged>(p, t, b, key_of(k, chunk, r), visible) : -1;
+        for (int r = 0; r < kProducerRows; ++r) {
+          const int key = key_of(k, chunk, r);
+          entries[chunk][r] = 2 * k + chunk >= n_chunks ? -1
+                              : !extra ? slot_entry<kPaged>(p, t, b, key, visible)
+                              : key < extra_visible ? p.extra.indices[t * p.extra.indices_stride + key]
+                                                    : -1;
+        }
+      }
     };
     const auto resolve = [&](int k) {
 #pragma unroll
@@ -146,13 +168,16 @@ __global__ void __launch_bounds__(kPairThreads, 1) wgmma_pairs_kernel(const Atte
             const bool read = block_entry_valid(p, entry);
             blocks[chunk][r] = read ? entry : 0;
             places[chunk][r] = read ? key_of(k, chunk, r) % p.block_size : -1;
-          } else {
-            const int slot = static_cast<int>(entry_slot<kPaged>(p, key_of(k, chunk, r), entries[chunk][r]));
+          } else {  // entry_slot's check against the list's cache
+            const bool extra = from_extra(k, chunk);
+            const int entry = entries[chunk][r], block_size = extra ? p.extra.block_size : p.block_size;
+            const int slot = entry >= 0 && entry < (extra ? p.extra.num_slots : p.num_slots) ? entry : -1;
             // Blocks one after another (the usual cache): the slot is the row's place in the first.
-            const bool flat = p.block_stride == static_cast<int64_t>(p.block_size) * p.row_stride;
-            const int block = slot < 0 || flat ? 0 : slot / p.block_size;
+            const bool flat = extra ? p.extra.block_stride == static_cast<int64_t>(block_size) * p.extra.row_stride
+                                    : p.block_stride == static_cast<int64_t>(block_size) * p.row_stride;
+            const int block = slot < 0 || flat ? 0 : slot / block_size;
             blocks[chunk][r] = block;
-            places[chunk][r] = slot < 0 ? -1 : slot - block * p.block_size;
+            places[chunk][r] = slot < 0 ? -1 : slot - block * block_size;
           }
         }
     };
@@ -170,11 +195,15 @@ __global__ void __launch_bounds__(kPairThreads, 1) wgmma_pairs_kernel(const Atte
         const int chunk = step % 2, half = step == 1 || step == 2;
         mbarrier_wait(&sig.free[chunk][half], parity);
         const int begin = half ? kLeftSlabs : 0, end = half ? kSlabs : kLeftSlabs;
+        const bool extra = from_extra(k, chunk);
+        const uint8_t* const cache = extra ? p.extra.cache : p.cache;
+        const int64_t block_stride = extra ? p.extra.block_stride : p.block_stride,
+                      row_stride = extra ? p.extra.row_stride : p.row_stride;
 #pragma unroll
         for (int r = 0; r < kProducerRows; ++r) {
           const int row = first + 16 * r, place = places[chunk][r];
           const uint8_t* const src =
-              p.cache + blocks[chunk][r] * p.block_stride + (place < 0 ? 0 : place) * p.row_stride + part * 16;
+              cache + blocks[chunk][r] * block_stride + (place < 0 ? 0 : place) * row_stride + part * 16;
           uint8_t* const dst = tile(chunk) + swizzled_piece_offset(row, part);  // slab 0's piece; slab s 8 KB on
 #pragma unroll
           for (int slab = begin; slab < end; ++slab)

@@ -38,6 +38,21 @@ auto instance_for(CacheFormat f, int rope, bool paged, const Pick& pick) {
   return of_format.template operator()<CacheFormat::fp8_ds_mla_v4>();
 }
 
+// sparse_mla's second key list (DeepSeek-V4's compressed cache beside its window) where one launch reads both
+// lists (the pairs kernel's two-list instances): a token's chunks of the main list's visible keys first, then
+// those of this list's, under one softmax. The fields mean what AttentionParams' cache and slot-list fields mean.
+struct ExtraKeys {
+  const uint8_t* cache;
+  int64_t block_stride, row_stride;  // bytes
+  int block_size;
+  int64_t num_slots;
+  const int32_t* indices;
+  int64_t indices_stride;
+  int topk;
+  const int32_t* topk_length;
+  int64_t topk_length_stride;
+};
+
 struct AttentionParams {
   // Query token t is (request b, step j) with b = t / s_q, j = t % s_q. For
   // sparse attention s_q is 1 and b indexes tokens.
@@ -64,6 +79,7 @@ struct AttentionParams {
   int max_blocks;
   const int32_t* seq_lens;
   bool causal;
+  ExtraKeys extra;  // read only by the two-list kernel instances
 
   const float* attn_sink;  // [H] or null
   float scale_log2;        // softmax_scale * log2(e)
@@ -108,6 +124,24 @@ __device__ __forceinline__ ChunkRange chunk_range(const AttentionParams& p, int 
   const int total_chunks = (visible + chunk_keys - 1) / chunk_keys;
   const int begin = split * p.chunks_per_split;
   return {visible, begin, max(0, min(p.chunks_per_split, total_chunks - begin))};
+}
+
+// Sparse token t's keys over both lists (ExtraKeys): the main list's visible keys (`range.visible`) in
+// `main_chunks` chunks, then the extra list's `extra_visible` keys; `range.begin` and `range.count` count chunks of
+// both, split `split` taking chunks_per_split of them.
+struct TwoListRange {
+  ChunkRange range;
+  int main_chunks, extra_visible;
+};
+__device__ __forceinline__ TwoListRange two_list_range(const AttentionParams& p, int t, int split, int chunk_keys) {
+  TwoListRange r;
+  r.range = chunk_range<false>(p, t, t, 0, split, chunk_keys);
+  const ExtraKeys& e = p.extra;
+  r.extra_visible = e.topk_length ? max(0, min(e.topk_length[t * e.topk_length_stride], e.topk)) : e.topk;
+  r.main_chunks = (r.range.visible + chunk_keys - 1) / chunk_keys;
+  const int total_chunks = r.main_chunks + (r.extra_visible + chunk_keys - 1) / chunk_keys;
+  r.range.count = max(0, min(p.chunks_per_split, total_chunks - r.range.begin));
+  return r;
 }
 #endif
 
