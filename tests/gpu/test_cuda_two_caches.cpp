@@ -19,6 +19,7 @@
 
 #include "cuda/kernels.h"
 #include "cuda/mla/attention_small_heads.h"
+#include "cuda/mla/attention_wide.h"
 #include "gpu/gpu_util.h"
 #include "smla/error.h"
 #include "smla/ops.h"
@@ -54,10 +55,13 @@ struct TwoCaches {
          small_heads_fit(kv_dtype == DType::bf16 ? cuda::mla::CacheFormat::bf16 : cuda::mla::CacheFormat::f16, rope));
     return small ? cuda::AttentionKernel::small_heads : automatic_many_heads_kernel(kv_dtype, rope, false, heads, tokens);
   }
-  // Whether the plan reads both caches in one launch (the wgmma kernel on 16-bit caches): its splits are the
-  // chunks of both lists together, so one split and no partials where the keys need not split.
+  // Whether the plan reads both caches in one launch (the 16-head tile; the wgmma kernel on bf16, f16 and
+  // fp8_ds_mla_v4 caches): its splits are the chunks of both lists together, so one split and no partials where the
+  // keys need not split.
   bool one_launch(const cuda::AttentionPlan& plan) const {
-    return plan.kernel == cuda::AttentionKernel::wgmma && (kv_dtype == DType::bf16 || kv_dtype == DType::f16);
+    return plan.kernel == cuda::AttentionKernel::head_tile ||
+           (plan.kernel == cuda::AttentionKernel::wgmma &&
+            (kv_dtype == DType::bf16 || kv_dtype == DType::f16 || kv_dtype == DType::fp8_ds_mla_v4));
   }
   std::string what() const {
     return "q=" + std::string(dtype_name(q_dtype)) + " kv=" + std::string(dtype_name(kv_dtype)) +
@@ -321,25 +325,30 @@ TEST(CudaTwoCaches, LengthsSinksAndEmptyRows) {
   run_two_caches(no_lengths, seed++);
 }
 
-// Splits within each cache (forced, and the automatic plan of a decode batch), merged with the other cache's by
-// the one combine.
+// Splits of the 16-head tile's one launch over both lists (forced, and the automatic plan of a decode batch), and
+// within each cache where each has its launch (the wide tile forced), merged by the one combine.
 TEST(CudaTwoCaches, SplitsWithinEachCache) {
   uint64_t seed = 300;
-  for (int splits : {1, 3, 64}) {
-    TwoCaches p;
-    p.tokens = 4;
-    p.heads = 16;
-    p.topk = 2048;
-    p.extra_topk = 640;
-    p.sink = true;
-    p.choice.splits = splits;
-    // 2048 keys are 64 chunks of 32, 640 are 20: each cache's chunks dealt to at most `splits` splits.
-    auto splits_of = [&](int chunks) {
-      const int per_split = (chunks + std::min(splits, chunks) - 1) / std::min(splits, chunks);
-      return (chunks + per_split - 1) / per_split;
-    };
-    EXPECT_EQ(run_two_caches(p, seed++).num_splits, splits_of(64) + splits_of(20)) << "forced splits " << splits;
-  }
+  for (bool wide : {false, true})
+    for (int splits : {1, 3, 64}) {
+      TwoCaches p;
+      p.tokens = 4;
+      p.heads = 16;
+      p.topk = 2048;
+      p.extra_topk = 640;
+      p.sink = true;
+      p.choice.splits = splits;
+      if (wide) p.choice.kernel = cuda::AttentionKernel::wide_tile;
+      if (wide && !cuda::mla::wide::find_wide_config(cuda::mla::CacheFormat::bf16, 0, false)) continue;
+      // 2048 keys are 64 chunks of 32, 640 are 20: dealt to at most `splits` splits, both lists' 84 together
+      // (rounded up to 64 keys each) or each cache's apart.
+      auto splits_of = [&](int chunks) {
+        const int per_split = (chunks + std::min(splits, chunks) - 1) / std::min(splits, chunks);
+        return (chunks + per_split - 1) / per_split;
+      };
+      EXPECT_EQ(run_two_caches(p, seed++).num_splits, wide ? splits_of(64) + splits_of(20) : splits_of(84))
+          << "forced splits " << splits << (wide ? ", wide tile" : "");
+    }
   TwoCaches decode;  // 2 tokens x 1 head group: the automatic plan splits the keys to fill the GPU
   decode.tokens = 2;
   decode.heads = 16;
@@ -409,24 +418,34 @@ TEST(CudaTwoCaches, WgmmaKernel) {
   EXPECT_EQ(run_two_caches(automatic, seed++).kernel, cuda::AttentionKernel::wgmma);
 }
 
-// The wgmma kernel's one launch over both lists: top-k and extra top-k of odd chunk counts (64-key chunks) and
-// lengths that cut both lists, so a pair of chunks takes its first from the main list and its second from the
-// extra one; each cache its own block size (1, 2, 61, 64, 69, 576: rows in one block or many, blocks padded);
-// forced splits that cut the lists anywhere (the plan's splits count the chunks of both lists together); and
-// DeepSeek-V4's bf16 decode batches of 64 heads, where the automatic plan takes it.
+// The wgmma kernel's one launch over both lists (the pairs kernel for bf16 and f16, the staged one for
+// fp8_ds_mla_v4): top-k and extra top-k of odd chunk counts (64-key chunks) and lengths that cut both lists, so a
+// pair of chunks takes its first from the main list and its second from the extra one; each cache its own block
+// size (1, 2, 61, 64, 69, 576: rows in one block or many, blocks padded); forced splits that cut the lists anywhere
+// (the plan's splits count the chunks of both lists together); and DeepSeek-V4's decode batches of 64 heads, bf16
+// and fp8_ds_mla_v4, where the automatic plan takes it.
 TEST(CudaTwoCaches, WgmmaKernelReadsBothListsInOneLaunch) {
   if (!cuda::wgmma_kernels_available()) GTEST_SKIP() << "needs a Hopper GPU running the library's sm_90a code";
   uint64_t seed = 470;
   const std::pair<int, int> block_sizes[] = {{1, 576}, {2, 69}, {61, 64}, {64, 61}, {69, 2}, {576, 1}};
-  const std::pair<int, int> topks[] = {{100, 300}, {128, 512}, {1, 65}, {300, 1}, {64, 2048}, {2048, 100}};
+  struct Case {
+    DType kv;
+    int rope, heads, topk, extra_topk;
+  };
+  const Case cases[] = {{DType::bf16, 0, 64, 100, 300},         {DType::f16, 0, 100, 128, 512},
+                        {DType::fp8_ds_mla_v4, 0, 64, 1, 65},   {DType::bf16, kMlaRopeDim, 128, 300, 1},
+                        {DType::fp8_ds_mla_v4, 0, 100, 64, 2048}, {DType::f16, kMlaRopeDim, 64, 2048, 100}};
   for (int i = 0; i < 6; ++i)
     for (int splits : {0, 1, 2, 7}) {
+      const Case& c = cases[i];
       TwoCaches p;
-      p.kv_dtype = p.q_dtype = i % 2 ? DType::f16 : DType::bf16;
-      p.rope = i % 3 == 2 ? kMlaRopeDim : 0;
-      p.heads = i % 2 ? 100 : 64;
+      p.kv_dtype = c.kv;
+      p.q_dtype = c.kv == DType::f16 || (c.kv == DType::fp8_ds_mla_v4 && splits % 2) ? DType::f16 : DType::bf16;
+      p.rope = c.rope;
+      p.heads = c.heads;
       p.tokens = 5;
-      std::tie(p.topk, p.extra_topk) = topks[i];
+      p.topk = c.topk;
+      p.extra_topk = c.extra_topk;
       std::tie(p.block_size, p.extra_block_size) = block_sizes[(i + splits) % 6];
       p.sink = splits % 2 == 0;
       p.lengths = i != 4;
@@ -442,6 +461,7 @@ TEST(CudaTwoCaches, WgmmaKernelReadsBothListsInOneLaunch) {
     }
   for (int batch : {74, 130}) {  // V4's window (top-k 128, blocks of 64) and c4 (top-k 512) caches, automatic
     TwoCaches p;
+    p.kv_dtype = batch == 74 ? DType::bf16 : DType::fp8_ds_mla_v4;
     p.heads = 64;
     p.topk = 128;
     p.extra_topk = 512;
@@ -452,7 +472,7 @@ TEST(CudaTwoCaches, WgmmaKernelReadsBothListsInOneLaunch) {
     EXPECT_EQ(run_two_caches(p, seed++).kernel, cuda::AttentionKernel::wgmma);
   }
 }
-// A workspace smaller than workspace_size (which counts both caches' splits) is refused.
+// A workspace smaller than workspace_size (the partials of every split the plan makes over both caches) is refused.
 TEST(CudaTwoCaches, WorkspaceTooSmallIsAnError) {
   TwoCaches p;
   p.tokens = 2;
@@ -462,11 +482,9 @@ TEST(CudaTwoCaches, WorkspaceTooSmallIsAnError) {
   make_inputs(p, 500, in);
   OnGpu g(in);
   const size_t need = workspace_size(g.args, &gpu());
-  SparseMlaArgs one_cache = g.args;
-  one_cache.extra_kv_cache = {};
-  one_cache.extra_indices = {};
-  one_cache.extra_topk_length = {};
-  EXPECT_GT(need, workspace_size(one_cache, &gpu()));
+  const cuda::AttentionPlan plan = cuda::sparse_mla_plan(g.args);
+  ASSERT_GT(plan.num_splits, 1);  // two tokens' 4096 keys split to fill the GPU
+  EXPECT_EQ(need, static_cast<size_t>(plan.num_splits) * p.tokens * p.heads * (kMlaVDim + 2) * sizeof(float));
   DeviceBuffer ws(need);
   g.args.workspace = TensorView(ws.ptr, {static_cast<int64_t>(need - 16)}, DType::u8, Device::cuda(0, 0));
   test::expect_error([&] { sparse_mla(g.args, &gpu()); }, ErrorKind::invalid_argument,

@@ -25,17 +25,19 @@ using KernelFn = void (*)(AttentionParams);
 constexpr int kHalfStages[] = {2, 3, 4};
 constexpr int kFp8Stages[] = {1, 2, 3};
 
-template <CacheFormat F, int kRope, bool kPaged>
+template <CacheFormat F, int kRope, bool kPaged, bool kTwoLists>
 KernelFn kernel_for(int stages) {
   constexpr const int* depths = mla::is_fp8(F) ? kFp8Stages : kHalfStages;
-  if (stages == depths[0]) return mla::attention_kernel<F, kRope, kPaged, depths[0]>;
-  if (stages == depths[1]) return mla::attention_kernel<F, kRope, kPaged, depths[1]>;
-  return mla::attention_kernel<F, kRope, kPaged, depths[2]>;
+  if (stages == depths[0]) return mla::attention_kernel<F, kRope, kPaged, depths[0], kTwoLists>;
+  if (stages == depths[1]) return mla::attention_kernel<F, kRope, kPaged, depths[1], kTwoLists>;
+  return mla::attention_kernel<F, kRope, kPaged, depths[2], kTwoLists>;
 }
 
-KernelFn select_kernel(CacheFormat f, int rope, bool paged, int stages) {
-  return mla::instance_for(f, rope, paged, [stages]<CacheFormat F, int kRope, bool kPaged>() {
-    return kernel_for<F, kRope, kPaged>(stages);
+// `two_lists`: the instance that reads sparse_mla's two caches in one launch (sparse only).
+KernelFn select_kernel(CacheFormat f, int rope, bool paged, int stages, bool two_lists) {
+  return mla::instance_for(f, rope, paged, [stages, two_lists]<CacheFormat F, int kRope, bool kPaged>() {
+    if constexpr (kPaged) return kernel_for<F, kRope, true, false>(stages);
+    else return two_lists ? kernel_for<F, kRope, false, true>(stages) : kernel_for<F, kRope, false, false>(stages);
   });
 }
 
@@ -121,8 +123,8 @@ struct LaunchConfig {
 
 // The 16-head-tile kernel of `v` (mla::choose_attention_kernel's choice), opted in to its shared memory; its CTAs
 // per SM as the driver counts them (what sparse_mla_plan reports, so a GPU test holds the choice's count to it).
-LaunchConfig head_tile_config(CacheFormat f, int rope, bool paged, const mla::KernelVariant& v) {
-  const KernelFn fn = select_kernel(f, rope, paged, v.stages);
+LaunchConfig head_tile_config(CacheFormat f, int rope, bool paged, const mla::KernelVariant& v, bool two_lists) {
+  const KernelFn fn = select_kernel(f, rope, paged, v.stages, two_lists);
   allow_dynamic_smem(reinterpret_cast<const void*>(fn), v.smem);
   return {fn, v.smem, resident_ctas_per_sm(reinterpret_cast<const void*>(fn), mla::kThreads, v.smem), v.stages};
 }
@@ -182,7 +184,10 @@ mla::KernelLimits kernel_limits(const DeviceInfo& dev) {
           dev.max_ctas_per_sm, dev.sm90a_code};
 }
 
-Plan plan(CacheFormat f, int rope, bool paged, int64_t tokens, int heads, int num_keys, AttentionChoice choice) {
+// `two_lists`: the 16-head-tile and wgmma kernels' instances that read sparse_mla's two caches in one launch, where
+// there are (two_cache_plan).
+Plan plan(CacheFormat f, int rope, bool paged, int64_t tokens, int heads, int num_keys, AttentionChoice choice,
+          bool two_lists = false) {
   const DeviceInfo& dev = current_device();
   const mla::KernelDecision d = mla::choose_attention_kernel(kernel_limits(dev), {f, rope, paged, tokens, heads, choice});
   const mla::small::SmallHeadsShape shape{choice.stages, choice.heads_per_cta, choice.split_dims, choice.copy};
@@ -205,9 +210,9 @@ Plan plan(CacheFormat f, int rope, bool paged, int64_t tokens, int heads, int nu
   else if (v.kernel == AttentionKernel::wide_tile)
     s.wide = &mla::wide::wide_config(f, rope, paged, v.stages);
   else if (v.kernel == AttentionKernel::wgmma)
-    s.wgmma = &mla::wg::wgmma_config(f, rope, paged);
+    s.wgmma = &mla::wg::wgmma_config(f, rope, paged, two_lists);
   else
-    s.head_tile = head_tile_config(f, rope, paged, v);
+    s.head_tile = head_tile_config(f, rope, paged, v, two_lists);
   const int chunk_keys = s.small   ? mla::small::kSmallChunkKeys
                          : s.wgmma ? mla::wg::kWgmmaChunkKeys
                                    : mla::kKeysPerChunk;
@@ -295,12 +300,13 @@ void launch(AttentionParams& p, CacheFormat f, int rope, bool paged, int num_key
 // DeepSeek-V4's bf16 / f16 head is the 512-wide rope-free geometry exactly: its score is q.k over all 512 values
 // of the row (448 nope + 64 rope, which the score need not tell apart) and its value the whole row, so the kernels
 // serve it unchanged.
-// - Where the wgmma kernel runs on a 16-bit cache, one launch reads both lists (`one_launch`: its two-list
-//   instance, mla::ExtraKeys): a token's main chunks, then its extra ones, are the chunks one plan splits, and only
-//   a split plan writes partials for a combine. (An H200's V4 decode of 128 tokens x 64 heads took 73.7 us as three
-//   launches: the window's, the compressed cache's and the combine of their 32 MB of partials.)
-// - Otherwise each cache's keys run as the splits of one launch of the kernel its plan picks (the rules of one
-//   cache), the main cache's splits first, then the extra cache's, all writing partial rows (out, lse, max) into
+// - Where the 16-head-tile kernel runs, or the wgmma kernel on a bf16, f16 or fp8_ds_mla_v4 cache, one launch reads
+//   both lists (`one_launch`; mla::ExtraKeys, the wgmma kernel's two-list instance): a token's main chunks, then its
+//   extra ones, are the chunks one plan splits, and only a split plan writes partials for a combine. (On an H200,
+//   V4's decode of 128 tokens x 64 heads took 73.7 us as three launches: the window's, the compressed cache's and
+//   the combine of their 32 MB of partials; 42.4 us as one.)
+// - Otherwise (the small-heads and wide-tile kernels, the wgmma kernel's bulk-copied fp8_ds_mla rows) each cache's
+//   keys run as the splits of one launch of the kernel its plan picks (the rules of one cache), the main cache's splits first, then the extra cache's, all writing partial rows (out, lse, max) into
 //   one array that the combine merges as one list of splits. The kernel writes partials whenever num_splits > 1
 //   (here always, each cache having at least one split) at split blockIdx.y of its partial pointers, so the extra
 //   cache's launch gets pointers past the main cache's splits.
@@ -317,16 +323,11 @@ struct TwoCachePlan {
 
 TwoCachePlan two_cache_plan(CacheFormat f, int rope, int64_t tokens, int heads, int keys, int extra_keys,
                             AttentionChoice choice) {
-  if (mla::wg::two_lists_in_one_launch(f)) {
-    // Each list's chunks: the most a token can have of both.
-    const int chunk_keys = mla::wg::kWgmmaChunkKeys;
-    const auto chunks_of = [&](int n) { return (std::max(n, 1) + chunk_keys - 1) / chunk_keys; };
-    Plan both = plan(f, rope, false, tokens, heads, (chunks_of(keys) + chunks_of(extra_keys)) * chunk_keys, choice);
-    if (both.wgmma) {
-      both.wgmma = &mla::wg::wgmma_config(f, rope, false, true);
-      return {both, {}, true};
-    }
-  }
+  // Both lists' keys, each rounded up to 64 (a multiple of every kernel's chunk): the most chunks a token can have
+  // in a launch over both.
+  const auto rounded = [](int n) { return (std::max(n, 1) + 63) / 64 * 64; };
+  const Plan both = plan(f, rope, false, tokens, heads, rounded(keys) + rounded(extra_keys), choice, true);
+  if (both.head_tile.fn || (both.wgmma && mla::wg::two_lists_in_one_launch(f))) return {both, {}, true};
   auto one = [&](int num_keys) {
     Plan s = plan(f, rope, false, tokens, heads, num_keys, choice);
     if (s.num_splits > mla::kMaxSplits / 2) {  // the combine merges at most kMaxSplits: half for each cache

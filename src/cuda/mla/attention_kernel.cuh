@@ -158,6 +158,26 @@ __device__ __forceinline__ int64_t slot_of(const AttentionParams& p, int t, int 
   return entry_slot<kPaged>(p, key, slot_entry<kPaged>(p, t, b, key, visible));
 }
 
+// A sparse token's two key lists in a kernel that reads both (ExtraKeys, two_list_range): chunks from
+// `main_chunks` on are the extra list's. The default: one list.
+struct ListChunks {
+  int main_chunks = 1 << 30, extra_visible = 0;
+};
+// The extra list's entry for key `key` of token t (slot_entry's), -1 past its `visible` keys.
+__device__ __forceinline__ int32_t extra_entry(const AttentionParams& p, int t, int key, int visible) {
+  return key < visible ? p.extra.indices[t * p.extra.indices_stride + key] : -1;
+}
+// Physical slot of row `row` of chunk `chunk` (kChunkKeys keys) of token (b, j, t), or -1 when it must not be read.
+template <bool kPaged, bool kTwoLists, int kChunkKeys>
+__device__ __forceinline__ int64_t chunk_slot(const AttentionParams& p, int t, int b, int chunk, int row, int visible,
+                                              const ListChunks& lists) {
+  if (kTwoLists && chunk >= lists.main_chunks) {
+    const int32_t entry = extra_entry(p, t, (chunk - lists.main_chunks) * kChunkKeys + row, lists.extra_visible);
+    return entry >= 0 && entry < p.extra.num_slots ? entry : -1;
+  }
+  return slot_of<kPaged>(p, t, b, chunk * kChunkKeys + row, visible);
+}
+
 // The kernel's steps, in the order it runs them. Each compiles to the same
 // SASS as the code it replaced (scripts/compare-sass.py): gather_row's scalars
 // are const references, as the lambda before it captured them, because passed
@@ -208,26 +228,31 @@ __device__ __forceinline__ GatherLane gather_lane(int tid) {
 // from the block's end); an invalid row is zero-filled, never read, and
 // marked so in the chunk's set of `valid`. The row's slot was loaded a chunk
 // earlier (`next_slot`; this loads the next chunk's, if the split has one), so
-// the index load's latency is off the critical path.
-template <CacheFormat F, bool kPaged, int kParts = 4, int kChunkKeys = kKeysPerChunk>
+// the index load's latency is off the critical path. kTwoLists: chunks from lists.main_chunks on are the extra
+// list's, read from its cache.
+template <CacheFormat F, bool kPaged, int kParts = 4, int kChunkKeys = kKeysPerChunk, bool kTwoLists = false>
 __device__ __forceinline__ void gather_row(const AttentionParams& p, const int& t, const int& b, const int& visible,
                                            int chunk, const int& chunk_begin, const int& n_chunks, const int& row,
                                            const int& part, int64_t& next_slot, uint8_t* dst, int dst_row_bytes,
-                                           int pieces, int* valid, int valid_sets) {
+                                           int pieces, int* valid, int valid_sets, const ListChunks& lists = {}) {
   constexpr bool kV4 = F == CacheFormat::fp8_ds_mla_v4;
   const int64_t slot = next_slot;
   if (chunk + 1 < chunk_begin + n_chunks)
-    next_slot = slot_of<kPaged>(p, t, b, (chunk + 1) * kChunkKeys + row, visible);
-  const uint8_t *src = p.cache, *scales = p.cache;  // the row (fp8_ds_mla_v4: the values, and the scales)
+    next_slot = chunk_slot<kPaged, kTwoLists, kChunkKeys>(p, t, b, chunk + 1, row, visible, lists);
+  const bool extra = kTwoLists && chunk >= lists.main_chunks;
+  const uint8_t* const cache = extra ? p.extra.cache : p.cache;
+  const int block_size = extra ? p.extra.block_size : p.block_size;
+  const int64_t block_stride = extra ? p.extra.block_stride : p.block_stride;
+  const uint8_t *src = cache, *scales = cache;  // the row (fp8_ds_mla_v4: the values, and the scales)
   if (slot >= 0) {
     if constexpr (kV4) {
       using V4 = MlaV4CacheLayout;
-      const int64_t offset = slot % p.block_size;
-      src += (slot / p.block_size) * p.block_stride;
-      scales = src + p.block_size * V4::kValueBytes + offset * V4::kScaleBytes;
+      const int64_t offset = slot % block_size;
+      src += (slot / block_size) * block_stride;
+      scales = src + block_size * V4::kValueBytes + offset * V4::kScaleBytes;
       src += offset * V4::kValueBytes;
     } else {
-      src += (slot / p.block_size) * p.block_stride + (slot % p.block_size) * p.row_stride;
+      src += (slot / block_size) * block_stride + (slot % block_size) * (extra ? p.extra.row_stride : p.row_stride);
     }
   }
   for (int piece = part; piece < pieces; piece += kParts) {
@@ -444,8 +469,10 @@ __device__ __forceinline__ void store_warpgroup_rows(const AttentionParams& p, O
   }
 }
 
-template <CacheFormat F, int kRope, bool kPaged, int kStages>
+// kTwoLists: sparse_mla's two caches in one launch (p.extra; two_list_range).
+template <CacheFormat F, int kRope, bool kPaged, int kStages, bool kTwoLists = false>
 __global__ void __launch_bounds__(kThreads) attention_kernel(const AttentionParams p) {
+  static_assert(!(kTwoLists && kPaged), "two key lists are sparse_mla's");
   using T = ComputeT<F>;
   using D = HeadDims<kRope>;
   constexpr int kRowElems = D::kRowElems, kPieces = D::kPieces, kDimsPerWarp = D::kDimsPerWarp;
@@ -489,13 +516,22 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const AttentionPara
   // Everything from here reads what the kernel before may write (indices, cache) when dsa_decode_step launches
   // this one as the top-k's programmatic dependent; without that launch the wait returns at once.
   wait_for_prerequisites();
-  const ChunkRange range = chunk_range<kPaged>(p, t, b, j, split, kKeysPerChunk);
+  ChunkRange range;
+  ListChunks lists;
+  if constexpr (kTwoLists) {
+    const TwoListRange both = two_list_range(p, t, split, kKeysPerChunk);
+    range = both.range;
+    lists = {both.main_chunks, both.extra_visible};
+  } else {
+    range = chunk_range<kPaged>(p, t, b, j, split, kKeysPerChunk);
+  }
   const int visible = range.visible, chunk_begin = range.begin, n_chunks = range.count;
 
   // This thread's row of every chunk, its pieces my_part + 4k.
   const GatherLane gl = gather_lane<4>(tid);
   const int my_row = gl.row, my_part = gl.part;
-  int64_t next_slot = n_chunks > 0 ? slot_of<kPaged>(p, t, b, chunk_begin * kKeysPerChunk + my_row, visible) : -1;
+  int64_t next_slot =
+      n_chunks > 0 ? chunk_slot<kPaged, kTwoLists, kKeysPerChunk>(p, t, b, chunk_begin, my_row, visible, lists) : -1;
 
   float o[16][4];  // this warp's 128 output columns (16 n-tiles), rows g and g+8
 #pragma unroll
@@ -576,9 +612,10 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const AttentionPara
   uint8_t* const bufs = smem + (kFp8 ? L.staging : L.k);
   auto issue = [&](int i) {  // chunk i of this split, if it exists
     if (i < n_chunks)
-      gather_row<F, kPaged>(p, t, b, visible, chunk_begin + i, chunk_begin, n_chunks, my_row, my_part, next_slot,
-                         bufs + (i % kStages) * kBufBytes, kFp8 ? kFp8RowBytes : kRowElems * 2,
-                         kFp8 ? kFp8Pieces : kPieces, valid, L.valid_sets);
+      gather_row<F, kPaged, 4, kKeysPerChunk, kTwoLists>(
+          p, t, b, visible, chunk_begin + i, chunk_begin, n_chunks, my_row, my_part, next_slot,
+          bufs + (i % kStages) * kBufBytes, kFp8 ? kFp8RowBytes : kRowElems * 2, kFp8 ? kFp8Pieces : kPieces, valid,
+          L.valid_sets, lists);
     cp_async_commit();  // empty groups keep the wait counts uniform
   };
 #pragma unroll

@@ -20,7 +20,10 @@ using Kernel = void (*)(AttentionParams);
 Kernel select(CacheFormat f, int rope, bool paged, bool two_lists) {
   // [&]: a capture-less lambda's conversion to a function pointer draws nvcc warning 445 for each instance
   return instance_for(f, rope, paged, [&]<CacheFormat F, int kRope, bool kPaged>() {
-    if constexpr (is_fp8(F)) return static_cast<Kernel>(wgmma_attention_kernel<F, kRope, kPaged>);
+    if constexpr (F == CacheFormat::fp8_ds_mla_v4 && !kPaged)
+      return two_lists ? static_cast<Kernel>(wgmma_attention_kernel<F, kRope, false, true>)
+                       : static_cast<Kernel>(wgmma_attention_kernel<F, kRope, false>);
+    else if constexpr (is_fp8(F)) return static_cast<Kernel>(wgmma_attention_kernel<F, kRope, kPaged>);
     else if constexpr (kPaged) return static_cast<Kernel>(wgmma_pairs_kernel<F, kRope, true>);
     else
       return two_lists ? static_cast<Kernel>(wgmma_pairs_kernel<F, kRope, false, true>)

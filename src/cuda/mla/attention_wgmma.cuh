@@ -75,10 +75,12 @@ struct WgmmaLayout {
   }
 };
 
-template <CacheFormat F, int kRope, bool kPaged>
+// kTwoLists: sparse_mla's two caches in one launch (p.extra; two_list_range), for the cp.async gather only.
+template <CacheFormat F, int kRope, bool kPaged, bool kTwoLists = false>
 __global__ void __launch_bounds__(kWgmmaThreads, 1) wgmma_attention_kernel(const AttentionParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(is_fp8(F), "fp8 caches (16-bit ones take the pairs kernel)");
+  static_assert(!kTwoLists || (!kPaged && !bulk_rows(F)), "two key lists: sparse_mla's, gathered by cp.async");
   static_assert(F != CacheFormat::fp8_ds_mla_v4 || kRope == 0, "fp8_ds_mla_v4 holds 512-wide heads");
   using T = ComputeT<F>;
   constexpr WgmmaIn kIn = std::is_same_v<T, __half> ? WgmmaIn::f16 : WgmmaIn::bf16;
@@ -111,7 +113,15 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) wgmma_attention_kernel(const
   // Everything from here reads what the kernel before may write (indices, cache) when dsa_decode_step launches
   // this one as the top-k's programmatic dependent; without that launch the wait returns at once.
   wait_for_prerequisites();
-  const ChunkRange range = chunk_range<kPaged>(p, t, b, j, split, kChunkKeys);
+  ChunkRange range;
+  ListChunks lists;
+  if constexpr (kTwoLists) {
+    const TwoListRange both = two_list_range(p, t, split, kChunkKeys);
+    range = both.range;
+    lists = {both.main_chunks, both.extra_visible};
+  } else {
+    range = chunk_range<kPaged>(p, t, b, j, split, kChunkKeys);
+  }
   const int visible = range.visible, chunk_begin = range.begin, n_chunks = range.count;
   if (tid == 0) {
     mbarrier_init(&sig.p_ready, 128);
@@ -124,7 +134,9 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) wgmma_attention_kernel(const
   const GatherLane gl = bulk_rows(F) ? GatherLane{wtid, 0} : gather_lane<kGatherParts>(wtid);
   const int my_row = gl.row, my_part = gl.part;
   const bool gathers = wg == 1 && (!bulk_rows(F) || wtid < kChunkKeys);  // warp-uniform
-  int64_t next_slot = gathers && n_chunks > 0 ? slot_of<kPaged>(p, t, b, chunk_begin * kChunkKeys + my_row, visible) : -1;
+  int64_t next_slot =
+      gathers && n_chunks > 0 ? chunk_slot<kPaged, kTwoLists, kChunkKeys>(p, t, b, chunk_begin, my_row, visible, lists)
+                              : -1;
   auto issue = [&](int i) {  // warpgroup 1: chunk i, if it exists, into staging
     if constexpr (bulk_rows(F)) {
       if (i >= n_chunks || !gathers) return;
@@ -144,9 +156,10 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) wgmma_attention_kernel(const
       }
     } else {
       if (i < n_chunks)
-        gather_row<F, kPaged, kGatherParts, kChunkKeys>(p, t, b, visible, chunk_begin + i, chunk_begin, n_chunks,
-                                                        my_row, my_part, next_slot, staging, kStagedBytes,
-                                                        kStagedBytes / 16, valid, L.valid_sets);
+        gather_row<F, kPaged, kGatherParts, kChunkKeys, kTwoLists>(p, t, b, visible, chunk_begin + i, chunk_begin,
+                                                                   n_chunks, my_row, my_part, next_slot, staging,
+                                                                   kStagedBytes, kStagedBytes / 16, valid,
+                                                                   L.valid_sets, lists);
       cp_async_commit();
     }
   };

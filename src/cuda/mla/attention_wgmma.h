@@ -19,13 +19,14 @@ struct WgmmaConfig {
 // The configuration for format `f` (any cache format), rope width `rope` (64 or 0) and key source on the current
 // device (cached per device); null where the device cannot run it (not a Hopper GPU, no sm_90a code loaded, or too
 // little shared memory). `two_lists`: the instance that reads sparse_mla's two caches in one launch (ExtraKeys;
-// 16-bit caches, sparse only: two_lists_in_one_launch).
+// sparse only, the formats of two_lists_in_one_launch).
 const WgmmaConfig* find_wgmma_config(CacheFormat f, int rope, bool paged, bool two_lists = false);
 // The same, an error naming what is missing.
 const WgmmaConfig& wgmma_config(CacheFormat f, int rope, bool paged, bool two_lists = false);
 // Whether the wgmma kernel reads both of sparse_mla's caches in one launch for format `f`: the pairs kernel (16-bit
-// caches) does; the staged one (fp8) runs one launch a cache.
-constexpr bool two_lists_in_one_launch(CacheFormat f) { return f == CacheFormat::bf16 || f == CacheFormat::f16; }
+// caches) and the staged one where it gathers by cp.async (fp8_ds_mla_v4) do; fp8_ds_mla's bulk-copied rows run
+// one launch a cache.
+constexpr bool two_lists_in_one_launch(CacheFormat f) { return f != CacheFormat::fp8_ds_mla; }
 
 // Launches one attention of `p` (its split fields filled) with `cfg` over `splits` splits of its keys on `stream`;
 // `dependent`: as the programmatic dependent of the kernel before it (launch_kernel_args).

@@ -152,9 +152,8 @@ __global__ void __launch_bounds__(kPairThreads, 1) wgmma_pairs_kernel(const Atte
         for (int r = 0; r < kProducerRows; ++r) {
           const int key = key_of(k, chunk, r);
           entries[chunk][r] = 2 * k + chunk >= n_chunks ? -1
-                              : !extra ? slot_entry<kPaged>(p, t, b, key, visible)
-                              : key < extra_visible ? p.extra.indices[t * p.extra.indices_stride + key]
-                                                    : -1;
+                              : extra ? extra_entry(p, t, key, extra_visible)
+                                      : slot_entry<kPaged>(p, t, b, key, visible);
         }
       }
     };

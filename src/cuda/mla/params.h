@@ -39,7 +39,7 @@ auto instance_for(CacheFormat f, int rope, bool paged, const Pick& pick) {
 }
 
 // sparse_mla's second key list (DeepSeek-V4's compressed cache beside its window) where one launch reads both
-// lists (the pairs kernel's two-list instances): a token's chunks of the main list's visible keys first, then
+// lists (the wgmma kernels' two-list instances): a token's chunks of the main list's visible keys first, then
 // those of this list's, under one softmax. The fields mean what AttentionParams' cache and slot-list fields mean.
 struct ExtraKeys {
   const uint8_t* cache;
