@@ -57,7 +57,7 @@ inline constexpr int kHeadsPerCtaTile = 16, kWideHeadsPerCta = 64, kWgmmaHeadsPe
 inline constexpr bool kWgmmaAutomaticForFp8 = true;
 // Registers per thread, at most, over every instance and arch (ptxas -v; the wide tile's are capped at 255 by its
 // launch bounds of one CTA per SM, the small-heads kernel's with the dim split at 128 by its bounds of two).
-inline constexpr int kHeadTileRegisters = 171, kWideRegisters = 255, kSmallHeads16Registers = 255,
+inline constexpr int kHeadTileRegisters = 177, kWideRegisters = 255, kSmallHeads16Registers = 255,
                      kSmallHeads8Registers = 255, kSmallHeadsSplitRegisters = 128;
 
 // The attention's shape: cache format, rope width (64 or 0), paged (dense decode) or a slot list (sparse), query
