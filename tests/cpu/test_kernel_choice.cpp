@@ -41,7 +41,7 @@ AttentionKernel expected_kernel(const KernelLimits& l, const KernelShape& s) {
        (!v4 && (small_hpc == 8 || kSmallSixteenHeadsPerWarp) &&
         small_heads_smem(s.format, s.rope, small_hpc, 2, 2) <= l.max_smem_per_block)))
     return AttentionKernel::small_heads;
-  if (s.heads >= kWideMinHeads && s.tokens * s.heads >= kWideMinRows && l.compute_capability == 90 &&
+  if (s.heads >= kWideMinHeads && s.tokens * s.heads >= wgmma_min_rows(s.rope) && l.compute_capability == 90 &&
       l.sm90a_code && (sixteen_bit || kWgmmaAutomaticForFp8))
     return AttentionKernel::wgmma;
   if (s.heads >= kWideMinHeads && s.tokens * s.heads >= kWideMinRows &&
@@ -94,7 +94,8 @@ TEST(KernelChoice, AutomaticOnEveryArch) {
                 // Where the wgmma kernel runs, the wide tile (after the small-heads kernel) is named as beaten by it.
                 if (d.chosen.kernel == AttentionKernel::wgmma)
                   EXPECT_EQ(rejection_text(d.rejected[1], d.chosen, 90),
-                            "not chosen: 64+ heads at 4,096+ query rows x heads take the wgmma kernel (sm_90a code)");
+                            std::string("not chosen: 64+ heads at ") + (rope ? "512" : "1,024") +
+                                "+ query rows x heads take the wgmma kernel (sm_90a code)");
               }
 }
 
@@ -236,7 +237,19 @@ TEST(KernelChoice, WgmmaAutomaticOnHopper) {
   EXPECT_EQ(one.chosen.kernel, AttentionKernel::head_tile);
   EXPECT_EQ(one.rejected[1].kernel, AttentionKernel::wgmma);
   EXPECT_EQ(rejection_text(one.rejected[1], one.chosen, 90),
-            "not chosen: automatic from 4,096 query rows x heads on, here 128 (fewer run faster on the 16-head tile)");
+            "not chosen: automatic from 512 query rows x heads on, here 128 (fewer run faster on the 16-head tile)");
+  // From kWgmmaMinRows on: 4 tokens of 128 heads, 8 of 64 (the wide tile's rule would wait for 4096); 512-wide heads
+  // (DeepSeek-V4) from kWgmmaMinRowsNoRope.
+  for (const auto& [tokens, heads] : {std::pair{4, 128}, std::pair{8, 64}}) {
+    EXPECT_EQ(choose_attention_kernel(hopper, {CacheFormat::bf16, 64, false, tokens, heads, {}}).chosen.kernel,
+              AttentionKernel::wgmma);
+    EXPECT_EQ(choose_attention_kernel(hopper, {CacheFormat::bf16, 0, false, tokens, heads, {}}).chosen.kernel,
+              AttentionKernel::head_tile);
+    EXPECT_EQ(choose_attention_kernel(hopper, {CacheFormat::fp8_ds_mla_v4, 0, false, 2 * tokens, heads, {}}).chosen.kernel,
+              kWgmmaAutomaticForFp8 ? AttentionKernel::wgmma : AttentionKernel::head_tile);
+  }
+  EXPECT_EQ(choose_attention_kernel(hopper, {CacheFormat::bf16, 64, false, 7, 64, {}}).chosen.kernel,
+            AttentionKernel::head_tile);
   const KernelDecision few = choose_attention_kernel(hopper, {CacheFormat::bf16, 64, false, 4096, 32, {}});
   EXPECT_EQ(few.chosen.kernel, AttentionKernel::head_tile);
   EXPECT_EQ(few.rejected[1].why, Rejected::too_few_heads);

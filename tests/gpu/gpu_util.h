@@ -23,22 +23,24 @@ inline const Backend& gpu() { return *Registry::global().find("cuda_mma"); }
 
 // The attention kernel the ops pick by themselves for `tokens` query rows of `heads` heads over a `kv` cache (`rope`:
 // 64 or 0; `paged`: paged_mla_decode) where the small-heads kernel does not serve: from the wide tile's automatic
-// rule's heads and rows x heads on the wgmma kernel where the device runs it (Hopper, sm_90a code; 16-bit caches, fp8
-// ones while kWgmmaAutomaticForFp8), else the wide-tile kernel where the device holds it; else the 16-head-tile kernel.
+// rule's heads on, the wgmma kernel where the device runs it (Hopper, sm_90a code; 16-bit caches, fp8 ones while
+// kWgmmaAutomaticForFp8) from wgmma_min_rows rows x heads, else the wide-tile kernel where the device holds it from its
+// rows x heads; else the 16-head-tile kernel.
 inline cuda::AttentionKernel automatic_many_heads_kernel(DType kv, int rope, bool paged, int heads, int64_t tokens) {
   using cuda::mla::CacheFormat;
   const CacheFormat f = kv == DType::bf16            ? CacheFormat::bf16
                         : kv == DType::f16           ? CacheFormat::f16
                         : kv == DType::fp8_ds_mla_v4 ? CacheFormat::fp8_ds_mla_v4
                                                      : CacheFormat::fp8_ds_mla;
-  if (heads < cuda::mla::wide::kMinHeadsAutomatic || tokens * heads < cuda::mla::wide::kMinRowsAutomatic)
-    return cuda::AttentionKernel::head_tile;
+  if (heads < cuda::mla::wide::kMinHeadsAutomatic) return cuda::AttentionKernel::head_tile;
   const bool sixteen_bit = f == CacheFormat::bf16 || f == CacheFormat::f16;
   if ((sixteen_bit || cuda::mla::kWgmmaAutomaticForFp8) && cuda::wgmma_kernels_available() &&
       cuda::mla::wg::find_wgmma_config(f, rope, paged) != nullptr)
-    return cuda::AttentionKernel::wgmma;
-  return cuda::mla::wide::find_wide_config(f, rope, paged) != nullptr ? cuda::AttentionKernel::wide_tile
-                                                                      : cuda::AttentionKernel::head_tile;
+    return tokens * heads >= cuda::mla::wgmma_min_rows(rope) ? cuda::AttentionKernel::wgmma
+                                                             : cuda::AttentionKernel::head_tile;
+  return tokens * heads >= cuda::mla::wide::kMinRowsAutomatic && cuda::mla::wide::find_wide_config(f, rope, paged)
+             ? cuda::AttentionKernel::wide_tile
+             : cuda::AttentionKernel::head_tile;
 }
 
 // Whether the current device's shared memory holds the small-heads kernel at 8 heads for cache format `f` (rope

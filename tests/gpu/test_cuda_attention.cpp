@@ -1120,9 +1120,11 @@ TEST(CudaSparseMlaWideTile, AutomaticChoiceAndSecondCache) {
         // Hopper with sm_90a code: the wgmma kernel for the bf16 cache wherever the wide rule holds, for fp8 only while
         // kWgmmaAutomaticForFp8.
         if (cuda::wgmma_kernels_available())
-          EXPECT_EQ(plan.kernel == cuda::AttentionKernel::wgmma,
-                    (kv == DType::bf16 || cuda::mla::kWgmmaAutomaticForFp8) && heads >= 64 && tokens * heads >= 4096);
-        if (heads < cuda::mla::wide::kMinHeadsAutomatic || tokens * heads < cuda::mla::wide::kMinRowsAutomatic)
+          EXPECT_EQ(plan.kernel == cuda::AttentionKernel::wgmma, (kv == DType::bf16 || cuda::mla::kWgmmaAutomaticForFp8) &&
+                                                                     heads >= 64 && tokens * heads >= cuda::mla::wgmma_min_rows(kMlaRopeDim));
+        if (heads < cuda::mla::wide::kMinHeadsAutomatic ||
+            tokens * heads < (cuda::wgmma_kernels_available() ? cuda::mla::wgmma_min_rows(kMlaRopeDim)
+                                                              : cuda::mla::wide::kMinRowsAutomatic))
           EXPECT_FALSE(wide);
         if (wide) {
           EXPECT_LE(plan.smem, cuda::current_device().max_smem_per_block);

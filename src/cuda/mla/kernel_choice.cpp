@@ -211,9 +211,11 @@ KernelDecision choose_attention_kernel(const KernelLimits& l, const KernelShape&
       reject(k, Rejected::cache_format);
       continue;
     }
-    if (d.ok()) {  // need: the winner's threshold
+    if (d.ok()) {  // need and have: the winner's thresholds
       const bool small = d.chosen.kernel == AttentionKernel::small_heads;
-      reject(k, Rejected::other_kernel_won, small ? min_tokens : kWideMinHeads, small ? small_max_heads : 0);
+      const int64_t rows = d.chosen.kernel == AttentionKernel::wgmma ? wgmma_min_rows(s.rope) : kWideMinRows;
+      reject(k, Rejected::other_kernel_won, small ? min_tokens : kWideMinHeads,
+             small ? small_max_heads : static_cast<int>(rows));
       continue;
     }
     if (k == AttentionKernel::small_heads) {
@@ -238,9 +240,10 @@ KernelDecision choose_attention_kernel(const KernelLimits& l, const KernelShape&
     d.chosen = variant(l, s, k);
     if (!d.ok()) {
       d.rejected[static_cast<size_t>(d.num_rejected++)] = unfit(l, s, k, least_smem(l, s, k));
-    } else if (wide_rule && s.tokens * s.heads < kWideMinRows) {  // fits, but too few rows
+    } else if (const int64_t min_rows = k == AttentionKernel::wgmma ? wgmma_min_rows(s.rope) : kWideMinRows;
+               wide_rule && s.tokens * s.heads < min_rows) {  // fits, but too few rows
       d.chosen = {};
-      reject(k, Rejected::too_few_rows, static_cast<int>(kWideMinRows), static_cast<int>(s.tokens * s.heads));
+      reject(k, Rejected::too_few_rows, static_cast<int>(min_rows), static_cast<int>(s.tokens * s.heads));
     }
   }
   return d;
@@ -298,7 +301,8 @@ std::string rejection_text(const Rejection& r, const KernelVariant& chosen, int 
       if (chosen.kernel == AttentionKernel::small_heads)
         return "not chosen: this cache format at up to " + std::to_string(r.have) + " heads from " +
                std::to_string(r.need) + " query rows on takes the small-heads kernel";
-      return "not chosen: " + std::to_string(r.need) + "+ heads at " + with_commas(kWideMinRows) +
+      return "not chosen: " + std::to_string(r.need) + "+ heads at " +
+             with_commas(r.have) +
              "+ query rows x heads take the " + won +
              (chosen.kernel == AttentionKernel::wgmma ? " (sm_90a code)" : "");
   }

@@ -44,6 +44,15 @@ inline constexpr int kSmallMaxHeads = 32, kSmallMinTokens = 16, kSmallMinTokensN
 inline constexpr int kSmallMaxHeads16Bit = 16, kSmallMaxHeads16BitTwoGroups = 8, kSmallMinTokens16Bit = 32;
 // The wide tile also needs this many query rows x heads (wide::kMinRowsAutomatic says why).
 inline constexpr int64_t kWideMinRows = 4096;
+// The wgmma kernel in its place needs far fewer: from 512 on it beat the 16-head tile on an H200 (sparse_mla, top-k
+// 2048, one launch, µs 16-head tile / wgmma; run of 83b863a): bf16 128 heads x 4 tokens 36.4 / 24.9, x 8 67.0 / 27.0,
+// x 31 203.9 / 57.2; 64 heads x 8 36.2 / 26.7, x 31 152.9 / 45.0; fp8_ds_mla 128 x 8 69.1 / 34.1, 64 x 8 36.2 /
+// 27.9. Below it lost (64 heads x 4 tokens: 25.2 / 30.6 bf16, 24.4 / 29.7 fp8) but for single tokens (within 10%).
+// DeepSeek-V4's 512-wide heads (640-1152 keys a token) favour the 16-head tile a little longer: at 512 rows 19.8 /
+// 22.1 (64 x 8, bf16) and 19.6 / 21.9 (128 x 4), from 1024 on the wgmma kernel (64 x 16: 26.9 / 19.4 bf16, 29.0 /
+// 24.4 fp8_ds_mla_v4): kWgmmaMinRowsNoRope.
+inline constexpr int64_t kWgmmaMinRows = 512, kWgmmaMinRowsNoRope = 1024;
+inline constexpr int64_t wgmma_min_rows(int rope) { return rope ? kWgmmaMinRows : kWgmmaMinRowsNoRope; }
 // Whether fp8_ds_mla_v4 caches (512-wide) take the small-heads kernel automatically as rope-free fp8_ds_mla rows
 // do: off (small::kAutomaticForV4 says why).
 inline constexpr bool kSmallAutomaticForV4 = false;
@@ -81,7 +90,8 @@ struct KernelVariant {
 };
 
 // Why a kernel was not chosen. `need`/`have`: shared memory in bytes (smem), heads or tokens (the automatic rules;
-// other_kernel_won: the chosen kernel's threshold).
+// other_kernel_won: the chosen kernel's thresholds: the small-heads kernel's tokens and heads, the others' heads and
+// query rows x heads).
 enum class Rejected {
   forced_other,      // another kernel was forced
   cache_format,      // the small-heads kernel: not fp8_ds_mla_v4 (automatically); wgmma: not fp8 (ditto), each while switched off
@@ -113,9 +123,9 @@ struct KernelDecision {
 // kSmallAutomaticForV4) up to kSmallMaxHeads heads from kSmallMinTokens query rows on (kSmallMinTokensNoRope for
 // 512-wide heads), for 16-bit caches up to kSmallMaxHeads16Bit heads from kSmallMinTokens16Bit (or that), where it
 // fits; else
-// from wide::kMinHeadsAutomatic heads and wide::kMinRowsAutomatic query rows x heads on the wgmma kernel (sm_90 with
-// sm_90a code; 16-bit caches, fp8 ones while kWgmmaAutomaticForFp8), or the wide tile where it fits; else the
-// 16-head tile. Depths: the 16-head tile
+// from wide::kMinHeadsAutomatic heads on the wgmma kernel (sm_90 with sm_90a code; 16-bit caches, fp8 ones while
+// kWgmmaAutomaticForFp8) from wgmma_min_rows query rows x heads, or the wide tile where it fits from
+// wide::kMinRowsAutomatic; else the 16-head tile. Depths: the 16-head tile
 // the deepest that keeps two CTAs per SM (or the most that fit), the wide tile the deepest that fits, the
 // small-heads kernel the deepest that keeps the most CTAs per SM (at 8 heads the dim split where the unsplit CTAs
 // leave fewer than 8 warps per SM and it keeps as many CTAs).
