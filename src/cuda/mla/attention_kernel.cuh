@@ -158,11 +158,6 @@ __device__ __forceinline__ int64_t slot_of(const AttentionParams& p, int t, int 
   return entry_slot<kPaged>(p, key, slot_entry<kPaged>(p, t, b, key, visible));
 }
 
-// A sparse token's two key lists in a kernel that reads both (ExtraKeys, two_list_range): chunks from
-// `main_chunks` on are the extra list's. The default: one list.
-struct ListChunks {
-  int main_chunks = 1 << 30, extra_visible = 0;
-};
 // The extra list's entry for key `key` of token t (slot_entry's), -1 past its `visible` keys.
 __device__ __forceinline__ int32_t extra_entry(const AttentionParams& p, int t, int key, int visible) {
   return key < visible ? p.extra.indices[t * p.extra.indices_stride + key] : -1;
@@ -469,7 +464,7 @@ __device__ __forceinline__ void store_warpgroup_rows(const AttentionParams& p, O
   }
 }
 
-// kTwoLists: sparse_mla's two caches in one launch (p.extra; two_list_range).
+// kTwoLists: sparse_mla's two caches in one launch (p.extra; key_range).
 template <CacheFormat F, int kRope, bool kPaged, int kStages, bool kTwoLists = false>
 __global__ void __launch_bounds__(kThreads) attention_kernel(const AttentionParams p) {
   static_assert(!(kTwoLists && kPaged), "two key lists are sparse_mla's");
@@ -516,15 +511,9 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const AttentionPara
   // Everything from here reads what the kernel before may write (indices, cache) when dsa_decode_step launches
   // this one as the top-k's programmatic dependent; without that launch the wait returns at once.
   wait_for_prerequisites();
-  ChunkRange range;
-  ListChunks lists;
-  if constexpr (kTwoLists) {
-    const TwoListRange both = two_list_range(p, t, split, kKeysPerChunk);
-    range = both.range;
-    lists = {both.main_chunks, both.extra_visible};
-  } else {
-    range = chunk_range<kPaged>(p, t, b, j, split, kKeysPerChunk);
-  }
+  const KeyRange keys = key_range<kPaged, kTwoLists>(p, t, b, j, split, kKeysPerChunk);
+  const ChunkRange range = keys.range;
+  const ListChunks lists = keys.lists;
   const int visible = range.visible, chunk_begin = range.begin, n_chunks = range.count;
 
   // This thread's row of every chunk, its pieces my_part + 4k.

@@ -75,7 +75,7 @@ struct WgmmaLayout {
   }
 };
 
-// kTwoLists: sparse_mla's two caches in one launch (p.extra; two_list_range), for the cp.async gather only.
+// kTwoLists: sparse_mla's two caches in one launch (p.extra; key_range), for the cp.async gather only.
 template <CacheFormat F, int kRope, bool kPaged, bool kTwoLists = false>
 __global__ void __launch_bounds__(kWgmmaThreads, 1) wgmma_attention_kernel(const AttentionParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -113,15 +113,9 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) wgmma_attention_kernel(const
   // Everything from here reads what the kernel before may write (indices, cache) when dsa_decode_step launches
   // this one as the top-k's programmatic dependent; without that launch the wait returns at once.
   wait_for_prerequisites();
-  ChunkRange range;
-  ListChunks lists;
-  if constexpr (kTwoLists) {
-    const TwoListRange both = two_list_range(p, t, split, kChunkKeys);
-    range = both.range;
-    lists = {both.main_chunks, both.extra_visible};
-  } else {
-    range = chunk_range<kPaged>(p, t, b, j, split, kChunkKeys);
-  }
+  const KeyRange keys = key_range<kPaged, kTwoLists>(p, t, b, j, split, kChunkKeys);
+  const ChunkRange range = keys.range;
+  const ListChunks lists = keys.lists;
   const int visible = range.visible, chunk_begin = range.begin, n_chunks = range.count;
   if (tid == 0) {
     mbarrier_init(&sig.p_ready, 128);

@@ -69,7 +69,7 @@ struct PairLayout {
   }
 };
 
-// kTwoLists: sparse_mla's two caches in one launch (p.extra; two_list_range), the producer alone telling them apart.
+// kTwoLists: sparse_mla's two caches in one launch (p.extra; key_range), the producer alone telling them apart.
 template <CacheFormat F, int kRope, bool kPaged, bool kTwoLists = false>
 __global__ void __launch_bounds__(kPairThreads, 1) wgmma_pairs_kernel(const AttentionParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -104,16 +104,9 @@ __global__ void __launch_bounds__(kPairThreads, 1) wgmma_pairs_kernel(const Atte
   // Everything from here reads what the kernel before may write (indices, cache) when dsa_decode_step launches
   // this one as the top-k's programmatic dependent; without that launch the wait returns at once.
   wait_for_prerequisites();
-  ChunkRange range;
-  int main_chunks = 0, extra_visible = 0;  // two lists: the main list's chunks, the extra list's visible keys
-  if constexpr (kTwoLists) {
-    const TwoListRange both = two_list_range(p, t, split, kKeys);
-    range = both.range;
-    main_chunks = both.main_chunks;
-    extra_visible = both.extra_visible;
-  } else {
-    range = chunk_range<kPaged>(p, t, b, j, split, kKeys);
-  }
+  const KeyRange keys = key_range<kPaged, kTwoLists>(p, t, b, j, split, kKeys);
+  const ChunkRange range = keys.range;
+  const int main_chunks = keys.lists.main_chunks, extra_visible = keys.lists.extra_visible;  // two lists
   const int visible = range.visible, chunk_begin = range.begin, n_chunks = range.count;
   const int pairs = (n_chunks + 1) / 2;  // an odd count's last pair has an empty second chunk
   if (tid == 0) {

@@ -126,21 +126,28 @@ __device__ __forceinline__ ChunkRange chunk_range(const AttentionParams& p, int 
   return {visible, begin, max(0, min(p.chunks_per_split, total_chunks - begin))};
 }
 
-// Sparse token t's keys over both lists (ExtraKeys): the main list's visible keys (`range.visible`) in
-// `main_chunks` chunks, then the extra list's `extra_visible` keys; `range.begin` and `range.count` count chunks of
-// both, split `split` taking chunks_per_split of them.
-struct TwoListRange {
-  ChunkRange range;
-  int main_chunks, extra_visible;
+// A sparse token's two key lists in a kernel that reads both (ExtraKeys): chunks from `main_chunks` on are the
+// extra list's, of its `extra_visible` keys. The default: one list.
+struct ListChunks {
+  int main_chunks = 1 << 30, extra_visible = 0;
 };
-__device__ __forceinline__ TwoListRange two_list_range(const AttentionParams& p, int t, int split, int chunk_keys) {
-  TwoListRange r;
-  r.range = chunk_range<false>(p, t, t, 0, split, chunk_keys);
-  const ExtraKeys& e = p.extra;
-  r.extra_visible = e.topk_length ? max(0, min(e.topk_length[t * e.topk_length_stride], e.topk)) : e.topk;
-  r.main_chunks = (r.range.visible + chunk_keys - 1) / chunk_keys;
-  const int total_chunks = r.main_chunks + (r.extra_visible + chunk_keys - 1) / chunk_keys;
-  r.range.count = max(0, min(p.chunks_per_split, total_chunks - r.range.begin));
+// The keys a CTA reads: chunk_range's, and with kTwoLists (sparse only) over both lists: the main list's visible
+// keys (`range.visible`) in lists.main_chunks chunks, then the extra list's, `range.begin` and `range.count`
+// counting chunks of both, split `split` taking chunks_per_split of them.
+struct KeyRange {
+  ChunkRange range;
+  ListChunks lists;
+};
+template <bool kPaged, bool kTwoLists>
+__device__ __forceinline__ KeyRange key_range(const AttentionParams& p, int t, int b, int j, int split, int chunk_keys) {
+  KeyRange r{chunk_range<kPaged>(p, t, b, j, split, chunk_keys), {}};
+  if constexpr (kTwoLists) {
+    const ExtraKeys& e = p.extra;
+    r.lists.extra_visible = e.topk_length ? max(0, min(e.topk_length[t * e.topk_length_stride], e.topk)) : e.topk;
+    r.lists.main_chunks = (r.range.visible + chunk_keys - 1) / chunk_keys;
+    const int total_chunks = r.lists.main_chunks + (r.lists.extra_visible + chunk_keys - 1) / chunk_keys;
+    r.range.count = max(0, min(p.chunks_per_split, total_chunks - r.range.begin));
+  }
   return r;
 }
 #endif
