@@ -167,8 +167,8 @@ template <bool kPaged, bool kTwoLists, int kChunkKeys>
 __device__ __forceinline__ int64_t chunk_slot(const AttentionParams& p, int t, int b, int chunk, int row, int visible,
                                               const ListChunks& lists) {
   if (kTwoLists && chunk >= lists.main_chunks) {
-    const int32_t entry = extra_entry(p, t, (chunk - lists.main_chunks) * kChunkKeys + row, lists.extra_visible);
-    return entry >= 0 && entry < p.extra.num_slots ? entry : -1;
+    return list_slot(list_cache(p, true),
+                     extra_entry(p, t, (chunk - lists.main_chunks) * kChunkKeys + row, lists.extra_visible));
   }
   return slot_of<kPaged>(p, t, b, chunk * kChunkKeys + row, visible);
 }
@@ -234,20 +234,17 @@ __device__ __forceinline__ void gather_row(const AttentionParams& p, const int& 
   const int64_t slot = next_slot;
   if (chunk + 1 < chunk_begin + n_chunks)
     next_slot = chunk_slot<kPaged, kTwoLists, kChunkKeys>(p, t, b, chunk + 1, row, visible, lists);
-  const bool extra = kTwoLists && chunk >= lists.main_chunks;
-  const uint8_t* const cache = extra ? p.extra.cache : p.cache;
-  const int block_size = extra ? p.extra.block_size : p.block_size;
-  const int64_t block_stride = extra ? p.extra.block_stride : p.block_stride;
-  const uint8_t *src = cache, *scales = cache;  // the row (fp8_ds_mla_v4: the values, and the scales)
+  const ListCache c = list_cache(p, kTwoLists && chunk >= lists.main_chunks);
+  const uint8_t *src = c.data, *scales = c.data;  // the row (fp8_ds_mla_v4: the values, and the scales)
   if (slot >= 0) {
     if constexpr (kV4) {
       using V4 = MlaV4CacheLayout;
-      const int64_t offset = slot % block_size;
-      src += (slot / block_size) * block_stride;
-      scales = src + block_size * V4::kValueBytes + offset * V4::kScaleBytes;
+      const int64_t offset = slot % c.block_size;
+      src += (slot / c.block_size) * c.block_stride;
+      scales = src + c.block_size * V4::kValueBytes + offset * V4::kScaleBytes;
       src += offset * V4::kValueBytes;
     } else {
-      src += (slot / block_size) * block_stride + (slot % block_size) * (extra ? p.extra.row_stride : p.row_stride);
+      src += (slot / c.block_size) * c.block_stride + (slot % c.block_size) * c.row_stride;
     }
   }
   for (int piece = part; piece < pieces; piece += kParts) {

@@ -160,16 +160,14 @@ __global__ void __launch_bounds__(kPairThreads, 1) wgmma_pairs_kernel(const Atte
             const bool read = block_entry_valid(p, entry);
             blocks[chunk][r] = read ? entry : 0;
             places[chunk][r] = read ? key_of(k, chunk, r) % p.block_size : -1;
-          } else {  // entry_slot's check against the list's cache
-            const bool extra = from_extra(k, chunk);
-            const int entry = entries[chunk][r], block_size = extra ? p.extra.block_size : p.block_size;
-            const int slot = entry >= 0 && entry < (extra ? p.extra.num_slots : p.num_slots) ? entry : -1;
+          } else {
+            const ListCache c = list_cache(p, from_extra(k, chunk));
+            const int slot = list_slot(c, entries[chunk][r]);
             // Blocks one after another (the usual cache): the slot is the row's place in the first.
-            const bool flat = extra ? p.extra.block_stride == static_cast<int64_t>(block_size) * p.extra.row_stride
-                                    : p.block_stride == static_cast<int64_t>(block_size) * p.row_stride;
-            const int block = slot < 0 || flat ? 0 : slot / block_size;
+            const bool flat = c.block_stride == static_cast<int64_t>(c.block_size) * c.row_stride;
+            const int block = slot < 0 || flat ? 0 : slot / c.block_size;
             blocks[chunk][r] = block;
-            places[chunk][r] = slot < 0 ? -1 : slot - block * block_size;
+            places[chunk][r] = slot < 0 ? -1 : slot - block * c.block_size;
           }
         }
     };
@@ -187,15 +185,12 @@ __global__ void __launch_bounds__(kPairThreads, 1) wgmma_pairs_kernel(const Atte
         const int chunk = step % 2, half = step == 1 || step == 2;
         mbarrier_wait(&sig.free[chunk][half], parity);
         const int begin = half ? kLeftSlabs : 0, end = half ? kSlabs : kLeftSlabs;
-        const bool extra = from_extra(k, chunk);
-        const uint8_t* const cache = extra ? p.extra.cache : p.cache;
-        const int64_t block_stride = extra ? p.extra.block_stride : p.block_stride,
-                      row_stride = extra ? p.extra.row_stride : p.row_stride;
+        const ListCache c = list_cache(p, from_extra(k, chunk));
 #pragma unroll
         for (int r = 0; r < kProducerRows; ++r) {
           const int row = first + 16 * r, place = places[chunk][r];
           const uint8_t* const src =
-              cache + blocks[chunk][r] * block_stride + (place < 0 ? 0 : place) * row_stride + part * 16;
+              c.data + blocks[chunk][r] * c.block_stride + (place < 0 ? 0 : place) * c.row_stride + part * 16;
           uint8_t* const dst = tile(chunk) + swizzled_piece_offset(row, part);  // slab 0's piece; slab s 8 KB on
 #pragma unroll
           for (int slab = begin; slab < end; ++slab)

@@ -138,6 +138,11 @@ int least_smem(const KernelLimits& l, const KernelShape& s, AttentionKernel k) {
   return 0;
 }
 
+// The query rows x heads from which the wide rule's kernel `k` (the wgmma kernel or the wide tile) is automatic.
+int64_t wide_rule_min_rows(AttentionKernel k, int rope) {
+  return k == AttentionKernel::wgmma ? wgmma_min_rows(rope) : kWideMinRows;
+}
+
 std::string with_commas(int64_t v) {
   std::string s = std::to_string(v);
   for (int i = static_cast<int>(s.size()) - 3; i > 0; i -= 3) s.insert(static_cast<size_t>(i), ",");
@@ -213,9 +218,8 @@ KernelDecision choose_attention_kernel(const KernelLimits& l, const KernelShape&
     }
     if (d.ok()) {  // need and have: the winner's thresholds
       const bool small = d.chosen.kernel == AttentionKernel::small_heads;
-      const int64_t rows = d.chosen.kernel == AttentionKernel::wgmma ? wgmma_min_rows(s.rope) : kWideMinRows;
       reject(k, Rejected::other_kernel_won, small ? min_tokens : kWideMinHeads,
-             small ? small_max_heads : static_cast<int>(rows));
+             small ? small_max_heads : static_cast<int>(wide_rule_min_rows(d.chosen.kernel, s.rope)));
       continue;
     }
     if (k == AttentionKernel::small_heads) {
@@ -240,7 +244,7 @@ KernelDecision choose_attention_kernel(const KernelLimits& l, const KernelShape&
     d.chosen = variant(l, s, k);
     if (!d.ok()) {
       d.rejected[static_cast<size_t>(d.num_rejected++)] = unfit(l, s, k, least_smem(l, s, k));
-    } else if (const int64_t min_rows = k == AttentionKernel::wgmma ? wgmma_min_rows(s.rope) : kWideMinRows;
+    } else if (const int64_t min_rows = wide_rule_min_rows(k, s.rope);
                wide_rule && s.tokens * s.heads < min_rows) {  // fits, but too few rows
       d.chosen = {};
       reject(k, Rejected::too_few_rows, static_cast<int>(min_rows), static_cast<int>(s.tokens * s.heads));
@@ -301,8 +305,7 @@ std::string rejection_text(const Rejection& r, const KernelVariant& chosen, int 
       if (chosen.kernel == AttentionKernel::small_heads)
         return "not chosen: this cache format at up to " + std::to_string(r.have) + " heads from " +
                std::to_string(r.need) + " query rows on takes the small-heads kernel";
-      return "not chosen: " + std::to_string(r.need) + "+ heads at " +
-             with_commas(r.have) +
+      return "not chosen: " + std::to_string(r.need) + "+ heads at " + with_commas(r.have) +
              "+ query rows x heads take the " + won +
              (chosen.kernel == AttentionKernel::wgmma ? " (sm_90a code)" : "");
   }

@@ -126,6 +126,23 @@ __device__ __forceinline__ ChunkRange chunk_range(const AttentionParams& p, int 
   return {visible, begin, max(0, min(p.chunks_per_split, total_chunks - begin))};
 }
 
+// Where a key list's rows lie: the main cache (AttentionParams' fields) or, `extra`, ExtraKeys' cache.
+struct ListCache {
+  const uint8_t* data;
+  int64_t block_stride, row_stride;
+  int block_size;
+  int64_t num_slots;
+};
+__device__ __forceinline__ ListCache list_cache(const AttentionParams& p, bool extra) {
+  const ExtraKeys& e = p.extra;
+  return extra ? ListCache{e.cache, e.block_stride, e.row_stride, e.block_size, e.num_slots}
+               : ListCache{p.cache, p.block_stride, p.row_stride, p.block_size, p.num_slots};
+}
+// Slot-list entry `entry` as a slot of cache `c` (entry_slot's check), or -1 when it must not be read.
+__device__ __forceinline__ int32_t list_slot(const ListCache& c, int32_t entry) {
+  return entry >= 0 && entry < c.num_slots ? entry : -1;
+}
+
 // A sparse token's two key lists in a kernel that reads both (ExtraKeys): chunks from `main_chunks` on are the
 // extra list's, of its `extra_visible` keys. The default: one list.
 struct ListChunks {
