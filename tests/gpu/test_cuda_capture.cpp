@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda/mla/attention_small_heads.h"
 #include "gpu_util.h"
 #include "smla/error.h"
 #include "smla/ops.h"
@@ -359,9 +360,10 @@ TEST(CudaCapture, EveryOpReplaysOnANewNonBlockingStreamWithACallerWorkspace) {
   }
 }
 
-// Every attention kernel the device runs, forced (the ops above take the one the automatic choice makes for 16
-// heads): sparse_mla and paged_mla_decode over a bf16 and an fp8_ds_mla cache, 64 heads of two tokens, the keys split
-// (so the combine runs too), captured and replayed as above. The workspace is what the forced plan's splits need.
+// Every attention kernel the device runs (real or emulated), forced (the ops above take the one the automatic choice
+// makes for 16 heads): sparse_mla and paged_mla_decode over a bf16 and an fp8_ds_mla cache, 64 heads of two tokens,
+// the keys split (so the combine runs too), captured and replayed as above. The workspace is what the forced plan's
+// splits need.
 TEST(CudaCapture, EveryAttentionKernelReplaysInAGraph) {
   constexpr int64_t kTokens = 2, kWideHeads = 64;
   Rng rng(77);
@@ -372,7 +374,15 @@ TEST(CudaCapture, EveryAttentionKernelReplaysInAGraph) {
       for (bool paged : {false, true}) {
         SCOPED_TRACE(std::string(cuda::mla::kernel_name(kernel)) + (paged ? ", paged, " : ", sparse, ") +
                      std::string(dtype_name(kv)));
+        // Only the kernels this device (or the arch it emulates) holds: the wgmma kernel on Hopper with sm_90a
+        // code; 64 heads of the small-heads kernel (16 a CTA) and the wide tile within its shared memory.
+        const auto f = kv == DType::bf16 ? cuda::mla::CacheFormat::bf16 : cuda::mla::CacheFormat::fp8_ds_mla;
         if (kernel == cuda::AttentionKernel::wgmma && !cuda::wgmma_kernels_available()) continue;
+        if (kernel == cuda::AttentionKernel::small_heads &&
+            !cuda::mla::small::find_small_heads_config(f, kMlaRopeDim, paged, kWideHeads))
+          continue;
+        if (kernel == cuda::AttentionKernel::wide_tile && !cuda::mla::wide::find_wide_config(f, kMlaRopeDim, paged))
+          continue;
         const cuda::AttentionChoice choice{kernel, 0, 0, 0, 4};  // four splits of each row's keys
         const int64_t row = MlaHead{kMlaRopeDim}.cache_row(kv), row_bytes = row * static_cast<int64_t>(dtype_size(kv));
         const auto random_cache = [&] {  // bf16 rows, or fp8_ds_mla rows: e4m3 codes (no NaN), scales, bf16 rope
