@@ -36,6 +36,7 @@ struct Problem {
   DType kv_dtype = DType::bf16;
   int tokens = 3, heads = 16, topk = 128, block_size = 16, num_blocks = 0, block_pad = 0;
   bool topk_length = false, sink = false, q_padded = false;
+  bool out_padded = false;  // out's rows 4 elements apart more than 512: 8-byte aligned, not 16
   bool max_logits = false, empty_lse_plus_inf = false;
   // Whole runs of keys invalid, so that whole splits are empty: token 0's first half, the last token's second half
   // (from 3 tokens; token 1 has no valid key at all).
@@ -193,9 +194,10 @@ std::optional<cuda::AttentionPlan> run_sparse(const Problem& pr, uint64_t seed,
   if (p.topk_length) a.topk_length = TensorView(lens.data(), {p.tokens}, DType::i32);
   if (p.sink) a.attn_sink = TensorView(sink.data(), {p.heads}, DType::f32);
   a.softmax_scale = 0.0625f;
-  std::vector<uint16_t> ref(p.tokens * p.heads * kMlaVDim);
+  const int64_t out_row = p.out_padded ? kMlaVDim + 4 : kMlaVDim;
+  std::vector<uint16_t> ref(p.tokens * p.heads * out_row, 0x7fc1);  // NaN sentinel in both 16-bit types
   std::vector<float> ref_lse(p.tokens * p.heads);
-  a.out = TensorView(ref.data(), {p.tokens, p.heads, kMlaVDim}, p.q_dtype);
+  a.out = TensorView(ref.data(), {p.tokens, p.heads, kMlaVDim}, {p.heads * out_row, out_row, 1}, p.q_dtype);
   a.lse = TensorView(ref_lse.data(), {p.tokens, p.heads}, DType::f32);
   std::vector<float> ref_max(p.tokens * p.heads);
   if (p.max_logits) a.max_logits = TensorView(ref_max.data(), {p.tokens, p.heads}, DType::f32);
@@ -222,7 +224,21 @@ std::optional<cuda::AttentionPlan> run_sparse(const Problem& pr, uint64_t seed,
   if (p.kernel.kernel == cuda::AttentionKernel::automatic && p.kernel.splits == 0) sparse_mla(g, &gpu());
   else cuda::sparse_mla(g, p.kernel);
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  const std::vector<uint16_t> got = dout.download<uint16_t>();
+  std::vector<uint16_t> got = dout.download<uint16_t>();
+  if (p.out_padded) {  // the padding untouched; the rows compared without it
+    std::vector<uint16_t> ref_rows, got_rows;
+    for (size_t i = 0; i < got.size(); ++i) {
+      if (static_cast<int64_t>(i) % out_row < kMlaVDim) {
+        ref_rows.push_back(ref[i]);
+        got_rows.push_back(got[i]);
+      } else if (got[i] != 0x7fc1) {
+        ADD_FAILURE() << what << ": out's padding at " << i << " written";
+        return plan;
+      }
+    }
+    ref = std::move(ref_rows);
+    got = std::move(got_rows);
+  }
   expect_close(ref, got, p.q_dtype, ref_lse, dlse.download<float>(), what);
   if (p.max_logits) {
     const auto got_max = dmax.download<float>();
@@ -1204,6 +1220,27 @@ TEST(CudaSparseMlaWgmma, PartialPairWithoutRope) {
       ASSERT_TRUE(plan.has_value());
       EXPECT_EQ(plan->kernel, cuda::AttentionKernel::wgmma);
     }
+}
+
+// The wgmma kernels' output rows where the keys are not split: staged in shared memory and bulk-copied where out's
+// rows are 16-byte aligned, stored by each thread where they are not (out_padded: 8-byte aligned rows); padded head
+// tiles (100 heads), both kernels (16-bit caches: the pairs kernel; fp8: the staged one), bf16 and f16 outputs.
+TEST(CudaSparseMlaWgmma, OutputRowsAlignedOrNot) {
+  if (!cuda::wgmma_kernels_available()) GTEST_SKIP() << "needs a Hopper GPU running the library's sm_90a code";
+  uint64_t seed = 2650;
+  int n = 0;
+  for (DType kv : {DType::bf16, DType::f16, DType::fp8_ds_mla})
+    for (bool padded : {false, true})
+      for (int heads : {64, 100}) {
+        Problem p = wgmma_case(kv, kMlaRopeDim, heads, 200, 3, n++);
+        p.q_dtype = kv == DType::f16 ? DType::f16 : DType::bf16;
+        p.out_padded = padded;
+        p.kernel.splits = 1;
+        const std::optional<cuda::AttentionPlan> plan = run_sparse(p, seed++);
+        ASSERT_TRUE(plan.has_value());
+        EXPECT_EQ(plan->kernel, cuda::AttentionKernel::wgmma);
+        EXPECT_EQ(plan->num_splits, 1);
+      }
 }
 
 // The wgmma kernel's splits (64-key chunks: 32 of them), both cache kinds.

@@ -327,6 +327,26 @@ __device__ __forceinline__ void bulk_copy_to_shared(void* smem, const void* gmem
   __trap();
 #endif
 }
+// One bulk copy of `bytes` (a multiple of 16, both addresses 16-byte aligned) shared -> global in this thread's bulk
+// async-group, and the wait until every copy of the group has read its shared memory (so that it may be reused or
+// the CTA end). The writes before it must be made visible to the async proxy (fence_shared_for_async_proxy by each
+// writer, then a barrier). sm_90+ only.
+__device__ __forceinline__ void bulk_copy_to_global(void* gmem, const void* smem, int bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(gmem), "r"(smem_addr(smem)),
+               "r"(bytes)
+               : "memory");
+#else
+  __trap();
+#endif
+}
+__device__ __forceinline__ void bulk_copies_read_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.commit_group;\ncp.async.bulk.wait_group.read 0;\n" ::: "memory");
+#else
+  __trap();
+#endif
+}
 // Makes this thread's mbarrier_init visible to bulk copies (the async proxy) that complete on the barriers. sm_90+.
 __device__ __forceinline__ void fence_mbarrier_init() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

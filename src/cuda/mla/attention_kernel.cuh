@@ -389,52 +389,78 @@ __device__ __forceinline__ CtaWork cta_work(const AttentionParams& p, int heads_
 
 // The CTA's queries (kRows rows of kPieces 16-byte pieces, rows past w.nh zero) in the compute type T, into
 // `dst + offset(row, piece)`; the CTA's kCtaThreads threads together, row after row (8 consecutive threads read a
-// 128-byte line). Before wait_for_prerequisites: no kernel the attention follows writes them.
+// 128-byte line). Each thread issues all its loads before it stores any: one memory round trip, where a loop of load
+// then store took one a piece (64 KB of queries, ~11 pieces a thread in the wgmma kernels: several microseconds of
+// a CTA that reads 640 keys). Before wait_for_prerequisites: no kernel the attention follows writes them.
 template <typename T, int kRows, int kPieces, int kCtaThreads, class Offset>
 __device__ __forceinline__ void stage_queries(const AttentionParams& p, const CtaWork& w, uint8_t* dst, int tid,
                                               Offset offset) {
+  constexpr int kTotal = kRows * kPieces, kPerThread = (kTotal + kCtaThreads - 1) / kCtaThreads;
   const uint16_t* q = p.q + w.b * p.q_stride_b + w.j * p.q_stride_s + w.h0 * p.q_stride_h;
-  for (int i = tid; i < kRows * kPieces; i += kCtaThreads) {
-    const int row = i / kPieces, piece = i % kPieces;
-    const uint4 raw = row < w.nh ? *reinterpret_cast<const uint4*>(q + row * p.q_stride_h + piece * 8)
-                                 : make_uint4(0, 0, 0, 0);
-    *reinterpret_cast<uint4*>(dst + offset(row, piece)) = query_piece<T>(raw, p.q_is_bf16);
+  uint4 raw[kPerThread];
+#pragma unroll
+  for (int r = 0; r < kPerThread; ++r) {
+    const int i = tid + r * kCtaThreads, row = i / kPieces, piece = i % kPieces;
+    raw[r] = i < kTotal && row < w.nh ? *reinterpret_cast<const uint4*>(q + row * p.q_stride_h + piece * 8)
+                                      : make_uint4(0, 0, 0, 0);
+  }
+#pragma unroll
+  for (int r = 0; r < kPerThread; ++r) {
+    const int i = tid + r * kCtaThreads;
+    if (i < kTotal) *reinterpret_cast<uint4*>(dst + offset(i / kPieces, i % kPieces)) = query_piece<T>(raw[r], p.q_is_bf16);
   }
 }
 
-// The end of a split: head h's row of this warp's 128 output columns, which this thread holds in rows 2 * half and
-// 2 * half + 1 of `o` (n-tile n at columns col0 + 8n, col0 + 8n + 1), normalised by the row's sum `l` (and the sink
-// when the keys are not split), into out, or the split's partial row; `stats`: this thread also writes the row's
-// lse and max score (`m`, log2 units).
-__device__ __forceinline__ void store_head_row(const AttentionParams& p, const float (&o)[16][4], int half, int t,
-                                               int b, int j, int split, int h, int col0, float m, float l,
-                                               bool stats) {
+// The end of a split for head h: the factor of its output row (1 / its sum `l`, and the sink where the keys are not
+// split), and, where `stats`, the row's lse and max score (`m`, log2 units) into lse / max_logits or the split's
+// partial ones.
+__device__ __forceinline__ float finish_head_row(const AttentionParams& p, int t, int b, int j, int split, int h,
+                                                 float m, float l, bool stats) {
   const float ln2 = 0.6931471805599453f;
   const float lse2 = l > 0.f ? m + log2f(l) : -INFINITY;
   float scale = l > 0.f ? 1.f / l : 0.f;
   if (p.num_splits == 1) {
     if (p.attn_sink && l > 0.f) scale /= 1.f + expf(p.attn_sink[h] - lse2 * ln2);
-    const int64_t ob = b * p.out_stride_b + j * p.out_stride_s + h * p.out_stride_h;
-#pragma unroll
-    for (int n = 0; n < 16; ++n) {
-      const uint32_t v = p.q_is_bf16 ? pack2<__nv_bfloat16>(o[n][2 * half] * scale, o[n][2 * half + 1] * scale)
-                                     : pack2<__half>(o[n][2 * half] * scale, o[n][2 * half + 1] * scale);
-      *reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(p.out) + ob + col0 + n * 8) = v;
-    }
     if (stats) {
       p.lse[b * p.lse_stride_b + j * p.lse_stride_s + h * p.lse_stride_h] = l > 0.f ? lse2 * ln2 : p.empty_lse;
       if (p.max_logits) p.max_logits[t * p.max_logits_stride_t + h * p.max_logits_stride_h] = m * ln2;
     }
-  } else {
+  } else if (stats) {
     const int64_t row = (static_cast<int64_t>(split) * p.num_tokens + t) * p.num_heads + h;
-    float* po = p.partial_out + row * kVDim;
+    p.partial_lse[row] = lse2;
+    p.partial_max[row] = m;
+  }
+  return scale;
+}
+
+// Where head h's output row starts: out's (an element offset, 16-bit) or the split's partial row (floats).
+__device__ __forceinline__ int64_t out_row_offset(const AttentionParams& p, int b, int j, int h) {
+  return b * p.out_stride_b + j * p.out_stride_s + h * p.out_stride_h;
+}
+__device__ __forceinline__ float* partial_row(const AttentionParams& p, int t, int split, int h) {
+  return p.partial_out + ((static_cast<int64_t>(split) * p.num_tokens + t) * p.num_heads + h) * kVDim;
+}
+
+// The end of a split: head h's row of this warp's 128 output columns, which this thread holds in rows 2 * half and
+// 2 * half + 1 of `o` (n-tile n at columns col0 + 8n, col0 + 8n + 1), normalised (finish_head_row), into out, or the
+// split's partial row.
+__device__ __forceinline__ void store_head_row(const AttentionParams& p, const float (&o)[16][4], int half, int t,
+                                               int b, int j, int split, int h, int col0, float m, float l,
+                                               bool stats) {
+  const float scale = finish_head_row(p, t, b, j, split, h, m, l, stats);
+  if (p.num_splits == 1) {
+    uint16_t* const out = static_cast<uint16_t*>(p.out) + out_row_offset(p, b, j, h);
+#pragma unroll
+    for (int n = 0; n < 16; ++n) {
+      const uint32_t v = p.q_is_bf16 ? pack2<__nv_bfloat16>(o[n][2 * half] * scale, o[n][2 * half + 1] * scale)
+                                     : pack2<__half>(o[n][2 * half] * scale, o[n][2 * half + 1] * scale);
+      *reinterpret_cast<uint32_t*>(out + col0 + n * 8) = v;
+    }
+  } else {
+    float* const po = partial_row(p, t, split, h);
 #pragma unroll
     for (int n = 0; n < 16; ++n)
       *reinterpret_cast<float2*>(po + col0 + n * 8) = make_float2(o[n][2 * half] * scale, o[n][2 * half + 1] * scale);
-    if (stats) {
-      p.partial_lse[row] = lse2;
-      p.partial_max[row] = m;
-    }
   }
 }
 
@@ -458,6 +484,46 @@ __device__ __forceinline__ void store_warpgroup_rows(const AttentionParams& p, O
         for (int e = 0; e < 4; ++e) cols[n][e] = o_at(64 * half + 4 * n + e);
       store_head_row(p, cols, r, t, b, j, split, h0 + rows[r], col0 + 128 * half, m[r], l[r], stats && half == 0);
     }
+  }
+}
+
+// store_warpgroup_rows through shared memory (sm_90, the wgmma kernels), where the keys are not split: the
+// warpgroup's 64 rows x 256 columns (from `col0`, this thread's c not included) normalised into `stage`
+// (kStagedRowsBytes: row after row, at a pitch that puts a quad's 8 rows in different banks), then one bulk copy a
+// row into out. In place of 64 4-byte stores a thread, which queued behind each other: the pairs kernel's last phase
+// was 15% of its stall samples at DeepSeek-V4's 640 keys (ncu, stalls on the store queue); 8-9% faster there. Not for
+// a split's partial rows: at 1-16 tokens, where splits run, the stage's barrier and copies lengthened each CTA more
+// than the fp32 stores did (7-12%). out's rows must be 16-byte aligned (`stores_staged`; store_warpgroup_rows
+// otherwise). `barrier`: a named barrier id this warpgroup alone uses.
+constexpr int kStagedColumns = kVDim / 2;                        // a warpgroup's
+constexpr int kStagedPitch = kStagedColumns * 2 + 16;            // bytes a 16-bit row, + 16: 4 banks on
+constexpr int kStagedRowsBytes = 64 * kStagedPitch;              // a warpgroup's stage
+__device__ __forceinline__ bool stores_staged(const AttentionParams& p) {
+  const auto strides = static_cast<uintptr_t>(p.out_stride_b | p.out_stride_s | p.out_stride_h);
+  return p.num_splits == 1 && ((reinterpret_cast<uintptr_t>(p.out) | strides * 2) & 15) == 0;
+}
+template <class OAt>
+__device__ __forceinline__ void store_warpgroup_rows_staged(const AttentionParams& p, OAt o_at, const int (&rows)[2],
+                                                            int nh, int t, int b, int j, int h0, int col0,
+                                                            const float (&m)[2], const float (&l)[2], bool stats,
+                                                            uint8_t* stage, int wtid, int barrier) {
+  const int c = wtid % 4;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float scale = rows[r] < nh ? finish_head_row(p, t, b, j, 0, h0 + rows[r], m[r], l[r], stats) : 0.f;
+    uint8_t* const row = stage + rows[r] * kStagedPitch + 4 * c;
+#pragma unroll
+    for (int jj = 0; jj < 32; ++jj) {
+      const float v0 = o_at(4 * jj + 2 * r) * scale, v1 = o_at(4 * jj + 2 * r + 1) * scale;
+      *reinterpret_cast<uint32_t*>(row + 16 * jj) = p.q_is_bf16 ? pack2<__nv_bfloat16>(v0, v1) : pack2<__half>(v0, v1);
+    }
+  }
+  fence_shared_for_async_proxy();
+  named_barrier_sync(barrier, 128);
+  if (wtid < nh && wtid < 64) {
+    bulk_copy_to_global(static_cast<uint16_t*>(p.out) + out_row_offset(p, b, j, h0 + wtid) + col0,
+                        stage + wtid * kStagedPitch, kStagedColumns * 2);
+    bulk_copies_read_wait();
   }
 }
 

@@ -49,7 +49,7 @@ __host__ __device__ constexpr bool bulk_rows(CacheFormat f) { return f != CacheF
 // __syncthreads'): kPFree, each chunk from the second on before warpgroup 0 writes its P (warpgroup 1 is done with
 // the chunk before's, which costs it nothing: it waits for that P next), and around the turn of the staged rows
 // into the key tile (kTileTurn). kPFree also keeps p_ready's producer at most one phase ahead of its consumer.
-enum WgmmaBarrier : int { kPFree = 1, kTileTurn };
+enum WgmmaBarrier : int { kPFree = 1, kTileTurn, kOutputRows };  // kOutputRows + w: warpgroup w's staged rows
 struct WgmmaSignals {
   uint64_t p_ready, staged;
 };
@@ -296,8 +296,15 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) wgmma_attention_kernel(const
   const float l[2] = {xml[kWgmmaHeads + rows[0]], xml[kWgmmaHeads + rows[1]]};
   if (p.early_combine) let_dependents_launch();  // the combine: placed while the partials are written
 
-  store_warpgroup_rows(p, [&](int i) { return o[i / 32][i % 32]; }, rows, nh, t, b, j, split, h0,
-                       wg * kColumns + 2 * c, m, l, wg == 0 && c == 0);
+  // The key tile and the staging buffer are free (every product waited for, every copy landed): the output rows
+  // staged there, warpgroup w's from L.k + w kStagedRowsBytes.
+  static_assert(2 * kStagedRowsBytes <= L.p - L.k, "the output rows fit in the key tile and the staging buffer");
+  const auto o_at = [&](int i) { return o[i / 32][i % 32]; };
+  if (stores_staged(p))
+    store_warpgroup_rows_staged(p, o_at, rows, nh, t, b, j, h0, wg * kColumns, m, l, wg == 0 && c == 0,
+                                smem + L.k + wg * kStagedRowsBytes, wtid, kOutputRows + wg);
+  else
+    store_warpgroup_rows(p, o_at, rows, nh, t, b, j, split, h0, wg * kColumns + 2 * c, m, l, wg == 0 && c == 0);
 #else
   __trap();  // sm_90a only: the host never launches it elsewhere
 #endif

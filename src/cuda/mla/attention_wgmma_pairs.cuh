@@ -31,6 +31,8 @@
 namespace smla::cuda::mla::wg {
 
 constexpr int kPairThreads = 384, kPairMathThreads = 256;  // two math warpgroups and the producer
+// Named barriers (0 is __syncthreads'): both math warpgroups; warpgroup w's staged output rows: kPairOutputBarrier + w.
+constexpr int kPairMathBarrier = 1, kPairOutputBarrier = 2;
 constexpr int kLeftSlabs = 4;                              // the left half of a key tile: dims 0-255
 constexpr int kProducerParts = 8;                          // the producer's threads a row: a 128-byte line each
 constexpr int kProducerRows = kWgmmaChunkKeys * kProducerParts / 128;  // its rows of a chunk per thread
@@ -387,7 +389,7 @@ __global__ void __launch_bounds__(kPairThreads, 1) wgmma_pairs_kernel(const Atte
     l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
     if (c == 0) xsum[wg * kWgmmaHeads + rows[r]] = l[r];
   }
-  named_barrier_sync(1, kPairMathThreads);
+  named_barrier_sync(kPairMathBarrier, kPairMathThreads);
   float l_row[2], m_row[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -396,8 +398,14 @@ __global__ void __launch_bounds__(kPairThreads, 1) wgmma_pairs_kernel(const Atte
   }
   if (p.early_combine) let_dependents_launch();  // the combine: placed while the partials are written
 
-  store_warpgroup_rows(p, [&](int i) { return o[i]; }, rows, nh, t, b, j, split, h0, 256 * wg + 2 * c, m_row, l_row,
-                       wg == 0 && c == 0);
+  // The key tiles are free (every product waited for, every copy landed): warpgroup w's rows staged in tile w.
+  static_assert(kStagedRowsBytes <= L.tile, "a warpgroup's output rows fit in a key tile");
+  if (stores_staged(p))
+    store_warpgroup_rows_staged(p, [&](int i) { return o[i]; }, rows, nh, t, b, j, h0, 256 * wg, m_row, l_row,
+                                wg == 0 && c == 0, tile(wg), wtid, kPairOutputBarrier + wg);
+  else
+    store_warpgroup_rows(p, [&](int i) { return o[i]; }, rows, nh, t, b, j, split, h0, 256 * wg + 2 * c, m_row, l_row,
+                         wg == 0 && c == 0);
 #else
   __trap();  // sm_90a only: the host never launches it elsewhere
 #endif
