@@ -411,6 +411,20 @@ __device__ __forceinline__ void stage_queries(const AttentionParams& p, const Ct
   }
 }
 
+// stage_queries by cp.async, where the queries are in the compute type already (no conversion): kThreads threads'
+// copies issued and committed, not waited for (cp_async_wait<0>, fence_shared_for_async_proxy and a barrier of
+// those threads before the queries are read), so that other work (a producer's first gather) overlaps them.
+template <int kRows, int kPieces, int kThreads, class Offset>
+__device__ __forceinline__ void copy_queries(const AttentionParams& p, const CtaWork& w, uint8_t* dst, int tid,
+                                             Offset offset) {
+  const uint16_t* q = p.q + w.b * p.q_stride_b + w.j * p.q_stride_s + w.h0 * p.q_stride_h;
+  for (int i = tid; i < kRows * kPieces; i += kThreads) {
+    const int row = i / kPieces, piece = i % kPieces;
+    cp_async_16(dst + offset(row, piece), q + (row < w.nh ? row : 0) * p.q_stride_h + piece * 8, row < w.nh);
+  }
+  cp_async_commit();
+}
+
 // The end of a split for head h: the factor of its output row (1 / its sum `l`, and the sink where the keys are not
 // split), and, where `stats`, the row's lse and max score (`m`, log2 units) into lse / max_logits or the split's
 // partial ones.

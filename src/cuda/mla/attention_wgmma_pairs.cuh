@@ -100,9 +100,16 @@ __global__ void __launch_bounds__(kPairThreads, 1) wgmma_pairs_kernel(const Atte
   const CtaWork w = cta_work(p, kWgmmaHeads);
   const int t = w.t, h0 = w.h0, nh = w.nh, split = w.split, b = w.b, j = w.j;
 
-  stage_queries<T, kWgmmaHeads, D::kPieces, kPairThreads>(
-      p, w, sq, tid, [](int row, int piece) { return swizzled_piece_offset(row, piece); });
-  fence_shared_for_async_proxy();
+  // The queries: copied by the math warpgroups where they are in the compute type, waited for before their first
+  // scores, so that the producer's first pair is gathered meanwhile; through registers, converted, otherwise.
+  const auto q_offset = [](int row, int piece) { return swizzled_piece_offset(row, piece); };
+  const bool q_copied = p.q_is_bf16 == std::is_same_v<T, __nv_bfloat16>;
+  if (!q_copied) {
+    stage_queries<T, kWgmmaHeads, D::kPieces, kPairThreads>(p, w, sq, tid, q_offset);
+    fence_shared_for_async_proxy();
+  } else if (wg < 2) {
+    copy_queries<kWgmmaHeads, D::kPieces, kPairMathThreads>(p, w, sq, tid, q_offset);
+  }
   // Everything from here reads what the kernel before may write (indices, cache) when dsa_decode_step launches
   // this one as the top-k's programmatic dependent; without that launch the wait returns at once.
   wait_for_prerequisites();
@@ -123,7 +130,7 @@ __global__ void __launch_bounds__(kPairThreads, 1) wgmma_pairs_kernel(const Atte
     }
     mbarrier_init(&sig.valid, 128);
   }
-  __syncthreads();  // the queries staged, the signals initialised
+  __syncthreads();  // the signals initialised (and converted queries staged)
 
   if (wg == 2) {  // the producer: rows first + 16 r of each chunk, its 16-byte piece `part` of each slab's line
     registers_decrease_to<kPairProducerRegisters>();
@@ -211,6 +218,11 @@ __global__ void __launch_bounds__(kPairThreads, 1) wgmma_pairs_kernel(const Atte
     return;  // every copy it issued is waited for by the math warpgroups
   }
   registers_increase_to<kPairMathRegisters>();
+  if (q_copied) {  // every math thread's query copies landed, visible to wgmma
+    cp_async_wait<0>();
+    fence_shared_for_async_proxy();
+    named_barrier_sync(kPairMathBarrier, kPairMathThreads);
+  }
 
   const uint64_t q_desc = wgmma_descriptor_swizzled(sq);
   const uint64_t k_desc[2] = {wgmma_descriptor_swizzled(tile(0)), wgmma_descriptor_swizzled(tile(1))};
