@@ -106,10 +106,16 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) wgmma_attention_kernel(const
   const CtaWork w = cta_work(p, kWgmmaHeads);
   const int t = w.t, h0 = w.h0, nh = w.nh, split = w.split, b = w.b, j = w.j;
 
-  // The queries into their tile, made visible to wgmma.
-  stage_queries<T, kWgmmaHeads, kPieces, kWgmmaThreads>(
-      p, w, sq, tid, [](int row, int piece) { return swizzled_piece_offset(row, piece); });
-  fence_shared_for_async_proxy();
+  // The queries into their tile: copied by cp.async where they are in the compute type (waited for at the first
+  // tile turn, so that the first chunk's gather overlaps them), through registers, converted, otherwise; made
+  // visible to wgmma.
+  const auto q_offset = [](int row, int piece) { return swizzled_piece_offset(row, piece); };
+  if (p.q_is_bf16 == std::is_same_v<T, __nv_bfloat16>) {
+    copy_queries<kWgmmaHeads, kPieces, kWgmmaThreads>(p, w, sq, tid, q_offset);
+  } else {
+    stage_queries<T, kWgmmaHeads, kPieces, kWgmmaThreads>(p, w, sq, tid, q_offset);
+    fence_shared_for_async_proxy();
+  }
   // Everything from here reads what the kernel before may write (indices, cache) when dsa_decode_step launches
   // this one as the top-k's programmatic dependent; without that launch the wait returns at once.
   wait_for_prerequisites();
@@ -121,7 +127,7 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) wgmma_attention_kernel(const
     mbarrier_init(&sig.p_ready, 128);
     mbarrier_init(&sig.staged, kStagedArrivals);  // bulk copies only
   }
-  __syncthreads();  // the queries staged, the signals initialised
+  __syncthreads();  // the signals initialised (and converted queries staged)
 
   // Warpgroup 1's row of every chunk: bulk copies, thread wtid < kChunkKeys row wtid; cp.async pieces, gather_lane's
   // row and its pieces my_part + kGatherParts k.
@@ -161,7 +167,7 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) wgmma_attention_kernel(const
   // warpgroup 1's gather of chunk i + 1 into staging.
   auto tile_turn = [&](int i) {
     if constexpr (bulk_rows(F)) mbarrier_wait(&sig.staged, i & 1);
-    else if (wg == 1) cp_async_wait<0>();
+    if (i == 0 || (!bulk_rows(F) && wg == 1)) cp_async_wait<0>();  // the queries' copies; chunk i's pieces
     named_barrier_sync(kTileTurn, kWgmmaThreads);  // chunk i staged; chunk i-1's products done with the tile
     const bool invalid = !valid[((chunk_begin + i) % L.valid_sets) * kChunkKeys + tid % kChunkKeys];
     dequantise_chunk<F, T, kRope, kWgmmaThreads, kChunkKeys, true>(staging, reinterpret_cast<T*>(sk), tid, invalid);
@@ -291,7 +297,8 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) wgmma_attention_kernel(const
     if (n_chunks > 0) named_barrier_sync(kPFree, kWgmmaThreads);  // done with the last P
     cp_async_wait<0>();
   }
-  __syncthreads();  // the rows' maxima and sums in shared memory
+  cp_async_wait<0>();  // the queries' copies, where no chunk waited for them
+  __syncthreads();     // the rows' maxima and sums in shared memory
   const float m[2] = {xml[rows[0]], xml[rows[1]]};
   const float l[2] = {xml[kWgmmaHeads + rows[0]], xml[kWgmmaHeads + rows[1]]};
   if (p.early_combine) let_dependents_launch();  // the combine: placed while the partials are written

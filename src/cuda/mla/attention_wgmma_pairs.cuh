@@ -348,19 +348,15 @@ __global__ void __launch_bounds__(kPairThreads, 1) wgmma_pairs_kernel(const Atte
       for (int e = 0; e < 128; ++e) o[e] *= beta[(e / 2) % 2];
       mbarrier_wait(&sig.p[1], parity);
       multiply_pv(1, FromShared{});
-      if (k + 1 < pairs) {  // the next pair's scores while that product runs
+      wgmma_wait();  // tile 1's left half given back before the wait for the next pair's rows
+      mbarrier_arrive(&sig.free[1][0]);
+      if (k + 1 < pairs) {
         acquire(0, 0, k + 1);
         wgmma_fence();
         swizzled_scores<kIn, 0, kLeftSlabs>(s, q_desc, k_desc[0], false);
-        wgmma_commit();
-        wgmma_wait_until<1>();  // the product from tile 1's left half
-        mbarrier_arrive(&sig.free[1][0]);
         acquire(0, 1, k + 1);
         swizzled_scores<kIn, kLeftSlabs, kSlabs>(s, q_desc, k_desc[0], true);
         wgmma_commit_and_wait();
-      } else {
-        wgmma_wait();
-        mbarrier_arrive(&sig.free[1][0]);
       }
     }
   } else {
@@ -385,10 +381,10 @@ __global__ void __launch_bounds__(kPairThreads, 1) wgmma_pairs_kernel(const Atte
       mbarrier_arrive(&sig.max[1]);
       multiply_pv(1, FromRegisters{});
       hand_over_p();
+      wgmma_wait();  // tile 1's right half given back before the wait for warpgroup 0's P: refilled sooner
+      mbarrier_arrive(&sig.free[1][1]);
       mbarrier_wait(&sig.p[0], parity);
       multiply_pv(0, FromShared{});
-      wgmma_wait_until<1>();
-      mbarrier_arrive(&sig.free[1][1]);
       wgmma_wait();
       mbarrier_arrive(&sig.free[0][1]);
     }
