@@ -1,7 +1,7 @@
 // MLA attention on Hopper's warpgroup mma for 16-bit caches (bf16, f16; sm_90a): one CTA = one query token,
 // kWgmmaHeads (64) heads and a range of 64-key chunks, taken two at a time (a pair): three warpgroups. It calls the
-// 16-head tile's steps (attention_kernel.cuh): cta_work, stage_queries, chunk_range, slot_entry, entry_slot,
-// store_warpgroup_rows, the split partials and combine_kernel.
+// 16-head tile's steps (attention_kernel.cuh): cta_work, copy_queries / stage_queries, key_range, slot_entry,
+// store_warpgroup_rows(_staged), the split partials and combine_kernel.
 //
 // The schedule is FlashMLA's sm90 sparse prefill's ("alternate blocks"), written anew here:
 // - warpgroup 2, the producer, gathers the rows of a pair's two chunks by cp.async pieces (8 threads a row, a
