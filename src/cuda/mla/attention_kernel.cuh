@@ -201,6 +201,16 @@ __device__ __forceinline__ void swizzled_scores(float (&s)[32], uint64_t q_desc,
     }
 }
 
+// O's rows (wgmma's accumulator order: element e of a thread's row rows[(e / 2) % 2]) times their factors, skipped
+// where no row of the warp moved (every factor 1: the running maxima settle after the first chunks, and these
+// multiplies sit between the products on O).
+template <int kN>
+__device__ __forceinline__ void rescale_rows(float (&o)[kN], const float (&factor)[2]) {
+  if (!__any_sync(0xffffffffu, factor[0] != 1.f || factor[1] != 1.f)) return;
+#pragma unroll
+  for (int e = 0; e < kN; ++e) o[e] *= factor[(e / 2) % 2];
+}
+
 // The row of a chunk and the part of it (kParts threads share a row) that thread `tid` gathers. A warp's 16-byte
 // cp.async writes shared memory in four wavefronts of 8 lanes, each conflict-free only when its 8 pieces land in 8
 // different 16-byte bank groups. Key rows here are 16 bytes apart in banks (rows of 16 mod 128 bytes: padded

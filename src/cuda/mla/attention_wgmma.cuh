@@ -257,9 +257,7 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) wgmma_attention_kernel(const
       mbarrier_arrive(&sig.p_ready);
 
 #pragma unroll
-      for (int n = 0; n < kColumns / 64; ++n)
-#pragma unroll
-        for (int e = 0; e < 32; ++e) o[n][e] *= alpha[(e / 2) % 2];
+      for (int n = 0; n < kColumns / 64; ++n) rescale_rows(o[n], alpha);
       multiply_pv(o, pa, kt);
       wgmma_wait();
     }
@@ -288,9 +286,7 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) wgmma_attention_kernel(const
       const float alpha[2] = {xstat[rows[0]], xstat[rows[1]]};
 
 #pragma unroll
-      for (int n = 0; n < kColumns / 64; ++n)
-#pragma unroll
-        for (int e = 0; e < 32; ++e) o[n][e] *= alpha[(e / 2) % 2];
+      for (int n = 0; n < kColumns / 64; ++n) rescale_rows(o[n], alpha);
       multiply_pv(o, pa, sk);
       wgmma_wait();
     }
