@@ -201,12 +201,15 @@ __device__ __forceinline__ void swizzled_scores(float (&s)[32], uint64_t q_desc,
     }
 }
 
-// O's rows (wgmma's accumulator order: element e of a thread's row rows[(e / 2) % 2]) times their factors, skipped
-// where no row of the warp moved (every factor 1: the running maxima settle after the first chunks, and these
-// multiplies sit between the products on O).
+// Whether a row of this warp moved its running maximum (a factor of O's rows other than 1): where none did, O's
+// rescaling is skipped (the maxima settle after the first chunks, and those multiplies sit between the products on
+// O).
+__device__ __forceinline__ bool warp_rows_moved(const float (&factor)[2]) {
+  return __any_sync(0xffffffffu, factor[0] != 1.f || factor[1] != 1.f);
+}
+// O's rows (wgmma's accumulator order: element e of a thread's row rows[(e / 2) % 2]) times their factors.
 template <int kN>
-__device__ __forceinline__ void rescale_rows(float (&o)[kN], const float (&factor)[2]) {
-  if (!__any_sync(0xffffffffu, factor[0] != 1.f || factor[1] != 1.f)) return;
+__device__ __forceinline__ void scale_rows(float (&o)[kN], const float (&factor)[2]) {
 #pragma unroll
   for (int e = 0; e < kN; ++e) o[e] *= factor[(e / 2) % 2];
 }
@@ -397,6 +400,11 @@ __device__ __forceinline__ CtaWork cta_work(const AttentionParams& p, int heads_
   return {t, h0, min(heads_per_cta, p.num_heads - h0), static_cast<int>(blockIdx.y), t / p.s_q, t % p.s_q};
 }
 
+// The CTA's first query row (head w.h0 of its token), rows p.q_stride_h elements apart.
+__device__ __forceinline__ const uint16_t* cta_queries(const AttentionParams& p, const CtaWork& w) {
+  return p.q + w.b * p.q_stride_b + w.j * p.q_stride_s + w.h0 * p.q_stride_h;
+}
+
 // The CTA's queries (kRows rows of kPieces 16-byte pieces, rows past w.nh zero) in the compute type T, into
 // `dst + offset(row, piece)`; the CTA's kCtaThreads threads together, row after row (8 consecutive threads read a
 // 128-byte line). Each thread issues all its loads before it stores any: one memory round trip, where a loop of load
@@ -406,7 +414,7 @@ template <typename T, int kRows, int kPieces, int kCtaThreads, class Offset>
 __device__ __forceinline__ void stage_queries(const AttentionParams& p, const CtaWork& w, uint8_t* dst, int tid,
                                               Offset offset) {
   constexpr int kTotal = kRows * kPieces, kPerThread = (kTotal + kCtaThreads - 1) / kCtaThreads;
-  const uint16_t* q = p.q + w.b * p.q_stride_b + w.j * p.q_stride_s + w.h0 * p.q_stride_h;
+  const uint16_t* const q = cta_queries(p, w);
   uint4 raw[kPerThread];
 #pragma unroll
   for (int r = 0; r < kPerThread; ++r) {
@@ -427,7 +435,7 @@ __device__ __forceinline__ void stage_queries(const AttentionParams& p, const Ct
 template <int kRows, int kPieces, int kThreads, class Offset>
 __device__ __forceinline__ void copy_queries(const AttentionParams& p, const CtaWork& w, uint8_t* dst, int tid,
                                              Offset offset) {
-  const uint16_t* q = p.q + w.b * p.q_stride_b + w.j * p.q_stride_s + w.h0 * p.q_stride_h;
+  const uint16_t* const q = cta_queries(p, w);
   for (int i = tid; i < kRows * kPieces; i += kThreads) {
     const int row = i / kPieces, piece = i % kPieces;
     cp_async_16(dst + offset(row, piece), q + (row < w.nh ? row : 0) * p.q_stride_h + piece * 8, row < w.nh);
@@ -544,7 +552,7 @@ __device__ __forceinline__ void store_warpgroup_rows_staged(const AttentionParam
   }
   fence_shared_for_async_proxy();
   named_barrier_sync(barrier, 128);
-  if (wtid < nh && wtid < 64) {
+  if (wtid < nh) {  // nh <= 64
     bulk_copy_to_global(static_cast<uint16_t*>(p.out) + out_row_offset(p, b, j, h0 + wtid) + col0,
                         stage + wtid * kStagedPitch, kStagedColumns * 2);
     bulk_copies_read_wait();

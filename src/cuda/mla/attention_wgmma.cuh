@@ -256,8 +256,9 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) wgmma_attention_kernel(const
         for (int r = 0; r < 2; ++r) xstat[rows[r]] = alpha[r];
       mbarrier_arrive(&sig.p_ready);
 
+      if (warp_rows_moved(alpha))
 #pragma unroll
-      for (int n = 0; n < kColumns / 64; ++n) rescale_rows(o[n], alpha);
+        for (int n = 0; n < kColumns / 64; ++n) scale_rows(o[n], alpha);
       multiply_pv(o, pa, kt);
       wgmma_wait();
     }
@@ -285,15 +286,15 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) wgmma_attention_kernel(const
         for (int r = 0; r < 4; ++r) pa[kk][r] = xp[(4 * kk + r) * 128 + wtid];
       const float alpha[2] = {xstat[rows[0]], xstat[rows[1]]};
 
+      if (warp_rows_moved(alpha))
 #pragma unroll
-      for (int n = 0; n < kColumns / 64; ++n) rescale_rows(o[n], alpha);
+        for (int n = 0; n < kColumns / 64; ++n) scale_rows(o[n], alpha);
       multiply_pv(o, pa, sk);
       wgmma_wait();
     }
     if (n_chunks > 0) named_barrier_sync(kPFree, kWgmmaThreads);  // done with the last P
-    cp_async_wait<0>();
   }
-  cp_async_wait<0>();  // the queries' copies, where no chunk waited for them
+  cp_async_wait<0>();  // every copy landed (the queries', where no chunk waited for them)
   __syncthreads();     // the rows' maxima and sums in shared memory
   const float m[2] = {xml[rows[0]], xml[rows[1]]};
   const float l[2] = {xml[kWgmmaHeads + rows[0]], xml[kWgmmaHeads + rows[1]]};

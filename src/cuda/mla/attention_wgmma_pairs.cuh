@@ -258,7 +258,7 @@ __global__ void __launch_bounds__(kPairThreads, 1) wgmma_pairs_kernel(const Atte
   // The rows' new maxima: O and the sums rescaled to them, the probabilities and their A fragments.
   const auto exponentiate = [&](const float (&m_new)[2]) {
     const float alpha[2] = {exp2f(m[0] - m_new[0]), exp2f(m[1] - m_new[1])};
-    rescale_rows(o, alpha);
+    if (warp_rows_moved(alpha)) scale_rows(o, alpha);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       m[r] = m_new[r];
@@ -342,7 +342,7 @@ __global__ void __launch_bounds__(kPairThreads, 1) wgmma_pairs_kernel(const Atte
         for (int r = 0; r < 4; ++r)
           pa[kk][r] = pack2<T>(s[8 * kk + 2 * r] * beta[r % 2], s[8 * kk + 2 * r + 1] * beta[r % 2]);
       hand_over_p();
-      rescale_rows(o, beta);
+      if (warp_rows_moved(beta)) scale_rows(o, beta);
       mbarrier_wait(&sig.p[1], parity);
       multiply_pv(1, FromShared{});
       wgmma_wait();  // tile 1's left half given back before the wait for the next pair's rows
