@@ -27,6 +27,9 @@ KernelLimits limits_of(const char* arch, bool sm90a_code = true) {
 // The automatic rule restated from the thresholds and the shared-memory tables (each kernel's shallowest depth).
 AttentionKernel expected_kernel(const KernelLimits& l, const KernelShape& s) {
   const bool sixteen_bit = s.format == CacheFormat::bf16 || s.format == CacheFormat::f16;
+  if (s.heads >= kWgmmaMinHeads && wgmma_rows(s.tokens, s.heads) >= wgmma_min_rows(s.rope) &&
+      l.compute_capability == 90 && l.sm90a_code && (sixteen_bit || kWgmmaAutomaticForFp8))
+    return AttentionKernel::wgmma;
   const int min_tokens = std::max(s.rope ? kSmallMinTokens : kSmallMinTokensNoRope, sixteen_bit ? kSmallMinTokens16Bit : 0);
   const int small_hpc = s.heads <= 8 ? 8 : 16;
   const bool v4 = s.format == CacheFormat::fp8_ds_mla_v4;  // never the dim split
@@ -41,25 +44,22 @@ AttentionKernel expected_kernel(const KernelLimits& l, const KernelShape& s) {
        (!v4 && (small_hpc == 8 || kSmallSixteenHeadsPerWarp) &&
         small_heads_smem(s.format, s.rope, small_hpc, 2, 2) <= l.max_smem_per_block)))
     return AttentionKernel::small_heads;
-  if (s.heads >= kWideMinHeads && s.tokens * s.heads >= wgmma_min_rows(s.rope) && l.compute_capability == 90 &&
-      l.sm90a_code && (sixteen_bit || kWgmmaAutomaticForFp8))
-    return AttentionKernel::wgmma;
   if (s.heads >= kWideMinHeads && s.tokens * s.heads >= kWideMinRows &&
       wide_smem(s.format, s.rope, 2) <= l.max_smem_per_block)
     return AttentionKernel::wide_tile;
   return AttentionKernel::head_tile;
 }
 
-// On sm_90 also without sm_90a code (a library of 90-real SASS or older PTX): the wgmma kernel's place is the wide
-// tile's then, and the wgmma kernel is named with that reason.
+// On sm_90 also without sm_90a code (a library of 90-real SASS or older PTX): the wgmma kernel is then named first
+// with that reason.
 TEST(KernelChoice, AutomaticOnEveryArch) {
   for (const char* arch : kArchs)
     for (bool sm90a_code : {true, false})
       for (CacheFormat f : {CacheFormat::bf16, CacheFormat::f16, CacheFormat::fp8_ds_mla, CacheFormat::fp8_ds_mla_v4})
         for (int rope : {0, 64})
           for (bool paged : {false, true})
-            for (int heads : {1, 8, 16, 32, 64, 100, 128})
-              for (int64_t tokens : {1, 15, 16, 31, 32, 63, 64, 4096}) {
+            for (int heads : {1, 8, 16, 17, 20, 32, 48, 64, 100, 128})
+              for (int64_t tokens : {1, 7, 8, 15, 16, 31, 32, 63, 64, 4096}) {
                 if (f == CacheFormat::fp8_ds_mla_v4 && rope) continue;
                 const KernelLimits l = limits_of(arch, sm90a_code);
                 const KernelShape s{f, rope, paged, tokens, heads, {}};
@@ -72,10 +72,9 @@ TEST(KernelChoice, AutomaticOnEveryArch) {
                 EXPECT_LE(d.chosen.smem, l.max_smem_per_block);
                 EXPECT_GE(d.chosen.ctas_per_sm, 1);
                 EXPECT_EQ(d.chosen.ctas_per_sm, ctas_per_sm(l, d.chosen.threads, d.chosen.registers, d.chosen.smem));
-                // Each other kernel once, with its reason; the wgmma kernel on sm_90 only, in its place (second,
-                // after the small-heads kernel, or first where that one was chosen).
+                // Each other kernel once, with its reason; the wgmma kernel on sm_90 only, first.
                 EXPECT_EQ(d.num_rejected, l.compute_capability == 90 ? 3 : 2);
-                const int wgmma_at = d.chosen.kernel == AttentionKernel::small_heads ? 0 : 1;
+                const int wgmma_at = 0;
                 const bool sixteen_bit = f == CacheFormat::bf16 || f == CacheFormat::f16;
                 for (int i = 0; i < d.num_rejected; ++i) {
                   const Rejection& r = d.rejected[static_cast<size_t>(i)];
@@ -86,16 +85,15 @@ TEST(KernelChoice, AutomaticOnEveryArch) {
                   if (r.kernel != AttentionKernel::wgmma) continue;
                   const Rejected why = !sm90a_code                  ? Rejected::no_sm90a_code
                                        : !sixteen_bit && !kWgmmaAutomaticForFp8 ? Rejected::cache_format
-                                       : d.chosen.kernel == AttentionKernel::small_heads ? Rejected::other_kernel_won
-                                       : heads < kWideMinHeads      ? Rejected::too_few_heads
+                                       : heads < kWgmmaMinHeads     ? Rejected::too_few_heads
                                                                     : Rejected::too_few_rows;
                   EXPECT_EQ(r.why, why);
                 }
                 // Where the wgmma kernel runs, the wide tile (after the small-heads kernel) is named as beaten by it.
                 if (d.chosen.kernel == AttentionKernel::wgmma)
                   EXPECT_EQ(rejection_text(d.rejected[1], d.chosen, 90),
-                            std::string("not chosen: 64+ heads at ") + (rope ? "512" : "1,024") +
-                                "+ query rows x heads take the wgmma kernel (sm_90a code)");
+                            std::string("not chosen: 17+ heads at ") + (rope ? "512" : "1,024") +
+                                "+ query rows x heads (heads padded to 64) take the wgmma kernel (sm_90a code)");
               }
 }
 
@@ -207,7 +205,8 @@ TEST(KernelChoice, WgmmaForcedOnHopperWithSm90aCode) {
 
 // Automatic on sm_90: the wgmma kernel wherever the wide tile would run with a 16-bit cache (DeepSeek-V3.2's 128
 // heads from 32 tokens on, 64 heads from 64, prefill, paged), for fp8 caches too (kWgmmaAutomaticForFp8; the wide
-// tile while it is off), the wide tile where the code has no sm_90a features, the 16-head tile below the wide rule's rows; each time the wgmma kernel is named with why not.
+// tile while it is off), and from 17 heads on at 512 query rows x padded heads; the wide tile where the code has no
+// sm_90a features, the 16-head tile below the rows; each time the wgmma kernel is named (first) with why not.
 TEST(KernelChoice, WgmmaAutomaticOnHopper) {
   const KernelLimits hopper = limits_of("sm_90"), no_code = limits_of("sm_90", false);
   for (CacheFormat f : {CacheFormat::bf16, CacheFormat::f16})
@@ -221,23 +220,24 @@ TEST(KernelChoice, WgmmaAutomaticOnHopper) {
         const KernelDecision old = choose_attention_kernel(no_code, s);
         EXPECT_EQ(old.chosen.kernel, AttentionKernel::wide_tile);
         ASSERT_EQ(old.num_rejected, 3);
-        EXPECT_EQ(old.rejected[1].kernel, AttentionKernel::wgmma);
-        EXPECT_EQ(old.rejected[1].why, Rejected::no_sm90a_code);
+        EXPECT_EQ(old.rejected[0].kernel, AttentionKernel::wgmma);
+        EXPECT_EQ(old.rejected[0].why, Rejected::no_sm90a_code);
       }
   const KernelDecision fp8 = choose_attention_kernel(hopper, {CacheFormat::fp8_ds_mla, 64, false, 128, 128, {}});
   if (kWgmmaAutomaticForFp8) {
     EXPECT_EQ(fp8.chosen.kernel, AttentionKernel::wgmma);
   } else {
     EXPECT_EQ(fp8.chosen.kernel, AttentionKernel::wide_tile);
-    EXPECT_EQ(fp8.rejected[1].kernel, AttentionKernel::wgmma);
-    EXPECT_EQ(rejection_text(fp8.rejected[1], fp8.chosen, 90),
+    EXPECT_EQ(fp8.rejected[0].kernel, AttentionKernel::wgmma);
+    EXPECT_EQ(rejection_text(fp8.rejected[0], fp8.chosen, 90),
               "not chosen: automatic for bf16 and f16 caches only (fp8 caches: forced only)");
   }
   const KernelDecision one = choose_attention_kernel(hopper, {CacheFormat::bf16, 64, false, 1, 128, {}});
   EXPECT_EQ(one.chosen.kernel, AttentionKernel::head_tile);
-  EXPECT_EQ(one.rejected[1].kernel, AttentionKernel::wgmma);
-  EXPECT_EQ(rejection_text(one.rejected[1], one.chosen, 90),
-            "not chosen: automatic from 512 query rows x heads on, here 128 (fewer run faster on the 16-head tile)");
+  EXPECT_EQ(one.rejected[0].kernel, AttentionKernel::wgmma);
+  EXPECT_EQ(rejection_text(one.rejected[0], one.chosen, 90),
+            "not chosen: automatic from 512 query rows x heads (heads padded to 64) on, here 128 (fewer run faster on "
+            "the 16-head tile)");
   // From kWgmmaMinRows on: 4 tokens of 128 heads, 8 of 64 (the wide tile's rule would wait for 4096); 512-wide heads
   // (DeepSeek-V4) from kWgmmaMinRowsNoRope.
   for (const auto& [tokens, heads] : {std::pair{4, 128}, std::pair{8, 64}}) {
@@ -250,9 +250,29 @@ TEST(KernelChoice, WgmmaAutomaticOnHopper) {
   }
   EXPECT_EQ(choose_attention_kernel(hopper, {CacheFormat::bf16, 64, false, 7, 64, {}}).chosen.kernel,
             AttentionKernel::head_tile);
-  const KernelDecision few = choose_attention_kernel(hopper, {CacheFormat::bf16, 64, false, 4096, 32, {}});
-  EXPECT_EQ(few.chosen.kernel, AttentionKernel::head_tile);
-  EXPECT_EQ(few.rejected[1].why, Rejected::too_few_heads);
+  // From kWgmmaMinHeads heads on, its 64-head tile padded: 8 tokens of 17-63 heads (512 rows), 16 without rope; both
+  // cache formats, ahead of the small-heads kernel (which takes fp8 caches up to 32 heads elsewhere).
+  for (CacheFormat f : {CacheFormat::bf16, CacheFormat::fp8_ds_mla})
+    for (int heads : {17, 20, 32, 48}) {
+      EXPECT_EQ(choose_attention_kernel(hopper, {f, 64, false, 8, heads, {}}).chosen.kernel, AttentionKernel::wgmma);
+      EXPECT_EQ(choose_attention_kernel(hopper, {f, 64, true, 128, heads, {}}).chosen.kernel, AttentionKernel::wgmma);
+      EXPECT_EQ(choose_attention_kernel(hopper, {f, 0, false, 16, heads, {}}).chosen.kernel, AttentionKernel::wgmma);
+      EXPECT_EQ(choose_attention_kernel(hopper, {f, 0, false, 15, heads, {}}).chosen.kernel, AttentionKernel::head_tile);
+      const KernelDecision seven = choose_attention_kernel(hopper, {f, 64, false, 7, heads, {}});
+      EXPECT_EQ(seven.chosen.kernel, AttentionKernel::head_tile);
+      EXPECT_EQ(rejection_text(seven.rejected[0], seven.chosen, 90),
+                "not chosen: automatic from 512 query rows x heads (heads padded to 64) on, here 448 (fewer run "
+                "faster on the 16-head tile)");
+    }
+  const KernelDecision prefill = choose_attention_kernel(hopper, {CacheFormat::bf16, 64, false, 4096, 32, {}});
+  EXPECT_EQ(prefill.chosen.kernel, AttentionKernel::wgmma);
+  EXPECT_EQ(rejection_text(prefill.rejected[0], prefill.chosen, 90),
+            "not chosen: 17+ heads at 512+ query rows x heads (heads padded to 64) take the wgmma kernel (sm_90a code)");
+  // 16 heads stay with the small-heads kernel (fp8_ds_mla: 86.9 against 126.1 us at 128 tokens on an H200).
+  const KernelDecision few = choose_attention_kernel(hopper, {CacheFormat::fp8_ds_mla, 64, false, 128, 16, {}});
+  EXPECT_EQ(few.chosen.kernel, AttentionKernel::small_heads);
+  EXPECT_EQ(few.rejected[0].why, Rejected::too_few_heads);
+  EXPECT_EQ(rejection_text(few.rejected[0], few.chosen, 90), "not chosen: automatic from 17 heads on, here 16");
   // Another arch never names it.
   for (const char* arch : {"sm_80", "sm_100", "sm_120"}) {
     const KernelDecision d = choose_attention_kernel(limits_of(arch), {CacheFormat::bf16, 64, false, 4096, 128, {}});
@@ -362,7 +382,9 @@ TEST(KernelChoice, Glm5Tp8Fp8) {
     const KernelLimits l = limits_of(arch);
     const KernelDecision decode = choose_attention_kernel(l, {CacheFormat::fp8_ds_mla, 64, false, 1, 8, {}});
     EXPECT_EQ(decode.chosen.kernel, AttentionKernel::head_tile) << arch;
-    EXPECT_EQ(decode.rejected[0].why, Rejected::too_few_tokens);
+    const size_t small_at = l.compute_capability == 90 ? 1 : 0;  // after the wgmma kernel (too few heads)
+    EXPECT_EQ(decode.rejected[small_at].kernel, AttentionKernel::small_heads);
+    EXPECT_EQ(decode.rejected[small_at].why, Rejected::too_few_tokens);
     EXPECT_EQ(decode.rejected[decode.num_rejected - 1].kernel, AttentionKernel::wide_tile);
     EXPECT_EQ(decode.rejected[decode.num_rejected - 1].why, Rejected::too_few_heads);
     const KernelDecision prefill = choose_attention_kernel(l, {CacheFormat::fp8_ds_mla, 64, false, 4096, 8, {}});

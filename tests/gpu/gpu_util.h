@@ -21,24 +21,42 @@ namespace smla {
 inline const Backend& cpu() { return *Registry::global().find("cpu"); }
 inline const Backend& gpu() { return *Registry::global().find("cuda_mma"); }
 
-// The attention kernel the ops pick by themselves for `tokens` query rows of `heads` heads over a `kv` cache (`rope`:
-// 64 or 0; `paged`: paged_mla_decode) where the small-heads kernel does not serve: from the wide tile's automatic
-// rule's heads on, the wgmma kernel where the device runs it (Hopper, sm_90a code; 16-bit caches, fp8 ones while
-// kWgmmaAutomaticForFp8) from wgmma_min_rows rows x heads, else the wide-tile kernel where the device holds it from its
-// rows x heads; else the 16-head-tile kernel.
-inline cuda::AttentionKernel automatic_many_heads_kernel(DType kv, int rope, bool paged, int heads, int64_t tokens) {
+inline cuda::mla::CacheFormat cache_format_of(DType kv) {
   using cuda::mla::CacheFormat;
-  const CacheFormat f = kv == DType::bf16            ? CacheFormat::bf16
-                        : kv == DType::f16           ? CacheFormat::f16
-                        : kv == DType::fp8_ds_mla_v4 ? CacheFormat::fp8_ds_mla_v4
-                                                     : CacheFormat::fp8_ds_mla;
+  return kv == DType::bf16            ? CacheFormat::bf16
+         : kv == DType::f16           ? CacheFormat::f16
+         : kv == DType::fp8_ds_mla_v4 ? CacheFormat::fp8_ds_mla_v4
+                                      : CacheFormat::fp8_ds_mla;
+}
+
+// Whether the wgmma kernel runs this device's automatic choices for a `kv` cache: Hopper with sm_90a code; 16-bit
+// caches, fp8 ones while kWgmmaAutomaticForFp8.
+inline bool wgmma_automatic_here(DType kv, int rope, bool paged) {
+  const cuda::mla::CacheFormat f = cache_format_of(kv);
+  const bool sixteen_bit = f == cuda::mla::CacheFormat::bf16 || f == cuda::mla::CacheFormat::f16;
+  return (sixteen_bit || cuda::mla::kWgmmaAutomaticForFp8) && cuda::wgmma_kernels_available() &&
+         cuda::mla::wg::find_wgmma_config(f, rope, paged) != nullptr;
+}
+
+// Whether the ops pick the wgmma kernel by themselves for `tokens` query rows of `heads` heads: where it runs, from
+// kWgmmaMinHeads heads on at wgmma_min_rows query rows x heads padded to its 64-head tile (ahead of the small-heads
+// kernel).
+inline bool automatic_wgmma(DType kv, int rope, bool paged, int heads, int64_t tokens) {
+  return wgmma_automatic_here(kv, rope, paged) && heads >= cuda::mla::kWgmmaMinHeads &&
+         cuda::mla::wgmma_rows(tokens, heads) >= cuda::mla::wgmma_min_rows(rope);
+}
+
+// The attention kernel the ops pick by themselves for `tokens` query rows of `heads` heads over a `kv` cache (`rope`:
+// 64 or 0; `paged`: paged_mla_decode) where the small-heads kernel does not serve: the wgmma kernel where it runs
+// (automatic_wgmma), else the 16-head tile there; elsewhere the wide-tile kernel from its rule's heads and rows x heads
+// on where the device holds it; else the 16-head-tile kernel.
+inline cuda::AttentionKernel automatic_many_heads_kernel(DType kv, int rope, bool paged, int heads, int64_t tokens) {
+  if (wgmma_automatic_here(kv, rope, paged))
+    return automatic_wgmma(kv, rope, paged, heads, tokens) ? cuda::AttentionKernel::wgmma
+                                                           : cuda::AttentionKernel::head_tile;
   if (heads < cuda::mla::wide::kMinHeadsAutomatic) return cuda::AttentionKernel::head_tile;
-  const bool sixteen_bit = f == CacheFormat::bf16 || f == CacheFormat::f16;
-  if ((sixteen_bit || cuda::mla::kWgmmaAutomaticForFp8) && cuda::wgmma_kernels_available() &&
-      cuda::mla::wg::find_wgmma_config(f, rope, paged) != nullptr)
-    return tokens * heads >= cuda::mla::wgmma_min_rows(rope) ? cuda::AttentionKernel::wgmma
-                                                             : cuda::AttentionKernel::head_tile;
-  return tokens * heads >= cuda::mla::wide::kMinRowsAutomatic && cuda::mla::wide::find_wide_config(f, rope, paged)
+  return tokens * heads >= cuda::mla::wide::kMinRowsAutomatic &&
+                 cuda::mla::wide::find_wide_config(cache_format_of(kv), rope, paged)
              ? cuda::AttentionKernel::wide_tile
              : cuda::AttentionKernel::head_tile;
 }

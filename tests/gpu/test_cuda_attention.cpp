@@ -1113,14 +1113,15 @@ TEST(CudaSparseMlaWideTile, InvalidDepthIsAnError) {
   }
 }
 
-// The automatic choice names the wide-tile kernel (the wgmma kernel on Hopper with sm_90a code and a bf16 cache) from
-// its rule's head count and query rows x heads on, where the device holds it (so the tests of 64 and 128 heads over
-// enough tokens without a forced kernel run it too), never below: one token of 128 heads stays on the 16-head tile.
+// The automatic choice names the wide-tile kernel (the wgmma kernel on Hopper with sm_90a code, from fewer heads and
+// rows) from its rule's head count and query rows x heads on, where the device holds it (so the tests of 64 and 128
+// heads over enough tokens without a forced kernel run it too), never below: one token of 128 heads stays on the
+// 16-head tile.
 // With a second cache the plan is the one cache's (on the 16-head tile and the wgmma kernel one launch for both), and
 // the wide tile forced serves both caches.
 TEST(CudaSparseMlaWideTile, AutomaticChoiceAndSecondCache) {
-  for (int64_t tokens : {1, 31, 64})
-    for (int heads : {16, 32, 64, 128})
+  for (int64_t tokens : {1, 7, 8, 31, 64})
+    for (int heads : {16, 20, 32, 64, 128})
       for (DType kv : {DType::bf16, DType::fp8_ds_mla}) {
         SCOPED_TRACE(std::string(dtype_name(kv)) + " heads " + std::to_string(heads) + " tokens " +
                      std::to_string(tokens));
@@ -1133,14 +1134,16 @@ TEST(CudaSparseMlaWideTile, AutomaticChoiceAndSecondCache) {
         const bool wide = many == cuda::AttentionKernel::wide_tile || many == cuda::AttentionKernel::wgmma;
         if (wide) EXPECT_EQ(plan.kernel, many);
         else EXPECT_TRUE(plan.kernel == cuda::AttentionKernel::head_tile || plan.kernel == cuda::AttentionKernel::small_heads);
-        // Hopper with sm_90a code: the wgmma kernel for the bf16 cache wherever the wide rule holds, for fp8 only while
-        // kWgmmaAutomaticForFp8.
+        // Hopper with sm_90a code: the wgmma kernel for the bf16 cache from 17 heads on at 512 query rows x heads
+        // padded to 64, for fp8 only while kWgmmaAutomaticForFp8; elsewhere the wide tile from 64 heads and 4,096 rows.
+        const bool wgmma_rule = heads >= cuda::mla::kWgmmaMinHeads &&
+                                cuda::mla::wgmma_rows(tokens, heads) >= cuda::mla::wgmma_min_rows(kMlaRopeDim);
         if (cuda::wgmma_kernels_available())
-          EXPECT_EQ(plan.kernel == cuda::AttentionKernel::wgmma, (kv == DType::bf16 || cuda::mla::kWgmmaAutomaticForFp8) &&
-                                                                     heads >= 64 && tokens * heads >= cuda::mla::wgmma_min_rows(kMlaRopeDim));
-        if (heads < cuda::mla::wide::kMinHeadsAutomatic ||
-            tokens * heads < (cuda::wgmma_kernels_available() ? cuda::mla::wgmma_min_rows(kMlaRopeDim)
-                                                              : cuda::mla::wide::kMinRowsAutomatic))
+          EXPECT_EQ(plan.kernel == cuda::AttentionKernel::wgmma,
+                    (kv == DType::bf16 || cuda::mla::kWgmmaAutomaticForFp8) && wgmma_rule);
+        if (cuda::wgmma_kernels_available() ? !wgmma_rule
+                                            : heads < cuda::mla::wide::kMinHeadsAutomatic ||
+                                                  tokens * heads < cuda::mla::wide::kMinRowsAutomatic)
           EXPECT_FALSE(wide);
         if (wide) {
           EXPECT_LE(plan.smem, cuda::current_device().max_smem_per_block);
@@ -1206,6 +1209,16 @@ TEST(CudaSparseMlaWgmma, HeadsFormatsTopk) {
         ASSERT_TRUE(plan.has_value());
         EXPECT_EQ(plan->kernel, cuda::AttentionKernel::wgmma);
         EXPECT_EQ(plan->ctas_per_sm, 1);
+      }
+  // 17 and 20 heads (a tile of 47 or 44 padded heads), which it takes automatically on Hopper (kWgmmaMinHeads).
+  for (DType kv : {DType::bf16, DType::fp8_ds_mla, DType::fp8_ds_mla_v4})
+    for (int heads : {17, 20})
+      for (int topk : {100, 2048}) {
+        const int rope = kv == DType::fp8_ds_mla_v4 || n % 3 == 2 ? 0 : kMlaRopeDim;
+        const std::optional<cuda::AttentionPlan> plan =
+            run_sparse(wgmma_case(kv, rope, heads, topk, topk == 2048 ? 1 : 62, n++), seed++);
+        ASSERT_TRUE(plan.has_value());
+        EXPECT_EQ(plan->kernel, cuda::AttentionKernel::wgmma);
       }
 }
 

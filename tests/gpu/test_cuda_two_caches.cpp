@@ -38,11 +38,12 @@ struct TwoCaches {
   cuda::AttentionChoice choice;  // forced (a kernel or splits): the op's CUDA function is called directly
   int qk() const { return MlaHead{rope}.qk_dim(); }
   bool forced() const { return choice.kernel != cuda::AttentionKernel::automatic || choice.splits != 0; }
-  // The kernel the plan must pick: the forced one, else the small-heads kernel by its automatic rules, else the
-  // wide-tile or 16-head-tile one.
+  // The kernel the plan must pick: the forced one, else the wgmma kernel where it runs from its heads and rows on, else
+  // the small-heads kernel by its automatic rules, else the wide-tile or 16-head-tile one.
   cuda::AttentionKernel expected_kernel() const {
     namespace sh = cuda::mla::small;
     if (choice.kernel != cuda::AttentionKernel::automatic) return choice.kernel;
+    if (automatic_wgmma(kv_dtype, rope, false, heads, tokens)) return cuda::AttentionKernel::wgmma;
     const int min_tokens = rope ? sh::kMinTokensAutomatic : sh::kMinTokensAutomaticNoRope;
     const bool sixteen_bit = kv_dtype == DType::bf16 || kv_dtype == DType::f16;
     const bool small =

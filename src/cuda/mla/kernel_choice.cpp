@@ -138,9 +138,14 @@ int least_smem(const KernelLimits& l, const KernelShape& s, AttentionKernel k) {
   return 0;
 }
 
-// The query rows x heads from which the wide rule's kernel `k` (the wgmma kernel or the wide tile) is automatic.
+// The heads and query rows x heads from which the wide rule's kernel `k` (the wgmma kernel or the wide tile) is
+// automatic, and the rows it counts (the wgmma kernel: with its tile's padded heads).
+int rule_min_heads(AttentionKernel k) { return k == AttentionKernel::wgmma ? kWgmmaMinHeads : kWideMinHeads; }
 int64_t wide_rule_min_rows(AttentionKernel k, int rope) {
   return k == AttentionKernel::wgmma ? wgmma_min_rows(rope) : kWideMinRows;
+}
+int64_t rule_rows(AttentionKernel k, const KernelShape& s) {
+  return k == AttentionKernel::wgmma ? wgmma_rows(s.tokens, s.heads) : s.tokens * s.heads;
 }
 
 std::string with_commas(int64_t v) {
@@ -187,8 +192,8 @@ KernelDecision choose_attention_kernel(const KernelLimits& l, const KernelShape&
   auto reject = [&](AttentionKernel k, Rejected why, int need = 0, int have = 0) {
     d.rejected[static_cast<size_t>(d.num_rejected++)] = {k, why, need, have};
   };
-  // The automatic order; the wgmma kernel in the wide tile's place where it runs.
-  constexpr AttentionKernel kOrder[] = {AttentionKernel::small_heads, AttentionKernel::wgmma,
+  // The automatic order: the wgmma kernel first where it runs (Hopper), as it takes fewer heads than the wide tile.
+  constexpr AttentionKernel kOrder[] = {AttentionKernel::wgmma, AttentionKernel::small_heads,
                                         AttentionKernel::wide_tile, AttentionKernel::head_tile};
   if (s.forced.kernel != AttentionKernel::automatic) {
     d.chosen = variant(l, s, s.forced.kernel);
@@ -217,9 +222,10 @@ KernelDecision choose_attention_kernel(const KernelLimits& l, const KernelShape&
       continue;
     }
     if (d.ok()) {  // need and have: the winner's thresholds
-      const bool small = d.chosen.kernel == AttentionKernel::small_heads;
-      reject(k, Rejected::other_kernel_won, small ? min_tokens : kWideMinHeads,
-             small ? small_max_heads : static_cast<int>(wide_rule_min_rows(d.chosen.kernel, s.rope)));
+      const AttentionKernel won = d.chosen.kernel;
+      const bool small = won == AttentionKernel::small_heads;
+      reject(k, Rejected::other_kernel_won, small ? min_tokens : rule_min_heads(won),
+             small ? small_max_heads : static_cast<int>(wide_rule_min_rows(won, s.rope)));
       continue;
     }
     if (k == AttentionKernel::small_heads) {
@@ -237,17 +243,17 @@ KernelDecision choose_attention_kernel(const KernelLimits& l, const KernelShape&
       }
     }
     const bool wide_rule = k == AttentionKernel::wide_tile || k == AttentionKernel::wgmma;
-    if (wide_rule && s.heads < kWideMinHeads) {
-      reject(k, Rejected::too_few_heads, kWideMinHeads, s.heads);
+    if (wide_rule && s.heads < rule_min_heads(k)) {
+      reject(k, Rejected::too_few_heads, rule_min_heads(k), s.heads);
       continue;
     }
     d.chosen = variant(l, s, k);
     if (!d.ok()) {
       d.rejected[static_cast<size_t>(d.num_rejected++)] = unfit(l, s, k, least_smem(l, s, k));
-    } else if (const int64_t min_rows = wide_rule_min_rows(k, s.rope);
-               wide_rule && s.tokens * s.heads < min_rows) {  // fits, but too few rows
+    } else if (const int64_t min_rows = wide_rule_min_rows(k, s.rope), rows = rule_rows(k, s);
+               wide_rule && rows < min_rows) {  // fits, but too few rows
       d.chosen = {};
-      reject(k, Rejected::too_few_rows, static_cast<int>(min_rows), static_cast<int>(s.tokens * s.heads));
+      reject(k, Rejected::too_few_rows, static_cast<int>(min_rows), static_cast<int>(rows));
     }
   }
   return d;
@@ -296,8 +302,9 @@ std::string rejection_text(const Rejection& r, const KernelVariant& chosen, int 
     case Rejected::too_few_heads:
       return "not chosen: automatic from " + std::to_string(r.need) + " heads on, here " + std::to_string(r.have);
     case Rejected::too_few_rows:
-      return "not chosen: automatic from " + with_commas(r.need) + " query rows x heads on, here " +
-             with_commas(r.have) + " (fewer run faster on the 16-head tile)";
+      return "not chosen: automatic from " + with_commas(r.need) + " query rows x heads" +
+             (r.kernel == AttentionKernel::wgmma ? " (heads padded to 64)" : "") + " on, here " + with_commas(r.have) +
+             " (fewer run faster on the 16-head tile)";
     case Rejected::smem:
       return "needs " + with_commas(r.need) + " B of shared memory per block; " + arch_text(cc) + " allows " +
              with_commas(r.have);
@@ -305,9 +312,9 @@ std::string rejection_text(const Rejection& r, const KernelVariant& chosen, int 
       if (chosen.kernel == AttentionKernel::small_heads)
         return "not chosen: this cache format at up to " + std::to_string(r.have) + " heads from " +
                std::to_string(r.need) + " query rows on takes the small-heads kernel";
-      return "not chosen: " + std::to_string(r.need) + "+ heads at " + with_commas(r.have) +
-             "+ query rows x heads take the " + won +
-             (chosen.kernel == AttentionKernel::wgmma ? " (sm_90a code)" : "");
+      return "not chosen: " + std::to_string(r.need) + "+ heads at " + with_commas(r.have) + "+ query rows x heads" +
+             (chosen.kernel == AttentionKernel::wgmma ? " (heads padded to 64) take the " + won + " (sm_90a code)"
+                                                      : " take the " + won);
   }
   return {};
 }
