@@ -27,7 +27,7 @@ KernelLimits limits_of(const char* arch, bool sm90a_code = true) {
 // The automatic rule restated from the thresholds and the shared-memory tables (each kernel's shallowest depth).
 AttentionKernel expected_kernel(const KernelLimits& l, const KernelShape& s) {
   const bool sixteen_bit = s.format == CacheFormat::bf16 || s.format == CacheFormat::f16;
-  if (s.heads >= kWgmmaMinHeads && wgmma_rows(s.tokens, s.heads) >= wgmma_min_rows(s.rope) &&
+  if (s.heads >= wgmma_min_heads(s.format) && wgmma_rows(s.tokens, s.heads) >= wgmma_min_rows(s.rope) &&
       l.compute_capability == 90 && l.sm90a_code && (sixteen_bit || kWgmmaAutomaticForFp8))
     return AttentionKernel::wgmma;
   const int min_tokens = std::max(s.rope ? kSmallMinTokens : kSmallMinTokensNoRope, sixteen_bit ? kSmallMinTokens16Bit : 0);
@@ -58,7 +58,7 @@ TEST(KernelChoice, AutomaticOnEveryArch) {
       for (CacheFormat f : {CacheFormat::bf16, CacheFormat::f16, CacheFormat::fp8_ds_mla, CacheFormat::fp8_ds_mla_v4})
         for (int rope : {0, 64})
           for (bool paged : {false, true})
-            for (int heads : {1, 8, 16, 17, 20, 32, 48, 64, 100, 128})
+            for (int heads : {1, 8, 9, 12, 16, 17, 20, 32, 48, 64, 100, 128})
               for (int64_t tokens : {1, 7, 8, 15, 16, 31, 32, 63, 64, 4096}) {
                 if (f == CacheFormat::fp8_ds_mla_v4 && rope) continue;
                 const KernelLimits l = limits_of(arch, sm90a_code);
@@ -85,14 +85,14 @@ TEST(KernelChoice, AutomaticOnEveryArch) {
                   if (r.kernel != AttentionKernel::wgmma) continue;
                   const Rejected why = !sm90a_code                  ? Rejected::no_sm90a_code
                                        : !sixteen_bit && !kWgmmaAutomaticForFp8 ? Rejected::cache_format
-                                       : heads < kWgmmaMinHeads     ? Rejected::too_few_heads
+                                       : heads < wgmma_min_heads(f) ? Rejected::too_few_heads
                                                                     : Rejected::too_few_rows;
                   EXPECT_EQ(r.why, why);
                 }
                 // Where the wgmma kernel runs, the wide tile (after the small-heads kernel) is named as beaten by it.
                 if (d.chosen.kernel == AttentionKernel::wgmma)
                   EXPECT_EQ(rejection_text(d.rejected[1], d.chosen, 90),
-                            std::string("not chosen: 17+ heads at ") + (rope ? "512" : "1,024") +
+                            "not chosen: " + std::to_string(wgmma_min_heads(f)) + "+ heads at " + (rope ? "512" : "1,024") +
                                 "+ query rows x heads (heads padded to 64) take the wgmma kernel (sm_90a code)");
               }
 }
@@ -250,8 +250,9 @@ TEST(KernelChoice, WgmmaAutomaticOnHopper) {
   }
   EXPECT_EQ(choose_attention_kernel(hopper, {CacheFormat::bf16, 64, false, 7, 64, {}}).chosen.kernel,
             AttentionKernel::head_tile);
-  // From kWgmmaMinHeads heads on, its 64-head tile padded: 8 tokens of 17-63 heads (512 rows), 16 without rope; both
-  // cache formats, ahead of the small-heads kernel (which takes fp8 caches up to 32 heads elsewhere).
+  // From wgmma_min_heads on (17 with fp8 caches, 9 with 16-bit ones), its 64-head tile padded: 8 tokens of up to 63
+  // heads (512 rows), 16 without rope; ahead of the small-heads kernel (which takes fp8 caches up to 32 heads
+  // elsewhere).
   for (CacheFormat f : {CacheFormat::bf16, CacheFormat::fp8_ds_mla})
     for (int heads : {17, 20, 32, 48}) {
       EXPECT_EQ(choose_attention_kernel(hopper, {f, 64, false, 8, heads, {}}).chosen.kernel, AttentionKernel::wgmma);
@@ -267,7 +268,15 @@ TEST(KernelChoice, WgmmaAutomaticOnHopper) {
   const KernelDecision prefill = choose_attention_kernel(hopper, {CacheFormat::bf16, 64, false, 4096, 32, {}});
   EXPECT_EQ(prefill.chosen.kernel, AttentionKernel::wgmma);
   EXPECT_EQ(rejection_text(prefill.rejected[0], prefill.chosen, 90),
-            "not chosen: 17+ heads at 512+ query rows x heads (heads padded to 64) take the wgmma kernel (sm_90a code)");
+            "not chosen: 9+ heads at 512+ query rows x heads (heads padded to 64) take the wgmma kernel (sm_90a code)");
+  for (int heads : {9, 12, 16}) {
+    EXPECT_EQ(choose_attention_kernel(hopper, {CacheFormat::bf16, 64, false, 128, heads, {}}).chosen.kernel,
+              AttentionKernel::wgmma);
+    EXPECT_EQ(choose_attention_kernel(hopper, {CacheFormat::f16, 64, true, 8, heads, {}}).chosen.kernel,
+              AttentionKernel::wgmma);
+  }
+  EXPECT_EQ(choose_attention_kernel(hopper, {CacheFormat::bf16, 64, false, 128, 8, {}}).chosen.kernel,
+            AttentionKernel::small_heads);
   // 16 heads stay with the small-heads kernel (fp8_ds_mla: 86.9 against 126.1 us at 128 tokens on an H200).
   const KernelDecision few = choose_attention_kernel(hopper, {CacheFormat::fp8_ds_mla, 64, false, 128, 16, {}});
   EXPECT_EQ(few.chosen.kernel, AttentionKernel::small_heads);

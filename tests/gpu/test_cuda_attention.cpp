@@ -961,7 +961,7 @@ void vary_options(Problem& p, int n) {
 
 // Chosen by itself for 16-bit caches (bf16, f16) at up to 8 heads from 32 query rows on (64 for 512-wide heads;
 // kernel_choice.h says why) where the device's shared memory holds it, matching the CPU backend; 31 rows or 16 heads
-// keep the 16-head tile. Sparse and paged.
+// keep the 16-head tile (on Hopper 16 heads take the wgmma kernel). Sparse and paged.
 TEST(CudaSparseMlaSmallHeads, AutomaticFor16BitCaches) {
   namespace sh = cuda::mla::small;
   uint64_t seed = 3100;
@@ -987,7 +987,7 @@ TEST(CudaSparseMlaSmallHeads, AutomaticFor16BitCaches) {
                                   ? sh::kMaxHeadsAutomatic16Bit
                                   : sh::kMaxHeadsAutomatic16BitTwoGroups;
         EXPECT_EQ(plan->kernel == cuda::AttentionKernel::small_heads,
-                  heads <= max_heads && tokens >= min_tokens && fits)
+                  heads <= max_heads && tokens >= min_tokens && fits && !automatic_wgmma(kv, rope, false, heads, tokens))
             << dtype_name(kv) << " rope " << rope << " tokens " << tokens << " heads " << heads;
       }
   // Paged: 32 requests of one query of 8 heads.
@@ -1134,9 +1134,9 @@ TEST(CudaSparseMlaWideTile, AutomaticChoiceAndSecondCache) {
         const bool wide = many == cuda::AttentionKernel::wide_tile || many == cuda::AttentionKernel::wgmma;
         if (wide) EXPECT_EQ(plan.kernel, many);
         else EXPECT_TRUE(plan.kernel == cuda::AttentionKernel::head_tile || plan.kernel == cuda::AttentionKernel::small_heads);
-        // Hopper with sm_90a code: the wgmma kernel for the bf16 cache from 17 heads on at 512 query rows x heads
-        // padded to 64, for fp8 only while kWgmmaAutomaticForFp8; elsewhere the wide tile from 64 heads and 4,096 rows.
-        const bool wgmma_rule = heads >= cuda::mla::kWgmmaMinHeads &&
+        // Hopper with sm_90a code: the wgmma kernel from 9 heads on (bf16 cache; fp8: 17, while kWgmmaAutomaticForFp8)
+        // at 512 query rows x heads padded to 64; elsewhere the wide tile from 64 heads and 4,096 rows.
+        const bool wgmma_rule = heads >= cuda::mla::wgmma_min_heads(cache_format_of(kv)) &&
                                 cuda::mla::wgmma_rows(tokens, heads) >= cuda::mla::wgmma_min_rows(kMlaRopeDim);
         if (cuda::wgmma_kernels_available())
           EXPECT_EQ(plan.kernel == cuda::AttentionKernel::wgmma,
@@ -1210,7 +1210,7 @@ TEST(CudaSparseMlaWgmma, HeadsFormatsTopk) {
         EXPECT_EQ(plan->kernel, cuda::AttentionKernel::wgmma);
         EXPECT_EQ(plan->ctas_per_sm, 1);
       }
-  // 17 and 20 heads (a tile of 47 or 44 padded heads), which it takes automatically on Hopper (kWgmmaMinHeads).
+  // 17 and 20 heads (a tile of 47 or 44 padded heads), which it takes automatically on Hopper (wgmma_min_heads).
   for (DType kv : {DType::bf16, DType::fp8_ds_mla, DType::fp8_ds_mla_v4})
     for (int heads : {17, 20})
       for (int topk : {100, 2048}) {

@@ -140,7 +140,9 @@ int least_smem(const KernelLimits& l, const KernelShape& s, AttentionKernel k) {
 
 // The heads and query rows x heads from which the wide rule's kernel `k` (the wgmma kernel or the wide tile) is
 // automatic, and the rows it counts (the wgmma kernel: with its tile's padded heads).
-int rule_min_heads(AttentionKernel k) { return k == AttentionKernel::wgmma ? kWgmmaMinHeads : kWideMinHeads; }
+int rule_min_heads(AttentionKernel k, CacheFormat f) {
+  return k == AttentionKernel::wgmma ? wgmma_min_heads(f) : kWideMinHeads;
+}
 int64_t wide_rule_min_rows(AttentionKernel k, int rope) {
   return k == AttentionKernel::wgmma ? wgmma_min_rows(rope) : kWideMinRows;
 }
@@ -224,7 +226,7 @@ KernelDecision choose_attention_kernel(const KernelLimits& l, const KernelShape&
     if (d.ok()) {  // need and have: the winner's thresholds
       const AttentionKernel won = d.chosen.kernel;
       const bool small = won == AttentionKernel::small_heads;
-      reject(k, Rejected::other_kernel_won, small ? min_tokens : rule_min_heads(won),
+      reject(k, Rejected::other_kernel_won, small ? min_tokens : rule_min_heads(won, s.format),
              small ? small_max_heads : static_cast<int>(wide_rule_min_rows(won, s.rope)));
       continue;
     }
@@ -243,8 +245,8 @@ KernelDecision choose_attention_kernel(const KernelLimits& l, const KernelShape&
       }
     }
     const bool wide_rule = k == AttentionKernel::wide_tile || k == AttentionKernel::wgmma;
-    if (wide_rule && s.heads < rule_min_heads(k)) {
-      reject(k, Rejected::too_few_heads, rule_min_heads(k), s.heads);
+    if (wide_rule && s.heads < rule_min_heads(k, s.format)) {
+      reject(k, Rejected::too_few_heads, rule_min_heads(k, s.format), s.heads);
       continue;
     }
     d.chosen = variant(l, s, k);

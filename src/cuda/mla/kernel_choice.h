@@ -53,14 +53,21 @@ inline constexpr int64_t kWideMinRows = 4096;
 // 24.4 fp8_ds_mla_v4): kWgmmaMinRowsNoRope.
 inline constexpr int64_t kWgmmaMinRows = 512, kWgmmaMinRowsNoRope = 1024;
 inline constexpr int64_t wgmma_min_rows(int rope) { return rope ? kWgmmaMinRows : kWgmmaMinRowsNoRope; }
-// Unlike the wide tile, the wgmma kernel is automatic from 17 heads on (its 64-row head tile padded): on an H200
-// (run of 8b5956e, top-k 2048, µs auto then / wgmma) it beat the small-heads kernel and the 16-head tile at every
-// size measured: 20 heads x 128 tokens bf16 211.1 / 86.0, fp8_ds_mla 165.3 / 128.1; 32 x 128 212.2 / 86.1, 166.5 /
-// 126.9; 48 x 128 319.9 / 87.6, 337.3 / 129.7; x 32 tokens 65.0-105.1 / 38.5-42.1 (bf16), 54.0-115.6 / 44.5-50.8
-// (fp8); x 8 tokens 24.0-31.7 / 21.3-22.6, 23.0-31.6 / 22.4-24.2; prefill 4096 x 32 bf16 6202 / 2575; dense paged
-// 128 x 8192 x 32 heads bf16 723 / 296, fp8 633 / 464. At 16 heads fp8_ds_mla the small-heads kernel won (86.9
-// against 126.1 at 128 tokens). Its query rows x heads count the padded heads (wgmma_rows).
-inline constexpr int kWgmmaMinHeads = 17;
+// Unlike the wide tile, the wgmma kernel is automatic from 17 heads on (fp8 caches) or 9 (16-bit caches), its
+// 64-row head tile padded: on an H200 (top-k 2048, µs as the op picked before / wgmma forced; runs of 8b5956e and
+// 2a7a782) it beat the small-heads kernel and the 16-head tile at every size measured from 20 heads on: 20 heads x
+// 128 tokens bf16 211.1 / 86.0, fp8_ds_mla 165.3 / 128.1; 32 x 128 212.2 / 86.1, 166.5 / 126.9; 48 x 128 319.9 /
+// 87.6, 337.3 / 129.7; x 32 tokens 65.0-105.1 / 38.5-42.1 (bf16), 54.0-115.6 / 44.5-50.8 (fp8); x 8 tokens
+// 24.0-31.7 / 21.3-22.6, 23.0-31.6 / 22.4-24.2; prefill 4096 x 32 bf16 6202 / 2575; dense paged 128 x 8192 x 32
+// heads bf16 723 / 296, fp8 633 / 464. At 16 heads fp8_ds_mla the small-heads kernel won (86.9 against 126.1 at 128
+// tokens); bf16 at 12 and 16 heads the wgmma kernel (128 tokens 93.7 / 84.4-84.6, 32 tokens 37.8-38.0 / 36.5-38.0,
+// 8 tokens 18.2-20.8 / 18.5, paged 128 x 8192 x 16 313.3 / 294.6, prefill 4096 x 16 2667 / 2523), at 8 heads
+// neither (32 tokens 33.5 / 34.5, 128 tokens 85.9 / 84.3). Its query rows x heads count the padded heads
+// (wgmma_rows).
+inline constexpr int kWgmmaMinHeadsFp8 = 17, kWgmmaMinHeads16Bit = 9;
+constexpr int wgmma_min_heads(CacheFormat f) {
+  return f == CacheFormat::bf16 || f == CacheFormat::f16 ? kWgmmaMinHeads16Bit : kWgmmaMinHeadsFp8;
+}
 inline constexpr int64_t wgmma_rows(int64_t tokens, int heads) { return tokens * (heads < 64 ? 64 : heads); }
 // Whether fp8_ds_mla_v4 caches (512-wide) take the small-heads kernel automatically as rope-free fp8_ds_mla rows
 // do: off (small::kAutomaticForV4 says why).
@@ -108,7 +115,7 @@ enum class Rejected {
   no_sm90a_code,     // the wgmma kernel on sm_90 where the loaded code lacks sm_90a's features
   too_many_heads,    // the small-heads kernel: more heads than its automatic reach for the cache format
   too_few_tokens,    // the small-heads kernel: fewer query rows than it pays off at
-  too_few_heads,     // the wide tile: fewer heads than kWideMinHeads; the wgmma kernel: than kWgmmaMinHeads
+  too_few_heads,     // the wide tile: fewer heads than kWideMinHeads; the wgmma kernel: than wgmma_min_heads
   too_few_rows,      // the wide tile: fewer query rows x heads than kWideMinRows; the wgmma kernel: wgmma_rows
   smem,              // needs more shared memory per block than the arch allows
   other_kernel_won,  // valid, but the kernel chosen comes first for this shape
@@ -129,7 +136,7 @@ struct KernelDecision {
 };
 
 // THE choice. Automatic: on sm_90 with sm_90a code the wgmma kernel (16-bit caches, fp8 ones while
-// kWgmmaAutomaticForFp8) from kWgmmaMinHeads heads on at wgmma_rows >= wgmma_min_rows; else the small-heads kernel
+// kWgmmaAutomaticForFp8) from wgmma_min_heads heads on at wgmma_rows >= wgmma_min_rows; else the small-heads kernel
 // for fp8_ds_mla caches (and fp8_ds_mla_v4 ones while kSmallAutomaticForV4) up to kSmallMaxHeads heads from
 // kSmallMinTokens query rows on (kSmallMinTokensNoRope for 512-wide heads), for 16-bit caches up to
 // kSmallMaxHeads16Bit heads from kSmallMinTokens16Bit (or that), where it fits; else from wide::kMinHeadsAutomatic
