@@ -1010,7 +1010,7 @@ void bench_stamps(StepCaches& caches, int tokens, int context, bool sorted, int 
     std::vector<unsigned long long> h(2 * kStepStamps);
     for (int r = 0; r < reps; ++r) {
       std::fill(h.begin(), h.end(), 0ull);
-      h[kScoresFirstStart] = h[kTopkFirstStart] = ~0ull;
+      h[kScoresFirstStart] = h[kTopkFirstStart] = h[kAttnFirstStart] = h[kCombineFirstStart] = ~0ull;
       CHECK(cudaMemcpy(stamps, h.data(), h.size() * sizeof(h[0]), cudaMemcpyHostToDevice));
       CHECK(cudaGraphLaunch(exec, s));
       CHECK(cudaStreamSynchronize(s));
@@ -1031,9 +1031,12 @@ void bench_stamps(StepCaches& caches, int tokens, int context, bool sorted, int 
       std::sort(v.begin(), v.end());
       return v.empty() ? NAN : v[v.size() / 2];
     };
-    static const char* names[kStepStamps] = {"scores start", "scores end", "top-k start", "top-k waited",
-                                             "histogram",    "plan",       "counted",     "compacted",
-                                             "selected",     "ordered",    "stored",      "top-k end"};
+    static const char* names[kStepStamps] = {
+        "scores start", "scores end",    "top-k start",   "top-k waited",  "histogram",     "plan",
+        "counted",      "compacted",     "selected",      "ordered",       "stored",        "top-k end",
+        "attn start",   "attn waited",   "attn landed",   "attn dequant",  "attn chunk 0",  "attn attended",
+        "attn stored",  "attn end",
+        "combine start", "combine waited", "combine merged", "combine stored", "combine end"};
     std::printf("%d x %d, %s, %s (us from the first kernel's start; CTA 0 clock from its wait: cycles / us at %.2f "
                 "GHz)\n",
                 tokens, context, sorted ? "sorted" : "unsorted", what, clock_khz / 1e6);

@@ -126,11 +126,19 @@ void select_topk(const IndexerTopkArgs& args, const float* scores, TopkSplit spl
 // earliest CTA start (the driver sets it to ~0 first) and latest warp end; the top-k kernel's earliest CTA start
 // (~0 first), its phases on the first CTA's thread 0 (token 0, rank 0), and its latest warp end. Within phases:
 // kTopkCounted, a held row's classes counted and scanned (the compaction's writes still to come); kTopkOrdered, the
-// chosen in their order (the stores still to come).
+// chosen in their order (the stores still to come). Then the attention's 16-head-tile kernel (the step's for few
+// tokens): its earliest CTA start, on its first CTA (token 0, split 0, thread 0) the return of its wait for the top-k,
+// its first chunk landed in shared memory, dequantised (fp8 caches) and attended, its keys done, its output (or
+// partial) rows stored, and its latest warp
+// end; the combine's earliest start, on its first CTA (thread 0) the wait's return, its splits loaded and merged,
+// its row stored, and its latest warp end.
 enum StepStamp : int {
   kScoresFirstStart, kScoresLastEnd,
   kTopkFirstStart, kTopkWaited, kTopkHistogram, kTopkPlan, kTopkCounted, kTopkCompacted, kTopkSelected, kTopkOrdered,
   kTopkStored, kTopkLastEnd,
+  kAttnFirstStart, kAttnWaited, kAttnLanded, kAttnDequantised, kAttnFirstChunk, kAttnAttended, kAttnStored,
+  kAttnLastEnd,
+  kCombineFirstStart, kCombineWaited, kCombineMerged, kCombineStored, kCombineLastEnd,
   kStepStamps
 };
 void set_step_stamps(unsigned long long* stamps);

@@ -34,7 +34,7 @@
 #include "cuda/common/mma.cuh"
 #include "cuda/common/runtime.h"
 #include "cuda/indexer/indexer_common.cuh"
-#include "cuda/indexer/step_stamps.cuh"
+#include "cuda/common/step_stamps.cuh"
 #include "cuda/kernels.h"
 
 namespace smla::cuda {

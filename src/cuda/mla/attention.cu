@@ -96,6 +96,9 @@ void fill_common(AttentionParams& p, const char* op, const TensorView& q, int64_
                  const TensorView& sink, float softmax_scale) {
   p.q = q.ptr<uint16_t>();
   p.q_is_bf16 = q.dtype == DType::bf16;
+#ifdef SMLA_TOPK_STAMPS
+  p.stamps = step_stamp_buffer;
+#endif
   p.q_stride_b = q_sb;
   p.q_stride_s = q_ss;
   p.q_stride_h = q.stride(-2);

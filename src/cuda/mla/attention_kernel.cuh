@@ -15,6 +15,7 @@
 #include <cfloat>
 
 #include "cuda/common/griddep.cuh"
+#include "cuda/common/step_stamps.cuh"
 #include "cuda/common/mma.cuh"
 #include "cuda/mla/params.h"
 #include "smla/types.h"
@@ -586,6 +587,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const AttentionPara
   const int nh = min(kHeadsPerCta, p.num_heads - h0);
   const int split = blockIdx.y;
   const int b = t / p.s_q, j = t % p.s_q;
+  SMLA_STAMP_START_END(p, kAttnFirstStart, kAttnLastEnd);
 
   // The queries' loads first, each thread all its pieces before storing any (one memory round trip, which bounds
   // the latency of few-chunk splits), issued before the wait below; they are converted after the gather starts.
@@ -606,6 +608,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const AttentionPara
   // Everything from here reads what the kernel before may write (indices, cache) when dsa_decode_step launches
   // this one as the top-k's programmatic dependent; without that launch the wait returns at once.
   wait_for_prerequisites();
+  SMLA_STAMP(p, kAttnWaited);
   const KeyRange keys = key_range<kPaged, kTwoLists>(p, t, b, j, split, kKeysPerChunk);
   const ChunkRange range = keys.range;
   const ListChunks lists = keys.lists;
@@ -723,19 +726,23 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const AttentionPara
   for (int i = 0; i < n_chunks; ++i) {
     cp_async_wait<kAhead - 1>();
     __syncthreads();  // chunk i has landed; every warp is done with chunk i-1
+    if (i == 0) SMLA_STAMP(p, kAttnLanded);
     const int* vmask = valid + ((chunk_begin + i) % L.valid_sets) * kKeysPerChunk;
     if constexpr (kFp8) {
       dequantise_chunk<F, T, kRope>(bufs + (i % kStages) * kBufBytes, sk, tid);
       __syncthreads();  // staging buffer i % kStages is free again
+      if (i == 0) SMLA_STAMP(p, kAttnDequantised);
       issue(i + kAhead);
       attend(sk, vmask);
     } else {
       issue(i + kAhead);  // into the buffer chunk i-1 used
       attend(reinterpret_cast<const T*>(bufs + (i % kStages) * kBufBytes), vmask);
     }
+    if (i == 0) SMLA_STAMP(p, kAttnFirstChunk);
   }
   cp_async_wait<0>();
   __syncthreads();  // row statistics final (also when this split had no chunks)
+  SMLA_STAMP(p, kAttnAttended);
   if (p.early_combine) let_dependents_launch();  // the combine: placed while the partials are written
 
   const int g = lane / 4;
@@ -746,6 +753,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const AttentionPara
       store_head_row(p, o, half, t, b, j, split, h0 + r, warp * 128 + (lane % 4) * 2, row_max[r], row_sum[r],
                      warp == 0 && lane % 4 == 0);
   }
+  SMLA_STAMP(p, kAttnStored);
 }
 
 // Merges the splits of each (token, head): out = sum_s w_s * out_s with
@@ -777,7 +785,9 @@ inline int combine_column_blocks(int64_t rows, int num_sms) {
 template <int kBatch>
 static __global__ void __launch_bounds__(kThreads, kBatch == kManyRowsBatch ? kManyRowsCtasPerSm : kFewRowsCtasPerSm)
     combine_kernel(const AttentionParams p) {
+  SMLA_STAMP_START_END(p, kCombineFirstStart, kCombineLastEnd);
   wait_for_prerequisites();
+  SMLA_STAMP(p, kCombineWaited);
   constexpr int kMaxGroups = kMaxColumnBlocks;  // 512 / 8 columns = 16 float4s: 8 groups of 16 threads
   __shared__ float4 group_acc[kThreads];
   __shared__ float group_max[kMaxGroups], group_sum[kMaxGroups], group_logit[kMaxGroups];
@@ -821,6 +831,7 @@ static __global__ void __launch_bounds__(kThreads, kBatch == kManyRowsBatch ? kM
     }
     m = m_new;
   }
+  SMLA_STAMP(p, kCombineMerged);
   group_acc[threadIdx.x] = acc;
   if (threadIdx.x % quads == 0) {  // a group's threads merged the same splits: the same m, l and logit
     group_max[group] = m;
@@ -858,6 +869,7 @@ static __global__ void __launch_bounds__(kThreads, kBatch == kManyRowsBatch ? kM
     p.lse[b * p.lse_stride_b + j * p.lse_stride_s + h * p.lse_stride_h] = wsum > 0.f ? lse2 * ln2 : p.empty_lse;
     if (p.max_logits) p.max_logits[t * p.max_logits_stride_t + h * p.max_logits_stride_h] = max_score * ln2;
   }
+  SMLA_STAMP(p, kCombineStored);
 }
 
 }  // namespace smla::cuda::mla

@@ -102,6 +102,9 @@ struct AttentionParams {
   float* partial_out;  // [num_splits, num_tokens, H, 512], normalised per split
   float* partial_lse;  // [num_splits, num_tokens, H], log2 units
   float* partial_max;  // [num_splits, num_tokens, H], the split's max score, log2 units
+#ifdef SMLA_TOPK_STAMPS
+  unsigned long long* stamps;  // bench_cuda stamps (step_stamps.cuh): the head-tile kernel's and the combine's
+#endif
 };
 
 #ifdef __CUDACC__

@@ -1,4 +1,4 @@
-// Timestamps of dsa_decode_step's indexer kernels, to see where a step's time goes (bench_cuda stamps): compiled in
+// Timestamps of dsa_decode_step's kernels, to see where a step's time goes (bench_cuda stamps): compiled in
 // only with SMLA_TOPK_STAMPS defined (CMake option of that name); otherwise every macro here is empty and the
 // kernels are as shipped. Slots: see StepStamp (kernels.h).
 #pragma once
