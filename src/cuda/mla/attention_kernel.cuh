@@ -785,22 +785,32 @@ inline int combine_column_blocks(int64_t rows, int num_sms) {
 template <int kBatch>
 static __global__ void __launch_bounds__(kThreads, kBatch == kManyRowsBatch ? kManyRowsCtasPerSm : kFewRowsCtasPerSm)
     combine_kernel(const AttentionParams p) {
+  static_assert(kThreads == kVDim / 4, "a CTA's threads cover a row's float4 columns once");
   SMLA_STAMP_START_END(p, kCombineFirstStart, kCombineLastEnd);
   wait_for_prerequisites();
   SMLA_STAMP(p, kCombineWaited);
-  constexpr int kMaxGroups = kMaxColumnBlocks;  // 512 / 8 columns = 16 float4s: 8 groups of 16 threads
   __shared__ float4 group_acc[kThreads];
-  __shared__ float group_max[kMaxGroups], group_sum[kMaxGroups], group_logit[kMaxGroups];
-  const int t = blockIdx.x / p.num_heads, h = blockIdx.x % p.num_heads;
-  const int b = t / p.s_q, j = t % p.s_q;
-  const int64_t stride = static_cast<int64_t>(p.num_tokens) * p.num_heads;
-  const int64_t row = static_cast<int64_t>(t) * p.num_heads + h;
-  const int quads = kVDim / 4 / gridDim.y;  // float4 columns per CTA = threads per group
-  const int groups = kThreads / quads, group = threadIdx.x / quads;
-  const int col = blockIdx.y * quads * 4 + threadIdx.x % quads * 4;
+  __shared__ float group_max[kMaxColumnBlocks], group_sum[kMaxColumnBlocks], group_logit[kMaxColumnBlocks];
+  // blockIdx.x is the row (token t, head h); gridDim.y column blocks (a power of 2) split its 128 float4 columns, so
+  // a CTA's threads form gridDim.y groups of kThreads / gridDim.y, each covering the CTA's columns once. Shifts, not
+  // divisions: this kernel is a chain of dependent steps where every instruction before the loads is latency.
+  const int row = blockIdx.x, t = row / p.num_heads, h = row - t * p.num_heads;
+  const int b = t / p.s_q, j = t - b * p.s_q;
+  const int groups = gridDim.y, log_quads = 7 - (31 - __clz(groups));  // kThreads = 2^7
+  const int quads = 1 << log_quads;
+  const int group = threadIdx.x >> log_quads, lane_col = threadIdx.x & (quads - 1);
+  const int col = (blockIdx.y * quads + lane_col) * 4;
 
   // This thread's online softmax over splits group, group + groups, ...: max (m), sum of 2^(lse - m) (l), and the
-  // partial rows weighted alike (acc); `logit`: their largest score, for max_logits.
+  // partial rows weighted alike (acc); `logit`: their largest score, for max_logits. Each batch's loads go out
+  // together (kBatch splits: one round trip); the pointers advance by a batch's splits, so no 64-bit product is
+  // formed per split.
+  const int64_t rows = static_cast<int64_t>(p.num_tokens) * p.num_heads;  // per split
+  const int64_t step = rows * groups;                                     // between a group's splits
+  const float* lse_at = p.partial_lse + group * rows + row;
+  const float* max_at = p.max_logits ? p.partial_max + group * rows + row : nullptr;
+  const float4* out_at = reinterpret_cast<const float4*>(p.partial_out + (group * rows + row) * kVDim + col);
+  const int64_t out_step = step * (kVDim / 4);
   float m = -INFINITY, l = 0.f, logit = -INFINITY;
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
   for (int s0 = group; s0 < p.num_splits; s0 += kBatch * groups) {
@@ -808,13 +818,14 @@ static __global__ void __launch_bounds__(kThreads, kBatch == kManyRowsBatch ? kM
     float4 v[kBatch];
 #pragma unroll
     for (int i = 0; i < kBatch; ++i) {
-      const int s = s0 + i * groups;
-      const bool in = s < p.num_splits;
-      lse[i] = in ? p.partial_lse[s * stride + row] : -INFINITY;
-      top[i] = in && p.max_logits ? p.partial_max[s * stride + row] : -INFINITY;
-      v[i] = in ? *reinterpret_cast<const float4*>(p.partial_out + (s * stride + row) * kVDim + col)
-                : make_float4(0.f, 0.f, 0.f, 0.f);
+      const bool in = s0 + i * groups < p.num_splits;
+      lse[i] = in ? lse_at[i * step] : -INFINITY;
+      top[i] = in && max_at ? max_at[i * step] : -INFINITY;
+      v[i] = in ? out_at[i * out_step] : make_float4(0.f, 0.f, 0.f, 0.f);
     }
+    lse_at += kBatch * step;
+    if (max_at) max_at += kBatch * step;
+    out_at += kBatch * out_step;
     float m_new = m;
 #pragma unroll
     for (int i = 0; i < kBatch; ++i) m_new = fmaxf(m_new, lse[i]);
@@ -833,7 +844,7 @@ static __global__ void __launch_bounds__(kThreads, kBatch == kManyRowsBatch ? kM
   }
   SMLA_STAMP(p, kCombineMerged);
   group_acc[threadIdx.x] = acc;
-  if (threadIdx.x % quads == 0) {  // a group's threads merged the same splits: the same m, l and logit
+  if (lane_col == 0) {  // a group's threads merged the same splits: the same m, l and logit
     group_max[group] = m;
     group_sum[group] = l;
     group_logit[group] = logit;
@@ -842,19 +853,23 @@ static __global__ void __launch_bounds__(kThreads, kBatch == kManyRowsBatch ? kM
   if (threadIdx.x >= quads) return;
 
   float gmax = -INFINITY, max_score = -INFINITY;
-  for (int g = 0; g < groups; ++g) {
-    gmax = fmaxf(gmax, group_max[g]);
-    max_score = fmaxf(max_score, group_logit[g]);
-  }
+#pragma unroll
+  for (int g = 0; g < kMaxColumnBlocks; ++g)
+    if (g < groups) {
+      gmax = fmaxf(gmax, group_max[g]);
+      max_score = fmaxf(max_score, group_logit[g]);
+    }
   const float base = gmax == -INFINITY ? 0.f : gmax;
   float wsum = 0.f;
   acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  for (int g = 0; g < groups; ++g) {
-    const float w = exp2f(group_max[g] - base);
-    const float4 a = group_acc[g * quads + threadIdx.x];
-    wsum += w * group_sum[g];
-    acc = make_float4(acc.x + w * a.x, acc.y + w * a.y, acc.z + w * a.z, acc.w + w * a.w);
-  }
+#pragma unroll
+  for (int g = 0; g < kMaxColumnBlocks; ++g)
+    if (g < groups) {
+      const float w = exp2f(group_max[g] - base);
+      const float4 a = group_acc[g * quads + threadIdx.x];
+      wsum += w * group_sum[g];
+      acc = make_float4(acc.x + w * a.x, acc.y + w * a.y, acc.z + w * a.z, acc.w + w * a.w);
+    }
   const float ln2 = 0.6931471805599453f;
   const float lse2 = wsum > 0.f ? gmax + log2f(wsum) : -INFINITY;
   float scale = wsum > 0.f ? 1.f / wsum : 0.f;
