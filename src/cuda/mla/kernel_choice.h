@@ -63,12 +63,11 @@ inline constexpr int64_t wgmma_min_rows(int rope) { return rope ? kWgmmaMinRows 
 // tokens); bf16 at 12 and 16 heads the wgmma kernel (128 tokens 93.7 / 84.4-84.6, 32 tokens 37.8-38.0 / 36.5-38.0,
 // 8 tokens 18.2-20.8 / 18.5, paged 128 x 8192 x 16 313.3 / 294.6, prefill 4096 x 16 2667 / 2523), at 8 heads
 // neither (32 tokens 33.5 / 34.5, 128 tokens 85.9 / 84.3). Its query rows x heads count the padded heads
-// (wgmma_rows).
+// (wgmma_rows, below).
 inline constexpr int kWgmmaMinHeadsFp8 = 17, kWgmmaMinHeads16Bit = 9;
 constexpr int wgmma_min_heads(CacheFormat f) {
   return f == CacheFormat::bf16 || f == CacheFormat::f16 ? kWgmmaMinHeads16Bit : kWgmmaMinHeadsFp8;
 }
-inline constexpr int64_t wgmma_rows(int64_t tokens, int heads) { return tokens * (heads < 64 ? 64 : heads); }
 // Whether fp8_ds_mla_v4 caches (512-wide) take the small-heads kernel automatically as rope-free fp8_ds_mla rows
 // do: off (small::kAutomaticForV4 says why).
 inline constexpr bool kSmallAutomaticForV4 = false;
@@ -76,6 +75,10 @@ inline constexpr bool kSmallAutomaticForV4 = false;
 // it fits (small::kSixteenHeadsPerWarpAutomatic).
 inline constexpr bool kSmallSixteenHeadsPerWarp = true;
 inline constexpr int kHeadsPerCtaTile = 16, kWideHeadsPerCta = 64, kWgmmaHeadsPerCta = 64;
+// Query rows x heads as the wgmma kernel counts them: with its tile's padded heads below kWgmmaHeadsPerCta.
+inline constexpr int64_t wgmma_rows(int64_t tokens, int heads) {
+  return tokens * (heads < kWgmmaHeadsPerCta ? kWgmmaHeadsPerCta : heads);
+}
 // The wgmma kernel (sm_90a code) takes the wide tile's place under the same head and row thresholds: on an H200 it
 // was 9-11% faster on every bf16 row, and with fp8 caches (dequantised into its key tile) 22-28% faster (run of
 // e9ab362; docs/performance.md). The switch for fp8 caches: tests and explain follow it.
