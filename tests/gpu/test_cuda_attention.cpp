@@ -325,7 +325,8 @@ TEST(CudaSparseMla, DecodeBatchUsesSplits) {
 
 // The combine for every forced split count from 1 to one split per 32-key chunk, with sinks and max_logits, whole
 // splits empty (empty_halves) and a row with no valid key: 1, 3 and 9 tokens of 8 heads spread each row's columns
-// over 8, 8 and 2 CTAs on a 132-SM H200 (combine_column_blocks), 64 tokens of 16 heads over one.
+// over 2-8 CTAs on a 132-SM H200 (combine_column_blocks: 9 tokens over 2 for up to 16 splits, 4 for 31, 8 for 64),
+// 64 tokens of 16 heads over one (four batches of splits a thread).
 TEST(CudaSparseMla, CombineOfForcedSplits) {
   uint64_t seed = 1300;
   for (DType kv : {DType::bf16, DType::fp8_ds_mla})

@@ -272,7 +272,7 @@ void launch_combine(const AttentionParams& p, cudaStream_t stream) {
   // attention's tail. CTAs that are all resident at kFewRowsCtasPerSm an SM merge kFewRowsBatch splits at a time (64
   // registers), more CTAs kManyRowsBatch (40 registers).
   const int64_t rows = static_cast<int64_t>(p.num_tokens) * p.num_heads;
-  const int sms = current_device().num_sms, column_blocks = mla::combine_column_blocks(rows, sms);
+  const int sms = current_device().num_sms, column_blocks = mla::combine_column_blocks(rows, p.num_splits, sms);
   const void* fn = rows * column_blocks <= int64_t{mla::kFewRowsCtasPerSm} * sms
                        ? reinterpret_cast<const void*>(mla::combine_kernel<mla::kFewRowsBatch>)
                        : reinterpret_cast<const void*>(mla::combine_kernel<mla::kManyRowsBatch>);

@@ -771,10 +771,16 @@ constexpr int kMaxColumnBlocks = 8, kFewRowsBatch = 8, kManyRowsBatch = 2;
 // CTA is resident at once.
 constexpr int kFewRowsCtasPerSm = 8, kManyRowsCtasPerSm = 12;
 
-// Column blocks per row for `rows` rows on `num_sms` SMs: spread the columns while the rows alone leave SMs idle.
-inline int combine_column_blocks(int64_t rows, int num_sms) {
+// Column blocks per row for `rows` rows of `splits` splits on `num_sms` SMs: spread the columns while the rows alone
+// leave SMs idle, and further while a thread would merge more than one batch of splits one after another (a round
+// trip each) and every CTA stays resident at kFewRowsCtasPerSm an SM. On an H200, 8 tokens x 16 heads over 32 splits
+// (128 rows on 2 blocks: two batches a thread) took 18.2 us against 16.2 with 16 splits (one batch).
+inline int combine_column_blocks(int64_t rows, int splits, int num_sms) {
   int blocks = 1;
-  while (blocks < kMaxColumnBlocks && rows * blocks < num_sms) blocks *= 2;
+  while (blocks < kMaxColumnBlocks &&
+         (rows * blocks < num_sms ||
+          (splits > kFewRowsBatch * blocks && rows * blocks * 2 <= int64_t{kFewRowsCtasPerSm} * num_sms)))
+    blocks *= 2;
   return blocks;
 }
 
