@@ -129,9 +129,8 @@ void select_topk(const IndexerTopkArgs& args, const float* scores, TopkSplit spl
 // chosen in their order (the stores still to come). Then the attention's 16-head-tile kernel (the step's for few
 // tokens): its earliest CTA start, on its first CTA (token 0, split 0, thread 0) the return of its wait for the top-k,
 // its first chunk landed in shared memory, dequantised (fp8 caches) and attended, its keys done, its output (or
-// partial) rows stored, and its latest warp
-// end; the combine's earliest start, on its first CTA (thread 0) the wait's return, its splits loaded and merged,
-// its row stored, and its latest warp end.
+// partial) rows stored, and its latest warp end; the combine's earliest start, on its first CTA (thread 0) the wait's
+// return, its splits loaded and merged, its row stored, and its latest warp end.
 enum StepStamp : int {
   kScoresFirstStart, kScoresLastEnd,
   kTopkFirstStart, kTopkWaited, kTopkHistogram, kTopkPlan, kTopkCounted, kTopkCompacted, kTopkSelected, kTopkOrdered,

@@ -74,14 +74,13 @@ TEST(KernelChoice, AutomaticOnEveryArch) {
                 EXPECT_EQ(d.chosen.ctas_per_sm, ctas_per_sm(l, d.chosen.threads, d.chosen.registers, d.chosen.smem));
                 // Each other kernel once, with its reason; the wgmma kernel on sm_90 only, first.
                 EXPECT_EQ(d.num_rejected, l.compute_capability == 90 ? 3 : 2);
-                const int wgmma_at = 0;
                 const bool sixteen_bit = f == CacheFormat::bf16 || f == CacheFormat::f16;
                 for (int i = 0; i < d.num_rejected; ++i) {
                   const Rejection& r = d.rejected[static_cast<size_t>(i)];
                   EXPECT_NE(r.kernel, d.chosen.kernel);
                   if (r.why == Rejected::smem) EXPECT_GT(r.need, l.max_smem_per_block);
                   EXPECT_EQ(r.kernel == AttentionKernel::wgmma,
-                            l.compute_capability == 90 && d.chosen.kernel != AttentionKernel::wgmma && i == wgmma_at);
+                            l.compute_capability == 90 && d.chosen.kernel != AttentionKernel::wgmma && i == 0);
                   if (r.kernel != AttentionKernel::wgmma) continue;
                   const Rejected why = !sm90a_code                  ? Rejected::no_sm90a_code
                                        : !sixteen_bit && !kWgmmaAutomaticForFp8 ? Rejected::cache_format
@@ -205,8 +204,9 @@ TEST(KernelChoice, WgmmaForcedOnHopperWithSm90aCode) {
 
 // Automatic on sm_90: the wgmma kernel wherever the wide tile would run with a 16-bit cache (DeepSeek-V3.2's 128
 // heads from 32 tokens on, 64 heads from 64, prefill, paged), for fp8 caches too (kWgmmaAutomaticForFp8; the wide
-// tile while it is off), and from 17 heads on at 512 query rows x padded heads; the wide tile where the code has no
-// sm_90a features, the 16-head tile below the rows; each time the wgmma kernel is named (first) with why not.
+// tile while it is off), and from 9 heads (16-bit caches) or 17 (fp8) on at 512 query rows x padded heads; the wide
+// tile where the code has no sm_90a features, the 16-head tile below the rows; each time the wgmma kernel is named
+// (first) with why not.
 TEST(KernelChoice, WgmmaAutomaticOnHopper) {
   const KernelLimits hopper = limits_of("sm_90"), no_code = limits_of("sm_90", false);
   for (CacheFormat f : {CacheFormat::bf16, CacheFormat::f16})

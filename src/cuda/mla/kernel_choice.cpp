@@ -140,13 +140,13 @@ int least_smem(const KernelLimits& l, const KernelShape& s, AttentionKernel k) {
 
 // The heads and query rows x heads from which the wide rule's kernel `k` (the wgmma kernel or the wide tile) is
 // automatic, and the rows it counts (the wgmma kernel: with its tile's padded heads).
-int rule_min_heads(AttentionKernel k, CacheFormat f) {
+int wide_rule_min_heads(AttentionKernel k, CacheFormat f) {
   return k == AttentionKernel::wgmma ? wgmma_min_heads(f) : kWideMinHeads;
 }
 int64_t wide_rule_min_rows(AttentionKernel k, int rope) {
   return k == AttentionKernel::wgmma ? wgmma_min_rows(rope) : kWideMinRows;
 }
-int64_t rule_rows(AttentionKernel k, const KernelShape& s) {
+int64_t wide_rule_rows(AttentionKernel k, const KernelShape& s) {
   return k == AttentionKernel::wgmma ? wgmma_rows(s.tokens, s.heads) : s.tokens * s.heads;
 }
 
@@ -226,7 +226,7 @@ KernelDecision choose_attention_kernel(const KernelLimits& l, const KernelShape&
     if (d.ok()) {  // need and have: the winner's thresholds
       const AttentionKernel won = d.chosen.kernel;
       const bool small = won == AttentionKernel::small_heads;
-      reject(k, Rejected::other_kernel_won, small ? min_tokens : rule_min_heads(won, s.format),
+      reject(k, Rejected::other_kernel_won, small ? min_tokens : wide_rule_min_heads(won, s.format),
              small ? small_max_heads : static_cast<int>(wide_rule_min_rows(won, s.rope)));
       continue;
     }
@@ -245,14 +245,14 @@ KernelDecision choose_attention_kernel(const KernelLimits& l, const KernelShape&
       }
     }
     const bool wide_rule = k == AttentionKernel::wide_tile || k == AttentionKernel::wgmma;
-    if (wide_rule && s.heads < rule_min_heads(k, s.format)) {
-      reject(k, Rejected::too_few_heads, rule_min_heads(k, s.format), s.heads);
+    if (wide_rule && s.heads < wide_rule_min_heads(k, s.format)) {
+      reject(k, Rejected::too_few_heads, wide_rule_min_heads(k, s.format), s.heads);
       continue;
     }
     d.chosen = variant(l, s, k);
     if (!d.ok()) {
       d.rejected[static_cast<size_t>(d.num_rejected++)] = unfit(l, s, k, least_smem(l, s, k));
-    } else if (const int64_t min_rows = wide_rule_min_rows(k, s.rope), rows = rule_rows(k, s);
+    } else if (const int64_t min_rows = wide_rule_min_rows(k, s.rope), rows = wide_rule_rows(k, s);
                wide_rule && rows < min_rows) {  // fits, but too few rows
       d.chosen = {};
       reject(k, Rejected::too_few_rows, static_cast<int>(min_rows), static_cast<int>(rows));
