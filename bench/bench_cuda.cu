@@ -1160,10 +1160,12 @@ int main(int argc, char** argv) {
     return 0;
   }
   if (part == "paged" && argc >= 6) {
-    // `bench_cuda paged BATCH CONTEXT HEADS bf16|fp8 [auto|head-tile|wide|wgmma]`: one dense paged decode config.
+    // `bench_cuda paged BATCH CONTEXT HEADS bf16|fp8 [auto|small|head-tile|wide|wgmma [STAGES [HEADS_PER_CTA]]]`:
+    // one dense paged decode config.
     Cache cache(std::string(argv[5]) == "fp8" ? smla::DType::fp8_ds_mla : smla::DType::bf16, int64_t{1} << 20);
     bench_paged("paged", cache, std::atoi(argv[2]), std::atoi(argv[3]), std::atoi(argv[4]), c,
-                {kernel_named(argc > 6 ? argv[6] : "auto")});
+                {kernel_named(argc > 6 ? argv[6] : "auto"), argc > 7 ? std::atoi(argv[7]) : 0,
+                 argc > 8 ? std::atoi(argv[8]) : 0});
     return 0;
   }
   if (part == "dsv4" && argc >= 5) {

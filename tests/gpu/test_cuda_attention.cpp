@@ -1223,6 +1223,38 @@ TEST(CudaSparseMlaWgmma, HeadsFormatsTopk) {
       }
 }
 
+// The wgmma kernel's keys-on-M form (fp8_ds_mla, 8 or 16 heads per CTA on wgmma's N, a producer and a math
+// warpgroup taking turns on one key tile) forced: head counts that fill a CTA, pad one (1, 4, 12) or need two (20,
+// 32); top-k of one chunk, a chunk and a part, three and a part (its three staging buffers reused), 32 and 64 chunks;
+// 1, 3 and 62 tokens; both rope widths and run_sparse's options (invalid indices, NaN-poisoned slots, sinks,
+// topk_length, strided queries, NaN-filled outputs, max_logits); split and unsplit keys.
+TEST(CudaSparseMlaWgmma, KeysOnM) {
+  if (!cuda::wgmma_kernels_available()) GTEST_SKIP() << "needs a Hopper GPU running the library's sm_90a code";
+  uint64_t seed = 2660;
+  int n = 0;
+  for (int hpc : {8, 16})
+    for (int heads : {1, 4, 8, 12, 16, 20, 32})
+      for (int topk : {64, 100, 200, 2048, 4096}) {
+        if (hpc == 8 && heads > 16 && topk != 2048) continue;
+        const int rope = n % 3 == 2 ? 0 : kMlaRopeDim;
+        const int tokens = topk >= 2048 ? (n % 2 ? 1 : 3) : (n % 2 ? 62 : 3);
+        Problem p = wgmma_case(DType::fp8_ds_mla, rope, heads, topk, tokens, n++);
+        p.kernel.heads_per_cta = hpc;
+        if (n % 4 == 0) p.kernel.splits = 1;
+        const std::optional<cuda::AttentionPlan> plan = run_sparse(p, seed++);
+        ASSERT_TRUE(plan.has_value());
+        EXPECT_EQ(plan->kernel, cuda::AttentionKernel::wgmma);
+        EXPECT_EQ(plan->ctas_per_sm, 1);
+      }
+  // Dense paged decode over it: causal s_q > 1, block sizes 1 and 64, both rope widths.
+  for (int hpc : {8, 16}) {
+    const cuda::AttentionChoice keys{cuda::AttentionKernel::wgmma, 0, hpc};
+    run_paged(DType::bf16, DType::fp8_ds_mla, 2, 3, hpc, 16, true, seed++, kMlaRopeDim, keys, 4e-3);
+    run_paged(DType::bf16, DType::fp8_ds_mla, 3, 1, hpc == 8 ? 5 : 16, 64, true, seed++, 0, keys, 4e-3);
+    run_paged(DType::bf16, DType::fp8_ds_mla, 2, 2, hpc, 1, false, seed++, kMlaRopeDim, keys, 4e-3);
+  }
+}
+
 // HeadsFormatsTopk's fp8 case of 100 heads, top-k 100 cut by per-token lengths, block size 64 and no rope (its 42nd),
 // for every cache format with its seeds and two more: a partial pair of chunks without a rope slab on a padded head
 // tile, which its 16-bit cases never combine (an fp8 version of the pairs kernel was off there on one output).

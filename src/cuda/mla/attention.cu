@@ -198,7 +198,8 @@ Plan plan(CacheFormat f, int rope, bool paged, int64_t tokens, int heads, int nu
   // dim split (invalid_argument), row copies the device lacks, or what does not fit.
   if (choice.kernel == AttentionKernel::small_heads) mla::small::small_heads_config(f, rope, paged, heads, shape);
   if (choice.kernel == AttentionKernel::wide_tile) mla::wide::wide_config(f, rope, paged, choice.stages);
-  if (choice.kernel == AttentionKernel::wgmma) mla::wg::wgmma_config(f, rope, paged);
+  if (choice.kernel == AttentionKernel::wgmma)
+    mla::wg::wgmma_config(f, rope, paged, false, choice.heads_per_cta > 0 ? choice.heads_per_cta : mla::wg::kWgmmaHeads);
   if (!d.ok()) {
     const mla::Rejection& last = d.rejected[static_cast<size_t>(d.num_rejected - 1)];
     throw Error(ErrorKind::unsupported, std::string("MLA attention: ") + mla::kernel_name(last.kernel) + ": " +
@@ -213,7 +214,7 @@ Plan plan(CacheFormat f, int rope, bool paged, int64_t tokens, int heads, int nu
   else if (v.kernel == AttentionKernel::wide_tile)
     s.wide = &mla::wide::wide_config(f, rope, paged, v.stages);
   else if (v.kernel == AttentionKernel::wgmma)
-    s.wgmma = &mla::wg::wgmma_config(f, rope, paged, two_lists);
+    s.wgmma = &mla::wg::wgmma_config(f, rope, paged, two_lists, v.heads_per_cta);
   else
     s.head_tile = head_tile_config(f, rope, paged, v, two_lists);
   const int chunk_keys = s.small   ? mla::small::kSmallChunkKeys

@@ -92,10 +92,15 @@ KernelVariant small_heads(const KernelLimits& l, const KernelShape& s) {
 
 // The wgmma kernels: Hopper only, with sm_90a code; 64-key chunks (16-bit rows: the pairs kernel; fp8 rows: the
 // staged kernel).
+// Forced to 8 or 16 heads per CTA over an fp8_ds_mla cache: the keys-on-M form.
+int wgmma_heads_per_cta(const KernelShape& s) {
+  return wgmma_keys_on_m(s.format, s.forced.heads_per_cta) ? s.forced.heads_per_cta : kWgmmaHeadsPerCta;
+}
 KernelVariant wgmma(const KernelLimits& l, const KernelShape& s) {
   if (l.compute_capability != 90 || !l.sm90a_code) return {};
-  const KernelVariant v = fit(l, s, AttentionKernel::wgmma, kWgmmaHeadsPerCta, wgmma_threads(s.format), 2, 0,
-                              wgmma_smem(s.format, s.rope));
+  const int hpc = wgmma_heads_per_cta(s);
+  const KernelVariant v = fit(l, s, AttentionKernel::wgmma, hpc, wgmma_threads(s.format, hpc), 2, 0,
+                              wgmma_smem(s.format, s.rope, hpc));
   return v.ctas_per_sm > 0 ? v : KernelVariant{};
 }
 
@@ -132,7 +137,7 @@ int least_smem(const KernelLimits& l, const KernelShape& s, AttentionKernel k) {
       return small_heads_smem(s.format, s.rope, hpc, hpc == 16 ? split_16(l, s) : s.forced.split_dims == 2 ? 2 : 1,
                               d > 0 ? d : 2);
     }
-    case AttentionKernel::wgmma: return wgmma_smem(s.format, s.rope);
+    case AttentionKernel::wgmma: return wgmma_smem(s.format, s.rope, wgmma_heads_per_cta(s));
     case AttentionKernel::automatic: break;
   }
   return 0;
@@ -167,7 +172,7 @@ int kernel_registers(AttentionKernel kernel, CacheFormat f, int heads_per_cta, i
     case AttentionKernel::small_heads:
       return heads_per_cta == 16 ? kSmallHeads16Registers : split_dims == 2 ? kSmallHeadsSplitRegisters
                                                                             : kSmallHeads8Registers;
-    case AttentionKernel::wgmma: return wgmma_registers(f);
+    case AttentionKernel::wgmma: return wgmma_registers(f, heads_per_cta);
     case AttentionKernel::automatic: break;
   }
   return 0;

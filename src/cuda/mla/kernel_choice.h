@@ -199,11 +199,24 @@ constexpr int wide_smem(CacheFormat f, int rope, int stages) {
 // The wgmma kernels (16-bit caches: the pairs kernel, the queries, two key tiles and two P tiles; fp8 caches: the
 // staged kernel, the queries, one key tile and a staging buffer), by [format][rope 0, 64].
 inline constexpr int kWgmmaSmem[3][2] = {{214632, 231016}, {173840, 198416}, {177936, 0}};
-constexpr int wgmma_smem(CacheFormat f, int rope) { return kWgmmaSmem[tables::format_row(f)][rope ? 1 : 0]; }
-// Their threads (the pairs kernel: two math warpgroups and a producer) and registers per thread at launch (the
-// launch bounds of one CTA per SM: 65536 / 384 rounded down to 8, or 255).
-constexpr int wgmma_threads(CacheFormat f) { return tables::format_row(f) == 0 ? 384 : 256; }
-constexpr int wgmma_registers(CacheFormat f) { return tables::format_row(f) == 0 ? 168 : 255; }
+// The keys-on-M form for fp8_ds_mla caches (8 or 16 heads per CTA on wgmma's N; the queries, one key tile, three
+// staging buffers), by [rope 0, 64][8, 16 heads].
+inline constexpr int kWgmmaKeysSmem[2][2] = {{177448, 186920}, {211240, 221736}};
+constexpr bool wgmma_keys_on_m(CacheFormat f, int heads_per_cta) {
+  return f == CacheFormat::fp8_ds_mla && (heads_per_cta == 8 || heads_per_cta == 16);
+}
+constexpr int wgmma_smem(CacheFormat f, int rope, int heads_per_cta = kWgmmaHeadsPerCta) {
+  return wgmma_keys_on_m(f, heads_per_cta) ? kWgmmaKeysSmem[rope ? 1 : 0][heads_per_cta == 16 ? 1 : 0]
+                                           : kWgmmaSmem[tables::format_row(f)][rope ? 1 : 0];
+}
+// Their threads (the pairs kernel and the keys-on-M form: two warpgroups and a third) and registers per thread at
+// launch (the launch bounds of one CTA per SM: 65536 / 384 rounded down to 8, or 255).
+constexpr int wgmma_threads(CacheFormat f, int heads_per_cta = kWgmmaHeadsPerCta) {
+  return tables::format_row(f) == 0 || wgmma_keys_on_m(f, heads_per_cta) ? 384 : 256;
+}
+constexpr int wgmma_registers(CacheFormat f, int heads_per_cta = kWgmmaHeadsPerCta) {
+  return wgmma_threads(f, heads_per_cta) == 384 ? 168 : 255;
+}
 
 constexpr int small_heads_smem(CacheFormat f, int rope, int heads_per_cta, int split_dims, int stages) {
   if (stages < 2 || stages > 4) return 0;

@@ -4,6 +4,7 @@
 #include "cuda/mla/attention_small_heads.cuh"
 #include "cuda/mla/attention_small_heads.h"
 #include "cuda/mla/attention_wgmma.cuh"
+#include "cuda/mla/attention_wgmma_keys.cuh"
 #include "cuda/mla/attention_wgmma_pairs.cuh"
 #include "cuda/mla/attention_wide.cuh"
 #include "cuda/mla/kernel_choice.h"
@@ -50,6 +51,17 @@ static_assert(wgmma_smem(CacheFormat::bf16, 0) == wg::PairLayout(0).total &&
                   wgmma_smem(CacheFormat::fp8_ds_mla_v4, 0) == wg::WgmmaLayout(CacheFormat::fp8_ds_mla_v4, 0).total &&
                   wgmma_smem(CacheFormat::fp8_ds_mla_v4, kMlaRopeDim) == 0,
               "kernel_choice.h: the wgmma kernel's shared-memory table");
+static_assert(wgmma_smem(CacheFormat::fp8_ds_mla, 0, 8) == wg::KeysLayout(CacheFormat::fp8_ds_mla, 0, 8).total &&
+                  wgmma_smem(CacheFormat::fp8_ds_mla, 0, 16) == wg::KeysLayout(CacheFormat::fp8_ds_mla, 0, 16).total &&
+                  wgmma_smem(CacheFormat::fp8_ds_mla, kMlaRopeDim, 8) ==
+                      wg::KeysLayout(CacheFormat::fp8_ds_mla, kMlaRopeDim, 8).total &&
+                  wgmma_smem(CacheFormat::fp8_ds_mla, kMlaRopeDim, 16) ==
+                      wg::KeysLayout(CacheFormat::fp8_ds_mla, kMlaRopeDim, 16).total &&
+                  wgmma_threads(CacheFormat::fp8_ds_mla, 8) == wg::kKeysThreads &&
+                  wgmma_registers(CacheFormat::fp8_ds_mla, 16) * wg::kKeysThreads <= kRegistersPerSm &&
+                  wgmma_keys_on_m(CacheFormat::fp8_ds_mla, 8) == wg::keys_on_m(CacheFormat::fp8_ds_mla, 8) &&
+                  !wg::keys_on_m(CacheFormat::bf16, 8) && !wg::keys_on_m(CacheFormat::fp8_ds_mla, 64),
+              "kernel_choice.h: the wgmma kernel's keys-on-M form (shared memory, threads, heads per CTA)");
 static_assert(small_layouts_match<CacheFormat::bf16, 0>() && small_layouts_match<CacheFormat::bf16, 64>() &&
                   small_layouts_match<CacheFormat::f16, 0>() && small_layouts_match<CacheFormat::f16, 64>() &&
                   small_layouts_match<CacheFormat::fp8_ds_mla, 0>() &&

@@ -1,0 +1,265 @@
+// MLA attention on Hopper's warpgroup mma for few heads (8 or 16 a CTA) over fp8_ds_mla caches (sm_90a; issue 16's
+// memory-bound decode: GLM-5 under TP 8 runs 8 heads, DeepSeek-V3.2 16). The keys go on wgmma's M side and the
+// heads on N (S^T = K Q^T, O^T = V^T P^T), so 8 heads fill an m64n8 tile with nothing padded, and O^T (512 dims x
+// the heads) is 32 or 64 accumulator registers a thread of one warpgroup, where the small-heads kernel's warps hold
+// 128 each and so run two a scheduler.
+//
+// One CTA = one query token, kHeads heads and a range of 64-key chunks; three warpgroups:
+// - warpgroups 1 and 2 (the producers) gather each chunk's rows by bulk copies (one a row, warpgroup 1's first 64
+//   threads) into kKeysStages staging buffers, and dequantise a landed chunk into the one key tile (bf16 times each
+//   128-dim tile's scale, wgmma's 128-byte swizzle: dequantise_chunk as the staged wgmma kernel writes it), then
+//   reuse its staging buffer for the chunk kKeysStages on;
+// - warpgroup 0 (math) computes the chunk's scores S^T (64 keys x kHeads, both operands in shared memory), the
+//   chunk's maxima over its four warps (one named barrier), P^T into shared memory (bf16, K-major), and O^T += V^T
+//   P^T with the key tile as A, transposed (its lines hold 64 dims of one key).
+// The key tile is single: its dequantisation and the chunk's products take turns (tile_full / tile_empty mbarriers),
+// while kKeysStages chunks' rows are in flight.
+#pragma once
+
+#include "cuda/mla/attention_kernel.cuh"
+#include "cuda/mla/attention_wgmma.h"
+
+namespace smla::cuda::mla::wg {
+
+constexpr int kKeysThreads = 3 * 128;
+constexpr int kKeysChunk = 64;  // wgmma's M
+constexpr int kKeysStages = 3;  // staging buffers: chunks in flight
+constexpr int kKeysGatherWarps = kKeysChunk / 32;
+
+// Shared memory, in bytes (the swizzled tiles 1024-byte aligned): the queries (kHeads rows, slabs of 64 dims), the
+// key tile (64 rows), the staging buffers, P^T (kHeads rows of 64 keys), the warps' per-head maxima and sums, the
+// tile's valid flags and the staging buffers' (per buffer), the mbarriers.
+struct KeysLayout {
+  int q = 0, k = 0, staging = 0, p = 0, stats = 0, tile_valid = 0, valid = 0, signals = 0, total = 0;
+  __host__ __device__ constexpr KeysLayout(CacheFormat f, int rope, int heads) {
+    const int dims = kLatent + rope;
+    k = q + heads * dims * 2;
+    staging = k + kKeysChunk * dims * 2;
+    p = staging + kKeysStages * kKeysChunk * staged_row_bytes(f, rope);
+    stats = p + heads * 128;
+    tile_valid = stats + 2 * 4 * heads * 4;
+    valid = tile_valid + kKeysChunk * 4;
+    signals = valid + kKeysStages * kKeysChunk * 4;
+    total = signals + (kKeysStages + 2) * 8;
+  }
+};
+
+enum KeysBarrier : int { kMathWarps = 1, kProducerWarps };
+
+template <CacheFormat F, int kRope, bool kPaged, int kHeads>
+__global__ void __launch_bounds__(kKeysThreads, 1) wgmma_keys_kernel(const AttentionParams p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  static_assert(F == CacheFormat::fp8_ds_mla, "fp8_ds_mla caches");
+  static_assert(kHeads == 8 || kHeads == 16, "8 or 16 heads: wgmma's N");
+  using T = ComputeT<F>;
+  constexpr WgmmaIn kIn = std::is_same_v<T, __half> ? WgmmaIn::f16 : WgmmaIn::bf16;
+  using D = HeadDims<kRope>;
+  constexpr int kSlabs = D::kQkDim / 64, kHeadsPerThread = kHeads / 4, kAcc = kHeads / 2;
+  constexpr KeysLayout L(F, kRope, kHeads);
+  constexpr int kStagedBytes = staged_row_bytes(F, kRope), kStageBytes = kKeysChunk * kStagedBytes;
+  static_assert(L.q % 1024 == 0 && L.k % 1024 == 0 && L.p % 1024 == 0, "the swizzled tiles' atoms");
+  extern __shared__ __align__(1024) uint8_t smem[];
+  uint8_t* const sq = smem + L.q;
+  uint8_t* const sk = smem + L.k;
+  uint8_t* const staging = smem + L.staging;
+  uint8_t* const sp = smem + L.p;
+  float* const wmax = reinterpret_cast<float*>(smem + L.stats);  // [warp][head], then the sums [warp][head]
+  int* const tile_valid = reinterpret_cast<int*>(smem + L.tile_valid);
+  int* const valid = reinterpret_cast<int*>(smem + L.valid);  // [stage][row]
+  uint64_t* const staged = reinterpret_cast<uint64_t*>(smem + L.signals);
+  uint64_t* const tile_full = staged + kKeysStages;
+  uint64_t* const tile_empty = tile_full + 1;
+
+  // wg through a shuffle: ptxas then knows it uniform in each warp (see the staged kernel).
+  const int tid = threadIdx.x, wg = __shfl_sync(0xffffffffu, tid / 128, 0), wtid = tid % 128, lane = tid % 32;
+  const int warp = wtid / 32, g = lane / 4, c = lane % 4;
+  const CtaWork w = cta_work(p, kHeads);
+  const int t = w.t, h0 = w.h0, nh = w.nh, split = w.split, b = w.b, j = w.j;
+
+  // The queries: kHeads rows of K-major B, slabs of kHeads lines (8-line groups 1024 bytes apart).
+  stage_queries<T, kHeads, D::kPieces, kKeysThreads>(p, w, sq, tid, [](int row, int piece) {
+    return (piece / 8) * (kHeads * 128) + row * 128 + ((piece % 8) ^ (row % 8)) * 16;
+  });
+  fence_shared_for_async_proxy();
+  // Everything from here reads what the kernel before may write (indices, cache) when dsa_decode_step launches
+  // this one as the top-k's programmatic dependent; without that launch the wait returns at once.
+  wait_for_prerequisites();
+  const KeyRange keys = key_range<kPaged, false>(p, t, b, j, split, kKeysChunk);
+  const ChunkRange range = keys.range;
+  const int visible = range.visible, chunk_begin = range.begin, n_chunks = range.count;
+  if (tid == 0) {
+    for (int s = 0; s < kKeysStages; ++s) mbarrier_init(staged + s, kKeysGatherWarps);
+    mbarrier_init(tile_full, 1);
+    mbarrier_init(tile_empty, 128);
+    fence_mbarrier_init();
+  }
+  __syncthreads();  // the signals initialised, the queries staged
+
+  if (wg > 0) {
+    // Producers. Thread ptid < 64 of warpgroup 1 gathers row ptid of every chunk.
+    const int ptid = tid - 128;
+    const bool gathers = ptid < kKeysChunk;  // warp-uniform
+    int64_t next_slot = gathers && n_chunks > 0
+                            ? chunk_slot<kPaged, false, kKeysChunk>(p, t, b, chunk_begin, ptid, visible, keys.lists)
+                            : -1;
+    auto issue = [&](int i) {  // chunk i, if it exists, into staging buffer i % kKeysStages
+      if (i >= n_chunks || !gathers) return;
+      const int chunk = chunk_begin + i, stage = i % kKeysStages;
+      const int64_t slot = next_slot;
+      if (i + 1 < n_chunks) next_slot = slot_of<kPaged>(p, t, b, (chunk + 1) * kKeysChunk + ptid, visible);
+      valid[stage * kKeysChunk + ptid] = slot >= 0;
+      __syncwarp();  // the warp's flags before its arrival
+      const int copied = __popc(__ballot_sync(0xffffffffu, slot >= 0));
+      if (lane == 0) mbarrier_expect_bytes(staged + stage, copied * kStagedBytes);
+      __syncwarp();  // the bytes expected before any lands
+      if (slot >= 0) {
+        const int s32 = static_cast<int>(slot);  // indices are int32
+        bulk_copy_to_shared(staging + stage * kStageBytes + ptid * kStagedBytes,
+                            p.cache + (s32 / p.block_size) * p.block_stride + (s32 % p.block_size) * p.row_stride,
+                            kStagedBytes, staged + stage);
+      }
+    };
+    for (int i = 0; i < kKeysStages; ++i) issue(i);
+    for (int i = 0; i < n_chunks; ++i) {
+      const int stage = i % kKeysStages;
+      mbarrier_wait(staged + stage, (i / kKeysStages) & 1);
+      if (i > 0) mbarrier_wait(tile_empty, (i - 1) & 1);  // the chunk before's products done with the tile
+      const int row = ptid % kKeysChunk;
+      const bool invalid = !valid[stage * kKeysChunk + row];
+      dequantise_chunk<F, T, kRope, 2 * 128, kKeysChunk, true>(staging + stage * kStageBytes, reinterpret_cast<T*>(sk),
+                                                                ptid, invalid);
+      if (ptid < kKeysChunk) tile_valid[row] = !invalid;
+      fence_shared_for_async_proxy();
+      named_barrier_sync(kProducerWarps, 2 * 128);  // the tile written; the staging buffer read
+      if (ptid == 0) mbarrier_arrive(tile_full);
+      issue(i + kKeysStages);
+    }
+  } else {
+    // Math. Thread (warp, g, c) holds keys (and in O^T dims) 16 warp + g, + 8 of each tile, and heads
+    // 8 jn + 2c + e (jn < kHeads / 8, e < 2): head index hi = 2 jn + e of its kHeadsPerThread.
+    auto head_of = [&](int hi) { return 8 * (hi / 2) + 2 * c + hi % 2; };
+    float o[kVDim / 64][kAcc];
+#pragma unroll
+    for (int mt = 0; mt < kVDim / 64; ++mt)
+#pragma unroll
+      for (int e = 0; e < kAcc; ++e) o[mt][e] = 0.f;
+    float m[kHeadsPerThread], l[kHeadsPerThread];
+#pragma unroll
+    for (int hi = 0; hi < kHeadsPerThread; ++hi) m[hi] = -INFINITY, l[hi] = 0.f;
+    const uint64_t k_desc = wgmma_descriptor_swizzled(sk), q_desc = wgmma_descriptor_swizzled(sq);
+    const uint64_t p_desc = wgmma_descriptor_swizzled(sp);
+    const int r0 = 16 * warp + g;
+    for (int i = 0; i < n_chunks; ++i) {
+      mbarrier_wait(tile_full, i & 1);
+      float s[kAcc];
+      wgmma_fence();
+#pragma unroll
+      for (int slab = 0; slab < kSlabs; ++slab)
+#pragma unroll
+        for (int ks = 0; ks < 4; ++ks)
+          wgmma_ss_narrow<kIn, kHeads, false>(s, k_desc + slab * (kSwizzledSlabBytes >> 4) + ks * 2,
+                                              q_desc + slab * (kHeads * 128 >> 4) + ks * 2, slab > 0 || ks > 0);
+      wgmma_commit_and_wait();
+
+      // s[4jn + e]: key r0 + 8 (e / 2), head 8jn + 2c + e % 2.
+      const bool valid0 = tile_valid[r0], valid1 = tile_valid[r0 + 8];
+      float cmax[kHeadsPerThread];
+#pragma unroll
+      for (int hi = 0; hi < kHeadsPerThread; ++hi) {
+        float& v0 = s[4 * (hi / 2) + hi % 2];
+        float& v1 = s[4 * (hi / 2) + 2 + hi % 2];
+        v0 = valid0 ? v0 * p.scale_log2 : -INFINITY;
+        v1 = valid1 ? v1 * p.scale_log2 : -INFINITY;
+        cmax[hi] = fmaxf(v0, v1);
+#pragma unroll
+        for (int x = 4; x < 32; x *= 2) cmax[hi] = fmaxf(cmax[hi], __shfl_xor_sync(0xffffffffu, cmax[hi], x));
+        if (g == 0) wmax[warp * kHeads + head_of(hi)] = cmax[hi];
+      }
+      named_barrier_sync(kMathWarps, 128);  // the warps' maxima
+      float alpha[kHeadsPerThread], base[kHeadsPerThread];
+#pragma unroll
+      for (int hi = 0; hi < kHeadsPerThread; ++hi) {
+        const int h = head_of(hi);
+        const float cm = fmaxf(fmaxf(wmax[h], wmax[kHeads + h]), fmaxf(wmax[2 * kHeads + h], wmax[3 * kHeads + h]));
+        const float m_new = fmaxf(m[hi], cm);
+        base[hi] = m_new == -INFINITY ? 0.f : m_new;  // a head with nothing valid yet stays at zero
+        alpha[hi] = exp2f(m[hi] - base[hi]);
+        m[hi] = m_new;
+        l[hi] *= alpha[hi];
+      }
+      // P^T (kHeads lines of the chunk's 64 keys, K-major B in the 128-byte swizzle).
+#pragma unroll
+      for (int hi = 0; hi < kHeadsPerThread; ++hi) {
+        const int h = head_of(hi);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const float pv = exp2f(s[4 * (hi / 2) + 2 * half + hi % 2] - base[hi]);
+          l[hi] += pv;
+          const int key = r0 + 8 * half;
+          *reinterpret_cast<T*>(sp + h * 128 + (((key / 8) ^ (h % 8)) * 16) + (key % 8) * 2) = from_float<T>(pv);
+        }
+      }
+      fence_shared_for_async_proxy();
+      named_barrier_sync(kMathWarps, 128);  // P^T written (and the maxima read)
+      bool moved = false;
+#pragma unroll
+      for (int hi = 0; hi < kHeadsPerThread; ++hi) moved |= alpha[hi] != 1.f;
+      if (__any_sync(0xffffffffu, moved))
+#pragma unroll
+        for (int mt = 0; mt < kVDim / 64; ++mt)
+#pragma unroll
+          for (int e = 0; e < kAcc; ++e) o[mt][e] *= alpha[2 * (e / 4) + e % 2];
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kKeysChunk / 16; ++kk)
+#pragma unroll
+        for (int mt = 0; mt < kVDim / 64; ++mt)
+          wgmma_ss_narrow<kIn, kHeads, true>(o[mt], k_desc + (mt * kSwizzledSlabBytes + kk * 16 * 128 >> 4),
+                                             p_desc + kk * 2, true);
+      wgmma_commit_and_wait();
+      mbarrier_arrive(tile_empty);
+    }
+
+    // Each head's sum over the warps; its output row normalised, through shared memory (the staging buffers: every
+    // chunk dequantised) so that a row's 512 dims are stored by the warpgroup's 128 threads together.
+    float* const lsum = wmax + 4 * kHeads;
+#pragma unroll
+    for (int hi = 0; hi < kHeadsPerThread; ++hi) {
+#pragma unroll
+      for (int x = 4; x < 32; x *= 2) l[hi] += __shfl_xor_sync(0xffffffffu, l[hi], x);
+      if (g == 0) lsum[warp * kHeads + head_of(hi)] = l[hi];
+    }
+    named_barrier_sync(kMathWarps, 128);
+    constexpr int kPitch = kVDim + 4;  // floats a row: a quad's heads in different banks
+    float* const rows = reinterpret_cast<float*>(staging);
+#pragma unroll
+    for (int hi = 0; hi < kHeadsPerThread; ++hi) {
+      const int h = head_of(hi);
+      const float lt = lsum[h] + lsum[kHeads + h] + lsum[2 * kHeads + h] + lsum[3 * kHeads + h];
+      const float scale = h < nh ? finish_head_row(p, t, b, j, split, h0 + h, m[hi], lt, warp == 0 && g == 0) : 0.f;
+#pragma unroll
+      for (int mt = 0; mt < kVDim / 64; ++mt)
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+          rows[h * kPitch + 64 * mt + r0 + 8 * half] = o[mt][4 * (hi / 2) + 2 * half + hi % 2] * scale;
+    }
+    named_barrier_sync(kMathWarps, 128);
+    for (int h = 0; h < nh; ++h) {
+      const float4 v = *reinterpret_cast<const float4*>(rows + h * kPitch + 4 * wtid);
+      if (p.num_splits == 1) {
+        uint32_t* const out = reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(p.out) + out_row_offset(p, b, j, h0 + h) +
+                                                          4 * wtid);
+        out[0] = p.q_is_bf16 ? pack2<__nv_bfloat16>(v.x, v.y) : pack2<__half>(v.x, v.y);
+        out[1] = p.q_is_bf16 ? pack2<__nv_bfloat16>(v.z, v.w) : pack2<__half>(v.z, v.w);
+      } else {
+        *reinterpret_cast<float4*>(partial_row(p, t, split, h0 + h) + 4 * wtid) = v;
+      }
+    }
+  }
+  if (p.early_combine) let_dependents_launch();
+#else
+  __trap();  // sm_90a only: the host never launches it elsewhere
+#endif
+}
+
+}  // namespace smla::cuda::mla::wg
