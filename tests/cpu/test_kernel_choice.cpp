@@ -202,6 +202,39 @@ TEST(KernelChoice, WgmmaForcedOnHopperWithSm90aCode) {
   }
 }
 
+// The wgmma kernel's keys-on-M form, forced with 8 or 16 heads per CTA over an fp8_ds_mla cache (sparse or paged,
+// both rope widths): three warpgroups, three staging buffers, one CTA per SM on sm_90 with sm_90a code; 64 heads per
+// CTA otherwise (the staged kernel).
+TEST(KernelChoice, WgmmaKeysOnMForced) {
+  for (int hpc : {8, 16})
+    for (int rope : {0, 64})
+      for (bool paged : {false, true}) {
+        const KernelShape s{CacheFormat::fp8_ds_mla, rope, paged, 128, 8, {AttentionKernel::wgmma, 0, hpc}};
+        const KernelDecision d = choose_attention_kernel(limits_of("sm_90"), s);
+        ASSERT_TRUE(d.ok());
+        EXPECT_EQ(d.chosen.kernel, AttentionKernel::wgmma);
+        EXPECT_EQ(d.chosen.heads_per_cta, hpc);
+        EXPECT_EQ(d.chosen.threads, 384);
+        EXPECT_EQ(d.chosen.stages, 3);
+        const int smem = rope ? (hpc == 8 ? 211240 : 221736) : (hpc == 8 ? 177448 : 186920);
+        const char* smem_text = rope ? (hpc == 8 ? "211,240" : "221,736") : (hpc == 8 ? "177,448" : "186,920");
+        EXPECT_EQ(d.chosen.smem, smem);
+        EXPECT_EQ(d.chosen.ctas_per_sm, 1);
+        std::string text = "wgmma kernel (";
+        text += std::to_string(hpc);
+        text += " heads/CTA, 12 warps, depth 3, keys on M, ";
+        text += smem_text;
+        text += " B shared memory, 1 CTA/SM)";
+        EXPECT_EQ(variant_text(d.chosen), text);
+        EXPECT_FALSE(choose_attention_kernel(limits_of("sm_90", false), s).ok());
+        EXPECT_FALSE(choose_attention_kernel(limits_of("sm_120"), s).ok());
+      }
+  const KernelDecision staged =
+      choose_attention_kernel(limits_of("sm_90"), {CacheFormat::bf16, 64, false, 128, 8, {AttentionKernel::wgmma, 0, 8}});
+  ASSERT_TRUE(staged.ok());
+  EXPECT_EQ(staged.chosen.heads_per_cta, 64);
+}
+
 // Automatic on sm_90: the wgmma kernel wherever the wide tile would run with a 16-bit cache (DeepSeek-V3.2's 128
 // heads from 32 tokens on, 64 heads from 64, prefill, paged), for fp8 caches too (kWgmmaAutomaticForFp8; the wide
 // tile while it is off), and from 9 heads (16-bit caches) or 17 (fp8) on at 512 query rows x padded heads; the wide

@@ -99,8 +99,8 @@ int wgmma_heads_per_cta(const KernelShape& s) {
 KernelVariant wgmma(const KernelLimits& l, const KernelShape& s) {
   if (l.compute_capability != 90 || !l.sm90a_code) return {};
   const int hpc = wgmma_heads_per_cta(s);
-  const KernelVariant v = fit(l, s, AttentionKernel::wgmma, hpc, wgmma_threads(s.format, hpc), 2, 0,
-                              wgmma_smem(s.format, s.rope, hpc));
+  const KernelVariant v = fit(l, s, AttentionKernel::wgmma, hpc, wgmma_threads(s.format, hpc),
+                              wgmma_keys_on_m(s.format, hpc) ? kWgmmaKeysStages : 2, 0, wgmma_smem(s.format, s.rope, hpc));
   return v.ctas_per_sm > 0 ? v : KernelVariant{};
 }
 
@@ -281,6 +281,7 @@ std::string variant_text(const KernelVariant& v) {
   std::string t = std::string(kernel_name(v.kernel)) + " (" + std::to_string(v.heads_per_cta) + " heads/CTA, " +
                   std::to_string(v.threads / 32) + " warps, depth " + std::to_string(v.stages);
   if (v.split_dims == 2) t += ", output dims split over 2 warps";
+  if (v.kernel == AttentionKernel::wgmma && v.heads_per_cta < kWgmmaHeadsPerCta) t += ", keys on M";
   if (v.bulk_copies) t += ", rows by bulk copy";
   return t + ", " + with_commas(v.smem) + " B shared memory, " + std::to_string(v.ctas_per_sm) + " CTA" +
          (v.ctas_per_sm == 1 ? "" : "s") + "/SM)";

@@ -57,7 +57,7 @@ static_assert(wgmma_smem(CacheFormat::fp8_ds_mla, 0, 8) == wg::KeysLayout(CacheF
                       wg::KeysLayout(CacheFormat::fp8_ds_mla, kMlaRopeDim, 8).total &&
                   wgmma_smem(CacheFormat::fp8_ds_mla, kMlaRopeDim, 16) ==
                       wg::KeysLayout(CacheFormat::fp8_ds_mla, kMlaRopeDim, 16).total &&
-                  wgmma_threads(CacheFormat::fp8_ds_mla, 8) == wg::kKeysThreads &&
+                  wgmma_threads(CacheFormat::fp8_ds_mla, 8) == wg::kKeysThreads && kWgmmaKeysStages == wg::kKeysStages &&
                   wgmma_registers(CacheFormat::fp8_ds_mla, 16) * wg::kKeysThreads <= kRegistersPerSm &&
                   wgmma_keys_on_m(CacheFormat::fp8_ds_mla, 8) == wg::keys_on_m(CacheFormat::fp8_ds_mla, 8) &&
                   !wg::keys_on_m(CacheFormat::bf16, 8) && !wg::keys_on_m(CacheFormat::fp8_ds_mla, 64),
