@@ -226,9 +226,10 @@ __device__ __forceinline__ uint64_t wgmma_descriptor(const void* smem, uint32_t 
 }
 // An operand of wgmma in shared memory in the 128-byte swizzle (lines of 64 16-bit values, 8 lines to a 1024-byte
 // atom, 16-byte place k of line r at k ^ (r % 8); the atom 1024-byte aligned): A or B K-major (lines along K, 8-row
-// groups of M or N 1024 bytes apart: the stride offset) or B MN-major (lines along N, 8-row groups of K 1024 bytes
-// apart, and atoms along N `mn_atom_bytes` apart: the leading offset, used where N spans more than one line, unused
-// K-major). A K-step inside a line moves the start by 32 bytes (a `+ 2` on the descriptor).
+// groups of M or N 1024 bytes apart: the stride offset) or MN-major (B with imm-trans-b, A with imm-trans-a: lines
+// along N or M, 8-row groups of K 1024 bytes apart, and atoms along N or M `mn_atom_bytes` apart: the leading offset,
+// used where N or M spans more than one line, unused K-major). A K-step inside a line moves the start by 32 bytes (a
+// `+ 2` on the descriptor).
 __device__ __forceinline__ uint64_t wgmma_descriptor_swizzled(const void* smem, uint32_t mn_atom_bytes = 1024) {
   return uint64_t{(smem_addr(smem) >> 4) & 0x3fffu} | uint64_t{(mn_atom_bytes >> 4) & 0x3fffu} << 16 |
          uint64_t{1024 >> 4} << 32 | uint64_t{1} << 62;

@@ -304,22 +304,27 @@ __device__ __forceinline__ uint32_t scaled_e4m3x2(uint32_t codes, float scale) {
 // division or branch per unit: 424 instructions a thread for a chunk of 576-wide rows in the 16-head tile (sm_90a),
 // where a piece at a time took about 750, each piece's loads, conversion and store one dependent chain.
 // `invalid`: this thread's row is not one to read (the wgmma kernel's staging holds whatever was there): zeros.
+// Only units [kUnitBegin, kUnitEnd) of each row where given (-1: to the last; units of 16 codes come first, then
+// those of 8 16-bit values), kUnitBegin a multiple of the threads a row.
 template <CacheFormat F, typename T, int kRope, int kCtaThreads = kThreads, int kChunkKeys = kKeysPerChunk,
-          bool kSwizzled = false>
+          bool kSwizzled = false, int kUnitBegin = 0, int kUnitEnd = -1>
 __device__ __forceinline__ void dequantise_chunk(const uint8_t* rows, T* keys, int tid, bool invalid = false) {
   using D = HeadDims<kRope>;
   using R = Fp8Row<F, kRope>;
   static_assert(kCtaThreads % kChunkKeys == 0, "dequantise_chunk: the same number of threads for every row");
   constexpr int kGroups = kCtaThreads / kChunkKeys;  // threads a row
-  constexpr int kCodeUnits = R::kE4m3 / 16, kUnits = kCodeUnits + (D::kQkDim - R::kE4m3) / 8;
+  constexpr int kCodeUnits = R::kE4m3 / 16, kAllUnits = kCodeUnits + (D::kQkDim - R::kE4m3) / 8;
+  constexpr int kEnd = kUnitEnd < 0 ? kAllUnits : kUnitEnd, kUnits = kEnd - kUnitBegin;
+  static_assert(kUnitBegin % kGroups == 0 && kUnits > 0 && kEnd <= kAllUnits, "dequantise_chunk: a unit range");
   constexpr int kPerThread = (kUnits + kGroups - 1) / kGroups;
   constexpr int kBatch = 2;  // units loaded before any is converted: 4 took the wide and wgmma kernels to 255 registers
-  const int row = tid % kChunkKeys, first = tid / kChunkKeys;  // this thread's units: first + k * kGroups
+  const int row = tid % kChunkKeys, first = tid / kChunkKeys;  // this thread's units: first + k * kGroups on
   const uint8_t* src = rows + row * R::kStagedBytes;
   // Whether unit k of this thread exists and holds codes; known at compile time where kGroups divides the counts.
+  constexpr int kRangeCodeUnits = kCodeUnits < kUnitBegin ? 0 : kCodeUnits - kUnitBegin;  // codes in the range
   const auto exists = [&](int k) { return kUnits % kGroups == 0 || first + k * kGroups < kUnits; };
   const auto holds_codes = [&](int k) {
-    return kCodeUnits % kGroups == 0 ? k < kCodeUnits / kGroups : first + k * kGroups < kCodeUnits;
+    return kRangeCodeUnits % kGroups == 0 ? k < kRangeCodeUnits / kGroups : first + k * kGroups < kRangeCodeUnits;
   };
   const auto store = [&](int piece, const uint4& v) {
     if constexpr (kSwizzled)
@@ -334,7 +339,7 @@ __device__ __forceinline__ void dequantise_chunk(const uint8_t* rows, T* keys, i
     uint4 raw[kBatch];
 #pragma unroll
     for (int k = k0; k < k0 + kBatch && k < kPerThread; ++k) {
-      const int u = first + k * kGroups;
+      const int u = kUnitBegin + first + k * kGroups;
       if (exists(k)) {
         raw[k - k0] = *reinterpret_cast<const uint4*>(src + (holds_codes(k) ? u * 16 : R::kTail + (u - kCodeUnits) * 16));
         raw[k - k0] = make_uint4(raw[k - k0].x & keep, raw[k - k0].y & keep, raw[k - k0].z & keep, raw[k - k0].w & keep);
@@ -342,11 +347,12 @@ __device__ __forceinline__ void dequantise_chunk(const uint8_t* rows, T* keys, i
     }
 #pragma unroll
     for (int k = k0; k < k0 + kBatch && k < kPerThread; ++k) {
-      const int u = first + k * kGroups;
+      const int u = kUnitBegin + first + k * kGroups;
       const uint4& r = raw[k - k0];
       if (!exists(k)) continue;
       if (holds_codes(k)) {  // dims 16u .. 16u + 15: output pieces 2u and 2u + 1
-        const int tile = R::kTileUnits % kGroups == 0 ? k * kGroups / R::kTileUnits : u / R::kTileUnits;
+        const int tile =
+            R::kTileUnits % kGroups == 0 ? (kUnitBegin + k * kGroups) / R::kTileUnits : u / R::kTileUnits;
         const float s = invalid ? 0.f : R::scale_of(scales, tile);
         store(2 * u, make_uint4(scaled_e4m3x2<T, false>(r.x, s), scaled_e4m3x2<T, true>(r.x, s),
                                 scaled_e4m3x2<T, false>(r.y, s), scaled_e4m3x2<T, true>(r.y, s)));

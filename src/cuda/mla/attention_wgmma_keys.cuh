@@ -12,8 +12,10 @@
 // - warpgroup 0 (math) computes the chunk's scores S^T (64 keys x kHeads, both operands in shared memory), the
 //   chunk's maxima over its four warps (one named barrier), P^T into shared memory (bf16, K-major), and O^T += V^T
 //   P^T with the key tile as A, transposed (its lines hold 64 dims of one key).
-// The key tile is single: its dequantisation and the chunk's products take turns (tile_full / tile_empty mbarriers),
-// while kKeysStages chunks' rows are in flight.
+// The key tile is single (a second does not fit beside the staging buffers with 576-wide heads), in two halves that
+// take turns apart (tile_full / tile_empty mbarriers per half): dims 0-255 (slabs 0-3) and the rest (slabs 4 on, the
+// rope's included). So the producers dequantise the next chunk's first half while P V of this chunk's second half
+// runs, and its second half while the next scores' first half run; kKeysStages chunks' rows are in flight.
 #pragma once
 
 #include "cuda/mla/attention_kernel.cuh"
@@ -29,6 +31,7 @@ constexpr int kKeysGatherWarps = kKeysChunk / 32;
 // Shared memory, in bytes (the swizzled tiles 1024-byte aligned): the queries (kHeads rows, slabs of 64 dims), the
 // key tile (64 rows), the staging buffers, P^T (kHeads rows of 64 keys), the warps' per-head maxima and sums, the
 // tile's valid flags and the staging buffers' (per buffer), the mbarriers.
+constexpr int kKeysHalfSlabs = 4;  // the key tile's first half: slabs 0-3 (dequantise_chunk's units 0-15)
 struct KeysLayout {
   int q = 0, k = 0, staging = 0, p = 0, stats = 0, tile_valid = 0, valid = 0, signals = 0, total = 0;
   __host__ __device__ constexpr KeysLayout(CacheFormat f, int rope, int heads) {
@@ -40,7 +43,7 @@ struct KeysLayout {
     tile_valid = stats + 2 * 4 * heads * 4;
     valid = tile_valid + kKeysChunk * 4;
     signals = valid + kKeysStages * kKeysChunk * 4;
-    total = signals + (kKeysStages + 2) * 8;
+    total = signals + (kKeysStages + 4) * 8;
   }
 };
 
@@ -67,8 +70,8 @@ __global__ void __launch_bounds__(kKeysThreads, 1) wgmma_keys_kernel(const Atten
   int* const tile_valid = reinterpret_cast<int*>(smem + L.tile_valid);
   int* const valid = reinterpret_cast<int*>(smem + L.valid);  // [stage][row]
   uint64_t* const staged = reinterpret_cast<uint64_t*>(smem + L.signals);
-  uint64_t* const tile_full = staged + kKeysStages;
-  uint64_t* const tile_empty = tile_full + 1;
+  uint64_t* const tile_full = staged + kKeysStages;  // [half]
+  uint64_t* const tile_empty = tile_full + 2;        // [half]
 
   // wg through a shuffle: ptxas then knows it uniform in each warp (see the staged kernel).
   const int tid = threadIdx.x, wg = __shfl_sync(0xffffffffu, tid / 128, 0), wtid = tid % 128, lane = tid % 32;
@@ -89,8 +92,10 @@ __global__ void __launch_bounds__(kKeysThreads, 1) wgmma_keys_kernel(const Atten
   const int visible = range.visible, chunk_begin = range.begin, n_chunks = range.count;
   if (tid == 0) {
     for (int s = 0; s < kKeysStages; ++s) mbarrier_init(staged + s, kKeysGatherWarps);
-    mbarrier_init(tile_full, 1);
-    mbarrier_init(tile_empty, 128);
+    for (int half = 0; half < 2; ++half) {
+      mbarrier_init(tile_full + half, 1);
+      mbarrier_init(tile_empty + half, 128);
+    }
     fence_mbarrier_init();
   }
   __syncthreads();  // the signals initialised, the queries staged
@@ -120,18 +125,27 @@ __global__ void __launch_bounds__(kKeysThreads, 1) wgmma_keys_kernel(const Atten
       }
     };
     for (int i = 0; i < kKeysStages; ++i) issue(i);
+    constexpr int kHalfUnits = kKeysHalfSlabs * 64 / 16;  // dequantise_chunk's 16-code units in the first half
     for (int i = 0; i < n_chunks; ++i) {
       const int stage = i % kKeysStages;
+      const uint8_t* const rows = staging + stage * kStageBytes;
       mbarrier_wait(staged + stage, (i / kKeysStages) & 1);
-      if (i > 0) mbarrier_wait(tile_empty, (i - 1) & 1);  // the chunk before's products done with the tile
       const int row = ptid % kKeysChunk;
       const bool invalid = !valid[stage * kKeysChunk + row];
-      dequantise_chunk<F, T, kRope, 2 * 128, kKeysChunk, true>(staging + stage * kStageBytes, reinterpret_cast<T*>(sk),
-                                                                ptid, invalid);
+      // Each half once the chunk before's products are done with it, then handed over.
+      if (i > 0) mbarrier_wait(tile_empty, (i - 1) & 1);
+      dequantise_chunk<F, T, kRope, 2 * 128, kKeysChunk, true, 0, kHalfUnits>(rows, reinterpret_cast<T*>(sk), ptid,
+                                                                              invalid);
+      fence_shared_for_async_proxy();
+      named_barrier_sync(kProducerWarps, 2 * 128);
+      if (ptid == 0) mbarrier_arrive(tile_full);
+      if (i > 0) mbarrier_wait(tile_empty + 1, (i - 1) & 1);
+      dequantise_chunk<F, T, kRope, 2 * 128, kKeysChunk, true, kHalfUnits>(rows, reinterpret_cast<T*>(sk), ptid,
+                                                                           invalid);
       if (ptid < kKeysChunk) tile_valid[row] = !invalid;
       fence_shared_for_async_proxy();
-      named_barrier_sync(kProducerWarps, 2 * 128);  // the tile written; the staging buffer read
-      if (ptid == 0) mbarrier_arrive(tile_full);
+      named_barrier_sync(kProducerWarps, 2 * 128);  // the second half written; the staging buffer read
+      if (ptid == 0) mbarrier_arrive(tile_full + 1);
       issue(i + kKeysStages);
     }
   } else {
@@ -149,17 +163,27 @@ __global__ void __launch_bounds__(kKeysThreads, 1) wgmma_keys_kernel(const Atten
     const uint64_t k_desc = wgmma_descriptor_swizzled(sk), q_desc = wgmma_descriptor_swizzled(sq);
     const uint64_t p_desc = wgmma_descriptor_swizzled(sp);
     const int r0 = 16 * warp + g;
-    for (int i = 0; i < n_chunks; ++i) {
-      mbarrier_wait(tile_full, i & 1);
-      float s[kAcc];
+    // Scores over slabs [begin, end) into two accumulator sets by slab parity (two dependent chains, not one).
+    auto scores = [&](float (&acc)[2][kAcc], int begin, int end) {
       wgmma_fence();
 #pragma unroll
-      for (int slab = 0; slab < kSlabs; ++slab)
+      for (int slab = begin; slab < end; ++slab)
 #pragma unroll
         for (int ks = 0; ks < 4; ++ks)
-          wgmma_ss_narrow<kIn, kHeads, false>(s, k_desc + slab * (kSwizzledSlabBytes >> 4) + ks * 2,
-                                              q_desc + slab * (kHeads * 128 >> 4) + ks * 2, slab > 0 || ks > 0);
-      wgmma_commit_and_wait();
+          wgmma_ss_narrow<kIn, kHeads, false>(acc[slab % 2], k_desc + slab * (kSwizzledSlabBytes >> 4) + ks * 2,
+                                              q_desc + slab * (kHeads * 128 >> 4) + ks * 2, slab >= 2 || ks > 0);
+      wgmma_commit();
+    };
+    for (int i = 0; i < n_chunks; ++i) {
+      float acc[2][kAcc];
+      mbarrier_wait(tile_full, i & 1);
+      scores(acc, 0, kKeysHalfSlabs);
+      mbarrier_wait(tile_full + 1, i & 1);
+      scores(acc, kKeysHalfSlabs, kSlabs);
+      wgmma_wait();
+      float s[kAcc];
+#pragma unroll
+      for (int e = 0; e < kAcc; ++e) s[e] = acc[0][e] + acc[1][e];
 
       // s[4jn + e]: key r0 + 8 (e / 2), head 8jn + 2c + e % 2.
       const bool valid0 = tile_valid[r0], valid1 = tile_valid[r0 + 8];
@@ -209,15 +233,22 @@ __global__ void __launch_bounds__(kKeysThreads, 1) wgmma_keys_kernel(const Atten
         for (int mt = 0; mt < kVDim / 64; ++mt)
 #pragma unroll
           for (int e = 0; e < kAcc; ++e) o[mt][e] *= alpha[2 * (e / 4) + e % 2];
-      wgmma_fence();
+      // P V by halves of the tile: each half handed back as its products are done.
 #pragma unroll
-      for (int kk = 0; kk < kKeysChunk / 16; ++kk)
+      for (int half = 0; half < 2; ++half) {
+        wgmma_fence();
 #pragma unroll
-        for (int mt = 0; mt < kVDim / 64; ++mt)
-          wgmma_ss_narrow<kIn, kHeads, true>(o[mt], k_desc + (mt * kSwizzledSlabBytes + kk * 16 * 128 >> 4),
-                                             p_desc + kk * 2, true);
-      wgmma_commit_and_wait();
+        for (int kk = 0; kk < kKeysChunk / 16; ++kk)
+#pragma unroll
+          for (int mt = half * kKeysHalfSlabs; mt < (half + 1) * kKeysHalfSlabs; ++mt)
+            wgmma_ss_narrow<kIn, kHeads, true>(o[mt], k_desc + (mt * kSwizzledSlabBytes + kk * 16 * 128 >> 4),
+                                               p_desc + kk * 2, true);
+        wgmma_commit();
+      }
+      wgmma_wait_until<1>();
       mbarrier_arrive(tile_empty);
+      wgmma_wait();
+      mbarrier_arrive(tile_empty + 1);
     }
 
     // Each head's sum over the warps; its output row normalised, through shared memory (the staging buffers: every

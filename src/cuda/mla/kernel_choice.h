@@ -201,7 +201,7 @@ constexpr int wide_smem(CacheFormat f, int rope, int stages) {
 inline constexpr int kWgmmaSmem[3][2] = {{214632, 231016}, {173840, 198416}, {177936, 0}};
 // The keys-on-M form for fp8_ds_mla caches (8 or 16 heads per CTA on wgmma's N; the queries, one key tile, three
 // staging buffers), by [rope 0, 64][8, 16 heads].
-inline constexpr int kWgmmaKeysSmem[2][2] = {{177448, 186920}, {211240, 221736}};
+inline constexpr int kWgmmaKeysSmem[2][2] = {{177464, 186936}, {211256, 221752}};
 inline constexpr int kWgmmaKeysStages = 3;  // its staging buffers: the depth explain names
 constexpr bool wgmma_keys_on_m(CacheFormat f, int heads_per_cta) {
   return f == CacheFormat::fp8_ds_mla && (heads_per_cta == 8 || heads_per_cta == 16);
