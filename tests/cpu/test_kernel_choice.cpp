@@ -202,11 +202,11 @@ TEST(KernelChoice, WgmmaForcedOnHopperWithSm90aCode) {
   }
 }
 
-// The wgmma kernel's keys-on-M form, forced with 8 or 16 heads per CTA over an fp8_ds_mla cache (sparse or paged,
-// both rope widths): three warpgroups, three staging buffers, one CTA per SM on sm_90 with sm_90a code; 64 heads per
-// CTA otherwise (the staged kernel).
+// The wgmma kernel's keys-on-M form, forced with 8, 16 or 32 heads per CTA over an fp8_ds_mla cache (sparse or paged,
+// both rope widths): three warpgroups and three staging buffers (32 heads: four warpgroups, two buffers), one CTA per
+// SM on sm_90 with sm_90a code; 64 heads per CTA otherwise (the staged kernel).
 TEST(KernelChoice, WgmmaKeysOnMForced) {
-  for (int hpc : {8, 16})
+  for (int hpc : {8, 16, 32})
     for (int rope : {0, 64})
       for (bool paged : {false, true}) {
         const KernelShape s{CacheFormat::fp8_ds_mla, rope, paged, 128, 8, {AttentionKernel::wgmma, 0, hpc}};
@@ -214,15 +214,17 @@ TEST(KernelChoice, WgmmaKeysOnMForced) {
         ASSERT_TRUE(d.ok());
         EXPECT_EQ(d.chosen.kernel, AttentionKernel::wgmma);
         EXPECT_EQ(d.chosen.heads_per_cta, hpc);
-        EXPECT_EQ(d.chosen.threads, 384);
-        EXPECT_EQ(d.chosen.stages, 3);
-        const int smem = rope ? (hpc == 8 ? 211256 : 221752) : (hpc == 8 ? 177464 : 186936);
-        const char* smem_text = rope ? (hpc == 8 ? "211,256" : "221,752") : (hpc == 8 ? "177,464" : "186,936");
+        EXPECT_EQ(d.chosen.threads, hpc == 32 ? 512 : 384);
+        EXPECT_EQ(d.chosen.stages, hpc == 32 ? 2 : 3);
+        const int smem = rope ? (hpc == 8 ? 211256 : hpc == 16 ? 221752 : 200496)
+                              : (hpc == 8 ? 177464 : hpc == 16 ? 186936 : 171824);
+        const char* smem_text = rope ? (hpc == 8 ? "211,256" : hpc == 16 ? "221,752" : "200,496")
+                                     : (hpc == 8 ? "177,464" : hpc == 16 ? "186,936" : "171,824");
         EXPECT_EQ(d.chosen.smem, smem);
         EXPECT_EQ(d.chosen.ctas_per_sm, 1);
         std::string text = "wgmma kernel (";
         text += std::to_string(hpc);
-        text += " heads/CTA, 12 warps, depth 3, keys on M, ";
+        text += hpc == 32 ? " heads/CTA, 16 warps, depth 2, keys on M, " : " heads/CTA, 12 warps, depth 3, keys on M, ";
         text += smem_text;
         text += " B shared memory, 1 CTA/SM)";
         EXPECT_EQ(variant_text(d.chosen), text);

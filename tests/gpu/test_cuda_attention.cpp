@@ -1223,19 +1223,20 @@ TEST(CudaSparseMlaWgmma, HeadsFormatsTopk) {
       }
 }
 
-// The wgmma kernel's keys-on-M form (fp8_ds_mla, 8 or 16 heads per CTA on wgmma's N, a producer and a math
-// warpgroup taking turns on one key tile) forced: head counts that fill a CTA, pad one (1, 4, 12) or need two (20,
-// 32); top-k of one chunk, a chunk and a part, three and a part (its three staging buffers reused), 32 and 64 chunks;
-// 1, 3 and 62 tokens; both rope widths and run_sparse's options (invalid indices, NaN-poisoned slots, sinks,
-// topk_length, strided queries, NaN-filled outputs, max_logits); split and unsplit keys.
+// The wgmma kernel's keys-on-M form (fp8_ds_mla, 8, 16 or 32 heads per CTA on wgmma's N, producer and math
+// warpgroups taking turns on the halves of one key tile) forced: head counts that fill a CTA, pad one (1, 4, 12, 20)
+// or need two (20, 32 at 16 heads per CTA, 40); top-k of one chunk, a chunk and a part, three and a part (the staging
+// buffers reused), 32 and 64 chunks; 1, 3 and 62 tokens; both rope widths and run_sparse's options (invalid indices,
+// NaN-poisoned slots, sinks, topk_length, strided queries, NaN-filled outputs, max_logits); split and unsplit keys.
 TEST(CudaSparseMlaWgmma, KeysOnM) {
   if (!cuda::wgmma_kernels_available()) GTEST_SKIP() << "needs a Hopper GPU running the library's sm_90a code";
   uint64_t seed = 2660;
   int n = 0;
-  for (int hpc : {8, 16})
-    for (int heads : {1, 4, 8, 12, 16, 20, 32})
+  for (int hpc : {8, 16, 32})
+    for (int heads : {1, 4, 8, 12, 16, 20, 32, 40})
       for (int topk : {64, 100, 200, 2048, 4096}) {
-        if (hpc == 8 && heads > 16 && topk != 2048) continue;
+        if ((hpc == 8 && heads > 16 && topk != 2048) || (hpc < 32 && heads == 40) || (hpc == 32 && heads < 12))
+          continue;
         const int rope = n % 3 == 2 ? 0 : kMlaRopeDim;
         const int tokens = topk >= 2048 ? (n % 2 ? 1 : 3) : (n % 2 ? 62 : 3);
         Problem p = wgmma_case(DType::fp8_ds_mla, rope, heads, topk, tokens, n++);
@@ -1246,11 +1247,11 @@ TEST(CudaSparseMlaWgmma, KeysOnM) {
         EXPECT_EQ(plan->kernel, cuda::AttentionKernel::wgmma);
         EXPECT_EQ(plan->ctas_per_sm, 1);
       }
-  // Dense paged decode over it: causal s_q > 1, block sizes 1 and 64, both rope widths.
-  for (int hpc : {8, 16}) {
+  // Dense paged decode over it: causal s_q > 1, block sizes 1, 16 and 64, both rope widths.
+  for (int hpc : {8, 16, 32}) {
     const cuda::AttentionChoice keys{cuda::AttentionKernel::wgmma, 0, hpc};
     run_paged(DType::bf16, DType::fp8_ds_mla, 2, 3, hpc, 16, true, seed++, kMlaRopeDim, keys, 4e-3);
-    run_paged(DType::bf16, DType::fp8_ds_mla, 3, 1, hpc == 8 ? 5 : 16, 64, true, seed++, 0, keys, 4e-3);
+    run_paged(DType::bf16, DType::fp8_ds_mla, 3, 1, hpc == 8 ? 5 : hpc == 16 ? 16 : 20, 64, true, seed++, 0, keys, 4e-3);
     run_paged(DType::bf16, DType::fp8_ds_mla, 2, 2, hpc, 1, false, seed++, kMlaRopeDim, keys, 4e-3);
   }
 }

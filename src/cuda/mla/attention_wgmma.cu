@@ -24,6 +24,7 @@ Kernel select(CacheFormat f, int rope, bool paged, bool two_lists, int heads_per
     if constexpr (F == CacheFormat::fp8_ds_mla) {
       if (heads_per_cta == 8) return static_cast<Kernel>(wgmma_keys_kernel<F, kRope, kPaged, 8>);
       if (heads_per_cta == 16) return static_cast<Kernel>(wgmma_keys_kernel<F, kRope, kPaged, 16>);
+      if (heads_per_cta == 32) return static_cast<Kernel>(wgmma_keys_kernel<F, kRope, kPaged, 32>);
     }
     if constexpr (F == CacheFormat::fp8_ds_mla_v4 && !kPaged)
       return two_lists ? static_cast<Kernel>(wgmma_attention_kernel<F, kRope, false, true>)
@@ -38,7 +39,7 @@ Kernel select(CacheFormat f, int rope, bool paged, bool two_lists, int heads_per
 
 // The CTA's threads and shared-memory bytes for format `f` and `heads` per CTA.
 int cta_threads(CacheFormat f, int heads) {
-  return keys_on_m(f, heads) ? kKeysThreads : is_fp8(f) ? kWgmmaThreads : kPairThreads;
+  return keys_on_m(f, heads) ? keys_threads(heads) : is_fp8(f) ? kWgmmaThreads : kPairThreads;
 }
 int cta_smem(CacheFormat f, int rope, int heads) {
   return keys_on_m(f, heads) ? KeysLayout(f, rope, heads).total
@@ -65,7 +66,7 @@ std::string unavailable(CacheFormat f, int rope, int heads) {
 const WgmmaConfig* find_wgmma_config(CacheFormat f, int rope, bool paged, bool two_lists, int heads_per_cta) {
   if (heads_per_cta != kWgmmaHeads && !keys_on_m(f, heads_per_cta))
     throw Error(ErrorKind::invalid_argument, "MLA attention (wgmma kernel): heads per CTA must be " +
-                                                 std::to_string(kWgmmaHeads) + ", or 8 or 16 with an fp8_ds_mla cache");
+                                                 std::to_string(kWgmmaHeads) + ", or 8, 16 or 32 with an fp8_ds_mla cache");
   two_lists = two_lists && two_lists_in_one_launch(f) && !paged && !keys_on_m(f, heads_per_cta);
   using Key = std::tuple<int, CacheFormat, int, bool, bool, int>;
   static std::mutex mu;

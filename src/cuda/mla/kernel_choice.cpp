@@ -92,7 +92,7 @@ KernelVariant small_heads(const KernelLimits& l, const KernelShape& s) {
 
 // The wgmma kernels: Hopper only, with sm_90a code; 64-key chunks (16-bit rows: the pairs kernel; fp8 rows: the
 // staged kernel).
-// Forced to 8 or 16 heads per CTA over an fp8_ds_mla cache: the keys-on-M form.
+// Forced to 8, 16 or 32 heads per CTA over an fp8_ds_mla cache: the keys-on-M form.
 int wgmma_heads_per_cta(const KernelShape& s) {
   return wgmma_keys_on_m(s.format, s.forced.heads_per_cta) ? s.forced.heads_per_cta : kWgmmaHeadsPerCta;
 }
@@ -100,7 +100,8 @@ KernelVariant wgmma(const KernelLimits& l, const KernelShape& s) {
   if (l.compute_capability != 90 || !l.sm90a_code) return {};
   const int hpc = wgmma_heads_per_cta(s);
   const KernelVariant v = fit(l, s, AttentionKernel::wgmma, hpc, wgmma_threads(s.format, hpc),
-                              wgmma_keys_on_m(s.format, hpc) ? kWgmmaKeysStages : 2, 0, wgmma_smem(s.format, s.rope, hpc));
+                              wgmma_keys_on_m(s.format, hpc) ? wgmma_keys_stages(hpc) : 2, 0,
+                              wgmma_smem(s.format, s.rope, hpc));
   return v.ctas_per_sm > 0 ? v : KernelVariant{};
 }
 

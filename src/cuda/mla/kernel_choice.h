@@ -199,24 +199,27 @@ constexpr int wide_smem(CacheFormat f, int rope, int stages) {
 // The wgmma kernels (16-bit caches: the pairs kernel, the queries, two key tiles and two P tiles; fp8 caches: the
 // staged kernel, the queries, one key tile and a staging buffer), by [format][rope 0, 64].
 inline constexpr int kWgmmaSmem[3][2] = {{214632, 231016}, {173840, 198416}, {177936, 0}};
-// The keys-on-M form for fp8_ds_mla caches (8 or 16 heads per CTA on wgmma's N; the queries, one key tile, three
-// staging buffers), by [rope 0, 64][8, 16 heads].
-inline constexpr int kWgmmaKeysSmem[2][2] = {{177464, 186936}, {211256, 221752}};
-inline constexpr int kWgmmaKeysStages = 3;  // its staging buffers: the depth explain names
+// The keys-on-M form for fp8_ds_mla caches (8, 16 or 32 heads per CTA on wgmma's N, 32 as two math warpgroups; the
+// queries, one key tile, three staging buffers, two for 32 heads), by [rope 0, 64][8, 16, 32 heads].
+inline constexpr int kWgmmaKeysSmem[2][3] = {{177464, 186936, 171824}, {211256, 221752, 200496}};
 constexpr bool wgmma_keys_on_m(CacheFormat f, int heads_per_cta) {
-  return f == CacheFormat::fp8_ds_mla && (heads_per_cta == 8 || heads_per_cta == 16);
+  return f == CacheFormat::fp8_ds_mla && (heads_per_cta == 8 || heads_per_cta == 16 || heads_per_cta == 32);
 }
+// Its staging buffers: the depth explain names.
+constexpr int wgmma_keys_stages(int heads_per_cta) { return heads_per_cta == 32 ? 2 : 3; }
 constexpr int wgmma_smem(CacheFormat f, int rope, int heads_per_cta = kWgmmaHeadsPerCta) {
-  return wgmma_keys_on_m(f, heads_per_cta) ? kWgmmaKeysSmem[rope ? 1 : 0][heads_per_cta == 16 ? 1 : 0]
+  return wgmma_keys_on_m(f, heads_per_cta) ? kWgmmaKeysSmem[rope ? 1 : 0][heads_per_cta / 16]
                                            : kWgmmaSmem[tables::format_row(f)][rope ? 1 : 0];
 }
-// Their threads (the pairs kernel and the keys-on-M form: two warpgroups and a third) and registers per thread at
-// launch (the launch bounds of one CTA per SM: 65536 / 384 rounded down to 8, or 255).
+// Their threads (the pairs kernel and the keys-on-M form: two warpgroups and a third, a fourth for 32 heads) and
+// registers per thread at launch (the launch bounds of one CTA per SM: 65536 / threads rounded down to 8, or 255).
 constexpr int wgmma_threads(CacheFormat f, int heads_per_cta = kWgmmaHeadsPerCta) {
-  return tables::format_row(f) == 0 || wgmma_keys_on_m(f, heads_per_cta) ? 384 : 256;
+  if (wgmma_keys_on_m(f, heads_per_cta)) return heads_per_cta == 32 ? 512 : 384;
+  return tables::format_row(f) == 0 ? 384 : 256;
 }
 constexpr int wgmma_registers(CacheFormat f, int heads_per_cta = kWgmmaHeadsPerCta) {
-  return wgmma_threads(f, heads_per_cta) == 384 ? 168 : 255;
+  const int threads = wgmma_threads(f, heads_per_cta);
+  return threads == 256 ? 255 : 65536 / threads / 8 * 8;
 }
 
 constexpr int small_heads_smem(CacheFormat f, int rope, int heads_per_cta, int split_dims, int stages) {

@@ -51,17 +51,20 @@ static_assert(wgmma_smem(CacheFormat::bf16, 0) == wg::PairLayout(0).total &&
                   wgmma_smem(CacheFormat::fp8_ds_mla_v4, 0) == wg::WgmmaLayout(CacheFormat::fp8_ds_mla_v4, 0).total &&
                   wgmma_smem(CacheFormat::fp8_ds_mla_v4, kMlaRopeDim) == 0,
               "kernel_choice.h: the wgmma kernel's shared-memory table");
-static_assert(wgmma_smem(CacheFormat::fp8_ds_mla, 0, 8) == wg::KeysLayout(CacheFormat::fp8_ds_mla, 0, 8).total &&
-                  wgmma_smem(CacheFormat::fp8_ds_mla, 0, 16) == wg::KeysLayout(CacheFormat::fp8_ds_mla, 0, 16).total &&
-                  wgmma_smem(CacheFormat::fp8_ds_mla, kMlaRopeDim, 8) ==
-                      wg::KeysLayout(CacheFormat::fp8_ds_mla, kMlaRopeDim, 8).total &&
-                  wgmma_smem(CacheFormat::fp8_ds_mla, kMlaRopeDim, 16) ==
-                      wg::KeysLayout(CacheFormat::fp8_ds_mla, kMlaRopeDim, 16).total &&
-                  wgmma_threads(CacheFormat::fp8_ds_mla, 8) == wg::kKeysThreads && kWgmmaKeysStages == wg::kKeysStages &&
-                  wgmma_registers(CacheFormat::fp8_ds_mla, 16) * wg::kKeysThreads <= kRegistersPerSm &&
-                  wgmma_keys_on_m(CacheFormat::fp8_ds_mla, 8) == wg::keys_on_m(CacheFormat::fp8_ds_mla, 8) &&
-                  !wg::keys_on_m(CacheFormat::bf16, 8) && !wg::keys_on_m(CacheFormat::fp8_ds_mla, 64),
-              "kernel_choice.h: the wgmma kernel's keys-on-M form (shared memory, threads, heads per CTA)");
+// The keys-on-M form's table, threads, depth and heads per CTA, for each of its head counts and rope widths.
+constexpr bool keys_form_matches(int heads) {
+  for (int rope : {0, kMlaRopeDim})
+    if (wgmma_smem(CacheFormat::fp8_ds_mla, rope, heads) != wg::KeysLayout(CacheFormat::fp8_ds_mla, rope, heads).total)
+      return false;
+  return wgmma_threads(CacheFormat::fp8_ds_mla, heads) == wg::keys_threads(heads) &&
+         wgmma_keys_stages(heads) == wg::keys_stages(heads) &&
+         wgmma_registers(CacheFormat::fp8_ds_mla, heads) * wg::keys_threads(heads) <= kRegistersPerSm &&
+         wgmma_keys_on_m(CacheFormat::fp8_ds_mla, heads) && wg::keys_on_m(CacheFormat::fp8_ds_mla, heads);
+}
+static_assert(keys_form_matches(8) && keys_form_matches(16) && keys_form_matches(32) &&
+                  !wg::keys_on_m(CacheFormat::bf16, 8) && !wg::keys_on_m(CacheFormat::fp8_ds_mla, 64) &&
+                  !wgmma_keys_on_m(CacheFormat::fp8_ds_mla, 12),
+              "kernel_choice.h: the wgmma kernel's keys-on-M form (shared memory, threads, depth, heads per CTA)");
 static_assert(small_layouts_match<CacheFormat::bf16, 0>() && small_layouts_match<CacheFormat::bf16, 64>() &&
                   small_layouts_match<CacheFormat::f16, 0>() && small_layouts_match<CacheFormat::f16, 64>() &&
                   small_layouts_match<CacheFormat::fp8_ds_mla, 0>() &&
