@@ -1214,6 +1214,15 @@ int main(int argc, char** argv) {
         bench_sparse("decode (8 heads/CTA)", cache, t, 16, 2048, c, {AttentionKernel::small_heads, 0, 8, 0});
         bench_sparse("decode (16 heads/CTA)", cache, t, 16, 2048, c, {AttentionKernel::small_heads, 0, 16, 0});
       }
+      // The wgmma kernel's keys-on-M form (fp8_ds_mla, forced: 8, 16 or 32 heads per CTA) at the goal shapes.
+      if (wgmma_rows && kv == smla::DType::fp8_ds_mla) {
+        for (int h : {8, 16, 32})
+          for (int t : {1, 8, 32, 128})
+            bench_sparse("decode (keys on M)", cache, t, h, 2048, c, {AttentionKernel::wgmma, 0, h});
+        for (int h : {8, 16})
+          bench_sparse("prefill 32K (keys on M)", cache, 4096, h, 2048, c, {AttentionKernel::wgmma, 0, h}, 32768);
+        bench_paged("dense paged (keys on M)", cache, 128, 8192, 16, c, {AttentionKernel::wgmma, 0, 16});
+      }
       // One token's latency against the number of key splits (the op picks 64 for 2048 keys: one chunk of 32 each).
       for (int splits : {1, 4, 8, 16, 32, 64}) bench_sparse("1 token (splits)", cache, 1, 8, 2048, c, {{}, 0, 0, 0, splits});
       // The compute-bound rows (issue 19) as the op picks, then on the 16-head-tile, wide-tile and wgmma kernels forced.
