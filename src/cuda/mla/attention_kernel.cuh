@@ -321,7 +321,7 @@ __device__ __forceinline__ void dequantise_chunk(const uint8_t* rows, T* keys, i
   const int row = tid % kChunkKeys, first = tid / kChunkKeys;  // this thread's units: first + k * kGroups on
   const uint8_t* src = rows + row * R::kStagedBytes;
   // Whether unit k of this thread exists and holds codes; known at compile time where kGroups divides the counts.
-  constexpr int kRangeCodeUnits = kCodeUnits < kUnitBegin ? 0 : kCodeUnits - kUnitBegin;  // codes in the range
+  constexpr int kRangeCodeUnits = kCodeUnits < kUnitBegin ? 0 : (kCodeUnits < kEnd ? kCodeUnits : kEnd) - kUnitBegin;
   const auto exists = [&](int k) { return kUnits % kGroups == 0 || first + k * kGroups < kUnits; };
   const auto holds_codes = [&](int k) {
     return kRangeCodeUnits % kGroups == 0 ? k < kRangeCodeUnits / kGroups : first + k * kGroups < kRangeCodeUnits;

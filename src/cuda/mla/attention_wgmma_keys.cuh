@@ -6,13 +6,13 @@
 //
 // One CTA = one query token, kHeads heads and a range of 64-key chunks; three warpgroups (four for 32 heads: two math
 // warpgroups of 16 heads each, sharing the key tile):
-// - warpgroups 1 and 2 (the producers) gather each chunk's rows by bulk copies (one a row, warpgroup 1's first 64
-//   threads) into keys_stages staging buffers, and dequantise a landed chunk into the one key tile (bf16 times each
-//   128-dim tile's scale, wgmma's 128-byte swizzle: dequantise_chunk as the staged wgmma kernel writes it), then
-//   reuse its staging buffer for the chunk keys_stages on;
-// - warpgroup 0 (math; 0 and 1 for 32 heads) computes the chunk's scores S^T (64 keys x kHeads, both operands in shared memory), the
-//   chunk's maxima over its four warps (one named barrier), P^T into shared memory (bf16, K-major), and O^T += V^T
-//   P^T with the key tile as A, transposed (its lines hold 64 dims of one key).
+// - the last two warpgroups (the producers) gather each chunk's rows by bulk copies (one a row, the first producer
+//   warpgroup's first 64 threads) into keys_stages staging buffers, and dequantise a landed chunk into the one key
+//   tile (bf16 times each 128-dim tile's scale, wgmma's 128-byte swizzle: dequantise_chunk as the staged wgmma kernel
+//   writes it), then reuse its staging buffer for the chunk keys_stages on;
+// - warpgroup 0 (math; 0 and 1 for 32 heads) computes the chunk's scores S^T (64 keys x its heads, both operands in
+//   shared memory), the chunk's maxima over its four warps (one named barrier), P^T into shared memory (bf16,
+//   K-major), and O^T += V^T P^T with the key tile as A, transposed (its lines hold 64 dims of one key).
 // The key tile is single (a second does not fit beside the staging buffers with 576-wide heads), in two halves that
 // take turns apart (tile_full / tile_empty mbarriers per half): dims 0-255 (slabs 0-3) and the rest (slabs 4 on, the
 // rope's included). So the producers dequantise the next chunk's first half while P V of this chunk's second half
@@ -111,6 +111,9 @@ __global__ void __launch_bounds__(keys_threads(kHeads), 1) wgmma_keys_kernel(con
   // 32 heads: 512 threads start at 128 registers; the producers need fewer, the math warpgroups more (16 heads
   // each).
   constexpr int kProducerRegisters = 96, kMathRegisters = 65536 / 256 - kProducerRegisters;
+  static_assert(kMathGroups == 1 || (kThreads == 512 && (kProducerRegisters + kMathRegisters) * 256 <= 65536 &&
+                                     kMathRegisters % 8 == 0 && kMathRegisters <= 256),
+                "the register pool of two producer and two math warpgroups, 128 registers a thread at launch");
   if (wg >= kMathGroups) {
     if constexpr (kMathGroups == 2) registers_decrease_to<kProducerRegisters>();
     // Producers. Thread ptid < 64 of the first producer warpgroup gathers row ptid of every chunk.
@@ -166,7 +169,7 @@ __global__ void __launch_bounds__(keys_threads(kHeads), 1) wgmma_keys_kernel(con
     // g, + 8 of each tile, and its warpgroup's heads 8 jn + 2c + e (jn < kWgHeads / 8, e < 2): head index hi = 2 jn
     // + e of its kHeadsPerThread.
     auto head_of = [&](int hi) { return 8 * (hi / 2) + 2 * c + hi % 2; };
-    const int head0 = wg * kWgHeads, barrier = kMathWarps + wg;
+    const int head0 = wg * kWgHeads, barrier = kMathGroups == 1 ? kMathWarps : kMathWarps + wg;
     float* const wmax = stats + wg * 8 * kWgHeads;  // [warp][head], then the sums [warp][head]
     uint8_t* const wp = sp + head0 * 128;           // this warpgroup's P^T
     float o[kVDim / 64][kAcc];
