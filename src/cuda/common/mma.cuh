@@ -183,14 +183,14 @@ __device__ __forceinline__ void wgmma_n256_mn_major_b(float (&d)[128], const uin
 // D (64 x N, fp32; N 8 or 16) (+)= A (64 x 16) * B (16 x N) on 16-bit values, both in shared memory through
 // descriptors: A K-major, or kTransA M-major (imm-trans-a: lines along M, as wgmma_descriptor_swizzled describes an
 // MN-major operand); B K-major. d as wgmma's above (d[4j + e]: column 8j + 2c + e % 2 of the warp's row g + 8 (e / 2)).
-#define SMLA_WGMMA_NARROW(shape, type, trans_a)                                                                     \
+#define SMLA_WGMMA_NARROW(type, trans_a)                                                                            \
   if constexpr (N == 8)                                                                                             \
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %6, 0;\nwgmma.mma_async.sync.aligned." shape ".f32." type      \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %6, 0;\nwgmma.mma_async.sync.aligned.m64n8k16.f32." type      \
                  " {%0,%1,%2,%3}, %4, %5, p, 1, 1, " trans_a ", 0;\n}\n"                                            \
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                                                   \
                  : "l"(a), "l"(b), "r"(static_cast<int>(accumulate)));                                             \
   else                                                                                                              \
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\nwgmma.mma_async.sync.aligned." shape ".f32." type     \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\nwgmma.mma_async.sync.aligned.m64n16k16.f32." type   \
                  " {%0,%1,%2,%3,%4,%5,%6,%7}, %8, %9, p, 1, 1, " trans_a ", 0;\n}\n"                                \
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])   \
                  : "l"(a), "l"(b), "r"(static_cast<int>(accumulate)))
@@ -198,18 +198,12 @@ template <WgmmaIn kIn, int N, bool kTransA>
 __device__ __forceinline__ void wgmma_ss_narrow(float (&d)[N / 2], uint64_t a, uint64_t b, bool accumulate) {
   static_assert(kIn != WgmmaIn::e4m3 && (N == 8 || N == 16), "16-bit values, N 8 or 16");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  if constexpr (N == 8 && kIn == WgmmaIn::bf16) {
-    if constexpr (kTransA) SMLA_WGMMA_NARROW("m64n8k16", "bf16.bf16", "1");
-    else SMLA_WGMMA_NARROW("m64n8k16", "bf16.bf16", "0");
-  } else if constexpr (N == 8) {
-    if constexpr (kTransA) SMLA_WGMMA_NARROW("m64n8k16", "f16.f16", "1");
-    else SMLA_WGMMA_NARROW("m64n8k16", "f16.f16", "0");
-  } else if constexpr (kIn == WgmmaIn::bf16) {
-    if constexpr (kTransA) SMLA_WGMMA_NARROW("m64n16k16", "bf16.bf16", "1");
-    else SMLA_WGMMA_NARROW("m64n16k16", "bf16.bf16", "0");
+  if constexpr (kIn == WgmmaIn::bf16) {
+    if constexpr (kTransA) SMLA_WGMMA_NARROW("bf16.bf16", "1");
+    else SMLA_WGMMA_NARROW("bf16.bf16", "0");
   } else {
-    if constexpr (kTransA) SMLA_WGMMA_NARROW("m64n16k16", "f16.f16", "1");
-    else SMLA_WGMMA_NARROW("m64n16k16", "f16.f16", "0");
+    if constexpr (kTransA) SMLA_WGMMA_NARROW("f16.f16", "1");
+    else SMLA_WGMMA_NARROW("f16.f16", "0");
   }
 #else
   __trap();

@@ -215,6 +215,24 @@ __device__ __forceinline__ void scale_rows(float (&o)[kN], const float (&factor)
   for (int e = 0; e < kN; ++e) o[e] *= factor[(e / 2) % 2];
 }
 
+// A chunk's row by one bulk copy (sm_90+; every lane of the warp calls it, a row each): `kBytes` of the cache's slot
+// `slot` (-1: none, not copied) into `dst`, completing on `bar`; the row's valid flag into `*flag`, written before
+// lane 0's arrival (expecting the warp's bytes) releases it.
+template <int kBytes>
+__device__ __forceinline__ void bulk_gather_row(const AttentionParams& p, int64_t slot, uint8_t* dst, int* flag,
+                                                uint64_t* bar) {
+  *flag = slot >= 0;
+  const int copied = __popc(__ballot_sync(0xffffffffu, slot >= 0));
+  __syncwarp();  // the warp's flags before its arrival
+  if (threadIdx.x % 32 == 0) mbarrier_expect_bytes(bar, copied * kBytes);
+  __syncwarp();  // the bytes expected before any lands
+  if (slot >= 0) {
+    const int s32 = static_cast<int>(slot);  // indices are int32
+    bulk_copy_to_shared(dst, p.cache + (s32 / p.block_size) * p.block_stride + (s32 % p.block_size) * p.row_stride,
+                        kBytes, bar);
+  }
+}
+
 // The row of a chunk and the part of it (kParts threads share a row) that thread `tid` gathers. A warp's 16-byte
 // cp.async writes shared memory in four wavefronts of 8 lanes, each conflict-free only when its 8 pieces land in 8
 // different 16-byte bank groups. Key rows here are 16 bytes apart in banks (rows of 16 mod 128 bytes: padded

@@ -11,6 +11,7 @@
 #include "cuda/mla/attention_wgmma.h"
 #include "cuda/mla/attention_wgmma_keys.cuh"
 #include "cuda/mla/attention_wgmma_pairs.cuh"
+#include "cuda/mla/kernel_choice.h"
 
 namespace smla::cuda::mla::wg {
 
@@ -39,10 +40,10 @@ Kernel select(CacheFormat f, int rope, bool paged, bool two_lists, int heads_per
 
 // The CTA's threads and shared-memory bytes for format `f` and `heads` per CTA.
 int cta_threads(CacheFormat f, int heads) {
-  return keys_on_m(f, heads) ? keys_threads(heads) : is_fp8(f) ? kWgmmaThreads : kPairThreads;
+  return wgmma_keys_on_m(f, heads) ? keys_threads(heads) : is_fp8(f) ? kWgmmaThreads : kPairThreads;
 }
 int cta_smem(CacheFormat f, int rope, int heads) {
-  return keys_on_m(f, heads) ? KeysLayout(f, rope, heads).total
+  return wgmma_keys_on_m(f, heads) ? KeysLayout(f, rope, heads).total
          : is_fp8(f)         ? WgmmaLayout(f, rope).total
                              : PairLayout(rope).total;
 }
@@ -64,10 +65,10 @@ std::string unavailable(CacheFormat f, int rope, int heads) {
 }  // namespace
 
 const WgmmaConfig* find_wgmma_config(CacheFormat f, int rope, bool paged, bool two_lists, int heads_per_cta) {
-  if (heads_per_cta != kWgmmaHeads && !keys_on_m(f, heads_per_cta))
+  if (heads_per_cta != kWgmmaHeads && !wgmma_keys_on_m(f, heads_per_cta))
     throw Error(ErrorKind::invalid_argument, "MLA attention (wgmma kernel): heads per CTA must be " +
                                                  std::to_string(kWgmmaHeads) + ", or 8, 16 or 32 with an fp8_ds_mla cache");
-  two_lists = two_lists && two_lists_in_one_launch(f) && !paged && !keys_on_m(f, heads_per_cta);
+  two_lists = two_lists && two_lists_in_one_launch(f) && !paged && !wgmma_keys_on_m(f, heads_per_cta);
   using Key = std::tuple<int, CacheFormat, int, bool, bool, int>;
   static std::mutex mu;
   static std::map<Key, WgmmaConfig> configs;  // nodes never move

@@ -143,17 +143,8 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) wgmma_attention_kernel(const
       const int chunk = chunk_begin + i;
       const int64_t slot = next_slot;
       if (i + 1 < n_chunks) next_slot = slot_of<kPaged>(p, t, b, (chunk + 1) * kChunkKeys + my_row, visible);
-      valid[(chunk % L.valid_sets) * kChunkKeys + my_row] = slot >= 0;
-      const int copied = __popc(__ballot_sync(0xffffffffu, slot >= 0));
-      __syncwarp();  // the warp's flags before its arrival
-      if (lane == 0) mbarrier_expect_bytes(&sig.staged, copied * kStagedBytes);
-      __syncwarp();  // the bytes expected before any lands
-      if (slot >= 0) {
-        const int s32 = static_cast<int>(slot);  // indices are int32
-        bulk_copy_to_shared(staging + my_row * kStagedBytes,
-                            p.cache + (s32 / p.block_size) * p.block_stride + (s32 % p.block_size) * p.row_stride,
-                            kStagedBytes, &sig.staged);
-      }
+      bulk_gather_row<kStagedBytes>(p, slot, staging + my_row * kStagedBytes,
+                                    valid + (chunk % L.valid_sets) * kChunkKeys + my_row, &sig.staged);
     } else {
       if (i < n_chunks)
         gather_row<F, kPaged, kGatherParts, kChunkKeys, kTwoLists>(p, t, b, visible, chunk_begin + i, chunk_begin,

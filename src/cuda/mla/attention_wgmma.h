@@ -10,10 +10,6 @@ namespace smla::cuda::mla::wg {
 
 constexpr int kWgmmaHeads = 64;  // heads per CTA: the wgmma's M (whether the ops pick it: kernel_choice.h)
 constexpr int kWgmmaChunkKeys = 64;  // keys per pipeline stage
-// The keys-on-M form (attention_wgmma_keys.cuh) for fp8_ds_mla caches: 8, 16 or 32 heads per CTA on wgmma's N.
-constexpr bool keys_on_m(CacheFormat f, int heads_per_cta) {
-  return f == CacheFormat::fp8_ds_mla && (heads_per_cta == 8 || heads_per_cta == 16 || heads_per_cta == 32);
-}
 
 struct WgmmaConfig {
   const void* fn = nullptr;
@@ -21,7 +17,7 @@ struct WgmmaConfig {
 };
 
 // The configuration for format `f` (any cache format), rope width `rope` (64 or 0), key source and heads per CTA
-// (kWgmmaHeads, or 8 / 16 / 32 where keys_on_m) on the current device (cached per device); null where the device cannot
+// (kWgmmaHeads, or 8 / 16 / 32 where mla::wgmma_keys_on_m: the keys-on-M form, attention_wgmma_keys.cuh) on the current device (cached per device); null where the device cannot
 // run it (not a Hopper GPU, no sm_90a code loaded, or too little shared memory). `two_lists`: the instance that reads
 // sparse_mla's two caches in one launch (ExtraKeys; sparse only, the formats of two_lists_in_one_launch, 64 heads).
 const WgmmaConfig* find_wgmma_config(CacheFormat f, int rope, bool paged, bool two_lists = false,

@@ -127,17 +127,8 @@ __global__ void __launch_bounds__(keys_threads(kHeads), 1) wgmma_keys_kernel(con
       const int chunk = chunk_begin + i, stage = i % kStages;
       const int64_t slot = next_slot;
       if (i + 1 < n_chunks) next_slot = slot_of<kPaged>(p, t, b, (chunk + 1) * kKeysChunk + ptid, visible);
-      valid[stage * kKeysChunk + ptid] = slot >= 0;
-      __syncwarp();  // the warp's flags before its arrival
-      const int copied = __popc(__ballot_sync(0xffffffffu, slot >= 0));
-      if (lane == 0) mbarrier_expect_bytes(staged + stage, copied * kStagedBytes);
-      __syncwarp();  // the bytes expected before any lands
-      if (slot >= 0) {
-        const int s32 = static_cast<int>(slot);  // indices are int32
-        bulk_copy_to_shared(staging + stage * kStageBytes + ptid * kStagedBytes,
-                            p.cache + (s32 / p.block_size) * p.block_stride + (s32 % p.block_size) * p.row_stride,
-                            kStagedBytes, staged + stage);
-      }
+      bulk_gather_row<kStagedBytes>(p, slot, staging + stage * kStageBytes + ptid * kStagedBytes,
+                                    valid + stage * kKeysChunk + ptid, staged + stage);
     };
     for (int i = 0; i < kStages; ++i) issue(i);
     constexpr int kHalfUnits = kKeysHalfSlabs * 64 / 16;  // dequantise_chunk's 16-code units in the first half

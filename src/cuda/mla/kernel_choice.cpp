@@ -90,12 +90,12 @@ KernelVariant small_heads(const KernelLimits& l, const KernelShape& s) {
   return split ? two : one;
 }
 
-// The wgmma kernels: Hopper only, with sm_90a code; 64-key chunks (16-bit rows: the pairs kernel; fp8 rows: the
-// staged kernel).
-// Forced to 8, 16 or 32 heads per CTA over an fp8_ds_mla cache: the keys-on-M form.
+// The wgmma kernels' heads per CTA: 64, or where forced to 8, 16 or 32 over an fp8_ds_mla cache, the keys-on-M form's.
 int wgmma_heads_per_cta(const KernelShape& s) {
   return wgmma_keys_on_m(s.format, s.forced.heads_per_cta) ? s.forced.heads_per_cta : kWgmmaHeadsPerCta;
 }
+// The wgmma kernels: Hopper only, with sm_90a code; 64-key chunks (16-bit rows: the pairs kernel; fp8 rows: the
+// staged kernel or its keys-on-M form).
 KernelVariant wgmma(const KernelLimits& l, const KernelShape& s) {
   if (l.compute_capability != 90 || !l.sm90a_code) return {};
   const int hpc = wgmma_heads_per_cta(s);

@@ -59,10 +59,10 @@ constexpr bool keys_form_matches(int heads) {
   return wgmma_threads(CacheFormat::fp8_ds_mla, heads) == wg::keys_threads(heads) &&
          wgmma_keys_stages(heads) == wg::keys_stages(heads) &&
          wgmma_registers(CacheFormat::fp8_ds_mla, heads) * wg::keys_threads(heads) <= kRegistersPerSm &&
-         wgmma_keys_on_m(CacheFormat::fp8_ds_mla, heads) && wg::keys_on_m(CacheFormat::fp8_ds_mla, heads);
+         wgmma_keys_on_m(CacheFormat::fp8_ds_mla, heads);
 }
 static_assert(keys_form_matches(8) && keys_form_matches(16) && keys_form_matches(32) &&
-                  !wg::keys_on_m(CacheFormat::bf16, 8) && !wg::keys_on_m(CacheFormat::fp8_ds_mla, 64) &&
+                  !wgmma_keys_on_m(CacheFormat::bf16, 8) && !wgmma_keys_on_m(CacheFormat::fp8_ds_mla, 64) &&
                   !wgmma_keys_on_m(CacheFormat::fp8_ds_mla, 12),
               "kernel_choice.h: the wgmma kernel's keys-on-M form (shared memory, threads, depth, heads per CTA)");
 static_assert(small_layouts_match<CacheFormat::bf16, 0>() && small_layouts_match<CacheFormat::bf16, 64>() &&
