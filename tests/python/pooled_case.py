@@ -155,7 +155,9 @@ class Model:
             assert len(set(pools.tolist())) == n and np.all((pools >= 0) & (pools < whole))
             if n:
                 scores = indexer_scores(q64[t], weights[t].numpy(), keys, scales, slots)
-                np.testing.assert_allclose(scores[pools], np.sort(scores)[::-1][:n], rtol=1e-5, atol=1e-6)
+                assert np.all(np.diff(pools) > 0)  # unsorted top-k: ascending pools
+                np.testing.assert_allclose(np.sort(scores[pools])[::-1], np.sort(scores)[::-1][:n], rtol=1e-5,
+                                           atol=1e-6)
             assert np.all(row[n * KPOOL:SELECT * KPOOL] == -1)
             tail = np.arange(whole * KPOOL, p + 1)  # the incomplete pool's tokens, the current one included
             np.testing.assert_array_equal(row[SELECT * KPOOL:WIDTH], np.pad(tail, (0, KPOOL - 1 - len(tail)),

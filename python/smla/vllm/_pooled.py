@@ -58,7 +58,7 @@ def select(meta: Any, kv_cache: torch.Tensor, q_quant: torch.Tensor, weights: to
     decode_pools = torch.div(context[:meta.num_decode_tokens], kpool, rounding_mode="floor")
     for rows, request_ids, block_table, pools in topk_groups(meta, q_quant.device, decode_pools):
         top = smla.indexer_topk(q_quant[rows], weights[rows], kv_cache, request_ids, block_table, pools,
-                                topk=topk_tokens // kpool, q_scale=ones[rows])
+                                topk=topk_tokens // kpool, q_scale=ones[rows], sorted=False)  # order unused
         smla.pools_to_positions(top, context[rows], kpool=kpool, out=topk_indices_buffer[rows, :width])
 
 

@@ -75,10 +75,12 @@ def run(meta: Any, kv_cache: torch.Tensor, q_quant: torch.Tensor, k: Optional[to
     if clear:
         topk_indices_buffer[:num_rows] = -1
     # vLLM folds each query's fp8 scale into `weights`; smla takes fp8 queries with a scale of their own.
+    # Unsorted (ascending positions): vLLM's own top-k kernel returns no order either and attention needs none;
+    # the GPU then skips ordering the chosen by score.
     ones = torch.ones(q_quant.shape[:2], dtype=torch.float32, device=q_quant.device)
     for rows, request_ids, block_table, context_lens in topk_groups(meta, q_quant.device):
         smla.indexer_topk(q_quant[rows], weights[rows], kv_cache, request_ids, block_table, context_lens,
-                          q_scale=ones[rows], out=topk_indices_buffer[rows, :topk_tokens])
+                          q_scale=ones[rows], out=topk_indices_buffer[rows, :topk_tokens], sorted=False)
     return topk_indices_buffer
 
 
