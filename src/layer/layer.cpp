@@ -672,6 +672,7 @@ void MlaLayer::State::index_topk(const Staged& st, uint16_t* q, float* weights, 
   args.block_table = st.block_table;
   args.context_lens = context_lens;
   args.topk = topk;
+  args.sorted = false;  // only the layer's attention reads them: no order needed, and the GPU's top-k is faster so
   args.stream = compute->stream();
   indexer_topk(args, backend);
 }

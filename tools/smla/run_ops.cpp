@@ -296,6 +296,7 @@ Report run_sparse(const JobOptions& o, const AttentionSpec& spec, const RunSpec&
   idx.request_ids = mem.empty({B}, DType::i32);
   idx.block_table = caches.table;
   idx.topk = mem.empty({B, KP}, DType::i32);
+  idx.sorted = false;  // as the layer (and smla's vLLM plugin) asks: the attention needs no order
   mem.upload(idx.request_ids, request_ids.data());
   PoolsToPositionsArgs p2p;  // pooled: the top pools -> their tokens and the tail's
   p2p.pools = idx.topk;
