@@ -834,6 +834,7 @@ struct StepRow {
   int tokens, context, requests;
   double scores_us, topk_us, attention_us, ops_us, step_us, cold_us, unsorted_step_us;
   double counted_scores_us, counted_topk_us, counted_step_us;
+  double grouped_scores_us;  // the scores kernel with grouped tokens (ScoreTokens::grouped)
 };
 std::vector<StepRow> step_rows;
 
@@ -862,26 +863,27 @@ struct StepCaches {
 };
 
 // One step's inputs over `caches`: `tokens` requests of `context` positions (GLM-5 TP8, as bench_step describes), or
-// with `shared`, `tokens` consecutive positions of one request (multi-token decode) ending at `context`.
+// with `per_request` > 1, tokens / per_request requests of per_request consecutive positions each (multi-token
+// decode: draft tokens) ending at `context`.
 struct StepInputs {
   smla::DsaDecodeStepArgs a;
   float* scores;    // select_topk's input, for the top-k alone
   int* histograms;  // the scores' coarse-bin counts (indexer_scores with histograms)
   std::vector<void*> buffers;
 
-  StepInputs(StepCaches& caches, int tokens, int context, bool shared = false) {
+  StepInputs(StepCaches& caches, int tokens, int context, int per_request = 1) {
     const smla::Device dev = smla::Device::cuda(90);
     const int heads = 8, index_heads = 32, topk = 2048, bs = 64, blocks_per_req = context / bs;
-    const int requests = shared ? 1 : tokens;
+    const int requests = tokens / per_request;
     std::mt19937 rng(tokens * 7 + context);
-    std::vector<int32_t> perm(caches.blocks()), req(tokens, 0), ctx(tokens, context);
+    std::vector<int32_t> perm(caches.blocks()), req(tokens), ctx(tokens);
     std::iota(perm.begin(), perm.end(), 0);
     std::shuffle(perm.begin(), perm.end(), rng);
     perm.resize(static_cast<size_t>(requests) * blocks_per_req);
-    if (shared)
-      for (int t = 0; t < tokens; ++t) ctx[t] = context - (tokens - 1 - t);  // each token sees the ones before it
-    else
-      std::iota(req.begin(), req.end(), 0);
+    for (int t = 0; t < tokens; ++t) {
+      req[t] = t / per_request;
+      ctx[t] = context - (per_request - 1 - t % per_request);  // each token sees its request's ones before it
+    }
     std::vector<uint8_t> codes(static_cast<size_t>(tokens) * index_heads * 128);
     for (auto& c : codes) c = static_cast<uint8_t>(rng() % 0x70) | (rng() & 0x80);
     std::vector<float> w(static_cast<size_t>(tokens) * index_heads), q_scale(w.size());
@@ -944,13 +946,17 @@ void counted_step(StepInputs& in, cudaStream_t s) {
   smla::cuda::sparse_mla(smla::attention_step(step), {}, smla::cuda::AttentionLaunch::after_own_kernel);
 }
 
-void bench_step(StepCaches& caches, int tokens, int context, bool shared = false) {
+void bench_step(StepCaches& caches, int tokens, int context, int per_request = 1) {
   const smla::Backend& be = *smla::Registry::global().find("cuda_mma");
-  StepInputs in(caches, tokens, context, shared);
+  StepInputs in(caches, tokens, context, per_request);
   float* scores = in.scores;
   const auto on = [&](cudaStream_t s) { return in.on(s); };
-  StepRow r{tokens, context, shared ? 1 : tokens};
+  StepRow r{tokens, context, tokens / per_request};
   r.scores_us = graph_us([&](cudaStream_t s) { smla::cuda::indexer_scores(smla::indexer_step(on(s)), scores); });
+  r.grouped_scores_us = graph_us([&](cudaStream_t s) {
+    smla::cuda::indexer_scores(smla::indexer_step(on(s)), scores, smla::cuda::ScoreMma::automatic, nullptr,
+                               smla::cuda::ScoreTokens::grouped);
+  });
   r.topk_us = graph_us([&](cudaStream_t s) { smla::cuda::select_topk(smla::indexer_step(on(s)), scores); });
   smla::dsa_decode_step(on(nullptr), &be);  // slots for the attention alone
   r.attention_us = graph_us([&](cudaStream_t s) { smla::sparse_mla(smla::attention_step(on(s)), &be); });
@@ -974,9 +980,10 @@ void bench_step(StepCaches& caches, int tokens, int context, bool shared = false
                             {nullptr, false, in.histograms});
   });
   r.counted_step_us = graph_us([&](cudaStream_t s) { counted_step(in, s); });
-  std::printf("%6d %7d %5d %9.1f %9.1f %9.1f %9.1f %9.1f %9.1f %9.1f %12.0f %9.1f %9.1f %9.1f\n", tokens, context,
-              r.requests, r.scores_us, r.topk_us, r.attention_us, r.ops_us, r.step_us, r.cold_us, r.unsorted_step_us,
-              1e6 / (78 * r.step_us), r.counted_scores_us, r.counted_topk_us, r.counted_step_us);
+  std::printf("%6d %7d %5d %9.1f %9.1f %9.1f %9.1f %9.1f %9.1f %9.1f %12.0f %9.1f %9.1f %9.1f %10.1f\n", tokens,
+              context, r.requests, r.scores_us, r.topk_us, r.attention_us, r.ops_us, r.step_us, r.cold_us,
+              r.unsorted_step_us, 1e6 / (78 * r.step_us), r.counted_scores_us, r.counted_topk_us, r.counted_step_us,
+              r.grouped_scores_us);
   step_rows.push_back(r);
 }
 
@@ -1351,15 +1358,17 @@ int main(int argc, char** argv) {
                 "fp8_ds_mla cache); us per call from a CUDA graph replayed back to back, unless cold; 3 ops: "
                 "indexer_topk + positions_to_slots + sparse_mla as separate calls; step unsorted: sorted = false "
                 "(graph); counted: the scores counting the top-k's histograms and the top-k reading them; step cntd: the "
-                "step's kernels that way (off in the library: slower; graph); reqs 1 with more tokens: consecutive "
-                "positions of one request (multi-token decode)\n");
-    std::printf("%6s %7s %5s %9s %9s %9s %9s %9s %9s %9s %12s %9s %9s %9s\n", "tokens", "context", "reqs", "scores",
+                "step's kernels that way (off in the library: slower; graph); sc grouped: the scores with grouped "
+                "tokens (the CTAs of up to 4 tokens of one request sharing their key tiles; not yet the ops' choice); "
+                "fewer reqs than tokens: consecutive positions of each request (multi-token decode)\n");
+    std::printf("%6s %7s %5s %9s %9s %9s %9s %9s %9s %9s %12s %9s %9s %9s %10s\n", "tokens", "context", "reqs", "scores",
                 "top-k", "attention", "3 ops", "step", "cold step", "unsorted", "tok/s 78 L", "sc count", "tk counted",
-                "step cntd");
+                "step cntd", "sc grouped");
     StepCaches caches;
     for (int context : {8192, 131072}) {
       for (int tokens : {1, 8}) bench_step(caches, tokens, context);
-      bench_step(caches, 8, context, true);
+      bench_step(caches, 8, context, 8);   // one request's 8 tokens
+      bench_step(caches, 16, context, 2);  // 8 requests of 2 (one draft token each)
     }
   }
   if (!json_path.empty()) {
@@ -1405,10 +1414,10 @@ int main(int argc, char** argv) {
                    "\"scores_us\": %.2f, "
                    "\"topk_us\": %.2f, \"attention_us\": %.2f, \"three_ops_us\": %.2f, \"step_us\": %.2f, "
                    "\"step_cold_us\": %.2f, \"step_unsorted_us\": %.2f, \"counted_scores_us\": %.2f, "
-                   "\"counted_topk_us\": %.2f, \"counted_step_us\": %.2f}%s\n",
+                   "\"counted_topk_us\": %.2f, \"counted_step_us\": %.2f, \"grouped_scores_us\": %.2f}%s\n",
                    r.tokens, r.context, r.requests, r.scores_us, r.topk_us, r.attention_us, r.ops_us, r.step_us,
                    r.cold_us, r.unsorted_step_us, r.counted_scores_us, r.counted_topk_us, r.counted_step_us,
-                   i + 1 < step_rows.size() ? "," : "");
+                   r.grouped_scores_us, i + 1 < step_rows.size() ? "," : "");
     }
     std::fprintf(f, "  ]\n}\n");
     std::fclose(f);

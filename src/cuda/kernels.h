@@ -85,8 +85,14 @@ ScoreMma resolve_score_mma(const IndexerTopkArgs& args, ScoreMma mma = ScoreMma:
 // `histograms` (null: none; else topk_histogram_bytes, 16-byte aligned): each token's counts of its scores' coarse
 // bins too, for select_topk (TopkFusion::histograms): a kernel zeroes them, the scores kernel (its programmatic
 // dependent from SM90 on) counts as it writes.
+// How the scores kernel's CTAs take tokens: one token each; or grouped (tests, benchmarks; not yet chosen by the ops:
+// measured first), where the CTAs of up to 4 consecutive tokens of one request (draft tokens, a prefill chunk) share
+// their tiles, each key read from memory once a group and scored for each token, the same products and sums as one
+// token's (the same scores, bit for bit). Grouped needs an fp8 index cache in blocks of a multiple of 64 keys and at
+// most 64 heads (an error otherwise). Any request ids are fine: a group is a run of equal ones.
+enum class ScoreTokens { one, grouped };
 void indexer_scores(const IndexerTopkArgs& args, float* scores, ScoreMma mma = ScoreMma::automatic,
-                    int* histograms = nullptr);
+                    int* histograms = nullptr, ScoreTokens tokens = ScoreTokens::one);
 size_t topk_histogram_bytes(const IndexerTopkArgs& args);
 // How select_topk shares a row among CTAs: as it sees fit, or forced (tests, benchmarks): one CTA per row,
 // slices of the row in more kernels passing through global memory, the CTAs of a thread block cluster (SM90+; 2-8,

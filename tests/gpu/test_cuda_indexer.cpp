@@ -362,6 +362,92 @@ TEST(CudaIndexer, Fp8MmaNeedsFp8QueriesAndKeys) {
       {cuda::wgmma_kernels_available() ? "e4m3 wgmma needs fp8 queries, got bfloat16" : "wgmma needs an fp8 index cache"});
 }
 
+// Grouped tokens (ScoreTokens::grouped: the CTAs of up to 4 consecutive tokens of one request share their key tiles)
+// score exactly as one token a CTA: bit for bit, each token's positions past its own context untouched (NaN), with
+// histograms too (the counts equal), each way the kernel multiplies fp8 keys (fp8 and bf16 queries) for 8-64 heads,
+// blocks of 64 and 128 keys. The request ids run across the windows of 4 (a run of 7, a run of 4 from a window's
+// middle, lone tokens, interleaved requests, an id past the table and a negative one); the contexts grow by one a
+// token (draft tokens), clamped to the table, but for a short one and an empty one inside a group. Refused, naming
+// it, with a bf16 cache, blocks of 16 keys, and 128 heads.
+TEST(CudaIndexer, GroupedTokensScoreAsOneTokenCtas) {
+  const std::vector<int32_t> requests = {0, 0, 0, 0, 0, 0, 0, 1, 2, 2, 2, 2, 1, 2, 1, 2, -1, 3, 1, 1, 0, 0};
+  const int tokens = static_cast<int>(requests.size());
+  uint64_t seed = 300;
+  for (DType q_dtype : {DType::fp8_e4m3, DType::bf16})
+    for (int heads : {8, 16, 32, 64})
+      for (int bs : {64, 128}) {
+        IndexProblem pr;
+        pr.q_dtype = q_dtype;
+        pr.cache_dtype = DType::fp8_e4m3;
+        pr.heads = heads;
+        pr.tokens = tokens;
+        pr.block_size = bs;
+        pr.max_blocks = 6400 / bs;  // 100 tiles of 64 positions
+        IndexData d(pr, seed++);
+        d.request_ids = requests;
+        const int capacity = pr.max_blocks * bs;
+        for (int t = 0; t < tokens; ++t) d.context[t] = std::min(capacity, capacity - 40 + t);
+        d.context[9] = 100;  // tokens 8-11 (request 2) are a group: one short context, one empty
+        d.context[10] = 0;
+        std::vector<int32_t> unused;
+        IndexInputsOnGpu on(d, d.args(unused));
+        const int64_t stride = cuda::score_row_stride(on.args);
+        const size_t floats = static_cast<size_t>(tokens) * stride, bins = static_cast<size_t>(tokens) * 4096;
+        std::vector<cuda::ScoreMma> kinds = {cuda::ScoreMma::automatic, cuda::ScoreMma::bf16};
+        if (q_dtype == DType::fp8_e4m3 && cuda::current_device().compute_capability >= 89)
+          kinds.push_back(cuda::ScoreMma::fp8);
+        if (heads > 16 && cuda::wgmma_kernels_available()) {
+          kinds.push_back(cuda::ScoreMma::bf16_wgmma);
+          if (q_dtype == DType::fp8_e4m3) kinds.push_back(cuda::ScoreMma::fp8_wgmma);
+        }
+        for (cuda::ScoreMma mma : kinds)
+          for (bool counted : {false, true}) {
+            SCOPED_TRACE(std::string(dtype_name(q_dtype)) + " queries, heads " + std::to_string(heads) + ", bs " +
+                         std::to_string(bs) + ", mma " + std::to_string(static_cast<int>(mma)) +
+                         (counted ? ", histograms" : ""));
+            DeviceBuffer one(std::vector<float>(floats, NAN)), grouped(std::vector<float>(floats, NAN)),
+                one_hist(std::vector<int32_t>(bins, 0x7f7f7f7f)), grouped_hist(std::vector<int32_t>(bins, -5));
+            cuda::indexer_scores(on.args, static_cast<float*>(one.ptr), mma,
+                                 counted ? static_cast<int*>(one_hist.ptr) : nullptr, cuda::ScoreTokens::one);
+            cuda::indexer_scores(on.args, static_cast<float*>(grouped.ptr), mma,
+                                 counted ? static_cast<int*>(grouped_hist.ptr) : nullptr, cuda::ScoreTokens::grouped);
+            CUDA_OK(cudaDeviceSynchronize());
+            const std::vector<float> want = one.download<float>(), got = grouped.download<float>();
+            ASSERT_EQ(std::memcmp(want.data(), got.data(), floats * sizeof(float)), 0);
+            for (int t = 0; t < tokens; ++t) {  // the sentinel exactly past each token's own context
+              const bool known = requests[t] >= 0 && requests[t] < 3;
+              const int visible = known ? std::max(0, std::min(d.context[t], capacity)) : 0;
+              for (int64_t i = 0; i < stride; ++i)
+                ASSERT_EQ(std::isnan(got[t * stride + i]), i >= visible) << "token " << t << " position " << i;
+            }
+            if (counted) EXPECT_EQ(one_hist.download<int32_t>(), grouped_hist.download<int32_t>());
+          }
+      }
+  IndexProblem pr;
+  pr.cache_dtype = DType::fp8_e4m3;
+  pr.block_size = 64;
+  const auto refused = [&](const IndexProblem& bad, const char* what) {
+    SCOPED_TRACE(what);
+    IndexData d(bad, 330);
+    std::vector<int32_t> unused;
+    IndexInputsOnGpu on(d, d.args(unused));
+    DeviceBuffer scores(static_cast<size_t>(bad.tokens) * cuda::score_row_stride(on.args) * sizeof(float));
+    test::expect_error(
+        [&] {
+          cuda::indexer_scores(on.args, static_cast<float*>(scores.ptr), cuda::ScoreMma::automatic, nullptr,
+                               cuda::ScoreTokens::grouped);
+        },
+        ErrorKind::invalid_argument, {"indexer_scores", "grouped tokens need an fp8 index cache", what});
+  };
+  IndexProblem bf16_cache = pr, small_blocks = pr, many_heads = pr;
+  bf16_cache.cache_dtype = DType::bf16;
+  small_blocks.block_size = 16;
+  many_heads.heads = 128;
+  refused(bf16_cache, "got bfloat16 blocks of 64");
+  refused(small_blocks, "blocks of 16");
+  refused(many_heads, "and 128 heads");
+}
+
 TEST(CudaIndexer, LongContextTopk2048) {
   IndexProblem p;
   p.tokens = 5;

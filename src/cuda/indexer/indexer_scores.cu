@@ -13,6 +13,11 @@
 // warps are one warpgroup whose 64 rows meet all heads at once, the queries
 // read by the tensor cores from shared memory (mma.sync read them there with
 // one instruction per fragment).
+// Tokens of one request (a decode step's draft tokens, a prefill chunk) read the same keys. Grouped (ScoreTokens::
+// grouped, fp8 keys in blocks of multiples of 64, up to 64 heads), the CTAs of up to kGroupTokens consecutive
+// tokens of one request share their tiles: each takes a part of the tile run and scores it for every token of the
+// group, its queries one after the other against the tile in shared memory, so each key is read from memory once
+// a group instead of once a token; a token's products and sums are the same instructions as ungrouped.
 //
 // fp8 keys meet fp8 queries as they are where the arch multiplies e4m3
 // natively (mma.sync on SM89 and SM12x, wgmma on Hopper): half the k-steps of
@@ -45,6 +50,7 @@ constexpr int kDim = 128;           // index head dim
 constexpr int kScoreThreads = 128;  // 4 warps x 16 positions
 constexpr int kTile = 64;           // positions per pipeline stage
 constexpr int64_t kMaxTilesPerCta = 64;
+constexpr int kGroupTokens = 4;  // the most tokens a grouped CTA scores each tile for
 
 constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -73,7 +79,7 @@ struct ScoreParams {
   int64_t qs_stride_t, qs_stride_h;
   const float* weights;
   int64_t w_stride_t, w_stride_h;
-  int heads;
+  int heads, tokens;
   IndexCacheLayout cache;
   IndexRows rows;
   const int32_t* block_table;
@@ -115,18 +121,19 @@ __device__ __forceinline__ uint32_t e4m3x2_to_scaled_bf16x2(uint32_t word, bool 
 // The powers of two that make up for the keys' 2^-120: on the queries and on the head weights (exact products).
 constexpr float kFp8QueryScale = 0x1p88f, kFp8WeightScale = 0x1p32f;
 
-template <int kNTiles, int kGroups, Mma kMma>
+template <int kNTiles, int kGroups, Mma kMma, int kTokens>
 struct ScoreSmem {
   static constexpr bool kFp8 = fp8_keys(kMma);
   // Tiles in the ring (one in use, the rest in flight): as many as still let four CTAs (fp8 keys) or three
-  // (bf16 keys) share an SM's 228 KB.
-  static constexpr int kStages = kFp8 ? (kGroups == 1 ? 5 : 4) : 3;
+  // (bf16 keys) share an SM's 228 KB; grouped, beside kTokens tokens' queries, 3 or 4 (every arch's 99 KB).
+  static constexpr int kStages = kTokens > 1 ? (e4m3_operands(kMma) ? 4 : 3) : kFp8 ? (kGroups == 1 ? 5 : 4) : 3;
   // +16 bytes per row: the 8 rows an ldmatrix (or a quarter warp's 16-byte loads) touches start in different banks
   static constexpr int kRowBytes = (kFp8 ? kDim : 2 * kDim) + 16;
   uint8_t keys[kStages][kTile][kRowBytes];
   float scale[kStages][kTile];  // the key's scale; -1: its block is outside the cache
-  uint2 q[kGroups][kNTiles][k_steps(kMma)][32];  // B fragments, in lane order (wgmma: B itself)
-  float head_weight[kGroups * kNTiles * 8];       // weight * query scale (0: padding)
+  uint2 q[kTokens][kGroups][kNTiles][k_steps(kMma)][32];  // per token: B fragments, in lane order (wgmma: B itself)
+  float head_weight[kTokens][kGroups * kNTiles * 8];       // per token: weight * query scale (0: padding)
+  int visible[kTokens];                                    // per token: the positions it sees (grouped)
 };
 
 // The token's queries as the mma's B operand in shared memory (s.q), in 32-bit words: the byte offset of the word
@@ -163,7 +170,7 @@ __device__ __forceinline__ uint4 load_query_piece(const uint8_t* from, bool alig
 // converted (a trip to memory per chunk; a value at a time made the set-up a chain of trips, ~6 µs per CTA, and
 // per-value loads of one row by every CTA crowd its L2 lines).
 template <int kNTiles, int kGroups, Mma kMma, QKind kQ>
-__device__ __forceinline__ void stage_queries(const ScoreParams& p, int t, uint8_t* b) {
+__device__ __forceinline__ void stage_queries(const ScoreParams& p, int t, uint8_t* b) {  // b: s.q[token]
   constexpr int kElem = kQ == QKind::fp8 ? 1 : 2, kPieceValues = 16 / kElem, kPiecesPerHead = kDim / kPieceValues;
   constexpr int kPieces = head_columns(kNTiles, kGroups) * kPiecesPerHead, kPerThread = kPieces / kScoreThreads;
   constexpr int kChunk = kPerThread < 1 ? 1 : kPerThread < 4 ? kPerThread : 4;
@@ -210,13 +217,14 @@ __device__ __forceinline__ void stage_queries(const ScoreParams& p, int t, uint8
 // Heads (kGroups x kNTiles x 8 of them, padded with zeros) are the mma's N.
 // kRuns: every tile is one run of rows of one block, 16-byte aligned (block
 // sizes that are multiples of 64, since tiles start 64-aligned). Registers
-// are capped so that four CTAs share an SM.
-template <int kNTiles, int kGroups, Mma kMma, bool kRuns>
+// are capped so that four CTAs share an SM. kTokens > 1: grouped (above).
+template <int kNTiles, int kGroups, Mma kMma, bool kRuns, int kTokens>
 __global__ void __launch_bounds__(kScoreThreads, 4) index_scores_kernel(const ScoreParams p) {
-  using Smem = ScoreSmem<kNTiles, kGroups, kMma>;
+  using Smem = ScoreSmem<kNTiles, kGroups, kMma, kTokens>;
   constexpr int kStages = Smem::kStages, kSteps = k_steps(kMma);
   constexpr bool kFp8 = fp8_keys(kMma);
   constexpr int kHeadColumns = head_columns(kNTiles, kGroups);  // wgmma: 32 or 64, all at once
+  static_assert(kTokens == 1 || (kFp8 && kRuns), "grouped tokens: fp8 keys in runs of whole tiles");
   extern __shared__ __align__(16) uint8_t smem_raw[];
   auto& s = *reinterpret_cast<Smem*>(smem_raw);
   SMLA_STAMP_START_END(p, kScoresFirstStart, kScoresLastEnd);
@@ -224,11 +232,28 @@ __global__ void __launch_bounds__(kScoreThreads, 4) index_scores_kernel(const Sc
   let_dependents_launch();
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, c = lane % 4;
   const int t = blockIdx.y;
+  // The group: tokens t0 .. t0 + n_group - 1, the run of consecutive tokens of t's request inside t's window of
+  // kTokens (tokens kTokens * (t / kTokens) on), which each of its CTAs finds alike; CTA (x, t), the group's
+  // (t - t0)-th, takes that share of tile run x and scores it for every token of the group. Ungrouped: t alone.
+  int t0 = t, n_group = 1;
+  if constexpr (kTokens > 1) {
+    const int window = t - t % kTokens, end = min(window + kTokens, p.tokens);
+    const int32_t req = p.rows.request(t);
+    while (t0 > window && p.rows.request(t0 - 1) == req) --t0;
+    int last = t;
+    while (last + 1 < end && p.rows.request(last + 1) == req) ++last;
+    n_group = last - t0 + 1;
+  }
   // Visible positions fit in int (context lengths are int32); the grid spans the table's capacity, which may not.
-  const int ctx = static_cast<int>(p.rows.visible(t));
-  if (static_cast<int64_t>(blockIdx.x) * p.tiles_per_cta * kTile >= ctx) return;
-  const int begin = blockIdx.x * p.tiles_per_cta * kTile;
-  const int n_tiles = min(p.tiles_per_cta, (ctx - begin + kTile - 1) / kTile);
+  // Tiles are read as far as the group's longest context; each token's scores are written up to its own.
+  int ctx = 0;
+  for (int u = 0; u < n_group; ++u) ctx = max(ctx, static_cast<int>(p.rows.visible(t0 + u)));
+  const int part_tiles = (p.tiles_per_cta + n_group - 1) / n_group, run_first = blockIdx.x * p.tiles_per_cta;
+  const int first_tile = run_first + (t - t0) * part_tiles;
+  const int part_end = run_first + min((t - t0 + 1) * part_tiles, p.tiles_per_cta);
+  if (first_tile >= part_end || static_cast<int64_t>(first_tile) * kTile >= ctx) return;
+  const int begin = first_tile * kTile;
+  const int n_tiles = min(part_end - first_tile, (ctx - begin + kTile - 1) / kTile);
   const int32_t* table = p.block_table + p.rows.request(t) * p.table_stride;
   const int block_size = p.cache.block_size;
   const auto in_cache = [&](int block) { return block >= 0 && block < p.cache.num_blocks; };
@@ -310,37 +335,48 @@ __global__ void __launch_bounds__(kScoreThreads, 4) index_scores_kernel(const Sc
 #pragma unroll
   for (int i = 0; i < kStages - 1; ++i) issue(i);
 
-  // The token's queries as the mma's B operand in shared memory (e4m3 operands: fp8 queries).
-  auto* b = reinterpret_cast<uint8_t*>(s.q);
-  if constexpr (e4m3_operands(kMma)) stage_queries<kNTiles, kGroups, kMma, QKind::fp8>(p, t, b);
-  else if (p.q_kind == QKind::fp8) stage_queries<kNTiles, kGroups, kMma, QKind::fp8>(p, t, b);
-  else if (p.q_kind == QKind::bf16) stage_queries<kNTiles, kGroups, kMma, QKind::bf16>(p, t, b);
-  else stage_queries<kNTiles, kGroups, kMma, QKind::f16>(p, t, b);
+  // The tokens' queries as the mma's B operand in shared memory (e4m3 operands: fp8 queries), and each head's weight
+  // times its query scale, a thread per head (one trip to memory).
+  for (int u = 0; u < n_group; ++u) {
+    auto* b = reinterpret_cast<uint8_t*>(s.q[u]);
+    if constexpr (e4m3_operands(kMma)) stage_queries<kNTiles, kGroups, kMma, QKind::fp8>(p, t0 + u, b);
+    else if (p.q_kind == QKind::fp8) stage_queries<kNTiles, kGroups, kMma, QKind::fp8>(p, t0 + u, b);
+    else if (p.q_kind == QKind::bf16) stage_queries<kNTiles, kGroups, kMma, QKind::bf16>(p, t0 + u, b);
+    else stage_queries<kNTiles, kGroups, kMma, QKind::f16>(p, t0 + u, b);
+    const int64_t tu = t0 + u;
+    if (tid == 0) s.visible[u] = static_cast<int>(p.rows.visible(t0 + u));
+    for (int h = tid; h < kHeadColumns; h += kScoreThreads)
+      s.head_weight[u][h] = h < p.heads ? p.weights[tu * p.w_stride_t + h * p.w_stride_h] *
+                                              (p.q_scale ? p.q_scale[tu * p.qs_stride_t + h * p.qs_stride_h] : 1.f) *
+                                              (scaled_keys(kMma) ? kFp8WeightScale : 1.f)
+                                        : 0.f;
+  }
   if constexpr (uses_wgmma(kMma)) fence_shared_for_async_proxy();
-  // Each head's weight times its query scale, a thread per head (one trip to memory).
-  for (int h = tid; h < kHeadColumns; h += kScoreThreads)
-    s.head_weight[h] = h < p.heads ? p.weights[t * p.w_stride_t + h * p.w_stride_h] *
-                                         (p.q_scale ? p.q_scale[t * p.qs_stride_t + h * p.qs_stride_h] : 1.f) *
-                                         (scaled_keys(kMma) ? kFp8WeightScale : 1.f)
-                                   : 0.f;
   __syncthreads();
-  float w[kGroups][kNTiles][2];  // this lane's accumulator columns: heads 8n + 2c and 8n + 2c + 1 of each group
+  // This lane's accumulator columns' weights, heads 8n + 2c and 8n + 2c + 1 of each group, of token u: in registers
+  // for a CTA of one token, read per tile when grouped.
+  using Weights = float[kGroups][kNTiles][2];
+  const auto load_weights = [&](int u, Weights& w) {
 #pragma unroll
-  for (int grp = 0; grp < kGroups; ++grp)
+    for (int grp = 0; grp < kGroups; ++grp)
 #pragma unroll
-    for (int n = 0; n < kNTiles; ++n)
+      for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
-      for (int r = 0; r < 2; ++r) w[grp][n][r] = s.head_weight[(grp * kNTiles + n) * 8 + 2 * c + r];
-  constexpr bool kQInRegisters = kGroups == 1 && !uses_wgmma(kMma);
+        for (int r = 0; r < 2; ++r) w[grp][nt][r] = s.head_weight[u][(grp * kNTiles + nt) * 8 + 2 * c + r];
+  };
+  Weights w;
+  load_weights(0, w);
+  constexpr bool kQInRegisters = kGroups == 1 && !uses_wgmma(kMma) && kTokens == 1;
   uint2 bq[kQInRegisters ? kNTiles : 1][kQInRegisters ? kSteps : 1];
   if constexpr (kQInRegisters) {
 #pragma unroll
-    for (int n = 0; n < kNTiles; ++n)
+    for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
-      for (int j = 0; j < kSteps; ++j) bq[n][j] = s.q[0][n][j][lane];
+      for (int j = 0; j < kSteps; ++j) bq[nt][j] = s.q[0][0][nt][j][lane];
   }
 
-  const uint64_t q_descriptor = wgmma_descriptor(s.q, 128, 256);  // wgmma: k-step 0's B
+  constexpr uint64_t kTokenQueryStep = sizeof(s.q[0]) >> 4;  // descriptor units between tokens' B
+  const uint64_t q_descriptor = wgmma_descriptor(s.q, 128, 256);  // wgmma: token 0's k-step 0's B
   // With histograms, launched as the dependent of the kernel that zeroes them: the first tiles are in flight.
   if (p.histograms != nullptr) wait_for_prerequisites();
 
@@ -351,7 +387,6 @@ __global__ void __launch_bounds__(kScoreThreads, 4) index_scores_kernel(const Sc
     const int slot = i % kStages;
     const uint8_t(*keys)[Smem::kRowBytes] = s.keys[slot];
 
-    float score[2] = {0.f, 0.f};  // this lane's rows g and g + 8 of the warp's 16 positions
     // The lane's A fragments of k-steps kHalfSteps * half .. + kHalfSteps - 1 (one half of the dims).
     constexpr int kHalfSteps = kSteps / 2;
     const auto load_a = [&](int half, uint32_t(&a)[kHalfSteps][4]) {
@@ -379,76 +414,82 @@ __global__ void __launch_bounds__(kScoreThreads, 4) index_scores_kernel(const Sc
           ldmatrix_x4(a[jj], &keys[warp * 16 + lane % 16][2 * (16 * (kHalfSteps * half + jj) + (lane / 16) * 8)]);
       }
     };
-    // ReLU, head weights and the sum over the heads of 8-column block n of group grp.
-    const auto add_heads = [&](int grp, int n, const float* acc) {
-      const float(&wn)[2] = w[grp][n];
-      score[0] += wn[0] * fmaxf(acc[0], 0.f) + wn[1] * fmaxf(acc[1], 0.f);
-      score[1] += wn[0] * fmaxf(acc[2], 0.f) + wn[1] * fmaxf(acc[3], 0.f);
-    };
-    if constexpr (uses_wgmma(kMma)) {
-      // The four warps' rows are the warpgroup's 64. The second half's A fragments are made while the tensor
-      // cores work on the first (no uninitialised accumulator is read: the first k-step overwrites them).
-      constexpr WgmmaIn kIn = kMma == Mma::fp8_wgmma ? WgmmaIn::e4m3 : WgmmaIn::bf16;
-      uint32_t a[2][kHalfSteps][4];
-      float acc[kHeadColumns / 2];
+    // wgmma: the tile's A fragments, made for the group's first token and kept for the others.
+    uint32_t a_tile[uses_wgmma(kMma) ? 2 : 1][kHalfSteps][4];
+    for (int u = 0; u < n_group; ++u) {  // the group's tokens, one after the other against the tile
+      if constexpr (kTokens > 1) load_weights(u, w);
+      float score[2] = {0.f, 0.f};  // this lane's rows g and g + 8 of the warp's 16 positions
+      // ReLU, head weights and the sum over the heads of 8-column block nt of group grp.
+      const auto add_heads = [&](int grp, int nt, const float* acc) {
+        const float(&wn)[2] = w[grp][nt];
+        score[0] += wn[0] * fmaxf(acc[0], 0.f) + wn[1] * fmaxf(acc[1], 0.f);
+        score[1] += wn[0] * fmaxf(acc[2], 0.f) + wn[1] * fmaxf(acc[3], 0.f);
+      };
+      if constexpr (uses_wgmma(kMma)) {
+        // The four warps' rows are the warpgroup's 64. The second half's A fragments are made while the tensor
+        // cores work on the first (no uninitialised accumulator is read: the first k-step overwrites them).
+        constexpr WgmmaIn kIn = kMma == Mma::fp8_wgmma ? WgmmaIn::e4m3 : WgmmaIn::bf16;
+        const uint64_t q_token = q_descriptor + u * kTokenQueryStep;
+        float acc[kHeadColumns / 2];
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        load_a(half, a[half]);
-        wgmma_fence();
+        for (int half = 0; half < 2; ++half) {
+          if (u == 0) load_a(half, a_tile[half]);
+          wgmma_fence();
 #pragma unroll
-        for (int jj = 0; jj < kHalfSteps; ++jj) {
-          const int j = kHalfSteps * half + jj;
-          wgmma<kIn, kHeadColumns>(acc, a[half][jj], q_descriptor + (j * kHeadColumns * 32 >> 4), j > 0);
+          for (int jj = 0; jj < kHalfSteps; ++jj) {
+            const int j = kHalfSteps * half + jj;
+            wgmma<kIn, kHeadColumns>(acc, a_tile[half][jj], q_token + (j * kHeadColumns * 32 >> 4), j > 0);
+          }
         }
-      }
-      wgmma_commit_and_wait();
+        wgmma_commit_and_wait();
 #pragma unroll
-      for (int b = 0; b < kHeadColumns / 8; ++b) add_heads(b / kNTiles, b % kNTiles, &acc[4 * b]);
-    } else {
-      // Each A fragment meets the heads of kPassGroups groups before the next is made (more accumulators would
-      // spill).
-      constexpr int kPassGroups = kGroups < 2 ? kGroups : 2;
+        for (int b = 0; b < kHeadColumns / 8; ++b) add_heads(b / kNTiles, b % kNTiles, &acc[4 * b]);
+      } else {
+        // Each A fragment meets the heads of kPassGroups groups before the next is made (more accumulators would
+        // spill).
+        constexpr int kPassGroups = kGroups < 2 ? kGroups : 2;
 #pragma unroll
-      for (int pass = 0; pass < kGroups / kPassGroups; ++pass) {
-        float acc[kPassGroups][kNTiles][4] = {};
+        for (int pass = 0; pass < kGroups / kPassGroups; ++pass) {
+          float acc[kPassGroups][kNTiles][4] = {};
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {  // half the A fragments live at a time
-          uint32_t a[kHalfSteps][4];
-          load_a(half, a);
+          for (int half = 0; half < 2; ++half) {  // half the A fragments live at a time
+            uint32_t a[kHalfSteps][4];
+            load_a(half, a);
+#pragma unroll
+            for (int pg = 0; pg < kPassGroups; ++pg)
+#pragma unroll
+              for (int jj = 0; jj < kHalfSteps; ++jj)
+#pragma unroll
+                for (int nt = 0; nt < kNTiles; ++nt) {
+                  const int j = kHalfSteps * half + jj;
+                  const uint2 b = kQInRegisters ? bq[nt][j] : s.q[u][pass * kPassGroups + pg][nt][j][lane];
+                  if constexpr (kMma == Mma::fp8) mma_16832_e4m3(acc[pg][nt], a[jj], {b.x, b.y});
+                  else mma_16816<__nv_bfloat16>(acc[pg][nt], a[jj], {b.x, b.y});
+                }
+          }
 #pragma unroll
           for (int pg = 0; pg < kPassGroups; ++pg)
 #pragma unroll
-            for (int jj = 0; jj < kHalfSteps; ++jj)
-#pragma unroll
-              for (int n = 0; n < kNTiles; ++n) {
-                const int j = kHalfSteps * half + jj;
-                const uint2 b = kQInRegisters ? bq[n][j] : s.q[pass * kPassGroups + pg][n][j][lane];
-                if constexpr (kMma == Mma::fp8) mma_16832_e4m3(acc[pg][n], a[jj], {b.x, b.y});
-                else mma_16816<__nv_bfloat16>(acc[pg][n], a[jj], {b.x, b.y});
-              }
+            for (int nt = 0; nt < kNTiles; ++nt) add_heads(pass * kPassGroups + pg, nt, acc[pg][nt]);
         }
-#pragma unroll
-        for (int pg = 0; pg < kPassGroups; ++pg)
-#pragma unroll
-          for (int n = 0; n < kNTiles; ++n) add_heads(pass * kPassGroups + pg, n, acc[pg][n]);
       }
-    }
-    // The other heads of rows g and g + 8 are in the quad's other lanes.
+      // The other heads of rows g and g + 8 are in the quad's other lanes.
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      score[r] += __shfl_xor_sync(0xffffffffu, score[r], 1);
-      score[r] += __shfl_xor_sync(0xffffffffu, score[r], 2);
-    }
-    // Lane c = 0 writes row g, c = 1 row g + 8.
-    const int row = warp * 16 + g + 8 * (c & 1), pos = begin + i * kTile + row;
-    const bool writes = c < 2 && pos < ctx;
-    const float sc = s.scale[slot][row], value = sc < 0.f ? -INFINITY : (c == 0 ? score[0] : score[1]) * sc;
-    if (writes) p.scores[t * p.score_stride + pos] = value;
-    if (p.histograms != nullptr) {  // one atomic per bin among the warp's 16 scores (the pointer read when needed)
-      const int bin = writes ? coarse_bin(value) : -1;
-      const uint32_t same = __match_any_sync(0xffffffffu, bin);
-      if (writes && lane == __ffs(same) - 1)
-        atomicAdd(&p.histograms[static_cast<int64_t>(t) * kCoarseBins + bin], __popc(same));
+      for (int r = 0; r < 2; ++r) {
+        score[r] += __shfl_xor_sync(0xffffffffu, score[r], 1);
+        score[r] += __shfl_xor_sync(0xffffffffu, score[r], 2);
+      }
+      // Lane c = 0 writes row g, c = 1 row g + 8, of token t0 + u, up to its own context.
+      const int64_t tu = t0 + u;
+      const int row = warp * 16 + g + 8 * (c & 1), pos = begin + i * kTile + row;
+      const bool writes = c < 2 && pos < (kTokens > 1 ? s.visible[u] : ctx);
+      const float sc = s.scale[slot][row], value = sc < 0.f ? -INFINITY : (c == 0 ? score[0] : score[1]) * sc;
+      if (writes) p.scores[tu * p.score_stride + pos] = value;
+      if (p.histograms != nullptr) {  // one atomic per bin among the warp's 16 scores (the pointer read when needed)
+        const int bin = writes ? coarse_bin(value) : -1;
+        const uint32_t same = __match_any_sync(0xffffffffu, bin);
+        if (writes && lane == __ffs(same) - 1) atomicAdd(&p.histograms[tu * kCoarseBins + bin], __popc(same));
+      }
     }
   }
 }
@@ -461,17 +502,19 @@ __global__ void __launch_bounds__(kScoreThreads) zero_histograms_kernel(int* his
   for (int i = threadIdx.x; i < kCoarseBins / 4; i += kScoreThreads) bins[i] = make_int4(0, 0, 0, 0);
 }
 
-template <int kNTiles, int kGroups, Mma kMma, bool kRuns>
-void launch(const ScoreParams& p, int tokens, int64_t capacity, cudaStream_t stream) {
-  constexpr int smem = sizeof(ScoreSmem<kNTiles, kGroups, kMma>);
+template <int kNTiles, int kGroups, Mma kMma, bool kRuns, int kTokens>
+void launch(const ScoreParams& p, int64_t capacity, cudaStream_t stream) {
+  constexpr int smem = sizeof(ScoreSmem<kNTiles, kGroups, kMma, kTokens>);
   static_assert(smem <= 99 * 1024, "fits every arch's shared memory per block");
-  const auto kernel = index_scores_kernel<kNTiles, kGroups, kMma, kRuns>;
+  const auto kernel = index_scores_kernel<kNTiles, kGroups, kMma, kRuns, kTokens>;
+  const int tokens = p.tokens;
   allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
   // Each token's tiles are split evenly among CTAs of at most kMaxTilesPerCta
   // (long runs pay each CTA's ramp, its first tiles' latency, less often;
   // on an H200 runs of up to 128 or 256 tiles were 10% slower than 64), as
   // many CTAs as fill whole waves of the resident ones: a last wave of a few
-  // CTAs would cost as much as a full one.
+  // CTAs would cost as much as a full one. Grouped, a group's CTAs share their
+  // tokens' runs, so each CTA still scores about a run's tiles x one token.
   const int64_t slots = std::max<int64_t>(
       1, int64_t{current_device().num_sms} * resident_ctas_per_sm(reinterpret_cast<const void*>(kernel), kScoreThreads, smem));
   const int64_t token_tiles = ceil_div(capacity, kTile);
@@ -488,29 +531,32 @@ void launch(const ScoreParams& p, int tokens, int64_t capacity, cudaStream_t str
                      q.histograms != nullptr, "smla indexer scores kernel");
 }
 
+// Whether the tiles are runs of whole blocks (kRuns), and grouped tokens (checked by indexer_scores: fp8 keys in
+// such runs, at most 64 heads).
 template <int kNTiles, int kGroups, Mma kMma>
-void launch(const ScoreParams& p, int tokens, int64_t capacity, cudaStream_t stream) {
-  if (p.cache.block_size % kTile == 0 && p.cache.block_stride % 16 == 0)
-    launch<kNTiles, kGroups, kMma, true>(p, tokens, capacity, stream);
-  else
-    launch<kNTiles, kGroups, kMma, false>(p, tokens, capacity, stream);
+void launch(const ScoreParams& p, bool grouped, int64_t capacity, cudaStream_t stream) {
+  if (p.cache.block_size % kTile != 0 || p.cache.block_stride % 16 != 0)
+    return launch<kNTiles, kGroups, kMma, false, 1>(p, capacity, stream);
+  if constexpr (fp8_keys(kMma) && kGroups <= 2)
+    if (grouped) return launch<kNTiles, kGroups, kMma, true, kGroupTokens>(p, capacity, stream);
+  launch<kNTiles, kGroups, kMma, true, 1>(p, capacity, stream);
 }
 
 template <int kNTiles, int kGroups>
-void launch(const ScoreParams& p, Mma mma, int tokens, int64_t capacity, cudaStream_t stream) {
+void launch(const ScoreParams& p, Mma mma, bool grouped, int64_t capacity, cudaStream_t stream) {
   if (mma == Mma::bf16) {
-    launch<kNTiles, kGroups, Mma::bf16>(p, tokens, capacity, stream);
+    launch<kNTiles, kGroups, Mma::bf16>(p, grouped, capacity, stream);
   } else if (mma == Mma::fp8) {
-    launch<kNTiles, kGroups, Mma::fp8>(p, tokens, capacity, stream);
+    launch<kNTiles, kGroups, Mma::fp8>(p, grouped, capacity, stream);
   } else if (uses_wgmma(mma)) {
     if constexpr (kNTiles == 4 && kGroups <= 2) {
-      if (mma == Mma::fp8_wgmma) launch<kNTiles, kGroups, Mma::fp8_wgmma>(p, tokens, capacity, stream);
-      else launch<kNTiles, kGroups, Mma::bf16_wgmma>(p, tokens, capacity, stream);
+      if (mma == Mma::fp8_wgmma) launch<kNTiles, kGroups, Mma::fp8_wgmma>(p, grouped, capacity, stream);
+      else launch<kNTiles, kGroups, Mma::bf16_wgmma>(p, grouped, capacity, stream);
     } else {
       throw Error(ErrorKind::internal, "indexer_scores: wgmma chosen for a head count it does not take");
     }
   } else {
-    launch<kNTiles, kGroups, Mma::bf16_from_fp8>(p, tokens, capacity, stream);
+    launch<kNTiles, kGroups, Mma::bf16_from_fp8>(p, grouped, capacity, stream);
   }
 }
 
@@ -551,9 +597,10 @@ ScoreMma resolve_score_mma(const IndexerTopkArgs& args, ScoreMma mma) {
   }
 }
 
-void indexer_scores(const IndexerTopkArgs& a, float* scores, ScoreMma mma, int* histograms) {
+void indexer_scores(const IndexerTopkArgs& a, float* scores, ScoreMma mma, int* histograms, ScoreTokens grouping) {
   const int tokens = static_cast<int>(a.q.size(0));
   ScoreParams p{};
+  p.tokens = tokens;
   p.q = a.q.data;
   p.q_kind = a.q.dtype == DType::bf16 ? QKind::bf16 : a.q.dtype == DType::f16 ? QKind::f16 : QKind::fp8;
   p.q_stride_t = a.q.stride(0);
@@ -583,15 +630,21 @@ void indexer_scores(const IndexerTopkArgs& a, float* scores, ScoreMma mma, int* 
   const int64_t capacity = index_capacity(a);
   if (tokens == 0 || capacity == 0) return;
   const Mma kind = pick_mma(a, mma);
+  const bool grouped = grouping == ScoreTokens::grouped;
+  if (grouped)
+    require(p.cache.fp8 && p.cache.block_size % kTile == 0 && p.cache.block_stride % 16 == 0 && p.heads <= 64,
+            "indexer_scores: grouped tokens need an fp8 index cache of blocks of a multiple of 64 keys and at most 64 "
+            "heads, got " + std::string(dtype_name(a.index_cache.dtype)) + " blocks of " +
+                std::to_string(p.cache.block_size) + " and " + std::to_string(p.heads) + " heads");
   const auto stream = static_cast<cudaStream_t>(a.stream);
   // Heads padded to 8, 16 or 32 mma columns held in registers; more heads go
   // in groups of 32 whose fragments are read from shared memory (64 heads in
   // registers cost two of the four CTAs per SM, measured slower).
-  if (p.heads <= 8) launch<1, 1>(p, kind, tokens, capacity, stream);
-  else if (p.heads <= 16) launch<2, 1>(p, kind, tokens, capacity, stream);
-  else if (p.heads <= 32) launch<4, 1>(p, kind, tokens, capacity, stream);
-  else if (p.heads <= 64) launch<4, 2>(p, kind, tokens, capacity, stream);
-  else launch<4, 4>(p, kind, tokens, capacity, stream);
+  if (p.heads <= 8) launch<1, 1>(p, kind, grouped, capacity, stream);
+  else if (p.heads <= 16) launch<2, 1>(p, kind, grouped, capacity, stream);
+  else if (p.heads <= 32) launch<4, 1>(p, kind, grouped, capacity, stream);
+  else if (p.heads <= 64) launch<4, 2>(p, kind, grouped, capacity, stream);
+  else launch<4, 4>(p, kind, grouped, capacity, stream);
 }
 
 }  // namespace smla::cuda
