@@ -17,6 +17,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -875,6 +876,9 @@ struct StepInputs {
     const smla::Device dev = smla::Device::cuda(90);
     const int heads = 8, index_heads = 32, topk = 2048, bs = 64, blocks_per_req = context / bs;
     const int requests = tokens / per_request;
+    if (per_request < 1 || requests * per_request != tokens)
+      throw std::invalid_argument("bench_step: " + std::to_string(tokens) + " tokens are not whole requests of " +
+                                  std::to_string(per_request));
     std::mt19937 rng(tokens * 7 + context);
     std::vector<int32_t> perm(caches.blocks()), req(tokens), ctx(tokens);
     std::iota(perm.begin(), perm.end(), 0);

@@ -365,12 +365,14 @@ TEST(CudaIndexer, Fp8MmaNeedsFp8QueriesAndKeys) {
 // Grouped tokens (ScoreTokens::grouped: the CTAs of up to 4 consecutive tokens of one request share their key tiles)
 // score exactly as one token a CTA: bit for bit, each token's positions past its own context untouched (NaN), with
 // histograms too (the counts equal), each way the kernel multiplies fp8 keys (fp8 and bf16 queries) for 8-64 heads,
-// blocks of 64 and 128 keys. The request ids run across the windows of 4 (a run of 7, a run of 4 from a window's
-// middle, lone tokens, interleaved requests, an id past the table and a negative one); the contexts grow by one a
-// token (draft tokens), clamped to the table, but for a short one and an empty one inside a group. Refused, naming
-// it, with a bf16 cache, blocks of 16 keys, and 128 heads.
+// blocks of 64 and 128 keys, launched grouped (score_group_tokens: 4). The request ids run across the windows of 4
+// (windows from token 0): a run of 7 from a window's start, one of 4 filling a window, interleaved lone tokens, two
+// equal negative ids and one past the table, a run of 3 and one of 4 each crossing a window's end; the contexts grow
+// by one a token (draft tokens), every fifth past the table (clamped), and a group holds a short one and an empty
+// one. Refused, naming it, with a bf16 cache, blocks of 16 keys, and 128 heads.
 TEST(CudaIndexer, GroupedTokensScoreAsOneTokenCtas) {
-  const std::vector<int32_t> requests = {0, 0, 0, 0, 0, 0, 0, 1, 2, 2, 2, 2, 1, 2, 1, 2, -1, 3, 1, 1, 0, 0};
+  const std::vector<int32_t> requests = {0, 0, 0, 0, 0, 0, 0, 1, 2, 2, 2, 2, 1, 2,
+                                         1, 2, -1, -1, 3, 1, 1, 1, 0, 0, 0, 0, 2};
   const int tokens = static_cast<int>(requests.size());
   uint64_t seed = 300;
   for (DType q_dtype : {DType::fp8_e4m3, DType::bf16})
@@ -386,11 +388,13 @@ TEST(CudaIndexer, GroupedTokensScoreAsOneTokenCtas) {
         IndexData d(pr, seed++);
         d.request_ids = requests;
         const int capacity = pr.max_blocks * bs;
-        for (int t = 0; t < tokens; ++t) d.context[t] = std::min(capacity, capacity - 40 + t);
+        for (int t = 0; t < tokens; ++t) d.context[t] = t % 5 == 0 ? capacity + 100 + t : capacity - 40 + t;
         d.context[9] = 100;  // tokens 8-11 (request 2) are a group: one short context, one empty
         d.context[10] = 0;
         std::vector<int32_t> unused;
         IndexInputsOnGpu on(d, d.args(unused));
+        ASSERT_EQ(cuda::score_group_tokens(on.args, cuda::ScoreTokens::grouped), 4);
+        ASSERT_EQ(cuda::score_group_tokens(on.args, cuda::ScoreTokens::one), 1);
         const int64_t stride = cuda::score_row_stride(on.args);
         const size_t floats = static_cast<size_t>(tokens) * stride, bins = static_cast<size_t>(tokens) * 4096;
         std::vector<cuda::ScoreMma> kinds = {cuda::ScoreMma::automatic, cuda::ScoreMma::bf16};
@@ -438,6 +442,7 @@ TEST(CudaIndexer, GroupedTokensScoreAsOneTokenCtas) {
                                cuda::ScoreTokens::grouped);
         },
         ErrorKind::invalid_argument, {"indexer_scores", "grouped tokens need an fp8 index cache", what});
+    EXPECT_EQ(cuda::score_group_tokens(on.args, cuda::ScoreTokens::one), 1);
   };
   IndexProblem bf16_cache = pr, small_blocks = pr, many_heads = pr;
   bf16_cache.cache_dtype = DType::bf16;

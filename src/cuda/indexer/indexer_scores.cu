@@ -344,7 +344,7 @@ __global__ void __launch_bounds__(kScoreThreads, 4) index_scores_kernel(const Sc
     else if (p.q_kind == QKind::bf16) stage_queries<kNTiles, kGroups, kMma, QKind::bf16>(p, t0 + u, b);
     else stage_queries<kNTiles, kGroups, kMma, QKind::f16>(p, t0 + u, b);
     const int64_t tu = t0 + u;
-    if (tid == 0) s.visible[u] = static_cast<int>(p.rows.visible(t0 + u));
+    if (kTokens > 1 && tid == 0) s.visible[u] = static_cast<int>(p.rows.visible(t0 + u));
     for (int h = tid; h < kHeadColumns; h += kScoreThreads)
       s.head_weight[u][h] = h < p.heads ? p.weights[tu * p.w_stride_t + h * p.w_stride_h] *
                                               (p.q_scale ? p.q_scale[tu * p.qs_stride_t + h * p.qs_stride_h] : 1.f) *
@@ -522,6 +522,8 @@ void launch(const ScoreParams& p, int64_t capacity, cudaStream_t stream) {
   const int64_t ctas_per_token = std::clamp<int64_t>(waves * slots / tokens, 1, token_tiles);
   ScoreParams q = p;
   q.tiles_per_cta = static_cast<int>(ceil_div(token_tiles, ctas_per_token));
+  // Grouped: runs of a multiple of kTokens tiles, so a group of 2 or 4 shares them evenly.
+  q.tiles_per_cta = static_cast<int>(std::min<int64_t>(ceil_div(q.tiles_per_cta, kTokens) * kTokens, token_tiles));
   const dim3 grid(static_cast<unsigned>(ceil_div(token_tiles, q.tiles_per_cta)), tokens);
   if (q.histograms != nullptr)
     launch_kernel(zero_histograms_kernel, tokens, kScoreThreads, 0, stream, "smla indexer histogram zeroing kernel",
@@ -531,32 +533,33 @@ void launch(const ScoreParams& p, int64_t capacity, cudaStream_t stream) {
                      q.histograms != nullptr, "smla indexer scores kernel");
 }
 
-// Whether the tiles are runs of whole blocks (kRuns), and grouped tokens (checked by indexer_scores: fp8 keys in
-// such runs, at most 64 heads).
+// Whether the tiles are runs of whole blocks (kRuns: blocks of multiples of 64 keys, 16-byte aligned).
+bool tiles_are_runs(const IndexCacheLayout& cache) { return cache.block_size % kTile == 0 && cache.block_stride % 16 == 0; }
+
+// Group tokens for `group_tokens` (score_group_tokens: kGroupTokens only where the kernel takes them).
 template <int kNTiles, int kGroups, Mma kMma>
-void launch(const ScoreParams& p, bool grouped, int64_t capacity, cudaStream_t stream) {
-  if (p.cache.block_size % kTile != 0 || p.cache.block_stride % 16 != 0)
-    return launch<kNTiles, kGroups, kMma, false, 1>(p, capacity, stream);
+void launch(const ScoreParams& p, int group_tokens, int64_t capacity, cudaStream_t stream) {
+  if (!tiles_are_runs(p.cache)) return launch<kNTiles, kGroups, kMma, false, 1>(p, capacity, stream);
   if constexpr (fp8_keys(kMma) && kGroups <= 2)
-    if (grouped) return launch<kNTiles, kGroups, kMma, true, kGroupTokens>(p, capacity, stream);
+    if (group_tokens == kGroupTokens) return launch<kNTiles, kGroups, kMma, true, kGroupTokens>(p, capacity, stream);
   launch<kNTiles, kGroups, kMma, true, 1>(p, capacity, stream);
 }
 
 template <int kNTiles, int kGroups>
-void launch(const ScoreParams& p, Mma mma, bool grouped, int64_t capacity, cudaStream_t stream) {
+void launch(const ScoreParams& p, Mma mma, int group_tokens, int64_t capacity, cudaStream_t stream) {
   if (mma == Mma::bf16) {
-    launch<kNTiles, kGroups, Mma::bf16>(p, grouped, capacity, stream);
+    launch<kNTiles, kGroups, Mma::bf16>(p, group_tokens, capacity, stream);
   } else if (mma == Mma::fp8) {
-    launch<kNTiles, kGroups, Mma::fp8>(p, grouped, capacity, stream);
+    launch<kNTiles, kGroups, Mma::fp8>(p, group_tokens, capacity, stream);
   } else if (uses_wgmma(mma)) {
     if constexpr (kNTiles == 4 && kGroups <= 2) {
-      if (mma == Mma::fp8_wgmma) launch<kNTiles, kGroups, Mma::fp8_wgmma>(p, grouped, capacity, stream);
-      else launch<kNTiles, kGroups, Mma::bf16_wgmma>(p, grouped, capacity, stream);
+      if (mma == Mma::fp8_wgmma) launch<kNTiles, kGroups, Mma::fp8_wgmma>(p, group_tokens, capacity, stream);
+      else launch<kNTiles, kGroups, Mma::bf16_wgmma>(p, group_tokens, capacity, stream);
     } else {
       throw Error(ErrorKind::internal, "indexer_scores: wgmma chosen for a head count it does not take");
     }
   } else {
-    launch<kNTiles, kGroups, Mma::bf16_from_fp8>(p, grouped, capacity, stream);
+    launch<kNTiles, kGroups, Mma::bf16_from_fp8>(p, group_tokens, capacity, stream);
   }
 }
 
@@ -597,6 +600,17 @@ ScoreMma resolve_score_mma(const IndexerTopkArgs& args, ScoreMma mma) {
   }
 }
 
+int score_group_tokens(const IndexerTopkArgs& a, ScoreTokens grouping) {
+  if (grouping == ScoreTokens::one) return 1;
+  const IndexCacheLayout cache = index_cache_layout(a.index_cache);
+  const int64_t heads = a.q.size(1);
+  if (!cache.fp8 || !tiles_are_runs(cache) || heads > 64)
+    fail("indexer_scores: grouped tokens need an fp8 index cache of blocks of a multiple of 64 keys and at most 64 "
+         "heads, got " + std::string(dtype_name(a.index_cache.dtype)) + " blocks of " + std::to_string(cache.block_size) +
+         " and " + std::to_string(heads) + " heads");
+  return kGroupTokens;
+}
+
 void indexer_scores(const IndexerTopkArgs& a, float* scores, ScoreMma mma, int* histograms, ScoreTokens grouping) {
   const int tokens = static_cast<int>(a.q.size(0));
   ScoreParams p{};
@@ -628,23 +642,18 @@ void indexer_scores(const IndexerTopkArgs& a, float* scores, ScoreMma mma, int* 
                            : p.cache.block_stride % 16 == 0 && p.cache.row_stride % 16 == 0),
           "indexer_topk: index_cache: the CUDA backend needs 16-byte aligned data and bf16 rows, 4-byte aligned fp8 blocks");
   const int64_t capacity = index_capacity(a);
+  const int group_tokens = score_group_tokens(a, grouping);
   if (tokens == 0 || capacity == 0) return;
   const Mma kind = pick_mma(a, mma);
-  const bool grouped = grouping == ScoreTokens::grouped;
-  if (grouped)
-    require(p.cache.fp8 && p.cache.block_size % kTile == 0 && p.cache.block_stride % 16 == 0 && p.heads <= 64,
-            "indexer_scores: grouped tokens need an fp8 index cache of blocks of a multiple of 64 keys and at most 64 "
-            "heads, got " + std::string(dtype_name(a.index_cache.dtype)) + " blocks of " +
-                std::to_string(p.cache.block_size) + " and " + std::to_string(p.heads) + " heads");
   const auto stream = static_cast<cudaStream_t>(a.stream);
   // Heads padded to 8, 16 or 32 mma columns held in registers; more heads go
   // in groups of 32 whose fragments are read from shared memory (64 heads in
   // registers cost two of the four CTAs per SM, measured slower).
-  if (p.heads <= 8) launch<1, 1>(p, kind, grouped, capacity, stream);
-  else if (p.heads <= 16) launch<2, 1>(p, kind, grouped, capacity, stream);
-  else if (p.heads <= 32) launch<4, 1>(p, kind, grouped, capacity, stream);
-  else if (p.heads <= 64) launch<4, 2>(p, kind, grouped, capacity, stream);
-  else launch<4, 4>(p, kind, grouped, capacity, stream);
+  if (p.heads <= 8) launch<1, 1>(p, kind, group_tokens, capacity, stream);
+  else if (p.heads <= 16) launch<2, 1>(p, kind, group_tokens, capacity, stream);
+  else if (p.heads <= 32) launch<4, 1>(p, kind, group_tokens, capacity, stream);
+  else if (p.heads <= 64) launch<4, 2>(p, kind, group_tokens, capacity, stream);
+  else launch<4, 4>(p, kind, group_tokens, capacity, stream);
 }
 
 }  // namespace smla::cuda
