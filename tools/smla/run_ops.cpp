@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdio>
 #include <iostream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <numeric>
 #include <random>
@@ -259,6 +260,8 @@ TensorView row_of(TensorView v, int64_t t) {
 void compare_attention(const SparseMlaArgs& a, int64_t t, Report& r) {
   SparseMlaArgs one = a;
   for (TensorView* v : {&one.q, &one.indices, &one.out, &one.lse}) *v = row_of(*v, t);
+  for (TensorView* v : {&one.topk_length, &one.extra_indices, &one.extra_topk_length})
+    if (v->defined()) *v = row_of(*v, t);
   const reference::RefAttention ref = reference::ref_sparse_mla(one);
   const int64_t h = a.q.size(1);
   for (int64_t i = 0; i < h * kMlaVDim; ++i) {
@@ -268,6 +271,26 @@ void compare_attention(const SparseMlaArgs& a, int64_t t, Report& r) {
   }
   for (int64_t i = 0; i < h; ++i)
     r.max_abs_err = std::max(r.max_abs_err, std::fabs(static_cast<double>(one.lse.ptr<float>()[i]) - ref.lse[i]));
+}
+
+// The sampled tokens' top-k (host views of the op's args; `k` per token) against the reference's sets: a position
+// outside the reference's set is a mismatch unless its score ties the k-th best within float rounding.
+void check_topk(const IndexerTopkArgs& hidx, int k, Report& r) {
+  const int32_t* topk = hidx.topk.ptr<int32_t>();
+  for (int64_t t : sample_tokens(static_cast<int>(hidx.q.shape[0]))) {
+    const std::vector<double> scores = reference::ref_indexer_scores(hidx, t);
+    const std::vector<int32_t> want = reference::ref_topk_of_scores(scores, k);
+    const auto last = std::find(want.begin(), want.end(), -1);
+    const auto valid = std::count_if(topk + t * k, topk + (t + 1) * k, [](int32_t g) { return g >= 0; });
+    if (valid != last - want.begin()) r.topk_match = false;
+    if (last == want.begin()) continue;  // nothing to choose from
+    const double kth = scores[*(last - 1)];
+    for (int64_t i = t * k; i < (t + 1) * k; ++i) {
+      const int32_t g = topk[i];
+      if (g < 0 || std::find(want.begin(), last, g) != last) continue;
+      if (std::fabs(scores[g] - kth) > 1e-5 * std::fabs(kth) + 1e-7) r.topk_match = false;
+    }
+  }
 }
 
 Report run_sparse(const JobOptions& o, const AttentionSpec& spec, const RunSpec& run, const Backend& be, Memory& mem,
@@ -376,21 +399,8 @@ Report run_sparse(const JobOptions& o, const AttentionSpec& spec, const RunSpec&
   for (auto [v, c] : {std::pair{&hattn.q, 0}, {&hattn.kv_cache, 1}, {&hattn.indices, 2}, {&hattn.out, 3},
                       {&hattn.lse, 4}})
     *v = mem.on_host(*v, more[c]);
-  const int32_t* topk = hidx.topk.ptr<int32_t>();
-  for (int64_t t : sample_tokens(B)) {  // top-k of positions, or of pools when pooled
-    const std::vector<double> scores = reference::ref_indexer_scores(hidx, t);
-    const std::vector<int32_t> want = reference::ref_topk_of_scores(scores, KP);
-    // A position outside the reference's set is a mismatch unless its score
-    // ties the k-th best within float rounding.
-    const auto last = std::find(want.begin(), want.end(), -1);
-    const double kth = scores[*(last - 1)];
-    const auto valid = std::count_if(topk + t * KP, topk + (t + 1) * KP, [](int32_t g) { return g >= 0; });
-    if (valid != last - want.begin()) r.topk_match = false;
-    for (int64_t i = t * KP; i < (t + 1) * KP; ++i) {
-      const int32_t g = topk[i];
-      if (g < 0 || std::find(want.begin(), last, g) != last) continue;
-      if (std::fabs(scores[g] - kth) > 1e-5 * std::fabs(kth) + 1e-7) r.topk_match = false;
-    }
+  check_topk(hidx, KP, r);  // top-k of positions, or of pools when pooled
+  for (int64_t t : sample_tokens(B)) {
     compare_attention(hattn, t, r);
     ++r.checked_tokens;
   }
@@ -455,25 +465,260 @@ Report run_dense(const JobOptions& o, const AttentionSpec& spec, const RunSpec& 
   return r;
 }
 
+// DeepSeek-V4's caches for the job: per request a window of the last `window` tokens (a ring of slots through
+// its own blocks) and, for each compress ratio r > 0 of the model, a compressed cache of one entry per complete group
+// of r tokens (written as each group completes; its content the model's compressor's, random here) with, for the
+// ratio the indexer serves (4), one index key per entry.
+struct V4Paged {
+  int block_size, blocks_per_request;
+  std::vector<int32_t> table;  // [batch, blocks_per_request], host copy
+  TensorView table_view, cache, index;
+
+  V4Paged(Memory& mem, const JobOptions& o, int64_t entries, DType kv, MlaHead head, bool with_index, uint64_t seed)
+      : block_size(o.common.run.block_size),
+        blocks_per_request(static_cast<int>(std::max<int64_t>(1, (entries + block_size - 1) / block_size))) {
+    const int64_t blocks = int64_t(o.batch) * blocks_per_request;
+    table.resize(blocks);
+    std::iota(table.begin(), table.end(), 0);
+    std::shuffle(table.begin(), table.end(), std::mt19937_64(seed));
+    table_view = mem.empty({o.batch, blocks_per_request}, DType::i32);
+    mem.upload(table_view, table.data());
+    cache = mem.empty({blocks, block_size, head.cache_row(kv)}, kv);
+    if (with_index) {
+      const DType idx = index_cache_dtype(kv);
+      index = mem.empty({blocks, block_size, idx == DType::bf16 ? kIndexHeadDim : kFp8IndexRowBytes}, idx);
+    }
+  }
+  int64_t slot(int request, int64_t entry) const {
+    return int64_t(table[request * blocks_per_request + entry / block_size]) * block_size + entry % block_size;
+  }
+};
+
+// One kind of V4 layer (its compress ratio: 0 the window only) in the job: how many layers of the model run it, and
+// its step's times and bytes.
+struct V4Kind {
+  int ratio = 0, layers = 0;
+  Report r;
+};
+
+// The V4 job: each step of `steps`, the new token of every request is written into the window cache (and, completing
+// a group, into each compressed cache), then each kind of layer runs its attention over the window and its
+// compressed entries (ratio 4: the indexer's top-k of them; others: all) under one softmax, each op timed alone.
+std::vector<V4Kind> run_v4(const JobOptions& o, const AttentionSpec& spec, const RunSpec& run, const Backend& be,
+                           Memory& mem, bool quiet) {
+  Random rng(o.seed);
+  const int B = o.batch, H = heads_per_rank(spec, run), W = spec.sliding_window;
+  const DType kv = run.resolved_kv_cache_dtype();
+  const MlaHead head = spec_head(spec);
+  std::map<int, int> layers_per_ratio;
+  for (int ratio : spec.compress_ratios) ++layers_per_ratio[ratio];
+  std::vector<V4Kind> kinds;
+  for (const auto& [ratio, layers] : layers_per_ratio) kinds.push_back({ratio, layers, {}});
+  const int64_t last = int64_t(o.context) - 1 + o.steps;  // positions [0, last) when the job ends
+  const auto indexed = [&](int ratio) { return ratio == 4 && spec.indexer.has_value(); };
+
+  // The caches, with every position before the first step's written: the window's ring, then each compressed cache.
+  V4Paged window(mem, o, W, kv, head, false, o.seed);
+  std::map<int, V4Paged> compressed;
+  for (const V4Kind& k : kinds)
+    if (k.ratio > 0) compressed.emplace(k.ratio, V4Paged(mem, o, last / k.ratio, kv, head, indexed(k.ratio), o.seed + k.ratio));
+  // Writes new random rows (and index keys) at `slots` (at most B) through the library's writers: their seconds.
+  const TensorView latent = mem.empty({B, kMlaLatentDim}, DType::bf16), keys = mem.empty({B, kIndexHeadDim}, DType::bf16),
+                   mapping = mem.empty({B}, DType::i64);
+  const auto write_rows = [&](const TensorView& cache, const TensorView& index, const std::vector<int64_t>& slots) {
+    const int64_t n = static_cast<int64_t>(slots.size());
+    const WriteMlaCacheArgs w{first_rows(latent, n), {}, first_rows(mapping, n), cache};
+    mem.upload(w.latent, rng.bf16(size_t(n) * kMlaLatentDim).data());
+    mem.upload(w.slot_mapping, slots.data());
+    double seconds = timed(mem, [&] { write_mla_cache(w, &be); });
+    if (index.defined()) {
+      const WriteIndexCacheArgs wi{first_rows(keys, n), w.slot_mapping, index};
+      mem.upload(wi.k, rng.bf16(size_t(n) * kIndexHeadDim).data());
+      seconds += timed(mem, [&] { write_index_cache(wi, &be); });
+    }
+    return seconds;
+  };
+  std::vector<int64_t> slots(B);
+  for (int64_t i = 0; i < W; ++i) {
+    for (int b = 0; b < B; ++b) slots[b] = window.slot(b, i);
+    write_rows(window.cache, {}, slots);
+  }
+  for (auto& [ratio, c] : compressed)
+    for (int64_t e = 0; e < (int64_t(o.context) - 1) / ratio; ++e) {
+      for (int b = 0; b < B; ++b) slots[b] = c.slot(b, e);
+      write_rows(c.cache, c.index, slots);
+    }
+
+  // Per step and kind, the host-built lists: the window's slots (the token's last W positions, -1 padded), and for
+  // the unindexed ratios every entry's slot; then the ops' arguments.
+  const auto t0 = Clock::now();
+  const int variants = std::min(4, o.steps);
+  const TensorView q = mem.empty({int64_t(variants) * B, H, head.qk_dim()}, run.q_dtype);
+  mem.upload(q, rng.half(size_t(variants) * B * H * head.qk_dim(), run.q_dtype).data());
+  const int HI = spec.indexer ? spec.indexer->heads : 0, K = spec.indexer ? spec.indexer->topk : 0;
+  TensorView index_q, weights;
+  if (HI > 0) {
+    index_q = mem.empty({int64_t(variants) * B, HI, kIndexHeadDim}, DType::bf16);
+    weights = mem.empty({int64_t(variants) * B, HI}, DType::f32);
+    mem.upload(index_q, rng.bf16(size_t(variants) * B * HI * kIndexHeadDim).data());
+    std::vector<float> w(size_t(variants) * B * HI);
+    for (auto& x : w) x = std::fabs(rng.next()) / std::sqrt(static_cast<float>(HI * kIndexHeadDim));
+    mem.upload(weights, w.data());
+  }
+  const auto rows = [&](const TensorView& v, int64_t first, int64_t n) { return rows_of(v, first, n); };
+  std::vector<int32_t> window_slots(size_t(o.steps) * B * W, -1);
+  for (int s = 0; s < o.steps; ++s)
+    for (int b = 0; b < B; ++b) {
+      const int64_t pos = o.context - 1 + s;
+      for (int64_t i = 0; i < W && pos - i >= 0; ++i)
+        window_slots[(size_t(s) * B + b) * W + i] = static_cast<int32_t>(window.slot(b, (pos - i) % W));
+    }
+  const TensorView window_indices = mem.empty({int64_t(o.steps) * B, W}, DType::i32);
+  mem.upload(window_indices, window_slots.data());
+  std::map<int, TensorView> all_entries, entry_counts;  // unindexed ratios: [steps * B, entries] slots; indexed: counts
+  for (auto& [ratio, c] : compressed) {
+    const int64_t most = last / ratio;
+    if (indexed(ratio)) {
+      std::vector<int32_t> counts(size_t(o.steps) * B);
+      for (int s = 0; s < o.steps; ++s)
+        for (int b = 0; b < B; ++b) counts[size_t(s) * B + b] = static_cast<int32_t>((int64_t(o.context) + s) / ratio);
+      entry_counts[ratio] = mem.empty({int64_t(o.steps) * B}, DType::i32);
+      mem.upload(entry_counts[ratio], counts.data());
+    } else {
+      std::vector<int32_t> slots(size_t(o.steps) * B * std::max<int64_t>(most, 1), -1);
+      for (int s = 0; s < o.steps; ++s)
+        for (int b = 0; b < B; ++b)
+          for (int64_t e = 0; e < (int64_t(o.context) + s) / ratio; ++e)
+            slots[(size_t(s) * B + b) * std::max<int64_t>(most, 1) + e] = static_cast<int32_t>(c.slot(b, e));
+      all_entries[ratio] = mem.empty({int64_t(o.steps) * B, std::max<int64_t>(most, 1)}, DType::i32);
+      mem.upload(all_entries[ratio], slots.data());
+    }
+  }
+  const double step_data_s = seconds_since(t0);
+
+  std::vector<int32_t> request_ids(B);
+  std::iota(request_ids.begin(), request_ids.end(), 0);
+  const TensorView requests = mem.empty({B}, DType::i32);
+  mem.upload(requests, request_ids.data());
+  for (V4Kind& k : kinds) {
+    k.r.step_data_s = step_data_s;
+    SparseMlaArgs attn;
+    attn.kv_cache = window.cache;
+    attn.softmax_scale = static_cast<float>(spec.softmax_scale);
+    attn.out = mem.empty({B, H, head.v_dim()}, run.q_dtype);
+    attn.lse = mem.empty({B, H}, DType::f32);
+    IndexerTopkArgs idx;
+    PositionsToSlotsArgs p2s;
+    if (k.ratio > 0) {
+      const V4Paged& c = compressed.at(k.ratio);
+      attn.extra_kv_cache = c.cache;
+      if (indexed(k.ratio)) {
+        idx.index_cache = c.index;
+        idx.request_ids = requests;
+        idx.block_table = c.table_view;
+        idx.topk = mem.empty({B, K}, DType::i32);
+        idx.sorted = false;  // the attention needs no order
+        p2s = {idx.topk, requests, c.table_view, c.block_size, mem.empty({B, K}, DType::i32)};
+        attn.extra_indices = p2s.slots;
+      }
+    }
+    // Step s of this kind: its cache writes (the window's row, a completed group's entry), then its ops.
+    const auto step = [&](int s, Timings& t) {
+      const int64_t pos = o.context - 1 + s;
+      for (int b = 0; b < B; ++b) slots[b] = window.slot(b, pos % W);
+      t.write += write_rows(window.cache, {}, slots);
+      if (k.ratio > 0 && (pos + 1) % k.ratio == 0) {
+        const V4Paged& c = compressed.at(k.ratio);
+        for (int b = 0; b < B; ++b) slots[b] = c.slot(b, (pos + 1) / k.ratio - 1);
+        t.write += write_rows(c.cache, c.index, slots);
+      }
+      attn.q = rows(q, int64_t(s % variants) * B, B);
+      attn.indices = rows(window_indices, int64_t(s) * B, B);
+      if (k.ratio > 0 && indexed(k.ratio)) {
+        idx.q = rows(index_q, int64_t(s % variants) * B, B);
+        idx.weights = rows(weights, int64_t(s % variants) * B, B);
+        idx.context_lens = rows(entry_counts.at(k.ratio), int64_t(s) * B, B);
+        t.indexer += timed(mem, [&] { indexer_topk(idx, &be); });
+        t.slots += timed(mem, [&] { positions_to_slots(p2s, &be); });
+      } else if (k.ratio > 0) {
+        attn.extra_indices = rows(all_entries.at(k.ratio), int64_t(s) * B, B);
+      }
+      t.attention += timed(mem, [&] { sparse_mla(attn, &be); });
+    };
+    Timings warm_up;
+    step(0, warm_up);  // untimed: first calls allocate
+    Progress progress(o.steps, quiet);
+    for (int s = 0; s < o.steps; ++s) {
+      const int64_t pos = o.context - 1 + s;
+      step(s, k.r.t);
+      const int64_t entries = k.ratio > 0 ? (pos + 1) / k.ratio : 0;
+      const int64_t extra = indexed(k.ratio) ? std::min<int64_t>(K, entries) : entries;
+      if (indexed(k.ratio)) k.r.bytes_indexer += double(B) * entries * index_row_bytes(idx.index_cache.dtype);
+      k.r.bytes_attention += double(B) * (std::min<int64_t>(W, pos + 1) + extra) * mla_row_bytes(kv, head);
+      progress.update(s + 1, 1e3 * k.r.t.total() / (s + 1));
+    }
+
+    // Spot check of the last step on the host: the indexer's top-k sets (ratio 4) and the attention rows.
+    std::vector<std::vector<uint8_t>> copies(12);
+    SparseMlaArgs h = attn;
+    int c = 0;
+    for (TensorView* v : {&h.q, &h.kv_cache, &h.indices, &h.out, &h.lse})
+      *v = mem.on_host(*v, copies[c++]);
+    if (k.ratio > 0)
+      for (TensorView* v : {&h.extra_kv_cache, &h.extra_indices}) *v = mem.on_host(*v, copies[c++]);
+    if (indexed(k.ratio)) {
+      IndexerTopkArgs hidx = idx;
+      std::vector<std::vector<uint8_t>> more(7);
+      int m = 0;
+      for (TensorView* v : {&hidx.q, &hidx.weights, &hidx.index_cache, &hidx.request_ids, &hidx.block_table,
+                            &hidx.context_lens, &hidx.topk})
+        *v = mem.on_host(*v, more[m++]);
+      check_topk(hidx, K, k.r);
+    }
+    for (int64_t t : sample_tokens(B)) {
+      compare_attention(h, t, k.r);
+      ++k.r.checked_tokens;
+    }
+  }
+  return kinds;
+}
+
 }  // namespace
 
+// The V4 job's report as one layer's: the kinds' times and bytes weighted by their layer counts (so a step is the
+// mean layer's, and the per-user line sums every layer's), their checks together.
+Report mean_layer(const std::vector<V4Kind>& kinds) {
+  Report m;
+  double layers = 0;
+  for (const V4Kind& k : kinds) layers += k.layers;
+  for (const V4Kind& k : kinds) {
+    const double w = k.layers / layers;
+    m.t.write += w * k.r.t.write;
+    m.t.indexer += w * k.r.t.indexer;
+    m.t.slots += w * k.r.t.slots;
+    m.t.attention += w * k.r.t.attention;
+    m.bytes_indexer += w * k.r.bytes_indexer;
+    m.bytes_attention += w * k.r.bytes_attention;
+    m.step_data_s = k.r.step_data_s;
+    m.checked_tokens += k.r.checked_tokens;
+    m.max_abs_err = std::max(m.max_abs_err, k.r.max_abs_err);
+    m.topk_match = m.topk_match && k.r.topk_match;
+  }
+  return m;
+}
+
 int run_ops(const JobOptions& o, const Resolved& res, const Backend& be, Memory& mem) {
-  // This job times one cache per layer; DeepSeek-V4's step reads two (window + compressed) with layer-dependent
-  // compressed sizes, so its times and per-user line would be another model's: refused until the job models them.
-  if (res.spec.sliding_window > 0 || res.spec.has_compressed_cache())
-    throw Error(ErrorKind::unsupported,
-                "--model " + res.spec.name + ": smla run does not model this model's decode step yet: each layer "
-                "attends a window cache of its last " + std::to_string(res.spec.sliding_window) +
-                " tokens plus, in the layers whose compress ratio is above 0, a compressed cache (sparse_mla's "
-                "extra cache, one softmax over both), and this job times a single cache; `smla explain` shows its "
-                "caches and backends");
   const double bw = mem.bandwidth_gbs();
   if (!o.common.json)
     std::cout << "job        " << o.batch << " requests x " << o.context << " tokens of context, " << o.steps
               << " decode steps on " << be.name() << " (memory bandwidth measured now: " << bw << " GB/s)\n";
+  // DeepSeek-V4: a window cache in every layer and a compressed one beside it in most, each kind of layer timed.
+  const bool v4 = res.spec.sliding_window > 0 || res.spec.has_compressed_cache();
   const bool sparse = res.spec.is_sparse();
-  const Report r = sparse ? run_sparse(o, res.spec, res.run, be, mem, o.common.json)
-                          : run_dense(o, res.spec, res.run, be, mem, o.common.json);
+  const std::vector<V4Kind> kinds = v4 ? run_v4(o, res.spec, res.run, be, mem, o.common.json) : std::vector<V4Kind>{};
+  const Report r = v4       ? mean_layer(kinds)
+                   : sparse ? run_sparse(o, res.spec, res.run, be, mem, o.common.json)
+                            : run_dense(o, res.spec, res.run, be, mem, o.common.json);
 
   const double step_ms = 1e3 * r.t.total() / o.steps;
   const double read_s = r.t.indexer + r.t.topk + r.t.attention;
@@ -510,6 +755,15 @@ int run_ops(const JobOptions& o, const Resolved& res, const Backend& be, Memory&
     }
     if (layers > 0)
       j["per_user"] = {{"layers", layers}, {"ms_per_token", token_ms}, {"tokens_per_s", 1e3 / token_ms}};
+    for (const V4Kind& k : kinds)
+      j["layer_kinds"].push_back({{"compress_ratio", k.ratio},
+                                  {"layers", k.layers},
+                                  {"ms_per_step",
+                                   {{"total", 1e3 * k.r.t.total() / o.steps},
+                                    {"cache_write", 1e3 * k.r.t.write / o.steps},
+                                    {"indexer_topk", 1e3 * k.r.t.indexer / o.steps},
+                                    {"slots", 1e3 * k.r.t.slots / o.steps},
+                                    {"attention", 1e3 * k.r.t.attention / o.steps}}}});
     std::cout << j.dump(2) << "\n";
   } else {
     // Steps under a millisecond (a few tokens on a GPU) in microseconds, so that each op keeps its digits.
@@ -527,6 +781,16 @@ int run_ops(const JobOptions& o, const Resolved& res, const Backend& be, Memory&
     else
       std::printf("\nper step   %.2f %s: cache write %.2f, paged attention %.2f\n", step, unit, per_step(r.t.write),
                   per_step(r.t.attention));
+    for (const V4Kind& k : kinds)  // the step above is their mean over the model's layers
+      std::printf("           %2d layers, %-33s %.2f %s: cache write %.2f, indexer+top-k %.2f, slots %.2f, "
+                  "attention %.2f\n",
+                  k.layers,
+                  (k.ratio == 0 ? std::string("window only:")
+                                : "window + 1/" + std::to_string(k.ratio) + " compressed" +
+                                      (k.ratio == 4 && sparse ? " (top-k):" : ":"))
+                      .c_str(),
+                  per_step(k.r.t.total()), unit, per_step(k.r.t.write), per_step(k.r.t.indexer),
+                  per_step(k.r.t.slots), per_step(k.r.t.attention));
     std::printf("throughput %.0f tokens/s; cache bytes read %.1f GB/s = %.0f%% of the measured %.1f GB/s\n",
                 tokens_per_s, gbs, 100 * gbs / bw, bw);
     if (sparse)
@@ -539,10 +803,16 @@ int run_ops(const JobOptions& o, const Resolved& res, const Backend& be, Memory&
                   layers, step, unit, layers, token_ms, 1e3 / token_ms);
     else
       std::printf("per user   unknown: the model does not say how many layers it has (num_hidden_layers)\n");
-    std::printf("host       each op timed alone (%s); the steps' inputs (new cache rows, queries%s) were generated "
-                "and uploaded before the timed loop, in %.2f s, not counted above\n",
-                mem.device().is_cpu() ? "host clock" : "CUDA events", sparse ? ", indexer queries and weights" : "",
-                r.step_data_s);
+    if (v4)
+      std::printf("host       each op timed alone (%s); the steps' queries, indexer queries and weights and the lists "
+                  "of slots were generated and uploaded before the timed loop, in %.2f s, each step's new cache rows "
+                  "between the timed ops; neither counted above\n",
+                  mem.device().is_cpu() ? "host clock" : "CUDA events", r.step_data_s);
+    else
+      std::printf("host       each op timed alone (%s); the steps' inputs (new cache rows, queries%s) were generated "
+                  "and uploaded before the timed loop, in %.2f s, not counted above\n",
+                  mem.device().is_cpu() ? "host clock" : "CUDA events", sparse ? ", indexer queries and weights" : "",
+                  r.step_data_s);
     std::printf("check      %d sampled tokens vs the float64 reference: %s (max abs error %.2g%s)\n",
                 r.checked_tokens, ok ? "match" : "MISMATCH", r.max_abs_err,
                 sparse ? (r.topk_match ? ", top-k sets equal" : ", top-k sets differ") : "");
