@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds test_gpu and bench_cuda on this (CPU) machine and packs them, with the OpenBLAS runtime they link, into one
+# Builds test_gpu, bench_cuda and the smla tool on this (CPU) machine and packs them, with the OpenBLAS runtime they link, into one
 # archive that a GPU machine runs as it is: no build there, so a device call spends its time on the GPU (the build
 # there took ~100 s of a 30-minute session). docs/gpu-testing.md, "Binaries built here".
 #
@@ -20,7 +20,7 @@ name=$(basename "$archive" .tgz)
 archs=$(sed -n 's/^CMAKE_CUDA_ARCHITECTURES:[A-Z]*=//p' "$build/CMakeCache.txt")
 [[ -n "$archs" ]] || { echo "$0: $build was configured without CUDA (no CUDA compiler found, or SMLA_CUDA=OFF)" >&2; exit 1; }
 echo "packing the binaries of $build, CUDA architectures $archs"
-cmake --build "$build" -j "$(nproc)" --target test_gpu bench_cuda
+cmake --build "$build" -j "$(nproc)" --target test_gpu bench_cuda smla_cli
 
 stage=$(mktemp -d)
 trap 'rm -rf "$stage"' EXIT
@@ -28,9 +28,10 @@ dir="$stage/$name"
 mkdir -p "$dir/lib"
 strip -o "$dir/test_gpu" "$build/tests/gpu/test_gpu"
 strip -o "$dir/bench_cuda" "$build/bench/bench_cuda"
+strip -o "$dir/smla" "$build/tools/smla/smla"  # smla run on the GPU (the main job)
 # The shared libraries they need that a CUDA image may lack (OpenBLAS and its Fortran runtime): those ldd resolves
 # outside the system's C/C++ runtime and CUDA's own.
-ldd "$dir/test_gpu" "$dir/bench_cuda" | awk '$2 == "=>" {print $3}' | sort -u |
+ldd "$dir/test_gpu" "$dir/bench_cuda" "$dir/smla" | awk '$2 == "=>" {print $3}' | sort -u |
   grep -E 'openblas|gfortran|quadmath' | xargs -r -I{} cp -L {} "$dir/lib/"
 mkdir -p "$(dirname "$archive")"
 tar czf "$archive" -C "$stage" "$name"
