@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Builds test_gpu, bench_cuda and the smla tool on this (CPU) machine and packs them, with the OpenBLAS runtime they link, into one
-# archive that a GPU machine runs as it is: no build there, so a device call spends its time on the GPU (the build
-# there took ~100 s of a 30-minute session). docs/gpu-testing.md, "Binaries built here".
+# Builds test_gpu, bench_cuda and the smla tool on this (CPU) machine and packs them, with the OpenBLAS runtime they
+# link, into one archive that a GPU machine runs as it is: no build there, so a device call spends its time on the
+# GPU (the build there took ~100 s of a 30-minute session). docs/gpu-testing.md, "Binaries built here".
 #
 #   scripts/pack-gpu-binaries.sh BUILD ARCHIVE     e.g. build-hb .gpu/new.tgz
 #
