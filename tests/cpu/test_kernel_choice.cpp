@@ -237,6 +237,32 @@ TEST(KernelChoice, WgmmaKeysOnMForced) {
   EXPECT_EQ(staged.chosen.heads_per_cta, 64);
 }
 
+// Chosen, not forced: sparse attention over fp8_ds_mla for 17-32 heads from 32 tokens on takes the keys-on-M form's
+// 32 heads per CTA on Hopper; fewer tokens, more heads, dense paged decode, other formats and a forced wgmma kernel
+// keep the 64-head tile, and 16 heads the small-heads kernel.
+TEST(KernelChoice, WgmmaKeysOnMChosenFor17To32HeadsFromThirtyTwoTokens) {
+  const auto chosen = [](CacheFormat f, bool paged, int64_t tokens, int heads, AttentionChoice forced = {}) {
+    const KernelDecision d = choose_attention_kernel(limits_of("sm_90"), {f, 64, paged, tokens, heads, forced});
+    EXPECT_TRUE(d.ok());
+    return d.chosen;
+  };
+  for (int heads : {17, 20, 32})
+    for (int64_t tokens : {32, 128, 4096}) {
+      const KernelVariant v = chosen(CacheFormat::fp8_ds_mla, false, tokens, heads);
+      EXPECT_EQ(v.kernel, AttentionKernel::wgmma) << heads << " heads, " << tokens << " tokens";
+      EXPECT_EQ(v.heads_per_cta, 32) << heads << " heads, " << tokens << " tokens";
+      EXPECT_NE(variant_text(v).find("keys on M"), std::string::npos);
+    }
+  EXPECT_EQ(chosen(CacheFormat::fp8_ds_mla, false, 31, 32).heads_per_cta, 64);
+  EXPECT_EQ(chosen(CacheFormat::fp8_ds_mla, false, 128, 33).heads_per_cta, 64);
+  EXPECT_EQ(chosen(CacheFormat::fp8_ds_mla, true, 128, 32).heads_per_cta, 64);
+  EXPECT_EQ(chosen(CacheFormat::bf16, false, 128, 32).heads_per_cta, 64);
+  EXPECT_EQ(chosen(CacheFormat::fp8_ds_mla, false, 128, 32, {AttentionKernel::wgmma}).heads_per_cta, 64);
+  EXPECT_EQ(chosen(CacheFormat::fp8_ds_mla, false, 128, 16).kernel, AttentionKernel::small_heads);
+  EXPECT_FALSE(choose_attention_kernel(limits_of("sm_120"), {CacheFormat::fp8_ds_mla, 64, false, 128, 32, {}})
+                   .chosen.kernel == AttentionKernel::wgmma);
+}
+
 // Automatic on sm_90: the wgmma kernel wherever the wide tile would run with a 16-bit cache (DeepSeek-V3.2's 128
 // heads from 32 tokens on, 64 heads from 64, prefill, paged), for fp8 caches too (kWgmmaAutomaticForFp8; the wide
 // tile while it is off), and from 9 heads (16-bit caches) or 17 (fp8) on at 512 query rows x padded heads; the wide

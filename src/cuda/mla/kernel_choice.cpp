@@ -90,9 +90,13 @@ KernelVariant small_heads(const KernelLimits& l, const KernelShape& s) {
   return split ? two : one;
 }
 
-// The wgmma kernels' heads per CTA: 64, or where forced to 8, 16 or 32 over an fp8_ds_mla cache, the keys-on-M form's.
+// The wgmma kernels' heads per CTA: 64, or the keys-on-M form's where forced to 8, 16 or 32 over an fp8_ds_mla
+// cache, or chosen (kWgmmaKeysOnMMaxHeads: its 32-head form for sparse attention of enough tokens).
 int wgmma_heads_per_cta(const KernelShape& s) {
-  return wgmma_keys_on_m(s.format, s.forced.heads_per_cta) ? s.forced.heads_per_cta : kWgmmaHeadsPerCta;
+  if (wgmma_keys_on_m(s.format, s.forced.heads_per_cta)) return s.forced.heads_per_cta;
+  const bool keys_on_m = s.forced.kernel == AttentionKernel::automatic && s.format == CacheFormat::fp8_ds_mla &&
+                         !s.paged && s.heads <= kWgmmaKeysOnMMaxHeads && s.tokens >= kWgmmaKeysOnMMinTokens;
+  return keys_on_m ? kWgmmaKeysOnMMaxHeads : kWgmmaHeadsPerCta;
 }
 // The wgmma kernels: Hopper only, with sm_90a code; 64-key chunks (16-bit rows: the pairs kernel; fp8 rows: the
 // staged kernel or its keys-on-M form).

@@ -83,6 +83,12 @@ inline constexpr int64_t wgmma_rows(int64_t tokens, int heads) {
 // was 9-11% faster on every bf16 row, and with fp8 caches (dequantised into its key tile) 22-28% faster (run of
 // e9ab362; docs/performance.md). The switch for fp8 caches: tests and explain follow it.
 inline constexpr bool kWgmmaAutomaticForFp8 = true;
+// Where the wgmma kernel runs sparse attention over an fp8_ds_mla cache for at most 32 heads (17-32: below, the
+// small-heads kernel) and at least 32 tokens, its keys-on-M form's 32 heads per CTA instead of the 64-head tile. On an
+// H200 (top-k 2048, µs 64-head tile / keys on M, 32 heads; run of 0cf284d): 128 tokens 20 heads 126.7 / 114.7, 24
+// 127.2 / 115.5, 32 128.1 / 114.2; 32 tokens 46.1 / 44.5 and 45.0 / 43.6; prefill 4096 x 32 3781.5 / 3510.0; at 8
+// tokens it lost (19.2 / 19.8, 19.5 / 21.5); dense paged decode not measured at these heads (16 heads lost).
+inline constexpr int kWgmmaKeysOnMMaxHeads = 32, kWgmmaKeysOnMMinTokens = 32;
 // Registers per thread, at most, over every instance and arch (ptxas -v; the wide tile's are capped at 255 by its
 // launch bounds of one CTA per SM, the small-heads kernel's with the dim split at 128 by its bounds of two).
 inline constexpr int kHeadTileRegisters = 177, kWideRegisters = 255, kSmallHeads16Registers = 255,
