@@ -55,34 +55,53 @@ struct Report {
   bool topk_match = true;
 };
 
+// A block table for `batch` requests of up to `entries` rows each, its blocks shuffled (scattered, as in serving),
+// on the host and on the run's device.
+struct BlockTable {
+  int block_size, blocks_per_request;
+  std::vector<int32_t> block_table;  // [batch, blocks_per_request], host copy
+  TensorView table;
+
+  BlockTable(Memory& mem, int batch, int64_t entries, int block_size_, uint64_t seed)
+      : block_size(block_size_),
+        blocks_per_request(static_cast<int>(std::max<int64_t>(1, (entries + block_size - 1) / block_size))) {
+    block_table.resize(static_cast<size_t>(batch) * blocks_per_request);
+    std::iota(block_table.begin(), block_table.end(), 0);
+    std::shuffle(block_table.begin(), block_table.end(), std::mt19937_64(seed));
+    table = mem.empty({batch, blocks_per_request}, DType::i32);
+    mem.upload(table, block_table.data());
+  }
+  int64_t blocks() const { return static_cast<int64_t>(block_table.size()); }
+  // The physical slot of a request's row `entry`.
+  int64_t slot(int request, int64_t entry) const {
+    return static_cast<int64_t>(block_table[request * blocks_per_request + entry / block_size]) * block_size +
+           entry % block_size;
+  }
+};
+
 // The paged caches and block table of the sparse and the dense job, on the run's device. A pooled index cache
 // (kpool > 1) holds block_size / kpool pools per block of the shared table.
-struct PagedCaches {
+struct PagedCaches : BlockTable {
   static constexpr int64_t kChunk = 4096;  // tokens written per cache-writer call
   Memory& mem;
   MlaHead head;
-  int block_size, blocks_per_request, kpool;
-  std::vector<int32_t> block_table;  // [batch, blocks_per_request], host copy
-  TensorView table, mla_view, index_view;
+  int kpool;
+  TensorView mla_view, index_view;
   TensorView latent, k_pe, keys, gates, ape, slot_mapping;  // staging for the writers; ape: the pool's learned term
 
   PagedCaches(Memory& m, const JobOptions& o, DType kv, MlaHead h, bool with_index, int kpool_, Random& rng)
-      : mem(m), head(h), block_size(o.common.run.block_size), kpool(kpool_) {
-    const int64_t capacity = static_cast<int64_t>(o.context) + o.steps;
-    blocks_per_request = static_cast<int>((capacity + block_size - 1) / block_size);
-    const int64_t blocks = static_cast<int64_t>(o.batch) * blocks_per_request;
-    block_table.resize(blocks);
-    std::iota(block_table.begin(), block_table.end(), 0);
-    std::shuffle(block_table.begin(), block_table.end(), std::mt19937_64(o.seed));  // blocks scattered, as in serving
-    table = mem.empty({o.batch, blocks_per_request}, DType::i32);
-    mem.upload(table, block_table.data());
-    mla_view = mem.empty({blocks, block_size, head.cache_row(kv)}, kv);
+      : BlockTable(m, o.batch, int64_t(o.context) + o.steps, o.common.run.block_size, o.seed),
+        mem(m),
+        head(h),
+        kpool(kpool_) {
+    mla_view = mem.empty({blocks(), block_size, head.cache_row(kv)}, kv);
     latent = mem.empty({kChunk, kMlaLatentDim}, DType::bf16);
     if (head.rope_dim > 0) k_pe = mem.empty({kChunk, head.rope_dim}, DType::bf16);  // else absent: no rope part
     slot_mapping = mem.empty({kChunk}, DType::i64);
     if (with_index) {
       const DType idx = index_cache_dtype(kv);
-      index_view = mem.empty({blocks, block_size / kpool, idx == DType::bf16 ? kIndexHeadDim : kFp8IndexRowBytes}, idx);
+      const int index_row = idx == DType::bf16 ? kIndexHeadDim : kFp8IndexRowBytes;
+      index_view = mem.empty({blocks(), block_size / kpool, index_row}, idx);
       keys = mem.empty({kChunk, kIndexHeadDim}, DType::bf16);
       if (kpool > 1) {
         gates = mem.empty({kChunk, kIndexHeadDim}, DType::bf16);
@@ -92,10 +111,6 @@ struct PagedCaches {
     }
   }
 
-  int64_t slot(int request, int64_t pos) const {
-    return static_cast<int64_t>(block_table[request * blocks_per_request + pos / block_size]) * block_size +
-           pos % block_size;
-  }
   // The pooled index cache's slot of a request's pool: the block of the pool's tokens, block_size / kpool rows.
   int64_t pool_slot(int request, int64_t pool) const {
     const int64_t rows = block_size / kpool;
@@ -473,37 +488,23 @@ Report run_dense(const JobOptions& o, const AttentionSpec& spec, const RunSpec& 
 // ratio the indexer serves (4), one index key per entry. Each layer of a model has caches of its own, read cold:
 // `copies` of them (up to the kind's layers, as many as make kColdBytes) share one block table and are used in turn,
 // step by step, so a GPU's L2 does not keep a few MB of window between steps.
-struct V4Paged {
+struct V4Paged : BlockTable {
   static constexpr double kColdBytes = 256e6;  // well past an H200's 50 MB of L2, and a CPU's last-level cache
-  int block_size, blocks_per_request;
   int64_t entries;
-  std::vector<int32_t> table;  // [batch, blocks_per_request], host copy
-  TensorView table_view;
   std::vector<TensorView> caches, indexes;  // the copies (indexes: none without an index cache)
 
   V4Paged(Memory& mem, const JobOptions& o, int64_t entries_, DType kv, MlaHead head, bool with_index, int layers,
           uint64_t seed)
-      : block_size(o.common.run.block_size),
-        blocks_per_request(static_cast<int>(std::max<int64_t>(1, (entries_ + block_size - 1) / block_size))),
-        entries(entries_) {
-    const int64_t blocks = int64_t(o.batch) * blocks_per_request;
-    table.resize(blocks);
-    std::iota(table.begin(), table.end(), 0);
-    std::shuffle(table.begin(), table.end(), std::mt19937_64(seed));
-    table_view = mem.empty({o.batch, blocks_per_request}, DType::i32);
-    mem.upload(table_view, table.data());
+      : BlockTable(mem, o.batch, entries_, o.common.run.block_size, seed), entries(entries_) {
     const DType idx = index_cache_dtype(kv);
     const int index_row = idx == DType::bf16 ? kIndexHeadDim : kFp8IndexRowBytes;
-    const double bytes = double(blocks) * block_size *
+    const double bytes = double(blocks()) * block_size *
                          (mla_row_bytes(kv, head) + (with_index ? index_row_bytes(idx) : 0));
     const int copies = static_cast<int>(std::clamp<double>(std::ceil(kColdBytes / bytes), 1, std::max(layers, 1)));
     for (int c = 0; c < copies; ++c) {
-      caches.push_back(mem.empty({blocks, block_size, head.cache_row(kv)}, kv));
-      if (with_index) indexes.push_back(mem.empty({blocks, block_size, index_row}, idx));
+      caches.push_back(mem.empty({blocks(), block_size, head.cache_row(kv)}, kv));
+      if (with_index) indexes.push_back(mem.empty({blocks(), block_size, index_row}, idx));
     }
-  }
-  int64_t slot(int request, int64_t entry) const {
-    return int64_t(table[request * blocks_per_request + entry / block_size]) * block_size + entry % block_size;
   }
   const TensorView& cache(int step) const { return caches[step % caches.size()]; }
   TensorView index(int step) const { return indexes.empty() ? TensorView{} : indexes[step % indexes.size()]; }
@@ -634,10 +635,10 @@ std::vector<V4Kind> run_v4(const JobOptions& o, const AttentionSpec& spec, const
     PositionsToSlotsArgs p2s;
     if (indexed(ratio)) {
       idx.request_ids = requests;
-      idx.block_table = comp->table_view;
+      idx.block_table = comp->table;
       idx.topk = mem.empty({B, K}, DType::i32);
       idx.sorted = false;  // the attention needs no order
-      p2s = {idx.topk, requests, comp->table_view, comp->block_size, mem.empty({B, K}, DType::i32)};
+      p2s = {idx.topk, requests, comp->table, comp->block_size, mem.empty({B, K}, DType::i32)};
     }
     // Step s: its caches (copy s of each), the writes (the window's row, a completed group's entry), then the ops.
     std::vector<int64_t> slots(B);
