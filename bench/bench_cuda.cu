@@ -835,7 +835,7 @@ struct StepRow {
   int tokens, context, requests;
   double scores_us, topk_us, attention_us, ops_us, step_us, cold_us, unsorted_step_us;
   double counted_scores_us, counted_topk_us, counted_step_us;
-  double grouped_scores_us;  // the scores kernel with grouped tokens (ScoreTokens::grouped)
+  double grouped_scores_us, one_scores_us;  // the scores kernel with grouped tokens forced, with one token a CTA forced
 };
 std::vector<StepRow> step_rows;
 
@@ -957,10 +957,13 @@ void bench_step(StepCaches& caches, int tokens, int context, int per_request = 1
   const auto on = [&](cudaStream_t s) { return in.on(s); };
   StepRow r{tokens, context, tokens / per_request};
   r.scores_us = graph_us([&](cudaStream_t s) { smla::cuda::indexer_scores(smla::indexer_step(on(s)), scores); });
-  r.grouped_scores_us = graph_us([&](cudaStream_t s) {
-    smla::cuda::indexer_scores(smla::indexer_step(on(s)), scores, smla::cuda::ScoreMma::automatic, nullptr,
-                               smla::cuda::ScoreTokens::grouped);
-  });
+  const auto scores_with = [&](smla::cuda::ScoreTokens grouping) {
+    return graph_us([&](cudaStream_t s) {
+      smla::cuda::indexer_scores(smla::indexer_step(on(s)), scores, smla::cuda::ScoreMma::automatic, nullptr, grouping);
+    });
+  };
+  r.grouped_scores_us = scores_with(smla::cuda::ScoreTokens::grouped);
+  r.one_scores_us = scores_with(smla::cuda::ScoreTokens::one);
   r.topk_us = graph_us([&](cudaStream_t s) { smla::cuda::select_topk(smla::indexer_step(on(s)), scores); });
   smla::dsa_decode_step(on(nullptr), &be);  // slots for the attention alone
   r.attention_us = graph_us([&](cudaStream_t s) { smla::sparse_mla(smla::attention_step(on(s)), &be); });
@@ -984,10 +987,10 @@ void bench_step(StepCaches& caches, int tokens, int context, int per_request = 1
                             {nullptr, false, in.histograms});
   });
   r.counted_step_us = graph_us([&](cudaStream_t s) { counted_step(in, s); });
-  std::printf("%6d %7d %5d %9.1f %9.1f %9.1f %9.1f %9.1f %9.1f %9.1f %12.0f %9.1f %9.1f %9.1f %10.1f\n", tokens,
+  std::printf("%6d %7d %5d %9.1f %9.1f %9.1f %9.1f %9.1f %9.1f %9.1f %12.0f %9.1f %9.1f %9.1f %10.1f %9.1f\n", tokens,
               context, r.requests, r.scores_us, r.topk_us, r.attention_us, r.ops_us, r.step_us, r.cold_us,
               r.unsorted_step_us, 1e6 / (78 * r.step_us), r.counted_scores_us, r.counted_topk_us, r.counted_step_us,
-              r.grouped_scores_us);
+              r.grouped_scores_us, r.one_scores_us);
   step_rows.push_back(r);
 }
 
@@ -1362,12 +1365,13 @@ int main(int argc, char** argv) {
                 "fp8_ds_mla cache); us per call from a CUDA graph replayed back to back, unless cold; 3 ops: "
                 "indexer_topk + positions_to_slots + sparse_mla as separate calls; step unsorted: sorted = false "
                 "(graph); counted: the scores counting the top-k's histograms and the top-k reading them; step cntd: the "
-                "step's kernels that way (off in the library: slower; graph); sc grouped: the scores with grouped "
-                "tokens (the CTAs of up to 4 tokens of one request sharing their key tiles; not yet the ops' choice); "
+                "step's kernels that way (off in the library: slower; graph); sc grouped / sc one: the scores with grouped "
+                "tokens forced (the CTAs of up to 4 tokens of one request sharing their key tiles) / one token a CTA "
+                "forced (scores: as the ops choose); "
                 "fewer reqs than tokens: consecutive positions of each request (multi-token decode)\n");
-    std::printf("%6s %7s %5s %9s %9s %9s %9s %9s %9s %9s %12s %9s %9s %9s %10s\n", "tokens", "context", "reqs", "scores",
-                "top-k", "attention", "3 ops", "step", "cold step", "unsorted", "tok/s 78 L", "sc count", "tk counted",
-                "step cntd", "sc grouped");
+    std::printf("%6s %7s %5s %9s %9s %9s %9s %9s %9s %9s %12s %9s %9s %9s %10s %9s\n", "tokens", "context", "reqs",
+                "scores", "top-k", "attention", "3 ops", "step", "cold step", "unsorted", "tok/s 78 L", "sc count",
+                "tk counted", "step cntd", "sc grouped", "sc one");
     StepCaches caches;
     for (int context : {8192, 131072}) {
       for (int tokens : {1, 8}) bench_step(caches, tokens, context);
@@ -1418,10 +1422,11 @@ int main(int argc, char** argv) {
                    "\"scores_us\": %.2f, "
                    "\"topk_us\": %.2f, \"attention_us\": %.2f, \"three_ops_us\": %.2f, \"step_us\": %.2f, "
                    "\"step_cold_us\": %.2f, \"step_unsorted_us\": %.2f, \"counted_scores_us\": %.2f, "
-                   "\"counted_topk_us\": %.2f, \"counted_step_us\": %.2f, \"grouped_scores_us\": %.2f}%s\n",
+                   "\"counted_topk_us\": %.2f, \"counted_step_us\": %.2f, \"grouped_scores_us\": %.2f, "
+                   "\"one_scores_us\": %.2f}%s\n",
                    r.tokens, r.context, r.requests, r.scores_us, r.topk_us, r.attention_us, r.ops_us, r.step_us,
                    r.cold_us, r.unsorted_step_us, r.counted_scores_us, r.counted_topk_us, r.counted_step_us,
-                   r.grouped_scores_us, i + 1 < step_rows.size() ? "," : "");
+                   r.grouped_scores_us, r.one_scores_us, i + 1 < step_rows.size() ? "," : "");
     }
     std::fprintf(f, "  ]\n}\n");
     std::fclose(f);

@@ -82,20 +82,22 @@ enum class ScoreMma { automatic, bf16, bf16_wgmma, fp8, fp8_wgmma };
 // What `mma` comes to for these args on the current device (automatic resolved; bf16 keys and fp8 keys converted
 // for mma.sync are both `bf16`); a forced kind they cannot take is an error, as in indexer_scores.
 ScoreMma resolve_score_mma(const IndexerTopkArgs& args, ScoreMma mma = ScoreMma::automatic);
-// How the scores kernel's CTAs take tokens: one token each; or grouped (tests, benchmarks; not yet chosen by the ops:
-// measured first), where the CTAs of up to 4 consecutive tokens of one request (draft tokens, a prefill chunk) share
-// their tiles, each key read from memory once a group and scored for each token, the same products and sums as one
-// token's (the same scores, bit for bit). Grouped needs an fp8 index cache in blocks of a multiple of 64 keys and at
-// most 64 heads (an error otherwise). Any request ids are fine: a group is a run of equal ones.
-enum class ScoreTokens { one, grouped };
+// How the scores kernel's CTAs take tokens: as it sees fit (grouped where each token's run of key tiles per CTA, as
+// launched one token a CTA, is long: several tokens over long contexts); one token each; or grouped, where the CTAs of
+// up to 4 consecutive tokens of one request (draft tokens, a prefill chunk) share their tiles, each key read from
+// memory once a group and scored for each token, the same products and sums as one token's (the same scores, bit for
+// bit). Grouped needs an fp8 index cache in blocks of a multiple of 64 keys and at most 64 heads (forced: an error
+// otherwise; automatic: one token each there). Any request ids are fine: a group is a run of equal ones.
+enum class ScoreTokens { automatic, one, grouped };
 // The most tokens one of the scores kernel's CTAs scores each key tile for, as indexer_scores launches it for these
-// args and `grouping` (4 grouped, else 1); a grouping they cannot take is an error, as in indexer_scores.
-int score_group_tokens(const IndexerTopkArgs& args, ScoreTokens grouping);
+// args, `grouping` and `mma` on the current device (4 grouped, else 1); a forced grouping they cannot take is an error,
+// as in indexer_scores.
+int score_group_tokens(const IndexerTopkArgs& args, ScoreTokens grouping, ScoreMma mma = ScoreMma::automatic);
 // `histograms` (null: none; else topk_histogram_bytes, 16-byte aligned): each token's counts of its scores' coarse
 // bins too, for select_topk (TopkFusion::histograms): a kernel zeroes them, the scores kernel (its programmatic
 // dependent from SM90 on) counts as it writes.
 void indexer_scores(const IndexerTopkArgs& args, float* scores, ScoreMma mma = ScoreMma::automatic,
-                    int* histograms = nullptr, ScoreTokens grouping = ScoreTokens::one);
+                    int* histograms = nullptr, ScoreTokens grouping = ScoreTokens::automatic);
 size_t topk_histogram_bytes(const IndexerTopkArgs& args);
 // How select_topk shares a row among CTAs: as it sees fit, or forced (tests, benchmarks): one CTA per row,
 // slices of the row in more kernels passing through global memory, the CTAs of a thread block cluster (SM90+; 2-8,

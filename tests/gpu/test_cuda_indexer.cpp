@@ -453,6 +453,48 @@ TEST(CudaIndexer, GroupedTokensScoreAsOneTokenCtas) {
   refused(many_heads, "and 128 heads");
 }
 
+// Grouping as the ops launch it (ScoreTokens::automatic): 8 draft tokens of one request over 128K, whose runs of
+// tiles one token a CTA are long (2048 tiles over the resident CTAs / 8: 16 or more tiles on any GPU of up to 256 SMs),
+// are grouped and score exactly as one token a CTA (bit for bit, the sentinel past each context untouched); the first
+// token alone is not grouped, nor a bf16 cache (automatic never refuses).
+TEST(CudaIndexer, AutomaticGroupingWhereRunsAreLong) {
+  IndexProblem pr;
+  pr.q_dtype = pr.cache_dtype = DType::fp8_e4m3;
+  pr.heads = 32;
+  pr.tokens = 8;
+  pr.block_size = 64;
+  pr.max_blocks = 2048;
+  IndexData d(pr, 340);
+  d.request_ids.assign(pr.tokens, 1);
+  const int capacity = pr.max_blocks * pr.block_size;
+  for (int t = 0; t < pr.tokens; ++t) d.context[t] = capacity - 7 + t - (t == 7 ? 100 : 0);
+  std::vector<int32_t> unused;
+  IndexInputsOnGpu on(d, d.args(unused));
+  ASSERT_EQ(cuda::score_group_tokens(on.args, cuda::ScoreTokens::automatic), 4);
+  const int64_t stride = cuda::score_row_stride(on.args);
+  const size_t floats = static_cast<size_t>(pr.tokens) * stride;
+  DeviceBuffer one(std::vector<float>(floats, NAN)), automatic(std::vector<float>(floats, NAN));
+  cuda::indexer_scores(on.args, static_cast<float*>(one.ptr), cuda::ScoreMma::automatic, nullptr,
+                       cuda::ScoreTokens::one);
+  cuda::indexer_scores(on.args, static_cast<float*>(automatic.ptr));
+  CUDA_OK(cudaDeviceSynchronize());
+  const std::vector<float> want = one.download<float>(), got = automatic.download<float>();
+  ASSERT_EQ(std::memcmp(want.data(), got.data(), floats * sizeof(float)), 0);
+  for (int t = 0; t < pr.tokens; ++t)
+    for (int64_t i = 0; i < stride; ++i)
+      ASSERT_EQ(std::isnan(got[t * stride + i]), i >= std::min(d.context[t], capacity)) << "token " << t << " position " << i;
+
+  IndexerTopkArgs first = on.args;  // token 0 alone
+  for (TensorView* v : {&first.q, &first.q_scale, &first.weights, &first.request_ids, &first.context_lens})
+    v->shape[0] = 1;
+  EXPECT_EQ(cuda::score_group_tokens(first, cuda::ScoreTokens::automatic), 1);
+  IndexProblem bf16_cache = pr;
+  bf16_cache.cache_dtype = DType::bf16;
+  IndexData b(bf16_cache, 341);
+  IndexInputsOnGpu on_b(b, b.args(unused));
+  EXPECT_EQ(cuda::score_group_tokens(on_b.args, cuda::ScoreTokens::automatic), 1);
+}
+
 TEST(CudaIndexer, LongContextTopk2048) {
   IndexProblem p;
   p.tokens = 5;

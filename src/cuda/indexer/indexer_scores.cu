@@ -13,8 +13,9 @@
 // warps are one warpgroup whose 64 rows meet all heads at once, the queries
 // read by the tensor cores from shared memory (mma.sync read them there with
 // one instruction per fragment).
-// Tokens of one request (a decode step's draft tokens, a prefill chunk) read the same keys. Grouped (ScoreTokens::
-// grouped, fp8 keys in blocks of multiples of 64, up to 64 heads), the CTAs of up to kGroupTokens consecutive
+// Tokens of one request (a decode step's draft tokens, a prefill chunk) read the same keys. Grouped (ScoreTokens;
+// chosen where runs are long, see kMinGroupedRun; fp8 keys in blocks of multiples of 64, up to 64 heads), the CTAs
+// of up to kGroupTokens consecutive
 // tokens of one request share their tiles: each takes a part of the tile run and scores it for every token of the
 // group, its queries one after the other against the tile in shared memory, so each key is read from memory once
 // a group instead of once a token; a token's products and sums are the same instructions as ungrouped.
@@ -502,28 +503,38 @@ __global__ void __launch_bounds__(kScoreThreads) zero_histograms_kernel(int* his
   for (int i = threadIdx.x; i < kCoarseBins / 4; i += kScoreThreads) bins[i] = make_int4(0, 0, 0, 0);
 }
 
+// Each token's tiles are split evenly among CTAs of at most kMaxTilesPerCta
+// (long runs pay each CTA's ramp, its first tiles' latency, less often;
+// on an H200 runs of up to 128 or 256 tiles were 10% slower than 64), as
+// many CTAs as fill whole waves of the `slots` resident ones: a last wave of a
+// few CTAs would cost as much as a full one. The tiles of a CTA's run.
+int64_t run_tiles(int tokens, int64_t token_tiles, int64_t slots) {
+  const int64_t waves = ceil_div(tokens * ceil_div(token_tiles, kMaxTilesPerCta), slots);
+  const int64_t ctas_per_token = std::clamp<int64_t>(waves * slots / tokens, 1, token_tiles);
+  return ceil_div(token_tiles, ctas_per_token);
+}
+
+// The kernel's resident CTAs on the whole GPU (at least 1).
+template <int kNTiles, int kGroups, Mma kMma, bool kRuns, int kTokens>
+int64_t resident_slots() {
+  constexpr int smem = sizeof(ScoreSmem<kNTiles, kGroups, kMma, kTokens>);
+  static_assert(smem <= 99 * 1024, "fits every arch's shared memory per block");
+  const auto kernel = reinterpret_cast<const void*>(index_scores_kernel<kNTiles, kGroups, kMma, kRuns, kTokens>);
+  allow_dynamic_smem(kernel, smem);
+  return std::max<int64_t>(1, int64_t{current_device().num_sms} * resident_ctas_per_sm(kernel, kScoreThreads, smem));
+}
+
 template <int kNTiles, int kGroups, Mma kMma, bool kRuns, int kTokens>
 void launch(const ScoreParams& p, int64_t capacity, cudaStream_t stream) {
   constexpr int smem = sizeof(ScoreSmem<kNTiles, kGroups, kMma, kTokens>);
-  static_assert(smem <= 99 * 1024, "fits every arch's shared memory per block");
   const auto kernel = index_scores_kernel<kNTiles, kGroups, kMma, kRuns, kTokens>;
   const int tokens = p.tokens;
-  allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
-  // Each token's tiles are split evenly among CTAs of at most kMaxTilesPerCta
-  // (long runs pay each CTA's ramp, its first tiles' latency, less often;
-  // on an H200 runs of up to 128 or 256 tiles were 10% slower than 64), as
-  // many CTAs as fill whole waves of the resident ones: a last wave of a few
-  // CTAs would cost as much as a full one. Grouped, a group's CTAs share their
-  // tokens' runs, so each CTA still scores about a run's tiles x one token.
-  const int64_t slots = std::max<int64_t>(
-      1, int64_t{current_device().num_sms} * resident_ctas_per_sm(reinterpret_cast<const void*>(kernel), kScoreThreads, smem));
   const int64_t token_tiles = ceil_div(capacity, kTile);
-  const int64_t waves = ceil_div(tokens * ceil_div(token_tiles, kMaxTilesPerCta), slots);
-  const int64_t ctas_per_token = std::clamp<int64_t>(waves * slots / tokens, 1, token_tiles);
   ScoreParams q = p;
-  q.tiles_per_cta = static_cast<int>(ceil_div(token_tiles, ctas_per_token));
-  // Grouped: runs of a multiple of kTokens tiles, so a group of 2 or 4 shares them evenly.
-  q.tiles_per_cta = static_cast<int>(std::min<int64_t>(ceil_div(q.tiles_per_cta, kTokens) * kTokens, token_tiles));
+  // Grouped, a group's CTAs share their tokens' runs, so each CTA still scores about a run's tiles x one token: runs
+  // of a multiple of kTokens tiles, so a group of 2 or 4 shares them evenly.
+  const int64_t run = run_tiles(tokens, token_tiles, resident_slots<kNTiles, kGroups, kMma, kRuns, kTokens>());
+  q.tiles_per_cta = static_cast<int>(std::min<int64_t>(ceil_div(run, kTokens) * kTokens, token_tiles));
   const dim3 grid(static_cast<unsigned>(ceil_div(token_tiles, q.tiles_per_cta)), tokens);
   if (q.histograms != nullptr)
     launch_kernel(zero_histograms_kernel, tokens, kScoreThreads, 0, stream, "smla indexer histogram zeroing kernel",
@@ -536,31 +547,56 @@ void launch(const ScoreParams& p, int64_t capacity, cudaStream_t stream) {
 // Whether the tiles are runs of whole blocks (kRuns: blocks of multiples of 64 keys, 16-byte aligned).
 bool tiles_are_runs(const IndexCacheLayout& cache) { return cache.block_size % kTile == 0 && cache.block_stride % 16 == 0; }
 
-// Group tokens for `group_tokens` (score_group_tokens: kGroupTokens only where the kernel takes them).
+// The tokens a CTA scores each tile for under `grouping` (kGroupTokens or 1), and the launch when `stream` is given
+// (score_group_tokens asks without one). Automatic groups where runs are long: each token's run, as launched one token
+// a CTA, of at least kMinGroupedRun tiles. There a group reads its keys once rather than once a token (H200, 8
+// draft tokens of one request over 128K, runs of 32 tiles: 29.8 against 24.4 us; 8 requests of 2 tokens, runs of
+// 64: 61.8 against 48.6); with runs of 1-4 tiles (8K contexts) the group's tokens, scored one after the other,
+// lost (one token 2.9 against 4.4 us, 8 of one request 5.3 against 6.8).
+constexpr int64_t kMinGroupedRun = 16;
 template <int kNTiles, int kGroups, Mma kMma>
-void launch(const ScoreParams& p, int group_tokens, int64_t capacity, cudaStream_t stream) {
-  if (!tiles_are_runs(p.cache)) return launch<kNTiles, kGroups, kMma, false, 1>(p, capacity, stream);
-  if constexpr (fp8_keys(kMma) && kGroups <= 2)
-    if (group_tokens == kGroupTokens) return launch<kNTiles, kGroups, kMma, true, kGroupTokens>(p, capacity, stream);
-  launch<kNTiles, kGroups, kMma, true, 1>(p, capacity, stream);
+int launch(const ScoreParams& p, ScoreTokens grouping, int64_t capacity, const cudaStream_t* stream) {
+  if (!tiles_are_runs(p.cache)) {
+    if (stream != nullptr) launch<kNTiles, kGroups, kMma, false, 1>(p, capacity, *stream);
+    return 1;
+  }
+  if constexpr (fp8_keys(kMma) && kGroups <= 2) {
+    const bool group = grouping == ScoreTokens::grouped ||
+                       (grouping == ScoreTokens::automatic && p.tokens > 1 &&
+                        run_tiles(p.tokens, ceil_div(capacity, kTile),
+                                  resident_slots<kNTiles, kGroups, kMma, true, 1>()) >= kMinGroupedRun);
+    if (group) {
+      if (stream != nullptr) launch<kNTiles, kGroups, kMma, true, kGroupTokens>(p, capacity, *stream);
+      return kGroupTokens;
+    }
+  }
+  if (stream != nullptr) launch<kNTiles, kGroups, kMma, true, 1>(p, capacity, *stream);
+  return 1;
 }
 
 template <int kNTiles, int kGroups>
-void launch(const ScoreParams& p, Mma mma, int group_tokens, int64_t capacity, cudaStream_t stream) {
-  if (mma == Mma::bf16) {
-    launch<kNTiles, kGroups, Mma::bf16>(p, group_tokens, capacity, stream);
-  } else if (mma == Mma::fp8) {
-    launch<kNTiles, kGroups, Mma::fp8>(p, group_tokens, capacity, stream);
-  } else if (uses_wgmma(mma)) {
+int launch(const ScoreParams& p, Mma mma, ScoreTokens grouping, int64_t capacity, const cudaStream_t* stream) {
+  if (mma == Mma::bf16) return launch<kNTiles, kGroups, Mma::bf16>(p, grouping, capacity, stream);
+  if (mma == Mma::fp8) return launch<kNTiles, kGroups, Mma::fp8>(p, grouping, capacity, stream);
+  if (uses_wgmma(mma)) {
     if constexpr (kNTiles == 4 && kGroups <= 2) {
-      if (mma == Mma::fp8_wgmma) launch<kNTiles, kGroups, Mma::fp8_wgmma>(p, group_tokens, capacity, stream);
-      else launch<kNTiles, kGroups, Mma::bf16_wgmma>(p, group_tokens, capacity, stream);
+      if (mma == Mma::fp8_wgmma) return launch<kNTiles, kGroups, Mma::fp8_wgmma>(p, grouping, capacity, stream);
+      return launch<kNTiles, kGroups, Mma::bf16_wgmma>(p, grouping, capacity, stream);
     } else {
       throw Error(ErrorKind::internal, "indexer_scores: wgmma chosen for a head count it does not take");
     }
-  } else {
-    launch<kNTiles, kGroups, Mma::bf16_from_fp8>(p, group_tokens, capacity, stream);
   }
+  return launch<kNTiles, kGroups, Mma::bf16_from_fp8>(p, grouping, capacity, stream);
+}
+
+// Heads padded to 8, 16 or 32 mma columns held in registers; more heads go in groups of 32 whose fragments are read
+// from shared memory (64 heads in registers cost two of the four CTAs per SM, measured slower).
+int launch(const ScoreParams& p, Mma mma, ScoreTokens grouping, int64_t capacity, const cudaStream_t* stream) {
+  if (p.heads <= 8) return launch<1, 1>(p, mma, grouping, capacity, stream);
+  if (p.heads <= 16) return launch<2, 1>(p, mma, grouping, capacity, stream);
+  if (p.heads <= 32) return launch<4, 1>(p, mma, grouping, capacity, stream);
+  if (p.heads <= 64) return launch<4, 2>(p, mma, grouping, capacity, stream);
+  return launch<4, 4>(p, mma, grouping, capacity, stream);
 }
 
 // How the kernel multiplies for these args on the current device: `mma` if forced (checked), else as it sees fit.
@@ -589,32 +625,9 @@ Mma pick_mma(const IndexerTopkArgs& a, ScoreMma mma) {
   return Mma::bf16_from_fp8;
 }
 
-}  // namespace
-
-ScoreMma resolve_score_mma(const IndexerTopkArgs& args, ScoreMma mma) {
-  switch (pick_mma(args, mma)) {
-    case Mma::bf16_wgmma: return ScoreMma::bf16_wgmma;
-    case Mma::fp8: return ScoreMma::fp8;
-    case Mma::fp8_wgmma: return ScoreMma::fp8_wgmma;
-    default: return ScoreMma::bf16;
-  }
-}
-
-int score_group_tokens(const IndexerTopkArgs& a, ScoreTokens grouping) {
-  if (grouping == ScoreTokens::one) return 1;
-  const IndexCacheLayout cache = index_cache_layout(a.index_cache);
-  const int64_t heads = a.q.size(1);
-  if (!cache.fp8 || !tiles_are_runs(cache) || heads > 64)
-    fail("indexer_scores: grouped tokens need an fp8 index cache of blocks of a multiple of 64 keys and at most 64 "
-         "heads, got " + std::string(dtype_name(a.index_cache.dtype)) + " blocks of " + std::to_string(cache.block_size) +
-         " and " + std::to_string(heads) + " heads");
-  return kGroupTokens;
-}
-
-void indexer_scores(const IndexerTopkArgs& a, float* scores, ScoreMma mma, int* histograms, ScoreTokens grouping) {
-  const int tokens = static_cast<int>(a.q.size(0));
+ScoreParams score_params(const IndexerTopkArgs& a, float* scores, int* histograms) {
   ScoreParams p{};
-  p.tokens = tokens;
+  p.tokens = static_cast<int>(a.q.size(0));
   p.q = a.q.data;
   p.q_kind = a.q.dtype == DType::bf16 ? QKind::bf16 : a.q.dtype == DType::f16 ? QKind::f16 : QKind::fp8;
   p.q_stride_t = a.q.stride(0);
@@ -636,24 +649,48 @@ void indexer_scores(const IndexerTopkArgs& a, float* scores, ScoreMma mma, int* 
   p.scores = scores;
   p.score_stride = score_row_stride(a);
   p.histograms = histograms;
+  return p;
+}
+
+}  // namespace
+
+ScoreMma resolve_score_mma(const IndexerTopkArgs& args, ScoreMma mma) {
+  switch (pick_mma(args, mma)) {
+    case Mma::bf16_wgmma: return ScoreMma::bf16_wgmma;
+    case Mma::fp8: return ScoreMma::fp8;
+    case Mma::fp8_wgmma: return ScoreMma::fp8_wgmma;
+    default: return ScoreMma::bf16;
+  }
+}
+
+int score_group_tokens(const IndexerTopkArgs& a, ScoreTokens grouping, ScoreMma mma) {
+  if (grouping == ScoreTokens::one) return 1;
+  if (grouping == ScoreTokens::grouped) {
+    const IndexCacheLayout cache = index_cache_layout(a.index_cache);
+    const int64_t heads = a.q.size(1);
+    if (!cache.fp8 || !tiles_are_runs(cache) || heads > 64)
+      fail("indexer_scores: grouped tokens need an fp8 index cache of blocks of a multiple of 64 keys and at most 64 "
+           "heads, got " + std::string(dtype_name(a.index_cache.dtype)) + " blocks of " +
+           std::to_string(cache.block_size) + " and " + std::to_string(heads) + " heads");
+    return kGroupTokens;
+  }
+  const int64_t capacity = index_capacity(a);
+  if (a.q.size(0) == 0 || capacity == 0) return 1;  // nothing launched
+  return launch(score_params(a, nullptr, nullptr), pick_mma(a, mma), grouping, capacity, nullptr);
+}
+
+void indexer_scores(const IndexerTopkArgs& a, float* scores, ScoreMma mma, int* histograms, ScoreTokens grouping) {
+  const ScoreParams p = score_params(a, scores, histograms);
   require(reinterpret_cast<uintptr_t>(histograms) % 16 == 0, "indexer_scores: histograms must be 16-byte aligned");
   require(reinterpret_cast<uintptr_t>(p.cache.data) % 16 == 0 &&
               (p.cache.fp8 ? p.cache.block_stride % 4 == 0
                            : p.cache.block_stride % 16 == 0 && p.cache.row_stride % 16 == 0),
           "indexer_topk: index_cache: the CUDA backend needs 16-byte aligned data and bf16 rows, 4-byte aligned fp8 blocks");
   const int64_t capacity = index_capacity(a);
-  const int group_tokens = score_group_tokens(a, grouping);
-  if (tokens == 0 || capacity == 0) return;
-  const Mma kind = pick_mma(a, mma);
+  if (grouping == ScoreTokens::grouped) score_group_tokens(a, grouping, mma);  // refused, naming why, if it cannot be
+  if (p.tokens == 0 || capacity == 0) return;
   const auto stream = static_cast<cudaStream_t>(a.stream);
-  // Heads padded to 8, 16 or 32 mma columns held in registers; more heads go
-  // in groups of 32 whose fragments are read from shared memory (64 heads in
-  // registers cost two of the four CTAs per SM, measured slower).
-  if (p.heads <= 8) launch<1, 1>(p, kind, group_tokens, capacity, stream);
-  else if (p.heads <= 16) launch<2, 1>(p, kind, group_tokens, capacity, stream);
-  else if (p.heads <= 32) launch<4, 1>(p, kind, group_tokens, capacity, stream);
-  else if (p.heads <= 64) launch<4, 2>(p, kind, group_tokens, capacity, stream);
-  else launch<4, 4>(p, kind, group_tokens, capacity, stream);
+  launch(p, pick_mma(a, mma), grouping, capacity, &stream);
 }
 
 }  // namespace smla::cuda
