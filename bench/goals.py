@@ -1,7 +1,10 @@
 #!/usr/bin/env python3
-"""Where the open issues' speed goals stand in one `bench_cuda --json` run.
+"""Where the open issues' speed goals stand in `bench_cuda --json` runs.
 
-    python3 bench/goals.py [RESULTS.json] [--markdown]
+    python3 bench/goals.py [RESULTS.json ...] [--markdown]
+
+Several runs: each table (attention, topk, dsa_decode_step) is read from the last run that holds it, with that run's
+ceilings (e.g. a whole run, then a later run of `bench_cuda topk step --json` parts only).
 
 Each goal is a row of the run (picked by its fields) and a target: a fraction of a ceiling measured in the same run
 (copy bandwidth, cuBLAS, the mma.sync peak) or a time in µs. A goal whose row the run does not hold is listed as
@@ -138,20 +141,26 @@ def heads_goals(run: dict) -> list[Goal]:
     return g
 
 
+TABLES = ("attention", "topk", "dsa_decode_step")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("results", nargs="?", default=str(DEFAULT), help=f"a bench_cuda --json file (default {DEFAULT})")
+    ap.add_argument("results", nargs="*", default=[str(DEFAULT)],
+                    help=f"bench_cuda --json files, later ones' tables over earlier ones' (default {DEFAULT})")
     ap.add_argument("--markdown", action="store_true", help="a Markdown table (for docs/performance.md)")
     args = ap.parse_args()
-    run = json.loads(Path(args.results).read_text())
-    ceilings = run["ceilings"]
+    runs = [(Path(path), json.loads(Path(path).read_text())) for path in args.results]
+    # Each table from the last run that holds rows of it (the first run where none does).
+    source = {t: next((run for run in reversed(runs) if run[1].get(t)), runs[0]) for t in TABLES}
     rows = []
-    for goal in sorted(goals() + heads_goals(run), key=lambda goal: goal.issue):
+    for goal in sorted(goals() + heads_goals(source["attention"][1]), key=lambda goal: goal.issue):
+        run = source[goal.table][1]
         row = find(run, goal.table, goal.match)
         if row is None:
             rows.append((goal, None, "not in this run"))
             continue
-        value = goal.measure(row, ceilings)
+        value = goal.measure(row, run["ceilings"])
         if isinstance(value, tuple):  # the target depends on the row (by_bound)
             value, target, unit = value
             goal = goal._replace(target=target, unit=unit)
@@ -164,8 +173,14 @@ def main() -> int:
         pct = lambda x: f"{100 * x:.1f}%"  # noqa: E731
         return f"≥ {pct(goal.target)} {goal.unit}", "" if value is None else f"{pct(value)} {goal.unit}"
 
-    head = (f"{run.get('device', '?')}: copy {ceilings.get('copy_gbs')} GB/s, cuBLAS {ceilings.get('gemm_tflops')} "
-            f"TFLOP/s, mma.sync {ceilings.get('mma_sync_tflops')} TFLOP/s ({Path(args.results).resolve().name})")
+    def described(path: Path, run: dict) -> str:
+        c = run["ceilings"]
+        tables = [t for t in TABLES if source[t][0] == path] if len(runs) > 1 else []
+        return (f"copy {c.get('copy_gbs')} GB/s, cuBLAS {c.get('gemm_tflops')} TFLOP/s, mma.sync "
+                f"{c.get('mma_sync_tflops')} TFLOP/s ({path.resolve().name}{': ' + ', '.join(tables) if tables else ''})")
+
+    used = [(path, run) for path, run in runs if len(runs) == 1 or any(source[t][0] == path for t in TABLES)]
+    head = f"{runs[-1][1].get('device', '?')}: " + "; ".join(described(path, run) for path, run in used)
     met = sum(status == "met" for _, _, status in rows)
     if args.markdown:
         print(f"{head}; {met} of {len(rows)} goals met.\n")

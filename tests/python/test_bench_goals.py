@@ -46,3 +46,23 @@ def test_goals_are_met_missed_or_absent(tmp_path):
     # A goal the run has no row for is never met.
     assert "not in this run" in line(lines, "dense paged decode, 16 heads, 128 x 8192, bf16")
     assert lines[-1].startswith("5 of ")
+
+
+def test_later_runs_tables_take_over(tmp_path):
+    """Several runs: each table from the last run that holds it, judged against that run's ceilings."""
+    ceilings = {"copy_gbs": 1000.0, "gemm_tflops": 100.0, "mma_sync_tflops": 50.0}
+    whole = {"device": "test GPU", "ceilings": ceilings,
+             "attention": [attention("glm5-tp8 decode", "fp8_ds_mla", 128, 8, 0.86)],
+             "topk": [{"tokens": 1, "context": 8192, "graph_us": 9.0, "unsorted_graph_us": 4.0}]}
+    later = {"device": "test GPU", "ceilings": {**ceilings, "copy_gbs": 900.0},
+             "topk": [{"tokens": 1, "context": 8192, "graph_us": 4.5, "unsorted_graph_us": 6.0}]}
+    paths = []
+    for name, run in (("whole.json", whole), ("later.json", later)):
+        paths.append(tmp_path / name)
+        paths[-1].write_text(json.dumps(run))
+    lines = subprocess.run([sys.executable, str(GOALS), *map(str, paths)], check=True, capture_output=True,
+                           text=True).stdout.splitlines()
+    assert line(lines, "sparse decode, 8 heads, 128 tokens, fp8_ds_mla").split()[1] == "met"  # the whole run's
+    assert line(lines, "top-k 2048 of one 8K row (graph)").split()[1:3] == ["met", "4.5"]  # the later run's
+    assert line(lines, "top-k 2048 of one 8K row, unsorted (graph)").split()[1:3] == ["missed", "6.0"]
+    assert "(whole.json: attention" in lines[0] and "(later.json: topk)" in lines[0]
