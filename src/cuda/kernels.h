@@ -136,7 +136,8 @@ void select_topk(const IndexerTopkArgs& args, const float* scores, TopkSplit spl
 // 2 x kStepStamps words; null: none), then %clock64 of the same phases from kStepStamps on: the scores kernel's
 // earliest CTA start (the driver sets it to ~0 first) and latest warp end; the top-k kernel's earliest CTA start
 // (~0 first), its phases on the first CTA's thread 0 (token 0, rank 0), and its latest warp end. Within phases:
-// kTopkCounted, a held row's classes counted and scanned (the compaction's writes still to come); kTopkOrdered, the
+// kTopkCounted, a held row's classes counted and scanned (the compaction's writes still to come), a row not held
+// compacted (a cluster's rank 0: its slice, before the ranks exchange their lists); kTopkOrdered, the
 // chosen in their order (the stores still to come). Then the attention's 16-head-tile kernel (the step's for few
 // tokens): its earliest CTA start, on its first CTA (token 0, split 0, thread 0) the return of its wait for the top-k,
 // its first chunk landed in shared memory, dequantised (fp8 caches) and attended, its keys done, its output (or

@@ -627,6 +627,7 @@ constexpr int kMinSlice = 16384;      // positions per slice CTA of a shared row
 constexpr int kMinSharedRow = 32768;  // positions of a row a cluster shares, at least (unless forced)
 constexpr int kMinRankSlice = 4096;   // positions per rank of a cluster, at least
 constexpr int kWideRanks = 16;  // a non-portable cluster (Hopper): TopkSplit::cluster16's, and see plan_topk
+static_assert(kWideRanks <= 32, "a warp's lanes load the counts of every rank before theirs");
 
 struct TopkParams {
   const float* scores;
@@ -748,7 +749,7 @@ __global__ void __launch_bounds__(kBlock, 1) topk_kernel(const TopkParams p) {
   __shared__ WarpTotals<kBlock> totals;
   __shared__ int result[2];
   __shared__ uint32_t key_range[2];  // the lowest and highest key chosen
-  __shared__ int counts[2];          // a cluster rank's selected and candidates
+  __shared__ int2 counts;            // a cluster rank's selected and candidates
   __shared__ uint32_t candidate_range[2];  // the lowest and highest key of the candidates
   __shared__ int largest_bucket;           // place_by_counting's
   __shared__ int32_t table[kTableInShared];  // the fused slots' block-table row, when it fits
@@ -885,19 +886,21 @@ __global__ void __launch_bounds__(kBlock, 1) topk_kernel(const TopkParams p) {
     } else if (!held) {  // (a held row's were compacted in step 1)
       // Every rank lists its slice at the same places (a slice has at most `above` selected).
       const int2 wrote = compact_by_bin<kBlock>(slice, plan, list, candidates, in_bin, totals);
+      SMLA_STAMP(p, kTopkCounted);
       if (ranks > 1) {
-        if (threadIdx.x == 0) {
-          counts[0] = wrote.x;
-          counts[1] = wrote.y;
-        }
+        if (threadIdx.x == 0) counts = wrote;
         cluster_sync();  // every rank's counts are known
-        // Each rank pushes its lists into rank 0's after those of the ranks before it: position order.
-        int selected_before = 0, candidates_before = 0;
-        for (int r = 0; r < rank; ++r) {
-          const int* their_counts = rank_shared(counts, r);
-          selected_before += their_counts[0];
-          candidates_before += their_counts[1];
+        // Each rank pushes its lists into rank 0's after those of the ranks before it: position order. Every warp
+        // sums the counts of the ranks before this one, lane r loading rank r's (at most kWideRanks, fewer than 32):
+        // one trip through the cluster, not one a rank.
+        const int lane = threadIdx.x % 32;
+        int2 before = lane < rank ? *rank_shared(&counts, lane) : make_int2(0, 0);
+#pragma unroll
+        for (int o = 16; o > 0; o /= 2) {
+          before.x += __shfl_xor_sync(0xffffffffu, before.x, o);
+          before.y += __shfl_xor_sync(0xffffffffu, before.y, o);
         }
+        const int selected_before = before.x, candidates_before = before.y;
         if (rank > 0) {
           Entry* to = rank_shared(list, 0);
           for (int i = threadIdx.x; i < wrote.x; i += kBlock) to[selected_before + i] = list[i];
@@ -916,29 +919,54 @@ __global__ void __launch_bounds__(kBlock, 1) topk_kernel(const TopkParams p) {
     rest = candidates;
     if (need < in_bin && in_bin <= kThreads) {
       rest = candidates + in_bin;
-      // Each candidate is ranked by `share` neighbouring lanes (a power of 2 up to 32, as many as the CTA has
-      // threads for), each counting over every share-th candidate: one lane counting all, 59 candidates took
-      // ~1 µs, 175 ~2.5 µs (H200).
-      const int share = 1 << (31 - __clz(min(32, kBlock / in_bin)));
-      const int mine = threadIdx.x / share;
-      Entry e{0, -1};
-      int rank = 0;
-      if (mine < in_bin) {
-        e = candidates[mine];
-#pragma unroll 8  // loads in flight together
+      // Each candidate's rank: the candidates that go before it, counted by comparing (key, ~position) as one 64-bit
+      // number (positions are distinct). A thread takes `per` consecutive candidates; `share` neighbouring lanes (a
+      // power of 2 up to 32, as many as the CTA has threads for) count them against every share-th candidate and sum
+      // by shuffles. Few candidates (8 lanes or more each) go one a thread; more, kRanked a thread, each candidate
+      // read then meeting kRanked: one a thread, 304 candidates (a 128K row's) took ~3.3 µs, kRanked ~2.0 (H200).
+      // The held rows' CTA (16K positions at most: few candidates, 1024 threads) ranks one a thread: with kRanked
+      // in its code, though never reached, its 8K and 16K rows took ~0.7 µs longer.
+      constexpr int kRanked = kHeldOnly ? 1 : 4;
+      const auto order = [](const Entry& x) {
+        return static_cast<uint64_t>(x.key) << 32 | static_cast<uint32_t>(~x.pos);
+      };
+      const int per = 8 * in_bin <= kBlock ? 1 : kRanked, groups = (in_bin + per - 1) / per;
+      const int share = 1 << (31 - __clz(min(32, max(1, kBlock / groups))));
+      const int group = threadIdx.x / share, first = group * per;
+      uint64_t mine[kRanked];
+      int count[kRanked];
+#pragma unroll
+      for (int j = 0; j < kRanked; ++j) {
+        mine[j] = j < per && first + j < in_bin ? order(candidates[first + j]) : ~uint64_t{0};  // none: counts nothing
+        count[j] = 0;
+      }
+      if (group < groups) {
+#pragma unroll 4  // loads in flight together
         for (int m = threadIdx.x % share; m < in_bin; m += share) {
-          const Entry other = candidates[m];
-          rank += other.key > e.key || (other.key == e.key && other.pos < e.pos);
+          const uint64_t other = order(candidates[m]);
+#pragma unroll
+          for (int j = 0; j < kRanked; ++j) count[j] += other > mine[j];
         }
       }
-      for (int o = share / 2; o > 0; o /= 2) rank += __shfl_xor_sync(0xffffffffu, rank, o);  // a share's lanes
-      const bool chosen = mine < in_bin && threadIdx.x % share == 0 && rank < need;
+#pragma unroll
+      for (int j = 0; j < kRanked; ++j)
+        if (j < per)
+          for (int o = share / 2; o > 0; o /= 2) count[j] += __shfl_xor_sync(0xffffffffu, count[j], o);  // a share's
+      uint32_t chosen = 0;  // bit j: candidate first + j completes the want (on a share's first lane)
+#pragma unroll
+      for (int j = 0; j < kRanked; ++j)
+        chosen |= static_cast<uint32_t>(j < per && threadIdx.x % share == 0 && first + j < in_bin && count[j] < need)
+                  << j;
       if (p.sorted) {
-        if (chosen) rest[rank] = e;
-      } else {  // in the candidates' (position) order: each after the chosen before it
+#pragma unroll
+        for (int j = 0; j < kRanked; ++j)
+          if ((chosen >> j) & 1) rest[count[j]] = candidates[first + j];
+      } else {  // in the candidates' (position) order: each after the chosen before it (groups in thread order)
         int place;
-        Scan<kBlock>(scan).ExclusiveSum(static_cast<int>(chosen), place);
-        if (chosen) rest[place] = e;
+        Scan<kBlock>(scan).ExclusiveSum(__popc(chosen), place);
+#pragma unroll
+        for (int j = 0; j < kRanked; ++j)
+          if ((chosen >> j) & 1) rest[place++] = candidates[first + j];
       }
       __syncthreads();
     } else if (need < in_bin) {
