@@ -7,8 +7,9 @@
 //   2. a second pass over the row compacts, in position order, the positions
 //      in higher bins (all selected) and those in that bin (candidates) into
 //      shared memory;
-//   3. an exact radix select over the candidates' fp32 order keys picks the
-//      ones that complete the k (equal scores: the lowest positions);
+//   3. the candidates that complete the k (equal scores: the lowest positions)
+//      are picked by ranking each against the others (up to 512 of them), else
+//      by an exact radix select over their fp32 order keys;
 //   4. a stable radix sort by key orders the k best first, equal scores
 //      toward the lower position — the CPU backend's result; or, unsorted,
 //      a merge of the chosen (runs each in position order) puts them in
