@@ -1046,7 +1046,8 @@ void bench_stamps(StepCaches& caches, int tokens, int context, bool sorted, int 
       return v.empty() ? NAN : v[v.size() / 2];
     };
     static const char* names[kStepStamps] = {
-        "scores start", "scores end",    "top-k start",   "top-k waited",  "histogram",     "plan",
+        "scores start", "scores end",    "top-k start",   "top-k waited",  "slice counted", "ranks counted",
+        "histogram",    "plan",
         "counted",      "compacted",     "selected",      "ordered",       "stored",        "top-k end",
         "attn start",   "attn waited",   "attn landed",   "attn dequant",  "attn chunk 0",  "attn attended",
         "attn stored",  "attn end",

@@ -136,6 +136,8 @@ void select_topk(const IndexerTopkArgs& args, const float* scores, TopkSplit spl
 // 2 x kStepStamps words; null: none), then %clock64 of the same phases from kStepStamps on: the scores kernel's
 // earliest CTA start (the driver sets it to ~0 first) and latest warp end; the top-k kernel's earliest CTA start
 // (~0 first), its phases on the first CTA's thread 0 (token 0, rank 0), and its latest warp end. Within phases:
+// kTopkSliceCounted and kTopkRanksCounted, a cluster's histogram path: rank 0's slice counted, then every rank's
+// (the sum over the ranks still to come), else not stamped;
 // kTopkCounted, a held row's classes counted and scanned (the compaction's writes still to come), a row not held
 // compacted (a cluster's rank 0: its slice, before the ranks exchange their lists); kTopkOrdered, the
 // chosen in their order (the stores still to come). Then the attention's 16-head-tile kernel (the step's for few
@@ -145,7 +147,7 @@ void select_topk(const IndexerTopkArgs& args, const float* scores, TopkSplit spl
 // return, its splits loaded and merged, its row stored, and its latest warp end.
 enum StepStamp : int {
   kScoresFirstStart, kScoresLastEnd,
-  kTopkFirstStart, kTopkWaited, kTopkHistogram, kTopkPlan, kTopkCounted, kTopkCompacted, kTopkSelected, kTopkOrdered,
+  kTopkFirstStart, kTopkWaited, kTopkSliceCounted, kTopkRanksCounted, kTopkHistogram, kTopkPlan, kTopkCounted, kTopkCompacted, kTopkSelected, kTopkOrdered,
   kTopkStored, kTopkLastEnd,
   kAttnFirstStart, kAttnWaited, kAttnLanded, kAttnDequantised, kAttnFirstChunk, kAttnAttended, kAttnStored,
   kAttnLastEnd,

@@ -50,6 +50,7 @@
 #include <optional>
 
 #include "cuda/backend.h"
+#include "cuda/common/mma.cuh"
 #include "cuda/common/runtime.h"
 #include "cuda/indexer/indexer_common.cuh"
 #include "cuda/common/step_stamps.cuh"
@@ -778,6 +779,8 @@ __global__ void __launch_bounds__(kBlock, 1) topk_kernel(const TopkParams p) {
   if (counted == nullptr) zero_bins<kBlock>(hist);
   // The fused slots' block-table row (an input too) into shared memory, when it fits, for the stores at the end: their
   // table loads then wait on no trip to memory (with the slots, an 8K row's stores took ~1 us longer: H200 stamps).
+  // Asynchronously, waited for only before those stores: a 128K row's 2048 entries copied by loads and stores held
+  // the kernel ~1.6 us before it even waited for the scores (H200 stamps, one 128K row in the step).
   const int32_t request = p.rows.request(t);
   const bool known_request = request >= 0 && request < p.slot_map.num_requests;
   const int64_t table_blocks =
@@ -785,9 +788,11 @@ __global__ void __launch_bounds__(kBlock, 1) topk_kernel(const TopkParams p) {
           ? 0
           : min(p.slot_map.max_blocks, (n + p.slot_map.block_size - 1) / p.slot_map.block_size);
   const bool table_shared = table_blocks > 0 && table_blocks <= kTableInShared;
-  if (table_shared)
+  if (table_shared) {
     for (int i = threadIdx.x; i < table_blocks; i += kBlock)
-      table[i] = p.slot_map.block_table[request * p.slot_map.table_stride + i];
+      cp_async_4(&table[i], &p.slot_map.block_table[request * p.slot_map.table_stride + i], true);
+    cp_async_commit();
+  }
   wait_for_prerequisites();  // launched as the scores kernel's dependent: every score written
   SMLA_STAMP(p, kTopkWaited);
   // The attention, the step's next kernel, may launch now (its CTAs wait for this kernel's end): its launch
@@ -849,7 +854,12 @@ __global__ void __launch_bounds__(kBlock, 1) topk_kernel(const TopkParams p) {
     for_each_score<kBlock>(row + slice.first, slice.count, [&](float v) { atomicAdd(&hist[coarse_bin(v)], 1); });
     const int* total = hist;
     if (ranks > 1) {
+#ifdef SMLA_TOPK_STAMPS
+      __syncthreads();  // the whole CTA's slice, not thread 0's share
+#endif
+      SMLA_STAMP(p, kTopkSliceCounted);
       cluster_sync();  // every rank's histogram is complete
+      SMLA_STAMP(p, kTopkRanksCounted);
       // The sum of all ranks' histograms, into every rank's list memory (unused until step 2): each rank sums
       // its share of the bins over the ranks and writes the sums to all of them (1 / ranks of the traffic of
       // every rank reading every histogram).
@@ -1017,6 +1027,10 @@ __global__ void __launch_bounds__(kBlock, 1) topk_kernel(const TopkParams p) {
     second_run = want - remaining;
   }
   SMLA_STAMP(p, kTopkSelected);
+  if (table_shared) {  // (uniform: rank 0's; the other ranks have left)
+    cp_async_wait<0>();
+    __syncthreads();
+  }
 
   // Stores the positions of ranks j * kBlock + threadIdx.x (every rank < p.k: k <= kSortItems * kBlock) and,
   // fused, their slots: every block-table load issued before the first slot store (a store might alias the table).
