@@ -904,7 +904,8 @@ __global__ void __launch_bounds__(kBlock, 1) topk_kernel(const TopkParams p) {
   // candidates and tells each rank which of its own are chosen and where its chosen go; each rank puts its own in
   // position order and stores them (the others' lists never pass through rank 0). Every rank decides the same.
   const bool spread =
-      !kHeldOnly && ranks > 1 && !p.sorted && plan.fits && in_bin <= kThreads && above + 2 * in_bin <= p.list_capacity;
+      !kHeldOnly && ranks > 1 && slices == 0 && !p.sorted && plan.fits && in_bin <= kThreads &&
+      above + 2 * in_bin <= p.list_capacity;
   int2 own = make_int2(0, 0);  // a spread rank's selected and candidates
 
   // The chosen entries end up in list[0, listed) and rest[0, want - listed), in that order three runs each in
