@@ -147,8 +147,8 @@ void select_topk(const IndexerTopkArgs& args, const float* scores, TopkSplit spl
 // return, its splits loaded and merged, its row stored, and its latest warp end.
 enum StepStamp : int {
   kScoresFirstStart, kScoresLastEnd,
-  kTopkFirstStart, kTopkWaited, kTopkSliceCounted, kTopkRanksCounted, kTopkHistogram, kTopkPlan, kTopkCounted, kTopkCompacted, kTopkSelected, kTopkOrdered,
-  kTopkStored, kTopkLastEnd,
+  kTopkFirstStart, kTopkWaited, kTopkSliceCounted, kTopkRanksCounted, kTopkHistogram, kTopkPlan, kTopkCounted,
+  kTopkCompacted, kTopkSelected, kTopkOrdered, kTopkStored, kTopkLastEnd,
   kAttnFirstStart, kAttnWaited, kAttnLanded, kAttnDequantised, kAttnFirstChunk, kAttnAttended, kAttnStored,
   kAttnLastEnd,
   kCombineFirstStart, kCombineWaited, kCombineMerged, kCombineStored, kCombineLastEnd,

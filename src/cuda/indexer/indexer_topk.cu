@@ -638,10 +638,10 @@ constexpr int kMinSharedRow = 32768;  // positions of a row a cluster shares, at
 constexpr int kMinRankSlice = 4096;   // positions per rank of a cluster, at least
 constexpr int kWideRanks = 16;  // a non-portable cluster (Hopper): TopkSplit::cluster16's, and see plan_topk
 // What rank 0 tells each rank of a spread row (topk_kernel, unsorted on a cluster): its chosen candidates are those
-// of entry_order >= threshold, `chosen` of them, and its chosen go to the output from `offset` on.
+// of entry_order >= threshold, and its chosen go to the output from `offset` on.
 struct SpreadPlace {
   uint64_t threshold;
-  int offset, chosen;
+  int offset;
 };
 static_assert(kWideRanks <= 32, "a warp's lanes load the counts of every rank before theirs");
 
@@ -1111,7 +1111,7 @@ __global__ void __launch_bounds__(kBlock, 1) topk_kernel(const TopkParams p) {
           const int v = __shfl_up_sync(0xffffffffu, through, o);
           if (lane >= o) through += v;
         }
-        if (lane < ranks) *rank_shared(&spread_place, lane) = {spread_threshold, through - total, spread_chosen[lane]};
+        if (lane < ranks) *rank_shared(&spread_place, lane) = {spread_threshold, through - total};
       }
       for (int i = want + threadIdx.x; i < p.k; i += kBlock) {
         out[i] = -1;
@@ -1119,17 +1119,15 @@ __global__ void __launch_bounds__(kBlock, 1) topk_kernel(const TopkParams p) {
       }
     }
     cluster_sync();  // every rank has its place; none reads another's shared memory from here on
-    // The chosen of this rank's candidates (candidates[0, own.y), own.y <= in_bin <= kBlock) after its selected
+    // The chosen of this rank's candidates (list + above: own.y of them) after its selected
     // (list[0, own.x)), each run in position order, then both in position order to the output from its offset.
     const SpreadPlace place = spread_place;
-    Entry* candidates = list + above;
-    Entry* chosen_candidates = candidates + in_bin;
-    const bool is_chosen = threadIdx.x < own.y && entry_order(candidates[threadIdx.x]) >= place.threshold;
-    int at;
-    Scan<kBlock>(scan).ExclusiveSum(static_cast<int>(is_chosen), at);
-    if (is_chosen) chosen_candidates[at] = candidates[threadIdx.x];
+    Entry* chosen_candidates = list + above + in_bin;
+    const int2 kept = compact<kBlock>(
+        ListSource{list + above, own.y}, [&](const Entry& e) { return entry_order(e) >= place.threshold ? 1 : 0; },
+        chosen_candidates, nullptr, 0, totals);
     __syncthreads();
-    const int mine = own.x + place.chosen;
+    const int mine = own.x + kept.x;
     place_by_position<kBlock, kSortItems>([&](int i) { return i < own.x ? list[i] : chosen_candidates[i - own.x]; },
                                           mine, own.x, mine, reinterpret_cast<int*>(list),
                                           [&](const int32_t (&position)[kSortItems]) {
