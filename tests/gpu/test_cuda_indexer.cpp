@@ -1039,9 +1039,7 @@ TEST(CudaTopk, ExactWithK8192) {
 
 // sorted = false on every path (one CTA, slices, cluster, automatic): the CPU backend's unsorted positions (the
 // reference in position order) and their slots bit for bit, and the GPU's sorted selection in position order; NaN
-// rows (no reference order) against the GPU's sorted selection alone. On a cluster, rows of few candidates (distinct
-// scores, exact ties among few, short rows, ranks with no positions) are spread (each rank stores its own chosen),
-// the others (one fp16 bin, four values, all equal: more candidates than the ranking takes) finish on rank 0.
+// rows (no reference order) against the GPU's sorted selection alone.
 TEST(CudaTopk, UnsortedOnCraftedRows) {
   std::vector<CraftedRow> short_rows;
   for (const CraftedRow& r : crafted_rows())

@@ -36,14 +36,11 @@
 // them and hands the sums to all (so every rank finds the same bin), each
 // compacts its slice into its own shared memory and pushes the lists into
 // rank 0's after those of the ranks before it (so in position order); rank 0
-// goes on alone with steps 3-4. Unsorted, with few candidates, only those go
-// to rank 0: it ranks them and tells each rank which of its own are chosen
-// and where in the output its chosen go; each rank orders and stores its own.
-// Below SM90 (no clusters) three more kernels pass through global memory: one
-// writes each slice's histogram; a second (one CTA per token) sums them, finds
-// the bin and gives each slice its offsets in the token's lists; a third
-// compacts each slice there; the per-token CTA then copies the lists instead
-// of reading the row.
+// goes on alone with steps 3-4. Below SM90 (no clusters) three more kernels pass
+// through global memory: one writes each slice's histogram; a second (one CTA
+// per token) sums them, finds the bin and gives each slice its offsets in the
+// token's lists; a third compacts each slice there; the per-token CTA then
+// copies the lists instead of reading the row.
 #include <cooperative_groups.h>
 #include <cub/block/block_radix_sort.cuh>
 #include <cub/block/block_scan.cuh>
@@ -101,11 +98,6 @@ struct Entry {
   uint32_t key;  // order key of the score
   int32_t pos;   // -1: no position
 };
-// An entry's place in the top-k order as one 64-bit number: a higher key first, equal keys toward the lower position
-// (positions are distinct, so no two entries of a row compare equal).
-__device__ __forceinline__ uint64_t entry_order(const Entry& e) {
-  return static_cast<uint64_t>(e.key) << 32 | static_cast<uint32_t>(~e.pos);
-}
 
 // Monotone map of a score to an unsigned key (as the CPU backend's order_key):
 // a > b iff key(a) > key(b); -0 and +0 tie.
@@ -637,12 +629,6 @@ constexpr int kMinSlice = 16384;      // positions per slice CTA of a shared row
 constexpr int kMinSharedRow = 32768;  // positions of a row a cluster shares, at least (unless forced)
 constexpr int kMinRankSlice = 4096;   // positions per rank of a cluster, at least
 constexpr int kWideRanks = 16;  // a non-portable cluster (Hopper): TopkSplit::cluster16's, and see plan_topk
-// What rank 0 tells each rank of a spread row (topk_kernel, unsorted on a cluster): its chosen candidates are those
-// of entry_order >= threshold, and its chosen go to the output from `offset` on.
-struct SpreadPlace {
-  uint64_t threshold;
-  int offset;
-};
 static_assert(kWideRanks <= 32, "a warp's lanes load the counts of every rank before theirs");
 
 struct TopkParams {
@@ -769,9 +755,6 @@ __global__ void __launch_bounds__(kBlock, 1) topk_kernel(const TopkParams p) {
   __shared__ uint32_t candidate_range[2];  // the lowest and highest key of the candidates
   __shared__ int largest_bucket;           // place_by_counting's
   __shared__ int32_t table[kTableInShared];  // the fused slots' block-table row, when it fits
-  __shared__ SpreadPlace spread_place;       // a spread rank's (see below), from rank 0
-  __shared__ int spread_chosen[kWideRanks];  // rank 0's count of each rank's chosen candidates
-  __shared__ uint64_t spread_threshold;      // rank 0's: the lowest entry_order chosen
   SMLA_STAMP_START_END(p, kTopkFirstStart, kTopkLastEnd);
   // The wide kernel runs only where one CTA holds every row (plan_topk): the split paths compiled out (in registers
   // they would spill).
@@ -781,7 +764,6 @@ __global__ void __launch_bounds__(kBlock, 1) topk_kernel(const TopkParams p) {
     key_range[0] = candidate_range[0] = 0xffffffffu;
     key_range[1] = candidate_range[1] = 0;
   }
-  if (threadIdx.x < kWideRanks) spread_chosen[threadIdx.x] = 0;
   // Token t's row is shared by ranks CTAs (a cluster's when more than one),
   // rank r taking positions [r * len, (r + 1) * len) (maybe none). Its length and request are read while the
   // scores kernel may still run: they are not its output (it was launched once the stream's earlier work was done).
@@ -802,7 +784,7 @@ __global__ void __launch_bounds__(kBlock, 1) topk_kernel(const TopkParams p) {
   const int32_t request = p.rows.request(t);
   const bool known_request = request >= 0 && request < p.slot_map.num_requests;
   const int64_t table_blocks =
-      p.slots == nullptr || (rank != 0 && p.sorted) || !known_request
+      p.slots == nullptr || rank != 0 || !known_request
           ? 0
           : min(p.slot_map.max_blocks, (n + p.slot_map.block_size - 1) / p.slot_map.block_size);
   const bool table_shared = table_blocks > 0 && table_blocks <= kTableInShared;
@@ -900,13 +882,6 @@ __global__ void __launch_bounds__(kBlock, 1) topk_kernel(const TopkParams p) {
     SMLA_STAMP(p, kTopkPlan);
   }
   const int above = plan.above, in_bin = plan.in_bin;
-  // Unsorted on a cluster, with few candidates (the ranking's), the row is spread: rank 0 ranks every rank's
-  // candidates and tells each rank which of its own are chosen and where its chosen go; each rank puts its own in
-  // position order and stores them (the others' lists never pass through rank 0). Every rank decides the same.
-  const bool spread =
-      !kHeldOnly && ranks > 1 && slices == 0 && !p.sorted && plan.fits && in_bin <= kThreads &&
-      above + 2 * in_bin <= p.list_capacity;
-  int2 own = make_int2(0, 0);  // a spread rank's selected and candidates
 
   // The chosen entries end up in list[0, listed) and rest[0, want - listed), in that order three runs each in
   // position order: [0, second_run), [second_run, third_run), [third_run, want) (see place_by_position); but for a
@@ -940,16 +915,11 @@ __global__ void __launch_bounds__(kBlock, 1) topk_kernel(const TopkParams p) {
         const int selected_before = before.x, candidates_before = before.y;
         if (rank > 0) {
           Entry* to = rank_shared(list, 0);
-          if (!spread)
-            for (int i = threadIdx.x; i < wrote.x; i += kBlock) to[selected_before + i] = list[i];
+          for (int i = threadIdx.x; i < wrote.x; i += kBlock) to[selected_before + i] = list[i];
           for (int i = threadIdx.x; i < wrote.y; i += kBlock) to[above + candidates_before + i] = candidates[i];
         }
-        cluster_sync();  // rank 0 has every list (spread: every candidate)
-        if (rank != 0 && !spread) {
-          cp_async_wait<0>();  // (its table copy, if any, unused)
-          return;
-        }
-        own = wrote;
+        cluster_sync();  // rank 0 has every list
+        if (rank != 0) return;
       }
     }
     __syncthreads();
@@ -959,9 +929,7 @@ __global__ void __launch_bounds__(kBlock, 1) topk_kernel(const TopkParams p) {
     // position order, as step 4 wants them); else by a radix select.
     const int need = want - above;
     rest = candidates;
-    if (spread && rank != 0) {
-      // rank 0 ranks the candidates
-    } else if ((need < in_bin || spread) && in_bin <= kThreads) {
+    if (need < in_bin && in_bin <= kThreads) {
       rest = candidates + in_bin;
       // Each candidate's rank: the candidates that go before it, counted by comparing (key, ~position) as one 64-bit
       // number (positions are distinct). A thread takes `per` consecutive candidates; `share` neighbouring lanes (a
@@ -971,6 +939,9 @@ __global__ void __launch_bounds__(kBlock, 1) topk_kernel(const TopkParams p) {
       // The held rows' CTA (16K positions at most: few candidates, 1024 threads) ranks one a thread: with kRanked
       // in its code, though never reached, its 8K and 16K rows took ~0.7 µs longer.
       constexpr int kRanked = kHeldOnly ? 1 : 4;
+      const auto order = [](const Entry& x) {
+        return static_cast<uint64_t>(x.key) << 32 | static_cast<uint32_t>(~x.pos);
+      };
       const int per = 8 * in_bin <= kBlock ? 1 : kRanked, groups = (in_bin + per - 1) / per;
       const int share = 1 << (31 - __clz(min(32, max(1, kBlock / groups))));
       const int group = threadIdx.x / share, first = group * per;
@@ -978,13 +949,13 @@ __global__ void __launch_bounds__(kBlock, 1) topk_kernel(const TopkParams p) {
       int count[kRanked];
 #pragma unroll
       for (int j = 0; j < kRanked; ++j) {
-        mine[j] = j < per && first + j < in_bin ? entry_order(candidates[first + j]) : ~uint64_t{0};  // none: counts nothing
+        mine[j] = j < per && first + j < in_bin ? order(candidates[first + j]) : ~uint64_t{0};  // none: counts nothing
         count[j] = 0;
       }
       if (group < groups) {
 #pragma unroll 4  // loads in flight together
         for (int m = threadIdx.x % share; m < in_bin; m += share) {
-          const uint64_t other = entry_order(candidates[m]);
+          const uint64_t other = order(candidates[m]);
 #pragma unroll
           for (int j = 0; j < kRanked; ++j) count[j] += other > mine[j];
         }
@@ -998,14 +969,7 @@ __global__ void __launch_bounds__(kBlock, 1) topk_kernel(const TopkParams p) {
       for (int j = 0; j < kRanked; ++j)
         chosen |= static_cast<uint32_t>(j < per && threadIdx.x % share == 0 && first + j < in_bin && count[j] < need)
                   << j;
-      if (spread) {  // which rank each chosen came from (its position's slice), and the lowest chosen
-#pragma unroll
-        for (int j = 0; j < kRanked; ++j)
-          if ((chosen >> j) & 1) {
-            atomicAdd(&spread_chosen[candidates[first + j].pos / len], 1);
-            if (count[j] == need - 1) spread_threshold = mine[j];
-          }
-      } else if (p.sorted) {
+      if (p.sorted) {
 #pragma unroll
         for (int j = 0; j < kRanked; ++j)
           if ((chosen >> j) & 1) rest[count[j]] = candidates[first + j];
@@ -1048,10 +1012,7 @@ __global__ void __launch_bounds__(kBlock, 1) topk_kernel(const TopkParams p) {
   } else {
     // Too many candidates for shared memory: the exact select over the row, by rank 0 alone (past step 1's last
     // cluster barrier, no rank reads another's shared memory).
-    if (rank != 0) {
-      cp_async_wait<0>();  // (its table copy, if any, unused)
-      return;
-    }
+    if (rank != 0) return;
     uint32_t threshold;
     int remaining;
     radix_select<kBlock>([&](auto&& f) { for_each_score<kBlock>(row, n, [&](float v) { f(order_key(v)); }); }, want,
@@ -1067,23 +1028,22 @@ __global__ void __launch_bounds__(kBlock, 1) topk_kernel(const TopkParams p) {
     second_run = want - remaining;
   }
   SMLA_STAMP(p, kTopkSelected);
-  if (table_shared) {  // (uniform in the CTA: every rank still here stores)
+  if (table_shared) {  // (uniform: rank 0's; the other ranks have left)
     cp_async_wait<0>();
     __syncthreads();
   }
 
-  // Stores the positions of ranks base + j * kBlock + threadIdx.x (j * kBlock + threadIdx.x < count; k <= kSortItems
-  // * kBlock) and, fused, their slots: every block-table load issued before the first slot store (a store might
-  // alias the table). One code path for either copy of the row, by a generic load (the two inlined apart were twice
-  // the code).
+  // Stores the positions of ranks j * kBlock + threadIdx.x (every rank < p.k: k <= kSortItems * kBlock) and,
+  // fused, their slots: every block-table load issued before the first slot store (a store might alias the table).
+  // One code path for either copy of the row, by a generic load (the two inlined apart were twice the code).
   const int32_t* table_row = table_shared    ? table
                              : known_request ? p.slot_map.block_table + request * p.slot_map.table_stride
                                              : nullptr;
-  const auto store_range = [&](const int32_t (&position)[kSortItems], int base, int count) {
+  const auto store = [&](const int32_t (&position)[kSortItems]) {
     SMLA_STAMP(p, kTopkOrdered);
 #pragma unroll
     for (int j = 0; j < kSortItems; ++j)
-      if (j * kBlock + threadIdx.x < count) out[base + j * kBlock + threadIdx.x] = position[j];
+      if (j * kBlock + threadIdx.x < p.k) out[j * kBlock + threadIdx.x] = position[j];
     if (p.slots == nullptr) {
       SMLA_STAMP(p, kTopkStored);
       return;
@@ -1094,47 +1054,9 @@ __global__ void __launch_bounds__(kBlock, 1) topk_kernel(const TopkParams p) {
       slot[j] = p.slot_map.slot_in(table_row, request, position[j]);
 #pragma unroll
     for (int j = 0; j < kSortItems; ++j)
-      if (j * kBlock + threadIdx.x < count) slots[base + j * kBlock + threadIdx.x] = slot[j];
+      if (j * kBlock + threadIdx.x < p.k) slots[j * kBlock + threadIdx.x] = slot[j];
     SMLA_STAMP(p, kTopkStored);
   };
-  const auto store = [&](const int32_t (&position)[kSortItems]) { store_range(position, 0, p.k); };
-  if (spread) {
-    // Rank 0: each rank's place (its selected and chosen candidates after those of the ranks before it) and the
-    // threshold, to every rank; the padding past want.
-    if (rank == 0) {
-      if (threadIdx.x < 32) {
-        const int lane = threadIdx.x;
-        const int total = lane < ranks ? rank_shared(&counts, lane)->x + spread_chosen[lane] : 0;
-        int through = total;  // this lane's and those before it
-#pragma unroll
-        for (int o = 1; o < 32; o *= 2) {
-          const int v = __shfl_up_sync(0xffffffffu, through, o);
-          if (lane >= o) through += v;
-        }
-        if (lane < ranks) *rank_shared(&spread_place, lane) = {spread_threshold, through - total};
-      }
-      for (int i = want + threadIdx.x; i < p.k; i += kBlock) {
-        out[i] = -1;
-        if (p.slots) slots[i] = -1;
-      }
-    }
-    cluster_sync();  // every rank has its place; none reads another's shared memory from here on
-    // The chosen of this rank's candidates (list + above: own.y of them) after its selected
-    // (list[0, own.x)), each run in position order, then both in position order to the output from its offset.
-    const SpreadPlace place = spread_place;
-    Entry* chosen_candidates = list + above + in_bin;
-    const int2 kept = compact<kBlock>(
-        ListSource{list + above, own.y}, [&](const Entry& e) { return entry_order(e) >= place.threshold ? 1 : 0; },
-        chosen_candidates, nullptr, 0, totals);
-    __syncthreads();
-    const int mine = own.x + kept.x;
-    place_by_position<kBlock, kSortItems>([&](int i) { return i < own.x ? list[i] : chosen_candidates[i - own.x]; },
-                                          mine, own.x, mine, reinterpret_cast<int*>(list),
-                                          [&](const int32_t (&position)[kSortItems]) {
-                                            store_range(position, place.offset, mine);
-                                          });
-    return;
-  }
   if (!p.sorted && held && plan.fits) {
     place_held<kBlock, kSortItems>(held_classes, rest, want - above, want, marks, scan, reinterpret_cast<int*>(list),
                                    store);
