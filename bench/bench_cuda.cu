@@ -143,6 +143,29 @@ double cold_us(F&& fn, int trials = 21) {
   return ts[ts.size() / 2];
 }
 
+// Microseconds per call of fn(stream) that finds none of its data in L2, as each layer's step in a model does (every
+// layer reads its own caches; replayed back to back, one layer's index keys and rows stay in L2): a CUDA graph of
+// [a write of twice the L2, the call] replayed as graph_us does, less the same graph of the writes alone.
+template <class F>
+double l2_cold_graph_us(F&& fn) {
+  static const size_t junk_bytes = [] {
+    int dev = 0, l2 = 0;
+    CHECK(cudaGetDevice(&dev));
+    CHECK(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, dev));
+    return 2 * static_cast<size_t>(l2);
+  }();
+  static void* junk = [] {
+    void* p;
+    CHECK(cudaMalloc(&p, junk_bytes));
+    return p;
+  }();
+  const auto flush = [](cudaStream_t s) { CHECK(cudaMemsetAsync(junk, 0x5a, junk_bytes, s)); };
+  return graph_us([&](cudaStream_t s) {
+    flush(s);
+    fn(s);
+  }) - graph_us(flush);
+}
+
 double copy_bandwidth_gbs() {
   const size_t bytes = size_t{2} << 30;
   void *src, *dst;
@@ -835,6 +858,7 @@ struct StepRow {
   int tokens, context, requests;
   double scores_us, topk_us, attention_us, ops_us, step_us, cold_us, unsorted_step_us;
   double counted_scores_us, counted_topk_us, counted_step_us;
+  double unsorted_l2_cold_us, scores_l2_cold_us, attention_l2_cold_us;  // L2 emptied before each call
   double grouped_scores_us, one_scores_us;  // the scores kernel with grouped tokens forced, with one token a CTA forced
 };
 std::vector<StepRow> step_rows;
@@ -956,7 +980,9 @@ void bench_step(StepCaches& caches, int tokens, int context, int per_request = 1
   float* scores = in.scores;
   const auto on = [&](cudaStream_t s) { return in.on(s); };
   StepRow r{tokens, context, tokens / per_request};
-  r.scores_us = graph_us([&](cudaStream_t s) { smla::cuda::indexer_scores(smla::indexer_step(on(s)), scores); });
+  const auto scores_alone = [&](cudaStream_t s) { smla::cuda::indexer_scores(smla::indexer_step(on(s)), scores); };
+  r.scores_us = graph_us(scores_alone);
+  r.scores_l2_cold_us = l2_cold_graph_us(scores_alone);
   const auto scores_with = [&](smla::cuda::ScoreTokens grouping) {
     return graph_us([&](cudaStream_t s) {
       smla::cuda::indexer_scores(smla::indexer_step(on(s)), scores, smla::cuda::ScoreMma::automatic, nullptr, grouping);
@@ -966,7 +992,9 @@ void bench_step(StepCaches& caches, int tokens, int context, int per_request = 1
   r.one_scores_us = scores_with(smla::cuda::ScoreTokens::one);
   r.topk_us = graph_us([&](cudaStream_t s) { smla::cuda::select_topk(smla::indexer_step(on(s)), scores); });
   smla::dsa_decode_step(on(nullptr), &be);  // slots for the attention alone
-  r.attention_us = graph_us([&](cudaStream_t s) { smla::sparse_mla(smla::attention_step(on(s)), &be); });
+  const auto attention_alone = [&](cudaStream_t s) { smla::sparse_mla(smla::attention_step(on(s)), &be); };
+  r.attention_us = graph_us(attention_alone);
+  r.attention_l2_cold_us = l2_cold_graph_us(attention_alone);
   r.ops_us = graph_us([&](cudaStream_t s) {
     const smla::DsaDecodeStepArgs step = on(s);
     smla::indexer_topk(smla::indexer_step(step), &be);
@@ -977,6 +1005,7 @@ void bench_step(StepCaches& caches, int tokens, int context, int per_request = 1
   r.cold_us = cold_us([&](cudaStream_t s) { smla::dsa_decode_step(on(s), &be); });
   in.a.indexer.sorted = false;
   r.unsorted_step_us = graph_us([&](cudaStream_t s) { smla::dsa_decode_step(on(s), &be); });
+  r.unsorted_l2_cold_us = l2_cold_graph_us([&](cudaStream_t s) { smla::dsa_decode_step(on(s), &be); });
   in.a.indexer.sorted = true;
   using smla::cuda::TopkSplit;
   r.counted_scores_us = graph_us([&](cudaStream_t s) {
@@ -987,10 +1016,12 @@ void bench_step(StepCaches& caches, int tokens, int context, int per_request = 1
                             {nullptr, false, in.histograms});
   });
   r.counted_step_us = graph_us([&](cudaStream_t s) { counted_step(in, s); });
-  std::printf("%6d %7d %5d %9.1f %9.1f %9.1f %9.1f %9.1f %9.1f %9.1f %12.0f %9.1f %9.1f %9.1f %10.1f %9.1f\n", tokens,
-              context, r.requests, r.scores_us, r.topk_us, r.attention_us, r.ops_us, r.step_us, r.cold_us,
-              r.unsorted_step_us, 1e6 / (78 * r.step_us), r.counted_scores_us, r.counted_topk_us, r.counted_step_us,
-              r.grouped_scores_us, r.one_scores_us);
+  std::printf("%6d %7d %5d %9.1f %9.1f %9.1f %9.1f %9.1f %9.1f %9.1f %9.1f %12.0f %9.1f %9.1f %9.1f %10.1f %9.1f "
+              "%9.1f %9.1f\n",
+              tokens, context, r.requests, r.scores_us, r.topk_us, r.attention_us, r.ops_us, r.step_us, r.cold_us,
+              r.unsorted_step_us, r.unsorted_l2_cold_us, 1e6 / (78 * r.step_us), r.counted_scores_us,
+              r.counted_topk_us, r.counted_step_us, r.grouped_scores_us, r.one_scores_us, r.scores_l2_cold_us,
+              r.attention_l2_cold_us);
   step_rows.push_back(r);
 }
 
@@ -1368,11 +1399,14 @@ int main(int argc, char** argv) {
                 "(graph); counted: the scores counting the top-k's histograms and the top-k reading them; step cntd: the "
                 "step's kernels that way (off in the library: slower; graph); sc grouped / sc one: the scores with grouped "
                 "tokens forced (the CTAs of up to 4 tokens of one request sharing their key tiles) / one token a CTA "
-                "forced (scores: as the ops choose); "
+                "forced (scores: as the ops choose); unsrt L2 0 / sc L2 0 / attn L2 0: the step unsorted / the scores / "
+                "the attention, each call after a write of twice the L2 (as each layer's step of a model finds its "
+                "caches; graph, less the writes alone); "
                 "fewer reqs than tokens: consecutive positions of each request (multi-token decode)\n");
-    std::printf("%6s %7s %5s %9s %9s %9s %9s %9s %9s %9s %12s %9s %9s %9s %10s %9s\n", "tokens", "context", "reqs",
-                "scores", "top-k", "attention", "3 ops", "step", "cold step", "unsorted", "tok/s 78 L", "sc count",
-                "tk counted", "step cntd", "sc grouped", "sc one");
+    std::printf("%6s %7s %5s %9s %9s %9s %9s %9s %9s %9s %9s %12s %9s %9s %9s %10s %9s %9s %9s\n", "tokens",
+                "context", "reqs", "scores", "top-k", "attention", "3 ops", "step", "cold step", "unsorted",
+                "unsrt L2 0", "tok/s 78 L", "sc count", "tk counted", "step cntd", "sc grouped", "sc one", "sc L2 0",
+                "attn L2 0");
     StepCaches caches;
     for (int context : {8192, 131072}) {
       for (int tokens : {1, 8}) bench_step(caches, tokens, context);
@@ -1424,10 +1458,12 @@ int main(int argc, char** argv) {
                    "\"topk_us\": %.2f, \"attention_us\": %.2f, \"three_ops_us\": %.2f, \"step_us\": %.2f, "
                    "\"step_cold_us\": %.2f, \"step_unsorted_us\": %.2f, \"counted_scores_us\": %.2f, "
                    "\"counted_topk_us\": %.2f, \"counted_step_us\": %.2f, \"grouped_scores_us\": %.2f, "
-                   "\"one_scores_us\": %.2f}%s\n",
+                   "\"one_scores_us\": %.2f, \"step_unsorted_l2_cold_us\": %.2f, \"scores_l2_cold_us\": %.2f, "
+                   "\"attention_l2_cold_us\": %.2f}%s\n",
                    r.tokens, r.context, r.requests, r.scores_us, r.topk_us, r.attention_us, r.ops_us, r.step_us,
                    r.cold_us, r.unsorted_step_us, r.counted_scores_us, r.counted_topk_us, r.counted_step_us,
-                   r.grouped_scores_us, r.one_scores_us, i + 1 < step_rows.size() ? "," : "");
+                   r.grouped_scores_us, r.one_scores_us, r.unsorted_l2_cold_us, r.scores_l2_cold_us,
+                   r.attention_l2_cold_us, i + 1 < step_rows.size() ? "," : "");
     }
     std::fprintf(f, "  ]\n}\n");
     std::fclose(f);
