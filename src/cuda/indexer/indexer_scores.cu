@@ -167,14 +167,36 @@ __device__ __forceinline__ uint4 load_query_piece(const uint8_t* from, bool alig
   return {w[0], w[1], w[2], w[3]};
 }
 
-// Writes the token's queries into s.q: 16-byte pieces of its rows, all of a thread's chunk loaded before any is
-// converted (a trip to memory per chunk; a value at a time made the set-up a chain of trips, ~6 µs per CTA, and
-// per-value loads of one row by every CTA crowd its L2 lines).
+// A token's queries as 16-byte pieces of its rows (elements of kElem bytes), a thread's in chunks of kChunk pieces:
+// all of a chunk loaded before any is converted (a trip to memory per chunk; a value at a time made the set-up a
+// chain of trips, ~6 µs per CTA, and per-value loads of one row by every CTA crowd its L2 lines).
+template <int kNTiles, int kGroups, int kElem>
+struct QueryPieces {
+  static constexpr int kPieceValues = 16 / kElem, kPiecesPerHead = kDim / kPieceValues;
+  static constexpr int kPieces = head_columns(kNTiles, kGroups) * kPiecesPerHead, kPerThread = kPieces / kScoreThreads;
+  static constexpr int kChunk = kPerThread < 1 ? 1 : kPerThread < 4 ? kPerThread : 4;
+  // This thread's pieces of the chunk from piece `first` on of token t's queries (zeros for padding heads).
+  __device__ __forceinline__ static void load(const ScoreParams& p, int t, int first, uint4* raw) {
+    const uint8_t* q = static_cast<const uint8_t*>(p.q) + t * p.q_stride_t * kElem;
+#pragma unroll
+    for (int k = 0; k < kChunk; ++k) {
+      const int piece = first + k * kScoreThreads + threadIdx.x, h = piece / kPiecesPerHead;
+      const int dim = piece % kPiecesPerHead * kPieceValues;
+      raw[k] = piece < kPieces && h < p.heads
+                   ? load_query_piece<kElem>(q + (h * p.q_stride_h + dim) * kElem, p.q_aligned)
+                   : uint4{0, 0, 0, 0};
+    }
+  }
+};
+
+// Writes the token's queries into s.q, chunk by chunk (QueryPieces); the first chunk from `first_chunk` when given
+// (loaded earlier by QueryPieces::load).
 template <int kNTiles, int kGroups, Mma kMma, QKind kQ>
-__device__ __forceinline__ void stage_queries(const ScoreParams& p, int t, uint8_t* b) {  // b: s.q[token]
-  constexpr int kElem = kQ == QKind::fp8 ? 1 : 2, kPieceValues = 16 / kElem, kPiecesPerHead = kDim / kPieceValues;
-  constexpr int kPieces = head_columns(kNTiles, kGroups) * kPiecesPerHead, kPerThread = kPieces / kScoreThreads;
-  constexpr int kChunk = kPerThread < 1 ? 1 : kPerThread < 4 ? kPerThread : 4;
+__device__ __forceinline__ void stage_queries(const ScoreParams& p, int t, uint8_t* b, const uint4* first_chunk) {
+  constexpr int kElem = kQ == QKind::fp8 ? 1 : 2;
+  using Pieces = QueryPieces<kNTiles, kGroups, kElem>;
+  constexpr int kPieceValues = Pieces::kPieceValues, kPiecesPerHead = Pieces::kPiecesPerHead;
+  constexpr int kPieces = Pieces::kPieces, kChunk = Pieces::kChunk;
   const auto value = [](const uint32_t(&in)[4], int i) {  // value i of a piece
     float v;
     if constexpr (kQ == QKind::fp8)
@@ -184,16 +206,13 @@ __device__ __forceinline__ void stage_queries(const ScoreParams& p, int t, uint8
     else v = __half2float(__ushort_as_half(static_cast<uint16_t>(in[i / 2] >> 16 * (i % 2))));
     return scaled_keys(kMma) ? v * kFp8QueryScale : v;
   };
-  const uint8_t* q = static_cast<const uint8_t*>(p.q) + t * p.q_stride_t * kElem;
   for (int first = 0; first < kPieces; first += kChunk * kScoreThreads) {
     uint4 raw[kChunk];
+    if (first == 0 && first_chunk != nullptr) {
 #pragma unroll
-    for (int k = 0; k < kChunk; ++k) {
-      const int piece = first + k * kScoreThreads + threadIdx.x, h = piece / kPiecesPerHead;
-      const int dim = piece % kPiecesPerHead * kPieceValues;
-      raw[k] = piece < kPieces && h < p.heads
-                   ? load_query_piece<kElem>(q + (h * p.q_stride_h + dim) * kElem, p.q_aligned)
-                   : uint4{0, 0, 0, 0};  // padding heads
+      for (int k = 0; k < kChunk; ++k) raw[k] = first_chunk[k];
+    } else {
+      Pieces::load(p, t, first, raw);
     }
 #pragma unroll
     for (int k = 0; k < kChunk; ++k) {
@@ -225,6 +244,7 @@ __global__ void __launch_bounds__(kScoreThreads, 4) index_scores_kernel(const Sc
   constexpr int kStages = Smem::kStages, kSteps = k_steps(kMma);
   constexpr bool kFp8 = fp8_keys(kMma);
   constexpr int kHeadColumns = head_columns(kNTiles, kGroups);  // wgmma: 32 or 64, all at once
+  static_assert(kHeadColumns <= kScoreThreads, "a thread per head column");
   static_assert(kTokens == 1 || (kFp8 && kRuns), "grouped tokens: fp8 keys in runs of whole tiles");
   extern __shared__ __align__(16) uint8_t smem_raw[];
   auto& s = *reinterpret_cast<Smem*>(smem_raw);
@@ -280,6 +300,22 @@ __global__ void __launch_bounds__(kScoreThreads, 4) index_scores_kernel(const Sc
     return kRuns && i < n_tiles ? int2{table[start / block_size], start % block_size} : int2{-1, 0};
   };
   int2 cur_run = run_of(lane), next_run = run_of(lane + 32);
+  // Up to 32 heads (a chunk of queries is all of them), the first token's queries and this thread's head weight and
+  // query scale are loaded now, with the block table: loaded after the keys' copies were issued, from a cold L2 they
+  // waited behind those (one token of 128K, 17 MB of keys: the query stores took 24% of the kernel's warp stall
+  // samples, H100). More heads keep their registers for the keys.
+  constexpr bool kQFp8Only = e4m3_operands(kMma), kEarlyQueries = kGroups == 1;
+  using FirstPieces = QueryPieces<kNTiles, kGroups, kQFp8Only ? 1 : 2>;  // the larger chunk of the two element sizes
+  uint4 first_q[FirstPieces::kChunk];
+  float first_weight = 0.f, first_q_scale = 1.f;
+  if constexpr (kEarlyQueries) {
+    if (kQFp8Only || p.q_kind == QKind::fp8) QueryPieces<kNTiles, kGroups, 1>::load(p, t0, 0, first_q);
+    else FirstPieces::load(p, t0, 0, first_q);
+    if (tid < p.heads) {
+      first_weight = p.weights[int64_t{t0} * p.w_stride_t + tid * p.w_stride_h];
+      if (p.q_scale) first_q_scale = p.q_scale[int64_t{t0} * p.qs_stride_t + tid * p.qs_stride_h];
+    }
+  }
   auto issue = [&](int i) {
     if (i < n_tiles) {
       const int slot = i % kStages, start = begin + i * kTile;
@@ -338,20 +374,27 @@ __global__ void __launch_bounds__(kScoreThreads, 4) index_scores_kernel(const Sc
 
   // The tokens' queries as the mma's B operand in shared memory (e4m3 operands: fp8 queries), and each head's weight
   // times its query scale, a thread per head (one trip to memory).
-  for (int u = 0; u < n_group; ++u) {
+  // Token t0 + u's queries and head weights into shared memory (early: loaded above).
+  const auto stage = [&](int u, bool early) {
     auto* b = reinterpret_cast<uint8_t*>(s.q[u]);
-    if constexpr (e4m3_operands(kMma)) stage_queries<kNTiles, kGroups, kMma, QKind::fp8>(p, t0 + u, b);
-    else if (p.q_kind == QKind::fp8) stage_queries<kNTiles, kGroups, kMma, QKind::fp8>(p, t0 + u, b);
-    else if (p.q_kind == QKind::bf16) stage_queries<kNTiles, kGroups, kMma, QKind::bf16>(p, t0 + u, b);
-    else stage_queries<kNTiles, kGroups, kMma, QKind::f16>(p, t0 + u, b);
+    const uint4* first = early ? first_q : nullptr;
+    if constexpr (kQFp8Only) stage_queries<kNTiles, kGroups, kMma, QKind::fp8>(p, t0 + u, b, first);
+    else if (p.q_kind == QKind::fp8) stage_queries<kNTiles, kGroups, kMma, QKind::fp8>(p, t0 + u, b, first);
+    else if (p.q_kind == QKind::bf16) stage_queries<kNTiles, kGroups, kMma, QKind::bf16>(p, t0 + u, b, first);
+    else stage_queries<kNTiles, kGroups, kMma, QKind::f16>(p, t0 + u, b, first);
     const int64_t tu = t0 + u;
     if (kTokens > 1 && tid == 0) s.visible[u] = static_cast<int>(p.rows.visible(t0 + u));
-    for (int h = tid; h < kHeadColumns; h += kScoreThreads)
-      s.head_weight[u][h] = h < p.heads ? p.weights[tu * p.w_stride_t + h * p.w_stride_h] *
-                                              (p.q_scale ? p.q_scale[tu * p.qs_stride_t + h * p.qs_stride_h] : 1.f) *
-                                              (scaled_keys(kMma) ? kFp8WeightScale : 1.f)
-                                        : 0.f;
-  }
+    if (tid < kHeadColumns) {  // thread h: head h's
+      const bool has_head = tid < p.heads;
+      const float weight = early ? first_weight : has_head ? p.weights[tu * p.w_stride_t + tid * p.w_stride_h] : 0.f;
+      const float q_scale = early                   ? first_q_scale
+                            : has_head && p.q_scale ? p.q_scale[tu * p.qs_stride_t + tid * p.qs_stride_h]
+                                                    : 1.f;
+      s.head_weight[u][tid] = has_head ? weight * q_scale * (scaled_keys(kMma) ? kFp8WeightScale : 1.f) : 0.f;
+    }
+  };
+  stage(0, kEarlyQueries);
+  for (int u = 1; u < n_group; ++u) stage(u, false);
   if constexpr (uses_wgmma(kMma)) fence_shared_for_async_proxy();
   __syncthreads();
   // This lane's accumulator columns' weights, heads 8n + 2c and 8n + 2c + 1 of each group, of token u: in registers
