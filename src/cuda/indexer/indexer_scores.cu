@@ -372,9 +372,8 @@ __global__ void __launch_bounds__(kScoreThreads, 4) index_scores_kernel(const Sc
 #pragma unroll
   for (int i = 0; i < kStages - 1; ++i) issue(i);
 
-  // The tokens' queries as the mma's B operand in shared memory (e4m3 operands: fp8 queries), and each head's weight
-  // times its query scale, a thread per head (one trip to memory).
-  // Token t0 + u's queries and head weights into shared memory (early: loaded above).
+  // Token t0 + u's queries as the mma's B operand in shared memory (e4m3 operands: fp8 queries), and each head's
+  // weight times its query scale, a thread per head (one trip to memory; early: loaded above).
   const auto stage = [&](int u, bool early) {
     auto* b = reinterpret_cast<uint8_t*>(s.q[u]);
     const uint4* first = early ? first_q : nullptr;
