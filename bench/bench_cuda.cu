@@ -1124,6 +1124,7 @@ int main(int argc, char** argv) {
   // (fp8q only). `bench_cuda topk TOKENS
   // CONTEXT` one top-k config (unsplit, split, cluster, picked, then cluster16: in that order, each warmed up and
   // timed).
+  // `bench_cuda step TOKENS CONTEXT [TOKENS_PER_REQUEST]` one step config (default 1: each token its own request).
   // `bench_cuda stamps [TOKENS CONTEXT]` (a build with SMLA_TOPK_STAMPS): where the step's and the top-k's time
   // goes, sorted and unsorted (default: 1 x 8K and 1 x 128K).
   // `--json PATH` (anywhere) also writes the ceilings and the attention, top-k and step rows as JSON.
@@ -1408,6 +1409,10 @@ int main(int argc, char** argv) {
                 "unsrt L2 0", "tok/s 78 L", "sc count", "tk counted", "step cntd", "sc grouped", "sc one", "sc L2 0",
                 "attn L2 0");
     StepCaches caches;
+    if (argc >= 4) {  // one config: TOKENS CONTEXT [TOKENS_PER_REQUEST]
+      bench_step(caches, std::atoi(argv[2]), std::atoi(argv[3]), argc >= 5 ? std::atoi(argv[4]) : 1);
+      return 0;
+    }
     for (int context : {8192, 131072}) {
       for (int tokens : {1, 8}) bench_step(caches, tokens, context);
       bench_step(caches, 8, context, 8);   // one request's 8 tokens

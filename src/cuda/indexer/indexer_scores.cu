@@ -267,8 +267,12 @@ __global__ void __launch_bounds__(kScoreThreads, 4) index_scores_kernel(const Sc
   }
   // Visible positions fit in int (context lengths are int32); the grid spans the table's capacity, which may not.
   // Tiles are read as far as the group's longest context; each token's scores are written up to its own.
-  int ctx = 0;
-  for (int u = 0; u < n_group; ++u) ctx = max(ctx, static_cast<int>(p.rows.visible(t0 + u)));
+  int ctx = 0, visible[kTokens];  // the group's tokens' positions (grouped: kept in s.visible with their queries)
+#pragma unroll
+  for (int u = 0; u < kTokens; ++u) {
+    visible[u] = u < n_group ? static_cast<int>(p.rows.visible(t0 + u)) : 0;
+    ctx = max(ctx, visible[u]);
+  }
   const int part_tiles = (p.tiles_per_cta + n_group - 1) / n_group, run_first = blockIdx.x * p.tiles_per_cta;
   const int first_tile = run_first + (t - t0) * part_tiles;
   const int part_end = run_first + min((t - t0 + 1) * part_tiles, p.tiles_per_cta);
@@ -300,20 +304,29 @@ __global__ void __launch_bounds__(kScoreThreads, 4) index_scores_kernel(const Sc
     return kRuns && i < n_tiles ? int2{table[start / block_size], start % block_size} : int2{-1, 0};
   };
   int2 cur_run = run_of(lane), next_run = run_of(lane + 32);
-  // Up to 32 heads (a chunk of queries is all of them), the first token's queries and this thread's head weight and
-  // query scale are loaded now, with the block table: loaded after the keys' copies were issued, from a cold L2 they
-  // waited behind those (one token of 128K, 17 MB of keys: the query stores took 24% of the kernel's warp stall
-  // samples, H100). More heads keep their registers for the keys.
+  // This thread's head's weight times its query scale for token tu (thread h: head h; 0 past the heads).
+  const auto weight_times_scale = [&](int64_t tu) {
+    if (tid >= p.heads) return 0.f;
+    const float q_scale = p.q_scale ? p.q_scale[tu * p.qs_stride_t + tid * p.qs_stride_h] : 1.f;
+    return p.weights[tu * p.w_stride_t + tid * p.w_stride_h] * q_scale;
+  };
+  // Up to 32 heads (a chunk of queries is all of them), every token's queries and this thread's head weight times
+  // query scale are loaded now, with the block table, all at once: loaded after the keys' copies were issued, from a
+  // cold L2 they waited behind those (one token of 128K, 17 MB of keys: the query stores took 24% of the kernel's
+  // warp stall samples, H100), a grouped CTA's tokens one trip after another. More heads keep their registers for
+  // the keys.
   constexpr bool kQFp8Only = e4m3_operands(kMma), kEarlyQueries = kGroups == 1;
   using FirstPieces = QueryPieces<kNTiles, kGroups, kQFp8Only ? 1 : 2>;  // the larger chunk of the two element sizes
-  uint4 first_q[FirstPieces::kChunk];
-  float first_weight = 0.f, first_q_scale = 1.f;
+  constexpr int kEarlyTokens = kEarlyQueries ? kTokens : 1;
+  uint4 early_q[kEarlyTokens][FirstPieces::kChunk];
+  float early_weight[kEarlyTokens];
   if constexpr (kEarlyQueries) {
-    if (kQFp8Only || p.q_kind == QKind::fp8) QueryPieces<kNTiles, kGroups, 1>::load(p, t0, 0, first_q);
-    else FirstPieces::load(p, t0, 0, first_q);
-    if (tid < p.heads) {
-      first_weight = p.weights[int64_t{t0} * p.w_stride_t + tid * p.w_stride_h];
-      if (p.q_scale) first_q_scale = p.q_scale[int64_t{t0} * p.qs_stride_t + tid * p.qs_stride_h];
+#pragma unroll
+    for (int u = 0; u < kTokens; ++u) {
+      if (u >= n_group) break;
+      if (kQFp8Only || p.q_kind == QKind::fp8) QueryPieces<kNTiles, kGroups, 1>::load(p, t0 + u, 0, early_q[u]);
+      else FirstPieces::load(p, t0 + u, 0, early_q[u]);
+      early_weight[u] = weight_times_scale(t0 + u);
     }
   }
   auto issue = [&](int i) {
@@ -373,27 +386,27 @@ __global__ void __launch_bounds__(kScoreThreads, 4) index_scores_kernel(const Sc
   for (int i = 0; i < kStages - 1; ++i) issue(i);
 
   // Token t0 + u's queries as the mma's B operand in shared memory (e4m3 operands: fp8 queries), and each head's
-  // weight times its query scale, a thread per head (one trip to memory; early: loaded above).
-  const auto stage = [&](int u, bool early) {
+  // weight times its query scale, a thread per head (one trip to memory; kEarlyQueries: loaded above). u a constant
+  // (unrolled), so the early registers stay registers.
+  const auto stage = [&](int u) {
     auto* b = reinterpret_cast<uint8_t*>(s.q[u]);
-    const uint4* first = early ? first_q : nullptr;
+    const uint4* first = nullptr;
+    if constexpr (kEarlyQueries) first = early_q[u];
     if constexpr (kQFp8Only) stage_queries<kNTiles, kGroups, kMma, QKind::fp8>(p, t0 + u, b, first);
     else if (p.q_kind == QKind::fp8) stage_queries<kNTiles, kGroups, kMma, QKind::fp8>(p, t0 + u, b, first);
     else if (p.q_kind == QKind::bf16) stage_queries<kNTiles, kGroups, kMma, QKind::bf16>(p, t0 + u, b, first);
     else stage_queries<kNTiles, kGroups, kMma, QKind::f16>(p, t0 + u, b, first);
-    const int64_t tu = t0 + u;
-    if (kTokens > 1 && tid == 0) s.visible[u] = static_cast<int>(p.rows.visible(t0 + u));
+    if (kTokens > 1 && tid == 0) s.visible[u] = visible[u];
     if (tid < kHeadColumns) {  // thread h: head h's
-      const bool has_head = tid < p.heads;
-      const float weight = early ? first_weight : has_head ? p.weights[tu * p.w_stride_t + tid * p.w_stride_h] : 0.f;
-      const float q_scale = early                   ? first_q_scale
-                            : has_head && p.q_scale ? p.q_scale[tu * p.qs_stride_t + tid * p.qs_stride_h]
-                                                    : 1.f;
-      s.head_weight[u][tid] = has_head ? weight * q_scale * (scaled_keys(kMma) ? kFp8WeightScale : 1.f) : 0.f;
+      float weight;
+      if constexpr (kEarlyQueries) weight = early_weight[u];
+      else weight = weight_times_scale(t0 + u);
+      s.head_weight[u][tid] = weight * (scaled_keys(kMma) ? kFp8WeightScale : 1.f);
     }
   };
-  stage(0, kEarlyQueries);
-  for (int u = 1; u < n_group; ++u) stage(u, false);
+#pragma unroll
+  for (int u = 0; u < kTokens; ++u)
+    if (u < n_group) stage(u);
   if constexpr (uses_wgmma(kMma)) fence_shared_for_async_proxy();
   __syncthreads();
   // This lane's accumulator columns' weights, heads 8n + 2c and 8n + 2c + 1 of each group, of token u: in registers
@@ -457,81 +470,95 @@ __global__ void __launch_bounds__(kScoreThreads, 4) index_scores_kernel(const Sc
           ldmatrix_x4(a[jj], &keys[warp * 16 + lane % 16][2 * (16 * (kHalfSteps * half + jj) + (lane / 16) * 8)]);
       }
     };
-    // wgmma: the tile's A fragments, made for the group's first token and kept for the others.
+    // wgmma: the tokens of a batch (up to 64 accumulators a thread: 4 of 32 heads, 2 of 64) meet the tile in one
+    // batch of wgmmas and one wait (a wait a token left the tensor cores idle through each token's sums); the
+    // tile's A fragments are made for the first batch, the second half while the tensor cores work on the first,
+    // and kept for the others (no uninitialised accumulator is read: a token's first k-step overwrites them).
+    constexpr int kBatch = !uses_wgmma(kMma) ? 1 : kTokens < 128 / kHeadColumns ? kTokens : 128 / kHeadColumns;
     uint32_t a_tile[uses_wgmma(kMma) ? 2 : 1][kHalfSteps][4];
-    for (int u = 0; u < n_group; ++u) {  // the group's tokens, one after the other against the tile
-      if constexpr (kTokens > 1) load_weights(u, w);
-      float score[2] = {0.f, 0.f};  // this lane's rows g and g + 8 of the warp's 16 positions
-      // ReLU, head weights and the sum over the heads of 8-column block nt of group grp.
-      const auto add_heads = [&](int grp, int nt, const float* acc) {
-        const float(&wn)[2] = w[grp][nt];
-        score[0] += wn[0] * fmaxf(acc[0], 0.f) + wn[1] * fmaxf(acc[1], 0.f);
-        score[1] += wn[0] * fmaxf(acc[2], 0.f) + wn[1] * fmaxf(acc[3], 0.f);
-      };
-      if constexpr (uses_wgmma(kMma)) {
-        // The four warps' rows are the warpgroup's 64. The second half's A fragments are made while the tensor
-        // cores work on the first (no uninitialised accumulator is read: the first k-step overwrites them).
+    float acc_batch[kBatch][uses_wgmma(kMma) ? kHeadColumns / 2 : 1];
+    for (int u0 = 0; u0 < n_group; u0 += kBatch) {
+      if constexpr (uses_wgmma(kMma)) {  // the four warps' rows are the warpgroup's 64
         constexpr WgmmaIn kIn = kMma == Mma::fp8_wgmma ? WgmmaIn::e4m3 : WgmmaIn::bf16;
-        const uint64_t q_token = q_descriptor + u * kTokenQueryStep;
-        float acc[kHeadColumns / 2];
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-          if (u == 0) load_a(half, a_tile[half]);
+          if (u0 == 0) load_a(half, a_tile[half]);
           wgmma_fence();
 #pragma unroll
-          for (int jj = 0; jj < kHalfSteps; ++jj) {
-            const int j = kHalfSteps * half + jj;
-            wgmma<kIn, kHeadColumns>(acc, a_tile[half][jj], q_token + (j * kHeadColumns * 32 >> 4), j > 0);
+          for (int b = 0; b < kBatch; ++b) {
+            if (u0 + b >= n_group) break;
+            const uint64_t q_token = q_descriptor + (u0 + b) * kTokenQueryStep;
+#pragma unroll
+            for (int jj = 0; jj < kHalfSteps; ++jj) {
+              const int j = kHalfSteps * half + jj;
+              const uint64_t b_step = q_token + (j * kHeadColumns * 32 >> 4);
+              wgmma<kIn, kHeadColumns>(acc_batch[b], a_tile[half][jj], b_step, j > 0);
+            }
           }
         }
         wgmma_commit_and_wait();
+      }
 #pragma unroll
-        for (int b = 0; b < kHeadColumns / 8; ++b) add_heads(b / kNTiles, b % kNTiles, &acc[4 * b]);
-      } else {
-        // Each A fragment meets the heads of kPassGroups groups before the next is made (more accumulators would
-        // spill).
-        constexpr int kPassGroups = kGroups < 2 ? kGroups : 2;
+      for (int b = 0; b < kBatch; ++b) {  // the group's tokens, one after the other against the tile
+        const int u = u0 + b;
+        if (u >= n_group) break;
+        if constexpr (kTokens > 1) load_weights(u, w);
+        float score[2] = {0.f, 0.f};  // this lane's rows g and g + 8 of the warp's 16 positions
+        // ReLU, head weights and the sum over the heads of 8-column block nt of group grp.
+        const auto add_heads = [&](int grp, int nt, const float* acc) {
+          const float(&wn)[2] = w[grp][nt];
+          score[0] += wn[0] * fmaxf(acc[0], 0.f) + wn[1] * fmaxf(acc[1], 0.f);
+          score[1] += wn[0] * fmaxf(acc[2], 0.f) + wn[1] * fmaxf(acc[3], 0.f);
+        };
+        if constexpr (uses_wgmma(kMma)) {
 #pragma unroll
-        for (int pass = 0; pass < kGroups / kPassGroups; ++pass) {
-          float acc[kPassGroups][kNTiles][4] = {};
+          for (int n8 = 0; n8 < kHeadColumns / 8; ++n8) add_heads(n8 / kNTiles, n8 % kNTiles, &acc_batch[b][4 * n8]);
+        } else {
+          // Each A fragment meets the heads of kPassGroups groups before the next is made (more accumulators would
+          // spill).
+          constexpr int kPassGroups = kGroups < 2 ? kGroups : 2;
 #pragma unroll
-          for (int half = 0; half < 2; ++half) {  // half the A fragments live at a time
-            uint32_t a[kHalfSteps][4];
-            load_a(half, a);
+          for (int pass = 0; pass < kGroups / kPassGroups; ++pass) {
+            float acc[kPassGroups][kNTiles][4] = {};
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {  // half the A fragments live at a time
+              uint32_t a[kHalfSteps][4];
+              load_a(half, a);
+#pragma unroll
+              for (int pg = 0; pg < kPassGroups; ++pg)
+#pragma unroll
+                for (int jj = 0; jj < kHalfSteps; ++jj)
+#pragma unroll
+                  for (int nt = 0; nt < kNTiles; ++nt) {
+                    const int j = kHalfSteps * half + jj;
+                    const uint2 b = kQInRegisters ? bq[nt][j] : s.q[u][pass * kPassGroups + pg][nt][j][lane];
+                    if constexpr (kMma == Mma::fp8) mma_16832_e4m3(acc[pg][nt], a[jj], {b.x, b.y});
+                    else mma_16816<__nv_bfloat16>(acc[pg][nt], a[jj], {b.x, b.y});
+                  }
+            }
 #pragma unroll
             for (int pg = 0; pg < kPassGroups; ++pg)
 #pragma unroll
-              for (int jj = 0; jj < kHalfSteps; ++jj)
-#pragma unroll
-                for (int nt = 0; nt < kNTiles; ++nt) {
-                  const int j = kHalfSteps * half + jj;
-                  const uint2 b = kQInRegisters ? bq[nt][j] : s.q[u][pass * kPassGroups + pg][nt][j][lane];
-                  if constexpr (kMma == Mma::fp8) mma_16832_e4m3(acc[pg][nt], a[jj], {b.x, b.y});
-                  else mma_16816<__nv_bfloat16>(acc[pg][nt], a[jj], {b.x, b.y});
-                }
+              for (int nt = 0; nt < kNTiles; ++nt) add_heads(pass * kPassGroups + pg, nt, acc[pg][nt]);
           }
-#pragma unroll
-          for (int pg = 0; pg < kPassGroups; ++pg)
-#pragma unroll
-            for (int nt = 0; nt < kNTiles; ++nt) add_heads(pass * kPassGroups + pg, nt, acc[pg][nt]);
         }
-      }
-      // The other heads of rows g and g + 8 are in the quad's other lanes.
+        // The other heads of rows g and g + 8 are in the quad's other lanes.
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        score[r] += __shfl_xor_sync(0xffffffffu, score[r], 1);
-        score[r] += __shfl_xor_sync(0xffffffffu, score[r], 2);
-      }
-      // Lane c = 0 writes row g, c = 1 row g + 8, of token t0 + u, up to its own context.
-      const int64_t tu = t0 + u;
-      const int row = warp * 16 + g + 8 * (c & 1), pos = begin + i * kTile + row;
-      const bool writes = c < 2 && pos < (kTokens > 1 ? s.visible[u] : ctx);
-      const float sc = s.scale[slot][row], value = sc < 0.f ? -INFINITY : (c == 0 ? score[0] : score[1]) * sc;
-      if (writes) p.scores[tu * p.score_stride + pos] = value;
-      if (p.histograms != nullptr) {  // one atomic per bin among the warp's 16 scores (the pointer read when needed)
-        const int bin = writes ? coarse_bin(value) : -1;
-        const uint32_t same = __match_any_sync(0xffffffffu, bin);
-        if (writes && lane == __ffs(same) - 1) atomicAdd(&p.histograms[tu * kCoarseBins + bin], __popc(same));
+        for (int r = 0; r < 2; ++r) {
+          score[r] += __shfl_xor_sync(0xffffffffu, score[r], 1);
+          score[r] += __shfl_xor_sync(0xffffffffu, score[r], 2);
+        }
+        // Lane c = 0 writes row g, c = 1 row g + 8, of token t0 + u, up to its own context.
+        const int64_t tu = t0 + u;
+        const int row = warp * 16 + g + 8 * (c & 1), pos = begin + i * kTile + row;
+        const bool writes = c < 2 && pos < (kTokens > 1 ? s.visible[u] : ctx);
+        const float sc = s.scale[slot][row], value = sc < 0.f ? -INFINITY : (c == 0 ? score[0] : score[1]) * sc;
+        if (writes) p.scores[tu * p.score_stride + pos] = value;
+        if (p.histograms != nullptr) {  // one atomic per bin among the warp's 16 scores (the pointer read when needed)
+          const int bin = writes ? coarse_bin(value) : -1;
+          const uint32_t same = __match_any_sync(0xffffffffu, bin);
+          if (writes && lane == __ffs(same) - 1) atomicAdd(&p.histograms[tu * kCoarseBins + bin], __popc(same));
+        }
       }
     }
   }
