@@ -36,6 +36,7 @@
 #include <cuda_fp8.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #include "cuda/common/mma.cuh"
 #include "cuda/common/runtime.h"
@@ -141,11 +142,11 @@ struct ScoreSmem {
 // that holds head h's dims dim and dim + 1 as bf16 (e4m3 operands: the codes of dims dim .. dim + 3; dim a multiple
 // of 2, or 4). Dims go where the A fragments put the keys' (fragment_dims): quad lane c, k-step j, pair `half`.
 template <int kNTiles, int kGroups, Mma kMma>
-__device__ __forceinline__ int query_word_offset(int h, int dim) {
-  constexpr int kSteps = k_steps(kMma), kStepDims = 32 / kSteps;  // permuted: a lane's 32 dims, k-step by k-step
-  const int c = kMma == Mma::bf16 ? dim % 8 / 2 : dim / 32;
-  const int j = kMma == Mma::bf16 ? dim / 16 : dim % 32 / kStepDims;
-  const int half = kMma == Mma::bf16 ? dim % 16 / 8 : dim % kStepDims / (kStepDims / 2);
+__device__ __forceinline__ unsigned query_word_offset(unsigned h, unsigned dim) {  // unsigned: shifts and masks
+  constexpr unsigned kSteps = k_steps(kMma), kStepDims = 32 / kSteps;  // permuted: a lane's 32 dims, k-step by k-step
+  const unsigned c = kMma == Mma::bf16 ? dim % 8 / 2 : dim / 32;
+  const unsigned j = kMma == Mma::bf16 ? dim / 16 : dim % 32 / kStepDims;
+  const unsigned half = kMma == Mma::bf16 ? dim % 16 / 8 : dim % kStepDims / (kStepDims / 2);
   if constexpr (uses_wgmma(kMma)) {
     // K-major core matrices of 8 heads x 16 bytes: k-step j's block of N * 32 bytes holds, for each 8 heads (256
     // bytes), their bytes of the first register pairs then of the second (128 bytes each).
@@ -180,9 +181,9 @@ struct QueryPieces {
     const uint8_t* q = static_cast<const uint8_t*>(p.q) + t * p.q_stride_t * kElem;
 #pragma unroll
     for (int k = 0; k < kChunk; ++k) {
-      const int piece = first + k * kScoreThreads + threadIdx.x, h = piece / kPiecesPerHead;
-      const int dim = piece % kPiecesPerHead * kPieceValues;
-      raw[k] = piece < kPieces && h < p.heads
+      const unsigned piece = first + k * kScoreThreads + threadIdx.x, h = piece / kPiecesPerHead;
+      const unsigned dim = piece % kPiecesPerHead * kPieceValues;
+      raw[k] = piece < kPieces && h < static_cast<unsigned>(p.heads)
                    ? load_query_piece<kElem>(q + (h * p.q_stride_h + dim) * kElem, p.q_aligned)
                    : uint4{0, 0, 0, 0};
     }
@@ -216,8 +217,8 @@ __device__ __forceinline__ void stage_queries(const ScoreParams& p, int t, uint8
     }
 #pragma unroll
     for (int k = 0; k < kChunk; ++k) {
-      const int piece = first + k * kScoreThreads + threadIdx.x, h = piece / kPiecesPerHead;
-      const int dim = piece % kPiecesPerHead * kPieceValues;
+      const unsigned piece = first + k * kScoreThreads + threadIdx.x, h = piece / kPiecesPerHead;
+      const unsigned dim = piece % kPiecesPerHead * kPieceValues;
       if (piece >= kPieces) continue;
       const uint32_t in[4] = {raw[k].x, raw[k].y, raw[k].z, raw[k].w};
       if constexpr (e4m3_operands(kMma)) {  // the codes as they are, 4 dims a word
@@ -232,6 +233,14 @@ __device__ __forceinline__ void stage_queries(const ScoreParams& p, int t, uint8
       }
     }
   }
+}
+
+// f(std::integral_constant<int, c>{}) for c = min(n, kMax) (n >= 1): a count known at run time as a constant.
+template <int kMax, typename F>
+__device__ __forceinline__ void with_count(int n, F&& f) {
+  if constexpr (kMax > 1)
+    if (n < kMax) return with_count<kMax - 1>(n, f);
+  f(std::integral_constant<int, kMax>{});
 }
 
 // Heads (kGroups x kNTiles x 8 of them, padded with zeros) are the mma's N.
@@ -470,33 +479,35 @@ __global__ void __launch_bounds__(kScoreThreads, 4) index_scores_kernel(const Sc
           ldmatrix_x4(a[jj], &keys[warp * 16 + lane % 16][2 * (16 * (kHalfSteps * half + jj) + (lane / 16) * 8)]);
       }
     };
-    // wgmma: the tokens of a batch (up to 64 accumulators a thread: 4 of 32 heads, 2 of 64) meet the tile in one
+    // wgmma: the tokens of a batch (up to 32 heads: the group's 4, 64 accumulators a thread) meet the tile in one
     // batch of wgmmas and one wait (a wait a token left the tensor cores idle through each token's sums); the
     // tile's A fragments are made for the first batch, the second half while the tensor cores work on the first,
     // and kept for the others (no uninitialised accumulator is read: a token's first k-step overwrites them).
-    constexpr int kBatch = !uses_wgmma(kMma) ? 1 : kTokens < 128 / kHeadColumns ? kTokens : 128 / kHeadColumns;
+    constexpr int kBatch = uses_wgmma(kMma) && kGroups == 1 ? kTokens : 1;
     uint32_t a_tile[uses_wgmma(kMma) ? 2 : 1][kHalfSteps][4];
     float acc_batch[kBatch][uses_wgmma(kMma) ? kHeadColumns / 2 : 1];
     for (int u0 = 0; u0 < n_group; u0 += kBatch) {
       if constexpr (uses_wgmma(kMma)) {  // the four warps' rows are the warpgroup's 64
         constexpr WgmmaIn kIn = kMma == Mma::fp8_wgmma ? WgmmaIn::e4m3 : WgmmaIn::bf16;
+        // The batch's size a constant: a branch between its wgmmas made ptxas fence them (C7519).
+        with_count<kBatch>(n_group - u0, [&](auto count) {
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          if (u0 == 0) load_a(half, a_tile[half]);
-          wgmma_fence();
+          for (int half = 0; half < 2; ++half) {
+            if (u0 == 0) load_a(half, a_tile[half]);
+            wgmma_fence();
 #pragma unroll
-          for (int b = 0; b < kBatch; ++b) {
-            if (u0 + b >= n_group) break;
-            const uint64_t q_token = q_descriptor + (u0 + b) * kTokenQueryStep;
+            for (int b = 0; b < decltype(count)::value; ++b) {
+              const uint64_t q_token = q_descriptor + (u0 + b) * kTokenQueryStep;
 #pragma unroll
-            for (int jj = 0; jj < kHalfSteps; ++jj) {
-              const int j = kHalfSteps * half + jj;
-              const uint64_t b_step = q_token + (j * kHeadColumns * 32 >> 4);
-              wgmma<kIn, kHeadColumns>(acc_batch[b], a_tile[half][jj], b_step, j > 0);
+              for (int jj = 0; jj < kHalfSteps; ++jj) {
+                const int j = kHalfSteps * half + jj;
+                const uint64_t b_step = q_token + (j * kHeadColumns * 32 >> 4);
+                wgmma<kIn, kHeadColumns>(acc_batch[b], a_tile[half][jj], b_step, j > 0);
+              }
             }
           }
-        }
-        wgmma_commit_and_wait();
+          wgmma_commit_and_wait();
+        });
       }
 #pragma unroll
       for (int b = 0; b < kBatch; ++b) {  // the group's tokens, one after the other against the tile
