@@ -515,11 +515,12 @@ __global__ void __launch_bounds__(kScoreThreads, 4) index_scores_kernel(const Sc
         if (u >= n_group) break;
         if constexpr (kTokens > 1) load_weights(u, w);
         float score[2] = {0.f, 0.f};  // this lane's rows g and g + 8 of the warp's 16 positions
-        // ReLU, head weights and the sum over the heads of 8-column block nt of group grp.
+        // ReLU, head weights and the sum over the heads of 8-column block nt of group grp (fused multiply-adds: one
+        // instruction a head beside its ReLU).
         const auto add_heads = [&](int grp, int nt, const float* acc) {
           const float(&wn)[2] = w[grp][nt];
-          score[0] += wn[0] * fmaxf(acc[0], 0.f) + wn[1] * fmaxf(acc[1], 0.f);
-          score[1] += wn[0] * fmaxf(acc[2], 0.f) + wn[1] * fmaxf(acc[3], 0.f);
+          score[0] = fmaf(wn[1], fmaxf(acc[1], 0.f), fmaf(wn[0], fmaxf(acc[0], 0.f), score[0]));
+          score[1] = fmaf(wn[1], fmaxf(acc[3], 0.f), fmaf(wn[0], fmaxf(acc[2], 0.f), score[1]));
         };
         if constexpr (uses_wgmma(kMma)) {
 #pragma unroll
