@@ -17,8 +17,9 @@
 // chosen where runs are long, see kMinGroupedRun; fp8 keys in blocks of multiples of 64, up to 64 heads), the CTAs
 // of up to kGroupTokens consecutive
 // tokens of one request share their tiles: each takes a part of the tile run and scores it for every token of the
-// group, its queries one after the other against the tile in shared memory, so each key is read from memory once
-// a group instead of once a token; a token's products and sums are the same instructions as ungrouped.
+// group, its queries one after the other against the tile in shared memory (wgmma, up to 32 heads: all of them in
+// one batch), so each key is read from memory once a group instead of once a token; a token's products and sums are
+// the same instructions as ungrouped.
 //
 // fp8 keys meet fp8 queries as they are where the arch multiplies e4m3
 // natively (mma.sync on SM89 and SM12x, wgmma on Hopper): half the k-steps of
