@@ -27,6 +27,9 @@ KernelLimits limits_of(const char* arch, bool sm90a_code = true) {
 // The automatic rule restated from the thresholds and the shared-memory tables (each kernel's shallowest depth).
 AttentionKernel expected_kernel(const KernelLimits& l, const KernelShape& s) {
   const bool sixteen_bit = s.format == CacheFormat::bf16 || s.format == CacheFormat::f16;
+  const bool few_tokens = s.format == CacheFormat::fp8_ds_mla && s.rope && !s.paged && s.heads >= 8 &&
+                          s.heads <= 16 && s.tokens >= 4 && s.tokens <= 8;
+  if (few_tokens && l.compute_capability == 90 && l.sm90a_code) return AttentionKernel::wgmma;
   if (s.heads >= wgmma_min_heads(s.format) && wgmma_rows(s.tokens, s.heads) >= wgmma_min_rows(s.rope) &&
       l.compute_capability == 90 && l.sm90a_code && (sixteen_bit || kWgmmaAutomaticForFp8))
     return AttentionKernel::wgmma;
@@ -59,7 +62,7 @@ TEST(KernelChoice, AutomaticOnEveryArch) {
         for (int rope : {0, 64})
           for (bool paged : {false, true})
             for (int heads : {1, 8, 9, 12, 16, 17, 20, 32, 48, 64, 100, 128})
-              for (int64_t tokens : {1, 7, 8, 15, 16, 31, 32, 63, 64, 4096}) {
+              for (int64_t tokens : {1, 3, 4, 7, 8, 9, 15, 16, 31, 32, 63, 64, 4096}) {
                 if (f == CacheFormat::fp8_ds_mla_v4 && rope) continue;
                 const KernelLimits l = limits_of(arch, sm90a_code);
                 const KernelShape s{f, rope, paged, tokens, heads, {}};
@@ -91,8 +94,12 @@ TEST(KernelChoice, AutomaticOnEveryArch) {
                 // Where the wgmma kernel runs, the wide tile (after the small-heads kernel) is named as beaten by it.
                 if (d.chosen.kernel == AttentionKernel::wgmma)
                   EXPECT_EQ(rejection_text(d.rejected[1], d.chosen, 90),
-                            "not chosen: " + std::to_string(wgmma_min_heads(f)) + "+ heads at " + (rope ? "512" : "1,024") +
-                                "+ query rows x heads (heads padded to 64) take the wgmma kernel (sm_90a code)");
+                            d.chosen.heads_per_cta < 32
+                                ? std::string("not chosen: fp8_ds_mla at 8-16 heads and 4-8 query rows takes the wgmma "
+                                              "kernel's keys-on-M form (sm_90a code)")
+                                : "not chosen: " + std::to_string(wgmma_min_heads(f)) + "+ heads at " +
+                                      (rope ? "512" : "1,024") +
+                                      "+ query rows x heads (heads padded to 64) take the wgmma kernel (sm_90a code)");
               }
 }
 
@@ -260,6 +267,51 @@ TEST(KernelChoice, WgmmaKeysOnMChosenFor17To32HeadsFromThirtyTwoTokens) {
   EXPECT_EQ(chosen(CacheFormat::fp8_ds_mla, false, 128, 32, {AttentionKernel::wgmma}).heads_per_cta, 64);
   EXPECT_EQ(chosen(CacheFormat::fp8_ds_mla, false, 128, 16).kernel, AttentionKernel::small_heads);
   EXPECT_FALSE(choose_attention_kernel(limits_of("sm_120"), {CacheFormat::fp8_ds_mla, 64, false, 128, 32, {}})
+                   .chosen.kernel == AttentionKernel::wgmma);
+}
+
+// Chosen, not forced: sparse attention over fp8_ds_mla (576-wide heads) for 8-16 heads at 4-8 tokens takes the
+// keys-on-M form with the heads rounded up to 8 or 16 per CTA on Hopper; 1-3 and 9+ tokens, 7 and 17 heads, rope-free
+// heads, dense paged decode, bf16 caches, a forced kernel and other archs do not.
+TEST(KernelChoice, WgmmaKeysOnMChosenFor8To16HeadsAt4To8Tokens) {
+  const auto chosen = [](const char* arch, CacheFormat f, int rope, bool paged, int64_t tokens, int heads,
+                         AttentionChoice forced = {}) {
+    const KernelDecision d = choose_attention_kernel(limits_of(arch), {f, rope, paged, tokens, heads, forced});
+    EXPECT_TRUE(d.ok());
+    return d;
+  };
+  for (int heads : {8, 9, 12, 16})
+    for (int64_t tokens : {4, 5, 8}) {
+      const KernelDecision d = chosen("sm_90", CacheFormat::fp8_ds_mla, 64, false, tokens, heads);
+      SCOPED_TRACE(std::to_string(heads) + " heads, " + std::to_string(tokens) + " tokens");
+      EXPECT_EQ(d.chosen.kernel, AttentionKernel::wgmma);
+      EXPECT_EQ(d.chosen.heads_per_cta, heads <= 8 ? 8 : 16);
+      EXPECT_EQ(d.chosen.threads, 384);
+      EXPECT_NE(variant_text(d.chosen).find("keys on M"), std::string::npos);
+      ASSERT_EQ(d.num_rejected, 3);
+      for (int i = 0; i < d.num_rejected; ++i) {
+        EXPECT_EQ(d.rejected[static_cast<size_t>(i)].why, Rejected::other_kernel_won);
+        EXPECT_EQ(rejection_text(d.rejected[static_cast<size_t>(i)], d.chosen, 90),
+                  "not chosen: fp8_ds_mla at 8-16 heads and 4-8 query rows takes the wgmma kernel's keys-on-M form "
+                  "(sm_90a code)");
+      }
+    }
+  for (int64_t tokens : {1, 3, 9, 16})
+    EXPECT_NE(chosen("sm_90", CacheFormat::fp8_ds_mla, 64, false, tokens, 8).chosen.kernel, AttentionKernel::wgmma)
+        << tokens << " tokens";
+  for (int heads : {7, 17})
+    EXPECT_NE(chosen("sm_90", CacheFormat::fp8_ds_mla, 64, false, 8, heads).chosen.heads_per_cta,
+              heads <= 8 ? 8 : 16)
+        << heads << " heads";
+  EXPECT_NE(chosen("sm_90", CacheFormat::fp8_ds_mla, 0, false, 8, 8).chosen.kernel, AttentionKernel::wgmma);
+  EXPECT_NE(chosen("sm_90", CacheFormat::fp8_ds_mla, 64, true, 8, 8).chosen.kernel, AttentionKernel::wgmma);
+  EXPECT_NE(chosen("sm_90", CacheFormat::bf16, 64, false, 8, 8).chosen.kernel, AttentionKernel::wgmma);
+  EXPECT_EQ(chosen("sm_90", CacheFormat::fp8_ds_mla, 64, false, 8, 8, {AttentionKernel::head_tile}).chosen.kernel,
+            AttentionKernel::head_tile);
+  EXPECT_EQ(chosen("sm_90", CacheFormat::fp8_ds_mla, 64, false, 8, 8, {AttentionKernel::wgmma}).chosen.heads_per_cta,
+            64);
+  EXPECT_NE(chosen("sm_120", CacheFormat::fp8_ds_mla, 64, false, 8, 8).chosen.kernel, AttentionKernel::wgmma);
+  EXPECT_FALSE(choose_attention_kernel(limits_of("sm_90", false), {CacheFormat::fp8_ds_mla, 64, false, 8, 8, {}})
                    .chosen.kernel == AttentionKernel::wgmma);
 }
 

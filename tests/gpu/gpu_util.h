@@ -40,10 +40,12 @@ inline bool wgmma_automatic_here(DType kv, int rope, bool paged) {
 
 // Whether the ops pick the wgmma kernel by themselves for `tokens` query rows of `heads` heads: where it runs, from
 // wgmma_min_heads heads on at wgmma_min_rows query rows x heads padded to its 64-head tile (ahead of the small-heads
-// kernel).
+// kernel), and in its keys-on-M form's few-token window (wgmma_few_tokens).
 inline bool automatic_wgmma(DType kv, int rope, bool paged, int heads, int64_t tokens) {
-  return wgmma_automatic_here(kv, rope, paged) && heads >= cuda::mla::wgmma_min_heads(cache_format_of(kv)) &&
-         cuda::mla::wgmma_rows(tokens, heads) >= cuda::mla::wgmma_min_rows(rope);
+  if (!wgmma_automatic_here(kv, rope, paged)) return false;
+  return cuda::mla::wgmma_few_tokens({cache_format_of(kv), rope, paged, tokens, heads, {}}) ||
+         (heads >= cuda::mla::wgmma_min_heads(cache_format_of(kv)) &&
+          cuda::mla::wgmma_rows(tokens, heads) >= cuda::mla::wgmma_min_rows(rope));
 }
 
 // The attention kernel the ops pick by themselves for `tokens` query rows of `heads` heads over a `kv` cache (`rope`:

@@ -1136,9 +1136,12 @@ TEST(CudaSparseMlaWideTile, AutomaticChoiceAndSecondCache) {
         if (wide) EXPECT_EQ(plan.kernel, many);
         else EXPECT_TRUE(plan.kernel == cuda::AttentionKernel::head_tile || plan.kernel == cuda::AttentionKernel::small_heads);
         // Hopper with sm_90a code: the wgmma kernel from 9 heads on (bf16 cache; fp8: 17, while kWgmmaAutomaticForFp8)
-        // at 512 query rows x heads padded to 64; elsewhere the wide tile from 64 heads and 4,096 rows.
-        const bool wgmma_rule = heads >= cuda::mla::wgmma_min_heads(cache_format_of(kv)) &&
-                                cuda::mla::wgmma_rows(tokens, heads) >= cuda::mla::wgmma_min_rows(kMlaRopeDim);
+        // at 512 query rows x heads padded to 64, and its keys-on-M form for fp8 at 8-16 heads and 4-8 tokens;
+        // elsewhere the wide tile from 64 heads and 4,096 rows.
+        const bool wgmma_rule =
+            cuda::mla::wgmma_few_tokens({cache_format_of(kv), kMlaRopeDim, false, tokens, heads, {}}) ||
+            (heads >= cuda::mla::wgmma_min_heads(cache_format_of(kv)) &&
+             cuda::mla::wgmma_rows(tokens, heads) >= cuda::mla::wgmma_min_rows(kMlaRopeDim));
         if (cuda::wgmma_kernels_available())
           EXPECT_EQ(plan.kernel == cuda::AttentionKernel::wgmma,
                     (kv == DType::bf16 || cuda::mla::kWgmmaAutomaticForFp8) && wgmma_rule);

@@ -91,9 +91,11 @@ KernelVariant small_heads(const KernelLimits& l, const KernelShape& s) {
 }
 
 // The wgmma kernels' heads per CTA: 64, or the keys-on-M form's where forced to 8, 16 or 32 over an fp8_ds_mla
-// cache, or chosen (kWgmmaKeysOnMMaxHeads: its 32-head form for sparse attention of enough tokens).
+// cache, or chosen (kWgmmaKeysOnMMaxHeads: its 32-head form for sparse attention of enough tokens; wgmma_few_tokens:
+// 8 or 16 heads for a few tokens).
 int wgmma_heads_per_cta(const KernelShape& s) {
   if (wgmma_keys_on_m(s.format, s.forced.heads_per_cta)) return s.forced.heads_per_cta;
+  if (wgmma_few_tokens(s)) return s.heads <= 8 ? 8 : 16;
   const bool keys_on_m = s.forced.kernel == AttentionKernel::automatic && s.format == CacheFormat::fp8_ds_mla &&
                          !s.paged && s.heads <= kWgmmaKeysOnMMaxHeads && s.tokens >= kWgmmaKeysOnMMinTokens;
   return keys_on_m ? kWgmmaKeysOnMMaxHeads : kWgmmaHeadsPerCta;
@@ -240,6 +242,11 @@ KernelDecision choose_attention_kernel(const KernelLimits& l, const KernelShape&
              small ? small_max_heads : static_cast<int>(wide_rule_min_rows(won, s.rope)));
       continue;
     }
+    if (k == AttentionKernel::wgmma && wgmma_few_tokens(s)) {  // its keys-on-M form's own window
+      d.chosen = variant(l, s, k);
+      if (!d.ok()) d.rejected[static_cast<size_t>(d.num_rejected++)] = unfit(l, s, k, least_smem(l, s, k));
+      continue;
+    }
     if (k == AttentionKernel::small_heads) {
       if (s.format == CacheFormat::fp8_ds_mla_v4 && !kSmallAutomaticForV4) {
         reject(k, Rejected::cache_format);
@@ -322,6 +329,10 @@ std::string rejection_text(const Rejection& r, const KernelVariant& chosen, int 
       return "needs " + with_commas(r.need) + " B of shared memory per block; " + arch_text(cc) + " allows " +
              with_commas(r.have);
     case Rejected::other_kernel_won:
+      if (chosen.kernel == AttentionKernel::wgmma && chosen.heads_per_cta < kWgmmaKeysOnMMaxHeads)
+        return "not chosen: fp8_ds_mla at " + std::to_string(kWgmmaFewTokensMinHeads) + "-" +
+               std::to_string(kWgmmaFewTokensMaxHeads) + " heads and " + std::to_string(kWgmmaFewTokensMin) + "-" +
+               std::to_string(kWgmmaFewTokensMax) + " query rows takes the wgmma kernel's keys-on-M form (sm_90a code)";
       if (chosen.kernel == AttentionKernel::small_heads)
         return "not chosen: this cache format at up to " + std::to_string(r.have) + " heads from " +
                std::to_string(r.need) + " query rows on takes the small-heads kernel";

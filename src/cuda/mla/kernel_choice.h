@@ -105,6 +105,20 @@ struct KernelShape {
   AttentionChoice forced;
 };
 
+// And where, not forced, it runs sparse attention over an fp8_ds_mla cache with 576-wide heads for 8-16 heads at 4-8
+// query tokens, as 8 or 16 heads per CTA (the heads rounded up; no head or row threshold of the wgmma kernel's own):
+// on an H100 (top-k 2048, µs from a CUDA graph, the op's choice before, the 16-head tile / keys on M; run of f15e63e)
+// 8 heads x 4 tokens 11.4 / 10.0, x 8 13.8 / 12.3; 16 heads x 4 14.8 / 12.6, x 8 17.4 / 15.6; it lost at 1 and 2
+// tokens (8 heads 7.7 / 8.8, 8.2 / 9.2) and tied at 16 (one launch, 20.6 / 20.9 at 8 heads, where the small-heads
+// kernel took 19.2).
+inline constexpr int kWgmmaFewTokensMinHeads = 8, kWgmmaFewTokensMaxHeads = 16;
+inline constexpr int64_t kWgmmaFewTokensMin = 4, kWgmmaFewTokensMax = 8;
+constexpr bool wgmma_few_tokens(const KernelShape& s) {
+  return s.forced.kernel == AttentionKernel::automatic && s.format == CacheFormat::fp8_ds_mla && s.rope && !s.paged &&
+         s.heads >= kWgmmaFewTokensMinHeads && s.heads <= kWgmmaFewTokensMaxHeads && s.tokens >= kWgmmaFewTokensMin &&
+         s.tokens <= kWgmmaFewTokensMax;
+}
+
 // One compiled variant: its kernel, heads per CTA, threads, pipeline depth, the small-heads kernel's dim split
 // (1 or 2; 0 for the others), dynamic shared memory, registers per thread (a bound), resident CTAs per SM, and
 // whether the small-heads kernel copies its rows by bulk copies (sm_90+, not fp8_ds_mla_v4) or cp.async pieces.
@@ -145,7 +159,8 @@ struct KernelDecision {
 };
 
 // THE choice. Automatic: on sm_90 with sm_90a code the wgmma kernel (16-bit caches, fp8 ones while
-// kWgmmaAutomaticForFp8) from wgmma_min_heads heads on at wgmma_rows >= wgmma_min_rows; else the small-heads kernel
+// kWgmmaAutomaticForFp8) from wgmma_min_heads heads on at wgmma_rows >= wgmma_min_rows, and in wgmma_few_tokens's
+// window (its keys-on-M form, 8 or 16 heads per CTA); else the small-heads kernel
 // for fp8_ds_mla caches (and fp8_ds_mla_v4 ones while kSmallAutomaticForV4) up to kSmallMaxHeads heads from
 // kSmallMinTokens query rows on (kSmallMinTokensNoRope for 512-wide heads), for 16-bit caches up to
 // kSmallMaxHeads16Bit heads from kSmallMinTokens16Bit (or that), where it fits; else from wide::kMinHeadsAutomatic
