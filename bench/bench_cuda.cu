@@ -1001,11 +1001,12 @@ void bench_step(StepCaches& caches, int tokens, int context, int per_request = 1
     smla::positions_to_slots(smla::slots_step(step), &be);
     smla::sparse_mla(smla::attention_step(step), &be);
   });
-  r.step_us = graph_us([&](cudaStream_t s) { smla::dsa_decode_step(on(s), &be); });
-  r.cold_us = cold_us([&](cudaStream_t s) { smla::dsa_decode_step(on(s), &be); });
+  const auto step = [&](cudaStream_t s) { smla::dsa_decode_step(on(s), &be); };
+  r.step_us = graph_us(step);
+  r.cold_us = cold_us(step);
   in.a.indexer.sorted = false;
-  r.unsorted_step_us = graph_us([&](cudaStream_t s) { smla::dsa_decode_step(on(s), &be); });
-  r.unsorted_l2_cold_us = l2_cold_graph_us([&](cudaStream_t s) { smla::dsa_decode_step(on(s), &be); });
+  r.unsorted_step_us = graph_us(step);
+  r.unsorted_l2_cold_us = l2_cold_graph_us(step);
   in.a.indexer.sorted = true;
   using smla::cuda::TopkSplit;
   r.counted_scores_us = graph_us([&](cudaStream_t s) {
