@@ -52,8 +52,10 @@ ArchLimits arch_limits(std::string_view name) {
 std::string emulation_refusal(const ArchLimits& emulated, const ArchLimits& native) {
   const std::string running = "the running GPU (" + arch_name(native.compute_capability) + ")";
   if (native.compute_capability < 80) return running + " is older than sm_80, the oldest arch smla runs on";
-  // e4m3 mma.sync is the one instruction an emulated arch may choose that older GPUs lack; wgmma and clusters are
-  // never chosen for the emulated archs.
+  // Instructions: e4m3 mma.sync (sm_89, sm_120) is checked, GPUs before 8.9 lack it; wgmma is never chosen for an
+  // emulated arch. sm_120 also takes what every arch from 9.0 on does (clusters, bulk copies, programmatic dependent
+  // launches), unchecked here: its e4m3 mma.sync and 32 resident CTAs per SM (an SM89 has 24) leave only GPUs of 9.0
+  // on to stand in for it.
   const bool fp8_mma = emulated.compute_capability == 89 || emulated.compute_capability / 10 == 12;
   if (fp8_mma && native.compute_capability < 89)
     return running + " has no e4m3 mma.sync, which " + arch_name(emulated.compute_capability) + " runs (sm_89 on)";

@@ -6,17 +6,22 @@
 namespace smla::cuda {
 
 void write_mla_cache(const WriteMlaCacheArgs& args);
-// Which kernel the attention ops run: as mla::choose_attention_kernel (cuda/mla/kernel_choice.h) picks it, the
-// choice `smla explain` reports (the small-heads kernel for fp8 caches up to 32 heads from 16 query tokens on, 64
-// for rope-free heads, where the device fits it; the wide-tile kernel, 64 heads per CTA, from 64
-// heads on where the device fits it, in its place on Hopper the wgmma kernel for every cache format where the code the
-// driver loaded holds sm_90a's features; else the 16-head-tile kernel; with sparse_mla's second cache the same rules),
-// or forced (tests, benchmarks). For the
+// Which kernel the attention ops run: as mla::choose_attention_kernel picks it (cuda/mla/kernel_choice.h holds the
+// thresholds and the runs behind them), the choice `smla explain` reports, or forced (tests, benchmarks). In its
+// order: on sm_90 where the loaded code holds sm_90a's features, the wgmma kernel from 9 heads (16-bit caches) or 17
+// (fp8) at 512 query rows x heads (heads padded to 64; 1024 for rope-free heads), 64 heads per CTA, but over an
+// fp8_ds_mla cache (sparse) its keys-on-M form: 32 heads per CTA for 17-32 heads from 32 tokens, and 8 or 16 heads
+// per CTA for 8-16 heads at 4-8 tokens of 576-wide heads (no threshold of its own there); else the small-heads
+// kernel where the device fits it, fp8_ds_mla up to 32 heads from 16 query rows, 16-bit caches up to 16 heads (8
+// where 16 heads a warp does not fit) from 32 (64 for rope-free heads in both); else the wide-tile kernel (64 heads
+// per CTA) from 64 heads at 4096 query rows x heads, where it fits; else the 16-head-tile kernel. With sparse_mla's
+// second cache the same rules. For the
 // small-heads kernel, values > 0 force its pipeline depth (`stages`, 2-4), heads per CTA (8 or 16) and at 8 heads
 // per CTA the split of the output dims between 1 or 2 warps (an error where the device cannot hold the result);
-// for the wide-tile kernel, `stages` > 0 forces its pipeline depth (2 or 3). The wgmma kernel (sm_90a; 64 heads per
-// CTA; 16-bit caches: the pairs kernel, a producer warpgroup and two 64-key tiles; fp8 caches: the staged kernel,
-// one 64-key tile and a staging buffer) takes no `stages`.
+// for the wide-tile kernel, `stages` > 0 forces its pipeline depth (2 or 3). The wgmma kernel (sm_90a; 16-bit
+// caches: the pairs kernel, a producer warpgroup and two 64-key tiles; fp8 caches: the staged kernel, one 64-key
+// tile and a staging buffer) takes no `stages`; its `heads_per_cta` is 64 (or 0), or 8, 16 or 32 over an fp8_ds_mla
+// cache, which forces the keys-on-M form (attention_wgmma_keys.cuh; any other value is an error).
 // `splits` > 0 forces the number of splits of each row's keys (at most one per chunk of keys; 1: unsplit); a
 // caller's workspace too small for the forced plan is an error. `copy` forces how the small-heads kernel copies its
 // rows: 16-byte cp.async pieces (every arch) or one bulk copy a row (sm_90+, not fp8_ds_mla_v4: an error
@@ -57,9 +62,10 @@ void indexer_topk(const IndexerTopkArgs& args);
 // The step in three kernels: the indexer's scores; the top-k, which writes the slots as well (no
 // positions_to_slots kernel) and on SM90+, unless its rows are split into slices, is launched as the scores
 // kernel's programmatic dependent (its launch overlaps the scores' last CTAs; it waits for them with
-// griddepcontrol.wait); the attention, from SM90 on the top-k's programmatic dependent (AttentionLaunch).
-// Unless the rows are split into slices, the scores kernel counts the top-k's histograms too (indexer_scores with
-// histograms: a zeroing kernel before it), as in indexer_topk.
+// griddepcontrol.wait); the attention, from SM90 on the top-k's programmatic dependent (AttentionLaunch). Then the
+// combine where the attention splits its keys; rows split into slices (below SM90) add the slices' kernels. The
+// top-k counts its histograms itself, as in indexer_topk: the scores kernel counting them (TopkFusion::histograms)
+// was slower on the H200 (indexer_topk.cu, scores_then_topk, has the figures).
 void dsa_decode_step(const DsaDecodeStepArgs& args);
 
 // Bytes of `workspace` each op needs (Backend::workspace_size); the same args on the same device always give the
@@ -140,11 +146,13 @@ void select_topk(const IndexerTopkArgs& args, const float* scores, TopkSplit spl
 // (the sum over the ranks still to come), else not stamped;
 // kTopkCounted, a held row's classes counted and scanned (the compaction's writes still to come), a row not held
 // compacted (a cluster's rank 0: its slice, before the ranks exchange their lists); kTopkOrdered, the
-// chosen in their order (the stores still to come). Then the attention's 16-head-tile kernel (the step's for few
-// tokens): its earliest CTA start, on its first CTA (token 0, split 0, thread 0) the return of its wait for the top-k,
-// its first chunk landed in shared memory, dequantised (fp8 caches) and attended, its keys done, its output (or
-// partial) rows stored, and its latest warp end; the combine's earliest start, on its first CTA (thread 0) the wait's
-// return, its splits loaded and merged, its row stored, and its latest warp end.
+// chosen in their order (the stores still to come). Then the attention, where the step's is the 16-head-tile kernel
+// (as in bench_cuda stamps' default one-token rows; the other kernels record none, e.g. the wgmma keys-on-M form that
+// sm_90a code picks for 4-8 tokens of 8-16 heads over fp8_ds_mla, mla::wgmma_few_tokens): its earliest CTA start, on
+// its first CTA (token 0, split 0, thread 0) the return of its wait for the top-k, its first chunk landed in shared
+// memory, dequantised (fp8 caches) and attended, its keys done, its output (or partial) rows stored, and its latest
+// warp end; the combine's earliest start, on its first CTA (thread 0) the wait's return, its splits loaded and
+// merged, its row stored, and its latest warp end.
 enum StepStamp : int {
   kScoresFirstStart, kScoresLastEnd,
   kTopkFirstStart, kTopkWaited, kTopkSliceCounted, kTopkRanksCounted, kTopkHistogram, kTopkPlan, kTopkCounted,

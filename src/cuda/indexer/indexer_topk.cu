@@ -14,9 +14,10 @@
 //      toward the lower position — the CPU backend's result; or, unsorted,
 //      a merge of the chosen (runs each in position order) puts them in
 //      position order (a held row's: one scan, below).
-// Step 1's counts may come from the scores kernel instead (TopkFusion::histograms: indexer_topk and
-// dsa_decode_step, unless the rows are split into slices): it counted each row's bins as it wrote the scores, so
-// the top-k reads 16 KB per row rather than the row (a cluster's ranks each read the whole row's, none sums).
+// Step 1's counts may come from the scores kernel instead (TopkFusion::histograms, any split but slices): it counts
+// each row's bins as it writes the scores, so the top-k reads 16 KB per row rather than the row (a cluster's ranks
+// each read the whole row's, none sums). indexer_topk and dsa_decode_step leave it off, as it was slower
+// (scores_then_topk, below); tests and bench_cuda step run it through select_topk.
 // A row of at most kHeldRow (16384) positions that one CTA has alone is read
 // from memory once, into registers (HeldRow), each thread's positions
 // consecutive: steps 1 and 2 take the scores from there (the compaction one
