@@ -2,12 +2,14 @@
 // paged cache of random latents (and indexer keys, one per token or, for a
 // pooled indexer, one per pool of kpool tokens) for `batch` requests of
 // `context` tokens, runs `steps` decode steps on the selected backend — DSA
-// (indexer, top-k, sparse attention) for sparse models, dense paged decode
-// otherwise — spot-checks sampled rows against the float64 reference, and
-// reports the time split and bandwidth.
+// (indexer, top-k, sparse attention) for sparse models, each op timed alone
+// and, with a plain indexer, also dsa_decode_step as one call; dense paged
+// decode otherwise — spot-checks sampled rows against the float64 reference,
+// and reports the time split and bandwidth.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <iostream>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -39,9 +41,14 @@ constexpr bool kWithCuda = false;
 struct Timings {
   // Seconds, summed over steps, each op timed alone. `write` is the cache writers (latent and, for DSA, index
   // keys); `indexer` the whole indexer_topk op, or its scores alone when `topk` (the selection) is timed apart.
-  double write = 0, indexer = 0, topk = 0, slots = 0, attention = 0;
+  // `step`: dsa_decode_step (scores, top-k, slots, attention) as one call on the same inputs, as an engine calls
+  // it, where it was timed (a plain DSA indexer), else 0; not in total(), which sums the ops called apart.
+  double write = 0, indexer = 0, topk = 0, slots = 0, attention = 0, step = 0;
   double total() const { return write + indexer + topk + slots + attention; }
   bool split() const { return topk > 0; }
+  bool one_call() const { return step > 0; }
+  // What a user waits per layer: the cache writes and the one-call step where it was timed, else every op.
+  double user_step() const { return one_call() ? write + step : total(); }
 };
 
 struct Report {
@@ -53,6 +60,7 @@ struct Report {
   int checked_tokens = 0;
   double max_abs_err = 0;
   bool topk_match = true;
+  bool step_matches_ops = true;  // the one-call step's out and lse are the ops' bit for bit (Timings::step)
 };
 
 // A block table for `batch` requests of up to `entries` rows each, its blocks shuffled (scattered, as in serving),
@@ -354,6 +362,19 @@ Report run_sparse(const JobOptions& o, const AttentionSpec& spec, const RunSpec&
   attn.softmax_scale = static_cast<float>(spec.softmax_scale);
   attn.out = mem.empty({B, H, head.v_dim()}, run.q_dtype);
   attn.lse = mem.empty({B, H}, DType::f32);
+  // With a plain indexer (dsa_decode_step has no pooled form), the step also as one call, as an engine calls it: on
+  // the ops' inputs, into outputs of its own.
+  const bool one_call = kpool == 1;
+  DsaDecodeStepArgs fused;
+  if (one_call) {
+    fused.indexer = idx;
+    fused.indexer.topk = mem.empty({B, K}, DType::i32);
+    fused.slots = mem.empty({B, K}, DType::i32);
+    fused.kv_cache = attn.kv_cache;
+    fused.softmax_scale = attn.softmax_scale;
+    fused.out = mem.empty({B, H, head.v_dim()}, run.q_dtype);
+    fused.lse = mem.empty({B, H}, DType::f32);
+  }
 
   // On the CUDA backend the op's two stages (scores, then the selection) are timed apart: the same kernels
   // indexer_topk runs one after the other, with a scores buffer of their own.
@@ -363,7 +384,25 @@ Report run_sparse(const JobOptions& o, const AttentionSpec& spec, const RunSpec&
   if (split_indexer) scores = mem.empty({B, cuda::score_row_stride(idx)}, DType::f32);
 #endif
 
-  // Step s, each op timed alone into `t`.
+  // Step s's inputs, into the ops' args and the one-call step's.
+  const auto set_inputs = [&](int s) {
+    idx.q = data.variant(data.index_q, s);
+    idx.weights = data.variant(data.weights, s);
+    idx.context_lens = data.step(kpool > 1 ? data.pool_lens : data.context_lens, s);
+    p2p.context_lens = data.step(data.context_lens, s);
+    attn.q = data.variant(data.q, s);
+    fused.indexer.q = idx.q;
+    fused.indexer.weights = idx.weights;
+    fused.indexer.context_lens = idx.context_lens;
+    fused.q = attn.q;
+  };
+  if (one_call) {  // its workspace, made once (none on the CPU)
+    set_inputs(0);
+    if (const size_t bytes = workspace_size(fused, &be); bytes > 0)
+      fused.workspace = mem.empty({static_cast<int64_t>(bytes)}, DType::u8);
+  }
+
+  // Step s, each op timed alone into `t`, then the one-call step.
   const auto step = [&](int s, Timings& t) {
     const WriteMlaCacheArgs mla_write = data.mla_write(caches.mla_view, s);
     t.write += timed(mem, [&] { write_mla_cache(mla_write, &be); });
@@ -374,11 +413,7 @@ Report run_sparse(const JobOptions& o, const AttentionSpec& spec, const RunSpec&
       const WritePooledIndexCacheArgs pool_write = data.pool_write(caches.index_view, caches.ape, s);
       t.write += timed(mem, [&] { write_pooled_index_cache(pool_write, &be); });
     }
-    idx.q = data.variant(data.index_q, s);
-    idx.weights = data.variant(data.weights, s);
-    idx.context_lens = data.step(kpool > 1 ? data.pool_lens : data.context_lens, s);
-    p2p.context_lens = data.step(data.context_lens, s);
-    attn.q = data.variant(data.q, s);
+    set_inputs(s);
     if (split_indexer) {
 #if SMLA_WITH_CUDA
       t.indexer += timed(mem, [&] { cuda::indexer_scores(idx, scores.ptr<float>()); });
@@ -390,6 +425,7 @@ Report run_sparse(const JobOptions& o, const AttentionSpec& spec, const RunSpec&
     if (kpool > 1) t.slots += timed(mem, [&] { pools_to_positions(p2p, &be); });
     t.slots += timed(mem, [&] { positions_to_slots(p2s, &be); });
     t.attention += timed(mem, [&] { sparse_mla(attn, &be); });
+    if (one_call) t.step += timed(mem, [&] { dsa_decode_step(fused, &be); });
   };
   Timings warm_up;
   step(0, warm_up);  // untimed: first calls allocate (per-thread scratch on the CPU, the default workspace on a GPU)
@@ -420,6 +456,14 @@ Report run_sparse(const JobOptions& o, const AttentionSpec& spec, const RunSpec&
   for (int64_t t : sample_tokens(B)) {
     compare_attention(hattn, t, r);
     ++r.checked_tokens;
+  }
+  // The one-call step ran the same kernels on the same inputs: its out and lse must be the ops', bit for bit.
+  if (one_call) {
+    std::vector<uint8_t> own;
+    const auto same = [&](const TensorView& v, const TensorView& ops) {
+      return std::memcmp(mem.on_host(v, own).data, ops.data, v.numel() * dtype_size(v.dtype)) == 0;
+    };
+    r.step_matches_ops = same(fused.out, hattn.out) && same(fused.lse, hattn.lse);
   }
   return r;
 }
@@ -751,12 +795,13 @@ int run_ops(const JobOptions& o, const Resolved& res, const Backend& be, Memory&
   const double read_s = r.t.indexer + r.t.topk + r.t.attention;
   const double gbs = (r.bytes_indexer + r.bytes_attention) / read_s / 1e9;
   const double tokens_per_s = o.batch * o.steps / r.t.total();
-  const bool ok = r.topk_match && r.max_abs_err < 2e-2;
-  // What one user waits for per generated token: this step (every op above) once per layer that runs this
-  // attention; attention alone, so an upper bound on the tokens/s a whole model gives a user.
+  const bool ok = r.topk_match && r.max_abs_err < 2e-2 && r.step_matches_ops;
+  // What one user waits for per generated token: this step (Timings::user_step: the cache writes and the one-call
+  // step where it was timed, else every op above) once per layer that runs this attention; attention alone, so an
+  // upper bound on the tokens/s a whole model gives a user.
   const AttentionSpec& spec = res.spec;
   const int layers = spec.num_attention_layers > 0 ? spec.num_attention_layers : spec.num_layers;
-  const double token_ms = step_ms * layers;
+  const double token_ms = 1e3 * r.t.user_step() / o.steps * layers;
   if (o.common.json) {
     nlohmann::json j = {{"schema", "smla.run/1"},
                         {"model", res.spec.name},
@@ -779,6 +824,10 @@ int run_ops(const JobOptions& o, const Resolved& res, const Backend& be, Memory&
     if (r.t.split()) {
       j["ms_per_step"]["indexer_scores"] = 1e3 * r.t.indexer / o.steps;
       j["ms_per_step"]["topk"] = 1e3 * r.t.topk / o.steps;
+    }
+    if (r.t.one_call()) {
+      j["ms_per_step"]["dsa_decode_step"] = 1e3 * r.t.step / o.steps;
+      j["check"]["step_matches_ops"] = r.step_matches_ops;
     }
     if (layers > 0)
       j["per_user"] = {{"layers", layers}, {"ms_per_token", token_ms}, {"tokens_per_s", 1e3 / token_ms}};
@@ -808,6 +857,9 @@ int run_ops(const JobOptions& o, const Resolved& res, const Backend& be, Memory&
     else
       std::printf("\nper step   %.2f %s: cache write %.2f, paged attention %.2f\n", step, unit, per_step(r.t.write),
                   per_step(r.t.attention));
+    if (r.t.one_call())
+      std::printf("step       dsa_decode_step as one call: %.2f %s (the ops above called apart: %.2f)\n",
+                  per_step(r.t.step), unit, per_step(r.t.total() - r.t.write));
     for (const V4Kind& k : kinds)  // the step above is their mean over the model's layers
       std::printf("           %2d layers, %-33s %.2f %s: cache write %.2f, indexer+top-k %.2f, slots %.2f, "
                   "attention %.2f\n",
@@ -825,9 +877,11 @@ int run_ops(const JobOptions& o, const Resolved& res, const Backend& be, Memory&
                   r.t.split() ? " (scores alone)" : "",
                   r.bytes_attention / r.t.attention / 1e9);
     if (layers > 0)
-      std::printf("per user   a token runs this step in each of the %d attention layers: %.2f %s x %d = %.3f ms, "
+      std::printf("per user   a token runs this step in each of the %d attention layers: %.2f %s (%s) x %d = %.3f ms, "
                   "at most %.1f tokens/s for one user (attention alone)\n",
-                  layers, step, unit, layers, token_ms, 1e3 / token_ms);
+                  layers, per_step(r.t.user_step()), unit,
+                  r.t.one_call() ? "cache write + dsa_decode_step as one call" : "per step above", layers, token_ms,
+                  1e3 / token_ms);
     else
       std::printf("per user   unknown: the model does not say how many layers it has (num_hidden_layers)\n");
     if (v4)
@@ -841,9 +895,12 @@ int run_ops(const JobOptions& o, const Resolved& res, const Backend& be, Memory&
                   mem.device().is_cpu() ? "host clock" : "CUDA events", sparse ? ", indexer queries and weights" : "",
                   r.step_data_s);
     const bool topk_ran = sparse && (!v4 || layers_with_topk(kinds));
-    std::printf("check      %d sampled tokens%s vs the float64 reference: %s (max abs error %.2g%s)\n",
+    std::printf("check      %d sampled tokens%s vs the float64 reference: %s (max abs error %.2g%s)%s\n",
                 r.checked_tokens, v4 ? " in each kind of layer" : "", ok ? "match" : "MISMATCH", r.max_abs_err,
-                topk_ran ? (r.topk_match ? ", top-k sets equal" : ", top-k sets differ") : "");
+                topk_ran ? (r.topk_match ? ", top-k sets equal" : ", top-k sets differ") : "",
+                !r.t.one_call()        ? ""
+                : r.step_matches_ops ? "; dsa_decode_step's out and lse equal the ops' bit for bit"
+                                     : "; dsa_decode_step's out and lse DIFFER from the ops'");
   }
   return ok ? 0 : 3;
 }
