@@ -79,6 +79,8 @@ const Backend& backend_for(const Device& device, const Registry& registry = Regi
 // runtime finds one (and CUDA backends were built), else the CPU.
 Device detect_device();
 
+// The most query rows per call RunOptions::query_tokens takes (a bound on input, not on the ops).
+inline constexpr int64_t kMaxQueryTokens = int64_t{1} << 24;
 // A run described in words, as a user gives it (CLI flags, Python keyword arguments).
 struct RunOptions {
   std::string device = "auto";          // auto | cpu | sm_XY | cuda[:N]
@@ -89,6 +91,8 @@ struct RunOptions {
   int tp = 1;
   std::string backend;  // empty: choose (SMLA_BACKEND still applies)
   bool attn_sink = false;
+  // Query rows per call (tokens) to show the attention kernel for (explain); empty: 1 and 4096.
+  std::vector<int64_t> query_tokens;
 };
 // How errors name the options: "--kv-cache-dtype" (cli) or "kv_cache_dtype" (python).
 enum class OptionNames { cli, python };

@@ -148,6 +148,9 @@ struct RunSpec {
   OpSet ops;                    // empty: derived from the model (see needed_ops)
   bool attn_sink = false;       // attention sinks needed
   std::string backend;          // force a backend by name (empty: choose)
+  // Query rows per call that explain shows the CUDA attention kernel for (its choice follows them: a decode batch's
+  // tokens, a prefill's length); empty: 1 (decode) and 4096 (prefill).
+  std::vector<int64_t> query_tokens;
 
   DType resolved_kv_cache_dtype() const { return kv_cache_dtype.value_or(q_dtype); }
 };

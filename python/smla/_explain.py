@@ -87,6 +87,7 @@ class RunInfo:
     heads_per_rank: int
     ops: Tuple[str, ...]
     attn_sink: bool
+    query_tokens: Tuple[int, ...] = ()  # the query rows per call the kernel notes name; (): 1 and 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,7 +178,7 @@ def _from_json(text: str, json_text: str) -> Explanation:
     return Explanation(
         schema=d["schema"],
         model=_model_info(d["model"]),
-        run=_make(RunInfo, d["run"], ops=tuple),
+        run=_make(RunInfo, d["run"], ops=tuple, query_tokens=tuple),
         candidates=tuple(_make(Candidate, c, reasons=tuple) for c in d["candidates"]),
         chosen=d["chosen"],
         forced=d["forced"],
@@ -215,7 +216,8 @@ def _device_name(device: Any) -> str:
 
 def explain(model: Model, device: Any = "auto", dtype: str = "bfloat16", kv_cache_dtype: str = "auto",
             block_size: int = 64, tp: int = 1, backend: Optional[str] = None,
-            attn_sink: bool = False, ops: Optional[Sequence[str]] = None) -> Explanation:
+            attn_sink: bool = False, ops: Optional[Sequence[str]] = None,
+            tokens: Optional[Sequence[int]] = None) -> Explanation:
     """Which backend runs ``model`` and why every other one cannot, as
     ``smla explain`` tells it.
 
@@ -228,10 +230,14 @@ def explain(model: Model, device: Any = "auto", dtype: str = "bfloat16", kv_cach
     the Explanation's ``chosen`` is None and ``suggestion`` names a change.
     ops: the ops the run needs, by the names explain prints ("sparse
     attention", "dense paged decode", "indexer"); default: what the model
-    needs (e.g. an engine with its own indexer asks for sparse attention only)."""
+    needs (e.g. an engine with its own indexer asks for sparse attention only).
+    tokens: query rows per call to name the CUDA attention kernel for (its
+    choice follows them: a decode batch's tokens, a prefill's length);
+    default: 1 and 4096."""
     spec = load_model_spec(model)
     text, json_text = _smla.explain(spec, _device_name(device), dtype, kv_cache_dtype or "auto", int(block_size),
-                                    int(tp), backend or "", bool(attn_sink), list(ops or ()))
+                                    int(tp), backend or "", bool(attn_sink), list(ops or ()),
+                                    [int(t) for t in tokens or ()])
     return _from_json(text, json_text)
 
 

@@ -68,16 +68,18 @@ void bind_explain(nb::module_& m) {
       "explain",
       [](const AttentionSpec& spec, const std::string& device, const std::string& dtype,
          const std::string& kv_cache_dtype, int block_size, int tp, const std::string& backend, bool attn_sink,
-         const std::vector<std::string>& ops) {
-        RunSpec run = make_run_spec(spec, {device, dtype, kv_cache_dtype, block_size, tp, backend, attn_sink});
+         const std::vector<std::string>& ops, const std::vector<int64_t>& query_tokens) {
+        RunSpec run =
+            make_run_spec(spec, {device, dtype, kv_cache_dtype, block_size, tp, backend, attn_sink, query_tokens});
         run.ops = parse_ops(ops);
         const Selection sel = select(spec, run);
         return nb::make_tuple(explain_text(spec, run, sel), explain_json(spec, run, sel));
       },
       arg("spec"), arg("device"), arg("dtype"), arg("kv_cache_dtype"), arg("block_size"), arg("tp"), arg("backend"),
-      arg("attn_sink"), arg("ops") = std::vector<std::string>{},
+      arg("attn_sink"), arg("ops") = std::vector<std::string>{}, arg("query_tokens") = std::vector<int64_t>{},
       "(text, json) of the selection for this run, as `smla explain` prints them. `ops` (op names as explain "
-      "prints them) replaces the ops the model needs, e.g. {'sparse attention'} for an engine with its own indexer.");
+      "prints them) replaces the ops the model needs, e.g. {'sparse attention'} for an engine with its own indexer; "
+      "`query_tokens` the query rows per call the CUDA backend's kernel lines name (empty: 1 and 4096).");
 
   m.def("backends", [] {
     nb::list l;

@@ -27,6 +27,15 @@ std::string kv_text(const RunSpec& run) {
   return std::string(dtype_name(run.resolved_kv_cache_dtype())) + (run.kv_cache_dtype ? "" : " (auto)");
 }
 
+// ", 1, 8 and 64 query rows per call" where the run names them (the CUDA backend's kernel lines follow them).
+std::string query_tokens_text(const RunSpec& run) {
+  std::string t;
+  const size_t n = run.query_tokens.size();
+  for (size_t i = 0; i < n; ++i)
+    t += (i == 0 ? ", " : i + 1 == n ? " and " : ", ") + std::to_string(run.query_tokens[i]);
+  return n == 0 ? t : t + " query row" + (n == 1 && run.query_tokens[0] == 1 ? "" : "s") + " per call";
+}
+
 std::string ops_text(OpSet ops) {
   std::string s;
   for (Op op : ops.list()) s += (s.empty() ? "" : ", ") + std::string(op_name(op));
@@ -120,7 +129,7 @@ std::string explain_text(const AttentionSpec& s, const RunSpec& run, const Selec
     o << "indexer    none (dense attention)\n";
   o << "run        device " << device_text(run.device) << ", dtype " << dtype_name(run.q_dtype) << ", kv cache "
     << kv_text(run) << ", block size " << run.block_size << ", tp " << run.tp << " -> " << hpr
-    << " heads per rank\n";
+    << " heads per rank" << query_tokens_text(run) << "\n";
   o << "needs      " << ops_text(needed_ops(s, run)) << (run.attn_sink ? ", attention sinks" : "") << "\n\n";
 
   o << "backends (in priority order for " << run.device.name() << "):\n";
@@ -203,7 +212,8 @@ std::string explain_json(const AttentionSpec& s, const RunSpec& run, const Selec
                 {"tp", run.tp},
                 {"heads_per_rank", s.num_heads / std::max(run.tp, 1)},
                 {"ops", ops},
-                {"attn_sink", run.attn_sink}};
+                {"attn_sink", run.attn_sink},
+                {"query_tokens", run.query_tokens}};
   json candidates = json::array();
   for (const auto& c : sel.candidates) {
     const auto& notes = c.backend->capabilities().kernel_notes;

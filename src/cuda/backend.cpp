@@ -1,10 +1,12 @@
 // The CUDA backend that works on every NVIDIA GPU from SM80 to SM120: tensor
-// cores through mma.sync (m16n8k16) and cp.async gathers everywhere; the
-// indexer's scores also take e4m3 mma.sync (SM89, SM12x) and wgmma (sm_90a
-// code on Hopper). No tcgen05.
+// cores through mma.sync (m16n8k16) and cp.async gathers everywhere; on Hopper,
+// where the loaded code holds sm_90a's features, wgmma kernels for the attention
+// and the indexer's scores; the scores also take e4m3 mma.sync (SM89, SM12x).
+// No tcgen05.
 #include "cuda/backend.h"
 
 #include <iterator>
+#include <vector>
 
 #include "cuda/emulation.h"
 #include "cuda/mla/kernel_choice.h"
@@ -19,8 +21,9 @@ namespace smla::cuda {
 
 namespace {
 
-// The attention kernel mla::choose_attention_kernel picks on the run's arch for one decode token and for a prefill
-// of 4096, with why the others were not: "decode (1 query row): wide tile (...), sm_90a", then one line per other.
+// The attention kernel mla::choose_attention_kernel picks on the run's arch for each of the run's query rows per call
+// (by default one decode token and a prefill of 4096), with why the others were not: "decode (1 query row): wide
+// tile (...), sm_90a", then one line per other.
 std::vector<std::string> attention_kernel_notes(const AttentionSpec& spec, const RunSpec& run) {
   const int cc = run.device.compute_capability;
   ArchLimits arch;  // the table's arch of this major with the highest minor not above cc's (sm_121: sm_120's)
@@ -41,11 +44,12 @@ std::vector<std::string> attention_kernel_notes(const AttentionSpec& spec, const
   const int rope = spec.absorbed_qk_dim() == kMlaQkDim ? kMlaRopeDim : 0;
   const std::string arch_text = "sm_" + std::to_string(arch.compute_capability) + (sm90a ? "a" : "");
   std::vector<std::string> lines;
-  for (int64_t tokens : {int64_t{1}, int64_t{4096}}) {
+  const bool given = !run.query_tokens.empty();  // rows the user named: no phase guessed from them
+  for (int64_t tokens : given ? run.query_tokens : std::vector<int64_t>{1, 4096}) {
     const mla::KernelDecision d =
         mla::choose_attention_kernel(limits, {format, rope, !spec.indexer, tokens, heads_per_rank(spec, run), {}});
-    const std::string phase = std::string(tokens == 1 ? "decode" : "prefill") + " (" + std::to_string(tokens) +
-                              " query row" + (tokens == 1 ? "" : "s") + "): ";
+    const std::string rows = std::to_string(tokens) + " query row" + (tokens == 1 ? "" : "s");
+    const std::string phase = given ? "(" + rows + "): " : (tokens == 1 ? "decode (" : "prefill (") + rows + "): ";
     lines.push_back("kernel " + phase + (d.ok() ? mla::variant_text(d.chosen) : std::string("none")) + ", " +
                     arch_text);
     for (int i = 0; i < d.num_rejected; ++i) {
@@ -60,7 +64,7 @@ std::vector<std::string> attention_kernel_notes(const AttentionSpec& spec, const
 Capabilities mma_capabilities() {
   Capabilities c;
   c.name = "cuda_mma";
-  c.description = "tensor cores through mma.sync, every arch from sm_80 to sm_120";
+  c.description = "tensor cores (mma.sync; wgmma with sm_90a code), every arch from sm_80 to sm_120";
   c.device_kind = DeviceKind::cuda;
   c.compute_capability = {80, 129};
   c.q_dtypes = {DType::bf16, DType::f16};

@@ -418,7 +418,7 @@ TEST(KernelChoice, HeadTileDepthKeepsTwoCtasPerSm) {
 }
 
 // explain: the CUDA backend's notes name the kernel choose_attention_kernel picks (from its data, not per-case
-// strings) for decode and prefill, with each other kernel's reason.
+// strings) for decode and prefill, or for the query rows per call the run names, with each other kernel's reason.
 struct NotesCase {
   const char* model;
   int tp;
@@ -431,34 +431,41 @@ TEST(KernelChoice, ExplainNamesTheVariantOnEveryArch) {
   ASSERT_TRUE(static_cast<bool>(mma->capabilities().kernel_notes));
   for (const NotesCase& c : {NotesCase{"glm-5", 8, DType::fp8_ds_mla}, NotesCase{"glm-5", 8, DType::bf16},
                              NotesCase{"deepseek-v3.2", 1, DType::fp8_ds_mla}, NotesCase{"deepseek-v3.2", 1, DType::bf16}})
-    for (const char* arch : kArchs) {
-      const AttentionSpec spec = load_model_spec(c.model);
-      RunSpec run;
-      run.device = parse_device(arch);
-      run.kv_cache_dtype = c.kv;
-      run.tp = c.tp;
-      SCOPED_TRACE(std::string(c.model) + " " + arch + " " + std::string(dtype_name(c.kv)));
-      const std::vector<std::string> lines = mma->capabilities().kernel_notes(spec, run);
-      // Per phase: the kernel, then the two others (on sm_90 the wgmma kernel too).
-      ASSERT_EQ(lines.size(), std::string(arch) == "sm_90" ? 8u : 6u);
-      const KernelLimits l = limits_of(arch, sm90a_code_built());  // explain: the build's arch list
-      const CacheFormat f = c.kv == DType::bf16 ? CacheFormat::bf16 : CacheFormat::fp8_ds_mla;
-      size_t at = 0;
-      for (int64_t tokens : {1, 4096}) {
-        const KernelShape s{f, 64, false, tokens, spec.num_heads / c.tp, {}};
-        const KernelDecision d = choose_attention_kernel(l, s);
-        ASSERT_EQ(d.chosen.kernel, expected_kernel(l, s));
-        const std::string arch_text = std::string(arch) + (l.sm90a_code ? "a" : "");
-        EXPECT_NE(lines[at].find(variant_text(d.chosen) + ", " + arch_text), std::string::npos) << lines[at];
-        EXPECT_NE(lines[at].find(tokens == 1 ? "decode" : "prefill"), std::string::npos) << lines[at];
-        ++at;
-        for (int i = 0; i < d.num_rejected; ++i, ++at) {
-          const Rejection& r = d.rejected[static_cast<size_t>(i)];
-          EXPECT_EQ(lines[at], "  " + std::string(kernel_name(r.kernel)) + ": " +
-                                   rejection_text(r, d.chosen, l.compute_capability));
+    for (const char* arch : kArchs)
+      for (const std::vector<int64_t>& given : {std::vector<int64_t>{}, std::vector<int64_t>{2, 8, 64, 512}}) {
+        const AttentionSpec spec = load_model_spec(c.model);
+        RunSpec run;
+        run.device = parse_device(arch);
+        run.kv_cache_dtype = c.kv;
+        run.tp = c.tp;
+        run.query_tokens = given;
+        SCOPED_TRACE(std::string(c.model) + " " + arch + " " + std::string(dtype_name(c.kv)) + " " +
+                     std::to_string(given.size()) + " row counts given");
+        const std::vector<std::string> lines = mma->capabilities().kernel_notes(spec, run);
+        const KernelLimits l = limits_of(arch, sm90a_code_built());  // explain: the build's arch list
+        const CacheFormat f = c.kv == DType::bf16 ? CacheFormat::bf16 : CacheFormat::fp8_ds_mla;
+        size_t at = 0;
+        // Per row count: the kernel, then every other one (on sm_90 the wgmma kernel too).
+        for (int64_t tokens : given.empty() ? std::vector<int64_t>{1, 4096} : given) {
+          const KernelShape s{f, 64, false, tokens, spec.num_heads / c.tp, {}};
+          const KernelDecision d = choose_attention_kernel(l, s);
+          ASSERT_EQ(d.chosen.kernel, expected_kernel(l, s));
+          ASSERT_EQ(d.num_rejected, std::string(arch) == "sm_90" ? 3 : 2);
+          ASSERT_LT(at, lines.size());
+          const std::string arch_text = std::string(arch) + (l.sm90a_code ? "a" : "");
+          const std::string rows = std::to_string(tokens) + (tokens == 1 ? " query row)" : " query rows)");
+          const std::string phase = given.empty() ? (tokens == 1 ? "decode (" : "prefill (") + rows : "(" + rows;
+          EXPECT_EQ(lines[at], "kernel " + phase + ": " + variant_text(d.chosen) + ", " + arch_text);
+          ++at;
+          for (int i = 0; i < d.num_rejected; ++i, ++at) {
+            const Rejection& r = d.rejected[static_cast<size_t>(i)];
+            ASSERT_LT(at, lines.size());
+            EXPECT_EQ(lines[at], "  " + std::string(kernel_name(r.kernel)) + ": " +
+                                     rejection_text(r, d.chosen, l.compute_capability));
+          }
         }
+        EXPECT_EQ(at, lines.size());
       }
-    }
 }
 
 // How the small-heads kernel copies its rows: one bulk copy a row from sm_90 on (not fp8_ds_mla_v4 rows, whose

@@ -63,6 +63,20 @@ def test_explain_no_valid_backend_is_not_an_error():
         assert e.candidates and all(c.reasons for c in e.candidates)
 
 
+def test_explain_names_the_kernel_for_the_query_rows_given():
+    # GLM-5 under TP 8 on an RTX 5090: one decode token takes the 16-head tile, 32 the small-heads kernel.
+    e = smla.explain("glm-5", device="sm_120", tp=8, kv_cache_dtype="fp8_ds_mla", tokens=[1, 32])
+    assert e.run.query_tokens == (1, 32)
+    assert "8 heads per rank, 1 and 32 query rows per call" in str(e)
+    if smla.with_cuda:
+        notes = [line for c in e.to_dict()["candidates"] if c["chosen"] for line in c["kernel_notes"]
+                 if line.startswith("kernel")]
+        assert [n.split(":")[0] for n in notes] == ["kernel (1 query row)", "kernel (32 query rows)"]
+        assert notes[0].startswith("kernel (1 query row): 16-head tile")
+        assert notes[1].startswith("kernel (32 query rows): small-heads kernel")
+    assert smla.explain("glm-5", device="cpu").run.query_tokens == ()
+
+
 def test_explain_forced_backend():
     e = smla.explain("glm-5", device="cpu", backend="cpu")
     assert e.chosen == "cpu" and e.forced
@@ -82,6 +96,7 @@ def test_explain_reads_smla_backend(monkeypatch):
     (dict(block_size=0), "block_size"),
     (dict(tp=3), "tp: 3 does not divide"),
     (dict(backend="flashmla"), "backend: unknown backend 'flashmla'"),
+    (dict(tokens=[8, 0]), "query_tokens: expected query rows per call from 1 to"),
 ])
 def test_explain_bad_input_raises_value_errors(kwargs, pattern):
     with pytest.raises(smla.InvalidArgumentError, match=pattern) as e:

@@ -12,6 +12,9 @@ Action add_explain(CLI::App& app) {
   auto* sub = app.add_subcommand("explain", "show which backend runs a model on a device, and why the others cannot");
   auto opts = std::make_shared<CommonOptions>();
   add_common_options(*sub, *opts);
+  sub->add_option("--tokens", opts->run.query_tokens,
+                  "query rows per call to show the CUDA attention kernel for, e.g. 1,8,4096 (default: 1 and 4096)")
+      ->delimiter(',');
   return [sub, opts]() -> int {
     if (!sub->parsed()) return -1;
     const Resolved r = resolve(*opts);
