@@ -163,6 +163,25 @@ TEST(KernelChoice, ForcedKernelsAndDepths) {
   EXPECT_FALSE(choose_attention_kernel(limits_of("sm_86"), small).ok());
 }
 
+// A forced kernel given a field it does not take is refused (the ops raise invalid_argument with this text), not
+// run as if the field were not there; the small-heads kernel and an automatic choice take every field.
+TEST(KernelChoice, ForcedFieldsAKernelDoesNotTake) {
+  using K = AttentionKernel;
+  for (const AttentionChoice& fine :
+       {AttentionChoice{K::automatic, 3, 16, 2, 4, RowCopy::pieces}, AttentionChoice{K::small_heads, 3, 16, 2, 4, RowCopy::bulk},
+        AttentionChoice{K::wide_tile, 3, 0, 0, 4}, AttentionChoice{K::wgmma, 0, 32, 0, 4}, AttentionChoice{K::head_tile, 0, 0, 0, 4}})
+    EXPECT_EQ(forced_fields_not_taken(fine), "") << kernel_name(fine.kernel);
+  EXPECT_EQ(forced_fields_not_taken({K::head_tile, 3}),
+            "the 16-head tile was forced with stages, which it does not take (the small-heads kernel takes each; the "
+            "wide tile stages; the wgmma kernel heads_per_cta)");
+  EXPECT_NE(forced_fields_not_taken({K::head_tile, 0, 16, 2, 0, RowCopy::pieces}).find("with heads_per_cta, split_dims, copy,"),
+            std::string::npos);
+  EXPECT_NE(forced_fields_not_taken({K::wide_tile, 2, 64}).find("wide tile was forced with heads_per_cta,"),
+            std::string::npos);
+  EXPECT_NE(forced_fields_not_taken({K::wgmma, 2, 64, 0, 0, RowCopy::bulk}).find("wgmma kernel was forced with stages, copy,"),
+            std::string::npos);
+}
+
 // The wgmma kernel forced: on sm_90 with sm_90a code, every cache format; 64 heads per CTA; for 16-bit caches the
 // pairs kernel (12 warps, two key tiles and two P tiles: 226 KB for 576-wide heads, 210 KB for 512-wide ones), for
 // fp8 ones the staged kernel (8 warps, one key tile and a staging buffer: 194 KB, 170 KB or 174 KB), one CTA per SM. Elsewhere a forced wgmma kernel is no choice, and why: the arch, or the code loaded on

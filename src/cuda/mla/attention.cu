@@ -193,6 +193,8 @@ Plan plan(CacheFormat f, int rope, bool paged, int64_t tokens, int heads, int nu
           bool two_lists = false) {
   const DeviceInfo& dev = current_device();
   const mla::KernelDecision d = mla::choose_attention_kernel(kernel_limits(dev), {f, rope, paged, tokens, heads, choice});
+  if (const std::string unused = mla::forced_fields_not_taken(choice); !unused.empty())
+    throw Error(ErrorKind::invalid_argument, "MLA attention: " + unused);
   const mla::small::SmallHeadsShape shape{choice.stages, choice.heads_per_cta, choice.split_dims, choice.copy};
   // A forced kernel's configuration checks the forced shape first: its errors name a bad depth, heads per CTA or
   // dim split (invalid_argument), row copies the device lacks, or what does not fit.

@@ -278,6 +278,23 @@ KernelDecision choose_attention_kernel(const KernelLimits& l, const KernelShape&
   return d;
 }
 
+std::string forced_fields_not_taken(const AttentionChoice& c) {
+  const AttentionKernel k = c.kernel;
+  if (k == AttentionKernel::automatic || k == AttentionKernel::small_heads) return "";
+  std::string fields;
+  const auto add = [&](bool set, const char* name) {
+    if (set) fields += (fields.empty() ? "" : ", ") + std::string(name);
+  };
+  add(c.stages > 0 && k != AttentionKernel::wide_tile, "stages");
+  add(c.heads_per_cta > 0 && k != AttentionKernel::wgmma, "heads_per_cta");
+  add(c.split_dims > 0, "split_dims");
+  add(c.copy != RowCopy::automatic, "copy");
+  return fields.empty() ? ""
+                        : std::string("the ") + kernel_name(k) + " was forced with " + fields +
+                              ", which it does not take (the small-heads kernel takes each; the wide tile stages; the "
+                              "wgmma kernel heads_per_cta)";
+}
+
 const char* kernel_name(AttentionKernel kernel) {
   switch (kernel) {
     case AttentionKernel::head_tile: return "16-head tile";

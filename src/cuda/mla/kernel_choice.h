@@ -171,6 +171,12 @@ struct KernelDecision {
 // A forced kernel or depth is taken as given; one that does not fit is no choice (not ok()).
 KernelDecision choose_attention_kernel(const KernelLimits& limits, const KernelShape& shape);
 
+// What a forced kernel is given that it does not take, as an error's text ("" where nothing): the 16-head tile takes
+// no depth (it picks its own), heads per CTA, dim split or row copy; the wide tile no heads per CTA, dim split or
+// row copy; the wgmma kernel no depth, dim split or row copy (its heads per CTA: wg::wgmma_config checks them). An
+// automatic choice's fields apply where the kernel chosen takes them.
+std::string forced_fields_not_taken(const AttentionChoice& choice);
+
 // "wide tile", "16-head tile", "small-heads kernel", "wgmma kernel".
 const char* kernel_name(AttentionKernel kernel);
 // "wide tile (64 heads/CTA, depth 3, 1 CTA/SM)".
