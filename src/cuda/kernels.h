@@ -25,7 +25,8 @@ void write_mla_cache(const WriteMlaCacheArgs& args);
 // `splits` > 0 forces the number of splits of each row's keys (at most one per chunk of keys; 1: unsplit); a
 // caller's workspace too small for the forced plan is an error. `copy` forces how the small-heads kernel copies its
 // rows: 16-byte cp.async pieces (every arch) or one bulk copy a row (sm_90+, not fp8_ds_mla_v4: an error
-// elsewhere); automatic takes bulk copies where they exist.
+// elsewhere); automatic takes bulk copies where they exist. A forced kernel given a field it does not take (the
+// 16-head tile's `stages`, say) is an error (mla::forced_fields_not_taken).
 enum class AttentionKernel { automatic, head_tile, small_heads, wide_tile, wgmma };
 enum class RowCopy { automatic, pieces, bulk };
 struct AttentionChoice {
