@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <string>
 
@@ -40,6 +41,30 @@ std::string emulated_name() {
   const char* v = std::getenv(cuda::kEmulateEnv);
   return v ? v : "";
 }
+
+// Where the running GPU cannot stand in for the arch the mode names (an A100 for sm_89 or sm_120: no e4m3 mma.sync;
+// a 99 KB GPU for sm_80: cuda::emulation_refusal), the run's every test is skipped with the reason, and ctest counts
+// the entry as skipped (its SKIP_REGULAR_EXPRESSION, tests/gpu/CMakeLists.txt), rather than each test failing on
+// the library's refusal.
+class EmulationEnvironment : public ::testing::Environment {
+ public:
+  void SetUp() override {
+    const std::string name = emulated_name();
+    cuda::ArchLimits emulated;
+    try {
+      if (name.empty()) return;
+      emulated = cuda::arch_limits(name);
+    } catch (const Error&) {
+      return;  // no such arch: every test fails on the library's error, which names the archs
+    }
+    const std::string why = cuda::emulation_refusal(emulated, native_limits());
+    if (why.empty()) return;
+    std::printf("smla-test: every test skipped: %s=%s: %s\n", cuda::kEmulateEnv, name.c_str(), why.c_str());
+    GTEST_SKIP() << why;
+  }
+};
+[[maybe_unused]] ::testing::Environment* const kEmulationEnvironment =
+    ::testing::AddGlobalTestEnvironment(new EmulationEnvironment);
 
 TEST(CudaEmulation, DeviceIsWhatTheEnvironmentSays) {
   const cuda::ArchLimits native = native_limits();
