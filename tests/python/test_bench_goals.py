@@ -31,7 +31,8 @@ def test_goals_are_met_missed_or_absent(tmp_path):
                          attention("dsv32-tp8 decode", "fp8_ds_mla", 128, 16, 0.84),
                          attention("decode (heads)", "fp8_ds_mla", 128, 20, 0.845),
                          attention("glm5-tp8 decode", "fp8_ds_mla", 1, 8, 0.1, graph_us=8.5),
-                         attention("dsv4 decode c4", "bfloat16", 128, 64, 0.2, 0.6)],
+                         attention("dsv4 decode c4", "bfloat16", 128, 64, 0.2, 0.6),
+                         attention("dsv4 prefill c4", "bfloat16", 4096, 128, 0.3, 0.8)],
            "topk": [{"tokens": 1, "context": 8192, "graph_us": 4.9, "unsorted_graph_us": 4.0}]}
     lines = report(tmp_path, run)
     assert line(lines, "sparse decode, 8 heads, 128 tokens, fp8_ds_mla").split()[1] == "met"
@@ -43,6 +44,9 @@ def test_goals_are_met_missed_or_absent(tmp_path):
     # Issue 21: nearer cuBLAS than copy, so judged against 57% of cuBLAS.
     v4 = line(lines, "V4 decode c4, 64 heads, 128 tokens, bf16")
     assert v4.split()[1] == "met" and "≥ 57.0% of cuBLAS" in v4
+    # A compute-bound prefill against issue 19's prefill goal, 81% of cuBLAS.
+    prefill = line(lines, "V4 prefill c4, 128 heads, 4096 tokens, bf16")
+    assert prefill.split()[1] == "missed" and "≥ 81.0% of cuBLAS" in prefill
     # A goal the run has no row for is never met.
     assert "not in this run" in line(lines, "dense paged decode, 16 heads, 128 x 8192, bf16")
     assert lines[-1].startswith("5 of ")
