@@ -745,18 +745,19 @@ TEST(CudaIndexer, DsaDecodeStepReplaysInACudaGraph) {
 // positions, slots, out and lse, bit for bit, eager and replayed from a CUDA graph. On SM90+ the automatic split
 // gives rows this long to a cluster's CTAs (plan_topk's rule); the test does not check that it did (select_topk
 // does not report its split), only that the step and its ops agree. Also 1 and 8 tokens of 8192 positions over
-// fp8_ds_mla (issue 23's shape: one CTA per row, the row held in registers).
+// fp8_ds_mla (issue 23's shape: one CTA per row, the row held in registers), and of 131072 (issue 23's long shape:
+// on Hopper a cluster of 16 CTAs a row for one token, and the wgmma kernel's keys-on-M form for 8 tokens of 8 heads).
 TEST(CudaIndexer, DsaDecodeStepEqualsItsOpsOnLongRows) {
   for (auto [tokens, kv, blocks] :
        {std::tuple{1, DType::bf16, 640}, {8, DType::bf16, 640}, {1, DType::fp8_ds_mla, 640},
         {8, DType::fp8_ds_mla, 640}, {16, DType::fp8_ds_mla, 640}, {1, DType::fp8_ds_mla, 128},
-        {8, DType::fp8_ds_mla, 128}}) {
+        {8, DType::fp8_ds_mla, 128}, {1, DType::fp8_ds_mla, 2048}, {8, DType::fp8_ds_mla, 2048}}) {
     SCOPED_TRACE("tokens " + std::to_string(tokens) + " cache " + std::string(dtype_name(kv)) + " blocks " +
                  std::to_string(blocks));
     IndexProblem pr = DsaStepCase::problem();
     pr.tokens = tokens;
     pr.k = 2048;
-    pr.max_blocks = blocks;  // 640: 40960 positions; 128: 8192
+    pr.max_blocks = blocks;  // 640: 40960 positions; 128: 8192; 2048: 131072
     DsaStepCase c(pr, false, kv);
     std::vector<int32_t> context(tokens);
     for (int t = 0; t < tokens; ++t) context[t] = pr.max_blocks * pr.block_size - 61 * t;  // long, each its own
