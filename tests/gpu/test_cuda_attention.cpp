@@ -44,6 +44,9 @@ struct Problem {
   // > 0: head h's query times 2^(head_scale_step (h % 4 - 2)), so the heads' magnitudes differ widely.
   int head_scale_step = 0;
   int rope = kMlaRopeDim;  // 0: 512-wide heads (GLM-5.3-Flash, DeepSeek-V4)
+  // > 0: the CPU reference (and the comparison) for the first and last that many tokens only: a long prefill, whose
+  // every row would keep the CPU busy for minutes.
+  int reference_tokens = 0;
   cuda::AttentionChoice kernel;  // forced: the op's CUDA function is called directly
   bool skip_beyond_device = true;  // a forced shape the device's shared memory cannot hold: skipped, not an error
   int qk() const { return MlaHead{rope}.qk_dim(); }
@@ -133,8 +136,32 @@ std::optional<cuda::AttentionPlan> plan_or_skip(const Args& a, cuda::AttentionCh
   }
 }
 
+// Rows [t0, t1) of a view whose first dimension is the token (undefined views stay so).
+TensorView token_rows(TensorView v, int64_t t0, int64_t t1) {
+  if (!v.defined()) return v;
+  v.data = static_cast<char*>(v.data) + t0 * v.strides[0] * static_cast<int64_t>(dtype_size(v.dtype));
+  v.shape[0] = t1 - t0;
+  return v;
+}
+
+// The tokens [begin, end) the CPU reference computes for `p`: all of them, or the first and last
+// p.reference_tokens.
+std::vector<std::pair<int64_t, int64_t>> reference_ranges(const Problem& p) {
+  if (p.reference_tokens <= 0 || 2 * p.reference_tokens >= p.tokens) return {{0, p.tokens}};
+  return {{0, p.reference_tokens}, {p.tokens - p.reference_tokens, p.tokens}};
+}
+
+// The entries of `v` (`per_token` a token) of the tokens in `ranges`.
+template <class T>
+std::vector<T> token_entries(const std::vector<T>& v, int64_t per_token,
+                             const std::vector<std::pair<int64_t, int64_t>>& ranges) {
+  std::vector<T> kept;
+  for (auto [t0, t1] : ranges) kept.insert(kept.end(), v.begin() + t0 * per_token, v.begin() + t1 * per_token);
+  return kept;
+}
+
 // Runs `pr` on the GPU (through the registry, or the op's CUDA function where the choice is forced) against the CPU
-// backend; the plan the op made (nullopt: skipped), and the GPU's output in `gpu_out` when given.
+// backend; the plan the op made (nullopt: skipped), and the GPU's output in `gpu_out` when given (every token's).
 std::optional<cuda::AttentionPlan> run_sparse(const Problem& pr, uint64_t seed,
                                               std::vector<uint16_t>* gpu_out = nullptr) {
   const std::string what = std::string("sparse q=") + std::string(dtype_name(pr.q_dtype)) + " kv=" +
@@ -206,7 +233,13 @@ std::optional<cuda::AttentionPlan> run_sparse(const Problem& pr, uint64_t seed,
       plan_or_skip(a, p.kernel, p.skip_beyond_device && p.kernel.kernel != cuda::AttentionKernel::automatic, what,
                    [](const SparseMlaArgs& x, cuda::AttentionChoice c) { return cuda::sparse_mla_plan(x, c); });
   if (!plan) return plan;
-  sparse_mla(a, &cpu());
+  const std::vector<std::pair<int64_t, int64_t>> checked = reference_ranges(p);
+  for (auto [t0, t1] : checked) {  // the rows not computed keep their NaN sentinels and are not compared
+    SparseMlaArgs part = a;
+    for (TensorView* v : {&part.q, &part.indices, &part.topk_length, &part.out, &part.lse, &part.max_logits})
+      *v = token_rows(*v, t0, t1);
+    sparse_mla(part, &cpu());
+  }
 
   DeviceBuffer dq(qbits), dcache(cache), didx(idx), dlens(lens), dsink(sink);
   DeviceBuffer dmax(std::vector<float>(ref_max.size(), std::nanf("")));
@@ -239,14 +272,37 @@ std::optional<cuda::AttentionPlan> run_sparse(const Problem& pr, uint64_t seed,
     ref = std::move(ref_rows);
     got = std::move(got_rows);
   }
-  expect_close(ref, got, p.q_dtype, ref_lse, dlse.download<float>(), what);
+  if (gpu_out) *gpu_out = got;
+  const int64_t per_token = static_cast<int64_t>(got.size()) / p.tokens;  // out's entries of a token (no padding)
+  expect_close(token_entries(ref, per_token, checked), token_entries(got, per_token, checked), p.q_dtype,
+               token_entries(ref_lse, p.heads, checked), token_entries(dlse.download<float>(), p.heads, checked), what);
   if (p.max_logits) {
-    const auto got_max = dmax.download<float>();
-    std::vector<double> r(ref_max.begin(), ref_max.end()), gm(got_max.begin(), got_max.end());
+    const auto ref_kept = token_entries(ref_max, p.heads, checked),
+               got_kept = token_entries(dmax.download<float>(), p.heads, checked);
+    std::vector<double> r(ref_kept.begin(), ref_kept.end()), gm(got_kept.begin(), got_kept.end());
     EXPECT_EQ(test::compare(r, gm, 1e-3, 1e-4, 0.9999), "") << what << " (max_logits)";
   }
-  if (gpu_out) *gpu_out = got;
   return plan;
+}
+
+// A prefill of 4096 query tokens at 64 and 128 heads over a 32K context, both cache formats (issue 19): the
+// automatic kernel (on Hopper with sm_90a code the wgmma kernel) over many waves of CTAs, its first and last 32
+// tokens against the CPU backend.
+TEST(CudaSparseMla, PrefillOf4096Tokens) {
+  uint64_t seed = 4096;
+  for (DType kv : {DType::bf16, DType::fp8_ds_mla})
+    for (int heads : {64, 128}) {
+      Problem p;
+      p.kv_dtype = kv;
+      p.heads = heads;
+      p.topk = 2048;
+      p.tokens = 4096;
+      p.block_size = 64;
+      p.num_blocks = 32768 / p.block_size;
+      p.reference_tokens = 32;
+      p.sink = heads == 64;
+      run_sparse(p, seed++);
+    }
 }
 
 TEST(CudaSparseMla, HeadsAndTopk) {
