@@ -36,7 +36,7 @@ if [[ " $parts " == *" tests "* ]]; then
     SMLA_CUDA_EMULATE=$emulated ./build-gpu/tests/gpu/test_gpu 2>&1 | tee "$out/test-$emulated.log" |
       grep -E "^\[  (PASSED|FAILED)|Failure|error|Expected|Which is|which is" | head -20
   done
-  small="CudaSparseMla.TopkLengthSinksAndStridedQ:CudaSparseMla.NoRopePartDtypesFormatsBlockSizes:CudaSparseMlaSmallHeads.DepthsInAnyOrder:CudaSparseMlaSmallHeads.RowCopiesAgreeBitForBit:CudaPagedDecode.*:CudaWriteMlaCache.*:CudaIndexer.TiesGoToTheLowerPosition:CudaIndexer.StridedQueriesScoreAsDenseOnes:CudaIndexer.PositionsToSlotsMatchesCpu:CudaIndexer.DsaDecodeStepMatchesCpu"
+  small="CudaSparseMla.TopkLengthSinksAndStridedQ:CudaSparseMla.NoRopePartDtypesFormatsBlockSizes:CudaSparseMlaSmallHeads.DepthsInAnyOrder:CudaSparseMlaSmallHeads.RowCopiesAgreeBitForBit:CudaPagedDecode.*:CudaWriteMlaCache.*:CudaIndexer.TiesGoToTheLowerPosition:CudaIndexer.StridedQueriesScoreAsDenseOnes:CudaIndexer.PositionsToSlotsMatchesCpu:CudaIndexer.DsaDecodeStepMatchesCpu:CudaSparseMlaWgmma.PartialPairWithoutRope:CudaSparseMlaWgmma.OutputRowsAlignedOrNot:CudaSparseMlaWideTile.ForcedSplits"
   if command -v compute-sanitizer >/dev/null; then
     for tool in memcheck racecheck; do
       echo "== compute-sanitizer $tool"
@@ -48,9 +48,12 @@ if [[ " $parts " == *" tests "* ]]; then
 fi
 if [[ " $parts " == *" run "* ]]; then
   for args in "" "--kv-cache-dtype fp8_ds_mla --tp 8" "--model deepseek-v3.2 --tp 8 --batch 128" "--model kimi-k2 --tp 8" \
-      "--model glm-5.3-flash --tp 8 --kv-cache-dtype fp8_ds_mla_nope --context 32768"; do
+      "--model glm-5.3-flash --tp 8 --kv-cache-dtype fp8_ds_mla_nope --context 32768" \
+      "--tp 8 --kv-cache-dtype fp8_ds_mla --batch 1 --context 131072" \
+      "--tp 8 --kv-cache-dtype fp8_ds_mla --batch 8 --context 131072"; do  # the last two: issue 23's per-user latency
     echo "== smla run $args"
-    ./build-gpu/tools/smla/smla run $args 2>&1 | tee -a "$out/run.log" | grep -E "^(result|job|per step|throughput|  *indexer|check)"
+    ./build-gpu/tools/smla/smla run $args 2>&1 | tee -a "$out/run.log" |
+      grep -E "^(result|job|per step|step |throughput|  *indexer|per user|check)"
   done
   echo "== smla run --model glm-5 --layer 3 --tp 8"
   ./build-gpu/tools/smla/smla run --model glm-5 --layer 3 --tp 8 2>&1 | tee -a "$out/run.log" | tail -25
