@@ -502,13 +502,15 @@ std::vector<SparseCase> sparse_cases() {
           c.isa = isa;
           cases.push_back(c);
         }
-  // ... and V4's sizes: 64 / 128 heads, top-k and extra top-k 64 / 576 / 2048, block sizes 1 / 64 / 69 / 576.
+  // ... and V4's sizes: 64 / 128 heads, top-k and extra top-k 64 / 576 / 2048, block sizes 1 / 2 / 61 / 64 / 69 / 576
+  // for each cache.
   struct TwoCaches {
     int heads;
     int64_t topk, extra_topk, block, extra_block;
   };
   for (const TwoCaches& g : {TwoCaches{64, 64, 2048, 64, 1}, TwoCaches{128, 576, 576, 576, 69},
-                             TwoCaches{64, 2048, 64, 1, 576}, TwoCaches{128, 64, 576, 69, 64}}) {
+                             TwoCaches{64, 2048, 64, 1, 576}, TwoCaches{128, 64, 576, 69, 64},
+                             TwoCaches{64, 2048, 576, 2, 61}}) {
     SparseCase c;
     c.name = "extra_v4_heads" + std::to_string(g.heads) + "_topk" + std::to_string(g.topk) + "_" +
              std::to_string(g.extra_topk) + "_block" + std::to_string(g.block) + "_" + std::to_string(g.extra_block);
@@ -544,8 +546,10 @@ std::vector<SparseCase> sparse_cases() {
         c.isa = isa;
         cases.push_back(c);
       }
-  // ... and V4's sizes.
-  for (const TwoCaches& g : {TwoCaches{64, 2048, 64, 1, 576}, TwoCaches{128, 64, 576, 69, 64}}) {
+  // ... and V4's sizes (every block size in each cache, extra top-k up to 2048).
+  for (const TwoCaches& g : {TwoCaches{64, 2048, 64, 1, 576}, TwoCaches{128, 64, 576, 69, 64},
+                             TwoCaches{64, 576, 2048, 2, 61}, TwoCaches{128, 64, 2048, 576, 1},
+                             TwoCaches{128, 576, 576, 64, 69}}) {
     SparseCase c;
     c.name = "v4fp8_heads" + std::to_string(g.heads) + "_topk" + std::to_string(g.topk) + "_" +
              std::to_string(g.extra_topk) + "_block" + std::to_string(g.block) + "_" + std::to_string(g.extra_block);

@@ -84,7 +84,7 @@ def model1_block_bytes(block_size: int) -> int:
 def quantize_model1(rows: np.ndarray, block_size: int) -> np.ndarray:
     """[num_blocks * block_size, 512] -> [num_blocks, model1_block_bytes] bytes as FlashMLA's quantize_k_cache
     (MODEL1) lays them out: per block all tokens' 448 e4m3 + 64 bf16, then all tokens' 7 ue8m0 scales + a pad byte
-    (left 0 here; nobody reads it), then the padding (0x7f)."""
+    (poisoned here: 0xff, a NaN scale, so that a kernel reading it shows up), then the padding (0x7f)."""
     x = np.asarray(rows, np.float32)
     n = x.shape[0]
     num_blocks = n // block_size
@@ -92,7 +92,7 @@ def quantize_model1(rows: np.ndarray, block_size: int) -> np.ndarray:
     exponent = np.ceil(np.log2(np.maximum(amax / E4M3_MAX, 1e-4))).astype(np.int64)
     nope = e4m3(x[:, :MODEL1_NOPE].reshape(n, 7, 64) / np.exp2(exponent)[:, :, None]).reshape(n, MODEL1_NOPE)
     rope = x[:, MODEL1_NOPE:].astype(ml_dtypes.bfloat16).view(np.uint8)
-    scales = np.zeros((n, 8), np.uint8)
+    scales = np.full((n, 8), 0xFF, np.uint8)  # the pad byte: a NaN ue8m0 scale, never to be read
     scales[:, :7] = exponent + 127
     out = np.full((num_blocks, model1_block_bytes(block_size)), 0x7F, np.uint8)
     out[:, :block_size * MODEL1_VALUE] = np.concatenate([nope, rope], axis=1).reshape(num_blocks, -1)

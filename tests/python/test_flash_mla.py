@@ -368,6 +368,7 @@ def test_model1_sparse_decode_two_caches(rng, b, s_q, h_q, topk, extra_topk, blo
     indices = model1_indices(rng, b, s_q, topk, num_slots, extra_slots)
     extra_indices = model1_indices(rng, b, s_q, extra_topk, extra_slots, num_slots)
     extra_indices[1] = -1  # request 1 attends the main cache only
+    indices[-1, -1] = extra_indices[-1, -1] = -1  # the last token: every index of both lists -1, nothing to attend
     length_shape = (b, s_q) if per_token else (b,)
     topk_length = rng.integers(0, topk + 1, size=length_shape).astype(np.int32)
     topk_length[0] = 0  # request 0 attends the extra cache only
@@ -395,6 +396,7 @@ def test_model1_sparse_decode_two_caches(rng, b, s_q, h_q, topk, extra_topk, blo
                                  LATENT**-0.5, None, sink)
     check("out", out.reshape(b * s_q, h_q, V), ref_out, 1e-3 + 2**-8, 2.01 / 128)
     check("lse", lse, flashmla_lse(ref_lse).reshape(b, s_q, h_q).transpose(0, 2, 1), 1e-6, 8.01 / 65536)
+    assert np.all(np.isposinf(lse[-1, :, -1])) and np.all(np.asarray(out[-1, -1], np.float64) == 0)  # the empty token
     # The value is the whole row: its last 64 (rope) dims reach out like the others.
     assert np.abs(np.asarray(out[..., LATENT - 64:], np.float64)).max() > 0.01
 
@@ -462,7 +464,8 @@ def test_model1_argument_errors(rng):
 def model1_fp8_cache(rng, num_blocks, block_size, used):
     """FlashMLA's fp8 MODEL1 cache of random rows whose 64-value tiles differ in size: (its padded blocks, the
     k_cache view (num_blocks, block_size, 1, 584), the dequantised rows (float64)); every slot no counted index
-    reads has NaN e4m3 values and NaN (255) scales, and the block padding is 0x7f."""
+    reads has NaN e4m3 values and NaN (255) scales, every token's pad byte (after its 7 scales) is 255 and the block
+    padding is 0x7f."""
     n = num_blocks * block_size
     tile_size = np.repeat(np.exp2(rng.integers(-4, 1, size=(n, 8))), 64, axis=1)
     rows = np.clip(rng.standard_normal((n, LATENT)) * 0.3 * tile_size, -1, 1).astype(bf16)
@@ -472,6 +475,7 @@ def model1_fp8_cache(rng, num_blocks, block_size, used):
         block, t = divmod(int(slot), block_size)
         blocks[block, t * MODEL1_VALUE:t * MODEL1_VALUE + MODEL1_NOPE] = 0x7F
         blocks[block, block_size * MODEL1_VALUE + t * 8:block_size * MODEL1_VALUE + t * 8 + 7] = 0xFF
+    assert np.all(blocks[:, block_size * MODEL1_VALUE + 7:block_size * MODEL1_ROW:8] == 0xFF)  # the pad bytes
     return blocks, model1_view(blocks, block_size), deq
 
 
@@ -479,6 +483,8 @@ def model1_fp8_cache(rng, num_blocks, block_size, used):
     (4, 1, 64, 64, 128, 64, 2),
     (3, 3, 128, 128, 64, 61, 576),
     (2, 2, 16, 576, 576, 1, 69),
+    (74, 3, 16, 576, 2048, 2, 61),
+    (321, 3, 8, 64, 128, 576, 1),
 ])
 def test_model1_fp8_sparse_decode(rng, b, s_q, h_q, topk, extra_topk, block_size, extra_block_size):
     """FlashMLA's fp8 MODEL1 cache (smla's fp8_ds_mla_v4), one cache and two, against float64 attention over the
@@ -488,6 +494,7 @@ def test_model1_fp8_sparse_decode(rng, b, s_q, h_q, topk, extra_topk, block_size
     indices = model1_indices(rng, b, s_q, topk, num_slots, extra_slots)
     extra_indices = model1_indices(rng, b, s_q, extra_topk, extra_slots, num_slots)
     extra_indices[1] = -1
+    indices[-1, -1] = extra_indices[-1, -1] = -1  # the last token: every index of both lists -1, nothing to attend
     topk_length = rng.integers(0, topk + 1, size=(b,)).astype(np.int32)
     topk_length[0] = 0
     extra_topk_length = rng.integers(0, extra_topk + 1, size=(b, s_q)).astype(np.int32)
@@ -514,12 +521,15 @@ def test_model1_fp8_sparse_decode(rng, b, s_q, h_q, topk, extra_topk, block_size
                                  None, sink)
     check("out", out.reshape(b * s_q, h_q, V), ref_out, 1e-3 + 2**-8, 2.01 / 128)
     check("lse", lse, flashmla_lse(ref_lse).reshape(b, s_q, h_q).transpose(0, 2, 1), 1e-6, 8.01 / 65536)
+    assert np.all(np.isneginf(ref_lse[-1])) and np.all(np.isposinf(lse[-1, :, -1]))  # the empty token: +inf lse
+    assert np.all(np.asarray(out[-1, -1], np.float64) == 0)  # and 0 out, the sink notwithstanding
     # One cache.
     out, lse = flash_mla_with_kvcache(q, k_cache, None, None, 512, get_mla_metadata()[0], None, is_fp8_kvcache=True,
                                       indices=indices, topk_length=topk_length)
     ref_out, ref_lse = attention(q64, rows, main_idx.reshape(b * s_q, -1), LATENT**-0.5, None)
     check("out", out.reshape(b * s_q, h_q, V), ref_out, 1e-3 + 2**-8, 2.01 / 128)
     check("lse", lse, flashmla_lse(ref_lse).reshape(b, s_q, h_q).transpose(0, 2, 1), 1e-6, 8.01 / 65536)
+    assert np.all(np.isposinf(lse[-1, :, -1])) and np.all(np.asarray(out[-1, -1], np.float64) == 0)
 
 
 @pytest.mark.parametrize("block_size", [1, 3, 64])
