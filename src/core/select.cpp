@@ -94,7 +94,12 @@ std::vector<Change> candidate_changes(const Capabilities& caps, const AttentionS
     edit(r);
     out.push_back({kind, std::move(flag), std::move(r)});
   };
-  for (DType kv : caps.kv_cache_dtypes)
+  // Cache dtypes of the asked one's kind first (an fp8 cache asked for: another fp8 layout, e.g. DeepSeek-V4's, before
+  // a 16-bit cache of twice the bytes), each kind in the backend's order.
+  const auto fp8 = [](DType d) { return is_fp8_mla_cache(d) || d == DType::fp8_ds_mla_v4; };
+  std::vector<DType> kvs = caps.kv_cache_dtypes;
+  std::stable_partition(kvs.begin(), kvs.end(), [&](DType d) { return fp8(d) == fp8(run.resolved_kv_cache_dtype()); });
+  for (DType kv : kvs)
     if (kv != run.resolved_kv_cache_dtype())
       with(ChangeKind::kv_cache_dtype, "--kv-cache-dtype " + std::string(dtype_name(kv)), [&](RunSpec& r) { r.kv_cache_dtype = kv; });
   for (DType q : caps.q_dtypes)

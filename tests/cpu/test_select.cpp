@@ -326,6 +326,24 @@ TEST(Suggest, SmallestChangeToTheRun) {
             "use --kv-cache-dtype fp8_ds_mla (backend hopper_sparse would then be valid)");
 }
 
+TEST(Suggest, AnFp8CacheAskedForGetsAnotherFp8Layout) {
+  // A backend declaring a 16-bit cache first: an fp8 cache it cannot take (DeepSeek-V4's layout for GLM-5) is
+  // answered with its fp8 layout, not with a cache of twice the bytes; a 16-bit one with a 16-bit one.
+  Capabilities both = hopper_sparse();
+  both.kv_cache_dtypes = {DType::bf16, DType::f16, DType::fp8_ds_mla};
+  Registry r;
+  r.add(std::make_unique<DeclaredBackend>(both));
+  r.set_priority(DeviceKind::cuda, {"hopper_sparse"});
+  EXPECT_EQ(select(glm5(), on("sm_90", DType::bf16, DType::fp8_ds_mla_v4), r).suggestion,
+            "use --kv-cache-dtype fp8_ds_mla (backend hopper_sparse would then be valid)");
+  both.kv_cache_dtypes = {DType::fp8_ds_mla, DType::f16};
+  Registry r16;
+  r16.add(std::make_unique<DeclaredBackend>(both));
+  r16.set_priority(DeviceKind::cuda, {"hopper_sparse"});
+  EXPECT_EQ(select(glm5(), on("sm_90", DType::bf16, DType::bf16), r16).suggestion,
+            "use --kv-cache-dtype float16 (backend hopper_sparse would then be valid)");
+}
+
 TEST(RunSpecChecks, TpThatDoesNotDivideTheHeadsIsBadInput) {
   Registry r;
   r.add(std::make_unique<DeclaredBackend>(cpu_like()));
