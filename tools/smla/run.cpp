@@ -52,6 +52,9 @@ Action add_run(CLI::App& app) {
     require(o->steps >= 1, "--steps: expected a positive integer, got " + std::to_string(o->steps));
     o->layer_job = sub->count("--layer") > 0;
     o->model_given = sub->count("--model") > 0;
+    // The ops job's decode step attends --batch query rows a call: the explanation names the kernel for them (a
+    // batch beyond explain's bound is left to the job's own check, which names --batch).
+    if (!o->layer_job && o->batch <= kMaxQueryTokens) o->common.run.query_tokens = {o->batch};
     const Resolved res = o->layer_job ? resolve_layer_job(*o) : resolve(o->common);
     const Selection sel = select(res.spec, res.run);
     if (!o->common.json) std::cout << explain_text(res.spec, res.run, sel) << "\n";
