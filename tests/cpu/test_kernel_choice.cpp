@@ -163,6 +163,31 @@ TEST(KernelChoice, ForcedKernelsAndDepths) {
   EXPECT_FALSE(choose_attention_kernel(limits_of("sm_86"), small).ok());
 }
 
+// How the ops split a row's keys: whole below four chunks, one chunk a split where that fits one wave, else the
+// count that fills the slots in whole waves best (the smallest on ties), at least two chunks a split.
+TEST(KernelChoice, SplitsFillWholeWaves) {
+  EXPECT_EQ(choose_splits(1, 1, 264), 1);
+  EXPECT_EQ(choose_splits(1, 3, 264), 1);     // fewer than four chunks: whole
+  EXPECT_EQ(choose_splits(1, 64, 264), 64);   // one token of 8 heads, top-k 2048 in 32-key chunks: 64 one-chunk splits
+  EXPECT_EQ(choose_splits(1, 2048, 264), 264);   // one token of top-k 65536: one whole wave of 7-8-chunk splits
+  EXPECT_EQ(choose_splits(1, 2048, 4096), 1024);  // one chunk a split would fit: the most the combine merges
+  EXPECT_EQ(choose_splits(8, 64, 264), 32);   // 512 one-chunk CTAs do not fit one wave; 32 two-chunk splits do
+  // 384 CTAs on 264 slots: 2 splits fill 3 waves 97%; 4 and 6 fill them as well (ties: the smallest), beyond 6 the
+  // search stops (at most 8 waves' worth).
+  EXPECT_EQ(choose_splits(384, 64, 264), 2);
+  for (int64_t ctas : {1, 7, 64, 128, 300, 5000})
+    for (int chunks : {4, 5, 64, 65, 2048})
+      for (int64_t slots : {132, 264, 528}) {
+        const int s = choose_splits(ctas, chunks, slots);
+        SCOPED_TRACE(std::to_string(ctas) + " CTAs, " + std::to_string(chunks) + " chunks, " + std::to_string(slots) +
+                     " slots: " + std::to_string(s) + " splits");
+        EXPECT_GE(s, 1);
+        EXPECT_LE(s, std::min(chunks, kMaxSplits));
+        if (ctas * chunks > slots) EXPECT_LE(s, chunks / 2);  // two chunks a split at least, unless one wave holds all
+        else EXPECT_EQ(s, std::min(chunks, kMaxSplits));        // else one chunk a split
+      }
+}
+
 // A forced kernel given a field it does not take is refused (the ops raise invalid_argument with this text), not
 // run as if the field were not there; the small-heads kernel and an automatic choice take every field.
 TEST(KernelChoice, ForcedFieldsAKernelDoesNotTake) {

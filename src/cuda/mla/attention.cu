@@ -132,32 +132,6 @@ LaunchConfig head_tile_config(CacheFormat f, int rope, bool paged, const mla::Ke
   return {fn, v.smem, resident_ctas_per_sm(reinterpret_cast<const void*>(fn), mla::kThreads, v.smem), v.stages};
 }
 
-// How many ways to split each (token, head group)'s keys. Keys of fewer than four chunks stay whole (a split of
-// fewer than two chunks costs its combine more than it saves). Where a split of one chunk each still fits in one
-// wave (one token: 64 splits of a 32-key chunk), that: latency is all there is (H200, one token of 8 heads, top-k
-// 2048: 64 one-chunk splits 10.0 us fp8 / 8.8 bf16, 32 two-chunk splits 12.8 / 10.4). Otherwise the count whose CTAs
-// fill the GPU's resident slots in whole waves best (a last wave half full leaves half the GPU idle: 384 CTAs on
-// 264 slots ran at ~70%), the smallest such count on ties (each split costs a partial row and a combine), each
-// split keeping at least two chunks: on an H200, 33 one-chunk splits of the small-heads kernel (fp8, 8 rope-free
-// heads, top-k 2051, 32 tokens: several waves) took 117 us, 2.4x the 576-wide heads' 49 us at four chunks a split.
-int choose_splits(int64_t ctas, int chunks, int64_t slots) {
-  const int most = std::max(1, std::min(chunks / 2, mla::kMaxSplits));
-  if (most == 1) return 1;
-  if (ctas * chunks <= slots) return std::min(chunks, mla::kMaxSplits);
-  if (ctas * most <= slots) return most;  // one wave whatever the count: the loop's answer, without its divisions
-  int best = 1;
-  double best_fill = 0;
-  for (int s = 1; s <= most && ctas * s <= 8 * slots + ctas; ++s) {
-    const int64_t total = ctas * s, waves = (total + slots - 1) / slots;
-    const double fill = static_cast<double>(total) / static_cast<double>(waves * slots);
-    if (fill > best_fill + 1e-9) {
-      best = s;
-      best_fill = fill;
-    }
-  }
-  return best;
-}
-
 // Workspace bytes of `splits` splits' partials: per split and row, the output, lse and max score (fp32; laid out
 // by set_partials).
 size_t split_partial_bytes(int splits, int64_t tokens, int heads) {
@@ -226,7 +200,7 @@ Plan plan(CacheFormat f, int rope, bool paged, int64_t tokens, int heads, int nu
   const int chunks = std::max(1, (num_keys + chunk_keys - 1) / chunk_keys);
   const int64_t slots = static_cast<int64_t>(dev.num_sms) * v.ctas_per_sm;
   const int splits = choice.splits > 0 ? std::min({choice.splits, chunks, mla::kMaxSplits})
-                                        : choose_splits(s.ctas, chunks, slots);
+                                        : mla::choose_splits(s.ctas, chunks, slots);
   s.chunks_per_split = (chunks + splits - 1) / splits;
   s.num_splits = (chunks + s.chunks_per_split - 1) / s.chunks_per_split;
   s.one_wave = s.ctas * s.num_splits <= slots;

@@ -782,7 +782,6 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const AttentionPara
 
 // Merges the splits of each (token, head): out = sum_s w_s * out_s with
 // w_s = 2^(lse_s - lse), lse = log2 sum_s 2^lse_s; applies the sink.
-constexpr int kMaxSplits = 1024;  // the most the ops make: K <= 65536 keys, and at most 1024 splits of them
 // A row's 512 columns go to gridDim.y CTAs (1, 2, 4 or 8: combine_column_blocks); a CTA's threads are split into
 // groups that each cover its columns, one float4 per thread, and merge every groups-th split. A thread issues the
 // loads of kBatch splits (partial row, lse, max) before using any, so at 8 splits per thread a row's whole merge is

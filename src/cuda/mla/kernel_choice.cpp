@@ -278,6 +278,24 @@ KernelDecision choose_attention_kernel(const KernelLimits& l, const KernelShape&
   return d;
 }
 
+int choose_splits(int64_t ctas, int chunks, int64_t slots) {
+  const int most = std::max(1, std::min(chunks / 2, kMaxSplits));
+  if (most == 1) return 1;
+  if (ctas * chunks <= slots) return std::min(chunks, kMaxSplits);
+  if (ctas * most <= slots) return most;  // one wave whatever the count: the loop's answer, without its divisions
+  int best = 1;
+  double best_fill = 0;
+  for (int s = 1; s <= most && ctas * s <= 8 * slots + ctas; ++s) {
+    const int64_t total = ctas * s, waves = (total + slots - 1) / slots;
+    const double fill = static_cast<double>(total) / static_cast<double>(waves * slots);
+    if (fill > best_fill + 1e-9) {
+      best = s;
+      best_fill = fill;
+    }
+  }
+  return best;
+}
+
 std::string forced_fields_not_taken(const AttentionChoice& c) {
   const AttentionKernel k = c.kernel;
   if (k == AttentionKernel::automatic || k == AttentionKernel::small_heads) return "";

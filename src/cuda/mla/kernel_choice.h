@@ -177,6 +177,17 @@ KernelDecision choose_attention_kernel(const KernelLimits& limits, const KernelS
 // automatic choice's fields apply where the kernel chosen takes them.
 std::string forced_fields_not_taken(const AttentionChoice& choice);
 
+// How many ways the ops split each (token, head group)'s `chunks` chunks of keys when `ctas` CTAs a split share
+// `slots` resident CTA slots (SMs x CTAs per SM). Keys of fewer than four chunks stay whole (a split of fewer than
+// two chunks costs its combine more than it saves). Where a split of one chunk each still fits in one wave (one
+// token: 64 splits of a 32-key chunk), that: latency is all there is (H200, one token of 8 heads, top-k 2048: 64
+// one-chunk splits 10.0 us fp8 / 8.8 bf16, 32 two-chunk splits 12.8 / 10.4). Otherwise the count whose CTAs fill
+// the slots in whole waves best (a last wave half full leaves half the GPU idle: 384 CTAs on 264 slots ran at
+// ~70%), the smallest such count on ties (each split costs a partial row and a combine), each split keeping at least
+// two chunks: on an H200, 33 one-chunk splits of the small-heads kernel (fp8, 8 rope-free heads, top-k 2051, 32
+// tokens: several waves) took 117 us, 2.4x the 576-wide heads' 49 us at four chunks a split.
+int choose_splits(int64_t ctas, int chunks, int64_t slots);
+
 // "wide tile", "16-head tile", "small-heads kernel", "wgmma kernel".
 const char* kernel_name(AttentionKernel kernel);
 // "wide tile (64 heads/CTA, depth 3, 1 CTA/SM)".

@@ -15,6 +15,9 @@ namespace smla::cuda::mla {
 // of 512-wide heads only.
 enum class CacheFormat { bf16, f16, fp8_ds_mla, fp8_ds_mla_v4 };
 
+// The most splits of a row's keys the ops make (K <= 65536 keys, at most 1024 splits of them) and the combine merges.
+inline constexpr int kMaxSplits = 1024;
+
 // The kernel instance of the three kernels' hosts for format `f`, rope width `rope` (kMlaRopeDim or 0) and key
 // source: pick.template operator()<F, kRope, kPaged>(), one call of the instances compiled (fp8_ds_mla_v4: rope
 // 0 only, as it holds 512-wide heads; checked before).
