@@ -99,6 +99,7 @@ class Candidate:
     valid: bool
     chosen: bool
     reasons: Tuple[str, ...]
+    kernel_notes: Tuple[str, ...] = ()  # the chosen backend's kernel lines (the CUDA backend: its attention kernels)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,7 +180,7 @@ def _from_json(text: str, json_text: str) -> Explanation:
         schema=d["schema"],
         model=_model_info(d["model"]),
         run=_make(RunInfo, d["run"], ops=tuple, query_tokens=tuple),
-        candidates=tuple(_make(Candidate, c, reasons=tuple) for c in d["candidates"]),
+        candidates=tuple(_make(Candidate, c, reasons=tuple, kernel_notes=tuple) for c in d["candidates"]),
         chosen=d["chosen"],
         forced=d["forced"],
         suggestion=d["suggestion"],

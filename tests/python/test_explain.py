@@ -38,6 +38,7 @@ def test_explain_matches_the_golden_text_and_json(golden, model, device, dtype, 
     assert e.model.absorbed_qk_dim == 576 and e.model.absorbed_v_dim == 512
     assert [c.name for c in e.candidates] == [c["name"] for c in d["candidates"]]
     assert all(c.valid == (not c.reasons) for c in e.candidates)
+    assert [c.kernel_notes for c in e.candidates] == [tuple(c["kernel_notes"]) for c in d["candidates"]]
     assert json.loads(e.to_json()) == d
 
 
@@ -69,8 +70,7 @@ def test_explain_names_the_kernel_for_the_query_rows_given():
     assert e.run.query_tokens == (1, 32)
     assert "8 heads per rank, 1 and 32 query rows per call" in str(e)
     if smla.with_cuda:
-        notes = [line for c in e.to_dict()["candidates"] if c["chosen"] for line in c["kernel_notes"]
-                 if line.startswith("kernel")]
+        notes = [line for c in e.candidates if c.chosen for line in c.kernel_notes if line.startswith("kernel")]
         assert [n.split(":")[0] for n in notes] == ["kernel (1 query row)", "kernel (32 query rows)"]
         assert notes[0].startswith("kernel (1 query row): 16-head tile")
         assert notes[1].startswith("kernel (32 query rows): small-heads kernel")
