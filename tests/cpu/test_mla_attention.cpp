@@ -510,7 +510,7 @@ std::vector<SparseCase> sparse_cases() {
   };
   for (const TwoCaches& g : {TwoCaches{64, 64, 2048, 64, 1}, TwoCaches{128, 576, 576, 576, 69},
                              TwoCaches{64, 2048, 64, 1, 576}, TwoCaches{128, 64, 576, 69, 64},
-                             TwoCaches{64, 2048, 576, 2, 61}}) {
+                             TwoCaches{64, 2048, 576, 2, 61}, TwoCaches{128, 576, 64, 61, 2}}) {
     SparseCase c;
     c.name = "extra_v4_heads" + std::to_string(g.heads) + "_topk" + std::to_string(g.topk) + "_" +
              std::to_string(g.extra_topk) + "_block" + std::to_string(g.block) + "_" + std::to_string(g.extra_block);
@@ -549,7 +549,7 @@ std::vector<SparseCase> sparse_cases() {
   // ... and V4's sizes (every block size in each cache, extra top-k up to 2048).
   for (const TwoCaches& g : {TwoCaches{64, 2048, 64, 1, 576}, TwoCaches{128, 64, 576, 69, 64},
                              TwoCaches{64, 576, 2048, 2, 61}, TwoCaches{128, 64, 2048, 576, 1},
-                             TwoCaches{128, 576, 576, 64, 69}}) {
+                             TwoCaches{128, 576, 576, 64, 69}, TwoCaches{64, 64, 576, 61, 2}}) {
     SparseCase c;
     c.name = "v4fp8_heads" + std::to_string(g.heads) + "_topk" + std::to_string(g.topk) + "_" +
              std::to_string(g.extra_topk) + "_block" + std::to_string(g.block) + "_" + std::to_string(g.extra_block);

@@ -485,6 +485,7 @@ def model1_fp8_cache(rng, num_blocks, block_size, used):
     (2, 2, 16, 576, 576, 1, 69),
     (74, 3, 16, 576, 2048, 2, 61),
     (321, 3, 8, 64, 128, 576, 1),
+    (2, 1, 16, 64, 576, 69, 64),
 ])
 def test_model1_fp8_sparse_decode(rng, b, s_q, h_q, topk, extra_topk, block_size, extra_block_size):
     """FlashMLA's fp8 MODEL1 cache (smla's fp8_ds_mla_v4), one cache and two, against float64 attention over the
