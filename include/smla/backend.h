@@ -19,6 +19,22 @@ struct IntRange {
   bool contains(int v) const { return v >= min && v <= max; }
 };
 
+// The kernel a backend runs for `query_tokens` query rows a call, as explain reports it: its name and shape (the
+// CUDA backend: its attention kernel's heads per CTA, warps, pipeline depth, dynamic shared memory and resident CTAs
+// per SM on the run's arch), and every other kernel with why it was not chosen.
+struct KernelChoice {
+  int64_t query_tokens = 0;
+  std::string phase;   // "decode" (1 row) or "prefill" (4096) where explain picked the rows; empty where the run named them
+  std::string kernel;  // e.g. "wgmma kernel"; "none" where no kernel can run
+  std::string arch;    // the arch the choice was made for, e.g. "sm_90a"
+  int heads_per_cta = 0, warps = 0, stages = 0, smem_bytes = 0, ctas_per_sm = 0;
+  std::string shape;   // the kernel's shape in words: "8 heads/CTA, 12 warps, depth 3, keys on M, ..."
+  struct Other {
+    std::string kernel, reason;
+  };
+  std::vector<Other> others;
+};
+
 struct Capabilities {
   std::string name;         // what --backend and SMLA_BACKEND take
   std::string description;  // one line for `explain`
@@ -42,9 +58,9 @@ struct Capabilities {
   bool attn_sink = false;
   // Anything the fields above cannot express; returns reasons (empty: fine).
   std::function<std::vector<std::string>(const AttentionSpec&, const RunSpec&)> combination_rule;
-  // What `explain` prints under the backend when chosen: the kernels it runs for the run and why not the others
-  // (empty or unset: nothing).
-  std::function<std::vector<std::string>(const AttentionSpec&, const RunSpec&)> kernel_notes;
+  // What `explain` reports under the backend when chosen: the kernels it runs for the run's query rows per call
+  // (RunSpec::query_tokens) and why not the others (empty or unset: nothing).
+  std::function<std::vector<KernelChoice>(const AttentionSpec&, const RunSpec&)> kernel_choices;
 };
 
 // Why `caps` cannot run `spec` under `run`, one human-readable line per

@@ -24,7 +24,7 @@ from ._smla import (
     preset_names,
     support_matrix,
 )
-from ._explain import BackendInfo, Candidate, Explanation, backends, explain, load_model_spec
+from ._explain import BackendInfo, Candidate, Explanation, KernelChoice, backends, explain, load_model_spec
 from .ops import (
     dsa_decode_step,
     indexer_topk,
@@ -58,6 +58,7 @@ __all__ = [
     "IndexerSpec",
     "InternalError",
     "InvalidArgumentError",
+    "KernelChoice",
     "RopeSpec",
     "UnsupportedError",
     "backends",

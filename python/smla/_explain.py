@@ -91,6 +91,24 @@ class RunInfo:
 
 
 @dataclasses.dataclass(frozen=True)
+class KernelChoice:
+    """The kernel a chosen backend runs for ``query_tokens`` query rows a call (the CUDA backend: its attention
+    kernel on the run's arch), and why each other kernel was not chosen."""
+
+    query_tokens: int
+    phase: Optional[str]  # 'decode' (1 row) or 'prefill' (4096) where explain picked the rows; None where given
+    kernel: str           # e.g. 'wgmma kernel'; 'none' where no kernel can run
+    arch: str             # e.g. 'sm_90a'
+    heads_per_cta: int
+    warps: int
+    stages: int
+    smem_bytes: int
+    ctas_per_sm: int
+    shape: str            # the kernel's shape in words, as explain prints it
+    others: Tuple[Tuple[str, str], ...]  # (kernel, why it was not chosen)
+
+
+@dataclasses.dataclass(frozen=True)
 class Candidate:
     """One backend and why it can or cannot run the model (no reasons: valid)."""
 
@@ -100,6 +118,7 @@ class Candidate:
     chosen: bool
     reasons: Tuple[str, ...]
     kernel_notes: Tuple[str, ...] = ()  # the chosen backend's kernel lines (the CUDA backend: its attention kernels)
+    kernels: Tuple[KernelChoice, ...] = ()  # the same as data
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,6 +185,11 @@ def _make(cls: Any, data: Dict[str, Any], **nested: Any) -> Any:
     return cls(**values)
 
 
+def _kernel_choices(kernels: List[Dict[str, Any]]) -> Tuple[KernelChoice, ...]:
+    return tuple(_make(KernelChoice, k, others=lambda others: tuple((o["kernel"], o["reason"]) for o in others))
+                 for k in kernels)
+
+
 def _model_info(m: Dict[str, Any]) -> ModelInfo:
     def rope(r: Optional[Dict[str, Any]]) -> Optional[Rope]:
         return None if r is None else _make(Rope, r, yarn=lambda y: None if y is None else _make(Yarn, y))
@@ -180,7 +204,8 @@ def _from_json(text: str, json_text: str) -> Explanation:
         schema=d["schema"],
         model=_model_info(d["model"]),
         run=_make(RunInfo, d["run"], ops=tuple, query_tokens=tuple),
-        candidates=tuple(_make(Candidate, c, reasons=tuple, kernel_notes=tuple) for c in d["candidates"]),
+        candidates=tuple(_make(Candidate, c, reasons=tuple, kernel_notes=tuple, kernels=_kernel_choices)
+                         for c in d["candidates"]),
         chosen=d["chosen"],
         forced=d["forced"],
         suggestion=d["suggestion"],

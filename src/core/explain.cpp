@@ -36,6 +36,26 @@ std::string query_tokens_text(const RunSpec& run) {
   return n == 0 ? t : t + " query row" + (n == 1 && run.query_tokens[0] == 1 ? "" : "s") + " per call";
 }
 
+// The kernels a chosen backend reports (Capabilities::kernel_choices; none where it reports none).
+std::vector<KernelChoice> kernel_choices(const Backend& b, const AttentionSpec& s, const RunSpec& run) {
+  const auto& report = b.capabilities().kernel_choices;
+  return report ? report(s, run) : std::vector<KernelChoice>{};
+}
+
+// The lines explain prints under a chosen backend for its kernels: "kernel decode (1 query row): 16-head tile
+// (16 heads/CTA, ...), sm_90a" ("kernel (8 query rows): ..." for rows the run names), then "  wgmma kernel: not
+// chosen: ..." for each other kernel.
+std::vector<std::string> kernel_note_lines(const std::vector<KernelChoice>& choices) {
+  std::vector<std::string> lines;
+  for (const KernelChoice& c : choices) {
+    const std::string rows = std::to_string(c.query_tokens) + " query row" + (c.query_tokens == 1 ? "" : "s");
+    lines.push_back("kernel " + (c.phase.empty() ? "" : c.phase + " ") + "(" + rows + "): " + c.kernel +
+                    (c.shape.empty() ? "" : " (" + c.shape + ")") + ", " + c.arch);
+    for (const KernelChoice::Other& o : c.others) lines.push_back("  " + o.kernel + ": " + o.reason);
+  }
+  return lines;
+}
+
 std::string ops_text(OpSet ops) {
   std::string s;
   for (Op op : ops.list()) s += (s.empty() ? "" : ", ") + std::string(op_name(op));
@@ -141,8 +161,8 @@ std::string explain_text(const AttentionSpec& s, const RunSpec& run, const Selec
     o << "  " << name << "  ";
     if (c.backend == sel.chosen) {
       o << "CHOSEN" << (sel.forced ? " (forced)" : "") << "    " << c.backend->capabilities().description << "\n";
-      if (const auto& notes = c.backend->capabilities().kernel_notes)
-        for (const std::string& line : notes(s, run)) o << std::string(width + 4, ' ') << line << "\n";
+      for (const std::string& line : kernel_note_lines(kernel_choices(*c.backend, s, run)))
+        o << std::string(width + 4, ' ') << line << "\n";
     }
     else if (c.valid())
       o << "valid     (a higher-priority backend was chosen)\n";
@@ -216,14 +236,31 @@ std::string explain_json(const AttentionSpec& s, const RunSpec& run, const Selec
                 {"query_tokens", run.query_tokens}};
   json candidates = json::array();
   for (const auto& c : sel.candidates) {
-    const auto& notes = c.backend->capabilities().kernel_notes;
     const bool chosen = c.backend == sel.chosen;
+    const std::vector<KernelChoice> choices = chosen ? kernel_choices(*c.backend, s, run) : std::vector<KernelChoice>{};
+    json kernels = json::array();
+    for (const KernelChoice& k : choices) {
+      json others = json::array();
+      for (const KernelChoice::Other& o : k.others) others.push_back({{"kernel", o.kernel}, {"reason", o.reason}});
+      kernels.push_back({{"query_tokens", k.query_tokens},
+                         {"phase", k.phase.empty() ? json(nullptr) : json(k.phase)},
+                         {"kernel", k.kernel},
+                         {"arch", k.arch},
+                         {"heads_per_cta", k.heads_per_cta},
+                         {"warps", k.warps},
+                         {"stages", k.stages},
+                         {"smem_bytes", k.smem_bytes},
+                         {"ctas_per_sm", k.ctas_per_sm},
+                         {"shape", k.shape},
+                         {"others", others}});
+    }
     candidates.push_back({{"name", c.backend->name()},
                           {"description", c.backend->capabilities().description},
                           {"valid", c.valid()},
                           {"chosen", chosen},
                           {"reasons", c.reasons},
-                          {"kernel_notes", chosen && notes ? notes(s, run) : std::vector<std::string>{}}});
+                          {"kernel_notes", kernel_note_lines(choices)},
+                          {"kernels", kernels}});
   }
   json out = {{"schema", "smla.explain/1"},
               {"model", model},

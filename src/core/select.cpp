@@ -239,7 +239,7 @@ RunSpec make_run_spec(const AttentionSpec& spec, const RunOptions& o, OptionName
   run.backend = o.backend;
   run.attn_sink = o.attn_sink;
   for (int64_t t : o.query_tokens)
-    require(t >= 1 && t <= kMaxQueryTokens, name("query_tokens", "--tokens") +
+    require(t >= 1 && t <= kMaxQueryTokens, name("tokens", "--tokens") +
                                                 "expected query rows per call from 1 to " +
                                                 std::to_string(kMaxQueryTokens) + ", got " + std::to_string(t));
   run.query_tokens = o.query_tokens;

@@ -22,9 +22,8 @@ namespace smla::cuda {
 namespace {
 
 // The attention kernel mla::choose_attention_kernel picks on the run's arch for each of the run's query rows per call
-// (by default one decode token and a prefill of 4096), with why the others were not: "decode (1 query row): wide
-// tile (...), sm_90a", then one line per other.
-std::vector<std::string> attention_kernel_notes(const AttentionSpec& spec, const RunSpec& run) {
+// (by default one decode token and a prefill of 4096), with why each other was not chosen.
+std::vector<KernelChoice> attention_kernel_choices(const AttentionSpec& spec, const RunSpec& run) {
   const int cc = run.device.compute_capability;
   ArchLimits arch;  // the table's arch of this major with the highest minor not above cc's (sm_121: sm_120's)
   for (const char* name : {"sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120"}) {
@@ -42,23 +41,29 @@ std::vector<std::string> attention_kernel_notes(const AttentionSpec& spec, const
                                   : kv == DType::fp8_ds_mla_v4 ? mla::CacheFormat::fp8_ds_mla_v4
                                                                : mla::CacheFormat::fp8_ds_mla;
   const int rope = spec.absorbed_qk_dim() == kMlaQkDim ? kMlaRopeDim : 0;
-  const std::string arch_text = "sm_" + std::to_string(arch.compute_capability) + (sm90a ? "a" : "");
-  std::vector<std::string> lines;
+  std::vector<KernelChoice> choices;
   const bool given = !run.query_tokens.empty();  // rows the user named: no phase guessed from them
   for (int64_t tokens : given ? run.query_tokens : std::vector<int64_t>{1, 4096}) {
     const mla::KernelDecision d =
         mla::choose_attention_kernel(limits, {format, rope, !spec.indexer, tokens, heads_per_rank(spec, run), {}});
-    const std::string rows = std::to_string(tokens) + " query row" + (tokens == 1 ? "" : "s");
-    const std::string phase = given ? "(" + rows + "): " : (tokens == 1 ? "decode (" : "prefill (") + rows + "): ";
-    lines.push_back("kernel " + phase + (d.ok() ? mla::variant_text(d.chosen) : std::string("none")) + ", " +
-                    arch_text);
+    const mla::KernelVariant& v = d.chosen;
+    KernelChoice c{tokens, given ? "" : tokens == 1 ? "decode" : "prefill", d.ok() ? mla::kernel_name(v.kernel) : "none",
+                   "sm_" + std::to_string(arch.compute_capability) + (sm90a ? "a" : "")};
+    if (d.ok()) {
+      c.heads_per_cta = v.heads_per_cta;
+      c.warps = v.threads / 32;
+      c.stages = v.stages;
+      c.smem_bytes = v.smem;
+      c.ctas_per_sm = v.ctas_per_sm;
+      c.shape = mla::variant_shape_text(v);
+    }
     for (int i = 0; i < d.num_rejected; ++i) {
       const mla::Rejection& r = d.rejected[static_cast<size_t>(i)];
-      lines.push_back("  " + std::string(mla::kernel_name(r.kernel)) + ": " +
-                      mla::rejection_text(r, d.chosen, arch.compute_capability));
+      c.others.push_back({mla::kernel_name(r.kernel), mla::rejection_text(r, v, arch.compute_capability)});
     }
+    choices.push_back(std::move(c));
   }
-  return lines;
+  return choices;
 }
 
 Capabilities mma_capabilities() {
@@ -79,7 +84,7 @@ Capabilities mma_capabilities() {
   // sparse_mla's second cache (DeepSeek-V4), in every cache format the kernel reads, FlashMLA's 584-byte fp8 MODEL1
   // cache (fp8_ds_mla_v4) included.
   c.extra_cache = true;
-  c.kernel_notes = attention_kernel_notes;
+  c.kernel_choices = attention_kernel_choices;
 #ifndef SMLA_WITH_CUDA
   c.combination_rule = [](const AttentionSpec&, const RunSpec&) {
     return std::vector<std::string>{"not compiled into this build of smla (built without nvcc)"};

@@ -74,9 +74,19 @@ TEST_P(Explain, MatchesGoldenTextAndJson) {
   EXPECT_EQ(j["chosen"].is_null(), sel.chosen == nullptr);
   EXPECT_EQ(j["candidates"].size(), sel.candidates.size());
   for (const auto& candidate : j["candidates"]) {  // the chosen backend's kernel notes, as the text prints them
-    if (!candidate["chosen"].get<bool>()) EXPECT_TRUE(candidate["kernel_notes"].empty());
+    if (!candidate["chosen"].get<bool>()) EXPECT_TRUE(candidate["kernel_notes"].empty() && candidate["kernels"].empty());
     for (const auto& line : candidate["kernel_notes"])
       EXPECT_NE(text.find(line.get<std::string>() + "\n"), std::string::npos) << line;
+    // The kernels as data: one a line "kernel ...", each naming its kernel and shape as that line does.
+    size_t kernel_lines = 0;
+    for (const auto& line : candidate["kernel_notes"]) kernel_lines += line.get<std::string>().rfind("kernel ", 0) == 0;
+    ASSERT_EQ(candidate["kernels"].size(), kernel_lines);
+    for (const auto& k : candidate["kernels"]) {
+      const std::string named = k["kernel"].get<std::string>() + " (" + k["shape"].get<std::string>() + "), " +
+                                k["arch"].get<std::string>();
+      EXPECT_NE(text.find(named + "\n"), std::string::npos) << named;
+      EXPECT_GT(k["smem_bytes"].get<int>(), 0);
+    }
   }
 }
 

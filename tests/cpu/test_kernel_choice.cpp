@@ -472,7 +472,7 @@ struct NotesCase {
 TEST(KernelChoice, ExplainNamesTheVariantOnEveryArch) {
   const Backend* mma = Registry::global().find("cuda_mma");
   ASSERT_NE(mma, nullptr);
-  ASSERT_TRUE(static_cast<bool>(mma->capabilities().kernel_notes));
+  ASSERT_TRUE(static_cast<bool>(mma->capabilities().kernel_choices));
   for (const NotesCase& c : {NotesCase{"glm-5", 8, DType::fp8_ds_mla}, NotesCase{"glm-5", 8, DType::bf16},
                              NotesCase{"deepseek-v3.2", 1, DType::fp8_ds_mla}, NotesCase{"deepseek-v3.2", 1, DType::bf16}})
     for (const char* arch : kArchs)
@@ -485,30 +485,35 @@ TEST(KernelChoice, ExplainNamesTheVariantOnEveryArch) {
         run.query_tokens = given;
         SCOPED_TRACE(std::string(c.model) + " " + arch + " " + std::string(dtype_name(c.kv)) + " " +
                      std::to_string(given.size()) + " row counts given");
-        const std::vector<std::string> lines = mma->capabilities().kernel_notes(spec, run);
+        const std::vector<KernelChoice> choices = mma->capabilities().kernel_choices(spec, run);
         const KernelLimits l = limits_of(arch, sm90a_code_built());  // explain: the build's arch list
         const CacheFormat f = c.kv == DType::bf16 ? CacheFormat::bf16 : CacheFormat::fp8_ds_mla;
-        size_t at = 0;
-        // Per row count: the kernel, then every other one (on sm_90 the wgmma kernel too).
-        for (int64_t tokens : given.empty() ? std::vector<int64_t>{1, 4096} : given) {
-          const KernelShape s{f, 64, false, tokens, spec.num_heads / c.tp, {}};
+        const std::vector<int64_t> rows = given.empty() ? std::vector<int64_t>{1, 4096} : given;
+        ASSERT_EQ(choices.size(), rows.size());
+        for (size_t i = 0; i < rows.size(); ++i) {
+          const KernelChoice& k = choices[i];
+          const KernelShape s{f, 64, false, rows[i], spec.num_heads / c.tp, {}};
           const KernelDecision d = choose_attention_kernel(l, s);
           ASSERT_EQ(d.chosen.kernel, expected_kernel(l, s));
+          EXPECT_EQ(k.query_tokens, rows[i]);
+          EXPECT_EQ(k.phase, given.empty() ? (rows[i] == 1 ? "decode" : "prefill") : "");
+          EXPECT_EQ(k.kernel, kernel_name(d.chosen.kernel));
+          EXPECT_EQ(k.arch, std::string(arch) + (l.sm90a_code ? "a" : ""));
+          EXPECT_EQ(k.heads_per_cta, d.chosen.heads_per_cta);
+          EXPECT_EQ(k.warps, d.chosen.threads / 32);
+          EXPECT_EQ(k.stages, d.chosen.stages);
+          EXPECT_EQ(k.smem_bytes, d.chosen.smem);
+          EXPECT_EQ(k.ctas_per_sm, d.chosen.ctas_per_sm);
+          EXPECT_EQ(k.kernel + " (" + k.shape + ")", variant_text(d.chosen));
+          // Every other kernel (on sm_90 the wgmma kernel too), with its reason.
           ASSERT_EQ(d.num_rejected, std::string(arch) == "sm_90" ? 3 : 2);
-          ASSERT_LT(at, lines.size());
-          const std::string arch_text = std::string(arch) + (l.sm90a_code ? "a" : "");
-          const std::string rows = std::to_string(tokens) + (tokens == 1 ? " query row)" : " query rows)");
-          const std::string phase = given.empty() ? (tokens == 1 ? "decode (" : "prefill (") + rows : "(" + rows;
-          EXPECT_EQ(lines[at], "kernel " + phase + ": " + variant_text(d.chosen) + ", " + arch_text);
-          ++at;
-          for (int i = 0; i < d.num_rejected; ++i, ++at) {
-            const Rejection& r = d.rejected[static_cast<size_t>(i)];
-            ASSERT_LT(at, lines.size());
-            EXPECT_EQ(lines[at], "  " + std::string(kernel_name(r.kernel)) + ": " +
-                                     rejection_text(r, d.chosen, l.compute_capability));
+          ASSERT_EQ(k.others.size(), static_cast<size_t>(d.num_rejected));
+          for (int j = 0; j < d.num_rejected; ++j) {
+            const Rejection& r = d.rejected[static_cast<size_t>(j)];
+            EXPECT_EQ(k.others[static_cast<size_t>(j)].kernel, kernel_name(r.kernel));
+            EXPECT_EQ(k.others[static_cast<size_t>(j)].reason, rejection_text(r, d.chosen, l.compute_capability));
           }
         }
-        EXPECT_EQ(at, lines.size());
       }
 }
 

@@ -39,6 +39,8 @@ def test_explain_matches_the_golden_text_and_json(golden, model, device, dtype, 
     assert [c.name for c in e.candidates] == [c["name"] for c in d["candidates"]]
     assert all(c.valid == (not c.reasons) for c in e.candidates)
     assert [c.kernel_notes for c in e.candidates] == [tuple(c["kernel_notes"]) for c in d["candidates"]]
+    assert [[k.kernel for k in c.kernels] for c in e.candidates] == [[k["kernel"] for k in c["kernels"]]
+                                                                     for c in d["candidates"]]
     assert json.loads(e.to_json()) == d
 
 
@@ -74,6 +76,11 @@ def test_explain_names_the_kernel_for_the_query_rows_given():
         assert [n.split(":")[0] for n in notes] == ["kernel (1 query row)", "kernel (32 query rows)"]
         assert notes[0].startswith("kernel (1 query row): 16-head tile")
         assert notes[1].startswith("kernel (32 query rows): small-heads kernel")
+        # The same as data.
+        (chosen,) = [c for c in e.candidates if c.chosen]
+        assert [(k.query_tokens, k.phase, k.kernel, k.heads_per_cta, k.arch) for k in chosen.kernels] == [
+            (1, None, "16-head tile", 16, "sm_120"), (32, None, "small-heads kernel", 8, "sm_120")]
+        assert all(k.smem_bytes > 0 and k.ctas_per_sm >= 1 and k.others for k in chosen.kernels)
     assert smla.explain("glm-5", device="cpu").run.query_tokens == ()
 
 
@@ -96,7 +103,7 @@ def test_explain_reads_smla_backend(monkeypatch):
     (dict(block_size=0), "block_size"),
     (dict(tp=3), "tp: 3 does not divide"),
     (dict(backend="flashmla"), "backend: unknown backend 'flashmla'"),
-    (dict(tokens=[8, 0]), "query_tokens: expected query rows per call from 1 to"),
+    (dict(tokens=[8, 0]), "tokens: expected query rows per call from 1 to"),
 ])
 def test_explain_bad_input_raises_value_errors(kwargs, pattern):
     with pytest.raises(smla.InvalidArgumentError, match=pattern) as e:

@@ -324,14 +324,18 @@ const char* kernel_name(AttentionKernel kernel) {
   return "none";
 }
 
-std::string variant_text(const KernelVariant& v) {
-  std::string t = std::string(kernel_name(v.kernel)) + " (" + std::to_string(v.heads_per_cta) + " heads/CTA, " +
-                  std::to_string(v.threads / 32) + " warps, depth " + std::to_string(v.stages);
+std::string variant_shape_text(const KernelVariant& v) {
+  std::string t = std::to_string(v.heads_per_cta) + " heads/CTA, " + std::to_string(v.threads / 32) +
+                  " warps, depth " + std::to_string(v.stages);
   if (v.split_dims == 2) t += ", output dims split over 2 warps";
   if (v.kernel == AttentionKernel::wgmma && v.heads_per_cta < kWgmmaHeadsPerCta) t += ", keys on M";
   if (v.bulk_copies) t += ", rows by bulk copy";
   return t + ", " + with_commas(v.smem) + " B shared memory, " + std::to_string(v.ctas_per_sm) + " CTA" +
-         (v.ctas_per_sm == 1 ? "" : "s") + "/SM)";
+         (v.ctas_per_sm == 1 ? "" : "s") + "/SM";
+}
+
+std::string variant_text(const KernelVariant& v) {
+  return std::string(kernel_name(v.kernel)) + " (" + variant_shape_text(v) + ")";
 }
 
 std::string rejection_text(const Rejection& r, const KernelVariant& chosen, int cc) {

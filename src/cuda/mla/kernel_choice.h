@@ -190,8 +190,10 @@ int choose_splits(int64_t ctas, int chunks, int64_t slots);
 
 // "wide tile", "16-head tile", "small-heads kernel", "wgmma kernel".
 const char* kernel_name(AttentionKernel kernel);
-// "wide tile (64 heads/CTA, depth 3, 1 CTA/SM)".
+// "wide tile (64 heads/CTA, 8 warps, depth 3, 192,512 B shared memory, 1 CTA/SM)": the kernel's name, then its
+// shape (variant_shape_text).
 std::string variant_text(const KernelVariant& v);
+std::string variant_shape_text(const KernelVariant& v);
 // Why `r.kernel` is not `chosen`, e.g. "not chosen: 64+ heads take the wide tile", "needs 192,512 B of shared
 // memory per block; sm_120 allows 101,376".
 std::string rejection_text(const Rejection& r, const KernelVariant& chosen, int compute_capability);
