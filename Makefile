@@ -39,10 +39,10 @@ python-test: deps
 	  --root-user-action=ignore . --config-settings=build-dir=$(BUILD)-py $(PIP_CONFIG)
 	$(PYTHON) -m pytest tests/python -q
 
-# The GPU tests: gpu.all on any NVIDIA GPU of compute capability >= 8.0, and gpu.emulated.sm_80/86/89/120 where the
-# GPU can stand in for the arch (src/cuda/emulation.cpp): all four on an H100, H200 or B200; elsewhere ctest reports
-# the entries of the archs it cannot stand in for as skipped, with the reason (e.g. an A100 lacks sm_89's and
-# sm_120's e4m3 mma.sync, a 99 KB GPU sm_80's 163 KB a block). docs/gpu-testing.md lists them per GPU.
+# The GPU tests: gpu.all on any NVIDIA GPU of compute capability >= 8.0, and gpu.emulated.sm_80/86/89/100/120 where
+# the GPU can stand in for the arch (src/cuda/emulation.cpp): all five on an H100, H200 or B200; elsewhere ctest
+# reports the entries of the archs it cannot stand in for as skipped, with the reason (e.g. an A100 lacks sm_89's and
+# sm_120's e4m3 mma.sync and sm_100's 227 KB a block, a 99 KB GPU sm_80's 163 KB). docs/gpu-testing.md lists them.
 test-gpu: build
 	ctest --test-dir $(BUILD) --output-on-failure -L gpu
 

@@ -31,7 +31,7 @@ if [[ " $parts " == *" tests "* ]]; then
   echo "== GPU tests"
   ./build-gpu/tests/gpu/test_gpu 2>&1 | tee "$out/test.log" | grep -E "^\[  (PASSED|FAILED)|Failure|error|Expected|Which is|which is" | head -40
   # Each other arch's launch decisions executed here (docs/gpu-testing.md, "Emulated archs").
-  for emulated in sm_80 sm_86 sm_89 sm_120; do
+  for emulated in sm_80 sm_86 sm_89 sm_100 sm_120; do
     echo "== GPU tests, $emulated emulated"
     SMLA_CUDA_EMULATE=$emulated ./build-gpu/tests/gpu/test_gpu 2>&1 | tee "$out/test-$emulated.log" |
       grep -E "^\[  (PASSED|FAILED)|Failure|error|Expected|Which is|which is" | head -20

@@ -11,7 +11,7 @@ namespace {
 struct NamedArch {
   const char* name;
   ArchLimits limits;
-  bool emulated;  // the test mode offers it (Hopper and SM100 are the GPUs it runs on, not archs it stands in for)
+  bool emulated;  // the test mode offers it (Hopper is the GPU it runs on, not an arch it stands in for)
 };
 // The CUDA programming guide's table: opt-in shared memory per block, shared memory per SM, resident threads and
 // CTAs per SM; and CTAs per cluster (none before SM90; 8 portable, 16 on the data-center GPUs that allow non-portable
@@ -21,7 +21,7 @@ constexpr NamedArch kArchs[] = {
     {"sm_86", {86, 101376, 102400, 1536, 16, 1}, true},   // RTX 30xx, A10, A40: 99 KB, 100 KB
     {"sm_89", {89, 101376, 102400, 1536, 24, 1}, true},   // RTX 40xx, L4, L40S
     {"sm_90", {90, 232448, 233472, 2048, 32, 16}, false},  // H100, H200: 227 KB, 228 KB
-    {"sm_100", {100, 232448, 233472, 2048, 32, 16}, false},
+    {"sm_100", {100, 232448, 233472, 2048, 32, 16}, true},  // B200: Hopper's limits, no wgmma (no tcgen05 in smla)
     {"sm_120", {120, 101376, 102400, 1536, 32, 8}, true},  // RTX 50xx, RTX PRO 6000 Blackwell
 };
 
@@ -53,9 +53,9 @@ std::string emulation_refusal(const ArchLimits& emulated, const ArchLimits& nati
   const std::string running = "the running GPU (" + arch_name(native.compute_capability) + ")";
   if (native.compute_capability < 80) return running + " is older than sm_80, the oldest arch smla runs on";
   // Instructions: e4m3 mma.sync (sm_89, sm_120) is checked, GPUs before 8.9 lack it; wgmma is never chosen for an
-  // emulated arch. sm_120 also takes what every arch from 9.0 on does (clusters, bulk copies, programmatic dependent
-  // launches), unchecked here: its e4m3 mma.sync and 32 resident CTAs per SM (an SM89 has 24) leave only GPUs of 9.0
-  // on to stand in for it.
+  // emulated arch. sm_100 and sm_120 also take what every arch from 9.0 on does (clusters, bulk copies,
+  // programmatic dependent launches), unchecked here: sm_100's 227 KB a block and sm_120's e4m3 mma.sync with 32
+  // resident CTAs per SM (an SM89 has 24) leave only GPUs of 9.0 on to stand in for them.
   const bool fp8_mma = emulated.compute_capability == 89 || emulated.compute_capability / 10 == 12;
   if (fp8_mma && native.compute_capability < 89)
     return running + " has no e4m3 mma.sync, which " + arch_name(emulated.compute_capability) + " runs (sm_89 on)";

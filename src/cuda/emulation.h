@@ -1,9 +1,9 @@
-// Emulated-arch test mode: SMLA_CUDA_EMULATE=sm_80|sm_86|sm_89|sm_120 makes the CUDA backend's launch code see
-// that arch (compute capability, shared memory per block and per SM, resident threads and CTAs per SM) on the GPU
-// it runs on, so a Hopper GPU executes the tiles, pipeline depths, splits and instruction choices of the others:
-// mma.sync only, never wgmma (sm_90 only); e4m3 mma.sync where SM89 and SM12x take it; and for sm_120, as for every
-// arch from 9.0 on, the top-k's thread block clusters (up to 8 CTAs), the small-heads kernel's bulk row copies and
-// programmatic dependent launches, none of which sm_80/86/89 get. A test mode, never for serving: the
+// Emulated-arch test mode: SMLA_CUDA_EMULATE=sm_80|sm_86|sm_89|sm_100|sm_120 makes the CUDA backend's launch code
+// see that arch (compute capability, shared memory per block and per SM, resident threads and CTAs per SM) on the
+// GPU it runs on, so a Hopper GPU executes the tiles, pipeline depths, splits and instruction choices of the others:
+// mma.sync only, never wgmma (sm_90 only); e4m3 mma.sync where SM89 and SM12x take it; and for sm_100 and sm_120, as
+// for every arch from 9.0 on, the top-k's thread block clusters (up to 16 and 8 CTAs), the small-heads kernel's bulk
+// row copies and programmatic dependent launches, none of which sm_80/86/89 get. A test mode, never for serving: the
 // device code that runs is the running GPU's build, so numerics of native e4m3 sums and speed are the running
 // GPU's (docs/gpu-testing.md, "Emulated archs"). Plain C++ (no CUDA), so the CPU tests check it.
 #pragma once

@@ -56,7 +56,7 @@ TEST(Emulation, OffUnlessSet) {
 }
 
 TEST(Emulation, HopperStandsInForEveryOtherArch) {
-  for (const char* name : {"sm_80", "sm_86", "sm_89", "sm_120"}) {
+  for (const char* name : {"sm_80", "sm_86", "sm_89", "sm_100", "sm_120"}) {
     SCOPED_TRACE(name);
     const std::optional<ArchLimits> e = emulated_arch(name, kH200);
     ASSERT_TRUE(e.has_value());
@@ -67,11 +67,11 @@ TEST(Emulation, HopperStandsInForEveryOtherArch) {
 }
 
 TEST(Emulation, UnknownValuesAreErrorsNamingTheChoices) {
-  for (const char* bad : {"sm_90", "sm_100", "sm86", "86", "SM_86", "sm_86 ", "1", "sm_75"}) {
+  for (const char* bad : {"sm_90", "sm_101", "sm86", "86", "SM_86", "sm_86 ", "1", "sm_75"}) {
     SCOPED_TRACE(bad);
     const std::string what = error_of([&] { emulated_arch(bad, kH200); }, ErrorKind::invalid_argument);
     EXPECT_NE(what.find("SMLA_CUDA_EMULATE"), std::string::npos) << what;
-    EXPECT_NE(what.find("sm_80, sm_86, sm_89, sm_120"), std::string::npos) << what;
+    EXPECT_NE(what.find("sm_80, sm_86, sm_89, sm_100, sm_120"), std::string::npos) << what;
     EXPECT_NE(what.find(std::string("'") + bad + "'"), std::string::npos) << what;
   }
 }
@@ -96,6 +96,9 @@ TEST(Emulation, RefusesWhatTheRunningGpuCannotStandInFor) {
       {"sm_120", arch_limits("sm_89"), "resident CTAs per SM"},
       {"sm_86", {86, 101376, 65536, 1536, 16}, "bytes of shared memory per SM"},
       {"sm_80", {75, 65536, 65536, 1024, 16}, "older than sm_80"},
+      // sm_100's 227 KB per block: only a Hopper (or an SM100) stands in for it.
+      {"sm_100", arch_limits("sm_80"), "bytes of shared memory per block"},
+      {"sm_100", arch_limits("sm_120"), "bytes of shared memory per block"},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(std::string(c.emulated) + " on sm_" + std::to_string(c.native.compute_capability));

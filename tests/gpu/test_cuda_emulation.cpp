@@ -163,7 +163,7 @@ TEST(CudaEmulation, SharedMemoryDecidesTheSmallHeadsPipeline) {
   } else if (d.compute_capability == 80) {
     EXPECT_EQ(fp8.stages, 3);
     EXPECT_EQ(fp8.ctas_per_sm, 1);
-  } else if (d.compute_capability == 90) {
+  } else if (d.compute_capability == 90 || d.compute_capability == 100) {  // 227 KB a block
     EXPECT_GT(cuda::sparse_mla_plan(sparse_shape(DType::bf16, 64, 16, 2048), small).smem, 101376);
     EXPECT_EQ(fp8.stages, 2);
     EXPECT_EQ(fp8.ctas_per_sm, 2);
@@ -181,7 +181,7 @@ TEST(CudaEmulation, SharedMemoryDecidesTheHeadTilePipeline) {
   struct Want {
     int bf16_stages, bf16_ctas, fp8_stages, fp8_ctas;
   } want{};
-  if (d.compute_capability == 90 && d.max_smem_per_sm == 233472) want = {2, 2, 3, 2};
+  if ((d.compute_capability == 90 || d.compute_capability == 100) && d.max_smem_per_sm == 233472) want = {2, 2, 3, 2};
   else if (d.compute_capability == 80 && d.max_smem_per_sm == 167936) want = {4, 1, 1, 2};
   else if (d.max_smem_per_block == 101376 && d.max_smem_per_sm == 102400) want = {2, 1, 2, 1};
   else GTEST_SKIP() << "no expectations written for sm_" << d.compute_capability;
@@ -205,7 +205,7 @@ IndexerTopkArgs indexer_shape(int tokens, int heads) {
 }
 
 // Instruction choices follow the emulated arch: e4m3 mma.sync where SM89 and SM12x multiply fp8 natively, bf16
-// mma.sync on SM80/86, no wgmma and no thread block clusters off Hopper.
+// mma.sync on SM80/86/100, no wgmma off Hopper and no thread block clusters below SM90.
 TEST(CudaEmulation, InstructionChoicesFollowTheArch) {
   const int cc = cuda::current_device().compute_capability;
   const bool native_fp8 = cc == 89 || cc / 10 == 12;
@@ -221,7 +221,7 @@ TEST(CudaEmulation, InstructionChoicesFollowTheArch) {
     EXPECT_THROW(cuda::topk_scratch_bytes(indexer_shape(4, 8), cuda::TopkSplit::cluster), Error);
   else
     EXPECT_NO_THROW(cuda::topk_scratch_bytes(indexer_shape(4, 8), cuda::TopkSplit::cluster));
-  // Clusters of 16 (non-portable) on Hopper, never for an emulated arch (SM120: the portable 8; none below SM90).
+  // Clusters of 16 (non-portable) on Hopper and an emulated SM100, the portable 8 on SM120, none below SM90.
   const int ranks = cuda::topk_max_cluster_ranks(2048);
   if (cc < 90) EXPECT_EQ(ranks, 1);
   else if (!emulated_name().empty()) EXPECT_EQ(ranks, cuda::arch_limits(emulated_name()).max_cluster_ranks);
