@@ -66,7 +66,8 @@ void indexer_topk(const IndexerTopkArgs& args);
 // griddepcontrol.wait); the attention, from SM90 on the top-k's programmatic dependent (AttentionLaunch). Then the
 // combine where the attention splits its keys; rows split into slices (below SM90) add the slices' kernels. The
 // top-k counts its histograms itself, as in indexer_topk: the scores kernel counting them (TopkFusion::histograms)
-// was slower on the H200 (indexer_topk.cu, scores_then_topk, has the figures).
+// was slower on the H200 (indexer_topk.cu, scores_then_topk, has the figures). The top-k's split and the attention's
+// kernel as the ops pick them, or forced (tests, benchmarks; the overload after TopkSplit).
 void dsa_decode_step(const DsaDecodeStepArgs& args);
 
 // Bytes of `workspace` each op needs (Backend::workspace_size); the same args on the same device always give the
@@ -137,6 +138,9 @@ bool topk_reads_histograms(const IndexerTopkArgs& args, TopkSplit split = TopkSp
 int topk_cta_threads(const IndexerTopkArgs& args, TopkSplit split = TopkSplit::automatic);
 void select_topk(const IndexerTopkArgs& args, const float* scores, TopkSplit split = TopkSplit::automatic,
                  void* scratch = nullptr, const TopkFusion& fusion = {});
+// dsa_decode_step with the top-k's split and the attention's kernel forced, as select_topk and sparse_mla force them
+// (the same errors); a caller's workspace too small for the forced split or kernel is an error.
+void dsa_decode_step(const DsaDecodeStepArgs& args, TopkSplit split, AttentionChoice choice);
 
 #ifdef SMLA_TOPK_STAMPS
 // A build with SMLA_TOPK_STAMPS (bench_cuda stamps) records %globaltimer (ns) into `stamps` (device memory,

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <functional>
 #include <map>
@@ -791,6 +792,58 @@ TEST(CudaIndexer, DsaDecodeStepEqualsItsOpsOnLongRows) {
     const DsaStepCase::Outputs replayed = c.download();
     expect_identical(replayed, ops, "the step replayed vs its three ops");
     CUDA_OK(cudaStreamDestroy(stream));
+  }
+}
+
+// Each of the step's paths forced, the top-k's split (one CTA, slices through global memory, a cluster, a cluster of
+// 16) and the attention's kernel, against the same ops run one by one with the same forced choices: positions, slots,
+// out and lse bit for bit, on 8 tokens of 8192 and of 40960 positions over fp8_ds_mla. A split or kernel the device
+// refuses is refused by the forced step too.
+TEST(CudaIndexer, DsaDecodeStepForcedPathsEqualTheirOps) {
+  using cuda::AttentionKernel;
+  using cuda::TopkSplit;
+  for (int blocks : {128, 640}) {
+    IndexProblem pr = DsaStepCase::problem();
+    pr.tokens = 8;
+    pr.k = 2048;
+    pr.max_blocks = blocks;
+    DsaStepCase c(pr, false, DType::fp8_ds_mla);
+    std::vector<int32_t> context(pr.tokens);
+    for (int t = 0; t < pr.tokens; ++t) context[t] = pr.max_blocks * pr.block_size - 61 * t;
+    CUDA_OK(cudaMemcpy(c.on->context.ptr, context.data(), context.size() * 4, cudaMemcpyHostToDevice));
+    const IndexerTopkArgs ix = indexer_step(c.gpu);
+    DeviceBuffer scores(static_cast<size_t>(pr.tokens) * cuda::score_row_stride(ix) * sizeof(float));
+    int forced = 0;
+    for (TopkSplit split : {TopkSplit::one_cta, TopkSplit::slices, TopkSplit::cluster, TopkSplit::cluster16})
+      for (AttentionKernel kernel : {AttentionKernel::automatic, AttentionKernel::head_tile,
+                                     AttentionKernel::small_heads, AttentionKernel::wide_tile, AttentionKernel::wgmma}) {
+        SCOPED_TRACE("positions " + std::to_string(blocks * pr.block_size) + " split " +
+                     std::to_string(static_cast<int>(split)) + " kernel " + std::to_string(static_cast<int>(kernel)));
+        const cuda::AttentionChoice choice{kernel};
+        c.poison_outputs();
+        try {
+          DeviceBuffer scratch(cuda::topk_scratch_bytes(ix, split));
+          cuda::indexer_scores(ix, static_cast<float*>(scores.ptr));
+          cuda::select_topk(ix, static_cast<const float*>(scores.ptr), split, scratch.ptr);
+          positions_to_slots(slots_step(c.gpu), &gpu());
+          cuda::sparse_mla(attention_step(c.gpu), choice);
+        } catch (const Error& e) {  // the device runs no such split or kernel: the forced step refuses it too
+          CUDA_OK(cudaDeviceSynchronize());
+          std::printf("[ skipped  ] %s\n", e.what());
+          EXPECT_THROW(cuda::dsa_decode_step(c.gpu, split, choice), Error);
+          CUDA_OK(cudaDeviceSynchronize());
+          continue;
+        }
+        CUDA_OK(cudaDeviceSynchronize());
+        const DsaStepCase::Outputs ops = c.download();
+        ASSERT_EQ(std::count(ops.topk.begin(), ops.topk.end(), -1), 0);
+        c.poison_outputs();
+        cuda::dsa_decode_step(c.gpu, split, choice);
+        CUDA_OK(cudaDeviceSynchronize());
+        expect_identical(c.download(), ops, "the forced step vs its ops forced alike");
+        ++forced;
+      }
+    EXPECT_GE(forced, 4);  // every device runs one CTA a row and slices with the 16-head tile and the automatic kernel
   }
 }
 

@@ -1346,26 +1346,32 @@ namespace {
 // 25.7 us against 25.2, of 128K 60.9 against 35.4, eight of 128K 109.1 against 87.8; the scores kernel with the
 // counting and its zeroing kernel 34.0 us against 7.7 at 128K, its atomics queueing on the few bins a row's scores
 // fall in). Tests and bench_cuda step still run that way through select_topk.
-void scores_then_topk(const IndexerTopkArgs& a, const TopkFusion& fusion) {
+void scores_then_topk(const IndexerTopkArgs& a, const TopkFusion& fusion, TopkSplit split = TopkSplit::automatic) {
+  const size_t bytes = score_bytes(a) + topk_scratch_bytes(a, split);
+  require(!a.workspace.defined() ||
+              static_cast<size_t>(a.workspace.numel()) * dtype_size(a.workspace.dtype) >= bytes,
+          "indexer_topk: workspace: the forced top-k split needs " + std::to_string(bytes) + " bytes");
   std::optional<DefaultWorkspace> own;
-  auto* ws = static_cast<uint8_t*>(
-      workspace_or(a.workspace, own, static_cast<cudaStream_t>(a.stream), indexer_workspace_size(a), "indexer_topk"));
+  auto* ws = static_cast<uint8_t*>(workspace_or(a.workspace, own, static_cast<cudaStream_t>(a.stream), bytes,
+                                                "indexer_topk"));
   auto* scores = reinterpret_cast<float*>(ws);
   indexer_scores(a, scores);
   TopkFusion f = fusion;
   f.after_scores = f.after_scores && a.q.size(0) > 0 && index_capacity(a) > 0;  // else no scores kernel ran
-  select_topk(a, scores, TopkSplit::automatic, ws + score_bytes(a), f);
+  select_topk(a, scores, split, ws + score_bytes(a), f);
 }
 
 }  // namespace
 
 void indexer_topk(const IndexerTopkArgs& a) { scores_then_topk(a, {}); }
 
-void dsa_decode_step(const DsaDecodeStepArgs& a) {
+void dsa_decode_step(const DsaDecodeStepArgs& a) { dsa_decode_step(a, TopkSplit::automatic, {}); }
+
+void dsa_decode_step(const DsaDecodeStepArgs& a, TopkSplit split, AttentionChoice choice) {
   const PositionsToSlotsArgs slots = slots_step(a);
-  scores_then_topk(indexer_step(a), {&slots, true});
+  scores_then_topk(indexer_step(a), {&slots, true}, split);
   // The top-k kernel just launched (for any token) is the attention's predecessor: a programmatic dependent of it.
-  cuda::sparse_mla(attention_step(a), {}, AttentionLaunch::after_own_kernel);
+  cuda::sparse_mla(attention_step(a), choice, AttentionLaunch::after_own_kernel);
 }
 
 }  // namespace smla::cuda
