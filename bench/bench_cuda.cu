@@ -1116,6 +1116,65 @@ void bench_stamps(StepCaches& caches, int tokens, int context, bool sorted, int 
 
 }  // namespace
 
+// `--json PATH`: the run's ceilings and its attention, top-k and step rows (none where a part ran none); 0, or 1
+// where PATH cannot be written. An empty path writes nothing.
+int write_json(const std::string& path, const cudaDeviceProp& prop, const Ceilings& c) {
+  if (path.empty()) return 0;
+  FILE* f = std::fopen(path.c_str(), "w");
+  if (!f) return std::fprintf(stderr, "bench_cuda: cannot write %s\n", path.c_str()), 1;
+  std::fprintf(f, "{\n  \"device\": \"%s\", \"sm\": %d, \"sms\": %d,\n", prop.name, prop.major * 10 + prop.minor,
+               prop.multiProcessorCount);
+  std::fprintf(f, "  \"ceilings\": {\"copy_gbs\": %.1f, \"gemm_tflops\": %.1f, \"mma_sync_tflops\": %.1f},\n",
+               c.copy_gbs, c.gemm_tflops, c.mma_tflops);
+  std::fprintf(f, "  \"units\": {\"us\": \"median microseconds per call\", "
+                  "\"graph_us\": \"microseconds per call replayed from a CUDA graph\", "
+                  "\"gbs\": \"cache rows gathered (tokens * keys * row "
+                  "bytes) per second\", \"tflops\": \"2 * heads * keys * (576 or 512 + 512) * tokens per second\"},\n");
+  std::fprintf(f, "  \"attention\": [\n");
+  for (size_t i = 0; i < attention_rows.size(); ++i) {
+    const AttentionRow& r = attention_rows[i];
+    char graph[48] = "";
+    if (r.graph_us >= 0) std::snprintf(graph, sizeof graph, ", \"graph_us\": %.2f", r.graph_us);
+    std::fprintf(f,
+                 "    {\"config\": \"%s\", \"cache\": \"%s\", \"kernel\": \"%s\", \"tokens\": %d, \"heads\": %d, "
+                 "\"keys\": %d, \"us\": %.2f, \"tflops\": %.2f, \"gbs\": %.1f, \"copy_fraction\": %.4f, "
+                 "\"gemm_fraction\": %.4f%s}%s\n",
+                 r.config.c_str(), r.cache.c_str(), r.kernel.c_str(), r.tokens, r.heads, r.keys, r.us, r.tflops,
+                 r.gbs, r.copy_frac, r.gemm_frac, graph, i + 1 < attention_rows.size() ? "," : "");
+  }
+  std::fprintf(f, "  ],\n  \"topk\": [\n");
+  for (size_t i = 0; i < topk_rows.size(); ++i) {
+    const TopkRow& r = topk_rows[i];
+    std::fprintf(f,
+                 "    {\"tokens\": %d, \"context\": %d, \"unsplit_us\": %.2f, \"split_us\": %.2f, "
+                 "\"cluster_us\": %.2f, \"picked_us\": %.2f, \"graph_us\": %.2f, \"unsorted_graph_us\": %.2f, "
+                 "\"cluster16_us\": %.2f, \"cluster16_graph_us\": %.2f, \"streamed_graph_us\": %.2f, "
+                 "\"streamed_unsorted_graph_us\": %.2f}%s\n",
+                 r.tokens, r.context, r.unsplit_us, r.split_us, r.cluster_us, r.picked_us, r.graph_us,
+                 r.unsorted_graph_us, r.cluster16_us, r.cluster16_graph_us, r.streamed_graph_us,
+                 r.streamed_unsorted_graph_us, i + 1 < topk_rows.size() ? "," : "");
+  }
+  std::fprintf(f, "  ],\n  \"dsa_decode_step\": [\n");
+  for (size_t i = 0; i < step_rows.size(); ++i) {
+    const StepRow& r = step_rows[i];
+    std::fprintf(f,
+                 "    {\"config\": \"glm5-tp8 fp8\", \"tokens\": %d, \"context\": %d, \"requests\": %d, "
+                 "\"scores_us\": %.2f, "
+                 "\"topk_us\": %.2f, \"attention_us\": %.2f, \"three_ops_us\": %.2f, \"step_us\": %.2f, "
+                 "\"step_cold_us\": %.2f, \"step_unsorted_us\": %.2f, \"counted_scores_us\": %.2f, "
+                 "\"counted_topk_us\": %.2f, \"counted_step_us\": %.2f, \"grouped_scores_us\": %.2f, "
+                 "\"one_scores_us\": %.2f, \"step_unsorted_l2_cold_us\": %.2f, \"scores_l2_cold_us\": %.2f, "
+                 "\"attention_l2_cold_us\": %.2f}%s\n",
+                 r.tokens, r.context, r.requests, r.scores_us, r.topk_us, r.attention_us, r.ops_us, r.step_us,
+                 r.cold_us, r.unsorted_step_us, r.counted_scores_us, r.counted_topk_us, r.counted_step_us,
+                 r.grouped_scores_us, r.one_scores_us, r.unsorted_l2_cold_us, r.scores_l2_cold_us,
+                 r.attention_l2_cold_us, i + 1 < step_rows.size() ? "," : "");
+  }
+  std::fprintf(f, "  ]\n}\n");
+  std::fclose(f);
+  return 0;
+}
+
 int main(int argc, char** argv) {
   // `bench_cuda attention|indexer|topk|step` runs one part (`glm53f`, `dsv4`: only GLM-5.3-Flash's, DeepSeek-V4's
   // attention rows); no argument: all. `bench_cuda sparse ...` one sparse config, `bench_cuda paged ...` one dense
@@ -1177,7 +1236,7 @@ int main(int argc, char** argv) {
                                                   : smla::cuda::RowCopy::automatic};
     Cache cache(std::string(argv[5]) == "fp8" ? smla::DType::fp8_ds_mla : smla::DType::bf16, int64_t{1} << 20);
     bench_sparse("sparse", cache, std::atoi(argv[2]), std::atoi(argv[3]), std::atoi(argv[4]), c, kernel);
-    return 0;
+    return write_json(json_path, prop, c);
   }
   if (part == "gather" && argc >= 5) {
     // `bench_cuda gather TOKENS TOPK bf16|fp8 [STAGES [THREADS [SPLITS [SPIN [SMEM [ROWS [cta|warp|bulk]]]]]]]`: the
@@ -1205,7 +1264,7 @@ int main(int argc, char** argv) {
                                   "divide ROWS, at most 32 rows a warp; TOPK a multiple of ROWS x SPLITS; cta, warp "
                                   "or bulk (sm_90+)\n"), 2;
     bench_gather("gather ceiling", cache, std::atoi(argv[2]), topk, c, pipe);
-    return 0;
+    return write_json(json_path, prop, c);
   }
   if (part == "paged" && argc >= 6) {
     // `bench_cuda paged BATCH CONTEXT HEADS bf16|fp8 [auto|small|head-tile|wide|wgmma [STAGES [HEADS_PER_CTA]]]`:
@@ -1214,7 +1273,7 @@ int main(int argc, char** argv) {
     bench_paged("paged", cache, std::atoi(argv[2]), std::atoi(argv[3]), std::atoi(argv[4]), c,
                 {kernel_named(argc > 6 ? argv[6] : "auto"), argc > 7 ? std::atoi(argv[7]) : 0,
                  argc > 8 ? std::atoi(argv[8]) : 0});
-    return 0;
+    return write_json(json_path, prop, c);
   }
   if (part == "dsv4" && argc >= 5) {
     // `bench_cuda dsv4 TOKENS HEADS bf16|fp8 [auto|small|head-tile|wide|wgmma]`: one DeepSeek-V4 c4 decode row (the
@@ -1224,7 +1283,7 @@ int main(int argc, char** argv) {
     Cache window(kv, int64_t{1} << 20, v4), c4(kv, int64_t{1} << 20, v4);
     bench_sparse("dsv4 decode c4", window, std::atoi(argv[2]), std::atoi(argv[3]), 128, c,
                  {kernel_named(argc > 5 ? argv[5] : "auto")}, 0, {&c4, 512});
-    return 0;
+    return write_json(json_path, prop, c);
   }
   const bool all_attention = part.empty() || part == "attention";
   if (all_attention || part == "glm53f" || part == "dsv4") {
@@ -1346,7 +1405,7 @@ int main(int argc, char** argv) {
         else return std::fprintf(stderr, "bench_cuda indexer: unknown option %s\n", option.c_str()), 2;
       }
       bench_indexer(cfg, c);
-      return 0;
+      return write_json(json_path, prop, c);
     }
     for (bool fp8_queries : {true, false})
       for (int heads : {32, 64})
@@ -1388,7 +1447,7 @@ int main(int argc, char** argv) {
                 "streamed", "str unsort");
     if (argc >= 4) {
       bench_topk(std::atoi(argv[2]), std::atoi(argv[3]));
-      return 0;
+      return write_json(json_path, prop, c);
     }
     for (int context : {8192, 16384, 32768, 131072})
       for (int tokens : {1, 8, 16, 32, 64, 128})
@@ -1412,7 +1471,7 @@ int main(int argc, char** argv) {
     StepCaches caches;
     if (argc >= 4) {  // one config: TOKENS CONTEXT [TOKENS_PER_REQUEST]
       bench_step(caches, std::atoi(argv[2]), std::atoi(argv[3]), argc >= 5 ? std::atoi(argv[4]) : 1);
-      return 0;
+      return write_json(json_path, prop, c);
     }
     for (int context : {8192, 131072}) {
       for (int tokens : {1, 8}) bench_step(caches, tokens, context);
@@ -1420,59 +1479,5 @@ int main(int argc, char** argv) {
       bench_step(caches, 16, context, 2);  // 8 requests of 2 (one draft token each)
     }
   }
-  if (!json_path.empty()) {
-    FILE* f = std::fopen(json_path.c_str(), "w");
-    if (!f) return std::fprintf(stderr, "bench_cuda: cannot write %s\n", json_path.c_str()), 1;
-    std::fprintf(f, "{\n  \"device\": \"%s\", \"sm\": %d, \"sms\": %d,\n", prop.name, prop.major * 10 + prop.minor,
-                 prop.multiProcessorCount);
-    std::fprintf(f, "  \"ceilings\": {\"copy_gbs\": %.1f, \"gemm_tflops\": %.1f, \"mma_sync_tflops\": %.1f},\n",
-                 c.copy_gbs, c.gemm_tflops, c.mma_tflops);
-    std::fprintf(f, "  \"units\": {\"us\": \"median microseconds per call\", "
-                    "\"graph_us\": \"microseconds per call replayed from a CUDA graph\", "
-                    "\"gbs\": \"cache rows gathered (tokens * keys * row "
-                    "bytes) per second\", \"tflops\": \"2 * heads * keys * (576 or 512 + 512) * tokens per second\"},\n");
-    std::fprintf(f, "  \"attention\": [\n");
-    for (size_t i = 0; i < attention_rows.size(); ++i) {
-      const AttentionRow& r = attention_rows[i];
-      char graph[48] = "";
-      if (r.graph_us >= 0) std::snprintf(graph, sizeof graph, ", \"graph_us\": %.2f", r.graph_us);
-      std::fprintf(f,
-                   "    {\"config\": \"%s\", \"cache\": \"%s\", \"kernel\": \"%s\", \"tokens\": %d, \"heads\": %d, "
-                   "\"keys\": %d, \"us\": %.2f, \"tflops\": %.2f, \"gbs\": %.1f, \"copy_fraction\": %.4f, "
-                   "\"gemm_fraction\": %.4f%s}%s\n",
-                   r.config.c_str(), r.cache.c_str(), r.kernel.c_str(), r.tokens, r.heads, r.keys, r.us, r.tflops,
-                   r.gbs, r.copy_frac, r.gemm_frac, graph, i + 1 < attention_rows.size() ? "," : "");
-    }
-    std::fprintf(f, "  ],\n  \"topk\": [\n");
-    for (size_t i = 0; i < topk_rows.size(); ++i) {
-      const TopkRow& r = topk_rows[i];
-      std::fprintf(f,
-                   "    {\"tokens\": %d, \"context\": %d, \"unsplit_us\": %.2f, \"split_us\": %.2f, "
-                   "\"cluster_us\": %.2f, \"picked_us\": %.2f, \"graph_us\": %.2f, \"unsorted_graph_us\": %.2f, "
-                   "\"cluster16_us\": %.2f, \"cluster16_graph_us\": %.2f, \"streamed_graph_us\": %.2f, "
-                   "\"streamed_unsorted_graph_us\": %.2f}%s\n",
-                   r.tokens, r.context, r.unsplit_us, r.split_us, r.cluster_us, r.picked_us, r.graph_us,
-                   r.unsorted_graph_us, r.cluster16_us, r.cluster16_graph_us, r.streamed_graph_us,
-                   r.streamed_unsorted_graph_us, i + 1 < topk_rows.size() ? "," : "");
-    }
-    std::fprintf(f, "  ],\n  \"dsa_decode_step\": [\n");
-    for (size_t i = 0; i < step_rows.size(); ++i) {
-      const StepRow& r = step_rows[i];
-      std::fprintf(f,
-                   "    {\"config\": \"glm5-tp8 fp8\", \"tokens\": %d, \"context\": %d, \"requests\": %d, "
-                   "\"scores_us\": %.2f, "
-                   "\"topk_us\": %.2f, \"attention_us\": %.2f, \"three_ops_us\": %.2f, \"step_us\": %.2f, "
-                   "\"step_cold_us\": %.2f, \"step_unsorted_us\": %.2f, \"counted_scores_us\": %.2f, "
-                   "\"counted_topk_us\": %.2f, \"counted_step_us\": %.2f, \"grouped_scores_us\": %.2f, "
-                   "\"one_scores_us\": %.2f, \"step_unsorted_l2_cold_us\": %.2f, \"scores_l2_cold_us\": %.2f, "
-                   "\"attention_l2_cold_us\": %.2f}%s\n",
-                   r.tokens, r.context, r.requests, r.scores_us, r.topk_us, r.attention_us, r.ops_us, r.step_us,
-                   r.cold_us, r.unsorted_step_us, r.counted_scores_us, r.counted_topk_us, r.counted_step_us,
-                   r.grouped_scores_us, r.one_scores_us, r.unsorted_l2_cold_us, r.scores_l2_cold_us,
-                   r.attention_l2_cold_us, i + 1 < step_rows.size() ? "," : "");
-    }
-    std::fprintf(f, "  ]\n}\n");
-    std::fclose(f);
-  }
-  return 0;
+  return write_json(json_path, prop, c);
 }
