@@ -99,13 +99,13 @@ class KernelChoice:
     phase: Optional[str]  # 'decode' (1 row) or 'prefill' (4096) where explain picked the rows; None where given
     kernel: str           # e.g. 'wgmma kernel'; 'none' where no kernel can run
     arch: str             # e.g. 'sm_90a'
-    heads_per_cta: int
-    warps: int
-    stages: int
-    smem_bytes: int
-    ctas_per_sm: int
-    shape: str            # the kernel's shape in words, as explain prints it
-    others: Tuple[Tuple[str, str], ...]  # (kernel, why it was not chosen)
+    heads_per_cta: int = 0
+    warps: int = 0
+    stages: int = 0
+    smem_bytes: int = 0
+    ctas_per_sm: int = 0
+    shape: str = ""       # the kernel's shape in words, as explain prints it
+    others: Tuple[Tuple[str, str], ...] = ()  # (kernel, why it was not chosen)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,7 +181,8 @@ def _make(cls: Any, data: Dict[str, Any], **nested: Any) -> Any:
     fields = {f.name for f in dataclasses.fields(cls)}
     values = {k: v for k, v in data.items() if k in fields}
     for key, convert in nested.items():
-        values[key] = convert(values[key])
+        if key in values:  # else the field's default (a JSON of an older schema)
+            values[key] = convert(values[key])
     return cls(**values)
 
 

@@ -139,7 +139,8 @@ int topk_cta_threads(const IndexerTopkArgs& args, TopkSplit split = TopkSplit::a
 void select_topk(const IndexerTopkArgs& args, const float* scores, TopkSplit split = TopkSplit::automatic,
                  void* scratch = nullptr, const TopkFusion& fusion = {});
 // dsa_decode_step with the top-k's split and the attention's kernel forced, as select_topk and sparse_mla force them
-// (the same errors); a caller's workspace too small for the forced split or kernel is an error.
+// (the same errors); a caller's workspace too small for the forced split or kernel is an error, each checked as its
+// stage is launched (the attention's after the top-k has written its positions and slots).
 void dsa_decode_step(const DsaDecodeStepArgs& args, TopkSplit split, AttentionChoice choice);
 
 #ifdef SMLA_TOPK_STAMPS

@@ -797,11 +797,19 @@ TEST(CudaIndexer, DsaDecodeStepEqualsItsOpsOnLongRows) {
 
 // Each of the step's paths forced, the top-k's split (one CTA, slices through global memory, a cluster, a cluster of
 // 16) and the attention's kernel, against the same ops run one by one with the same forced choices: positions, slots,
-// out and lse bit for bit, on 8 tokens of 8192 and of 40960 positions over fp8_ds_mla. A split or kernel the device
-// refuses is refused by the forced step too.
+// out and lse bit for bit, on 8 tokens of 8192 and of 40960 positions over fp8_ds_mla. Only what the device lacks is
+// refused (clusters below SM90, clusters of 16 where it runs fewer, wgmma without sm_90a code, the wide tile beyond
+// its shared memory), and the forced step refuses it too.
 TEST(CudaIndexer, DsaDecodeStepForcedPathsEqualTheirOps) {
   using cuda::AttentionKernel;
   using cuda::TopkSplit;
+  const cuda::DeviceInfo& dev = cuda::current_device();
+  const auto may_refuse = [&](TopkSplit split, AttentionKernel kernel) {
+    return (split == TopkSplit::cluster && dev.compute_capability < 90) ||
+           (split == TopkSplit::cluster16 && cuda::topk_max_cluster_ranks(2048) < 16) ||
+           (kernel == AttentionKernel::wgmma && !cuda::wgmma_kernels_available()) ||
+           (kernel == AttentionKernel::wide_tile && dev.max_smem_per_block < 232448);
+  };
   for (int blocks : {128, 640}) {
     IndexProblem pr = DsaStepCase::problem();
     pr.tokens = 8;
@@ -829,6 +837,8 @@ TEST(CudaIndexer, DsaDecodeStepForcedPathsEqualTheirOps) {
           cuda::sparse_mla(attention_step(c.gpu), choice);
         } catch (const Error& e) {  // the device runs no such split or kernel: the forced step refuses it too
           CUDA_OK(cudaDeviceSynchronize());
+          EXPECT_NE(e.kind(), ErrorKind::internal) << e.what();
+          EXPECT_TRUE(may_refuse(split, kernel)) << "refused: " << e.what();
           std::printf("[ skipped  ] %s\n", e.what());
           EXPECT_THROW(cuda::dsa_decode_step(c.gpu, split, choice), Error);
           CUDA_OK(cudaDeviceSynchronize());
@@ -841,9 +851,12 @@ TEST(CudaIndexer, DsaDecodeStepForcedPathsEqualTheirOps) {
         cuda::dsa_decode_step(c.gpu, split, choice);
         CUDA_OK(cudaDeviceSynchronize());
         expect_identical(c.download(), ops, "the forced step vs its ops forced alike");
+        // (The wide tile's bound is the sm_90/sm_100 limit, not its need: it may fit a little less.)
+        EXPECT_FALSE(may_refuse(split, kernel) && kernel != AttentionKernel::wide_tile) << "ran where the device lacks it";
         ++forced;
       }
-    EXPECT_GE(forced, 4);  // every device runs one CTA a row and slices with the 16-head tile and the automatic kernel
+    EXPECT_GE(forced, 6);  // every device: one CTA a row and slices, each with the automatic, 16-head-tile and
+                           // small-heads kernels
   }
 }
 
